@@ -1,0 +1,158 @@
+//! The device primitives the engine needs, as one small trait (the platform contract), with two
+//! implementations: [`cuda`] (the CUDA driver API, opened at run time) and [`sim`] (host memory
+//! standing in for a device, with capacity limits and fault injection).
+//!
+//! Preconditions are stated per method; the engine is the only caller and upholds them. Every
+//! method reports failure as an [`Error`](crate::Error) naming the driver call.
+
+pub mod cuda;
+pub mod host;
+pub mod sim;
+
+pub use host::{HostBackend, HostBuffer};
+
+use crate::error::Result;
+
+/// A device virtual address.
+pub type DevPtr = u64;
+
+/// Opaque handle of a piece of physical device memory (`CUmemGenericAllocationHandle`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
+
+/// Opaque handle of a stream (`CUstream`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Stream(pub u64);
+
+/// Free and total device memory in bytes, as `cuMemGetInfo` reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    /// Bytes free on the device.
+    pub free: u64,
+    /// Bytes the device has.
+    pub total: u64,
+}
+
+/// Token returned by [`Driver::push_device`], handed back to [`Driver::pop_device`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceToken(pub u64);
+
+/// The device primitives. Implementations are thread-safe.
+pub trait Driver: Send + Sync {
+    /// `"cuda"` or `"sim"`.
+    fn name(&self) -> &'static str;
+    /// Number of devices.
+    fn device_count(&self) -> Result<i32>;
+    /// The device of the calling thread's current context (0 where none is current).
+    fn current_device(&self) -> Result<i32>;
+    /// Make `device` current on this thread; returns a token to restore what was current.
+    fn push_device(&self, device: i32) -> Result<DeviceToken>;
+    /// Restore what was current before the matching [`Driver::push_device`].
+    fn pop_device(&self, token: DeviceToken);
+    /// Allocation granularity of `device` (sizes and addresses are multiples of it).
+    fn granularity(&self, device: i32) -> Result<u64>;
+    /// Free and total memory of `device`.
+    fn mem_info(&self, device: i32) -> Result<MemInfo>;
+    /// Reserve `size` bytes of device address space (`size` a multiple of the granularity).
+    fn reserve(&self, device: i32, size: u64) -> Result<DevPtr>;
+    /// Give back a range from [`Driver::reserve`]; nothing may be mapped in it.
+    fn free_range(&self, ptr: DevPtr, size: u64) -> Result<()>;
+    /// Create `size` bytes of physical memory on `device`.
+    fn create(&self, device: i32, size: u64) -> Result<PhysHandle>;
+    /// Release physical memory; it is returned to the device once it is also unmapped.
+    fn release(&self, handle: PhysHandle) -> Result<()>;
+    /// Map `handle` (at least `size` bytes) at `ptr`, inside a reserved, unmapped range.
+    fn map(&self, ptr: DevPtr, size: u64, handle: PhysHandle) -> Result<()>;
+    /// Unmap `[ptr, ptr+size)`, a range mapped by [`Driver::map`]. No work may still use it.
+    fn unmap(&self, ptr: DevPtr, size: u64) -> Result<()>;
+    /// Allow read/write access to a mapped range from `device`.
+    fn set_access(&self, device: i32, ptr: DevPtr, size: u64) -> Result<()>;
+    /// Wait for all work on `device` to finish.
+    fn synchronize(&self, device: i32) -> Result<()>;
+    /// The engine's own stream on `device`, created on first use and kept.
+    fn stream(&self, device: i32) -> Result<Stream>;
+    /// Wait for all work queued on `stream`.
+    fn stream_sync(&self, stream: Stream) -> Result<()>;
+    /// Queue a device-to-host copy of `len` bytes on `stream`.
+    ///
+    /// # Safety
+    /// `src..src+len` is mapped and accessible; `dst..dst+len` is writable host memory that stays
+    /// alive and untouched until `stream` has been synchronized.
+    unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()>;
+    /// Queue a host-to-device copy of `len` bytes on `stream`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` is mapped and accessible; `src..src+len` is readable host memory that stays
+    /// alive and unchanged until `stream` has been synchronized.
+    unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()>;
+    /// Allocate `size` bytes of page-locked host memory.
+    fn host_alloc_pinned(&self, size: u64) -> Result<*mut u8>;
+    /// Free memory from [`Driver::host_alloc_pinned`].
+    ///
+    /// # Safety
+    /// `ptr` came from `host_alloc_pinned` of this driver with this `size` and is not used after.
+    unsafe fn host_free_pinned(&self, ptr: *mut u8, size: u64) -> Result<()>;
+}
+
+/// RAII scope that keeps a device current on this thread and restores the previous one.
+pub struct DeviceScope<'a> {
+    driver: &'a dyn Driver,
+    token: DeviceToken,
+}
+
+impl<'a> DeviceScope<'a> {
+    /// Make `device` current until the scope is dropped.
+    pub fn enter(driver: &'a dyn Driver, device: i32) -> Result<Self> {
+        let token = driver.push_device(device)?;
+        Ok(DeviceScope { driver, token })
+    }
+}
+
+impl Drop for DeviceScope<'_> {
+    fn drop(&mut self) {
+        self.driver.pop_device(self.token);
+    }
+}
+
+/// Symbolic name of a CUDA driver status, for the codes this library meets.
+pub fn cuda_error_name(code: i32) -> &'static str {
+    match code {
+        0 => "CUDA_SUCCESS",
+        1 => "CUDA_ERROR_INVALID_VALUE",
+        2 => "CUDA_ERROR_OUT_OF_MEMORY",
+        3 => "CUDA_ERROR_NOT_INITIALIZED",
+        4 => "CUDA_ERROR_DEINITIALIZED",
+        100 => "CUDA_ERROR_NO_DEVICE",
+        101 => "CUDA_ERROR_INVALID_DEVICE",
+        201 => "CUDA_ERROR_INVALID_CONTEXT",
+        400 => "CUDA_ERROR_INVALID_HANDLE",
+        700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+        801 => "CUDA_ERROR_NOT_SUPPORTED",
+        999 => "CUDA_ERROR_UNKNOWN",
+        _ => "CUDA_ERROR_OTHER",
+    }
+}
+
+/// Turn a driver status into a `Result`: out-of-memory becomes [`Error::OutOfMemory`](crate::Error::OutOfMemory),
+/// anything else [`Error::Driver`](crate::Error::Driver).
+pub(crate) fn check(
+    call: &'static str,
+    code: i32,
+    name: &str,
+    context: impl FnOnce() -> String,
+) -> Result<()> {
+    use crate::error::Error;
+    match code {
+        0 => Ok(()),
+        2 => Err(Error::OutOfMemory(format!(
+            "{call} returned {name}: {}",
+            context()
+        ))),
+        _ => Err(Error::Driver {
+            call,
+            code,
+            name: name.to_string(),
+            context: context(),
+        }),
+    }
+}

@@ -1,0 +1,964 @@
+//! The simulated device: host memory standing in for GPU memory, with the same primitives and
+//! failure modes as the CUDA driver's virtual-memory API.
+//!
+//! - reserve: `mmap(PROT_NONE)` of address space;
+//! - create: a `memfd` of the size (sparse until touched); counts against the device capacity;
+//! - map: `mmap(MAP_FIXED | MAP_SHARED)` of the memfd over the reservation, still `PROT_NONE`;
+//! - set access: `mprotect(READ | WRITE)`;
+//! - unmap: put a `PROT_NONE` anonymous reservation back, so touching the range faults;
+//! - release: close the memfd; its pages return to the system once no mapping holds them.
+//!
+//! Copies are `memcpy` after checking the device range is mapped and accessible, so an engine bug
+//! shows as a driver error, not as a stray write. A fault injector fails the Nth call of a named
+//! primitive with a chosen status (`2` = out of memory).
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use parking_lot::Mutex;
+
+use super::{cuda_error_name, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream};
+use crate::error::{Error, Result};
+use crate::units::{env_parsed, parse_bytes};
+
+/// The primitives that can be made to fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Prim {
+    /// [`Driver::reserve`]
+    Reserve,
+    /// [`Driver::free_range`]
+    FreeRange,
+    /// [`Driver::create`]
+    Create,
+    /// [`Driver::release`]
+    Release,
+    /// [`Driver::map`]
+    Map,
+    /// [`Driver::unmap`]
+    Unmap,
+    /// [`Driver::set_access`]
+    SetAccess,
+    /// [`Driver::synchronize`]
+    Synchronize,
+    /// [`Driver::stream_sync`]
+    StreamSync,
+    /// [`Driver::copy_d2h`]
+    CopyD2H,
+    /// [`Driver::copy_h2d`]
+    CopyH2D,
+    /// [`Driver::host_alloc_pinned`]
+    HostAlloc,
+    /// [`Driver::host_free_pinned`]
+    HostFree,
+    /// [`Driver::mem_info`]
+    MemInfo,
+}
+
+impl Prim {
+    /// Every primitive, for exhaustive fault-injection tests.
+    pub const ALL: [Prim; 14] = [
+        Prim::Reserve,
+        Prim::FreeRange,
+        Prim::Create,
+        Prim::Release,
+        Prim::Map,
+        Prim::Unmap,
+        Prim::SetAccess,
+        Prim::Synchronize,
+        Prim::StreamSync,
+        Prim::CopyD2H,
+        Prim::CopyH2D,
+        Prim::HostAlloc,
+        Prim::HostFree,
+        Prim::MemInfo,
+    ];
+
+    /// The name used in `TMS_SIM_FAULTS`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Prim::Reserve => "reserve",
+            Prim::FreeRange => "free_range",
+            Prim::Create => "create",
+            Prim::Release => "release",
+            Prim::Map => "map",
+            Prim::Unmap => "unmap",
+            Prim::SetAccess => "set_access",
+            Prim::Synchronize => "synchronize",
+            Prim::StreamSync => "stream_sync",
+            Prim::CopyD2H => "copy_d2h",
+            Prim::CopyH2D => "copy_h2d",
+            Prim::HostAlloc => "host_alloc",
+            Prim::HostFree => "host_free",
+            Prim::MemInfo => "mem_info",
+        }
+    }
+
+    /// The CUDA call this primitive stands for (used in error messages).
+    pub fn call(self) -> &'static str {
+        match self {
+            Prim::Reserve => "cuMemAddressReserve",
+            Prim::FreeRange => "cuMemAddressFree",
+            Prim::Create => "cuMemCreate",
+            Prim::Release => "cuMemRelease",
+            Prim::Map => "cuMemMap",
+            Prim::Unmap => "cuMemUnmap",
+            Prim::SetAccess => "cuMemSetAccess",
+            Prim::Synchronize => "cuCtxSynchronize",
+            Prim::StreamSync => "cuStreamSynchronize",
+            Prim::CopyD2H => "cuMemcpyDtoHAsync",
+            Prim::CopyH2D => "cuMemcpyHtoDAsync",
+            Prim::HostAlloc => "cuMemHostAlloc",
+            Prim::HostFree => "cuMemFreeHost",
+            Prim::MemInfo => "cuMemGetInfo",
+        }
+    }
+
+    fn from_name(s: &str) -> Option<Prim> {
+        Prim::ALL.into_iter().find(|p| p.name() == s)
+    }
+}
+
+impl fmt::Display for Prim {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Shape of the simulated machine.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Number of devices.
+    pub devices: i32,
+    /// Capacity of each device in bytes.
+    pub capacity: u64,
+    /// Allocation granularity in bytes (a multiple of the page size).
+    pub granularity: u64,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig {
+            devices: 1,
+            capacity: 8 << 30,
+            granularity: 2 << 20,
+        }
+    }
+}
+
+impl SimConfig {
+    /// Read `TMS_SIM_DEVICES`, `TMS_SIM_CAPACITY` and `TMS_SIM_GRANULARITY`.
+    pub fn from_env() -> Result<Self> {
+        let mut c = SimConfig::default();
+        if let Some(n) = env_parsed("TMS_SIM_DEVICES", |s| {
+            s.trim()
+                .parse::<i32>()
+                .ok()
+                .filter(|n| (1..=64).contains(n))
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!("{s:?} is not a device count from 1 to 64"))
+                })
+        })? {
+            c.devices = n;
+        }
+        if let Some(b) = env_parsed("TMS_SIM_CAPACITY", parse_bytes)? {
+            c.capacity = b;
+        }
+        if let Some(g) = env_parsed("TMS_SIM_GRANULARITY", parse_bytes)? {
+            c.granularity = g;
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    fn validate(&self) -> Result<()> {
+        let page = page_size();
+        if self.granularity == 0
+            || self.granularity % page != 0
+            || !self.granularity.is_power_of_two()
+        {
+            return Err(Error::InvalidArgument(format!(
+                "sim granularity {} must be a power of two and a multiple of the page size {page}",
+                self.granularity
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Parse a fault plan: `prim:nth[:code]` items separated by commas, e.g. `map:2:oom,create:1`.
+/// `code` is a CUDA status number or `oom` (default `999`, CUDA_ERROR_UNKNOWN).
+pub fn parse_faults(s: &str) -> Result<Vec<(Prim, u64, i32)>> {
+    let mut out = Vec::new();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let bad = |why: &str| {
+            Error::InvalidArgument(format!(
+                "fault {item:?}: {why} (format prim:nth[:code], prims: {})",
+                Prim::ALL.map(Prim::name).join(", ")
+            ))
+        };
+        let mut parts = item.split(':');
+        let prim = parts
+            .next()
+            .and_then(Prim::from_name)
+            .ok_or_else(|| bad("unknown primitive"))?;
+        let nth = parts
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .filter(|n| *n >= 1)
+            .ok_or_else(|| bad("nth must be a whole number from 1"))?;
+        let code = match parts.next() {
+            None => 999,
+            Some("oom") => 2,
+            Some(c) => c
+                .parse::<i32>()
+                .ok()
+                .filter(|c| *c != 0)
+                .ok_or_else(|| bad("bad code"))?,
+        };
+        if parts.next().is_some() {
+            return Err(bad("too many fields"));
+        }
+        out.push((prim, nth, code));
+    }
+    Ok(out)
+}
+
+struct Handle {
+    fd: libc::c_int,
+    size: u64,
+    device: i32,
+    released: bool,
+    maps: u32,
+}
+
+struct Reservation {
+    size: u64,
+}
+
+struct Mapping {
+    size: u64,
+    handle: u64,
+    accessible: bool,
+}
+
+struct Fault {
+    prim: Prim,
+    remaining: u64,
+    code: i32,
+}
+
+#[derive(Default)]
+struct Inner {
+    live: Vec<u64>,
+    handles: HashMap<u64, Handle>,
+    reservations: BTreeMap<u64, Reservation>,
+    mappings: BTreeMap<u64, Mapping>,
+    next_handle: u64,
+    faults: Vec<Fault>,
+    calls: HashMap<Prim, u64>,
+    pinned_live: u64,
+}
+
+/// The simulated driver.
+pub struct SimDriver {
+    cfg: SimConfig,
+    inner: Mutex<Inner>,
+}
+
+thread_local! {
+    static CURRENT: Cell<i32> = const { Cell::new(0) };
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+fn driver_err(prim: Prim, code: i32, context: String) -> Error {
+    if code == 2 {
+        Error::OutOfMemory(format!(
+            "{} returned CUDA_ERROR_OUT_OF_MEMORY: {context}",
+            prim.call()
+        ))
+    } else {
+        Error::Driver {
+            call: prim.call(),
+            code,
+            name: cuda_error_name(code).to_string(),
+            context,
+        }
+    }
+}
+
+fn invalid(prim: Prim, context: String) -> Error {
+    driver_err(prim, 1, context)
+}
+
+impl SimDriver {
+    /// A simulated machine of the given shape.
+    pub fn new(cfg: SimConfig) -> Result<Self> {
+        cfg.validate()?;
+        let inner = Inner {
+            live: vec![0; cfg.devices as usize],
+            next_handle: 1,
+            ..Default::default()
+        };
+        Ok(SimDriver {
+            cfg,
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// From `TMS_SIM_*` environment variables, faults from `TMS_SIM_FAULTS` armed.
+    pub fn from_env() -> Result<Self> {
+        let d = SimDriver::new(SimConfig::from_env()?)?;
+        if let Some(faults) = env_parsed("TMS_SIM_FAULTS", parse_faults)? {
+            for (p, n, c) in faults {
+                d.arm_fault(p, n, c);
+            }
+        }
+        Ok(d)
+    }
+
+    /// The machine's shape.
+    pub fn config(&self) -> &SimConfig {
+        &self.cfg
+    }
+
+    /// Make the `nth` call (1 = the next) of `prim` from now on fail with CUDA status `code`.
+    pub fn arm_fault(&self, prim: Prim, nth: u64, code: i32) {
+        self.inner.lock().faults.push(Fault {
+            prim,
+            remaining: nth.max(1),
+            code,
+        });
+    }
+
+    /// Disarm every fault not yet fired.
+    pub fn clear_faults(&self) {
+        self.inner.lock().faults.clear();
+    }
+
+    /// Faults armed and not yet fired.
+    pub fn pending_faults(&self) -> usize {
+        self.inner.lock().faults.len()
+    }
+
+    /// How many times `prim` has been called.
+    pub fn calls(&self, prim: Prim) -> u64 {
+        self.inner.lock().calls.get(&prim).copied().unwrap_or(0)
+    }
+
+    /// Physical bytes live on `device` (created and not yet both released and unmapped).
+    pub fn live_bytes(&self, device: i32) -> u64 {
+        self.inner
+            .lock()
+            .live
+            .get(device as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Number of physical handles alive.
+    pub fn live_handles(&self) -> usize {
+        self.inner.lock().handles.len()
+    }
+
+    /// Number of address ranges reserved.
+    pub fn live_reservations(&self) -> usize {
+        self.inner.lock().reservations.len()
+    }
+
+    /// Number of ranges mapped.
+    pub fn live_mappings(&self) -> usize {
+        self.inner.lock().mappings.len()
+    }
+
+    /// Pinned host bytes allocated.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.inner.lock().pinned_live
+    }
+
+    /// True if `ptr` lies in a mapped, accessible range.
+    pub fn is_accessible(&self, ptr: DevPtr) -> bool {
+        let g = self.inner.lock();
+        g.mappings
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(s, m)| ptr < s + m.size && m.accessible)
+    }
+
+    fn enter(&self, g: &mut Inner, prim: Prim, context: impl FnOnce() -> String) -> Result<()> {
+        *g.calls.entry(prim).or_default() += 1;
+        let mut fired = None;
+        for (i, f) in g.faults.iter_mut().enumerate() {
+            if f.prim == prim {
+                f.remaining -= 1;
+                if f.remaining == 0 {
+                    fired = Some(i);
+                    break;
+                }
+            }
+        }
+        if let Some(i) = fired {
+            let f = g.faults.remove(i);
+            return Err(driver_err(
+                prim,
+                f.code,
+                format!("{} (injected fault)", context()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_device(&self, prim: Prim, device: i32) -> Result<()> {
+        if device < 0 || device >= self.cfg.devices {
+            return Err(driver_err(
+                prim,
+                101,
+                format!("device {device} (the sim has {})", self.cfg.devices),
+            ));
+        }
+        Ok(())
+    }
+
+    fn check_multiple(&self, prim: Prim, what: &str, v: u64) -> Result<()> {
+        if v == 0 || v % self.cfg.granularity != 0 {
+            return Err(invalid(
+                prim,
+                format!(
+                    "{what} {v} is not a positive multiple of the granularity {}",
+                    self.cfg.granularity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The accessible mapping that holds `[ptr, ptr+len)`, if any.
+    fn covered(g: &Inner, ptr: DevPtr, len: u64) -> bool {
+        g.mappings.range(..=ptr).next_back().is_some_and(|(s, m)| {
+            m.accessible && ptr.checked_add(len).is_some_and(|end| end <= s + m.size)
+        })
+    }
+
+    fn drop_handle_if_done(g: &mut Inner, id: u64) {
+        let done = g
+            .handles
+            .get(&id)
+            .is_some_and(|h| h.released && h.maps == 0);
+        if done {
+            if let Some(h) = g.handles.remove(&id) {
+                g.live[h.device as usize] -= h.size;
+            }
+        }
+    }
+}
+
+impl Drop for SimDriver {
+    fn drop(&mut self) {
+        let g = self.inner.get_mut();
+        for (_, h) in g.handles.drain() {
+            if !h.released {
+                // SAFETY: fd is ours and open.
+                unsafe { libc::close(h.fd) };
+            }
+        }
+        for (start, r) in std::mem::take(&mut g.reservations) {
+            // SAFETY: the reservation is ours; the driver is going away, so nothing uses it.
+            unsafe { libc::munmap(start as *mut libc::c_void, r.size as usize) };
+        }
+    }
+}
+
+impl Driver for SimDriver {
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn device_count(&self) -> Result<i32> {
+        Ok(self.cfg.devices)
+    }
+
+    fn current_device(&self) -> Result<i32> {
+        Ok(CURRENT.with(|c| c.get()))
+    }
+
+    fn push_device(&self, device: i32) -> Result<DeviceToken> {
+        self.check_device(Prim::Synchronize, device)?;
+        let prev = CURRENT.with(|c| c.replace(device));
+        Ok(DeviceToken(prev as u64))
+    }
+
+    fn pop_device(&self, token: DeviceToken) {
+        CURRENT.with(|c| c.set(token.0 as i32));
+    }
+
+    fn granularity(&self, device: i32) -> Result<u64> {
+        self.check_device(Prim::Create, device)?;
+        Ok(self.cfg.granularity)
+    }
+
+    fn mem_info(&self, device: i32) -> Result<MemInfo> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::MemInfo, || format!("device {device}"))?;
+        self.check_device(Prim::MemInfo, device)?;
+        let live = g.live[device as usize];
+        Ok(MemInfo {
+            free: self.cfg.capacity.saturating_sub(live),
+            total: self.cfg.capacity,
+        })
+    }
+
+    fn reserve(&self, device: i32, size: u64) -> Result<DevPtr> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Reserve, || {
+            format!("device {device}, {size} bytes")
+        })?;
+        self.check_device(Prim::Reserve, device)?;
+        self.check_multiple(Prim::Reserve, "size", size)?;
+        // SAFETY: a fresh PROT_NONE anonymous mapping; touches no existing memory.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(driver_err(
+                Prim::Reserve,
+                2,
+                format!(
+                    "{size} bytes of address space: {}",
+                    std::io::Error::last_os_error()
+                ),
+            ));
+        }
+        g.reservations.insert(p as u64, Reservation { size });
+        Ok(p as u64)
+    }
+
+    fn free_range(&self, ptr: DevPtr, size: u64) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::FreeRange, || {
+            format!("ptr {ptr:#x}, {size} bytes")
+        })?;
+        match g.reservations.get(&ptr) {
+            Some(r) if r.size == size => {}
+            _ => {
+                return Err(invalid(
+                    Prim::FreeRange,
+                    format!("ptr {ptr:#x}, {size} bytes is not a reservation"),
+                ))
+            }
+        }
+        if g.mappings.range(ptr..ptr + size).next().is_some() {
+            return Err(invalid(
+                Prim::FreeRange,
+                format!("ptr {ptr:#x} still has mappings"),
+            ));
+        }
+        g.reservations.remove(&ptr);
+        // SAFETY: the reservation is ours and nothing is mapped in it.
+        if unsafe { libc::munmap(ptr as *mut libc::c_void, size as usize) } != 0 {
+            return Err(Error::last_os(format!("sim free_range munmap at {ptr:#x}")));
+        }
+        Ok(())
+    }
+
+    fn create(&self, device: i32, size: u64) -> Result<PhysHandle> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Create, || {
+            format!("device {device}, {size} bytes")
+        })?;
+        self.check_device(Prim::Create, device)?;
+        self.check_multiple(Prim::Create, "size", size)?;
+        let live = g.live[device as usize];
+        if live.saturating_add(size) > self.cfg.capacity {
+            return Err(driver_err(
+                Prim::Create,
+                2,
+                format!(
+                    "device {device}, {size} bytes asked, {} free of {}",
+                    self.cfg.capacity - live,
+                    self.cfg.capacity
+                ),
+            ));
+        }
+        // SAFETY: the name is a valid C string; memfd_create has no other preconditions.
+        let fd = unsafe { libc::memfd_create(c"tms-sim".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(Error::last_os("sim create: memfd_create"));
+        }
+        // SAFETY: fd is the memfd just created.
+        if unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
+            let e = Error::last_os(format!("sim create: ftruncate to {size} bytes"));
+            // SAFETY: fd is ours.
+            unsafe { libc::close(fd) };
+            return Err(e);
+        }
+        let id = g.next_handle;
+        g.next_handle += 1;
+        g.handles.insert(
+            id,
+            Handle {
+                fd,
+                size,
+                device,
+                released: false,
+                maps: 0,
+            },
+        );
+        g.live[device as usize] += size;
+        Ok(PhysHandle(id))
+    }
+
+    fn release(&self, handle: PhysHandle) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Release, || format!("handle {}", handle.0))?;
+        let h = match g.handles.get_mut(&handle.0) {
+            Some(h) if !h.released => h,
+            _ => {
+                return Err(invalid(
+                    Prim::Release,
+                    format!("handle {} is not live", handle.0),
+                ))
+            }
+        };
+        h.released = true;
+        // SAFETY: fd is ours; mappings keep the pages alive on their own.
+        unsafe { libc::close(h.fd) };
+        Self::drop_handle_if_done(&mut g, handle.0);
+        Ok(())
+    }
+
+    fn map(&self, ptr: DevPtr, size: u64, handle: PhysHandle) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Map, || {
+            format!("ptr {ptr:#x}, {size} bytes, handle {}", handle.0)
+        })?;
+        self.check_multiple(Prim::Map, "size", size)?;
+        let inside = g
+            .reservations
+            .range(..=ptr)
+            .next_back()
+            .is_some_and(|(s, r)| ptr + size <= s + r.size);
+        if !inside {
+            return Err(invalid(
+                Prim::Map,
+                format!("ptr {ptr:#x}+{size} is not inside a reservation"),
+            ));
+        }
+        let overlaps = g
+            .mappings
+            .range(..ptr + size)
+            .next_back()
+            .is_some_and(|(s, m)| s + m.size > ptr);
+        if overlaps {
+            return Err(invalid(
+                Prim::Map,
+                format!("ptr {ptr:#x}+{size} is already mapped"),
+            ));
+        }
+        let fd = match g.handles.get(&handle.0) {
+            Some(h) if !h.released && h.size >= size => h.fd,
+            _ => {
+                return Err(invalid(
+                    Prim::Map,
+                    format!("handle {} is not live or smaller than {size}", handle.0),
+                ))
+            }
+        };
+        // SAFETY: ptr..ptr+size lies inside our reservation and nothing is mapped there, so
+        // MAP_FIXED replaces only our own PROT_NONE placeholder.
+        let p = unsafe {
+            libc::mmap(
+                ptr as *mut libc::c_void,
+                size as usize,
+                libc::PROT_NONE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::last_os(format!("sim map at {ptr:#x}")));
+        }
+        g.mappings.insert(
+            ptr,
+            Mapping {
+                size,
+                handle: handle.0,
+                accessible: false,
+            },
+        );
+        if let Some(h) = g.handles.get_mut(&handle.0) {
+            h.maps += 1;
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, ptr: DevPtr, size: u64) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Unmap, || {
+            format!("ptr {ptr:#x}, {size} bytes")
+        })?;
+        match g.mappings.get(&ptr) {
+            Some(m) if m.size == size => {}
+            _ => {
+                return Err(invalid(
+                    Prim::Unmap,
+                    format!("ptr {ptr:#x}+{size} is not a mapping"),
+                ))
+            }
+        }
+        // SAFETY: ptr..ptr+size is our mapping; replacing it with a PROT_NONE placeholder keeps
+        // the reservation and makes later touches fault, as on a GPU.
+        let p = unsafe {
+            libc::mmap(
+                ptr as *mut libc::c_void,
+                size as usize,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::last_os(format!("sim unmap at {ptr:#x}")));
+        }
+        let m = g.mappings.remove(&ptr).expect("checked above");
+        if let Some(h) = g.handles.get_mut(&m.handle) {
+            h.maps -= 1;
+        }
+        Self::drop_handle_if_done(&mut g, m.handle);
+        Ok(())
+    }
+
+    fn set_access(&self, device: i32, ptr: DevPtr, size: u64) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::SetAccess, || {
+            format!("device {device}, ptr {ptr:#x}, {size} bytes")
+        })?;
+        self.check_device(Prim::SetAccess, device)?;
+        match g.mappings.get(&ptr) {
+            Some(m) if m.size == size => {}
+            _ => {
+                return Err(invalid(
+                    Prim::SetAccess,
+                    format!("ptr {ptr:#x}+{size} is not a mapping"),
+                ))
+            }
+        }
+        // SAFETY: the range is our mapping of a memfd opened read/write.
+        if unsafe {
+            libc::mprotect(
+                ptr as *mut libc::c_void,
+                size as usize,
+                libc::PROT_READ | libc::PROT_WRITE,
+            )
+        } != 0
+        {
+            return Err(Error::last_os(format!(
+                "sim set_access mprotect at {ptr:#x}"
+            )));
+        }
+        if let Some(m) = g.mappings.get_mut(&ptr) {
+            m.accessible = true;
+        }
+        Ok(())
+    }
+
+    fn synchronize(&self, device: i32) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::Synchronize, || format!("device {device}"))?;
+        self.check_device(Prim::Synchronize, device)
+    }
+
+    fn stream(&self, device: i32) -> Result<Stream> {
+        self.check_device(Prim::StreamSync, device)?;
+        Ok(Stream(device as u64 + 1))
+    }
+
+    fn stream_sync(&self, stream: Stream) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::StreamSync, || format!("stream {}", stream.0))
+    }
+
+    unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, _stream: Stream) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::CopyD2H, || {
+            format!("{len} bytes from {src:#x}")
+        })?;
+        if !Self::covered(&g, src, len) {
+            return Err(invalid(
+                Prim::CopyD2H,
+                format!("source {src:#x}+{len} is not mapped and accessible"),
+            ));
+        }
+        // SAFETY: the source is an accessible mapping (checked); the caller vouches for dst.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len as usize) };
+        Ok(())
+    }
+
+    unsafe fn copy_h2d(
+        &self,
+        dst: DevPtr,
+        src: *const u8,
+        len: u64,
+        _stream: Stream,
+    ) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::CopyH2D, || format!("{len} bytes to {dst:#x}"))?;
+        if !Self::covered(&g, dst, len) {
+            return Err(invalid(
+                Prim::CopyH2D,
+                format!("destination {dst:#x}+{len} is not mapped and accessible"),
+            ));
+        }
+        // SAFETY: the destination is an accessible mapping (checked); the caller vouches for src.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len as usize) };
+        Ok(())
+    }
+
+    fn host_alloc_pinned(&self, size: u64) -> Result<*mut u8> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::HostAlloc, || {
+            format!("{size} bytes of pinned host memory")
+        })?;
+        let p = super::host::mmap_anonymous(size)?;
+        g.pinned_live += size;
+        Ok(p)
+    }
+
+    unsafe fn host_free_pinned(&self, ptr: *mut u8, size: u64) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::HostFree, || {
+            format!("{size} bytes at {ptr:p}")
+        })?;
+        super::host::munmap(ptr, size)?;
+        g.pinned_live -= size;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sim() -> SimDriver {
+        SimDriver::new(SimConfig {
+            devices: 2,
+            capacity: 16 << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn map_write_unmap_release_accounts() {
+        let d = sim();
+        let g = d.granularity(0).unwrap();
+        let va = d.reserve(0, 2 * g).unwrap();
+        let h = d.create(0, 2 * g).unwrap();
+        assert_eq!(d.live_bytes(0), 2 * g);
+        d.map(va, 2 * g, h).unwrap();
+        assert!(!d.is_accessible(va));
+        d.set_access(0, va, 2 * g).unwrap();
+        assert!(d.is_accessible(va + g));
+        let data = vec![7u8; 4096];
+        // SAFETY: va is mapped and accessible; data outlives the (synchronous) copy.
+        unsafe {
+            d.copy_h2d(va + 100, data.as_ptr(), 4096, Stream(1))
+                .unwrap()
+        };
+        let mut back = vec![0u8; 4096];
+        // SAFETY: as above.
+        unsafe {
+            d.copy_d2h(back.as_mut_ptr(), va + 100, 4096, Stream(1))
+                .unwrap()
+        };
+        assert_eq!(back, data);
+        d.release(h).unwrap();
+        assert_eq!(d.live_bytes(0), 2 * g, "still mapped: pages held");
+        d.unmap(va, 2 * g).unwrap();
+        assert_eq!(d.live_bytes(0), 0);
+        assert!(!d.is_accessible(va));
+        d.free_range(va, 2 * g).unwrap();
+        assert_eq!(
+            (d.live_handles(), d.live_mappings(), d.live_reservations()),
+            (0, 0, 0)
+        );
+    }
+
+    #[test]
+    fn capacity_gives_oom() {
+        let d = sim();
+        let h = d.create(1, 16 << 20).unwrap();
+        let e = d.create(1, 2 << 20).unwrap_err();
+        assert!(e.is_oom(), "{e}");
+        assert!(d.create(0, 2 << 20).is_ok(), "devices are independent");
+        d.release(h).unwrap();
+        assert!(d.create(1, 2 << 20).is_ok());
+    }
+
+    #[test]
+    fn misuse_is_a_driver_error() {
+        let d = sim();
+        assert!(
+            d.create(0, 4096).is_err(),
+            "not a multiple of the granularity"
+        );
+        assert!(d.create(5, 2 << 20).is_err(), "no such device");
+        let va = d.reserve(0, 2 << 20).unwrap();
+        let mut b = [0u8; 8];
+        // SAFETY: the sim checks the range and refuses; nothing is touched.
+        let e = unsafe { d.copy_d2h(b.as_mut_ptr(), va, 8, Stream(1)) }.unwrap_err();
+        assert!(e.to_string().contains("not mapped"), "{e}");
+        assert!(d.unmap(va, 2 << 20).is_err());
+        assert!(d.release(PhysHandle(77)).is_err());
+    }
+
+    #[test]
+    fn faults_fire_on_the_nth_call_once() {
+        let d = sim();
+        d.arm_fault(Prim::Create, 2, 2);
+        let a = d.create(0, 2 << 20).unwrap();
+        let e = d.create(0, 2 << 20).unwrap_err();
+        assert!(e.is_oom() && e.to_string().contains("injected"), "{e}");
+        let b = d.create(0, 2 << 20).unwrap();
+        assert_eq!(d.pending_faults(), 0);
+        d.release(a).unwrap();
+        d.release(b).unwrap();
+    }
+
+    #[test]
+    fn fault_plan_parses_and_rejects() {
+        let f = parse_faults("map:2:oom, create:1 ,copy_d2h:3:700").unwrap();
+        assert_eq!(
+            f,
+            vec![
+                (Prim::Map, 2, 2),
+                (Prim::Create, 1, 999),
+                (Prim::CopyD2H, 3, 700)
+            ]
+        );
+        assert!(parse_faults("mop:1")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown primitive"));
+        assert!(parse_faults("map:0").is_err());
+        assert!(parse_faults("map:1:x").is_err());
+        assert!(parse_faults("map:1:2:3").is_err());
+    }
+}

@@ -1,0 +1,170 @@
+//! Per-tag statistics, as a serialisable value and a readable table.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::Arc;
+
+use super::OpReport;
+use crate::units::human;
+
+#[derive(Default)]
+pub(super) struct History {
+    pub last_pause: Option<OpReport>,
+    pub last_resume: Option<OpReport>,
+}
+
+pub(super) struct Row<'a> {
+    pub tag: &'a str,
+    pub size: u64,
+    pub mapped: u64,
+    pub active: bool,
+    pub host: u64,
+}
+
+/// Duration and throughput of the last pause or resume that touched a tag.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct OpStats {
+    /// Allocations that changed state.
+    pub allocations: usize,
+    /// Device bytes released or re-taken.
+    pub bytes: u64,
+    /// Bytes copied to or from host backups.
+    pub copied_bytes: u64,
+    /// Wall time of the whole call.
+    pub seconds: f64,
+    /// `copied_bytes` (or `bytes` when nothing was copied) over `seconds`, in GiB/s.
+    pub gib_per_s: f64,
+}
+
+impl From<OpReport> for OpStats {
+    fn from(r: OpReport) -> Self {
+        let moved = if r.copied > 0 { r.copied } else { r.bytes };
+        OpStats {
+            allocations: r.allocations,
+            bytes: r.bytes,
+            copied_bytes: r.copied,
+            seconds: r.seconds,
+            gib_per_s: if r.seconds > 0.0 {
+                moved as f64 / r.seconds / (1u64 << 30) as f64
+            } else {
+                0.0
+            },
+        }
+    }
+}
+
+/// One tag's numbers.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TagStats {
+    /// The tag.
+    pub tag: String,
+    /// Allocations of the tag.
+    pub allocations: usize,
+    /// Of those, active.
+    pub active_allocations: usize,
+    /// Of those, paused.
+    pub paused_allocations: usize,
+    /// Bytes asked for, all allocations.
+    pub bytes_requested: u64,
+    /// Mapped bytes of active allocations (device memory held).
+    pub bytes_active: u64,
+    /// Mapped bytes of paused allocations (device memory given back).
+    pub bytes_paused: u64,
+    /// Host memory held by backups.
+    pub host_backup_bytes: u64,
+    /// Last pause that touched the tag.
+    pub last_pause: Option<OpStats>,
+    /// Last resume that touched the tag.
+    pub last_resume: Option<OpStats>,
+}
+
+/// Statistics of the whole engine.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Stats {
+    /// `"cuda"` or `"sim"`.
+    pub backend: String,
+    /// Whether host backups are kept across resume.
+    pub retain_cpu_backup: bool,
+    /// The memory margin in bytes.
+    pub memory_margin_bytes: u64,
+    /// Per tag, sorted by tag.
+    pub tags: Vec<TagStats>,
+}
+
+pub(super) fn collect<'a>(
+    rows: impl Iterator<Item = Row<'a>>,
+    history: &HashMap<Arc<str>, History>,
+) -> Stats {
+    let mut tags: BTreeMap<&str, TagStats> = BTreeMap::new();
+    for r in rows {
+        let t = tags.entry(r.tag).or_insert_with(|| TagStats {
+            tag: r.tag.to_string(),
+            ..Default::default()
+        });
+        t.allocations += 1;
+        t.bytes_requested += r.size;
+        t.host_backup_bytes += r.host;
+        if r.active {
+            t.active_allocations += 1;
+            t.bytes_active += r.mapped;
+        } else {
+            t.paused_allocations += 1;
+            t.bytes_paused += r.mapped;
+        }
+    }
+    for (tag, h) in history {
+        let t = tags.entry(tag).or_insert_with(|| TagStats {
+            tag: tag.to_string(),
+            ..Default::default()
+        });
+        t.last_pause = h.last_pause.map(Into::into);
+        t.last_resume = h.last_resume.map(Into::into);
+    }
+    Stats {
+        tags: tags.into_values().collect(),
+        ..Default::default()
+    }
+}
+
+impl fmt::Display for Stats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "backend {}, retain CPU backup {}, memory margin {}",
+            self.backend,
+            self.retain_cpu_backup,
+            human(self.memory_margin_bytes)
+        )?;
+        writeln!(
+            f,
+            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>18} {:>18}",
+            "tag",
+            "allocs",
+            "paused",
+            "active",
+            "paused",
+            "host backup",
+            "last pause",
+            "last resume"
+        )?;
+        let op = |o: &Option<OpStats>| match o {
+            Some(o) => format!("{:.3}s {:.1}GiB/s", o.seconds, o.gib_per_s),
+            None => "-".to_string(),
+        };
+        for t in &self.tags {
+            writeln!(
+                f,
+                "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>18} {:>18}",
+                t.tag,
+                t.allocations,
+                t.paused_allocations,
+                human(t.bytes_active),
+                human(t.bytes_paused),
+                human(t.host_backup_bytes),
+                op(&t.last_pause),
+                op(&t.last_resume)
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,344 @@
+//! Engine unit tests on the simulated device.
+
+use super::*;
+use crate::driver::sim::{Prim, SimConfig, SimDriver};
+
+const G: u64 = 2 << 20;
+
+fn setup(capacity: u64) -> (Arc<SimDriver>, Engine) {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices: 2,
+            capacity,
+            granularity: G,
+        })
+        .unwrap(),
+    );
+    let engine = Engine::new(sim.clone());
+    (sim, engine)
+}
+
+fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
+    AllocRequest {
+        size,
+        device: 0,
+        tag: tag.into(),
+        backup,
+    }
+}
+
+fn fill(sim: &SimDriver, ptr: DevPtr, data: &[u8]) {
+    // SAFETY: tests pass active allocations at least data.len() long.
+    unsafe {
+        sim.copy_h2d(ptr, data.as_ptr(), data.len() as u64, Stream(1))
+            .unwrap()
+    }
+}
+
+fn read(sim: &SimDriver, ptr: DevPtr, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    // SAFETY: as in fill.
+    unsafe {
+        sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, Stream(1))
+            .unwrap()
+    }
+    v
+}
+
+use crate::driver::Stream;
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn alloc_rounds_to_granularity_and_maps() {
+    let (sim, e) = setup(64 << 20);
+    let p = e.alloc(&req(G + 1, "a", None)).unwrap();
+    let info = &e.allocations()[0];
+    assert_eq!(
+        (info.addr, info.size, info.mapped, info.state),
+        (p, G + 1, 2 * G, State::Active)
+    );
+    assert_eq!(sim.live_bytes(0), 2 * G);
+    assert!(sim.is_accessible(p + 2 * G - 1));
+}
+
+#[test]
+fn pause_gives_memory_back_and_resume_keeps_the_address() {
+    let (sim, e) = setup(64 << 20);
+    let p = e.alloc(&req(3 * G, "a", None)).unwrap();
+    let r = e.pause(None).unwrap();
+    assert_eq!((r.allocations, r.bytes, r.copied), (1, 3 * G, 0));
+    assert_eq!(sim.live_bytes(0), 0);
+    assert!(!sim.is_accessible(p));
+    assert_eq!(e.allocations()[0].state, State::Paused);
+    e.resume(None).unwrap();
+    assert_eq!(e.allocations()[0].addr, p);
+    assert_eq!(sim.live_bytes(0), 3 * G);
+    assert!(sim.is_accessible(p));
+}
+
+#[test]
+fn backup_keeps_contents_without_backup_they_are_lost() {
+    for backend in [HostBackend::Pinned, HostBackend::Mmap] {
+        let (sim, e) = setup(64 << 20);
+        let size = G + 12345;
+        let kept = e.alloc(&req(size, "kept", Some(backend))).unwrap();
+        let lost = e.alloc(&req(size, "lost", None)).unwrap();
+        let data = pattern(size as usize, 7);
+        fill(&sim, kept, &data);
+        fill(&sim, lost, &data);
+        let r = e.pause(None).unwrap();
+        assert_eq!(r.copied, size);
+        e.resume(None).unwrap();
+        assert_eq!(read(&sim, kept, size as usize), data, "{backend:?}");
+        assert_ne!(read(&sim, lost, size as usize), data);
+        assert_eq!(
+            sim.pinned_bytes(),
+            0,
+            "host backup released after a non-retaining resume"
+        );
+    }
+}
+
+#[test]
+fn tags_are_independent() {
+    let (sim, e) = setup(64 << 20);
+    let a = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    let b = e.alloc(&req(G, "b", Some(HostBackend::Pinned))).unwrap();
+    fill(&sim, a, &pattern(G as usize, 1));
+    fill(&sim, b, &pattern(G as usize, 2));
+    e.pause(Some("a")).unwrap();
+    assert_eq!(sim.live_bytes(0), G);
+    assert!(sim.is_accessible(b) && !sim.is_accessible(a));
+    e.pause(Some("b")).unwrap();
+    e.resume(Some("a")).unwrap();
+    assert!(sim.is_accessible(a) && !sim.is_accessible(b));
+    e.resume(Some("b")).unwrap();
+    assert_eq!(read(&sim, a, G as usize), pattern(G as usize, 1));
+    assert_eq!(read(&sim, b, G as usize), pattern(G as usize, 2));
+}
+
+#[test]
+fn pause_and_resume_are_idempotent() {
+    let (sim, e) = setup(64 << 20);
+    e.alloc(&req(G, "a", None)).unwrap();
+    assert_eq!(e.pause(Some("a")).unwrap().allocations, 1);
+    assert_eq!(e.pause(Some("a")).unwrap().allocations, 0);
+    assert_eq!(e.resume(Some("a")).unwrap().allocations, 1);
+    assert_eq!(e.resume(Some("a")).unwrap().allocations, 0);
+    assert_eq!(e.pause(Some("nope")).unwrap().allocations, 0);
+    assert_eq!(sim.live_bytes(0), G);
+}
+
+#[test]
+fn allocation_inside_a_paused_tag_is_active() {
+    let (_sim, e) = setup(64 << 20);
+    e.alloc(&req(G, "a", None)).unwrap();
+    e.pause(Some("a")).unwrap();
+    let p2 = e.alloc(&req(G, "a", None)).unwrap();
+    let st: Vec<_> = e
+        .allocations()
+        .iter()
+        .map(|a| (a.addr == p2, a.state))
+        .collect();
+    assert!(st.contains(&(true, State::Active)) && st.contains(&(false, State::Paused)));
+    e.resume(Some("a")).unwrap();
+    assert!(e.allocations().iter().all(|a| a.state == State::Active));
+}
+
+#[test]
+fn free_active_and_paused_leaves_nothing() {
+    let (sim, e) = setup(64 << 20);
+    let a = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    let b = e.alloc(&req(G, "b", None)).unwrap();
+    e.pause(Some("a")).unwrap();
+    assert!(sim.pinned_bytes() > 0);
+    assert!(e.free(a).unwrap());
+    assert!(e.free(b).unwrap());
+    assert!(!e.free(b).unwrap(), "second free: not ours any more");
+    assert!(!e.owns(a));
+    assert_eq!(
+        (
+            sim.live_bytes(0),
+            sim.live_handles(),
+            sim.live_mappings(),
+            sim.live_reservations()
+        ),
+        (0, 0, 0, 0)
+    );
+    assert_eq!(sim.pinned_bytes(), 0);
+}
+
+#[test]
+fn retention_reuses_the_same_host_buffer() {
+    let (sim, e) = setup(64 << 20);
+    e.set_retain_cpu_backup(true);
+    let p = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    e.pause(None).unwrap();
+    let first = e.cpu_backup_ptr(p, 1).unwrap().unwrap();
+    e.resume(None).unwrap();
+    assert_eq!(
+        e.cpu_backup_ptr(p, 1).unwrap(),
+        Some(first),
+        "kept while active"
+    );
+    fill(&sim, p, &pattern(G as usize, 9));
+    e.pause(None).unwrap();
+    assert_eq!(
+        e.cpu_backup_ptr(p, 1).unwrap(),
+        Some(first),
+        "the same buffer, not a new one"
+    );
+    assert_eq!(sim.calls(Prim::HostAlloc), 1);
+    let mut back = vec![0u8; G as usize];
+    assert!(e.copy_cpu_backup(p, &mut back).unwrap());
+    assert_eq!(
+        back,
+        pattern(G as usize, 9),
+        "the retained buffer holds the new contents"
+    );
+    e.set_retain_cpu_backup(false);
+    e.resume(None).unwrap();
+    assert_eq!(e.cpu_backup_ptr(p, 1).unwrap(), None);
+    assert_eq!(sim.pinned_bytes(), 0);
+}
+
+#[test]
+fn backup_lookup_checks_the_range() {
+    let (sim, e) = setup(64 << 20);
+    let p = e.alloc(&req(1000, "a", Some(HostBackend::Mmap))).unwrap();
+    let q = e.alloc(&req(1000, "b", None)).unwrap();
+    fill(&sim, p, &pattern(1000, 3));
+    assert_eq!(
+        e.cpu_backup_ptr(p, 10).unwrap(),
+        None,
+        "active, never paused"
+    );
+    e.pause(None).unwrap();
+    let mut part = vec![0u8; 100];
+    assert!(e.copy_cpu_backup(p + 900, &mut part).unwrap());
+    assert_eq!(part, pattern(1000, 3)[900..]);
+    assert!(
+        matches!(e.cpu_backup_ptr(p + 900, 101), Err(Error::NotFound(_))),
+        "past the asked size"
+    );
+    assert!(matches!(e.cpu_backup_ptr(0x10, 1), Err(Error::NotFound(_))));
+    assert_eq!(e.cpu_backup_ptr(q, 8).unwrap(), None, "no backup asked");
+}
+
+#[test]
+fn bad_requests_are_clear_errors() {
+    let (_sim, e) = setup(64 << 20);
+    let err = e.alloc(&req(0, "a", None)).unwrap_err();
+    assert!(
+        matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("0 bytes"),
+        "{err}"
+    );
+    let err = e.alloc(&req(u64::MAX - 5, "a", None)).unwrap_err();
+    assert!(err.to_string().contains("overflows"), "{err}");
+    let err = e
+        .alloc(&AllocRequest {
+            device: 7,
+            ..req(G, "a", None)
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("device 7"), "{err}");
+}
+
+#[test]
+fn memory_margin_refuses_with_oom() {
+    let (sim, e) = setup(16 << 20);
+    e.set_memory_margin(10 << 20);
+    e.alloc(&req(G, "a", None)).unwrap();
+    e.alloc(&req(2 * G, "a", None)).unwrap();
+    let err = e.alloc(&req(G, "a", None)).unwrap_err();
+    assert!(err.is_oom() && err.to_string().contains("margin"), "{err}");
+    assert_eq!(sim.live_bytes(0), 3 * G);
+}
+
+#[test]
+fn oom_on_resume_is_undone_and_retry_works() {
+    let (sim, e) = setup(8 * G);
+    let a = e
+        .alloc(&req(2 * G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    let a2 = e
+        .alloc(&req(2 * G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    fill(&sim, a, &pattern(2 * G as usize, 1));
+    fill(&sim, a2, &pattern(2 * G as usize, 2));
+    e.pause(Some("a")).unwrap();
+    let hog = e.alloc(&req(6 * G, "hog", None)).unwrap();
+    let err = e.resume(Some("a")).unwrap_err();
+    assert!(err.is_oom(), "{err}");
+    assert!(err.to_string().contains("stays paused"), "{err}");
+    assert!(e
+        .allocations()
+        .iter()
+        .filter(|x| &*x.tag == "a")
+        .all(|x| x.state == State::Paused && x.host_valid));
+    assert_eq!(sim.live_bytes(0), 6 * G, "the partial resume was undone");
+    e.free(hog).unwrap();
+    e.resume(Some("a")).unwrap();
+    assert_eq!(read(&sim, a, 2 * G as usize), pattern(2 * G as usize, 1));
+    assert_eq!(read(&sim, a2, 2 * G as usize), pattern(2 * G as usize, 2));
+}
+
+#[test]
+fn devices_are_routed_separately() {
+    let (sim, e) = setup(64 << 20);
+    let a = e.alloc(&req(G, "t", Some(HostBackend::Pinned))).unwrap();
+    let b = e
+        .alloc(&AllocRequest {
+            device: 1,
+            ..req(2 * G, "t", Some(HostBackend::Pinned))
+        })
+        .unwrap();
+    fill(&sim, a, &pattern(G as usize, 4));
+    fill(&sim, b, &pattern(2 * G as usize, 5));
+    assert_eq!((sim.live_bytes(0), sim.live_bytes(1)), (G, 2 * G));
+    e.pause(Some("t")).unwrap();
+    assert_eq!((sim.live_bytes(0), sim.live_bytes(1)), (0, 0));
+    e.resume(Some("t")).unwrap();
+    assert_eq!(read(&sim, a, G as usize), pattern(G as usize, 4));
+    assert_eq!(read(&sim, b, 2 * G as usize), pattern(2 * G as usize, 5));
+}
+
+#[test]
+fn stats_per_tag() {
+    let (_sim, e) = setup(64 << 20);
+    e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    e.alloc(&req(10, "b", None)).unwrap();
+    e.pause(Some("a")).unwrap();
+    let s = e.stats();
+    assert_eq!(s.backend, "sim");
+    let a = s.tags.iter().find(|t| t.tag == "a").unwrap();
+    let b = s.tags.iter().find(|t| t.tag == "b").unwrap();
+    assert_eq!(
+        (
+            a.paused_allocations,
+            a.bytes_paused,
+            a.bytes_active,
+            a.host_backup_bytes
+        ),
+        (1, G, 0, G)
+    );
+    assert_eq!(a.last_pause.unwrap().copied_bytes, G);
+    assert!(a.last_resume.is_none());
+    assert_eq!(
+        (b.active_allocations, b.bytes_active, b.bytes_requested),
+        (1, G, 10)
+    );
+    let text = s.to_string();
+    assert!(text.contains("tag") && text.contains("2.00 MiB"), "{text}");
+}

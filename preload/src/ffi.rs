@@ -1,0 +1,448 @@
+//! The C ABI of `libtms.so`, used by the Python shim (through ctypes) and by C callers.
+//!
+//! Conventions (see `include/tms.h`): every function returns a status code (`TMS_OK` = 0, else
+//! a `TMS_ERR_*`); on failure the calling thread's last-error message says what and where
+//! (`tms_last_error`). No panic crosses this boundary: each entry point runs inside [`catch`].
+//! String arguments are NUL-terminated UTF-8; NULL where a tag is optional means "every tag".
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::driver::HostBackend;
+use crate::error::{status, Error, Result};
+use crate::hooks::{runtime, settings};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Record `e` as this thread's last error.
+pub fn set_last_error(e: &Error) {
+    set_last_message(&e.to_string());
+}
+
+fn set_last_message(msg: &str) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
+    }
+}
+
+/// Run `f`, turning a panic into `fallback` and a recorded internal error.
+pub fn catch<T>(fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(v) => v,
+        Err(p) => {
+            let msg = format!(
+                "internal error (a bug in torch-memory-saver): {}",
+                panic_message(&*p)
+            );
+            tracing::error!("{msg}");
+            set_last_message(&msg);
+            fallback
+        }
+    }
+}
+
+/// Run a fallible entry point: `Ok` is `TMS_OK`, an error its status with the message recorded.
+fn entry(f: impl FnOnce() -> Result<()>) -> c_int {
+    catch(status::INTERNAL, || match f() {
+        Ok(()) => status::OK,
+        Err(e) => {
+            set_last_error(&e);
+            e.status()
+        }
+    })
+}
+
+/// A required string argument.
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for this call.
+unsafe fn arg_str<'a>(p: *const c_char, what: &str) -> Result<&'a str> {
+    if p.is_null() {
+        return Err(Error::InvalidArgument(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null, and the caller vouches for NUL termination.
+    unsafe { CStr::from_ptr(p) }
+        .to_str()
+        .map_err(|_| Error::InvalidArgument(format!("{what} is not valid UTF-8")))
+}
+
+/// An optional string argument (NULL = none).
+///
+/// # Safety
+/// As [`arg_str`].
+unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
+    if p.is_null() {
+        Ok(None)
+    } else {
+        // SAFETY: forwarded contract.
+        unsafe { arg_str(p, what) }.map(Some)
+    }
+}
+
+fn check_tag(t: Option<&str>) -> Result<Option<&str>> {
+    match t {
+        Some("") => Err(Error::InvalidArgument(
+            "tag must not be empty (pass NULL for every tag)".into(),
+        )),
+        t => Ok(t),
+    }
+}
+
+/// Write `s` (with a NUL) into `buf` of `cap` bytes; `BUFFER_TOO_SMALL` when it does not fit.
+///
+/// # Safety
+/// `buf` is NULL or writable for `cap` bytes; `out_len` is NULL or writable.
+unsafe fn write_out(s: &str, buf: *mut c_char, cap: usize, out_len: *mut usize) -> Result<()> {
+    if !out_len.is_null() {
+        // SAFETY: caller vouches for out_len.
+        unsafe { *out_len = s.len() };
+    }
+    if buf.is_null() || cap < s.len() + 1 {
+        return Err(Error::InvalidArgument(format!(
+            "output buffer of {cap} bytes is too small for {} bytes",
+            s.len() + 1
+        )));
+    }
+    // SAFETY: buf has room for s and the NUL (checked).
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+    }
+    Ok(())
+}
+
+fn write_status(r: Result<()>) -> c_int {
+    match r {
+        Err(Error::InvalidArgument(m)) if m.starts_with("output buffer") => {
+            set_last_message(&m);
+            status::BUFFER_TOO_SMALL
+        }
+        Err(e) => {
+            set_last_error(&e);
+            e.status()
+        }
+        Ok(()) => status::OK,
+    }
+}
+
+/// Library version, a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn tms_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// Symbolic name of a status code, a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
+    catch(c"TMS_ERR_INTERNAL".as_ptr(), || {
+        // Names are static; add the NUL by looking them up in a static table.
+        static NAMES: [&CStr; 10] = [
+            c"TMS_OK",
+            c"TMS_ERR_OUT_OF_MEMORY",
+            c"TMS_ERR_DRIVER",
+            c"TMS_ERR_INVALID_ARGUMENT",
+            c"TMS_ERR_INVALID_STATE",
+            c"TMS_ERR_NOT_FOUND",
+            c"TMS_ERR_UNSUPPORTED",
+            c"TMS_ERR_IO",
+            c"TMS_ERR_INTERNAL",
+            c"TMS_ERR_BUFFER_TOO_SMALL",
+        ];
+        debug_assert_eq!(
+            NAMES.get(1).map(|c| c.to_str().ok()),
+            Some(Some(status::name(1)))
+        );
+        usize::try_from(code)
+            .ok()
+            .and_then(|i| NAMES.get(i))
+            .map_or(c"TMS_ERR_UNKNOWN_STATUS".as_ptr(), |c| c.as_ptr())
+    })
+}
+
+/// Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
+/// NUL-terminated when `cap > 0`); returns the full message length.
+///
+/// # Safety
+/// `buf` is NULL or writable for `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
+    catch(0, || {
+        LAST_ERROR
+            .try_with(|l| {
+                let l = l.borrow();
+                let bytes = l.as_bytes();
+                if !buf.is_null() && cap > 0 {
+                    let n = bytes.len().min(cap - 1);
+                    // SAFETY: buf is writable for cap > n bytes (caller's contract).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
+                        *buf.add(n) = 0;
+                    }
+                }
+                bytes.len()
+            })
+            .unwrap_or(0)
+    })
+}
+
+/// Start the library now (it otherwise starts at the first pauseable allocation) and write the
+/// driver's name (`cuda` or `sim`) into `buf`.
+///
+/// # Safety
+/// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn tms_init(buf: *mut c_char, cap: usize, out_len: *mut usize) -> c_int {
+    catch(status::INTERNAL, || {
+        let r = runtime::get().and_then(|rt| {
+            // SAFETY: forwarded contract.
+            unsafe { write_out(rt.engine.driver().name(), buf, cap, out_len) }
+        });
+        write_status(r)
+    })
+}
+
+/// 1 if the library has started successfully in this process (and it is not a fork child).
+#[no_mangle]
+pub extern "C" fn tms_is_active() -> c_int {
+    catch(0, || c_int::from(runtime::get_if_started().is_some()))
+}
+
+/// Enter a region on this thread: allocations become pauseable under `tag` (when `enabled`),
+/// with a CPU backup in `backend` memory (`"pinned"`, `"mmap"`, or NULL for the process
+/// default) when `cpu_backup`. `enabled = 0` opens a non-pauseable scope (`disable()`).
+/// Regions nest; leave with [`tms_region_exit`].
+///
+/// # Safety
+/// `tag` and `backend` are NULL or NUL-terminated strings.
+#[no_mangle]
+pub unsafe extern "C" fn tms_region_enter(
+    enabled: c_int,
+    tag: *const c_char,
+    cpu_backup: c_int,
+    backend: *const c_char,
+) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { opt_str(tag, "tag") }?;
+        // SAFETY: forwarded contract.
+        let backend = unsafe { opt_str(backend, "backend") }?;
+        let cur = settings::current_region()?;
+        let backend = match backend {
+            Some(b) => {
+                let b = HostBackend::parse(b)?;
+                if cpu_backup == 0 {
+                    return Err(Error::InvalidArgument(format!(
+                        "CPU backup backend {:?} given without enabling CPU backup",
+                        b.as_str()
+                    )));
+                }
+                b
+            }
+            None => settings::process()?.region.backend,
+        };
+        settings::push_region(settings::RegionSettings {
+            enabled: enabled != 0,
+            tag: tag.map_or(cur.tag, str::to_string),
+            cpu_backup: if enabled != 0 {
+                cpu_backup != 0
+            } else {
+                cur.cpu_backup
+            },
+            backend,
+        })
+    })
+}
+
+/// Leave the innermost region of this thread.
+#[no_mangle]
+pub extern "C" fn tms_region_exit() -> c_int {
+    entry(|| settings::pop_region().map(|_| ()))
+}
+
+/// This thread's effective region settings as JSON
+/// (`{"enabled":..,"tag":..,"cpu_backup":..,"backend":..,"depth":..}`).
+///
+/// # Safety
+/// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn tms_region_current(
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> c_int {
+    catch(status::INTERNAL, || {
+        let r = settings::current_region().and_then(|r| {
+            let j = serde_json::json!({
+                "enabled": r.enabled,
+                "tag": r.tag,
+                "cpu_backup": r.cpu_backup,
+                "backend": r.backend.as_str(),
+                "depth": settings::region_depth(),
+            })
+            .to_string();
+            // SAFETY: forwarded contract.
+            unsafe { write_out(&j, buf, cap, out_len) }
+        });
+        write_status(r)
+    })
+}
+
+/// Pause every active allocation of `tag` (NULL: every tag).
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = check_tag(unsafe { opt_str(tag, "tag") }?)?;
+        runtime::get()?.engine.pause(tag).map(|_| ())
+    })
+}
+
+/// Resume every paused allocation of `tag` (NULL: every tag) at the same addresses. Out of
+/// memory leaves the tag paused with its backups; call again once memory is free.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = check_tag(unsafe { opt_str(tag, "tag") }?)?;
+        runtime::get()?.engine.resume(tag).map(|_| ())
+    })
+}
+
+/// Keep host backups across resume (consulted at resume).
+#[no_mangle]
+pub extern "C" fn tms_set_retain_cpu_backup(on: c_int) -> c_int {
+    entry(|| {
+        runtime::get()?.engine.set_retain_cpu_backup(on != 0);
+        Ok(())
+    })
+}
+
+/// Whether host backups are kept across resume.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_retain_cpu_backup(out: *mut c_int) -> c_int {
+    entry(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let v = runtime::get()?.engine.retain_cpu_backup();
+        // SAFETY: non-null, caller vouches it is writable.
+        unsafe { *out = c_int::from(v) };
+        Ok(())
+    })
+}
+
+/// Refuse pauseable allocations that would leave fewer than `bytes` free on the device.
+#[no_mangle]
+pub extern "C" fn tms_set_memory_margin(bytes: u64) -> c_int {
+    entry(|| {
+        runtime::get()?.engine.set_memory_margin(bytes);
+        Ok(())
+    })
+}
+
+/// The memory margin in bytes.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_memory_margin(out: *mut u64) -> c_int {
+    entry(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let v = runtime::get()?.engine.memory_margin();
+        // SAFETY: non-null, caller vouches it is writable.
+        unsafe { *out = v };
+        Ok(())
+    })
+}
+
+/// Address of the host backup of `[addr, addr+len)` in `*out`, or NULL where there is none (no
+/// backup asked, or active with the backup released). `TMS_ERR_NOT_FOUND` if the range does not
+/// lie inside one pauseable allocation. The pointer is valid until the allocation is freed or
+/// resumed without retention.
+///
+/// # Safety
+/// `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_cpu_backup(addr: u64, len: u64, out: *mut *const c_void) -> c_int {
+    entry(|| {
+        if out.is_null() {
+            return Err(Error::InvalidArgument("out is NULL".into()));
+        }
+        let p = runtime::get()?.engine.cpu_backup_ptr(addr, len)?;
+        // SAFETY: non-null, caller vouches it is writable.
+        unsafe { *out = p.map_or(std::ptr::null(), |p| p.cast()) };
+        Ok(())
+    })
+}
+
+/// Copy the host backup of `[addr, addr+len)` into `dst`; `*found` is 0 where there is none.
+///
+/// # Safety
+/// `dst` is writable for `len` bytes; `found` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_copy_cpu_backup(
+    addr: u64,
+    len: u64,
+    dst: *mut c_void,
+    found: *mut c_int,
+) -> c_int {
+    entry(|| {
+        if dst.is_null() || found.is_null() {
+            return Err(Error::InvalidArgument("dst or found is NULL".into()));
+        }
+        let len =
+            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
+        // SAFETY: caller vouches dst is writable for len bytes.
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
+        let f = runtime::get()?.engine.copy_cpu_backup(addr, dst)?;
+        // SAFETY: non-null, caller vouches it is writable.
+        unsafe { *found = c_int::from(f) };
+        Ok(())
+    })
+}
+
+/// Statistics as JSON (`{"backend":..,"tags":[{"tag":..,"bytes_active":..},..]}`) into `buf`;
+/// `TMS_ERR_BUFFER_TOO_SMALL` with the needed length (without NUL) in `*out_len` when it does
+/// not fit.
+///
+/// # Safety
+/// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn tms_stats_json(
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> c_int {
+    catch(status::INTERNAL, || {
+        let r = runtime::get().and_then(|rt| {
+            let j = serde_json::to_string(&rt.engine.stats())
+                .map_err(|e| Error::InvalidState(format!("serialising stats: {e}")))?;
+            // SAFETY: forwarded contract.
+            unsafe { write_out(&j, buf, cap, out_len) }
+        });
+        write_status(r)
+    })
+}

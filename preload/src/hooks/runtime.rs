@@ -1,0 +1,97 @@
+//! The one process-wide engine and driver, created on first use from whichever entry point
+//! comes first (a hook inside a region, or the C ABI). Nothing happens at load time.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use super::settings::{self, BackendChoice, StickyError};
+use crate::driver::cuda::CudaDriver;
+use crate::driver::sim::SimDriver;
+use crate::driver::Driver;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+
+/// The process-wide state.
+pub struct Runtime {
+    /// The engine, over the chosen driver.
+    pub engine: Engine,
+}
+
+static RUNTIME: OnceLock<std::result::Result<Runtime, StickyError>> = OnceLock::new();
+static FORKED: AtomicBool = AtomicBool::new(false);
+static ATFORK: std::sync::Once = std::sync::Once::new();
+
+extern "C" fn in_fork_child() {
+    // A child of fork shares none of the parent's device mappings: the library stays out of
+    // its way for good (hooks pass through, the API reports the state).
+    FORKED.store(true, Ordering::SeqCst);
+}
+
+/// True in a child created by `fork` after the library was first used.
+pub fn forked() -> bool {
+    FORKED.load(Ordering::Relaxed)
+}
+
+fn init_logging() {
+    if let Ok(filter) = std::env::var("TMS_LOG") {
+        let f = tracing_subscriber::EnvFilter::builder().parse_lossy(filter);
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(f)
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+    }
+}
+
+fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
+    Ok(match choice {
+        BackendChoice::Sim => Arc::new(SimDriver::from_env()?),
+        BackendChoice::Cuda | BackendChoice::Auto => Arc::new(CudaDriver::load()?),
+    })
+}
+
+fn init() -> Result<Runtime> {
+    init_logging();
+    ATFORK.call_once(|| {
+        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
+        unsafe { libc::pthread_atfork(None, None, Some(in_fork_child)) };
+    });
+    let ps = settings::process()?;
+    let driver = open_driver(ps.backend)?;
+    let engine = Engine::new(driver);
+    engine.set_retain_cpu_backup(ps.retain_cpu_backup);
+    engine.set_memory_margin(ps.memory_margin);
+    tracing::info!(
+        "torch-memory-saver active on the {} driver",
+        engine.driver().name()
+    );
+    Ok(Runtime { engine })
+}
+
+/// The runtime, created on the first call; a failure is kept and returned to every caller.
+pub fn get() -> Result<&'static Runtime> {
+    if forked() {
+        return Err(Error::InvalidState(
+            "torch-memory-saver is disabled in this process: it was forked from one that used it"
+                .into(),
+        ));
+    }
+    RUNTIME
+        .get_or_init(|| {
+            init().map_err(|e| {
+                let e = e.context("starting torch-memory-saver");
+                tracing::error!("{e}");
+                StickyError::from(&e)
+            })
+        })
+        .as_ref()
+        .map_err(StickyError::to_error)
+}
+
+/// The runtime if it was already created successfully (never creates it).
+pub fn get_if_started() -> Option<&'static Runtime> {
+    if forked() {
+        return None;
+    }
+    RUNTIME.get().and_then(|r| r.as_ref().ok())
+}

@@ -1,0 +1,257 @@
+//! Settings: the process's, read once from the environment at first use, and each thread's
+//! region settings (a stack, so regions nest and `disable()` can sit inside a region).
+//!
+//! Environment (all optional):
+//! - `TMS_INIT_ENABLE=1`: every thread starts inside a region.
+//! - `TMS_INIT_TAG=T`: the tag of that default region (default `default`).
+//! - `TMS_INIT_ENABLE_CPU_BACKUP=1`: the default region keeps a CPU backup.
+//! - `TMS_INIT_CPU_BACKUP_BACKEND=pinned|mmap`: default host memory for backups.
+//! - `TMS_RETAIN_CPU_BACKUP=1`: keep host backups across resume.
+//! - `TMS_MEMORY_MARGIN_BYTES=N`: refuse pauseable allocations leaving less than N bytes free.
+//! - `TMS_BACKEND=auto|cuda|sim`: which driver (auto = cuda).
+//! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
+
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use parking_lot::RwLock;
+
+use crate::driver::HostBackend;
+use crate::error::{Error, Result};
+use crate::units::{env_parsed, parse_bytes, parse_flag};
+
+/// Which driver the runtime opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    /// The CUDA driver (the default).
+    Auto,
+    /// The CUDA driver, explicitly.
+    Cuda,
+    /// The simulated device.
+    Sim,
+}
+
+impl BackendChoice {
+    fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "" | "auto" => Ok(BackendChoice::Auto),
+            "cuda" => Ok(BackendChoice::Cuda),
+            "sim" => Ok(BackendChoice::Sim),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown backend {other:?}: expected auto, cuda or sim"
+            ))),
+        }
+    }
+}
+
+/// Where new allocations of a thread go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionSettings {
+    /// Allocations are pauseable.
+    pub enabled: bool,
+    /// Their tag.
+    pub tag: String,
+    /// They keep a CPU backup across pause.
+    pub cpu_backup: bool,
+    /// In this kind of host memory.
+    pub backend: HostBackend,
+}
+
+impl RegionSettings {
+    /// The engine's backup policy for these settings.
+    pub fn backup(&self) -> Option<HostBackend> {
+        self.cpu_backup.then_some(self.backend)
+    }
+}
+
+/// Settings of the process, from the environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProcessSettings {
+    /// Initial default region of every thread.
+    pub region: RegionSettings,
+    /// `TMS_RETAIN_CPU_BACKUP`.
+    pub retain_cpu_backup: bool,
+    /// `TMS_MEMORY_MARGIN_BYTES`.
+    pub memory_margin: u64,
+    /// `TMS_BACKEND`.
+    pub backend: BackendChoice,
+}
+
+impl ProcessSettings {
+    /// Read every `TMS_*` variable; the first malformed one is the error.
+    pub fn from_env() -> Result<Self> {
+        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", HostBackend::parse)?
+            .unwrap_or(HostBackend::Pinned);
+        let tag = match std::env::var("TMS_INIT_TAG") {
+            Ok(t) if !t.is_empty() => t,
+            Ok(_) => {
+                return Err(Error::InvalidArgument(
+                    "environment variable TMS_INIT_TAG is empty".into(),
+                ))
+            }
+            Err(_) => "default".to_string(),
+        };
+        Ok(ProcessSettings {
+            region: RegionSettings {
+                enabled: env_parsed("TMS_INIT_ENABLE", parse_flag)?.unwrap_or(false),
+                tag,
+                cpu_backup: env_parsed("TMS_INIT_ENABLE_CPU_BACKUP", parse_flag)?.unwrap_or(false),
+                backend,
+            },
+            retain_cpu_backup: env_parsed("TMS_RETAIN_CPU_BACKUP", parse_flag)?.unwrap_or(false),
+            memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
+            backend: env_parsed("TMS_BACKEND", BackendChoice::parse)?
+                .unwrap_or(BackendChoice::Auto),
+        })
+    }
+}
+
+/// A failure kept for every later caller: status code and message.
+#[derive(Clone, Debug)]
+pub struct StickyError {
+    /// Status code (see [`crate::error::status`]).
+    pub status: i32,
+    /// Message.
+    pub message: String,
+}
+
+impl From<&Error> for StickyError {
+    fn from(e: &Error) -> Self {
+        StickyError {
+            status: e.status(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl StickyError {
+    /// Back into an error of the same status.
+    pub fn to_error(&self) -> Error {
+        use crate::error::status as s;
+        let m = self.message.clone();
+        match self.status {
+            s::OUT_OF_MEMORY => Error::OutOfMemory(m),
+            s::INVALID_ARGUMENT => Error::InvalidArgument(m),
+            s::NOT_FOUND => Error::NotFound(m),
+            s::UNSUPPORTED => Error::Unsupported(m),
+            _ => Error::InvalidState(m),
+        }
+    }
+}
+
+static PROCESS: OnceLock<std::result::Result<ProcessSettings, StickyError>> = OnceLock::new();
+static DEFAULT_REGION: RwLock<Option<RegionSettings>> = RwLock::new(None);
+
+/// The process settings, read from the environment on first call.
+pub fn process() -> Result<&'static ProcessSettings> {
+    PROCESS
+        .get_or_init(|| ProcessSettings::from_env().map_err(|e| StickyError::from(&e)))
+        .as_ref()
+        .map_err(StickyError::to_error)
+}
+
+/// The region settings of threads that have not set their own.
+pub fn default_region() -> Result<RegionSettings> {
+    if let Some(r) = DEFAULT_REGION.read().as_ref() {
+        return Ok(r.clone());
+    }
+    Ok(process()?.region.clone())
+}
+
+/// Change the region settings of threads that have not set their own.
+pub fn set_default_region(r: RegionSettings) {
+    *DEFAULT_REGION.write() = Some(r);
+}
+
+thread_local! {
+    static STACK: RefCell<Vec<RegionSettings>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The calling thread's effective region settings. A thread whose locals are gone (it is
+/// exiting) is treated as outside any region.
+pub fn current_region() -> Result<RegionSettings> {
+    match STACK.try_with(|s| s.borrow().last().cloned()) {
+        Ok(Some(r)) => Ok(r),
+        Ok(None) => default_region(),
+        Err(_) => Ok(RegionSettings {
+            enabled: false,
+            ..default_region()?
+        }),
+    }
+}
+
+/// True when the calling thread's allocations are pauseable now. Fast path for the hooks.
+pub fn in_region() -> Result<bool> {
+    match STACK.try_with(|s| s.borrow().last().map(|r| r.enabled)) {
+        Ok(Some(e)) => Ok(e),
+        Ok(None) => Ok(DEFAULT_REGION
+            .read()
+            .as_ref()
+            .map_or_else(|| process().map(|p| p.region.enabled), |r| Ok(r.enabled))?),
+        Err(_) => Ok(false),
+    }
+}
+
+/// Enter a region (or, with `enabled = false`, a non-pauseable scope) on this thread.
+pub fn push_region(r: RegionSettings) -> Result<()> {
+    if r.tag.is_empty() {
+        return Err(Error::InvalidArgument(
+            "a region's tag must not be empty".into(),
+        ));
+    }
+    STACK
+        .try_with(|s| s.borrow_mut().push(r))
+        .map_err(|_| Error::InvalidState("thread is exiting".into()))
+}
+
+/// Leave the innermost region of this thread.
+pub fn pop_region() -> Result<RegionSettings> {
+    STACK
+        .try_with(|s| s.borrow_mut().pop())
+        .map_err(|_| Error::InvalidState("thread is exiting".into()))?
+        .ok_or_else(|| {
+            Error::InvalidState("region exit without a matching region enter on this thread".into())
+        })
+}
+
+/// Depth of this thread's region stack.
+pub fn region_depth() -> usize {
+    STACK.try_with(|s| s.borrow().len()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_stack_nests_and_refuses_bad_pops() {
+        let r = |enabled, tag: &str| RegionSettings {
+            enabled,
+            tag: tag.into(),
+            cpu_backup: false,
+            backend: HostBackend::Pinned,
+        };
+        std::thread::spawn(move || {
+            push_region(r(true, "kv")).unwrap();
+            assert!(in_region().unwrap());
+            push_region(r(false, "kv")).unwrap();
+            assert!(!in_region().unwrap());
+            assert_eq!(region_depth(), 2);
+            pop_region().unwrap();
+            assert_eq!(current_region().unwrap().tag, "kv");
+            pop_region().unwrap();
+            assert!(pop_region().is_err());
+            assert!(push_region(r(true, "")).is_err());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn backend_choice_parses() {
+        assert_eq!(BackendChoice::parse("sim").unwrap(), BackendChoice::Sim);
+        assert_eq!(BackendChoice::parse("").unwrap(), BackendChoice::Auto);
+        let e = BackendChoice::parse("gpu").unwrap_err().to_string();
+        assert!(e.contains("auto, cuda or sim"), "{e}");
+    }
+}

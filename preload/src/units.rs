@@ -1,0 +1,98 @@
+//! Parsing and printing of byte sizes and boolean flags, shared by the environment settings.
+
+use crate::error::{Error, Result};
+
+/// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of 1024;
+/// `KiB`/`KB`/`k` spellings accepted).
+pub fn parse_bytes(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || {
+        Error::InvalidArgument(format!(
+            "{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)"
+        ))
+    };
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).
+pub fn parse_flag(s: &str) -> Result<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Ok(true),
+        "0" | "false" | "no" | "off" | "" => Ok(false),
+        _ => Err(Error::InvalidArgument(format!(
+            "{s:?} is not a flag (use 1 or 0)"
+        ))),
+    }
+}
+
+/// Read an environment variable through `parse`, naming the variable in any error.
+pub fn env_parsed<T>(name: &str, parse: impl FnOnce(&str) -> Result<T>) -> Result<Option<T>> {
+    match std::env::var(name) {
+        Ok(v) => parse(&v)
+            .map(Some)
+            .map_err(|e| e.context(format!("environment variable {name}"))),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::InvalidArgument(format!(
+            "environment variable {name} is not valid UTF-8"
+        ))),
+    }
+}
+
+/// `1.50 GiB`-style rendering.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes() {
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert_eq!(parse_bytes("2MiB").unwrap(), 2 << 20);
+        assert_eq!(parse_bytes("8G").unwrap(), 8 << 30);
+        assert_eq!(parse_bytes(" 3 kb ").unwrap(), 3 << 10);
+        assert!(parse_bytes("").is_err());
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("1.5G").is_err());
+        assert!(parse_bytes("99999999999T").is_err());
+    }
+
+    #[test]
+    fn flags() {
+        assert!(parse_flag("1").unwrap());
+        assert!(parse_flag("TRUE").unwrap());
+        assert!(!parse_flag("0").unwrap());
+        let e = parse_flag("maybe").unwrap_err().to_string();
+        assert!(e.contains("maybe"), "{e}");
+    }
+
+    #[test]
+    fn human_sizes() {
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 29), "1.50 GiB");
+    }
+}
