@@ -595,6 +595,47 @@ impl Engine {
         }
     }
 
+    /// Copy `data` into an active allocation at `addr` (for tools, demos and tests: the device
+    /// side of real workloads writes with kernels). The range must lie inside one allocation.
+    pub fn write_bytes(&self, addr: DevPtr, data: &[u8]) -> Result<()> {
+        self.with_active(addr, data.len() as u64, |d, stream| {
+            transfer::write(d, addr, data, stream)
+        })
+    }
+
+    /// Copy from an active allocation at `addr` into `out`.
+    pub fn read_bytes(&self, addr: DevPtr, out: &mut [u8]) -> Result<()> {
+        let len = out.len() as u64;
+        self.with_active(addr, len, |d, stream| transfer::read(d, out, addr, stream))
+    }
+
+    fn with_active(
+        &self,
+        addr: DevPtr,
+        len: u64,
+        f: impl FnOnce(&dyn Driver, crate::driver::Stream) -> Result<()>,
+    ) -> Result<()> {
+        let reg = self.reg.lock();
+        let what = || format!("range {addr:#x}+{len}");
+        let (_, a) = reg.containing(addr, len).ok_or_else(|| {
+            Error::NotFound(format!(
+                "{} does not lie inside one pauseable allocation",
+                what()
+            ))
+        })?;
+        if a.state() != State::Active {
+            return Err(Error::InvalidState(format!(
+                "{} is paused (tag {:?})",
+                what(),
+                a.tag
+            )));
+        }
+        let d = &*self.driver;
+        let _scope = DeviceScope::enter(d, a.device).ctx(what)?;
+        let stream = d.stream(a.device).ctx(what)?;
+        f(d, stream).ctx(what)
+    }
+
     /// Every allocation, in address order.
     pub fn allocations(&self) -> Vec<AllocInfo> {
         let reg = self.reg.lock();

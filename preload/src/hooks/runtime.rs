@@ -43,7 +43,8 @@ fn init_logging() {
     }
 }
 
-fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
+/// Open the driver `choice` names (auto = cuda).
+pub fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
     Ok(match choice {
         BackendChoice::Sim => Arc::new(SimDriver::from_env()?),
         BackendChoice::Cuda | BackendChoice::Auto => Arc::new(CudaDriver::load()?),
