@@ -38,6 +38,14 @@ pub enum Error {
     /// Not available with this driver or build.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A failure kept from an earlier call (the library's start-up), with its original status.
+    #[error("{message}")]
+    Sticky {
+        /// The original status code.
+        status: i32,
+        /// The original message.
+        message: String,
+    },
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -101,12 +109,13 @@ impl Error {
             Error::NotFound(_) => status::NOT_FOUND,
             Error::Unsupported(_) => status::UNSUPPORTED,
             Error::Io { .. } => status::IO,
+            Error::Sticky { status, .. } => *status,
         }
     }
 
     /// True for out-of-memory, the one recoverable failure.
     pub fn is_oom(&self) -> bool {
-        matches!(self, Error::OutOfMemory(_))
+        self.status() == status::OUT_OF_MEMORY
     }
 
     /// Prefix the context with where the caller was (`"pause tag 'kv'"`, ...).
@@ -138,6 +147,10 @@ impl Error {
             Error::Io { context, source } => Error::Io {
                 context: join(context),
                 source,
+            },
+            Error::Sticky { status, message } => Error::Sticky {
+                status,
+                message: join(message),
             },
         }
     }

@@ -47,8 +47,67 @@ impl Drop for Reentry {
 }
 
 fn next_symbol(name: &'static std::ffi::CStr, slot: &'static OnceLock<usize>) -> usize {
+    if let Some(p) = slot.get() {
+        return *p;
+    }
+    // Not cached when absent: the runtime may be loaded later (or promoted to global scope).
+    match find_symbol(name) {
+        0 => 0,
+        p => *slot.get_or_init(|| p),
+    }
+}
+
+/// The CUDA runtime's definition of `name`: the next one in link order, or, when the runtime
+/// was loaded into a local scope (a dependency of a library opened with `RTLD_LOCAL`, as Python
+/// extension modules are), the one in any loaded `libcudart`.
+fn find_symbol(name: &'static std::ffi::CStr) -> usize {
     // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
-    *slot.get_or_init(|| unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize)
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+    if p != 0 {
+        return p;
+    }
+    let mut found: Vec<std::ffi::CString> = Vec::new();
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut c_void,
+    ) -> c_int {
+        // SAFETY: the loader passes a valid info record; data is the Vec passed below.
+        let (info, out) = unsafe { (&*info, &mut *(data as *mut Vec<std::ffi::CString>)) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: dlpi_name is a NUL-terminated path owned by the loader.
+            let n = unsafe { std::ffi::CStr::from_ptr(info.dlpi_name) };
+            if n.to_bytes().windows(9).any(|w| w == b"libcudart") {
+                out.push(n.to_owned());
+            }
+        }
+        0
+    }
+    // SAFETY: visit only reads the loader's records and pushes to the Vec we own.
+    unsafe {
+        libc::dl_iterate_phdr(
+            Some(visit),
+            (&mut found as *mut Vec<std::ffi::CString>).cast(),
+        )
+    };
+    for lib in found {
+        // SAFETY: RTLD_NOLOAD only returns a handle to an object that is already loaded.
+        let h = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if h.is_null() {
+            continue;
+        }
+        // SAFETY: h is a valid handle; the lookup has no side effects. The handle's extra
+        // reference is dropped right after: the object stays loaded by its original owner.
+        let p = unsafe {
+            let p = libc::dlsym(h, name.as_ptr()) as usize;
+            libc::dlclose(h);
+            p
+        };
+        if p != 0 && p != cudaMalloc as *const () as usize && p != cudaFree as *const () as usize {
+            return p;
+        }
+    }
+    0
 }
 
 fn real_malloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
@@ -77,17 +136,21 @@ fn real_free(ptr: *mut c_void) -> c_int {
     unsafe { std::mem::transmute::<usize, FreeFn>(p)(ptr) }
 }
 
-fn report_once(e: &Error) {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| eprintln!("torch-memory-saver: {e}"));
+/// Print a failure the user must know about (bad settings, a runtime that cannot start) once
+/// per kind; hooks cannot return a message, only a status.
+fn report_once(once: &'static std::sync::Once, e: &Error) {
+    once.call_once(|| eprintln!("torch-memory-saver: {e}"));
 }
+
+static SETTINGS_REPORTED: std::sync::Once = std::sync::Once::new();
+static STARTUP_REPORTED: std::sync::Once = std::sync::Once::new();
 
 /// Allocate from the engine with the thread's region settings; a CUDA runtime status.
 fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int, Error)> {
     let fail = |code| move |e: Error| (code, e);
     let region = settings::current_region().map_err(fail(CUDA_ERROR_INVALID_VALUE))?;
     let rt = runtime::get().map_err(|e| {
-        report_once(&e);
+        report_once(&STARTUP_REPORTED, &e);
         (CUDA_ERROR_INITIALIZATION, e)
     })?;
     let device = match device {
@@ -127,7 +190,7 @@ fn malloc_impl(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
         Ok(false) => return real_malloc(dev_ptr, size),
         Err(e) => {
             // Malformed TMS_* settings: say so once, then stay out of the way.
-            report_once(&e);
+            report_once(&SETTINGS_REPORTED, &e);
             return real_malloc(dev_ptr, size);
         }
     }

@@ -127,14 +127,9 @@ impl From<&Error> for StickyError {
 impl StickyError {
     /// Back into an error of the same status.
     pub fn to_error(&self) -> Error {
-        use crate::error::status as s;
-        let m = self.message.clone();
-        match self.status {
-            s::OUT_OF_MEMORY => Error::OutOfMemory(m),
-            s::INVALID_ARGUMENT => Error::InvalidArgument(m),
-            s::NOT_FOUND => Error::NotFound(m),
-            s::UNSUPPORTED => Error::Unsupported(m),
-            _ => Error::InvalidState(m),
+        Error::Sticky {
+            status: self.status,
+            message: self.message.clone(),
         }
     }
 }

@@ -1,0 +1,178 @@
+/*
+ * tms.h - C interface of libtms.so (Torch Memory Saver).
+ *
+ * libtms.so keeps selected CUDA allocations "pauseable": their device memory can be given
+ * back (pause) and taken again (resume) at the same virtual addresses, optionally with a
+ * host (CPU) backup of the contents across the pause.
+ *
+ * Two ways to use it:
+ *  - preload mode: LD_PRELOAD=libtms.so interposes cudaMalloc/cudaFree. Allocations made
+ *    by a thread inside a region (tms_region_enter, or TMS_INIT_ENABLE=1) are pauseable;
+ *    everything else goes to the real CUDA runtime unchanged.
+ *  - direct calls: link with -ltms (or dlsym the symbols when the library is preloaded).
+ *
+ * Conventions:
+ *  - Functions returning int return a status code: TMS_OK (0) or one of TMS_ERR_*.
+ *  - On failure the calling thread's last error message says what failed and where;
+ *    read it with tms_last_error().
+ *  - Strings are NUL-terminated UTF-8. Where a tag is optional, NULL means "every tag";
+ *    an empty tag is an invalid argument.
+ *  - Functions that write text take (buf, cap, out_len): the text and a NUL go into buf
+ *    (cap bytes); *out_len (when out_len is not NULL) receives the text's length without
+ *    the NUL. If it does not fit, TMS_ERR_BUFFER_TOO_SMALL is returned and *out_len still
+ *    says how much is needed.
+ *  - No panic or exception crosses this interface; a bug inside the library is reported as
+ *    TMS_ERR_INTERNAL and the process carries on.
+ *  - In a child created by fork() after the library was used, the library is disabled:
+ *    the hooks pass everything through and the API reports TMS_ERR_INVALID_STATE.
+ *
+ * Environment (read once, at first use): TMS_INIT_ENABLE, TMS_INIT_TAG,
+ * TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND (pinned|mmap),
+ * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|sim), TMS_LOG;
+ * for the simulated device: TMS_SIM_CAPACITY, TMS_SIM_DEVICES, TMS_SIM_GRANULARITY,
+ * TMS_SIM_FAULTS.
+ */
+#ifndef TMS_H
+#define TMS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h> /* ssize_t */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Status codes (stable: never renumbered) ---------------------------------------- */
+
+/* Success. */
+#define TMS_OK 0
+/* Out of memory (device or host); the state is unchanged and the call may be retried. */
+#define TMS_ERR_OUT_OF_MEMORY 1
+/* A CUDA driver call failed (the message names the call and its error). */
+#define TMS_ERR_DRIVER 2
+/* Bad argument (NULL where a value is required, empty tag, malformed setting, ...). */
+#define TMS_ERR_INVALID_ARGUMENT 3
+/* Not valid in the current state (region exit without enter, forked child, ...). */
+#define TMS_ERR_INVALID_STATE 4
+/* Unknown address or tag. */
+#define TMS_ERR_NOT_FOUND 5
+/* Not supported with this driver or build. */
+#define TMS_ERR_UNSUPPORTED 6
+/* An operating-system call failed. */
+#define TMS_ERR_IO 7
+/* A bug inside the library (a caught panic); the process carries on. */
+#define TMS_ERR_INTERNAL 8
+/* The caller's output buffer is too small; the needed length was reported in *out_len. */
+#define TMS_ERR_BUFFER_TOO_SMALL 9
+
+/* ---- Library information and errors ------------------------------------------------- */
+
+/* Library version, a static string. */
+const char *tms_version(void);
+
+/* Symbolic name of a status code ("TMS_OK", "TMS_ERR_DRIVER", ...), a static string;
+ * "TMS_ERR_UNKNOWN_STATUS" for codes outside the list above. */
+const char *tms_status_name(int code);
+
+/* Copy this thread's last error message into buf (truncated to cap - 1 bytes, always
+ * NUL-terminated when cap > 0; buf may be NULL). Returns the full message length, 0 when
+ * there is none. */
+size_t tms_last_error(char *buf, size_t cap);
+
+/* Start the library now (it otherwise starts at the first pauseable allocation) and write
+ * the driver's name ("cuda" or "sim") into buf. */
+int tms_init(char *buf, size_t cap, size_t *out_len);
+
+/* 1 if the library has started successfully in this process (and it is not a fork
+ * child), else 0. Never starts it. */
+int tms_is_active(void);
+
+/* ---- Regions (per thread, nesting) --------------------------------------------------- */
+
+/* Enter a region on the calling thread. With enabled != 0, allocations become pauseable
+ * under tag (NULL: keep the enclosing region's tag), with a CPU backup when cpu_backup != 0
+ * in backend host memory ("pinned", "mmap", or NULL for the process default; a backend
+ * without cpu_backup is an invalid argument). enabled = 0 opens a non-pauseable scope.
+ * Leave with tms_region_exit(). */
+int tms_region_enter(int enabled, const char *tag, int cpu_backup, const char *backend);
+
+/* Leave the innermost region of the calling thread (TMS_ERR_INVALID_STATE if none). */
+int tms_region_exit(void);
+
+/* The calling thread's effective region settings as JSON:
+ * {"enabled":..,"tag":..,"cpu_backup":..,"backend":..,"depth":..}. */
+int tms_region_current(char *buf, size_t cap, size_t *out_len);
+
+/* ---- Pause and resume ---------------------------------------------------------------- */
+
+/* Pause every active allocation of tag (NULL: every tag): back up the contents where a
+ * CPU backup was asked, then give the device memory back. Touching a paused range faults. */
+int tms_pause(const char *tag);
+
+/* Resume every paused allocation of tag (NULL: every tag) at the same addresses, restoring
+ * backed-up contents. Out of memory leaves the tag paused with its backups; call again
+ * once memory is free. */
+int tms_resume(const char *tag);
+
+/* Keep host backups across resume (on != 0), so a later pause need not allocate them. */
+int tms_set_retain_cpu_backup(int on);
+
+/* Whether host backups are kept across resume, into *out (0 or 1). */
+int tms_get_retain_cpu_backup(int *out);
+
+/* Refuse pauseable allocations that would leave fewer than bytes free on the device. */
+int tms_set_memory_margin(uint64_t bytes);
+
+/* The memory margin in bytes, into *out. */
+int tms_get_memory_margin(uint64_t *out);
+
+/* ---- CPU backups --------------------------------------------------------------------- */
+
+/* Address of the host backup of [addr, addr + len) in *out, or NULL where there is none
+ * (no backup asked, or active with the backup released). TMS_ERR_NOT_FOUND if the range
+ * does not lie inside one pauseable allocation. The pointer stays valid until the
+ * allocation is freed, or resumed without retention. */
+int tms_get_cpu_backup(uint64_t addr, uint64_t len, const void **out);
+
+/* Copy the host backup of [addr, addr + len) into dst (len bytes); *found is 0 where there
+ * is no backup (dst untouched), 1 when copied. */
+int tms_copy_cpu_backup(uint64_t addr, uint64_t len, void *dst, int *found);
+
+/* ---- Statistics ---------------------------------------------------------------------- */
+
+/* Statistics as JSON: {"backend":..,"retain_cpu_backup":..,"memory_margin_bytes":..,
+ * "tags":[{"tag":..,"allocations":..,"bytes_active":..,"bytes_paused":..,..},..]}. */
+int tms_stats_json(char *buf, size_t cap, size_t *out_len);
+
+/* ---- PyTorch pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) ---------- */
+
+/* Allocate size bytes of pauseable memory on device, with the calling thread's region tag
+ * and backup settings (always pauseable, region or not). Returns NULL on failure, with the
+ * reason in the thread's last error. stream is ignored. */
+void *tms_torch_malloc(ssize_t size, int device, void *stream);
+
+/* Free memory from tms_torch_malloc; size, device and stream are ignored. */
+void tms_torch_free(void *ptr, ssize_t size, int device, void *stream);
+
+/* ---- CUDA runtime interposers (preload mode) ----------------------------------------- */
+
+/*
+ * libtms.so also exports cudaMalloc and cudaFree with the CUDA runtime's signatures:
+ *   cudaMalloc: pauseable memory inside a region, the real runtime's outside
+ *               (returns 2 = cudaErrorMemoryAllocation when pauseable memory runs out,
+ *               with the reason in tms_last_error());
+ *   cudaFree:   frees pauseable allocations, hands every other pointer to the runtime.
+ * They are declared only when TMS_DECLARE_CUDA_INTERPOSERS is defined, so that this header
+ * can be included next to cuda_runtime_api.h (whose cudaError_t return type differs).
+ */
+#ifdef TMS_DECLARE_CUDA_INTERPOSERS
+int cudaMalloc(void **dev_ptr, size_t size);
+int cudaFree(void *ptr);
+#endif
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* TMS_H */

@@ -1,0 +1,107 @@
+//! Builds the C side of the end-to-end tests with the system `cc`:
+//!
+//! - `tests/c/fake_cudart.c` into `$OUT_DIR/libcudart.so`, a fake CUDA runtime that counts
+//!   the `cudaMalloc`/`cudaFree` calls reaching it;
+//! - `tests/c/e2e_prog.c` into `$OUT_DIR/e2e_prog`, linked against that fake runtime, which the
+//!   tests run with `LD_PRELOAD=libtms.so`.
+//!
+//! The paths are passed to the tests as `TMS_TEST_FAKE_CUDART`, `TMS_TEST_E2E_PROG` and
+//! `TMS_TEST_OUT_DIR` (read with `env!`).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn cc(args: &[&str], what: &str) {
+    let out = Command::new("cc").args(args).output().unwrap_or_else(|e| {
+        panic!("cannot run the system C compiler `cc` (needed to build {what}): {e}")
+    });
+    for line in String::from_utf8_lossy(&out.stderr).lines() {
+        println!("cargo:warning={what}: {line}");
+    }
+    assert!(
+        out.status.success(),
+        "cc failed building {what} ({}): cc {}\n{}",
+        out.status,
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().expect("build paths are UTF-8")
+}
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let c_dir = manifest.join("c");
+    let include = manifest.join("../preload/include");
+    let fake_src = c_dir.join("fake_cudart.c");
+    let prog_src = c_dir.join("e2e_prog.c");
+    let header = include.join("tms.h");
+    for p in [&fake_src, &prog_src, &header] {
+        println!("cargo:rerun-if-changed={}", path_str(p));
+    }
+    println!("cargo:rerun-if-changed=build.rs");
+
+    let warn = ["-std=gnu11", "-Wall", "-Wextra", "-g", "-O1"];
+
+    let fake = out.join("libcudart.so");
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libcudart.so",
+        "-o",
+        path_str(&fake),
+        path_str(&fake_src),
+    ]);
+    cc(&args, "the fake CUDA runtime");
+
+    let prog = out.join("e2e_prog");
+    let include_flag = format!("-I{}", path_str(&include));
+    let lib_dir = format!("-L{}", path_str(&out));
+    let rpath = format!("-Wl,-rpath,{}", path_str(&out));
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        "-pthread",
+        &include_flag,
+        "-o",
+        path_str(&prog),
+        path_str(&prog_src),
+        "-Wl,--no-as-needed",
+        &lib_dir,
+        "-lcudart",
+        &rpath,
+        "-ldl",
+    ]);
+    cc(&args, "the end-to-end test program");
+
+    // A runtime user opened with RTLD_LOCAL, and the program that opens it.
+    let user_src = c_dir.join("local_user.c");
+    let main_src = c_dir.join("local_main.c");
+    println!("cargo:rerun-if-changed={}", path_str(&user_src));
+    println!("cargo:rerun-if-changed={}", path_str(&main_src));
+    let user = out.join("liblocal_user.so");
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        "-shared",
+        "-fPIC",
+        "-o",
+        path_str(&user),
+        path_str(&user_src),
+        "-Wl,--no-as-needed",
+        &lib_dir,
+        "-lcudart",
+        &rpath,
+    ]);
+    cc(&args, "the RTLD_LOCAL runtime user");
+    let local_main = out.join("local_main");
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend(["-o", path_str(&local_main), path_str(&main_src), "-ldl"]);
+    cc(&args, "the RTLD_LOCAL test program");
+
+    println!("cargo:rustc-env=TMS_TEST_FAKE_CUDART={}", path_str(&fake));
+    println!("cargo:rustc-env=TMS_TEST_E2E_PROG={}", path_str(&prog));
+    println!("cargo:rustc-env=TMS_TEST_OUT_DIR={}", path_str(&out));
+}

@@ -1,0 +1,296 @@
+//! End to end in preload mode: the C program `tests/c/e2e_prog.c`, linked against a fake CUDA
+//! runtime, runs with `LD_PRELOAD=libtms.so` on the simulated device. Its own checks must all
+//! pass; these tests add what only the parent can see (exit status, signals, stderr) and check
+//! the JSON and messages it prints.
+
+use serde_json::Value;
+use tms_tests::{run_e2e, Run};
+
+const MIB: u64 = 1 << 20;
+
+fn tag<'a>(stats: &'a Value, name: &str) -> &'a Value {
+    stats["tags"]
+        .as_array()
+        .expect("tags is an array")
+        .iter()
+        .find(|t| t["tag"] == name)
+        .unwrap_or_else(|| panic!("no tag {name:?} in {stats}"))
+}
+
+fn assert_quiet(r: &Run) {
+    assert_eq!(r.stderr, "", "nothing on stderr\n{}", r.dump());
+}
+
+#[test]
+fn basic_flow_pauses_and_resumes_in_place() {
+    let r = run_e2e("basic", &[]);
+    r.assert_passed("basic");
+    assert_quiet(&r);
+
+    let kv = r.region("kv");
+    assert_eq!(kv["enabled"], true);
+    assert_eq!(kv["tag"], "kv");
+    assert_eq!(kv["cpu_backup"], true);
+    assert_eq!(kv["backend"], "pinned");
+    assert_eq!(kv["depth"], 1);
+    let w = r.region("weights");
+    assert_eq!(
+        (
+            w["tag"].clone(),
+            w["cpu_backup"].clone(),
+            w["depth"].clone()
+        ),
+        ("weights".into(), false.into(), 2.into())
+    );
+    assert_eq!(r.region("back-in-kv"), kv);
+
+    let active = r.stats("active");
+    assert_eq!(active["backend"], "sim");
+    let kv_a = tag(&active, "kv");
+    assert_eq!(kv_a["allocations"], 1);
+    assert_eq!(kv_a["active_allocations"], 1);
+    assert_eq!(kv_a["bytes_requested"], MIB + 123);
+    assert_eq!(
+        kv_a["bytes_active"],
+        2 * MIB,
+        "rounded up to the 2 MiB granularity"
+    );
+    assert_eq!(tag(&active, "weights")["bytes_active"], 4 * MIB);
+
+    let kv_paused = r.stats("kv-paused");
+    let k = tag(&kv_paused, "kv");
+    assert_eq!(
+        (
+            k["active_allocations"].clone(),
+            k["paused_allocations"].clone()
+        ),
+        (0.into(), 1.into())
+    );
+    assert_eq!(k["bytes_active"], 0);
+    assert_eq!(k["bytes_paused"], 2 * MIB);
+    assert_eq!(
+        k["host_backup_bytes"],
+        MIB + 123,
+        "the backup holds the requested bytes"
+    );
+    assert_eq!(k["last_pause"]["allocations"], 1);
+    assert_eq!(k["last_pause"]["copied_bytes"], MIB + 123);
+    assert_eq!(
+        tag(&kv_paused, "weights")["bytes_active"],
+        4 * MIB,
+        "other tags untouched"
+    );
+
+    let all = r.stats("all-paused");
+    let w = tag(&all, "weights");
+    assert_eq!(w["bytes_paused"], 4 * MIB);
+    assert_eq!(w["host_backup_bytes"], 0, "no backup was asked for weights");
+
+    let resumed = r.stats("resumed");
+    for t in ["kv", "weights"] {
+        assert_eq!(tag(&resumed, t)["active_allocations"], 1, "{resumed}");
+        assert_eq!(tag(&resumed, t)["paused_allocations"], 0, "{resumed}");
+    }
+
+    let freed = r.stats("freed");
+    for t in freed["tags"].as_array().expect("tags") {
+        assert_eq!(t["allocations"], 0, "everything was freed: {freed}");
+        assert_eq!(t["bytes_active"], 0, "{freed}");
+    }
+
+    assert!(
+        r.error("unmatched-exit")
+            .contains("region exit without a matching region enter"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        r.error("empty-tag").contains("tag must not be empty"),
+        "{}",
+        r.dump()
+    );
+}
+
+#[test]
+fn oom_is_cuda_error_memory_allocation_with_a_clear_message() {
+    let r = run_e2e("oom", &[("TMS_SIM_CAPACITY", "64MiB")]);
+    r.assert_passed("oom");
+    assert_quiet(&r);
+    let msg = r.error("too-big");
+    assert!(msg.starts_with("out of memory: "), "{msg}");
+    assert!(
+        msg.contains("128.00 MiB") && msg.contains("134217728 bytes"),
+        "the size: {msg}"
+    );
+    assert!(msg.contains("\"big\""), "the tag: {msg}");
+    assert!(msg.contains("cuMemCreate"), "the driver call: {msg}");
+    let margin = r.error("margin");
+    assert!(margin.contains("memory margin of 32.00 MiB"), "{margin}");
+    let resume = r.error("resume");
+    assert!(resume.starts_with("out of memory: "), "{resume}");
+    assert!(
+        resume.contains("'a'") || resume.contains("\"a\""),
+        "the tag: {resume}"
+    );
+    let st = r.stats("resume-oom");
+    let a = tag(&st, "a");
+    assert_eq!(a["paused_allocations"], 1, "a stays paused: {st}");
+    assert_eq!(a["host_backup_bytes"], 40 * MIB, "with its backup: {st}");
+}
+
+#[test]
+fn injected_faults_give_clean_errors_and_no_crash() {
+    let r = run_e2e("fault", &[("TMS_SIM_FAULTS", "map:1,copy_d2h:1")]);
+    r.assert_passed("fault");
+    assert_quiet(&r);
+    let alloc = r.error("alloc");
+    assert!(
+        alloc.starts_with("cuMemMap failed with CUDA_ERROR_UNKNOWN (999): "),
+        "{alloc}"
+    );
+    assert!(alloc.contains("(injected fault)"), "{alloc}");
+    assert!(
+        alloc.contains("1048576 bytes") && alloc.contains("\"f\""),
+        "what failed: {alloc}"
+    );
+    let pause = r.error("pause");
+    assert!(
+        pause.starts_with("cuMemcpyDtoHAsync failed with CUDA_ERROR_UNKNOWN (999): "),
+        "{pause}"
+    );
+    assert!(
+        pause.contains("pause of") && pause.contains("(injected fault)"),
+        "{pause}"
+    );
+    let st = r.stats("after-failed-pause");
+    assert_eq!(tag(&st, "f")["active_allocations"], 1, "still active: {st}");
+}
+
+#[test]
+fn touching_a_paused_range_dies_of_sigsegv() {
+    let r = run_e2e("touch-paused", &[]);
+    assert!(r.failed_checks().is_empty(), "{}", r.dump());
+    assert!(
+        r.stdout.contains("TOUCH: reading the paused allocation"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        r.signal(),
+        Some(libc::SIGSEGV),
+        "killed by SIGSEGV\n{}",
+        r.dump()
+    );
+    assert!(!r.stdout.contains("RESULT"), "{}", r.dump());
+}
+
+#[test]
+fn init_enable_makes_plain_cuda_malloc_pauseable() {
+    let r = run_e2e(
+        "init-enable",
+        &[
+            ("TMS_INIT_ENABLE", "1"),
+            ("TMS_INIT_TAG", "boot"),
+            ("TMS_INIT_ENABLE_CPU_BACKUP", "yes"),
+        ],
+    );
+    r.assert_passed("init-enable");
+    assert_quiet(&r);
+    let reg = r.region("init");
+    assert_eq!(reg["enabled"], true);
+    assert_eq!(reg["tag"], "boot");
+    assert_eq!(reg["cpu_backup"], true);
+    assert_eq!(reg["depth"], 0, "no region was entered");
+    let st = r.stats("paused");
+    let boot = tag(&st, "boot");
+    assert_eq!(
+        boot["allocations"], 2,
+        "main thread and second thread: {st}"
+    );
+    assert_eq!(boot["paused_allocations"], 2, "{st}");
+    assert_eq!(boot["host_backup_bytes"], 2 * MIB + 17 + 64 * 1024, "{st}");
+    assert_eq!(
+        st["tags"].as_array().map(Vec::len),
+        Some(1),
+        "only the init tag: {st}"
+    );
+}
+
+/// One malformed variable: the library stays out of the way and says so once.
+fn check_malformed(var: &str, value: &str, says: &str) {
+    let r = run_e2e("malformed", &[(var, value)]);
+    r.assert_passed("malformed");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr\n{}", r.dump());
+    assert!(lines[0].starts_with("torch-memory-saver: "), "{}", r.dump());
+    assert!(
+        lines[0].contains(&format!("environment variable {var}")),
+        "names {var}\n{}",
+        r.dump()
+    );
+    assert!(lines[0].contains(says), "says {says:?}\n{}", r.dump());
+    let e = r.error("region-enter");
+    assert!(
+        e.contains(&format!("environment variable {var}")) && e.contains(says),
+        "{e}"
+    );
+}
+
+#[test]
+fn malformed_init_enable_passes_through() {
+    check_malformed("TMS_INIT_ENABLE", "maybe", "\"maybe\" is not a flag");
+}
+
+#[test]
+fn malformed_backup_backend_passes_through() {
+    check_malformed(
+        "TMS_INIT_CPU_BACKUP_BACKEND",
+        "floppy",
+        "unknown CPU backup backend \"floppy\"",
+    );
+}
+
+#[test]
+fn malformed_backend_passes_through() {
+    check_malformed("TMS_BACKEND", "gpu", "unknown backend \"gpu\"");
+}
+
+#[test]
+fn malformed_sim_device_fails_region_allocations_cleanly() {
+    let r = run_e2e("bad-device", &[("TMS_SIM_CAPACITY", "lots")]);
+    r.assert_passed("bad-device");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr\n{}", r.dump());
+    assert!(lines[0].starts_with("torch-memory-saver: "), "{}", r.dump());
+    assert!(
+        lines[0].contains("environment variable TMS_SIM_CAPACITY"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        lines[0].contains("\"lots\" is not a byte size"),
+        "{}",
+        r.dump()
+    );
+    for e in r.tagged("ERROR") {
+        assert!(
+            e.contains("starting torch-memory-saver") && e.contains("TMS_SIM_CAPACITY"),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn fork_child_passes_through_and_parent_carries_on() {
+    let r = run_e2e("fork", &[]);
+    r.assert_passed("fork");
+    assert_quiet(&r);
+    assert!(
+        r.stdout.contains("RESULT: PASS fork-child"),
+        "the child ran its checks\n{}",
+        r.dump()
+    );
+    let child = r.region("child");
+    assert_eq!(child["tag"], "parent", "the child inherited the region");
+    assert!(r.error("child-pause").contains("forked"), "{}", r.dump());
+}

@@ -1,0 +1,187 @@
+//! `preload/include/tms.h` matches what `libtms.so` exports, compiles on its own (C and C++),
+//! and links: a C program built against the header and `-ltms` gets the right answers.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use tms_tests::{
+    declared_functions, exported_functions, header_path, integer_defines, libtms, run, temp_dir,
+};
+
+fn header() -> String {
+    let p = header_path();
+    std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+#[test]
+fn header_declares_exactly_the_exported_functions() {
+    let exported = exported_functions(&libtms());
+    let declared = declared_functions(&header());
+    let tms = |s: &BTreeSet<String>| -> BTreeSet<String> {
+        s.iter()
+            .filter(|n| n.starts_with("tms_"))
+            .cloned()
+            .collect()
+    };
+    assert!(
+        tms(&exported).len() >= 19,
+        "suspiciously few tms_* exports: {exported:?}"
+    );
+    let missing: Vec<_> = tms(&exported).difference(&declared).cloned().collect();
+    assert!(
+        missing.is_empty(),
+        "exported but not declared in tms.h: {missing:?}"
+    );
+    let stale: Vec<_> = tms(&declared).difference(&exported).cloned().collect();
+    assert!(
+        stale.is_empty(),
+        "declared in tms.h but not exported: {stale:?}"
+    );
+    // Everything else the library exports is the CUDA interposers, declared (guarded) too.
+    assert_eq!(exported, declared, "exports and declarations differ");
+    let others: BTreeSet<_> = exported.difference(&tms(&exported)).cloned().collect();
+    assert_eq!(
+        others,
+        BTreeSet::from(["cudaFree".to_string(), "cudaMalloc".to_string()])
+    );
+}
+
+#[test]
+fn header_status_codes_match_the_library() {
+    let defs = integer_defines(&header(), "TMS_");
+    let values: Vec<i64> = defs.iter().map(|(_, v)| *v).collect();
+    assert_eq!(
+        values,
+        (0..=9).collect::<Vec<_>>(),
+        "status codes: {defs:?}"
+    );
+    assert_eq!(defs.first().map(|d| d.0.as_str()), Some("TMS_OK"));
+    assert_eq!(
+        defs.last().map(|d| d.0.as_str()),
+        Some("TMS_ERR_BUFFER_TOO_SMALL")
+    );
+    for (name, value) in &defs {
+        assert_eq!(
+            tms::error::status::name(*value as i32),
+            name,
+            "tms.h defines {name} as {value}"
+        );
+    }
+}
+
+fn syntax_check(compiler: &str, args: &[&str]) {
+    let out = Command::new(compiler)
+        .args(["-fsyntax-only", "-Wall", "-Wextra", "-Werror"])
+        .args(args)
+        .arg(header_path())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {compiler}: {e}"));
+    assert!(
+        out.status.success(),
+        "{compiler} {args:?} -fsyntax-only tms.h failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn header_compiles_on_its_own() {
+    syntax_check("cc", &["-x", "c", "-std=c99", "-pedantic"]);
+    syntax_check(
+        "cc",
+        &[
+            "-x",
+            "c",
+            "-std=c11",
+            "-pedantic",
+            "-DTMS_DECLARE_CUDA_INTERPOSERS",
+        ],
+    );
+    syntax_check("c++", &["-x", "c++", "-std=c++11", "-pedantic"]);
+    syntax_check(
+        "c++",
+        &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_CUDA_INTERPOSERS"],
+    );
+}
+
+const LINK_PROG: &str = r#"
+#include "tms.h"
+#include <stdio.h>
+#include <string.h>
+
+int main(void) {
+    const int codes[] = {TMS_OK, TMS_ERR_OUT_OF_MEMORY, TMS_ERR_DRIVER, TMS_ERR_INVALID_ARGUMENT,
+                         TMS_ERR_INVALID_STATE, TMS_ERR_NOT_FOUND, TMS_ERR_UNSUPPORTED,
+                         TMS_ERR_IO, TMS_ERR_INTERNAL, TMS_ERR_BUFFER_TOO_SMALL, 42};
+    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
+        printf("%d %s\n", codes[i], tms_status_name(codes[i]));
+    }
+    printf("version %s\n", tms_version());
+    char name[2];
+    size_t len = 0;
+    int rc = tms_init(name, sizeof name, &len);
+    printf("init-small %d %zu\n", rc, len);
+    char msg[256];
+    size_t n = tms_last_error(msg, sizeof msg);
+    printf("last-error %zu %s\n", n, msg);
+    char big[16];
+    rc = tms_init(big, sizeof big, &len);
+    printf("init %d %s %zu\n", rc, big, len);
+    printf("active %d\n", tms_is_active());
+    rc = tms_region_exit();
+    printf("exit %d\n", rc);
+    return 0;
+}
+"#;
+
+#[test]
+fn header_links_against_libtms_and_the_answers_match() {
+    let so = libtms();
+    let lib_dir = so.parent().expect("libtms.so has a folder");
+    let dir = temp_dir("tms-header-");
+    let src = dir.path().join("link.c");
+    let exe = dir.path().join("link");
+    std::fs::write(&src, LINK_PROG).expect("write link.c");
+    let include = header_path();
+    let include = include.parent().expect("include dir");
+    let out = Command::new("cc")
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-I{}", include.display()))
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg("-ltms")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .output()
+        .expect("run cc");
+    assert!(
+        out.status.success(),
+        "building a program against tms.h and -ltms failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut cmd = Command::new(&exe);
+    tms_tests::scrub_env(&mut cmd);
+    cmd.env("TMS_BACKEND", "sim");
+    let r = run(cmd);
+    assert!(r.status.success(), "{}", r.dump());
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    let mut expected: Vec<String> = (0..=9)
+        .map(|c| format!("{c} {}", tms::error::status::name(c)))
+        .collect();
+    expected.push("42 TMS_ERR_UNKNOWN_STATUS".into());
+    expected.push(format!("version {}", env!("CARGO_PKG_VERSION")));
+    // "sim" does not fit in 2 bytes: the needed length is reported.
+    expected.push("init-small 9 3".into());
+    assert_eq!(lines[..13], expected[..], "{}", r.dump());
+    assert!(
+        lines[13].starts_with("last-error ") && lines[13].contains("too small"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        lines[14..],
+        ["init 0 sim 3", "active 1", "exit 4"],
+        "{}",
+        r.dump()
+    );
+    assert_eq!(r.stderr, "", "{}", r.dump());
+}
