@@ -29,6 +29,7 @@ const SYMBOLS: &[&str] = &[
     "cuCtxSetCurrent",
     "cuCtxGetDevice",
     "cuCtxSynchronize",
+    "cuThreadExchangeStreamCaptureMode",
     "cuGetErrorName",
     "cuMemGetAllocationGranularity",
     "cuMemGetInfo_v2",
@@ -228,12 +229,34 @@ impl Driver for CudaDriver {
                 || format!("device {device}"),
             )?;
         }
-        // The token keeps the previous context; bit 0 is free (contexts are aligned) and marks
-        // "unchanged", so pop does nothing then.
-        Ok(DeviceToken(if prev == ctx { 1 } else { prev as u64 }))
+        // PyTorch may allocate while this thread captures a CUDA graph (in "global" mode, which
+        // forbids VMM calls); our calls are not captured work, so relax the mode meanwhile.
+        let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        // SAFETY: exchanges this thread's capture mode; restored in pop_device.
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!("cuThreadExchangeStreamCaptureMode: {}", error_name(r));
+            mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+        }
+        // The token keeps the previous context; 1 (contexts are aligned, so never a context)
+        // marks "unchanged", so pop leaves the context alone then.
+        Ok(DeviceToken(
+            if prev == ctx { 1 } else { prev as u64 },
+            mode as u64,
+        ))
     }
 
     fn pop_device(&self, token: DeviceToken) {
+        let mut mode = match token.1 {
+            0 => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            1 => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            _ => sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: restores the mode push_device replaced.
+        let r = unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::error!("restoring the stream capture mode: {}", error_name(r));
+        }
         if token.0 == 1 {
             return;
         }

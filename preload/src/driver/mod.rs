@@ -33,9 +33,10 @@ pub struct MemInfo {
     pub total: u64,
 }
 
-/// Token returned by [`Driver::push_device`], handed back to [`Driver::pop_device`].
+/// Token returned by [`Driver::push_device`], handed back to [`Driver::pop_device`]: what was
+/// current before (driver-specific words).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct DeviceToken(pub u64);
+pub struct DeviceToken(pub u64, pub u64);
 
 /// The device primitives. Implementations are thread-safe.
 pub trait Driver: Send + Sync {
@@ -45,7 +46,8 @@ pub trait Driver: Send + Sync {
     fn device_count(&self) -> Result<i32>;
     /// The device of the calling thread's current context (0 where none is current).
     fn current_device(&self) -> Result<i32>;
-    /// Make `device` current on this thread; returns a token to restore what was current.
+    /// Make `device` current on this thread (and let this thread's driver calls run while a
+    /// stream is being captured); returns a token to restore what was before.
     fn push_device(&self, device: i32) -> Result<DeviceToken>;
     /// Restore what was current before the matching [`Driver::push_device`].
     fn pop_device(&self, token: DeviceToken);

@@ -493,7 +493,7 @@ impl Driver for SimDriver {
     fn push_device(&self, device: i32) -> Result<DeviceToken> {
         self.check_device(Prim::Synchronize, device)?;
         let prev = CURRENT.with(|c| c.replace(device));
-        Ok(DeviceToken(prev as u64))
+        Ok(DeviceToken(prev as u64, 0))
     }
 
     fn pop_device(&self, token: DeviceToken) {

@@ -85,6 +85,8 @@ pub struct AllocInfo {
     pub host_bytes: u64,
     /// True when the host backup holds the allocation's contents (paused with backup).
     pub host_valid: bool,
+    /// False for allocations that pause and resume leave alone (see [`Engine::alloc_unpauseable`]).
+    pub pauseable: bool,
 }
 
 /// Outcome of one pause or resume call.
@@ -109,6 +111,7 @@ struct Allocation {
     handle: Option<PhysHandle>,
     host: Option<HostBuffer>,
     host_valid: bool,
+    pauseable: bool,
 }
 
 impl Allocation {
@@ -132,7 +135,7 @@ impl Registry {
     fn selected(&self, tag: Option<&str>, state: State) -> Vec<DevPtr> {
         self.allocs
             .iter()
-            .filter(|(_, a)| a.state() == state && tag.is_none_or(|t| &*a.tag == t))
+            .filter(|(_, a)| a.pauseable && a.state() == state && tag.is_none_or(|t| &*a.tag == t))
             .map(|(p, _)| *p)
             .collect()
     }
@@ -231,6 +234,22 @@ impl Engine {
 
     /// Allocate pauseable device memory; returns its address.
     pub fn alloc(&self, req: &AllocRequest) -> Result<DevPtr> {
+        self.alloc_impl(req, true)
+    }
+
+    /// Allocate device memory that pause and resume leave alone: for allocations made inside
+    /// `disable()` when the allocator itself is this library (PyTorch's pluggable-allocator pools).
+    pub fn alloc_unpauseable(&self, req: &AllocRequest) -> Result<DevPtr> {
+        self.alloc_impl(
+            &AllocRequest {
+                backup: None,
+                ..req.clone()
+            },
+            false,
+        )
+    }
+
+    fn alloc_impl(&self, req: &AllocRequest, pauseable: bool) -> Result<DevPtr> {
         let what = || {
             format!(
                 "allocating {} ({} bytes) on device {} for tag {:?}",
@@ -292,6 +311,7 @@ impl Engine {
                 handle: Some(handle),
                 host: None,
                 host_valid: false,
+                pauseable,
             },
         );
         tracing::debug!("alloc {ptr:#x} {} tag {:?}", req.size, req.tag);
@@ -651,6 +671,7 @@ impl Engine {
                 state: a.state(),
                 host_bytes: a.host.as_ref().map_or(0, |h| h.len()),
                 host_valid: a.host_valid,
+                pauseable: a.pauseable,
             })
             .collect()
     }

@@ -342,3 +342,22 @@ fn stats_per_tag() {
     let text = s.to_string();
     assert!(text.contains("tag") && text.contains("2.00 MiB"), "{text}");
 }
+
+#[test]
+fn unpauseable_allocations_are_left_alone() {
+    let (sim, e) = setup(64 << 20);
+    let keep = e
+        .alloc_unpauseable(&req(G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    let p = e.alloc(&req(G, "a", None)).unwrap();
+    fill(&sim, keep, &pattern(G as usize, 11));
+    assert_eq!(e.pause(Some("a")).unwrap().allocations, 1);
+    assert!(sim.is_accessible(keep) && !sim.is_accessible(p));
+    assert_eq!(read(&sim, keep, G as usize), pattern(G as usize, 11));
+    let infos = e.allocations();
+    assert!(infos
+        .iter()
+        .any(|a| a.addr == keep && !a.pauseable && a.backup.is_none()));
+    e.resume(None).unwrap();
+    assert!(e.free(keep).unwrap() && e.free(p).unwrap());
+}

@@ -153,6 +153,7 @@ fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int,
         report_once(&STARTUP_REPORTED, &e);
         (CUDA_ERROR_INITIALIZATION, e)
     })?;
+    let torch_pool = device.is_some();
     let device = match device {
         Some(d) => d,
         None => rt
@@ -167,7 +168,14 @@ fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int,
         tag: region.tag.clone(),
         backup: region.backup(),
     };
-    match rt.engine.alloc(&req) {
+    // The pluggable allocator serves every allocation of its pool, also those made inside
+    // `disable()`: those are real memory that pause leaves alone.
+    let made = if torch_pool && !region.enabled {
+        rt.engine.alloc_unpauseable(&req)
+    } else {
+        rt.engine.alloc(&req)
+    };
+    match made {
         Ok(p) => Ok(p as *mut c_void),
         Err(e) if e.is_oom() => Err((CUDA_ERROR_MEMORY_ALLOCATION, e)),
         Err(e @ Error::InvalidArgument(_)) => Err((CUDA_ERROR_INVALID_VALUE, e)),
