@@ -1,0 +1,59 @@
+"""Helpers: run Python snippets in a fresh interpreter, preloaded with libtms.so on the
+simulated device, and return what they print."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import torch_memory_saver as tms_pkg
+
+PRELUDE = """
+import ctypes, json, os, sys
+import torch_memory_saver as tms_pkg
+from torch_memory_saver import torch_memory_saver as tms
+libc = ctypes.CDLL(None)
+def cuda_malloc(n):
+    p = ctypes.c_void_p(0)
+    rc = libc.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n))
+    return rc, p.value
+def cuda_free(p):
+    return libc.cudaFree(ctypes.c_void_p(p))
+def tag_stats(name):
+    return next(t for t in tms.stats()["tags"] if t["tag"] == name)
+"""
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "PYTORCH_")) and k != "LD_PRELOAD"}
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def libtms() -> str:
+    return tms_pkg.get_binary_path()
+
+
+def run_py(code: str, env: dict, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    src = PRELUDE + textwrap.dedent(code)
+    r = subprocess.run([sys.executable, "-c", src], env=env, capture_output=True, text=True, timeout=60)
+    if expect_ok:
+        assert r.returncode == 0, f"snippet failed ({r.returncode})\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
+    return r
+
+
+@pytest.fixture
+def preloaded(libtms):
+    """Run a snippet under LD_PRELOAD=libtms.so on a 256 MiB simulated device."""
+
+    def go(code: str, expect_ok: bool = True, **env: str) -> subprocess.CompletedProcess:
+        base = clean_env(LD_PRELOAD=libtms, TMS_BACKEND="sim", TMS_SIM_CAPACITY="256MiB")
+        base.update(env)
+        return run_py(code, base, expect_ok)
+
+    return go

@@ -1,0 +1,400 @@
+"""The Python shim's paths that need no torch and no GPU, against the simulated device in a
+preloaded subprocess. Allocations are made through the interposed cudaMalloc (ctypes), and the
+simulated device's memory is host memory, so contents can be written and read directly."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torch_memory_saver as tms_pkg
+from torch_memory_saver import torch_memory_saver as tms
+
+from conftest import clean_env, run_py
+
+MIB = 1 << 20
+
+
+def test_import_needs_neither_torch_nor_a_gpu():
+    r = run_py(
+        "import sys\nassert 'torch' not in sys.modules\nprint(tms.hook_mode, tms.enabled)\n",
+        clean_env(),
+    )
+    assert r.stdout.split() == ["preload", "False"]
+
+
+def test_preload_mode_without_preload_names_the_fix():
+    r = run_py(
+        """
+        try:
+            tms.pause()
+        except tms_pkg.LibraryNotFoundError as e:
+            print("ERR", e)
+        """,
+        clean_env(),
+    )
+    assert "LD_PRELOAD" in r.stdout and "configure_subprocess" in r.stdout, r.stdout
+    assert "hook_mode = 'torch'" in r.stdout
+
+
+def test_region_pause_resume_keeps_backed_up_contents(preloaded):
+    r = preloaded(
+        """
+        assert tms.enabled
+        n = 3 * (1 << 20) + 12345
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(n)
+        with tms.region(tag="w"):
+            rc2, w = cuda_malloc(n)
+        assert rc == 0 and rc2 == 0, (rc, rc2)
+        data = os.urandom(n)
+        ctypes.memmove(kv, data, n)
+        ctypes.memmove(w, data, n)
+        tms.pause("kv")
+        s = tag_stats("kv")
+        assert s["paused_allocations"] == 1 and s["bytes_paused"] == 4 << 20 and s["host_backup_bytes"] == n, s
+        assert tag_stats("w")["active_allocations"] == 1
+        tms.pause()
+        tms.pause()  # pausing what is paused does nothing
+        tms.resume("w")
+        assert tag_stats("kv")["paused_allocations"] == 1
+        tms.resume()
+        assert ctypes.string_at(kv, n) == data, "backed-up contents kept"
+        assert ctypes.string_at(w, n) != data, "no backup: fresh memory"
+        assert tag_stats("kv")["host_backup_bytes"] == 0, "released after a non-retaining resume"
+        assert cuda_free(kv) == 0 and cuda_free(w) == 0
+        assert tms.stats()["tags"][0]["allocations"] == 0
+        print("ok")
+        """
+    )
+    assert r.stdout.strip() == "ok"
+
+
+def test_outside_a_region_and_inside_disable_nothing_is_pauseable(preloaded):
+    preloaded(
+        """
+        # No CUDA runtime under the library here, so a pass-through cudaMalloc fails with 3:
+        # that is how we see it was not served by the library.
+        rc, _ = cuda_malloc(1 << 20)
+        assert rc == 3, rc
+        with tms.region(tag="kv"):
+            with tms.disable():
+                rc, _ = cuda_malloc(1 << 20)
+                assert rc == 3, rc
+            rc, p = cuda_malloc(1 << 20)
+            assert rc == 0
+        assert cuda_free(p) == 0
+        """
+    )
+
+
+def test_out_of_memory_on_resume_raises_and_retry_works(preloaded):
+    r = preloaded(
+        """
+        n = 64 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(n)
+        data = os.urandom(n)
+        ctypes.memmove(kv, data, n)
+        tms.pause("kv")
+        with tms.region(tag="hog"):
+            rc, hog = cuda_malloc(224 << 20)
+        assert rc == 0
+        try:
+            tms.resume("kv")
+            raise SystemExit("resume should have failed")
+        except tms_pkg.OutOfMemoryError as e:
+            assert isinstance(e, tms_pkg.TorchMemorySaverError) and e.status == 1
+            print("MSG", e)
+        s = tag_stats("kv")
+        assert s["paused_allocations"] == 1 and s["host_backup_bytes"] == n, s
+        assert cuda_free(hog) == 0
+        tms.resume("kv")
+        assert ctypes.string_at(kv, n) == data
+        """
+    )
+    msg = r.stdout
+    assert "device 0" in msg and "CUDA_ERROR_OUT_OF_MEMORY" in msg and '"kv"' in msg, msg
+
+
+def test_cuda_malloc_out_of_memory_is_cuda_status_2(preloaded):
+    preloaded(
+        """
+        with tms.region(tag="big"):
+            rc, _ = cuda_malloc(512 << 20)
+        assert rc == 2, rc
+        """
+    )
+
+
+def test_driver_failure_raises_driver_error_and_state_stays_true(preloaded):
+    r = preloaded(
+        """
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(4 << 20)
+        ctypes.memmove(kv, b"x" * 100, 100)
+        tms.pause("kv")
+        try:
+            tms.resume("kv")   # the 2nd cuMemMap call of the process fails
+            raise SystemExit("resume should have failed")
+        except tms_pkg.DriverError as e:
+            print("MSG", e)
+        assert tag_stats("kv")["paused_allocations"] == 1
+        tms.resume("kv")
+        assert ctypes.string_at(kv, 100) == b"x" * 100
+        """,
+        TMS_SIM_FAULTS="map:2",
+    )
+    assert "cuMemMap" in r.stdout and "injected" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        ("tms.region(cpu_backup_backend='floppy')", ValueError, "floppy"),
+        ("tms.region(enable_cpu_backup=True, cpu_backup_backend='floppy')", ValueError, "cpu_backup_backend"),
+        ("tms.region(cpu_backup_backend='mmap')", ValueError, "enable_cpu_backup=True"),
+        ("tms.region(tag=5)", TypeError, "tag must be a str"),
+        ("tms.region(tag='')", ValueError, "empty"),
+        ("tms.region(tag=None)", TypeError, "tag must be a str"),
+        ("tms.region(enable_cpu_backup='yes')", TypeError, "bool"),
+        ("tms.pause(tag=3)", TypeError, "tag must be a str or None"),
+        ("tms.resume(tag=b'kv')", TypeError, "tag must be a str or None"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(call, exc, words):
+    with pytest.raises(exc, match=words):
+        obj = eval(call)  # region() raises on entry
+        obj.__enter__()
+
+
+def test_bad_settings_are_clear_errors():
+    t = tms_pkg.TorchMemorySaver()
+    with pytest.raises(ValueError, match="hook_mode"):
+        t.hook_mode = "gpu"
+    with pytest.raises(TypeError):
+        t.memory_margin_bytes = "1G"
+    with pytest.raises(ValueError, match=">= 0"):
+        t.memory_margin_bytes = -1
+    with pytest.raises(TypeError):
+        t.retain_cpu_backup = 1
+
+
+def test_hook_mode_is_fixed_after_first_use(preloaded):
+    preloaded(
+        """
+        tms.pause()
+        try:
+            tms.hook_mode = "torch"
+            raise SystemExit("should refuse")
+        except tms_pkg.InvalidStateError as e:
+            assert "before the first" in str(e)
+        tms.hook_mode = "preload"  # unchanged: fine
+        """
+    )
+
+
+def test_environment_sets_defaults(preloaded):
+    preloaded(
+        """
+        assert tms.retain_cpu_backup is True
+        assert tms.memory_margin_bytes == 3 << 20
+        lib = tms._library()
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            cur = json.loads(lib.call_string(lib.tms_region_current))
+            assert cur["backend"] == "mmap" and cur["cpu_backup"] and cur["tag"] == "kv", cur
+            with tms.region(tag="kv2", enable_cpu_backup=True, cpu_backup_backend="pinned"):
+                cur = json.loads(lib.call_string(lib.tms_region_current))
+                assert cur["backend"] == "pinned" and cur["depth"] == 2, cur
+        """,
+        TMS_INIT_CPU_BACKUP_BACKEND="mmap",
+        TMS_RETAIN_CPU_BACKUP="1",
+        TMS_MEMORY_MARGIN_BYTES="3MiB",
+    )
+
+
+def test_init_enable_makes_everything_pauseable(preloaded):
+    preloaded(
+        """
+        rc, p = cuda_malloc(1 << 20)
+        assert rc == 0
+        s = tag_stats("default")
+        assert s["allocations"] == 1
+        tms.pause("default")
+        tms.resume("default")
+        """,
+        TMS_INIT_ENABLE="1",
+    )
+
+
+@pytest.mark.parametrize(
+    "var, value", [("TMS_INIT_CPU_BACKUP_BACKEND", "floppy"), ("TMS_INIT_ENABLE", "maybe"), ("TMS_BACKEND", "gpu")]
+)
+def test_malformed_environment_raises_naming_the_variable(preloaded, var, value):
+    r = preloaded(
+        """
+        try:
+            tms.pause()
+            raise SystemExit("should fail")
+        except tms_pkg.InvalidArgumentError as e:
+            print("MSG", e)
+        """,
+        **{var: value},
+    )
+    assert var in r.stdout and value in r.stdout, r.stdout
+
+
+def test_retention_keeps_host_backup_across_resume(preloaded):
+    preloaded(
+        """
+        tms.retain_cpu_backup = True
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(2 << 20)
+        tms.pause("kv"); tms.resume("kv")
+        assert tag_stats("kv")["host_backup_bytes"] == 2 << 20
+        tms.retain_cpu_backup = False
+        assert tag_stats("kv")["host_backup_bytes"] == 2 << 20, "setting False frees nothing eagerly"
+        tms.pause("kv"); tms.resume("kv")
+        assert tag_stats("kv")["host_backup_bytes"] == 0
+        """
+    )
+
+
+def test_memory_margin_refuses_allocations(preloaded):
+    preloaded(
+        """
+        tms.memory_margin_bytes = 200 << 20
+        with tms.region(tag="kv"):
+            rc, _ = cuda_malloc(32 << 20)
+            assert rc == 0
+            rc, _ = cuda_malloc(32 << 20)
+            assert rc == 2, rc
+        tms.memory_margin_bytes = 0
+        """
+    )
+
+
+def test_expandable_segments_refused_in_preload_mode(preloaded):
+    r = preloaded(
+        """
+        try:
+            tms.pause()
+            raise SystemExit("should refuse")
+        except tms_pkg.UnsupportedError as e:
+            print("MSG", e)
+        """,
+        PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64,expandable_segments:True",
+    )
+    assert "PYTORCH_CUDA_ALLOC_CONF" in r.stdout and "expandable_segments" in r.stdout
+
+
+def test_torch_mode_pause_resume_stats_without_torch(libtms):
+    r = run_py(
+        """
+        tms.hook_mode = "torch"
+        tms.pause(); tms.resume()
+        assert "torch" not in sys.modules
+        print(tms.stats()["backend"])
+        """,
+        clean_env(TMS_BACKEND="sim", TMS_LIBRARY_PATH=libtms),
+    )
+    assert r.stdout.strip() == "sim"
+
+
+def test_stats_and_summary(preloaded):
+    r = preloaded(
+        """
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(5 << 20)
+        tms.pause("kv")
+        s = tms.stats()
+        assert s["backend"] == "sim"
+        t = tag_stats("kv")
+        assert t["last_pause"]["bytes"] == 6 << 20 and t["last_pause"]["copied_bytes"] == 5 << 20, t
+        assert t["last_resume"] is None
+        print(tms.summary())
+        """
+    )
+    assert "kv" in r.stdout and "tag" in r.stdout and "last pause" in r.stdout
+
+
+def test_logging_reports_pause_and_resume(preloaded):
+    r = preloaded(
+        """
+        import logging
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+        tms.pause("kv"); tms.resume("kv")
+        """
+    )
+    assert "torch_memory_saver paused tag 'kv'" in r.stdout
+    assert "torch_memory_saver resumed tag 'kv'" in r.stdout
+
+
+def test_fork_child_raises_invalid_state(preloaded):
+    preloaded(
+        """
+        with tms.region(tag="kv"):
+            rc, p = cuda_malloc(1 << 20)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                tms.pause()
+                os._exit(3)
+            except tms_pkg.InvalidStateError as e:
+                os._exit(0 if "forked" in str(e) else 4)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0, status
+        tms.pause(); tms.resume()
+        """
+    )
+
+
+def test_configure_subprocess_puts_libtms_first_and_restores(monkeypatch, libtms):
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with tms_pkg.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == libtms
+        out = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.environ['LD_PRELOAD'])"],
+            capture_output=True,
+            text=True,
+            env=clean_env(LD_PRELOAD=os.environ["LD_PRELOAD"]),
+        ).stdout.strip()
+        assert out == libtms
+    assert "LD_PRELOAD" not in os.environ
+
+    monkeypatch.setenv("LD_PRELOAD", f"/other/lib.so:{libtms}")
+    with tms_pkg.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == f"{libtms}:/other/lib.so"
+    assert os.environ["LD_PRELOAD"] == f"/other/lib.so:{libtms}"
+
+    with pytest.raises(RuntimeError):
+        with tms_pkg.configure_subprocess():
+            raise RuntimeError("boom")
+    assert os.environ["LD_PRELOAD"] == f"/other/lib.so:{libtms}"
+
+
+def test_a_child_started_inside_configure_subprocess_is_preloaded(libtms):
+    code = (
+        "import torch_memory_saver as t, ctypes\n"
+        "with t.configure_subprocess():\n"
+        "    import subprocess, sys\n"
+        "    r = subprocess.run([sys.executable, '-c', 'from torch_memory_saver import torch_memory_saver as x; print(x.enabled)'], capture_output=True, text=True)\n"
+        "print(r.stdout.strip())\n"
+    )
+    r = run_py(code, clean_env())
+    assert r.stdout.strip().splitlines()[-1] == "True", r.stdout
+
+
+def test_error_classes_map_status_codes():
+    from torch_memory_saver.errors import error_for_status
+
+    assert isinstance(error_for_status(1, "m"), tms_pkg.OutOfMemoryError)
+    assert isinstance(error_for_status(2, "m"), tms_pkg.DriverError)
+    assert isinstance(error_for_status(3, "m"), ValueError)
+    assert isinstance(error_for_status(5, "m"), LookupError)
+    e = error_for_status(77, "")
+    assert type(e) is tms_pkg.TorchMemorySaverError and "77" in str(e)
+    assert issubclass(tms_pkg.OutOfMemoryError, tms_pkg.TorchMemorySaverError)

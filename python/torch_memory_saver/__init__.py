@@ -1,0 +1,78 @@
+"""torch_memory_saver: give the GPU memory of selected tensors back and take it again later at
+the same addresses (tensors, pointers and CUDA graphs stay valid), optionally keeping contents
+in host memory.
+
+    from torch_memory_saver import torch_memory_saver
+
+    with torch_memory_saver.region(tag="kv", enable_cpu_backup=True):
+        kv = torch.zeros(1 << 30, dtype=torch.uint8, device="cuda")
+    torch_memory_saver.pause("kv")
+    torch_memory_saver.resume("kv")
+
+Run under ``LD_PRELOAD=<libtms.so>`` (hook_mode "preload", the default; see
+``configure_subprocess``) or set ``torch_memory_saver.hook_mode = "torch"``. Importing this
+package needs neither a GPU nor torch; ``pause``, ``resume`` and ``stats`` work without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from ._binding import bundled_library_path
+from .errors import (
+    DriverError,
+    InternalError,
+    InvalidArgumentError,
+    InvalidStateError,
+    LibraryNotFoundError,
+    NotFoundError,
+    OutOfMemoryError,
+    TorchMemorySaverError,
+    UnsupportedError,
+)
+from .saver import TorchMemorySaver
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "TorchMemorySaver",
+    "torch_memory_saver",
+    "configure_subprocess",
+    "get_binary_path",
+    "TorchMemorySaverError",
+    "OutOfMemoryError",
+    "DriverError",
+    "InvalidArgumentError",
+    "InvalidStateError",
+    "NotFoundError",
+    "UnsupportedError",
+    "InternalError",
+    "LibraryNotFoundError",
+]
+
+torch_memory_saver = TorchMemorySaver()
+"""The process-wide instance."""
+
+
+def get_binary_path() -> str:
+    """Path of the libtms.so bundled with this package (what ``LD_PRELOAD`` should name)."""
+    return bundled_library_path()
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """Child processes started inside get libtms.so first in ``LD_PRELOAD`` (preload mode);
+    the variable is restored on exit."""
+    path = get_binary_path()
+    old = os.environ.get("LD_PRELOAD")
+    rest = [p for p in (old or "").replace(" ", ":").split(":") if p and p != path]
+    os.environ["LD_PRELOAD"] = ":".join([path, *rest])
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = old

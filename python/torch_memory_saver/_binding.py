@@ -1,0 +1,131 @@
+"""ctypes binding of libtms.so's C ABI (see preload/include/tms.h). Importing this module
+loads nothing; the library is found on first use."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+from .errors import LibraryNotFoundError, error_for_status
+
+_c_size_p = ctypes.POINTER(ctypes.c_size_t)
+
+# name -> (restype, argtypes)
+_SIGNATURES = {
+    "tms_version": (ctypes.c_char_p, []),
+    "tms_status_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "tms_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+    "tms_init": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
+    "tms_is_active": (ctypes.c_int, []),
+    "tms_region_enter": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]),
+    "tms_region_exit": (ctypes.c_int, []),
+    "tms_region_current": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
+    "tms_pause": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_resume": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_set_retain_cpu_backup": (ctypes.c_int, [ctypes.c_int]),
+    "tms_get_retain_cpu_backup": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
+    "tms_set_memory_margin": (ctypes.c_int, [ctypes.c_uint64]),
+    "tms_get_memory_margin": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64)]),
+    "tms_get_cpu_backup": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
+    "tms_copy_cpu_backup": (
+        ctypes.c_int,
+        [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
+    ),
+    "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
+}
+
+BUFFER_TOO_SMALL = 9
+
+
+def bundled_library_path() -> str:
+    """Path of the libtms.so this package uses: ``$TMS_LIBRARY_PATH``, else the one installed
+    inside the package, else a development build (``target/{release,debug}``) of the checkout
+    this package sits in."""
+    env = os.environ.get("TMS_LIBRARY_PATH")
+    if env:
+        return env
+    here = Path(__file__).resolve().parent
+    found = sorted(here.glob("libtms*.so"))
+    if found:
+        return str(found[0])
+    root = here.parent.parent
+    for profile in ("release", "debug"):
+        p = root / "target" / profile / "libtms.so"
+        if p.exists():
+            return str(p)
+    raise LibraryNotFoundError(
+        f"libtms.so not found: not installed in {here}, no development build under {root / 'target'}, "
+        "and TMS_LIBRARY_PATH is not set. Install the package with pip, or build with `cargo build --release`."
+    )
+
+
+class Library:
+    """The loaded C ABI, with status checking."""
+
+    def __init__(self, handle: ctypes.CDLL, path: str | None) -> None:
+        self._h = handle
+        self.path = path
+        for name, (res, args) in _SIGNATURES.items():
+            f = getattr(handle, name)
+            f.restype = res
+            f.argtypes = args
+            setattr(self, name, f)
+
+    def last_error(self) -> str:
+        buf = ctypes.create_string_buffer(4096)
+        self.tms_last_error(buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    def check(self, status: int) -> None:
+        """Raise the matching exception for a failed status."""
+        if status != 0:
+            raise error_for_status(status, self.last_error())
+
+    def call_string(self, fn) -> str:
+        """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed."""
+        cap = 4096
+        while True:
+            buf = ctypes.create_string_buffer(cap)
+            need = ctypes.c_size_t(0)
+            status = fn(buf, cap, ctypes.byref(need))
+            if status == BUFFER_TOO_SMALL and need.value + 1 > cap:
+                cap = need.value + 1
+                continue
+            self.check(status)
+            return buf.value.decode("utf-8")
+
+
+_lock = threading.Lock()
+_preloaded: Library | None = None
+_loaded: dict[str, Library] = {}
+
+
+def preloaded() -> Library | None:
+    """The libtms.so that LD_PRELOAD put into this process, or None."""
+    global _preloaded
+    with _lock:
+        if _preloaded is None:
+            try:
+                h = ctypes.CDLL(None)
+                getattr(h, "tms_region_enter")
+            except (OSError, AttributeError):
+                return None
+            _preloaded = Library(h, None)
+        return _preloaded
+
+
+def load(path: str | None = None) -> Library:
+    """Load libtms.so from ``path`` (default: the bundled one). Loading the file that is already
+    preloaded gives the same library instance (the loader shares it)."""
+    path = path or bundled_library_path()
+    with _lock:
+        lib = _loaded.get(path)
+        if lib is None:
+            try:
+                h = ctypes.CDLL(path)
+            except OSError as e:
+                raise LibraryNotFoundError(f"cannot load {path}: {e}") from e
+            lib = _loaded[path] = Library(h, path)
+        return lib
