@@ -88,8 +88,8 @@ fn run() -> Result<bool, String> {
     let intact = back == data;
 
     println!(
-        "{:<28} {:>14} {:>12}  {}",
-        "step", "device free", "change", "time"
+        "{:<28} {:>14} {:>12}  time",
+        "step", "device free", "change"
     );
     let mut prev = f0;
     for (step, free, time) in &rows {

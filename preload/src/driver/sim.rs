@@ -523,18 +523,22 @@ impl Driver for SimDriver {
         })?;
         self.check_device(Prim::Reserve, device)?;
         self.check_multiple(Prim::Reserve, "size", size)?;
+        // Reserve size + granularity and trim both ends, so the range is aligned to the
+        // granularity as cuMemAddressReserve's is.
+        let align = self.cfg.granularity;
+        let span = size + align;
         // SAFETY: a fresh PROT_NONE anonymous mapping; touches no existing memory.
-        let p = unsafe {
+        let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                size as usize,
+                span as usize,
                 libc::PROT_NONE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
                 0,
             )
         };
-        if p == libc::MAP_FAILED {
+        if raw == libc::MAP_FAILED {
             return Err(driver_err(
                 Prim::Reserve,
                 2,
@@ -543,6 +547,18 @@ impl Driver for SimDriver {
                     std::io::Error::last_os_error()
                 ),
             ));
+        }
+        let start = raw as u64;
+        let p = start.next_multiple_of(align);
+        // SAFETY: both trimmed pieces lie inside the mapping just made and nothing uses them.
+        unsafe {
+            if p > start {
+                libc::munmap(raw, (p - start) as usize);
+            }
+            let end = p + size;
+            if start + span > end {
+                libc::munmap(end as *mut libc::c_void, (start + span - end) as usize);
+            }
         }
         g.reservations.insert(p as u64, Reservation { size });
         Ok(p as u64)
@@ -648,6 +664,12 @@ impl Driver for SimDriver {
             format!("ptr {ptr:#x}, {size} bytes, handle {}", handle.0)
         })?;
         self.check_multiple(Prim::Map, "size", size)?;
+        if ptr % self.cfg.granularity != 0 {
+            return Err(invalid(
+                Prim::Map,
+                format!("ptr {ptr:#x} is not aligned to the granularity"),
+            ));
+        }
         let inside = g
             .reservations
             .range(..=ptr)

@@ -19,6 +19,11 @@
 //! undoes the whole call. Then each allocation becomes active and, unless retention is on, its
 //! host backup is released.
 //!
+//! *Free* removes the allocation; if unmapping fails it is put back, still active. A failure
+//! after the unmap (releasing the handle, or giving back the address range) is reported but the
+//! allocation is gone: only that handle or range leaks. Likewise a host buffer whose release
+//! fails is logged and leaks; nothing the caller still needs is ever dropped.
+//!
 //! The registry lock is held for a whole pause or resume, so allocations and frees from other
 //! threads wait for it (bounded by the copy time) instead of seeing half-done state.
 
@@ -455,7 +460,11 @@ impl Engine {
             copied = a.size;
         }
         let h = a.handle.expect("active allocations have a handle");
-        d.unmap(ptr, a.mapped).ctx(what)?;
+        if let Err(e) = d.unmap(ptr, a.mapped) {
+            // Still active and writable: the copy just made is no longer "the contents".
+            a.host_valid = false;
+            return Err(e.context(what()));
+        }
         a.handle = None;
         d.release(h).ctx(what)?;
         Ok(copied)

@@ -1,0 +1,947 @@
+//! Fault injection at every simulated driver primitive ([`Prim::ALL`]) on the alloc, pause,
+//! resume and free paths, at every call index within a multi-allocation operation.
+//!
+//! Each case builds a fresh engine over a fresh simulated machine, arms one fault (`prim`, `nth`,
+//! `code`), runs the operation, and then checks, with faults cleared:
+//! - the failure came back as an error (not a panic) naming the driver call and the operation;
+//! - the registry tells the truth (Active = accessible in the sim, Paused = not; sim live
+//!   bytes/handles/mappings/reservations/pinned bytes equal what the registry implies, plus only
+//!   the leaks the engine documents);
+//! - no byte that was backed up or still on the device is lost: a `resume(None)` succeeds and
+//!   brings back exactly the original contents;
+//! - freeing everything leaves nothing but the documented leaks.
+//!
+//! For each primitive, `nth` runs from 1 until the fault no longer fires (the operation does not
+//! call the primitive that often). The set of primitives that fired on each path is asserted too,
+//! so the harness cannot silently stop exercising a path.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use tms::driver::sim::{Prim, SimConfig, SimDriver};
+use tms::driver::HostBackend;
+use tms::engine::{AllocInfo, AllocRequest, Engine, State};
+use tms::{Backup, Error};
+
+/// Sim granularity: small, so thousands of cases stay fast in debug builds.
+const G: u64 = 16 << 10;
+const CAPACITY: u64 = 1 << 30;
+/// Fault codes tried: CUDA_ERROR_UNKNOWN and CUDA_ERROR_OUT_OF_MEMORY.
+const CODES: [i32; 2] = [999, 2];
+
+const PINNED: Backup = Some(HostBackend::Pinned);
+const MMAP: Backup = Some(HostBackend::Mmap);
+
+/// The three allocations of the operation under test: odd sizes, two devices.
+const SIZES: [u64; 3] = [G + 1, 2 * G - 7, 3 * G + 4097];
+const DEVICES: [i32; 3] = [0, 1, 0];
+/// A bystander of another tag ("u"), with a pinned backup.
+const BYSTANDER: u64 = G / 2 + 3;
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = vec![0u8; len];
+    for c in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    v
+}
+
+/// Write straight into simulated device memory (it is host memory), without calling a driver
+/// primitive, so armed faults are not consumed by the test itself.
+fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
+    let last = addr + data.len() as u64 - 1;
+    assert!(
+        sim.is_accessible(addr) && sim.is_accessible(last),
+        "writing {addr:#x}+{}: not accessible",
+        data.len()
+    );
+    // SAFETY: the sim says the whole range is mapped read/write.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+}
+
+fn read_raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
+    let last = addr + len as u64 - 1;
+    assert!(
+        sim.is_accessible(addr) && sim.is_accessible(last),
+        "reading {addr:#x}+{len}: not accessible"
+    );
+    let mut v = vec![0u8; len];
+    // SAFETY: the sim says the whole range is mapped read/write.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
+    v
+}
+
+/// Compare without dumping megabytes on failure.
+fn assert_same(got: &[u8], want: &[u8], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        panic!(
+            "{what}: contents differ from byte {i} on ({:#04x} != {:#04x})",
+            got[i], want[i]
+        );
+    }
+}
+
+struct Tracked {
+    addr: u64,
+    size: u64,
+    mapped: u64,
+    device: i32,
+    tag: String,
+    backup: Backup,
+    data: Vec<u8>,
+    /// `data` is what the allocation holds (false once it was paused without a backup).
+    intact: bool,
+}
+
+/// What the engine is allowed to leak after the injected failure.
+#[derive(Default, Debug)]
+struct Leaks {
+    handles: usize,
+    bytes: [u64; 2],
+    reservations: usize,
+    pinned: u64,
+}
+
+struct Fx {
+    sim: Arc<SimDriver>,
+    e: Engine,
+    t: Vec<Tracked>,
+    leaks: Leaks,
+    seed: u64,
+    /// The one allocation allowed to be active with `host_valid` set: the one whose unmap failed
+    /// in a pause (see `failed_unmap_in_pause_claims_a_valid_backup`, which fails on it).
+    stale_host_valid: Option<u64>,
+}
+
+impl Fx {
+    fn new() -> Fx {
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                devices: 2,
+                capacity: CAPACITY,
+                granularity: G,
+            })
+            .unwrap(),
+        );
+        let e = Engine::new(sim.clone());
+        Fx {
+            sim,
+            e,
+            t: Vec::new(),
+            leaks: Leaks::default(),
+            seed: 1,
+            stale_host_valid: None,
+        }
+    }
+
+    fn next_seed(&mut self) -> u64 {
+        self.seed += 1;
+        self.seed
+    }
+
+    /// Register an allocation the engine handed out; contents not yet written.
+    fn track(&mut self, addr: u64, size: u64, device: i32, tag: &str, backup: Backup) {
+        self.t.push(Tracked {
+            addr,
+            size,
+            mapped: size.next_multiple_of(G),
+            device,
+            tag: tag.to_string(),
+            backup,
+            data: Vec::new(),
+            intact: false,
+        });
+    }
+
+    /// Allocate (faults must be clear) and fill with random data.
+    fn add(&mut self, size: u64, device: i32, tag: &str, backup: Backup) -> u64 {
+        let addr = self
+            .e
+            .alloc(&AllocRequest {
+                size,
+                device,
+                tag: tag.into(),
+                backup,
+            })
+            .unwrap();
+        self.track(addr, size, device, tag, backup);
+        self.fill_unwritten();
+        addr
+    }
+
+    /// Give every active allocation without known contents fresh random data.
+    fn fill_unwritten(&mut self) {
+        self.refill(false);
+    }
+
+    /// Give every active allocation fresh random data.
+    fn rewrite_all(&mut self) {
+        self.refill(true);
+    }
+
+    fn refill(&mut self, all: bool) {
+        let infos = self.infos();
+        for i in 0..self.t.len() {
+            let (addr, size) = (self.t[i].addr, self.t[i].size);
+            if infos[&addr].state == State::Active && (all || !self.t[i].intact) {
+                let data = pattern(size as usize, self.next_seed());
+                write_raw(&self.sim, addr, &data);
+                self.t[i].data = data;
+                self.t[i].intact = true;
+            }
+        }
+    }
+
+    fn infos(&self) -> BTreeMap<u64, AllocInfo> {
+        self.e
+            .allocations()
+            .into_iter()
+            .map(|i| (i.addr, i))
+            .collect()
+    }
+
+    fn index_of(&self, addr: u64) -> usize {
+        self.t
+            .iter()
+            .position(|t| t.addr == addr)
+            .unwrap_or_else(|| panic!("{addr:#x} is not tracked"))
+    }
+
+    fn forget(&mut self, addr: u64) {
+        let i = self.index_of(addr);
+        self.t.remove(i);
+    }
+
+    /// Allocations now paused without a backup have lost their contents.
+    fn mark_lost(&mut self) {
+        let infos = self.infos();
+        for t in &mut self.t {
+            if t.backup.is_none() && infos[&t.addr].state == State::Paused {
+                t.intact = false;
+            }
+        }
+    }
+
+    /// The single tracked allocation whose address the message names.
+    fn named(&self, msg: &str) -> Option<u64> {
+        let hits: Vec<u64> = self
+            .t
+            .iter()
+            .map(|t| t.addr)
+            .filter(|a| msg.contains(&format!("{a:#x} (")))
+            .collect();
+        assert!(hits.len() <= 1, "{msg}: names several allocations");
+        hits.first().copied()
+    }
+
+    fn pinned_in_registry(&self) -> u64 {
+        self.e
+            .allocations()
+            .iter()
+            .filter(|i| i.backup == PINNED)
+            .map(|i| i.host_bytes)
+            .sum()
+    }
+
+    /// The registry tells the truth and the sim holds exactly what it implies.
+    fn check(&self, ctx: &str) {
+        let infos = self.e.allocations();
+        let got: Vec<u64> = infos.iter().map(|i| i.addr).collect();
+        let mut want: Vec<u64> = self.t.iter().map(|t| t.addr).collect();
+        want.sort_unstable();
+        assert_eq!(
+            got, want,
+            "{ctx}: the registry holds exactly the live allocations"
+        );
+        let mut active = 0;
+        let mut active_bytes = [0u64; 2];
+        let mut pinned = 0;
+        for i in &infos {
+            let t = &self.t[self.index_of(i.addr)];
+            let a = i.addr;
+            assert_eq!(
+                (i.size, i.mapped, i.device, i.tag.as_str(), i.backup),
+                (t.size, t.mapped, t.device, t.tag.as_str(), t.backup),
+                "{ctx}: {a:#x} registry fields"
+            );
+            let last = a + i.mapped - 1;
+            match i.state {
+                State::Active => {
+                    assert!(
+                        self.sim.is_accessible(a) && self.sim.is_accessible(last),
+                        "{ctx}: {a:#x} reported active but not accessible in the sim"
+                    );
+                    assert!(
+                        !i.host_valid || self.stale_host_valid == Some(a),
+                        "{ctx}: {a:#x} is active yet reported with a valid host backup \
+                         (host_valid means: paused with backup)"
+                    );
+                    active += 1;
+                    active_bytes[i.device as usize] += i.mapped;
+                    if t.intact {
+                        assert_same(
+                            &read_raw(&self.sim, a, t.size as usize),
+                            &t.data,
+                            &format!("{ctx}: active {a:#x} on device"),
+                        );
+                    }
+                }
+                State::Paused => {
+                    assert!(
+                        !self.sim.is_accessible(a) && !self.sim.is_accessible(last),
+                        "{ctx}: {a:#x} reported paused but still accessible in the sim"
+                    );
+                    if t.backup.is_some() {
+                        assert!(
+                            i.host_valid && i.host_bytes == i.size,
+                            "{ctx}: paused {a:#x} with backup: host_valid {} host_bytes {}",
+                            i.host_valid,
+                            i.host_bytes
+                        );
+                        let mut b = vec![0u8; t.size as usize];
+                        assert!(
+                            self.e.copy_cpu_backup(a, &mut b).unwrap(),
+                            "{ctx}: {a:#x} no backup"
+                        );
+                        assert!(t.intact, "{ctx}: {a:#x} backed up allocation lost track");
+                        assert_same(&b, &t.data, &format!("{ctx}: backup of paused {a:#x}"));
+                    } else {
+                        assert!(!i.host_valid && i.host_bytes == 0, "{ctx}: {a:#x} host");
+                    }
+                }
+            }
+            if i.backup == PINNED {
+                pinned += i.host_bytes;
+            }
+        }
+        let l = &self.leaks;
+        for d in 0..2 {
+            assert_eq!(
+                self.sim.live_bytes(d),
+                active_bytes[d as usize] + l.bytes[d as usize],
+                "{ctx}: device {d} live bytes = mapped bytes of active allocations + leaks {l:?}"
+            );
+        }
+        assert_eq!(self.sim.live_mappings(), active, "{ctx}: mappings");
+        assert_eq!(
+            self.sim.live_handles(),
+            active + l.handles,
+            "{ctx}: handles (leaks {l:?})"
+        );
+        assert_eq!(
+            self.sim.live_reservations(),
+            infos.len() + l.reservations,
+            "{ctx}: reservations (leaks {l:?})"
+        );
+        assert_eq!(
+            self.sim.pinned_bytes(),
+            pinned + l.pinned,
+            "{ctx}: pinned bytes (leaks {l:?})"
+        );
+    }
+
+    /// Clear faults, resume everything, check every surviving byte, free everything, and check
+    /// that only the documented leaks are left.
+    fn recover(mut self, ctx: &str) {
+        self.sim.clear_faults();
+        if let Err(e) = self.e.resume(None) {
+            panic!("{ctx}: resume after clearing faults failed: {e}");
+        }
+        assert!(
+            self.e
+                .allocations()
+                .iter()
+                .all(|i| i.state == State::Active),
+            "{ctx}: all active after the recovery resume"
+        );
+        self.check(&format!("{ctx} (after recovery resume)"));
+        for t in std::mem::take(&mut self.t) {
+            match self.e.free(t.addr) {
+                Ok(true) => {}
+                other => panic!("{ctx}: freeing {:#x} after recovery: {other:?}", t.addr),
+            }
+        }
+        assert!(self.e.allocations().is_empty());
+        let l = &self.leaks;
+        assert_eq!(
+            (
+                self.sim.live_bytes(0),
+                self.sim.live_bytes(1),
+                self.sim.live_handles(),
+                self.sim.live_mappings(),
+                self.sim.live_reservations(),
+                self.sim.pinned_bytes()
+            ),
+            (
+                l.bytes[0],
+                l.bytes[1],
+                l.handles,
+                0,
+                l.reservations,
+                l.pinned
+            ),
+            "{ctx}: after freeing everything only the documented leaks remain"
+        );
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Case {
+    /// Allocate three (two allocations exist already, one of them paused).
+    Alloc { margin: bool },
+    /// Pause tag "t" (or all) holding three allocations with these backups.
+    Pause {
+        backups: [Backup; 3],
+        all: bool,
+        /// Host buffers retained from an earlier pause/resume (so the pause reuses them).
+        retained: bool,
+    },
+    /// Resume tag "t" (or all) after pausing it.
+    Resume {
+        backups: [Backup; 3],
+        all: bool,
+        retain: bool,
+    },
+    /// Free three allocations (tags f0, f1, f2), those flagged paused first.
+    Free {
+        backups: [Backup; 3],
+        paused: [bool; 3],
+    },
+}
+
+impl Case {
+    fn op_word(&self) -> &'static str {
+        match self {
+            Case::Alloc { .. } => "allocating",
+            Case::Pause { .. } => "pause of",
+            Case::Resume { .. } => "resume of",
+            Case::Free { .. } => "freeing",
+        }
+    }
+
+    fn selector(all: bool) -> Option<&'static str> {
+        if all {
+            None
+        } else {
+            Some("t")
+        }
+    }
+}
+
+/// The state before the operation.
+struct Setup {
+    fx: Fx,
+    /// Addresses the operation works on, in the engine's order (device, then address).
+    order: Vec<u64>,
+}
+
+fn setup(case: &Case) -> Setup {
+    let mut fx = Fx::new();
+    let by_device_order = |fx: &Fx, pick: &dyn Fn(&AllocInfo) -> bool| {
+        let mut v: Vec<(i32, u64)> =
+            fx.e.allocations()
+                .iter()
+                .filter(|i| pick(i))
+                .map(|i| (i.device, i.addr))
+                .collect();
+        v.sort_unstable();
+        v.into_iter().map(|(_, a)| a).collect::<Vec<u64>>()
+    };
+    match *case {
+        Case::Alloc { margin } => {
+            fx.add(G + 5, 0, "t", PINNED);
+            fx.add(2 * G, 1, "u", PINNED);
+            fx.e.pause(Some("u")).unwrap();
+            if margin {
+                fx.e.set_memory_margin(1);
+            }
+            Setup {
+                fx,
+                order: Vec::new(),
+            }
+        }
+        Case::Pause {
+            backups,
+            all,
+            retained,
+        } => {
+            for k in 0..3 {
+                fx.add(SIZES[k], DEVICES[k], "t", backups[k]);
+            }
+            fx.add(BYSTANDER, 1, "u", PINNED);
+            if retained {
+                fx.e.set_retain_cpu_backup(true);
+                fx.e.pause(None).unwrap();
+                fx.e.resume(None).unwrap();
+                fx.rewrite_all();
+            }
+            let order = by_device_order(&fx, &|i| all || i.tag == "t");
+            Setup { fx, order }
+        }
+        Case::Resume {
+            backups,
+            all,
+            retain,
+        } => {
+            for k in 0..3 {
+                fx.add(SIZES[k], DEVICES[k], "t", backups[k]);
+            }
+            fx.add(BYSTANDER, 1, "u", PINNED);
+            fx.e.pause(Case::selector(all)).unwrap();
+            fx.mark_lost();
+            fx.e.set_retain_cpu_backup(retain);
+            let order = by_device_order(&fx, &|i| all || i.tag == "t");
+            Setup { fx, order }
+        }
+        Case::Free { backups, paused } => {
+            let mut order = Vec::new();
+            for k in 0..3 {
+                order.push(fx.add(SIZES[k], DEVICES[k], &format!("f{k}"), backups[k]));
+            }
+            fx.add(BYSTANDER, 1, "u", PINNED);
+            for (k, _) in paused.iter().enumerate().filter(|(_, p)| **p) {
+                fx.e.pause(Some(&format!("f{k}"))).unwrap();
+            }
+            fx.mark_lost();
+            Setup { fx, order }
+        }
+    }
+}
+
+/// Run the operation, keeping `fx.t` in step with what it allocated or freed.
+fn op(case: &Case, fx: &mut Fx, order: &[u64]) -> Result<(), Error> {
+    match *case {
+        Case::Alloc { .. } => {
+            let reqs = [(G / 2 + 1, 1, PINNED), (2 * G + 3, 0, None), (1, 1, MMAP)];
+            for (size, device, backup) in reqs {
+                let addr = fx.e.alloc(&AllocRequest {
+                    size,
+                    device,
+                    tag: "n".into(),
+                    backup,
+                })?;
+                fx.track(addr, size, device, "n", backup);
+            }
+            Ok(())
+        }
+        Case::Pause { all, .. } => fx.e.pause(Case::selector(all)).map(|_| ()),
+        Case::Resume { all, .. } => fx.e.resume(Case::selector(all)).map(|_| ()),
+        Case::Free { .. } => {
+            for &addr in order {
+                match fx.e.free(addr)? {
+                    true => fx.forget(addr),
+                    false => panic!("free({addr:#x}): not ours"),
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// One case with one fault. Returns whether the fault fired.
+fn run(case: &Case, prim: Prim, nth: u64, code: i32) -> bool {
+    let ctx = format!("{case:?} with fault {prim} #{nth} code {code}");
+    let Setup { mut fx, order } = setup(case);
+    let before = fx.infos();
+    let pinned_candidates: BTreeSet<u64> = before
+        .values()
+        .filter(|i| i.backup == PINNED && i.host_bytes > 0)
+        .map(|i| i.host_bytes)
+        .chain(
+            // Buffers created during the operation (pause) may be freed in it too.
+            before
+                .values()
+                .filter(|i| i.backup == PINNED)
+                .map(|i| i.size),
+        )
+        .collect();
+    let pinned_before = fx.sim.pinned_bytes();
+    fx.sim.arm_fault(prim, nth, code);
+    let result = catch_unwind(AssertUnwindSafe(|| op(case, &mut fx, &order)))
+        .unwrap_or_else(|_| panic!("{ctx}: the engine panicked instead of returning an error"));
+    let fired = fx.sim.pending_faults() == 0;
+    fx.sim.clear_faults();
+
+    match (&result, fired) {
+        (Ok(()), false) => {}
+        (Err(e), false) => panic!("{ctx}: failed although the fault did not fire: {e}"),
+        (Ok(()), true) => {
+            // The one failure the engine swallows: freeing a host buffer (HostBuffer's drop logs
+            // it; the memory leaks). Nothing else may be swallowed.
+            assert_eq!(
+                prim,
+                Prim::HostFree,
+                "{ctx}: the injected fault was swallowed"
+            );
+            let leak = fx.sim.pinned_bytes() - fx.pinned_in_registry();
+            assert!(
+                pinned_candidates.contains(&leak),
+                "{ctx}: a failed host free leaks exactly one buffer, leaked {leak} \
+                 (before: {pinned_before}, candidates {pinned_candidates:?})"
+            );
+            fx.leaks.pinned += leak;
+        }
+        (Err(e), true) => {
+            let msg = e.to_string();
+            assert!(
+                msg.contains(prim.call()) && msg.contains("injected fault"),
+                "{ctx}: the error names the call: {msg}"
+            );
+            assert!(
+                msg.contains(case.op_word()),
+                "{ctx}: the error names the operation: {msg}"
+            );
+            assert_eq!(e.is_oom(), code == 2, "{ctx}: error kind: {msg}");
+            after_error(case, &mut fx, &before, &order, prim, &msg, &ctx);
+        }
+    }
+    fx.fill_unwritten();
+    fx.mark_lost();
+    fx.check(&ctx);
+    fx.recover(&ctx);
+    fired
+}
+
+/// What each path promises about the state after a failure.
+fn after_error(
+    case: &Case,
+    fx: &mut Fx,
+    before: &BTreeMap<u64, AllocInfo>,
+    order: &[u64],
+    prim: Prim,
+    msg: &str,
+    ctx: &str,
+) {
+    let now = fx.infos();
+    let unchanged_outside = |fx: &Fx, sel: &[u64]| {
+        for (a, i) in &fx.infos() {
+            if !sel.contains(a) {
+                if let Some(b) = before.get(a) {
+                    assert_eq!(b.state, i.state, "{ctx}: {a:#x} outside the operation");
+                }
+            }
+        }
+    };
+    match case {
+        Case::Alloc { .. } => {
+            // Only the successful allocations appeared (check() compares the registry with the
+            // tracked set); the earlier ones are unchanged.
+            for (a, b) in before {
+                assert_eq!(now[a].state, b.state, "{ctx}: {a:#x}");
+            }
+        }
+        Case::Pause { .. } => {
+            // Those before the failing one are paused, the failing one is active (unless only its
+            // release failed: then it is paused and its handle leaks), the rest are active.
+            let states: Vec<State> = order.iter().map(|a| now[a].state).collect();
+            let k = states.iter().take_while(|s| **s == State::Paused).count();
+            assert!(
+                states[k..].iter().all(|s| *s == State::Active),
+                "{ctx}: pause stops at the first failure: {states:?}"
+            );
+            let named = fx.named(msg);
+            if prim == Prim::Release {
+                let a = named.unwrap_or_else(|| panic!("{ctx}: which allocation? {msg}"));
+                assert!(k > 0 && order[k - 1] == a, "{ctx}: {states:?} {msg}");
+                assert!(
+                    msg.contains("handle"),
+                    "{ctx}: the handle is reported: {msg}"
+                );
+                let t = &fx.t[fx.index_of(a)];
+                fx.leaks.handles += 1;
+                fx.leaks.bytes[t.device as usize] += t.mapped;
+            } else {
+                assert!(k < order.len(), "{ctx}: something failed: {states:?}");
+                if let Some(a) = named {
+                    assert_eq!(order[k], a, "{ctx}: the failing allocation stays active");
+                    if prim == Prim::Unmap {
+                        fx.stale_host_valid = Some(a);
+                    }
+                }
+            }
+            unchanged_outside(fx, order);
+        }
+        Case::Resume { .. } => {
+            assert!(
+                msg.contains("stays paused with its backups"),
+                "{ctx}: resume says it was undone: {msg}"
+            );
+            for (a, b) in before {
+                assert_eq!(
+                    now[a].state, b.state,
+                    "{ctx}: a failed resume changes nothing"
+                );
+                assert_eq!(now[a].host_valid, b.host_valid, "{ctx}: {a:#x} host_valid");
+                assert_eq!(now[a].host_bytes, b.host_bytes, "{ctx}: {a:#x} host_bytes");
+            }
+        }
+        Case::Free { .. } => {
+            let a = fx
+                .named(msg)
+                .unwrap_or_else(|| panic!("{ctx}: which allocation? {msg}"));
+            match prim {
+                // Unmapped already: the allocation is gone for the caller; only the handle leaks
+                // (engine/mod.rs, Engine::free).
+                Prim::Release => {
+                    assert!(
+                        !fx.e.owns(a),
+                        "{ctx}: {a:#x} is gone after a failed release"
+                    );
+                    assert_eq!(before[&a].state, State::Active);
+                    let t = &fx.t[fx.index_of(a)];
+                    fx.leaks.handles += 1;
+                    fx.leaks.bytes[t.device as usize] += t.mapped;
+                    fx.forget(a);
+                }
+                // The address range could not be given back: the allocation is gone and its
+                // reservation leaks (physical memory was released already).
+                Prim::FreeRange => {
+                    assert!(
+                        !fx.e.owns(a),
+                        "{ctx}: {a:#x} is gone after a failed free_range"
+                    );
+                    fx.leaks.reservations += 1;
+                    fx.forget(a);
+                }
+                _ => {
+                    assert!(fx.e.owns(a), "{ctx}: a failed free keeps {a:#x}");
+                    assert_eq!(now[&a].state, before[&a].state, "{ctx}: {a:#x} state");
+                }
+            }
+            unchanged_outside(fx, order);
+        }
+    }
+}
+
+/// Every primitive, every call index; returns the primitives that fired and their largest nth.
+fn sweep(case: Case) -> BTreeMap<&'static str, u64> {
+    let mut fired = BTreeMap::new();
+    for prim in Prim::ALL {
+        for code in CODES {
+            let mut nth = 1;
+            while run(&case, prim, nth, code) {
+                fired.insert(prim.name(), nth);
+                nth += 1;
+                assert!(nth < 50, "{case:?}: {prim} keeps firing");
+            }
+        }
+    }
+    fired
+}
+
+fn names(prims: &[Prim]) -> BTreeSet<&'static str> {
+    prims.iter().map(|p| p.name()).collect()
+}
+
+const BACKUP_SETS: [[Backup; 3]; 4] = [
+    [None, None, None],
+    [PINNED, PINNED, PINNED],
+    [MMAP, MMAP, MMAP],
+    [PINNED, None, MMAP],
+];
+
+#[test]
+fn faults_on_alloc() {
+    for margin in [false, true] {
+        let case = Case::Alloc { margin };
+        let fired = sweep(case);
+        let mut want = vec![Prim::Reserve, Prim::Create, Prim::Map, Prim::SetAccess];
+        if margin {
+            want.push(Prim::MemInfo);
+        }
+        assert_eq!(
+            fired.keys().copied().collect::<BTreeSet<_>>(),
+            names(&want),
+            "{case:?}"
+        );
+        assert_eq!(fired["reserve"], 3, "{case:?}: one reserve per allocation");
+    }
+}
+
+#[test]
+fn faults_on_pause() {
+    let mut cases = Vec::new();
+    for backups in BACKUP_SETS {
+        for all in [false, true] {
+            cases.push(Case::Pause {
+                backups,
+                all,
+                retained: false,
+            });
+        }
+    }
+    for backups in &BACKUP_SETS[1..] {
+        cases.push(Case::Pause {
+            backups: *backups,
+            all: false,
+            retained: true,
+        });
+    }
+    for case in cases {
+        let Case::Pause {
+            backups,
+            all,
+            retained,
+        } = case
+        else {
+            unreachable!()
+        };
+        let fired = sweep(case);
+        // The bystander (pinned) is part of a pause of all tags.
+        let selected: Vec<Backup> = backups
+            .iter()
+            .copied()
+            .chain(all.then_some(PINNED))
+            .collect();
+        let mut want = vec![Prim::Synchronize, Prim::Unmap, Prim::Release];
+        if selected.iter().any(Option::is_some) {
+            want.extend([Prim::CopyD2H, Prim::StreamSync]);
+        }
+        if selected.contains(&PINNED) && !retained {
+            want.push(Prim::HostAlloc);
+        }
+        assert_eq!(
+            fired.keys().copied().collect::<BTreeSet<_>>(),
+            names(&want),
+            "{case:?}"
+        );
+        assert_eq!(
+            fired["unmap"],
+            selected.len() as u64,
+            "{case:?}: one unmap per allocation"
+        );
+        assert_eq!(fired["synchronize"], 2, "{case:?}: one per device");
+    }
+}
+
+#[test]
+fn faults_on_resume() {
+    for backups in BACKUP_SETS {
+        for all in [false, true] {
+            for retain in [false, true] {
+                let case = Case::Resume {
+                    backups,
+                    all,
+                    retain,
+                };
+                let fired = sweep(case);
+                let selected: Vec<Backup> = backups
+                    .iter()
+                    .copied()
+                    .chain(all.then_some(PINNED))
+                    .collect();
+                let mut want = vec![Prim::Create, Prim::Map, Prim::SetAccess];
+                if selected.iter().any(Option::is_some) {
+                    want.extend([Prim::CopyH2D, Prim::StreamSync]);
+                }
+                if selected.contains(&PINNED) && !retain {
+                    want.push(Prim::HostFree);
+                }
+                assert_eq!(
+                    fired.keys().copied().collect::<BTreeSet<_>>(),
+                    names(&want),
+                    "{case:?}"
+                );
+                assert_eq!(fired["create"], selected.len() as u64, "{case:?}");
+                let backed = selected.iter().filter(|b| b.is_some()).count() as u64;
+                if backed > 0 {
+                    assert_eq!(fired["copy_h2d"], backed, "{case:?}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn faults_on_free() {
+    let sets = [
+        [PINNED, None, MMAP],
+        [PINNED, PINNED, PINNED],
+        [None, None, None],
+    ];
+    for backups in sets {
+        for paused in [[false; 3], [true; 3], [true, false, true]] {
+            let case = Case::Free { backups, paused };
+            let fired = sweep(case);
+            let mut want = vec![Prim::FreeRange];
+            if paused.contains(&false) {
+                want.extend([Prim::Synchronize, Prim::Unmap, Prim::Release]);
+            }
+            let pinned_held = (0..3).any(|k| paused[k] && backups[k] == PINNED);
+            if pinned_held {
+                want.push(Prim::HostFree);
+            }
+            assert_eq!(
+                fired.keys().copied().collect::<BTreeSet<_>>(),
+                names(&want),
+                "{case:?}"
+            );
+            assert_eq!(fired["free_range"], 3, "{case:?}");
+        }
+    }
+}
+
+/// The documented promise, spelled out once: a failed resume leaves the tag paused with its
+/// backups intact, and a later resume restores every byte.
+#[test]
+fn failed_resume_keeps_backups_and_a_retry_restores() {
+    for prim in [Prim::Create, Prim::Map, Prim::SetAccess, Prim::CopyH2D] {
+        let mut fx = Fx::new();
+        let a = fx.add(SIZES[0], 0, "t", PINNED);
+        let b = fx.add(SIZES[1], 1, "t", MMAP);
+        let c = fx.add(SIZES[2], 0, "t", PINNED);
+        fx.e.pause(Some("t")).unwrap();
+        let live = (fx.sim.live_bytes(0), fx.sim.live_bytes(1));
+        fx.sim.arm_fault(prim, 2, 999);
+        let err = fx.e.resume(Some("t")).unwrap_err();
+        assert_eq!(fx.sim.pending_faults(), 0);
+        assert!(err.to_string().contains(prim.call()), "{err}");
+        assert_eq!(
+            (fx.sim.live_bytes(0), fx.sim.live_bytes(1)),
+            live,
+            "{prim}: undone"
+        );
+        for i in fx.e.allocations() {
+            assert!(
+                i.state == State::Paused && i.host_valid,
+                "{prim}: {:#x}",
+                i.addr
+            );
+        }
+        fx.check(&format!("{prim}"));
+        fx.e.resume(Some("t")).unwrap();
+        for addr in [a, b, c] {
+            let t = &fx.t[fx.index_of(addr)];
+            assert_same(
+                &read_raw(&fx.sim, addr, t.size as usize),
+                &t.data,
+                &format!("{prim}: {addr:#x}"),
+            );
+        }
+        fx.recover(&format!("{prim}"));
+    }
+}
+
+/// `AllocInfo::host_valid` is "true when the host backup holds the allocation's contents (paused
+/// with backup)". When a pause copies the backup but then fails to unmap, the allocation stays
+/// active (and may be written again), so its backup must not be reported valid.
+#[test]
+fn failed_unmap_in_pause_claims_no_valid_backup() {
+    let mut fx = Fx::new();
+    let a = fx.add(SIZES[0], 0, "t", PINNED);
+    fx.sim.arm_fault(Prim::Unmap, 1, 999);
+    let err = fx.e.pause(Some("t")).unwrap_err();
+    assert!(err.to_string().contains("cuMemUnmap"), "{err}");
+    let info = fx.e.allocations().remove(0);
+    assert_eq!((info.addr, info.state), (a, State::Active));
+    assert!(
+        !info.host_valid,
+        "active allocation {a:#x} after a failed unmap is reported with host_valid = true"
+    );
+}
