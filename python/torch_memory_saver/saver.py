@@ -61,6 +61,23 @@ def _expandable_segments_setting() -> Optional[str]:
     return None
 
 
+def _torch_if_cuda() -> Any:
+    """torch, if it is installed and has CUDA; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _require_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise UnsupportedError("torch hook mode needs PyTorch with CUDA, and torch cannot be imported") from e
+    return torch
+
+
 def _enc(s: Optional[str]) -> Optional[bytes]:
     return None if s is None else s.encode("utf-8")
 
@@ -189,18 +206,26 @@ class TorchMemorySaver:
             lib.check(lib.tms_region_exit())
 
     def _pool(self, kind: str, tag: str, backup: bool, backend: Optional[str], device: int) -> Any:
+        """The MemPool of (kind, tag, backup, backend, device), made on first use. In torch mode
+        its allocator is libtms.so; in preload mode it is PyTorch's own (cudaMalloc, which the
+        preloaded library serves while the region's flags are on)."""
         import torch
 
         with self._lock:
-            if self._allocator is None:
-                from torch.cuda.memory import CUDAPluggableAllocator
-
-                lib = self._library()
-                self._allocator = CUDAPluggableAllocator(lib.path, "tms_torch_malloc", "tms_torch_free")
-            key = (kind, tag, backup, backend, device)
+            key = (self._hook_mode, kind, tag, backup, backend, device)
             pool = self._pools.get(key)
-            if pool is None:
-                pool = self._pools[key] = torch.cuda.MemPool(self._allocator.allocator())
+            if pool is not None:
+                return pool
+            if self._hook_mode == "torch":
+                if self._allocator is None:
+                    from torch.cuda.memory import CUDAPluggableAllocator
+
+                    lib = self._library()
+                    self._allocator = CUDAPluggableAllocator(lib.path, "tms_torch_malloc", "tms_torch_free")
+                pool = torch.cuda.MemPool(self._allocator.allocator())
+            else:
+                pool = torch.cuda.MemPool()
+            self._pools[key] = pool
             return pool
 
     @contextlib.contextmanager
@@ -209,6 +234,9 @@ class TorchMemorySaver:
     ) -> Iterator[None]:
         """Tensors allocated inside are pauseable under ``tag``.
 
+        They come from a ``torch.cuda.MemPool`` of the region's own (one per tag, backup setting,
+        backend and device), so cached blocks never move between pauseable and ordinary tensors.
+
         ``enable_cpu_backup=True`` keeps their contents across pause, in page-locked host memory
         (``cpu_backup_backend="pinned"``, the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``) or
         pageable memory (``"mmap"``).
@@ -216,16 +244,17 @@ class TorchMemorySaver:
         tag = _check_tag(tag)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
         lib = self._library()
-        if self._hook_mode == "torch":
-            import torch
-
-            device = torch.cuda.current_device()
-            pool = self._pool("region", tag, enable_cpu_backup, backend, device)
+        torch = _torch_if_cuda() if self._hook_mode == "preload" else _require_torch()
+        if torch is None:
+            # Preload mode without torch (C extensions calling cudaMalloc): the flags suffice.
             with self._flags(lib, True, tag, enable_cpu_backup, backend):
-                with torch.cuda.use_mem_pool(pool):
-                    yield
-        else:
-            with self._flags(lib, True, tag, enable_cpu_backup, backend):
+                yield
+            return
+        # Each region's tensors live in a pool of their own, so PyTorch never hands a pauseable
+        # block to a tensor made outside the region, nor a plain cached block to one inside it.
+        pool = self._pool("region", tag, enable_cpu_backup, backend, torch.cuda.current_device())
+        with self._flags(lib, True, tag, enable_cpu_backup, backend):
+            with torch.cuda.use_mem_pool(pool):
                 yield
 
     @contextlib.contextmanager

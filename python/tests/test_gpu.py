@@ -1,0 +1,352 @@
+"""GPU suite of the Python package: both hook modes on a real CUDA device. Skipped where torch
+or CUDA is absent (CI); run on the GPU machine by scripts/gpu-test. Every scenario runs in a
+fresh interpreter, since the hook mode is fixed per process and preload mode needs LD_PRELOAD."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():  # pragma: no cover
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+import torch_memory_saver as tms_pkg  # noqa: E402
+
+from conftest import clean_env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+MODES = ["preload", "torch"]
+GIB = 1 << 30
+
+PRELUDE = """
+import os, sys, time, torch
+import torch_memory_saver as tms_pkg
+from torch_memory_saver import torch_memory_saver as tms
+tms.hook_mode = os.environ["TEST_HOOK_MODE"]
+GIB = 1 << 30
+def free():
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+def rand_bytes(n, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=g)
+torch.cuda.init()
+"""
+
+
+def env_for(mode: str, **extra: str) -> dict:
+    env = clean_env(TEST_HOOK_MODE=mode, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])
+    lib = tms_pkg.get_binary_path()
+    env["TMS_LIBRARY_PATH"] = lib
+    if mode == "preload":
+        env["LD_PRELOAD"] = lib
+    env.update(extra)
+    return env
+
+
+def run(code: str, mode: str, timeout: int = 300, **extra: str) -> subprocess.CompletedProcess:
+    r = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        env=env_for(mode, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert r.returncode == 0, f"exit {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    return r
+
+
+EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py") if not p.name.startswith("_"))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_example(example, mode):
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example), "--hook-mode", mode],
+        env=env_for(mode),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    out = r.stdout
+    assert r.returncode == 0 and "\nOK\n" in out, f"exit {r.returncode}\n{out[-6000:]}\n{r.stderr[-4000:]}"
+    assert " 0 failed" in out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_released_and_retaken_addresses_and_contents(mode):
+    run(
+        """
+        torch.cuda.empty_cache()
+        with tms.region(tag="a"):
+            a = torch.full((2 * GIB,), 3, dtype=torch.uint8, device="cuda")
+        with tms.region(tag="b", enable_cpu_backup=True):
+            b = rand_bytes(2 * GIB, 1)
+        ref = b.cpu()
+        pa, pb = a.data_ptr(), b.data_ptr()
+        f0 = free()
+        tms.pause()
+        f1 = free()
+        assert f1 - f0 >= 0.99 * 4 * GIB, (f1 - f0) / GIB
+        tms.resume()
+        f2 = free()
+        assert f1 - f2 >= 0.99 * 4 * GIB, (f1 - f2) / GIB
+        assert (a.data_ptr(), b.data_ptr()) == (pa, pb)
+        assert torch.equal(b.cpu(), ref), "backed-up contents kept"
+        a.fill_(5)
+        assert bool((a == 5).all())
+        s = {t["tag"]: t for t in tms.stats()["tags"]}
+        assert s["a"]["bytes_active"] >= 2 * GIB and s["b"]["last_pause"]["copied_bytes"] >= 2 * GIB, s
+        print(tms.summary())
+        """,
+        mode,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_graph_replays_after_resume(mode):
+    run(
+        """
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.manual_seed(0)
+        w = torch.randn(4096, 4096, device="cuda")
+        x = torch.randn(4096, 4096, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                y = (x @ w).relu() @ w
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        f_before = free()
+        with tms.cuda_graph(g, tag="graph"):
+            y = (x @ w).relu() @ w
+        graph_bytes = f_before - free()
+        g.replay()
+        ref = ((x @ w).relu() @ w).clone()
+        assert torch.allclose(y, ref, atol=1e-3), "replay before pause"
+        for i in range(3):
+            f0 = free()
+            tms.pause("graph")
+            f1 = free()
+            assert f1 - f0 >= 0.9 * max(graph_bytes, 64 << 20), (f1 - f0, graph_bytes)
+            tms.resume("graph")
+            x.copy_(torch.randn(4096, 4096, device="cuda"))
+            g.replay()
+            ref = (x @ w).relu() @ w
+            assert torch.allclose(y, ref, atol=1e-3), f"replay after resume {i}"
+        print("graph bytes", graph_bytes)
+        """,
+        mode,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_oom_on_resume_raises_then_resume_succeeds(mode):
+    r = run(
+        """
+        torch.cuda.empty_cache()
+        with tms.region(tag="victim", enable_cpu_backup=True):
+            v = rand_bytes(4 * GIB, 2)
+        ref = v.cpu()
+        tms.pause("victim")
+        hogs = []
+        while True:
+            try:
+                hogs.append(torch.empty(GIB, dtype=torch.uint8, device="cuda"))
+            except torch.OutOfMemoryError:
+                break
+        try:
+            tms.resume("victim")
+            raise SystemExit("resume should have run out of memory")
+        except tms_pkg.OutOfMemoryError as e:
+            assert isinstance(e, tms_pkg.TorchMemorySaverError)
+            print("MSG", e)
+        s = {t["tag"]: t for t in tms.stats()["tags"]}["victim"]
+        assert s["active_allocations"] == 0 and s["host_backup_bytes"] >= 4 * GIB, s
+        del hogs
+        torch.cuda.empty_cache()
+        tms.resume("victim")
+        assert torch.equal(v.cpu(), ref)
+        """,
+        mode,
+    )
+    msg = r.stdout
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in msg and "device 0" in msg and "victim" in msg, msg
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_processes_share_the_gpu(mode):
+    owner = PRELUDE + textwrap.dedent(
+        """
+        torch.cuda.empty_cache()
+        bulk_bytes = free() - 12 * GIB
+        with tms.region(tag="bulk"):
+            bulk = torch.empty(bulk_bytes, dtype=torch.uint8, device="cuda")
+        with tms.region(tag="kept", enable_cpu_backup=True):
+            kept = rand_bytes(GIB, 3)
+        ref = kept.cpu()
+        tms.pause()
+        print("PAUSED", free(), flush=True)
+        assert sys.stdin.readline().strip() == "GO"
+        tms.resume()
+        bulk.fill_(7)
+        assert bool((bulk[:: 1 << 20] == 7).all())
+        assert torch.equal(kept.cpu(), ref)
+        print("RESUMED-OK", flush=True)
+        """
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", owner],
+        env=env_for(mode),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("PAUSED"), line + p.stderr.read()
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import torch\n"
+                "free = torch.cuda.mem_get_info()[0]\n"
+                "n = free - 4 * (1 << 30)\n"
+                "x = torch.ones(n, dtype=torch.uint8, device='cuda')\n"
+                "assert int(x[::1 << 24].sum()) == len(x[::1 << 24])\n"
+                "print('OTHER', n / 2**30)\n",
+            ],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert other.returncode == 0 and "OTHER" in other.stdout, other.stderr[-3000:]
+        used = float(other.stdout.split()[-1])
+        assert used > 100, f"the other process used only {used:.1f} GiB"
+        out, err = p.communicate("GO\n", timeout=180)
+        assert p.returncode == 0 and "RESUMED-OK" in out, out + err[-3000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_200_cycles_without_drift(mode):
+    run(
+        """
+        torch.cuda.empty_cache()
+        with tms.region(tag="c"):
+            a = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+        with tms.region(tag="c", enable_cpu_backup=True):
+            b = rand_bytes(64 << 20, 4)
+        ref = b.cpu()
+        tms.pause(); tms.resume()
+        base = free()
+        worst = 0
+        for i in range(200):
+            tms.pause()
+            tms.resume()
+            drift = abs(free() - base)
+            worst = max(worst, drift)
+            assert drift <= 64 << 20, (i, drift)
+        assert torch.equal(b.cpu(), ref)
+        print("worst drift MiB", worst / 2**20)
+        """,
+        mode,
+        timeout=400,
+    )
+
+
+def test_expandable_segments_refused_in_preload_mode():
+    r = subprocess.run(
+        [sys.executable, "-c", PRELUDE + "\ntry:\n    tms.region().__enter__()\nexcept tms_pkg.UnsupportedError as e:\n    print('MSG', e)\n"],
+        env=env_for("preload", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "MSG" in r.stdout and "PYTORCH_CUDA_ALLOC_CONF" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_expandable_segments_work_in_torch_mode():
+    run(
+        """
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            t = rand_bytes(2 * GIB, 5)
+        plain = torch.empty(GIB, dtype=torch.uint8, device="cuda")  # default pool: expandable
+        ref = t.cpu()
+        f0 = free()
+        tms.pause("kv")
+        f1 = free()
+        assert f1 - f0 >= 0.99 * 2 * GIB, (f1 - f0) / GIB
+        tms.resume("kv")
+        assert torch.equal(t.cpu(), ref)
+        """,
+        "torch",
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_get_cpu_backup_disable_and_margin(mode):
+    run(
+        """
+        torch.cuda.empty_cache()
+        for backend in ("pinned", "mmap"):
+            with tms.region(tag="bk-" + backend, enable_cpu_backup=True, cpu_backup_backend=backend):
+                t = torch.randn(64 << 20, device="cuda")
+            ref = t.cpu()
+            assert tms.get_cpu_backup(t) is None, "active and never paused"
+            tms.pause("bk-" + backend)
+            c = tms.get_cpu_backup(t)
+            z = tms.get_cpu_backup(t, zero_copy=True)
+            assert c.dtype == t.dtype and c.shape == t.shape and torch.equal(c, ref) and torch.equal(z, ref)
+            part = tms.get_cpu_backup(t[1000:2000])
+            assert torch.equal(part, ref[1000:2000])
+            tms.resume("bk-" + backend)
+            assert torch.equal(t.cpu(), ref) and tms.get_cpu_backup(t) is None
+        with tms.region(tag="nobackup"):
+            nb = torch.empty(16 << 20, device="cuda")
+        assert tms.get_cpu_backup(nb) is None
+        del t, c, z, part
+        torch.cuda.empty_cache()  # so the next tensor cannot reuse a freed pauseable block
+        outside = torch.empty(16 << 20, device="cuda")
+        try:
+            tms.get_cpu_backup(outside)
+            raise SystemExit("should raise")
+        except tms_pkg.NotFoundError:
+            pass
+        # disable(): inside a region, not pauseable
+        with tms.region(tag="d"):
+            r = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+            with tms.disable():
+                keep = torch.full((GIB,), 9, dtype=torch.uint8, device="cuda")
+        f0 = free()
+        tms.pause("d")
+        rose = free() - f0
+        assert 0.99 * GIB <= rose < 1.5 * GIB, rose / GIB
+        assert bool((keep == 9).all()), "the disabled tensor stays usable while its region is paused"
+        tms.resume("d")
+        # memory margin: a pauseable allocation that would leave too little free fails as OOM
+        tms.memory_margin_bytes = free() - GIB
+        try:
+            with tms.region(tag="m"):
+                torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+            raise SystemExit("margin not enforced")
+        except torch.OutOfMemoryError:
+            pass
+        tms.memory_margin_bytes = 0
+        """,
+        mode,
+    )
