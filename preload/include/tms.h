@@ -145,6 +145,18 @@ int tms_copy_cpu_backup(uint64_t addr, uint64_t len, void *dst, int *found);
  * "tags":[{"tag":..,"allocations":..,"bytes_active":..,"bytes_paused":..,..},..]}. */
 int tms_stats_json(char *buf, size_t cap, size_t *out_len);
 
+/* Copy len bytes from host memory src into the active pauseable allocation at addr (the range
+ * must lie inside one allocation). For tools, demos and tests; real workloads write with
+ * kernels. */
+int tms_write_bytes(uint64_t addr, const void *src, uint64_t len);
+
+/* Copy len bytes from the active pauseable allocation at addr into host memory dst. */
+int tms_read_bytes(uint64_t addr, void *dst, uint64_t len);
+
+/* Start the library if needed and write this process's control socket path into buf;
+ * TMS_ERR_UNSUPPORTED when there is none (TMS_CONTROL=0, or the socket folder was refused). */
+int tms_control_socket(char *buf, size_t cap, size_t *out_len);
+
 /* ---- PyTorch pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) ---------- */
 
 /* Allocate size bytes of pauseable memory on device, with the calling thread's region tag

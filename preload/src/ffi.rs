@@ -446,3 +446,77 @@ pub unsafe extern "C" fn tms_stats_json(
         write_status(r)
     })
 }
+
+/// Copy `len` bytes from host memory `src` into the active pauseable allocation at `addr`
+/// (the range must lie inside one allocation). For tools, demos and tests; device code writes
+/// with kernels.
+///
+/// # Safety
+/// `src` is readable for `len` bytes (or `len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn tms_write_bytes(addr: u64, src: *const c_void, len: u64) -> c_int {
+    entry(|| {
+        let len =
+            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
+        if len == 0 {
+            return Ok(());
+        }
+        if src.is_null() {
+            return Err(Error::InvalidArgument("src is NULL".into()));
+        }
+        if isize::try_from(len).is_err() {
+            return Err(Error::InvalidArgument(format!("length {len}")));
+        }
+        // SAFETY: non-null, and the caller vouches src is readable for len bytes.
+        let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
+        runtime::get()?.engine.write_bytes(addr, data)
+    })
+}
+
+/// Copy `len` bytes from the active pauseable allocation at `addr` into host memory `dst`.
+///
+/// # Safety
+/// `dst` is writable for `len` bytes (or `len` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -> c_int {
+    entry(|| {
+        let len =
+            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
+        if len == 0 {
+            return Ok(());
+        }
+        if dst.is_null() {
+            return Err(Error::InvalidArgument("dst is NULL".into()));
+        }
+        if isize::try_from(len).is_err() {
+            return Err(Error::InvalidArgument(format!("length {len}")));
+        }
+        // SAFETY: non-null, and the caller vouches dst is writable for len bytes.
+        let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
+        runtime::get()?.engine.read_bytes(addr, out)
+    })
+}
+
+/// Start the library (if it has not started) and write the path of this process's control
+/// socket into `buf`. `TMS_ERR_UNSUPPORTED` when there is none (`TMS_CONTROL=0`, or the socket
+/// folder was refused), with the reason in the last error.
+///
+/// # Safety
+/// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
+#[no_mangle]
+pub unsafe extern "C" fn tms_control_socket(
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> c_int {
+    catch(status::INTERNAL, || {
+        let r = runtime::get().and_then(|_| {
+            let p = crate::control::socket_path()
+                .map_err(|m| Error::Unsupported(format!("no control socket: {m}")))?;
+            let s = p.to_string_lossy();
+            // SAFETY: forwarded contract.
+            unsafe { write_out(&s, buf, cap, out_len) }
+        });
+        write_status(r)
+    })
+}

@@ -5,8 +5,10 @@
 //! - [`hooks`] and [`ffi`]: the `cudaMalloc`/`cudaFree` interposers, PyTorch's pluggable-allocator
 //!   entry points and the C ABI of the Python shim; they own the one process-wide [`Runtime`].
 //! - [`engine`]: registry of allocations, tags, pause/resume, host backups, statistics.
+//! - [`control`]: the control socket server (started lazily) that `tmsctl` talks to.
 //! - [`driver`]: the device primitives as a trait, with the CUDA and simulated implementations.
 
+pub mod control;
 pub mod driver;
 pub mod engine;
 pub mod error;

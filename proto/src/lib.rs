@@ -1,8 +1,561 @@
 //! Wire types of the Torch Memory Saver control protocol: line-delimited JSON over a Unix
-//! socket. This crate holds the types and limits only; no I/O policy.
+//! socket. This crate holds the types, the limits, the framing and the naming convention of
+//! the socket files; no I/O policy (timeouts, permissions and threads belong to the server in
+//! `libtms.so` and to `tmsctl`).
+//!
+//! # The exchange
+//!
+//! Every message is one JSON object on one line, ended by `\n`. The client speaks first:
+//!
+//! ```text
+//! C: {"op":"hello","protocol":1,"pid":4242,"software":"tmsctl 0.1.0"}
+//! S: {"reply":"hello","protocol":1,"pid":1234,"software":"libtms 0.1.0","backend":"cuda"}
+//! C: {"op":"pause","tag":"kv"}
+//! S: {"reply":"done","op":"pause","tag":"kv","allocations":3,"bytes":21474836480,...}
+//! ```
+//!
+//! then any number of requests, each answered by exactly one reply, in order. A request the
+//! server cannot accept (not JSON, not a known operation, a field it does not know, longer
+//! than [`MAX_LINE_BYTES`], no hello first, another protocol version) is answered with
+//! [`Reply::Error`] and the server closes the connection. An operation that fails (out of
+//! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays
+//! open.
+//!
+//! # Versioning
+//!
+//! [`PROTOCOL_VERSION`] changes when a message changes incompatibly. The hello is the one
+//! message every version must keep decodable: it ignores fields it does not know, so a client
+//! of another version still gets a clean [`ErrorKind::VersionMismatch`] reply.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
 
 /// Protocol version; a client and server agree on it in the hello exchange.
 pub const PROTOCOL_VERSION: u32 = 1;
 
-/// Longest line (request or reply) either side accepts, in bytes.
+/// Longest request line the server accepts, in bytes, not counting the `\n`.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// Longest reply line a client accepts, in bytes, not counting the `\n` (a status of a
+/// process with many tags is longer than any request).
+pub const MAX_REPLY_BYTES: usize = 4 * 1024 * 1024;
+
+/// Longest error message a decoder produces (a message may quote part of the input).
+const MAX_MESSAGE_CHARS: usize = 240;
+
+// ---------------------------------------------------------------------------------------------
+// Messages
+
+/// The first message in each direction.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`PROTOCOL_VERSION`] of the sender.
+    pub protocol: u32,
+    /// Process id of the sender.
+    pub pid: u32,
+    /// Name and version of the sender's software (`"tmsctl 0.1.0"`, `"libtms 0.1.0"`).
+    #[serde(default)]
+    pub software: String,
+    /// Server only: the driver the process runs on (`"cuda"` or `"sim"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+}
+
+/// Kind of host memory a CPU backup lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BackupBackend {
+    /// Page-locked host memory.
+    Pinned,
+    /// Pageable anonymous memory.
+    Mmap,
+}
+
+impl BackupBackend {
+    /// `"pinned"` or `"mmap"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackupBackend::Pinned => "pinned",
+            BackupBackend::Mmap => "mmap",
+        }
+    }
+}
+
+/// A change to the process-wide default region (what threads that have not entered a region
+/// of their own get). Fields left out keep their current value.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegionUpdate {
+    /// Allocations are pauseable.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    /// Their tag (not empty).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// They keep a CPU backup across pause.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_backup: Option<bool>,
+    /// In this kind of host memory (only with a CPU backup).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<BackupBackend>,
+}
+
+/// What a client asks for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Must come first; answered by [`Reply::Hello`].
+    Hello(Hello),
+    /// Answered by [`Reply::Pong`].
+    Ping,
+    /// Tags, allocations, bytes, device memory; answered by [`Reply::Status`].
+    Status,
+    /// Pause the active allocations of `tag` (every tag when absent); answered by
+    /// [`Reply::Done`].
+    Pause {
+        /// The tag, or none for every tag.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tag: Option<String>,
+    },
+    /// Resume the paused allocations of `tag` (every tag when absent); answered by
+    /// [`Reply::Done`].
+    Resume {
+        /// The tag, or none for every tag.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        tag: Option<String>,
+    },
+    /// The process-wide default region; answered by [`Reply::Region`].
+    GetRegion,
+    /// Change the process-wide default region; answered by [`Reply::Region`] with the result.
+    SetRegion(RegionUpdate),
+}
+
+/// The process-wide default region.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionInfo {
+    /// Allocations of threads without a region of their own are pauseable.
+    pub enabled: bool,
+    /// Their tag.
+    pub tag: String,
+    /// They keep a CPU backup across pause.
+    pub cpu_backup: bool,
+    /// The host memory of that backup.
+    pub backend: BackupBackend,
+}
+
+/// Duration and size of the last pause or resume that touched a tag.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpTiming {
+    /// Allocations that changed state.
+    pub allocations: u64,
+    /// Device bytes released or re-taken.
+    pub bytes: u64,
+    /// Bytes copied to or from host backups.
+    pub copied_bytes: u64,
+    /// Wall time of the whole call.
+    pub seconds: f64,
+    /// Throughput in GiB/s (copied bytes, or device bytes when nothing was copied).
+    pub gib_per_s: f64,
+}
+
+/// One tag's numbers.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct TagStatus {
+    /// The tag.
+    pub tag: String,
+    /// Allocations of the tag.
+    pub allocations: u64,
+    /// Of those, active.
+    pub active_allocations: u64,
+    /// Of those, paused.
+    pub paused_allocations: u64,
+    /// Bytes asked for, all allocations.
+    pub bytes_requested: u64,
+    /// Mapped bytes of active allocations (device memory held).
+    pub bytes_active: u64,
+    /// Mapped bytes of paused allocations (device memory given back).
+    pub bytes_paused: u64,
+    /// Host memory held by backups.
+    pub host_backup_bytes: u64,
+    /// Last pause that touched the tag.
+    #[serde(default)]
+    pub last_pause: Option<OpTiming>,
+    /// Last resume that touched the tag.
+    #[serde(default)]
+    pub last_resume: Option<OpTiming>,
+}
+
+/// Free and total memory of one device, as the driver reports it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// Device ordinal.
+    pub device: i32,
+    /// Bytes free.
+    pub free_bytes: u64,
+    /// Bytes the device has.
+    pub total_bytes: u64,
+    /// Why the numbers are missing, when the driver could not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Everything `status` reports about a process.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Status {
+    /// Process id.
+    pub pid: u32,
+    /// `"cuda"` or `"sim"`.
+    pub backend: String,
+    /// Whether host backups are kept across resume.
+    pub retain_cpu_backup: bool,
+    /// Pauseable allocations leaving fewer bytes free are refused.
+    pub memory_margin_bytes: u64,
+    /// Device memory, per device.
+    pub devices: Vec<DeviceMemory>,
+    /// Per tag, sorted by tag.
+    pub tags: Vec<TagStatus>,
+    /// The process-wide default region, when it can be read.
+    #[serde(default)]
+    pub default_region: Option<RegionInfo>,
+}
+
+impl Status {
+    /// Sum of `bytes_active` over the tags.
+    pub fn bytes_active(&self) -> u64 {
+        self.tags.iter().map(|t| t.bytes_active).sum()
+    }
+
+    /// Sum of `bytes_paused` over the tags.
+    pub fn bytes_paused(&self) -> u64 {
+        self.tags.iter().map(|t| t.bytes_paused).sum()
+    }
+
+    /// Sum of `host_backup_bytes` over the tags.
+    pub fn host_backup_bytes(&self) -> u64 {
+        self.tags.iter().map(|t| t.host_backup_bytes).sum()
+    }
+}
+
+/// Which operation a [`Reply::Done`] reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    /// A pause.
+    Pause,
+    /// A resume.
+    Resume,
+}
+
+/// Outcome of a pause or resume.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OpDone {
+    /// Which operation.
+    pub op: Op,
+    /// The tag, or none for every tag.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// Allocations that changed state.
+    pub allocations: u64,
+    /// Device bytes released (pause) or re-taken (resume).
+    pub bytes: u64,
+    /// Bytes copied to or from host backups.
+    pub copied_bytes: u64,
+    /// Wall time of the call.
+    pub seconds: f64,
+}
+
+/// What kind of failure an error reply reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The line is not a request of this protocol (not JSON, unknown operation or field).
+    BadRequest,
+    /// The line is longer than [`MAX_LINE_BYTES`].
+    LineTooLong,
+    /// The client did not send a whole line in time.
+    Timeout,
+    /// The client speaks another protocol version.
+    VersionMismatch,
+    /// The first message was not a hello.
+    HelloRequired,
+    /// The client runs as another user.
+    PermissionDenied,
+    /// Device or host memory ran out (a resume stays paused with its backups; retry later).
+    OutOfMemory,
+    /// A value in the request cannot be right.
+    InvalidArgument,
+    /// Not valid in the process's current state.
+    InvalidState,
+    /// Unknown tag or address.
+    NotFound,
+    /// A driver call failed.
+    Driver,
+    /// Not available with this driver or build.
+    Unsupported,
+    /// An operating-system call failed.
+    Io,
+    /// A bug in the server (caught; the process carries on).
+    Internal,
+    /// A kind this side does not know (sent by a newer peer).
+    #[serde(other)]
+    Unknown,
+}
+
+impl ErrorKind {
+    /// True for kinds after which the server closes the connection (the request itself was
+    /// unacceptable, as opposed to an operation that failed).
+    pub fn closes_connection(self) -> bool {
+        matches!(
+            self,
+            ErrorKind::BadRequest
+                | ErrorKind::LineTooLong
+                | ErrorKind::Timeout
+                | ErrorKind::VersionMismatch
+                | ErrorKind::HelloRequired
+                | ErrorKind::PermissionDenied
+        )
+    }
+}
+
+/// An error reply.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    /// What kind of failure.
+    pub kind: ErrorKind,
+    /// What failed and where, for people.
+    pub message: String,
+}
+
+/// What the server answers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// Answer to [`Request::Hello`].
+    Hello(Hello),
+    /// Answer to [`Request::Ping`].
+    Pong {
+        /// The server's process id.
+        pid: u32,
+    },
+    /// Answer to [`Request::Status`].
+    Status(Box<Status>),
+    /// Answer to [`Request::Pause`] and [`Request::Resume`].
+    Done(OpDone),
+    /// Answer to [`Request::GetRegion`] and [`Request::SetRegion`].
+    Region(RegionInfo),
+    /// The request failed.
+    Error(ErrorReply),
+}
+
+impl Reply {
+    /// An error reply.
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Reply {
+        Reply::Error(ErrorReply {
+            kind,
+            message: message.into(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding and encoding
+
+/// Why a line could not be decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ProtoError {
+    /// Longer than the limit.
+    TooLong {
+        /// Bytes seen (at least).
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// Nothing but white space.
+    Empty,
+    /// Not a message of this protocol.
+    Malformed(String),
+}
+
+impl ProtoError {
+    /// The error kind of the reply that reports this.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ProtoError::TooLong { .. } => ErrorKind::LineTooLong,
+            ProtoError::Empty | ProtoError::Malformed(_) => ErrorKind::BadRequest,
+        }
+    }
+
+    /// The error reply that reports this.
+    pub fn to_reply(&self) -> Reply {
+        Reply::error(self.kind(), self.to_string())
+    }
+}
+
+impl fmt::Display for ProtoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProtoError::TooLong { len, max } => {
+                write!(f, "line of {len} bytes or more is over the limit of {max}")
+            }
+            ProtoError::Empty => f.write_str("empty line"),
+            ProtoError::Malformed(m) => write!(f, "malformed message: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for ProtoError {}
+
+fn shorten(mut s: String) -> String {
+    if s.chars().count() > MAX_MESSAGE_CHARS {
+        s = s.chars().take(MAX_MESSAGE_CHARS).collect();
+        s.push_str("...");
+    }
+    s
+}
+
+fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, ProtoError> {
+    let line = line.strip_suffix(b"\n").unwrap_or(line);
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    if line.len() > max {
+        return Err(ProtoError::TooLong {
+            len: line.len(),
+            max,
+        });
+    }
+    if line.iter().all(u8::is_ascii_whitespace) {
+        return Err(ProtoError::Empty);
+    }
+    serde_json::from_slice(line).map_err(|e| ProtoError::Malformed(shorten(e.to_string())))
+}
+
+/// Decode one request line (with or without its `\n`). Never panics, whatever the bytes.
+pub fn decode_request(line: &[u8]) -> Result<Request, ProtoError> {
+    decode(line, MAX_LINE_BYTES)
+}
+
+/// Decode one reply line (with or without its `\n`). Never panics, whatever the bytes.
+pub fn decode_reply(line: &[u8]) -> Result<Reply, ProtoError> {
+    decode(line, MAX_REPLY_BYTES)
+}
+
+/// One message as a line: compact JSON and `\n`.
+pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
+    // The protocol's types have string keys and finite numbers only, so serialising cannot
+    // fail; should it ever, the peer gets a line it rejects rather than this side panicking.
+    let mut v = serde_json::to_vec(msg).unwrap_or_else(|e| {
+        serde_json::to_vec(&Reply::error(
+            ErrorKind::Internal,
+            format!("encoding a message: {e}"),
+        ))
+        .unwrap_or_default()
+    });
+    v.push(b'\n');
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Framing
+
+/// Splits a byte stream into lines of at most `max` bytes. Pure: the caller reads from its
+/// socket (with its own timeouts) and [`push`](LineBuffer::push)es what arrived.
+#[derive(Debug)]
+pub struct LineBuffer {
+    buf: Vec<u8>,
+    /// Bytes at the start of `buf` already searched for a newline.
+    scanned: usize,
+    max: usize,
+}
+
+impl LineBuffer {
+    /// A buffer for lines of at most `max` bytes (not counting the `\n`).
+    pub fn new(max: usize) -> Self {
+        LineBuffer {
+            buf: Vec::new(),
+            scanned: 0,
+            max,
+        }
+    }
+
+    /// Append bytes that arrived.
+    pub fn push(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+    }
+
+    /// The next complete line (without its `\n`), an error once more than `max` bytes have
+    /// arrived without a newline, or `None` when more bytes are needed.
+    pub fn next_line(&mut self) -> Option<Result<Vec<u8>, ProtoError>> {
+        let limit = self.buf.len().min(self.max.saturating_add(1));
+        if let Some(i) = self.buf[self.scanned..limit]
+            .iter()
+            .position(|b| *b == b'\n')
+        {
+            let end = self.scanned + i;
+            let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+            line.pop();
+            self.scanned = 0;
+            return Some(Ok(line));
+        }
+        self.scanned = limit;
+        if self.buf.len() > self.max {
+            return Some(Err(ProtoError::TooLong {
+                len: self.buf.len(),
+                max: self.max,
+            }));
+        }
+        None
+    }
+
+    /// Bytes received of a line not yet complete.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where the sockets are
+
+/// The folder of the control sockets: `tms_socket_dir` (`$TMS_SOCKET_DIR`) if set and not
+/// empty, else `<xdg_runtime_dir>/tms` (`$XDG_RUNTIME_DIR`) if set and not empty, else
+/// `/tmp/tms-<uid>`. Server and client compute it the same way.
+pub fn socket_dir(
+    tms_socket_dir: Option<OsString>,
+    xdg_runtime_dir: Option<OsString>,
+    uid: u32,
+) -> PathBuf {
+    match (tms_socket_dir, xdg_runtime_dir) {
+        (Some(d), _) if !d.is_empty() => PathBuf::from(d),
+        (_, Some(x)) if !x.is_empty() => PathBuf::from(x).join("tms"),
+        _ => PathBuf::from(format!("/tmp/tms-{uid}")),
+    }
+}
+
+/// [`socket_dir`] from this process's environment.
+pub fn socket_dir_from_env(uid: u32) -> PathBuf {
+    socket_dir(
+        std::env::var_os("TMS_SOCKET_DIR"),
+        std::env::var_os("XDG_RUNTIME_DIR"),
+        uid,
+    )
+}
+
+/// File name of the socket of process `pid`: `<pid>.sock`.
+pub fn socket_file_name(pid: u32) -> String {
+    format!("{pid}.sock")
+}
+
+/// The pid in a socket file name (`"1234.sock"` -> 1234); `None` for any other name.
+pub fn pid_of_socket_file(name: &str) -> Option<u32> {
+    let digits = name.strip_suffix(".sock")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || digits.starts_with('0') {
+        return None;
+    }
+    digits.parse().ok().filter(|p| *p > 0)
+}
+
+#[cfg(test)]
+mod tests;

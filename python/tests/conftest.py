@@ -48,11 +48,14 @@ def run_py(code: str, env: dict, expect_ok: bool = True) -> subprocess.Completed
 
 
 @pytest.fixture
-def preloaded(libtms):
-    """Run a snippet under LD_PRELOAD=libtms.so on a 256 MiB simulated device."""
+def preloaded(libtms, tmp_path):
+    """Run a snippet under LD_PRELOAD=libtms.so on a 256 MiB simulated device (its control
+    socket in a temporary folder)."""
 
     def go(code: str, expect_ok: bool = True, **env: str) -> subprocess.CompletedProcess:
-        base = clean_env(LD_PRELOAD=libtms, TMS_BACKEND="sim", TMS_SIM_CAPACITY="256MiB")
+        base = clean_env(
+            LD_PRELOAD=libtms, TMS_BACKEND="sim", TMS_SIM_CAPACITY="256MiB", TMS_SOCKET_DIR=str(tmp_path / "sock")
+        )
         base.update(env)
         return run_py(code, base, expect_ok)
 

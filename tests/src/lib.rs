@@ -227,7 +227,9 @@ pub fn e2e_command(mode: &str) -> Command {
     cmd.env("LD_PRELOAD", libtms())
         .env("TMS_BACKEND", "sim")
         .env("TMS_SIM_CAPACITY", "64MiB")
-        .env("TMS_SIM_GRANULARITY", "2MiB");
+        .env("TMS_SIM_GRANULARITY", "2MiB")
+        // The control socket has its own tests (ctl/tests); keep these processes socket-free.
+        .env("TMS_CONTROL", "0");
     cmd
 }
 

@@ -46,7 +46,10 @@ impl fmt::Display for AuthError {
                  only the same user may control it"
             ),
             AuthError::NoCredentials(e) => {
-                write!(f, "permission denied: cannot read the client's credentials: {e}")
+                write!(
+                    f,
+                    "permission denied: cannot read the client's credentials: {e}"
+                )
             }
         }
     }

@@ -47,7 +47,9 @@ pub fn verify(m: &fs::Metadata, uid: u32) -> Result<(), String> {
         ));
     }
     if mode & 0o700 != 0o700 {
-        return Err(format!("its mode is {mode:04o}: the owner cannot use it (want 0700)"));
+        return Err(format!(
+            "its mode is {mode:04o}: the owner cannot use it (want 0700)"
+        ));
     }
     Ok(())
 }
@@ -64,14 +66,13 @@ pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf), String> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(format!("cannot remove {}: {e}", tmp.display())),
     }
-    let listener = UnixListener::bind(&tmp)
-        .map_err(|e| format!("cannot listen on {}: {e}", tmp.display()))?;
+    let listener =
+        UnixListener::bind(&tmp).map_err(|e| format!("cannot listen on {}: {e}", tmp.display()))?;
     let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("cannot restrict {}: {e}", tmp.display()))
         .and_then(|_| {
-            fs::rename(&tmp, &path).map_err(|e| {
-                format!("cannot rename {} to {}: {e}", tmp.display(), path.display())
-            })
+            fs::rename(&tmp, &path)
+                .map_err(|e| format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))
         });
     if let Err(e) = placed {
         let _ = fs::remove_file(&tmp);
@@ -107,7 +108,10 @@ pub fn clean_stale(dir: &Path, uid: u32, our_pid: u32) -> usize {
         }
         match fs::remove_file(entry.path()) {
             Ok(()) => {
-                tracing::debug!("removed the stale control socket {}", entry.path().display());
+                tracing::debug!(
+                    "removed the stale control socket {}",
+                    entry.path().display()
+                );
                 removed += 1;
             }
             Err(e) => tracing::debug!("removing {}: {e}", entry.path().display()),
@@ -140,7 +144,11 @@ mod tests {
     fn refuses_open_foreign_or_linked_folders() {
         let base = tmp("refuse");
         let open = base.join("open");
-        fs::DirBuilder::new().recursive(true).mode(0o700).create(&open).unwrap();
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&open)
+            .unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
         let e = prepare(&open, sys::euid()).unwrap_err();
         assert!(e.contains("0755") && e.contains("refusing"), "{e}");
@@ -157,7 +165,9 @@ mod tests {
 
         let file = base.join("file");
         fs::write(&file, b"").unwrap();
-        assert!(prepare(&file, sys::euid()).unwrap_err().contains("not a folder"));
+        assert!(prepare(&file, sys::euid())
+            .unwrap_err()
+            .contains("not a folder"));
         fs::remove_dir_all(&base).unwrap();
     }
 
@@ -189,6 +199,11 @@ mod tests {
         assert_eq!(clean_stale(&d, sys::euid(), me), 2);
         assert!(!dead_path.exists() && !dead_tmp.exists());
         assert!(path.exists() && live.exists() && not_socket.exists());
+
+        // A folder whose socket path would not fit in sun_path: an error, not a panic.
+        let long = d.join("x".repeat(120));
+        prepare(&long, sys::euid()).unwrap();
+        assert!(bind(&long, me).unwrap_err().contains("cannot listen"));
 
         // Binding again (same pid, as after exec) replaces the old socket.
         let (_l2, again) = bind(&d, me).unwrap();

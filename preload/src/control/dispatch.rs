@@ -53,7 +53,9 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
         Request::Status => Ok(Reply::Status(Box::new(status_of(host)))),
         Request::Pause { tag } => op(host, Op::Pause, tag),
         Request::Resume { tag } => op(host, Op::Resume, tag),
-        Request::GetRegion => host.default_region().map(|r| Reply::Region(region_info(&r))),
+        Request::GetRegion => host
+            .default_region()
+            .map(|r| Reply::Region(region_info(&r))),
         Request::SetRegion(u) => set_region(host, u),
         Request::Hello(_) => Ok(Reply::error(
             ErrorKind::BadRequest,
@@ -112,7 +114,9 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     let mut r = host.default_region()?;
     if let Some(t) = u.tag {
         if t.is_empty() {
-            return Err(Error::InvalidArgument("a region's tag must not be empty".into()));
+            return Err(Error::InvalidArgument(
+                "a region's tag must not be empty".into(),
+            ));
         }
         r.tag = t;
     }

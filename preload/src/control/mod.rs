@@ -144,7 +144,6 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
     let folder2 = folder.clone();
     let spawned = std::thread::Builder::new()
         .name("tms-control".into())
-        .stack_size(256 * 1024)
         .spawn(move || {
             let r = catch_unwind(AssertUnwindSafe(|| {
                 let n = dir::clean_stale(&folder2, uid, pid);
@@ -154,7 +153,9 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
                 serve(&listener, &host, &Limits::default(), &me)
             }));
             if r.is_err() {
-                tracing::error!("the control server stopped after a panic (a bug); the process carries on");
+                tracing::error!(
+                    "the control server stopped after a panic (a bug); the process carries on"
+                );
             }
         });
     match spawned {

@@ -56,7 +56,9 @@ pub struct Identity {
 
 enum ReadError {
     /// The peer closed; `pending` bytes of an unfinished line had arrived.
-    Closed { pending: usize },
+    Closed {
+        pending: usize,
+    },
     Timeout,
     Proto(ProtoError),
     Io(io::Error),
@@ -72,7 +74,10 @@ pub fn serve_connection(stream: &UnixStream, host: &dyn Host, limits: &Limits, m
         Ok(client) => Session::new(client, host, limits, me).run(),
         Err(e) => {
             tracing::warn!("control connection refused: {e}");
-            send(stream, &Reply::error(ErrorKind::PermissionDenied, e.to_string()));
+            send(
+                stream,
+                &Reply::error(ErrorKind::PermissionDenied, e.to_string()),
+            );
         }
     }
 }
@@ -248,13 +253,14 @@ impl<'a> Session<'a> {
                 return;
             };
             let host = self.host;
-            let reply = catch_unwind(AssertUnwindSafe(|| dispatch(host, req))).unwrap_or_else(|_| {
-                tracing::error!("control request panicked (a bug in torch-memory-saver)");
-                Reply::error(
-                    ErrorKind::Internal,
-                    "internal error (a bug in torch-memory-saver); the process carries on",
-                )
-            });
+            let reply =
+                catch_unwind(AssertUnwindSafe(|| dispatch(host, req))).unwrap_or_else(|_| {
+                    tracing::error!("control request panicked (a bug in torch-memory-saver)");
+                    Reply::error(
+                        ErrorKind::Internal,
+                        "internal error (a bug in torch-memory-saver); the process carries on",
+                    )
+                });
             let close = matches!(&reply, Reply::Error(e) if e.kind.closes_connection());
             if !self.reply(&reply) || close {
                 return;

@@ -77,7 +77,7 @@ pub fn get() -> Result<&'static Runtime> {
                 .into(),
         ));
     }
-    RUNTIME
+    let rt = RUNTIME
         .get_or_init(|| {
             init().map_err(|e| {
                 let e = e.context("starting torch-memory-saver");
@@ -86,7 +86,10 @@ pub fn get() -> Result<&'static Runtime> {
             })
         })
         .as_ref()
-        .map_err(StickyError::to_error)
+        .map_err(StickyError::to_error)?;
+    // The control socket starts with the first successful use, never at load time.
+    crate::control::ensure_started(rt);
+    Ok(rt)
 }
 
 /// The runtime if it was already created successfully (never creates it).

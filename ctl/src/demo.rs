@@ -1,0 +1,795 @@
+//! `tmsctl demo`: a child process with libtms.so preloaded allocates pauseable memory and
+//! writes a pattern; we pause and resume it through its control socket, exactly as one would
+//! an unmodified program, and the child checks the pattern afterwards.
+//!
+//! The child is this executable again (`tmsctl __demo-child`). It reaches the library the way
+//! any preloaded program's code would, by symbol (`dlsym`): `tms_init`, `tms_region_enter`,
+//! `tms_torch_malloc`, `tms_write_bytes`, ... It talks to the parent in lines on stdout
+//! (`READY {json}`, `ERROR <stage> <message>`, `VERIFY ok`, ...) and takes commands on stdin
+//! (`verify`, `malloc SIZE`, `fork`, `exit`); the tests drive it the same way.
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use serde_json::{json, Value};
+use tms_proto::{OpDone, Reply, Request, Status};
+
+use crate::client::{self, Client, Code, Failure};
+use crate::output::{human, human_delta, parse_bytes};
+use crate::Ctx;
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let v = parse_bytes(s)?;
+    if v == 0 {
+        return Err("the size must be above 0".into());
+    }
+    Ok(v)
+}
+
+/// Which device the demo runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum DemoBackend {
+    /// CUDA if it can start, else the simulated device.
+    Auto,
+    /// CUDA only.
+    Cuda,
+    /// The simulated device (host memory standing in for a GPU).
+    Sim,
+}
+
+/// Options of `tmsctl demo`.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// libtms.so to preload [default: $TMS_LIB, else libtms.so next to tmsctl, else
+    /// ../lib/libtms.so from there].
+    #[arg(long, value_name = "PATH")]
+    lib: Option<PathBuf>,
+    /// Pauseable memory to allocate (1GiB, 256MiB, ...).
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    size: u64,
+    /// Device to run on [default: $TMS_BACKEND, else auto].
+    #[arg(long, value_enum, value_name = "BACKEND")]
+    backend: Option<DemoBackend>,
+    /// Tag of the demo's allocation.
+    #[arg(long, value_name = "TAG", default_value = "demo")]
+    tag: String,
+}
+
+/// Options of the hidden child.
+#[derive(Args, Debug)]
+pub struct ChildArgs {
+    /// Bytes of pauseable memory.
+    #[arg(long, value_parser = parse_size)]
+    size: u64,
+    /// Its tag.
+    #[arg(long, default_value = "demo")]
+    tag: String,
+    /// Pattern seed.
+    #[arg(long, default_value_t = 7)]
+    seed: u8,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The child
+
+type OutStrFn = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
+type RegionEnterFn = unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char) -> c_int;
+type RegionExitFn = unsafe extern "C" fn() -> c_int;
+type TorchMallocFn = unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void;
+type TorchFreeFn = unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void);
+type WriteFn = unsafe extern "C" fn(u64, *const c_void, u64) -> c_int;
+type ReadFn = unsafe extern "C" fn(u64, *mut c_void, u64) -> c_int;
+type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
+type CudaMallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type CudaFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+
+/// The preloaded library's entry points.
+struct Api {
+    init: OutStrFn,
+    control_socket: OutStrFn,
+    region_enter: RegionEnterFn,
+    region_exit: RegionExitFn,
+    torch_malloc: TorchMallocFn,
+    torch_free: TorchFreeFn,
+    write: WriteFn,
+    read: ReadFn,
+    last_error: LastErrorFn,
+    cuda_malloc: CudaMallocFn,
+    cuda_free: CudaFreeFn,
+}
+
+fn sym(name: &CStr) -> Result<*mut c_void, String> {
+    // SAFETY: dlsym only looks a NUL-terminated name up in the loaded objects.
+    let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if p.is_null() {
+        Err(format!(
+            "{} not found: libtms.so is not preloaded (LD_PRELOAD)",
+            name.to_string_lossy()
+        ))
+    } else {
+        Ok(p)
+    }
+}
+
+macro_rules! load {
+    ($name:literal, $ty:ty) => {{
+        let p = sym($name)?;
+        // SAFETY: the symbol is libtms.so's function of that name, whose C signature (see
+        // preload/include/tms.h and the CUDA runtime's) is exactly `$ty`.
+        unsafe { std::mem::transmute::<*mut c_void, $ty>(p) }
+    }};
+}
+
+impl Api {
+    fn load() -> Result<Api, String> {
+        Ok(Api {
+            init: load!(c"tms_init", OutStrFn),
+            control_socket: load!(c"tms_control_socket", OutStrFn),
+            region_enter: load!(c"tms_region_enter", RegionEnterFn),
+            region_exit: load!(c"tms_region_exit", RegionExitFn),
+            torch_malloc: load!(c"tms_torch_malloc", TorchMallocFn),
+            torch_free: load!(c"tms_torch_free", TorchFreeFn),
+            write: load!(c"tms_write_bytes", WriteFn),
+            read: load!(c"tms_read_bytes", ReadFn),
+            last_error: load!(c"tms_last_error", LastErrorFn),
+            cuda_malloc: load!(c"cudaMalloc", CudaMallocFn),
+            cuda_free: load!(c"cudaFree", CudaFreeFn),
+        })
+    }
+
+    fn last_error(&self) -> String {
+        let mut buf = vec![0u8; 4096];
+        // SAFETY: buf is writable for its length; the function NUL-terminates within it.
+        unsafe { (self.last_error)(buf.as_mut_ptr().cast(), buf.len()) };
+        let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    }
+
+    fn check(&self, rc: c_int) -> Result<(), String> {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(format!("status {rc}: {}", self.last_error()))
+        }
+    }
+
+    fn out_str(&self, f: OutStrFn) -> Result<String, String> {
+        let mut buf = vec![0u8; 4096];
+        let mut len = 0usize;
+        // SAFETY: buf is writable for its length, len for one usize.
+        let rc = unsafe { f(buf.as_mut_ptr().cast(), buf.len(), &mut len) };
+        self.check(rc)?;
+        buf.truncate(len.min(buf.len()));
+        Ok(String::from_utf8_lossy(&buf).into_owned())
+    }
+}
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{}", line.replace('\n', " "));
+    let _ = out.flush();
+}
+
+/// Byte `i` of the pattern.
+fn pattern_byte(i: u64, seed: u8) -> u8 {
+    let x = i ^ (i >> 7) ^ (i >> 17);
+    (x.wrapping_mul(0x9E37_79B9) >> 5) as u8 ^ seed
+}
+
+const CHUNK: u64 = 32 << 20;
+
+fn fill(buf: &mut [u8], start: u64, seed: u8) {
+    for (k, b) in buf.iter_mut().enumerate() {
+        *b = pattern_byte(start + k as u64, seed);
+    }
+}
+
+fn write_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<(), String> {
+    let mut buf = vec![0u8; CHUNK.min(size) as usize];
+    let mut off = 0;
+    while off < size {
+        let n = CHUNK.min(size - off) as usize;
+        fill(&mut buf[..n], off, seed);
+        // SAFETY: buf is readable for n bytes.
+        api.check(unsafe { (api.write)(ptr + off, buf.as_ptr().cast(), n as u64) })?;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+fn verify_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<Option<u64>, String> {
+    let mut got = vec![0u8; CHUNK.min(size) as usize];
+    let mut want = vec![0u8; got.len()];
+    let mut off = 0;
+    while off < size {
+        let n = CHUNK.min(size - off) as usize;
+        // SAFETY: got is writable for n bytes.
+        api.check(unsafe { (api.read)(ptr + off, got.as_mut_ptr().cast(), n as u64) })?;
+        fill(&mut want[..n], off, seed);
+        if let Some(i) = (0..n).find(|i| got[*i] != want[*i]) {
+            return Ok(Some(off + i as u64));
+        }
+        off += n as u64;
+    }
+    Ok(None)
+}
+
+/// The hidden `__demo-child` command. Exit status: 0 after `exit` or end of input; 3 when
+/// libtms.so is not preloaded; 4 when the library cannot start (no usable driver); 1 otherwise.
+pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
+    // Behave like a C program that never ignored SIGPIPE: the library must not raise it.
+    // SAFETY: setting a signal's disposition to the default has no preconditions.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    let api = match Api::load() {
+        Ok(api) => api,
+        Err(e) => {
+            say(&format!("ERROR nolib {e}"));
+            std::process::exit(3);
+        }
+    };
+    let backend = match api.out_str(api.init) {
+        Ok(b) => b,
+        Err(_) => {
+            say(&format!("ERROR init {}", api.last_error()));
+            std::process::exit(4);
+        }
+    };
+    let fail = |stage: &str, e: String| -> ! {
+        say(&format!("ERROR {stage} {e}"));
+        std::process::exit(1);
+    };
+    let tag = CString::new(a.tag.clone()).unwrap_or_default();
+    // SAFETY: tag and the backend name are NUL-terminated strings.
+    let rc = unsafe { (api.region_enter)(1, tag.as_ptr(), 1, c"pinned".as_ptr()) };
+    if let Err(e) = api.check(rc) {
+        fail("region", e);
+    }
+    let Ok(size) = isize::try_from(a.size) else {
+        fail("alloc", format!("{} bytes is too large", a.size));
+    };
+    // SAFETY: a plain call of the pluggable-allocator entry point; NULL stream.
+    let p = unsafe { (api.torch_malloc)(size, 0, std::ptr::null_mut()) };
+    let alloc_err = p.is_null().then(|| api.last_error());
+    // SAFETY: no arguments.
+    let _ = unsafe { (api.region_exit)() };
+    if let Some(e) = alloc_err {
+        fail("alloc", e);
+    }
+    let ptr = p as u64;
+    if let Err(e) = write_pattern(&api, ptr, a.size, a.seed) {
+        fail("write", e);
+    }
+    let socket = api.out_str(api.control_socket);
+    say(&format!(
+        "READY {}",
+        json!({
+            "pid": std::process::id(),
+            "ptr": ptr,
+            "size": a.size,
+            "backend": backend,
+            "socket": socket.as_ref().ok(),
+            "socket_error": socket.as_ref().err(),
+        })
+    ));
+
+    let mut mallocs: Vec<*mut c_void> = Vec::new();
+    for line in std::io::stdin().lock().lines() {
+        let Ok(line) = line else { break };
+        let mut words = line.split_whitespace();
+        match words.next() {
+            Some("verify") => match verify_pattern(&api, ptr, a.size, a.seed) {
+                Ok(None) => say("VERIFY ok"),
+                Ok(Some(at)) => say(&format!("VERIFY mismatch at byte {at}")),
+                Err(e) => say(&format!("VERIFY error {e}")),
+            },
+            Some("malloc") => {
+                let n = words
+                    .next()
+                    .and_then(|w| parse_bytes(w).ok())
+                    .unwrap_or(1 << 20);
+                let mut q: *mut c_void = std::ptr::null_mut();
+                // SAFETY: q is writable for one pointer.
+                let rc = unsafe { (api.cuda_malloc)(&mut q, n as usize) };
+                if rc == 0 && !q.is_null() {
+                    mallocs.push(q);
+                }
+                say(&format!("MALLOC {rc} {:#x}", q as u64));
+            }
+            Some("fork") => {
+                // SAFETY: the child only calls exit (running atexit handlers, which is the
+                // point: they must leave the parent's socket alone).
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    // SAFETY: ends the child normally.
+                    unsafe { libc::exit(0) };
+                }
+                let mut st: c_int = 0;
+                // SAFETY: waits for our own child; st is writable.
+                let r = unsafe { libc::waitpid(pid, &mut st, 0) };
+                let code = if r == pid && libc::WIFEXITED(st) {
+                    libc::WEXITSTATUS(st)
+                } else {
+                    -1
+                };
+                say(&format!("FORKED {pid} {code}"));
+            }
+            Some("exit") => break,
+            Some(other) => say(&format!("ERROR command unknown command {other:?}")),
+            None => {}
+        }
+    }
+    for q in mallocs {
+        // SAFETY: q came from cudaMalloc above and is freed once.
+        unsafe { (api.cuda_free)(q) };
+    }
+    // SAFETY: p came from tms_torch_malloc above and is freed once.
+    unsafe { (api.torch_free)(p, size, 0, std::ptr::null_mut()) };
+    say("BYE");
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// The parent
+
+/// A running demo child.
+struct DemoChild {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl DemoChild {
+    fn spawn(
+        lib: &Path,
+        backend: &str,
+        size: u64,
+        tag: &str,
+        dir: &Path,
+    ) -> anyhow::Result<DemoChild> {
+        let exe = std::env::current_exe()?;
+        let preload = match std::env::var("LD_PRELOAD") {
+            Ok(p) if !p.trim().is_empty() => format!("{}:{p}", lib.display()),
+            _ => lib.display().to_string(),
+        };
+        let mut cmd = Command::new(exe);
+        cmd.arg("__demo-child")
+            .arg("--size")
+            .arg(size.to_string())
+            .arg("--tag")
+            .arg(tag)
+            .env("LD_PRELOAD", preload)
+            .env("TMS_BACKEND", backend)
+            .env("TMS_SOCKET_DIR", dir)
+            .env_remove("TMS_CONTROL")
+            .env_remove("TMS_INIT_ENABLE")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if backend == "sim" && std::env::var_os("TMS_SIM_CAPACITY").is_none() {
+            cmd.env(
+                "TMS_SIM_CAPACITY",
+                size.saturating_mul(2).max(8 << 30).to_string(),
+            );
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting the demo child: {e}"))?;
+        let stdout = child.stdout.take();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            if let Some(out) = stdout {
+                for l in BufReader::new(out).lines() {
+                    let Ok(l) = l else { break };
+                    if tx.send(l).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let stderr = Arc::new(Mutex::new(String::new()));
+        if let Some(mut err) = child.stderr.take() {
+            let sink = stderr.clone();
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = err.read_to_string(&mut s);
+                if let Ok(mut g) = sink.lock() {
+                    g.push_str(&s);
+                }
+            });
+        }
+        Ok(DemoChild {
+            stdin: child.stdin.take(),
+            child,
+            lines: rx,
+            stderr,
+        })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn stderr_tail(&self) -> String {
+        let s = self.stderr.lock().map(|g| g.clone()).unwrap_or_default();
+        let t = s.trim();
+        if t.is_empty() {
+            String::new()
+        } else {
+            format!(" (child's stderr: {})", t.lines().last().unwrap_or(t))
+        }
+    }
+
+    /// The next line starting with `word`; an `ERROR` line or the end of output is
+    /// `Err((stage, message))`.
+    fn expect(&mut self, word: &str, timeout: Duration) -> Result<String, (String, String)> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) => {
+                    if let Some(rest) = l.strip_prefix("ERROR ") {
+                        let (stage, msg) = rest.split_once(' ').unwrap_or((rest, ""));
+                        return Err((stage.to_string(), msg.to_string()));
+                    }
+                    if let Some(rest) = l.strip_prefix(word) {
+                        return Ok(rest.trim().to_string());
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err((
+                        "timeout".into(),
+                        format!(
+                            "no {word} from the demo child within {:.0} s",
+                            timeout.as_secs_f64()
+                        ),
+                    ))
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let st = self.child.wait().map(|s| s.to_string()).unwrap_or_default();
+                    return Err((
+                        "exit".into(),
+                        format!("the demo child ended ({st}){}", self.stderr_tail()),
+                    ));
+                }
+            }
+        }
+    }
+
+    fn send(&mut self, cmd: &str) -> anyhow::Result<()> {
+        let Some(i) = self.stdin.as_mut() else {
+            anyhow::bail!("the demo child's input is closed");
+        };
+        writeln!(i, "{cmd}")?;
+        i.flush()?;
+        Ok(())
+    }
+
+    /// Ask the child to exit and wait a little; kill it otherwise.
+    fn finish(mut self) {
+        let _ = self.send("exit");
+        self.stdin = None;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for DemoChild {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn find_lib(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let mut tried = Vec::new();
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Some(p) = explicit {
+        candidates.push(p.to_path_buf());
+    } else {
+        if let Some(p) = std::env::var_os("TMS_LIB").filter(|p| !p.is_empty()) {
+            candidates.push(PathBuf::from(p));
+        }
+        if let Some(dir) = std::env::current_exe()
+            .ok()
+            .and_then(|e| e.parent().map(Path::to_path_buf))
+        {
+            candidates.push(dir.join("libtms.so"));
+            candidates.push(dir.join("../lib/libtms.so"));
+        }
+    }
+    for c in candidates {
+        if c.is_file() {
+            return Ok(std::fs::canonicalize(&c).unwrap_or(c));
+        }
+        tried.push(c.display().to_string());
+    }
+    Err(Failure::new(
+        Code::Failed,
+        format!(
+            "cannot find libtms.so (tried {}): pass --lib PATH or set TMS_LIB",
+            tried.join(", ")
+        ),
+    )
+    .into())
+}
+
+struct Row {
+    step: &'static str,
+    status: Status,
+    done: Option<OpDone>,
+}
+
+fn free_of(s: &Status) -> Option<u64> {
+    s.devices
+        .iter()
+        .find(|d| d.device == 0 && d.error.is_none())
+        .map(|d| d.free_bytes)
+}
+
+fn tag_of<'a>(s: &'a Status, tag: &str) -> Option<&'a tms_proto::TagStatus> {
+    s.tags.iter().find(|t| t.tag == tag)
+}
+
+fn status(c: &mut Client) -> client::Result<Status> {
+    c.ask_for(&Request::Status, |r| match r {
+        Reply::Status(s) => Some(*s),
+        _ => None,
+    })
+}
+
+fn op(c: &mut Client, req: Request) -> client::Result<OpDone> {
+    c.ask_for(&req, |r| match r {
+        Reply::Done(d) => Some(d),
+        _ => None,
+    })
+}
+
+/// `tmsctl demo`.
+pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
+    let lib = find_lib(a.lib.as_deref())?;
+    let choice = match a.backend {
+        Some(b) => b,
+        None => match std::env::var("TMS_BACKEND").as_deref().map(str::trim) {
+            Ok("cuda") => DemoBackend::Cuda,
+            Ok("sim") => DemoBackend::Sim,
+            Ok("") | Ok("auto") | Err(_) => DemoBackend::Auto,
+            Ok(other) => {
+                return Err(Failure::new(
+                    Code::Usage,
+                    format!("TMS_BACKEND={other:?}: expected auto, cuda or sim"),
+                )
+                .into())
+            }
+        },
+    };
+    let mut fallback: Option<String> = None;
+    let first = if choice == DemoBackend::Sim {
+        "sim"
+    } else {
+        "cuda"
+    };
+    let mut child = DemoChild::spawn(&lib, first, a.size, &a.tag, &ctx.dir)?;
+    let ready = match child.expect("READY", ctx.timeout) {
+        Ok(r) => r,
+        Err((stage, msg)) if stage == "init" && choice == DemoBackend::Auto => {
+            drop(child);
+            fallback = Some(msg);
+            child = DemoChild::spawn(&lib, "sim", a.size, &a.tag, &ctx.dir)?;
+            child
+                .expect("READY", ctx.timeout)
+                .map_err(|(s, m)| Failure::new(Code::Failed, format!("demo child ({s}): {m}")))?
+        }
+        Err((stage, msg)) => {
+            return Err(Failure::new(Code::Failed, format!("demo child ({stage}): {msg}")).into())
+        }
+    };
+    let ready: Value = serde_json::from_str(&ready).unwrap_or(Value::Null);
+    let backend = ready["backend"].as_str().unwrap_or("?").to_string();
+    let pid = child.pid();
+    let socket = ready["socket"].as_str().map(str::to_string);
+    if socket.is_none() {
+        return Err(Failure::new(
+            Code::Failed,
+            format!(
+                "the demo child has no control socket: {}",
+                ready["socket_error"].as_str().unwrap_or("?")
+            ),
+        )
+        .into());
+    }
+
+    let mut c = Client::connect(&ctx.dir, pid, ctx.timeout)?;
+    let tag = Some(a.tag.clone());
+    let mut rows = vec![Row {
+        step: "allocated",
+        status: status(&mut c)?,
+        done: None,
+    }];
+    let d = op(&mut c, Request::Pause { tag: tag.clone() })?;
+    rows.push(Row {
+        step: "paused",
+        status: status(&mut c)?,
+        done: Some(d),
+    });
+    let d = op(&mut c, Request::Resume { tag: tag.clone() })?;
+    rows.push(Row {
+        step: "resumed",
+        status: status(&mut c)?,
+        done: Some(d),
+    });
+    drop(c);
+    child.send("verify")?;
+    let verdict = match child.expect("VERIFY", ctx.timeout) {
+        Ok(v) => v,
+        Err((s, m)) => format!("error ({s}): {m}"),
+    };
+    child.finish();
+
+    // Checks.
+    let mapped = tag_of(&rows[0].status, &a.tag).map_or(0, |t| t.bytes_active);
+    let paused = tag_of(&rows[1].status, &a.tag).map_or(0, |t| t.bytes_paused);
+    let active_after = tag_of(&rows[2].status, &a.tag).map_or(0, |t| t.bytes_active);
+    let given_back = match (free_of(&rows[0].status), free_of(&rows[1].status)) {
+        (Some(f0), Some(f1)) => f1.saturating_sub(f0),
+        _ => 0,
+    };
+    let mut problems = Vec::new();
+    if mapped < a.size {
+        problems.push(format!(
+            "{} active before the pause, expected {}",
+            human(mapped),
+            human(a.size)
+        ));
+    }
+    if paused != mapped {
+        problems.push(format!(
+            "{} paused, expected {}",
+            human(paused),
+            human(mapped)
+        ));
+    }
+    if active_after != mapped {
+        problems.push(format!(
+            "{} active after resume, expected {}",
+            human(active_after),
+            human(mapped)
+        ));
+    }
+    if verdict != "ok" {
+        problems.push(format!("pattern after resume: {verdict}"));
+    }
+    let ok = problems.is_empty();
+    let driver_note = match (&fallback, backend.as_str()) {
+        (Some(why), _) => format!("sim (the simulated device: CUDA could not start: {why})"),
+        (None, "sim") => "sim (the simulated device, as asked)".to_string(),
+        (None, b) => b.to_string(),
+    };
+
+    if ctx.json {
+        let steps: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                let t = tag_of(&r.status, &a.tag);
+                json!({
+                    "step": r.step,
+                    "device_free_bytes": free_of(&r.status),
+                    "bytes_active": t.map_or(0, |t| t.bytes_active),
+                    "bytes_paused": t.map_or(0, |t| t.bytes_paused),
+                    "host_backup_bytes": t.map_or(0, |t| t.host_backup_bytes),
+                    "seconds": r.done.as_ref().map(|d| d.seconds),
+                    "copied_bytes": r.done.as_ref().map(|d| d.copied_bytes),
+                })
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "ok": ok,
+                "backend": backend,
+                "fallback_reason": fallback,
+                "child_pid": pid,
+                "lib": lib,
+                "socket": socket,
+                "tag": a.tag,
+                "size": a.size,
+                "mapped": mapped,
+                "given_back_bytes": given_back,
+                "steps": steps,
+                "pattern": verdict,
+                "problems": problems,
+            })
+        );
+    } else {
+        println!(
+            "tmsctl demo: child {pid} with LD_PRELOAD={}\n\
+             driver {driver_note}\n\
+             {} pauseable with CPU backup (pinned), tag {:?}, control socket {}\n",
+            lib.display(),
+            human(a.size),
+            a.tag,
+            socket.as_deref().unwrap_or("?")
+        );
+        println!(
+            "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  time",
+            "step", "device free", "change", "active", "paused", "host backup"
+        );
+        let mut prev: Option<u64> = None;
+        for r in &rows {
+            let t = tag_of(&r.status, &a.tag);
+            let free = free_of(&r.status);
+            let change = match (prev, free) {
+                (Some(p), Some(f)) => human_delta(p, f),
+                _ => "-".into(),
+            };
+            prev = free;
+            let time = match &r.done {
+                Some(d) => {
+                    let moved = if d.copied_bytes > 0 {
+                        d.copied_bytes
+                    } else {
+                        d.bytes
+                    };
+                    let rate = if d.seconds > 0.0 {
+                        moved as f64 / d.seconds / (1u64 << 30) as f64
+                    } else {
+                        0.0
+                    };
+                    format!("{:.3} s, {rate:.1} GiB/s", d.seconds)
+                }
+                None => "-".into(),
+            };
+            println!(
+                "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  {time}",
+                r.step,
+                free.map_or("?".into(), human),
+                change,
+                human(t.map_or(0, |t| t.bytes_active)),
+                human(t.map_or(0, |t| t.bytes_paused)),
+                human(t.map_or(0, |t| t.host_backup_bytes)),
+            );
+        }
+        println!();
+        println!(
+            "memory given back on pause : {} of {} mapped",
+            human(given_back),
+            human(mapped)
+        );
+        println!(
+            "pattern after resume       : {}",
+            if verdict == "ok" {
+                "identical"
+            } else {
+                verdict.as_str()
+            }
+        );
+        println!();
+        if ok {
+            println!("demo OK");
+        } else {
+            println!("demo FAILED");
+        }
+    }
+    if ok {
+        Ok(())
+    } else {
+        Err(Failure::new(
+            Code::Failed,
+            format!("demo failed: {}", problems.join("; ")),
+        )
+        .into())
+    }
+}

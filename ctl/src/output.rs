@@ -1,0 +1,173 @@
+//! Human-readable rendering: sizes, status tables, one-line summaries.
+
+use std::fmt::Write as _;
+
+use tms_proto::{OpDone, OpTiming, RegionInfo, Status};
+
+/// `1.50 GiB`-style rendering.
+pub fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
+
+/// A signed change in bytes, `+1.00 GiB` / `-512.00 MiB` / `0 B`.
+pub fn human_delta(from: u64, to: u64) -> String {
+    if to >= from {
+        if to == from {
+            "0 B".into()
+        } else {
+            format!("+{}", human(to - from))
+        }
+    } else {
+        format!("-{}", human(from - to))
+    }
+}
+
+/// Parse a byte count: an integer with an optional `K`/`M`/`G`/`T` suffix (powers of 1024;
+/// `KiB`, `KB`, `k` spellings accepted).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || format!("{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)");
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
+/// A region in words.
+pub fn region(r: &RegionInfo) -> String {
+    let backup = if r.cpu_backup {
+        format!("CPU backup ({})", r.backend.as_str())
+    } else {
+        "no CPU backup".to_string()
+    };
+    if r.enabled {
+        format!("pauseable, tag {:?}, {backup}", r.tag)
+    } else {
+        format!("not pauseable (tag {:?}, {backup} when enabled)", r.tag)
+    }
+}
+
+fn timing(t: &Option<OpTiming>) -> String {
+    match t {
+        Some(t) => format!("{:.3} s {:.1} GiB/s", t.seconds, t.gib_per_s),
+        None => "-".into(),
+    }
+}
+
+/// `status` for people.
+pub fn status(s: &Status, command: &str) -> String {
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "pid {} ({command}), backend {}, retain CPU backup {}, memory margin {}",
+        s.pid,
+        s.backend,
+        if s.retain_cpu_backup { "on" } else { "off" },
+        human(s.memory_margin_bytes)
+    );
+    for d in &s.devices {
+        match &d.error {
+            None => {
+                let _ = writeln!(
+                    o,
+                    "device {}: {} free of {}",
+                    d.device,
+                    human(d.free_bytes),
+                    human(d.total_bytes)
+                );
+            }
+            Some(e) => {
+                let _ = writeln!(o, "device {}: memory unknown: {e}", d.device);
+            }
+        }
+    }
+    if let Some(r) = &s.default_region {
+        let _ = writeln!(o, "default region: {}", region(r));
+    }
+    if s.tags.is_empty() {
+        let _ = writeln!(o, "no pauseable allocations");
+        return o;
+    }
+    let _ = writeln!(
+        o,
+        "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>20} {:>20}",
+        "TAG", "ALLOCS", "PAUSED", "ACTIVE", "PAUSED", "HOST BACKUP", "LAST PAUSE", "LAST RESUME"
+    );
+    for t in &s.tags {
+        let _ = writeln!(
+            o,
+            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>20} {:>20}",
+            t.tag,
+            t.allocations,
+            t.paused_allocations,
+            human(t.bytes_active),
+            human(t.bytes_paused),
+            human(t.host_backup_bytes),
+            timing(&t.last_pause),
+            timing(&t.last_resume)
+        );
+    }
+    o
+}
+
+/// A pause or resume in one line.
+pub fn done(pid: u32, d: &OpDone) -> String {
+    let what = match &d.tag {
+        Some(t) => format!("tag {t:?}"),
+        None => "every tag".to_string(),
+    };
+    let (verb, noun, copy) = match d.op {
+        tms_proto::Op::Pause => ("paused", "released", "copied to host"),
+        tms_proto::Op::Resume => ("resumed", "re-taken", "restored from host"),
+    };
+    if d.allocations == 0 {
+        return format!("pid {pid}: {what}: nothing to do (no allocation to be {verb})");
+    }
+    let mut s = format!(
+        "pid {pid}: {verb} {what}: {} allocation{}, {} of device memory {noun}",
+        d.allocations,
+        if d.allocations == 1 { "" } else { "s" },
+        human(d.bytes)
+    );
+    if d.copied_bytes > 0 {
+        let _ = write!(s, ", {} {copy}", human(d.copied_bytes));
+    }
+    let _ = write!(s, ", in {:.3} s", d.seconds);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(human(0), "0 B");
+        assert_eq!(human(3 << 30), "3.00 GiB");
+        assert_eq!(human_delta(1 << 20, 3 << 20), "+2.00 MiB");
+        assert_eq!(human_delta(3 << 20, 1 << 20), "-2.00 MiB");
+        assert_eq!(parse_bytes("64MiB"), Ok(64 << 20));
+        assert_eq!(parse_bytes("2g"), Ok(2 << 30));
+        assert!(parse_bytes("1.5G").is_err());
+        assert!(parse_bytes("99999999999T").is_err());
+    }
+}

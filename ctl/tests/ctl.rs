@@ -1,0 +1,790 @@
+//! tmsctl against real preloaded processes on the simulated device.
+//!
+//! The preloaded process is `tmsctl __demo-child` (the demo's child) run with
+//! `LD_PRELOAD=target/<profile>/libtms.so TMS_BACKEND=sim`: it allocates pauseable memory with
+//! a CPU backup through the library's C ABI, writes a pattern, prints `READY {json}` and then
+//! takes commands on stdin (`verify`, `malloc SIZE`, `fork`, `exit`). Its SIGPIPE disposition
+//! is the default, like a C program's, so a server that let SIGPIPE through would kill it.
+//! Every test has its own socket folder (`TMS_SOCKET_DIR`).
+//!
+//! `libtms.so` must have been built with the same profile first (`scripts/test` runs
+//! `cargo build --workspace` before `cargo test --workspace`).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Output, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const SIZE: u64 = 8 << 20;
+
+fn tmsctl() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_tmsctl"))
+}
+
+fn libtms() -> PathBuf {
+    let p = tmsctl()
+        .parent()
+        .expect("tmsctl has a folder")
+        .join("libtms.so");
+    assert!(
+        p.is_file(),
+        "{} does not exist: run `cargo build --workspace` (same profile) before the tests",
+        p.display()
+    );
+    p
+}
+
+/// A socket folder of its own (inside a private temporary folder).
+struct Sandbox {
+    tmp: tempfile::TempDir,
+    dir: PathBuf,
+}
+
+fn sandbox() -> Sandbox {
+    let tmp = tempfile::Builder::new()
+        .prefix("tmsctl-test-")
+        .tempdir()
+        .expect("tempdir");
+    let dir = tmp.path().join("s");
+    Sandbox { tmp, dir }
+}
+
+/// A command with no TMS_* or XDG_RUNTIME_DIR from the test's environment.
+fn clean(mut cmd: Command, sb: &Sandbox) -> Command {
+    for (k, _) in std::env::vars_os() {
+        if k.to_str()
+            .is_some_and(|k| k.starts_with("TMS_") || k == "XDG_RUNTIME_DIR" || k == "LD_PRELOAD")
+        {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env("TMS_SOCKET_DIR", &sb.dir);
+    cmd
+}
+
+/// A preloaded process with pauseable memory (the demo child).
+struct Proc {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    pid: u32,
+    ready: Value,
+}
+
+impl Proc {
+    fn start(sb: &Sandbox, env: &[(&str, &str)]) -> Proc {
+        Proc::start_with(sb, env, |_| {})
+    }
+
+    fn start_with(sb: &Sandbox, env: &[(&str, &str)], tweak: impl FnOnce(&mut Command)) -> Proc {
+        let mut cmd = Command::new(tmsctl());
+        cmd.args(["__demo-child", "--size", &SIZE.to_string(), "--tag", "demo"]);
+        let mut cmd = clean(cmd, sb);
+        cmd.env("LD_PRELOAD", libtms())
+            .env("TMS_BACKEND", "sim")
+            .env("TMS_SIM_CAPACITY", "1GiB")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        tweak(&mut cmd);
+        let mut child = cmd.spawn().expect("spawn the demo child");
+        let out = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let pid = child.id();
+        let mut p = Proc {
+            stdin: child.stdin.take(),
+            child,
+            lines: rx,
+            pid,
+            ready: Value::Null,
+        };
+        let r = p.expect("READY");
+        p.ready = serde_json::from_str(&r).expect("READY json");
+        p
+    }
+
+    fn expect(&mut self, word: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let l = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|e| panic!("waiting for {word} from pid {}: {e}", self.pid));
+            assert!(!l.starts_with("ERROR"), "child {}: {l}", self.pid);
+            if let Some(rest) = l.strip_prefix(word) {
+                return rest.trim().to_string();
+            }
+        }
+    }
+
+    fn cmd(&mut self, c: &str, expect: &str) -> String {
+        let i = self.stdin.as_mut().expect("stdin");
+        writeln!(i, "{c}").expect("write to the child");
+        i.flush().expect("flush");
+        self.expect(expect)
+    }
+
+    fn verify(&mut self) {
+        assert_eq!(
+            self.cmd("verify", "VERIFY"),
+            "ok",
+            "pattern of pid {}",
+            self.pid
+        );
+    }
+
+    fn assert_alive(&mut self) {
+        assert!(
+            matches!(self.child.try_wait(), Ok(None)),
+            "pid {} died: {:?}",
+            self.pid,
+            self.child.try_wait()
+        );
+    }
+
+    fn socket(&self) -> PathBuf {
+        PathBuf::from(self.ready["socket"].as_str().expect("a control socket"))
+    }
+
+    /// Ask it to exit; wait.
+    fn exit(mut self) -> std::process::ExitStatus {
+        let _ = self.cmd("exit", "BYE");
+        self.stdin = None;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st;
+            }
+            assert!(Instant::now() < deadline, "pid {} did not exit", self.pid);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+struct Ran {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Ran {
+    fn dump(&self) -> String {
+        format!(
+            "exit {}\n--- stdout\n{}--- stderr\n{}---",
+            self.code, self.stdout, self.stderr
+        )
+    }
+
+    fn json(&self) -> Value {
+        assert_eq!(self.code, 0, "{}", self.dump());
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("{e}\n{}", self.dump()))
+    }
+
+    /// Failed with `code` and exactly one line on stderr, starting with "tmsctl: ".
+    fn failed(&self, code: i32) -> &str {
+        assert_eq!(self.code, code, "{}", self.dump());
+        let lines: Vec<&str> = self.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "one line on stderr\n{}", self.dump());
+        assert!(lines[0].starts_with("tmsctl: "), "{}", self.dump());
+        lines[0]
+    }
+}
+
+fn output_of(mut cmd: Command) -> Output {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("spawn");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(Some(_)) = child.try_wait() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("{cmd:?} ran for more than 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.wait_with_output().expect("output")
+}
+
+fn ctl(sb: &Sandbox, args: &[&str]) -> Ran {
+    let mut cmd = Command::new(tmsctl());
+    cmd.args(args);
+    let o = output_of(clean(cmd, sb));
+    Ran {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    }
+}
+
+fn ok(sb: &Sandbox, args: &[&str]) -> Ran {
+    let r = ctl(sb, args);
+    assert_eq!(r.code, 0, "tmsctl {args:?}\n{}", r.dump());
+    r
+}
+
+fn status(sb: &Sandbox, pid: u32) -> Value {
+    ok(sb, &["status", "--pid", &pid.to_string(), "--json"]).json()
+}
+
+fn tag<'a>(s: &'a Value, name: &str) -> &'a Value {
+    s["tags"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["tag"] == name))
+        .unwrap_or_else(|| panic!("no tag {name} in {s}"))
+}
+
+fn free(s: &Value) -> u64 {
+    s["devices"][0]["free_bytes"].as_u64().expect("device free")
+}
+
+/// A raw protocol client, for what tmsctl would never send.
+struct Raw {
+    stream: UnixStream,
+    reader: BufReader<UnixStream>,
+}
+
+impl Raw {
+    fn connect(path: &Path) -> Raw {
+        let stream = UnixStream::connect(path).expect("connect");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        Raw {
+            reader: BufReader::new(stream.try_clone().expect("clone")),
+            stream,
+        }
+    }
+
+    fn hello(path: &Path) -> Raw {
+        let mut r = Raw::connect(path);
+        r.send(b"{\"op\":\"hello\",\"protocol\":1,\"pid\":1,\"software\":\"test\"}\n");
+        assert_eq!(r.reply()["reply"], "hello");
+        r
+    }
+
+    fn send(&mut self, b: &[u8]) {
+        self.stream.write_all(b).expect("send");
+    }
+
+    fn reply(&mut self) -> Value {
+        let mut l = String::new();
+        self.reader.read_line(&mut l).expect("read a reply");
+        serde_json::from_str(&l).unwrap_or_else(|e| panic!("{e}: {l:?}"))
+    }
+
+    /// The server closed: end of stream (or a reset, when it closed with our bytes unread).
+    fn assert_closed(mut self) {
+        let mut rest = Vec::new();
+        match self.reader.read_to_end(&mut rest) {
+            Ok(_) => assert!(rest.is_empty(), "{:?}", String::from_utf8_lossy(&rest)),
+            Err(e) => assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+fn help_for_every_subcommand() {
+    let sb = sandbox();
+    let top = ok(&sb, &["--help"]);
+    for word in [
+        "list",
+        "status",
+        "pause",
+        "resume",
+        "region",
+        "ping",
+        "demo",
+        "Exit codes",
+    ] {
+        assert!(top.stdout.contains(word), "{word}\n{}", top.stdout);
+    }
+    assert!(!top.stdout.contains("__demo-child"));
+    for sub in [
+        "list", "status", "pause", "resume", "region", "ping", "demo",
+    ] {
+        let r = ok(&sb, &[sub, "--help"]);
+        assert!(r.stdout.contains("Exit codes"), "{sub}\n{}", r.stdout);
+        assert!(r.stdout.contains("--json"), "{sub}\n{}", r.stdout);
+    }
+    assert!(ok(&sb, &["--version"]).stdout.starts_with("tmsctl "));
+    assert_eq!(ctl(&sb, &["frobnicate"]).code, 2);
+    assert_eq!(ctl(&sb, &["pause", "--pid", "1", "--all"]).code, 2);
+    assert_eq!(ctl(&sb, &["region", "--enable", "--disable"]).code, 2);
+    assert_eq!(ctl(&sb, &["status", "--timeout", "0"]).code, 2);
+}
+
+#[test]
+fn drives_a_preloaded_process_through_every_operation() {
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[]);
+    let pid = p.pid.to_string();
+    assert_eq!(p.ready["backend"], "sim");
+
+    // list, in both forms.
+    let l = ok(&sb, &["list"]);
+    assert!(
+        l.stdout.contains(&pid) && l.stdout.contains("__demo-child"),
+        "{}",
+        l.stdout
+    );
+    let l = ok(&sb, &["list", "--json"]).json();
+    assert_eq!(l[0]["pid"].as_u64(), Some(p.pid as u64));
+    assert_eq!(l[0]["backend"], "sim");
+    assert_eq!(l[0]["bytes_active"].as_u64(), Some(SIZE));
+
+    assert!(ok(&sb, &["ping"]).stdout.contains("pong"));
+
+    // status: live bytes as allocated.
+    let s0 = status(&sb, p.pid);
+    assert_eq!(s0["pid"].as_u64(), Some(p.pid as u64));
+    assert_eq!(s0["backend"], "sim");
+    assert_eq!(tag(&s0, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    assert_eq!(tag(&s0, "demo")["bytes_paused"].as_u64(), Some(0));
+    let text = ok(&sb, &["status"]).stdout;
+    assert!(text.contains("demo") && text.contains("8.00 MiB"), "{text}");
+
+    // pause: the live bytes fall, the device's free memory rises, the backup holds the data.
+    let r = ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    assert!(r.stdout.contains("paused tag \"demo\""), "{}", r.stdout);
+    let s1 = status(&sb, p.pid);
+    assert_eq!(tag(&s1, "demo")["bytes_active"].as_u64(), Some(0));
+    assert_eq!(tag(&s1, "demo")["bytes_paused"].as_u64(), Some(SIZE));
+    assert_eq!(tag(&s1, "demo")["host_backup_bytes"].as_u64(), Some(SIZE));
+    assert_eq!(free(&s1), free(&s0) + SIZE);
+    assert!(tag(&s1, "demo")["last_pause"]["seconds"].as_f64().is_some());
+    // Pausing again is a no-op.
+    let again = ok(&sb, &["pause", "--tag", "demo", "--json"]).json();
+    assert_eq!(again["allocations"].as_u64(), Some(0));
+
+    // resume: they rise again and the contents survived.
+    let r = ok(&sb, &["resume", "--pid", &pid, "--tag", "demo", "--json"]).json();
+    assert_eq!(r["op"], "resume");
+    assert_eq!(r["bytes"].as_u64(), Some(SIZE));
+    assert_eq!(r["copied_bytes"].as_u64(), Some(SIZE));
+    let s2 = status(&sb, p.pid);
+    assert_eq!(tag(&s2, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    assert_eq!(free(&s2), free(&s0));
+    p.verify();
+
+    // The default region: off at first, so a plain cudaMalloc passes through (to no CUDA
+    // runtime at all here, so it fails); once tmsctl enables it, cudaMalloc is pauseable.
+    let r = ok(&sb, &["region", "--json"]).json();
+    assert_eq!(r["enabled"], false);
+    assert_ne!(p.cmd("malloc 4MiB", "MALLOC").split(' ').next(), Some("0"));
+    let r = ok(
+        &sb,
+        &[
+            "region",
+            "--enable",
+            "--tag",
+            "kv",
+            "--cpu-backup",
+            "--backend",
+            "mmap",
+            "--json",
+        ],
+    )
+    .json();
+    assert_eq!(
+        (
+            r["enabled"].as_bool(),
+            r["tag"].as_str(),
+            r["cpu_backup"].as_bool(),
+            r["backend"].as_str()
+        ),
+        (Some(true), Some("kv"), Some(true), Some("mmap"))
+    );
+    let text = ok(&sb, &["region"]).stdout;
+    assert!(
+        text.contains("pauseable, tag \"kv\", CPU backup (mmap)"),
+        "{text}"
+    );
+    assert!(p.cmd("malloc 4MiB", "MALLOC").starts_with("0 0x"));
+    let s3 = status(&sb, p.pid);
+    assert_eq!(tag(&s3, "kv")["bytes_active"].as_u64(), Some(4 << 20));
+    assert_eq!(s3["default_region"]["tag"], "kv");
+
+    // Tags are independent; no --tag means every tag.
+    ok(&sb, &["pause", "--tag", "kv"]);
+    let s4 = status(&sb, p.pid);
+    assert_eq!(tag(&s4, "kv")["bytes_paused"].as_u64(), Some(4 << 20));
+    assert_eq!(tag(&s4, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    let all = ok(&sb, &["pause", "--json"]).json();
+    assert_eq!(all["allocations"].as_u64(), Some(1));
+    let all = ok(&sb, &["resume"]);
+    assert!(all.stdout.contains("every tag"), "{}", all.stdout);
+    let s5 = status(&sb, p.pid);
+    assert_eq!(tag(&s5, "kv")["bytes_active"].as_u64(), Some(4 << 20));
+    assert_eq!(tag(&s5, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    p.verify();
+
+    ok(&sb, &["region", "--disable", "--no-cpu-backup"]);
+    assert_ne!(p.cmd("malloc 2MiB", "MALLOC").split(' ').next(), Some("0"));
+
+    // An error reply: exit code 1, one line.
+    let line = ctl(&sb, &["pause", "--tag", ""]).failed(1).to_string();
+    assert!(line.contains("tag must not be empty"), "{line}");
+    let line = ctl(&sb, &["region", "--backend", "pinned"])
+        .failed(1)
+        .to_string();
+    assert!(line.contains("without enabling CPU backup"), "{line}");
+
+    // Its socket goes when it exits.
+    let sock = p.socket();
+    assert!(sock.exists());
+    assert!(p.exit().success());
+    assert!(!sock.exists(), "socket removed at exit");
+    ctl(&sb, &["status"]).failed(3);
+}
+
+#[test]
+fn two_processes_at_once() {
+    let sb = sandbox();
+    let mut a = Proc::start(&sb, &[]);
+    let mut b = Proc::start(&sb, &[]);
+    let line = ctl(&sb, &["status"]).failed(2).to_string();
+    assert!(line.contains("--pid") && line.contains("--all"), "{line}");
+
+    let l = ok(&sb, &["list", "--json"]).json();
+    assert_eq!(l.as_array().map(Vec::len), Some(2));
+
+    let r = ok(&sb, &["pause", "--all", "--json"]).json();
+    assert_eq!(r.as_array().map(Vec::len), Some(2), "{r}");
+    for p in [a.pid, b.pid] {
+        let s = status(&sb, p);
+        assert_eq!(tag(&s, "demo")["bytes_paused"].as_u64(), Some(SIZE));
+    }
+    // Only one of them resumed.
+    ok(&sb, &["resume", "--pid", &a.pid.to_string()]);
+    assert_eq!(
+        tag(&status(&sb, a.pid), "demo")["bytes_active"].as_u64(),
+        Some(SIZE)
+    );
+    assert_eq!(
+        tag(&status(&sb, b.pid), "demo")["bytes_paused"].as_u64(),
+        Some(SIZE)
+    );
+    let text = ok(&sb, &["resume", "--all"]).stdout;
+    assert_eq!(text.lines().count(), 2, "{text}");
+    let s = ok(&sb, &["status", "--all", "--json"]).json();
+    for item in s.as_array().expect("array") {
+        assert_eq!(tag(item, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    }
+    a.verify();
+    b.verify();
+    assert!(ok(&sb, &["ping", "--all"]).stdout.lines().count() == 2);
+}
+
+#[test]
+fn failures_have_exit_codes_and_one_line_reasons() {
+    let sb = sandbox();
+    // Nothing there at all.
+    assert!(ctl(&sb, &["status"]).failed(3).contains("no process"));
+    assert!(ctl(&sb, &["pause", "--all"])
+        .failed(3)
+        .contains("no process"));
+    let l = ok(&sb, &["list"]);
+    assert!(l.stdout.contains("no process"), "{}", l.stdout);
+    assert_eq!(ok(&sb, &["list", "--json"]).json(), Value::Array(vec![]));
+
+    // A process that does not exist, and one without a socket (this test).
+    let mut gone = Command::new("true").spawn().expect("true");
+    let dead = gone.id();
+    gone.wait().expect("wait");
+    let line = ctl(&sb, &["status", "--pid", &dead.to_string()])
+        .failed(3)
+        .to_string();
+    assert!(line.contains("no such process"), "{line}");
+    let me = std::process::id().to_string();
+    let line = ctl(&sb, &["ping", "--pid", &me]).failed(3).to_string();
+    assert!(line.contains("no control socket"), "{line}");
+
+    // A socket nobody answers on (bound, then the listener dropped): stale.
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let path = sb.dir.join(format!("{me}.sock"));
+    drop(UnixListener::bind(&path).expect("bind"));
+    let line = ctl(&sb, &["ping", "--pid", &me]).failed(3).to_string();
+    assert!(line.contains("stale"), "{line}");
+    std::fs::remove_file(&path).expect("rm");
+
+    // A socket that accepts and never answers: a timeout.
+    let listener = UnixListener::bind(&path).expect("bind");
+    let held = std::thread::spawn(move || {
+        let conns: Vec<UnixStream> = listener.incoming().take(1).flatten().collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(conns);
+    });
+    let t = Instant::now();
+    let line = ctl(&sb, &["status", "--pid", &me, "--timeout", "0.5"])
+        .failed(5)
+        .to_string();
+    assert!(line.contains("did not answer"), "{line}");
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    held.join().expect("join");
+    std::fs::remove_file(&path).expect("rm");
+
+    // tmsctl demo without a library to preload.
+    let r = ctl(
+        &sb,
+        &["demo", "--lib", "/nonexistent/libtms.so", "--size", "4MiB"],
+    );
+    assert!(r.failed(1).contains("cannot find libtms.so"));
+}
+
+#[test]
+fn another_user_is_refused() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root to run the preloaded process as another user (the credential check itself is unit-tested in preload/src/control/auth.rs)");
+        return;
+    }
+    // The preloaded process runs as nobody (65534) in a folder it creates itself; we (root)
+    // get past the folder's and socket's modes, but not past the server's uid check.
+    let sb = sandbox();
+    std::os::unix::fs::chown(sb.tmp.path(), Some(65534), Some(65534)).expect("chown");
+    let mut p = Proc::start_with(&sb, &[], |c| {
+        c.uid(65534).gid(65534);
+    });
+    let meta = std::fs::metadata(&sb.dir)
+        .unwrap_or_else(|e| panic!("the child made no folder: {e}: {}", p.ready));
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 65534);
+
+    let pid = p.pid.to_string();
+    let line = ctl(&sb, &["status", "--pid", &pid]).failed(4).to_string();
+    assert!(line.contains("permission denied"), "{line}");
+    assert!(
+        line.contains("uid 0") && line.contains("uid 65534"),
+        "{line}"
+    );
+    ctl(&sb, &["pause", "--pid", &pid]).failed(4);
+
+    // The raw reply, before any hello.
+    let mut raw = Raw::connect(&p.socket());
+    let r = raw.reply();
+    assert_eq!(
+        (r["reply"].as_str(), r["kind"].as_str()),
+        (Some("error"), Some("permission_denied"))
+    );
+    raw.assert_closed();
+
+    // Nothing was paused and the process is fine.
+    p.assert_alive();
+    p.verify();
+}
+
+#[test]
+fn garbage_and_rude_clients_leave_the_process_unharmed() {
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[]);
+    let sock = p.socket();
+
+    // Garbage, before and after the hello.
+    for bad in [
+        &b"garbage\n"[..],
+        b"\x00\xff\xfe\n",
+        b"{\"op\":\"rm -rf\"}\n",
+        b"{\"op\":\"pause\",\"tga\":\"demo\"}\n",
+        b"{\"op\":\"pause\",\"tag\":[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]}\n",
+    ] {
+        let mut r = Raw::connect(&sock);
+        r.send(bad);
+        let rep = r.reply();
+        assert_eq!(rep["reply"], "error");
+        assert!(["bad_request", "hello_required"].contains(&rep["kind"].as_str().unwrap_or("")));
+        r.assert_closed();
+        let mut r = Raw::hello(&sock);
+        r.send(bad);
+        assert_eq!(r.reply()["kind"], "bad_request");
+        r.assert_closed();
+    }
+    // Another protocol version.
+    let mut r = Raw::connect(&sock);
+    r.send(b"{\"op\":\"hello\",\"protocol\":999,\"pid\":1}\n");
+    assert_eq!(r.reply()["kind"], "version_mismatch");
+    r.assert_closed();
+
+    // An oversized line (1 MiB, no newline): refused once past the limit.
+    let mut r = Raw::hello(&sock);
+    let big = vec![b'a'; 1 << 20];
+    let _ = r.stream.write_all(&big); // the server may close before taking it all
+    assert_eq!(r.reply()["kind"], "line_too_long");
+    r.assert_closed();
+
+    // Half a line, then gone; a request, then gone before the reply; gone mid-hello.
+    for _ in 0..10 {
+        let mut r = Raw::hello(&sock);
+        r.send(b"{\"op\":\"stat");
+        drop(r);
+        let mut r = Raw::hello(&sock);
+        r.send(b"{\"op\":\"status\"}\n{\"op\":\"pause\",\"tag\":\"nothing-here\"}\n");
+        drop(r);
+        let mut r = Raw::connect(&sock);
+        r.send(b"{\"op\":\"hel");
+        drop(r);
+    }
+
+    // A slow client (half a line, then silence) delays others only until its timeout.
+    let mut slow = Raw::hello(&sock);
+    slow.send(b"{\"op\":");
+    let t = Instant::now();
+    let r = ok(&sb, &["ping", "--timeout", "10"]);
+    assert!(r.stdout.contains("pong"));
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(slow.reply()["kind"], "timeout");
+    slow.assert_closed();
+
+    // Still alive, still serving, nothing paused, contents intact.
+    p.assert_alive();
+    let s = status(&sb, p.pid);
+    assert_eq!(tag(&s, "demo")["bytes_active"].as_u64(), Some(SIZE));
+    p.verify();
+    assert!(p.exit().success());
+}
+
+#[test]
+fn a_fork_child_leaves_the_parents_socket_alone() {
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[]);
+    let sock = p.socket();
+    // The child exits normally (running atexit handlers) after fork.
+    let forked = p.cmd("fork", "FORKED");
+    assert!(forked.ends_with(" 0"), "{forked}");
+    assert!(sock.exists(), "the parent's socket is still there");
+    let entries: Vec<_> = std::fs::read_dir(&sb.dir).expect("ls").flatten().collect();
+    assert_eq!(entries.len(), 1, "no socket of the child: {entries:?}");
+    let r = ok(&sb, &["ping", "--json"]).json();
+    assert_eq!(r["pid"].as_u64(), Some(p.pid as u64));
+    ok(&sb, &["pause"]);
+    ok(&sb, &["resume"]);
+    p.verify();
+}
+
+#[test]
+fn stale_sockets_are_cleaned() {
+    let sb = sandbox();
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let mut gone = Command::new("true").spawn().expect("true");
+    let dead = gone.id();
+    gone.wait().expect("wait");
+    let stale = sb.dir.join(format!("{dead}.sock"));
+    drop(UnixListener::bind(&stale).expect("bind"));
+    assert!(stale.exists());
+    let mut p = Proc::start(&sb, &[]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stale.exists() {
+        assert!(Instant::now() < deadline, "stale socket still there");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    p.verify();
+}
+
+#[test]
+fn no_socket_without_pauseable_memory_or_with_tms_control_0() {
+    let sb = sandbox();
+    let so = libtms();
+    // Programs that never touch CUDA, preloaded, even told every allocation is pauseable.
+    for (prog, args) in [
+        ("/bin/true", vec![]),
+        ("/bin/sh", vec!["-c", "echo hi"]),
+        (tmsctl().to_str().expect("utf-8 path"), vec!["--version"]),
+    ] {
+        let mut cmd = Command::new(prog);
+        cmd.args(&args);
+        let mut cmd = clean(cmd, &sb);
+        cmd.env("LD_PRELOAD", &so)
+            .env("TMS_INIT_ENABLE", "1")
+            .env("TMS_BACKEND", "sim")
+            .env("TMS_LOG", "debug");
+        let o = output_of(cmd);
+        assert!(o.status.success(), "{prog}: {o:?}");
+        assert!(
+            o.stderr.is_empty(),
+            "{prog}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!sb.dir.exists(), "{prog} created {}", sb.dir.display());
+    }
+    // TMS_CONTROL=0: pauseable memory, no socket (and no folder).
+    let mut p = Proc::start(&sb, &[("TMS_CONTROL", "0")]);
+    assert!(p.ready["socket"].is_null(), "{}", p.ready);
+    assert!(
+        p.ready["socket_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("TMS_CONTROL"),
+        "{}",
+        p.ready
+    );
+    assert!(!sb.dir.exists());
+    p.verify();
+}
+
+#[test]
+fn a_refused_socket_folder_leaves_the_process_working() {
+    let sb = sandbox();
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut p = Proc::start(&sb, &[]);
+    assert!(p.ready["socket"].is_null(), "{}", p.ready);
+    let why = p.ready["socket_error"].as_str().unwrap_or("").to_string();
+    assert!(why.contains("refusing") && why.contains("0755"), "{why}");
+    assert_eq!(std::fs::read_dir(&sb.dir).expect("ls").count(), 0);
+    p.verify();
+}
+
+#[test]
+fn demo_on_the_sim() {
+    let sb = sandbox();
+    let r = ok(&sb, &["demo", "--backend", "sim", "--size", "6MiB"]);
+    for want in ["driver sim", "paused", "resumed", "identical", "demo OK"] {
+        assert!(r.stdout.contains(want), "{want}\n{}", r.dump());
+    }
+    // auto (TMS_BACKEND unset): CUDA where it can start, else the sim, saying why.
+    let j = ok(&sb, &["demo", "--size", "4MiB", "--json"]).json();
+    assert_eq!(j["ok"], true, "{j}");
+    assert_eq!(j["steps"][1]["bytes_paused"].as_u64(), Some(4 << 20));
+    if j["backend"] == "sim" {
+        assert!(j["fallback_reason"].as_str().is_some(), "{j}");
+        assert_eq!(j["given_back_bytes"].as_u64(), Some(4 << 20));
+    }
+    // The children are gone, and their sockets with them.
+    assert_eq!(
+        std::fs::read_dir(&sb.dir).map(|d| d.count()).unwrap_or(0),
+        0
+    );
+}

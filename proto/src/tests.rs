@@ -1,0 +1,383 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn hello() -> Hello {
+    Hello {
+        protocol: PROTOCOL_VERSION,
+        pid: 42,
+        software: "tmsctl 0.1.0".into(),
+        backend: None,
+    }
+}
+
+#[test]
+fn requests_have_the_documented_shape() {
+    let line = |r: &Request| String::from_utf8(encode(r)).unwrap();
+    assert_eq!(
+        line(&Request::Hello(hello())),
+        "{\"op\":\"hello\",\"protocol\":1,\"pid\":42,\"software\":\"tmsctl 0.1.0\"}\n"
+    );
+    assert_eq!(line(&Request::Ping), "{\"op\":\"ping\"}\n");
+    assert_eq!(line(&Request::Pause { tag: None }), "{\"op\":\"pause\"}\n");
+    assert_eq!(
+        line(&Request::Resume {
+            tag: Some("kv".into())
+        }),
+        "{\"op\":\"resume\",\"tag\":\"kv\"}\n"
+    );
+    assert_eq!(
+        line(&Request::SetRegion(RegionUpdate {
+            enabled: Some(true),
+            backend: Some(BackupBackend::Mmap),
+            ..Default::default()
+        })),
+        "{\"op\":\"set_region\",\"enabled\":true,\"backend\":\"mmap\"}\n"
+    );
+}
+
+#[test]
+fn decoder_accepts_requests_with_and_without_newline() {
+    for l in [
+        &b"{\"op\":\"status\"}"[..],
+        b"{\"op\":\"status\"}\n",
+        b"{\"op\":\"status\"}\r\n",
+        b"  {\"op\" : \"status\"}  ",
+    ] {
+        assert_eq!(decode_request(l), Ok(Request::Status), "{l:?}");
+    }
+    assert_eq!(
+        decode_request(b"{\"op\":\"pause\",\"tag\":null}"),
+        Ok(Request::Pause { tag: None })
+    );
+}
+
+#[test]
+fn hello_of_another_version_still_decodes() {
+    // A future client's hello, with fields this version does not know.
+    let r = decode_request(b"{\"op\":\"hello\",\"protocol\":7,\"pid\":1,\"features\":[\"x\"]}");
+    match r {
+        Ok(Request::Hello(h)) => assert_eq!((h.protocol, h.pid, h.software.as_str()), (7, 1, "")),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn decoder_rejects_what_is_not_a_request() {
+    let bad: &[&[u8]] = &[
+        b"",
+        b"\n",
+        b"   ",
+        b"garbage",
+        b"{",
+        b"[]",
+        b"null",
+        b"{\"op\":\"format_disk\"}",
+        b"{\"tag\":\"kv\"}",
+        b"{\"op\":\"pause\",\"tga\":\"kv\"}",
+        b"{\"op\":\"pause\",\"tag\":3}",
+        b"{\"op\":\"set_region\",\"enable\":true}",
+        b"{\"op\":\"set_region\",\"backend\":\"gpu\"}",
+        b"{\"op\":\"pause\",\"tag\":\"kv\",\"op\":\"resume\"}",
+        b"{\"op\":\"hello\"}",
+        b"\xff\xfe{}",
+        b"{\"op\":\"pause\",\"tag\":\"\xff\"}",
+    ];
+    for l in bad {
+        let e = decode_request(l).expect_err(&String::from_utf8_lossy(l));
+        assert_eq!(e.kind(), ErrorKind::BadRequest, "{l:?}: {e}");
+        assert!(matches!(e.to_reply(), Reply::Error(_)));
+    }
+}
+
+#[test]
+fn decoder_enforces_the_line_limit() {
+    let mut l = b"{\"op\":\"pause\",\"tag\":\"".to_vec();
+    l.resize(MAX_LINE_BYTES - 2, b'a');
+    l.extend_from_slice(b"\"}");
+    assert_eq!(l.len(), MAX_LINE_BYTES);
+    assert!(decode_request(&l).is_ok());
+    l.insert(25, b'a');
+    let e = decode_request(&l).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::LineTooLong, "{e}");
+}
+
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    let mut l = b"{\"op\":\"pause\",\"tag\":".to_vec();
+    l.extend(std::iter::repeat_n(b'[', 50_000));
+    assert_eq!(
+        decode_request(&l).unwrap_err().kind(),
+        ErrorKind::BadRequest
+    );
+}
+
+#[test]
+fn messages_quote_little_of_the_input() {
+    let mut l = b"{\"op\":\"".to_vec();
+    l.extend(std::iter::repeat_n(b'x', 10_000));
+    l.extend_from_slice(b"\"}");
+    let m = decode_request(&l).unwrap_err().to_string();
+    assert!(m.len() < 400, "{} bytes", m.len());
+}
+
+#[test]
+fn replies_round_trip() {
+    let status = Status {
+        pid: 7,
+        backend: "sim".into(),
+        devices: vec![DeviceMemory {
+            device: 0,
+            free_bytes: 1 << 30,
+            total_bytes: 8 << 30,
+            error: None,
+        }],
+        tags: vec![TagStatus {
+            tag: "kv".into(),
+            allocations: 2,
+            bytes_active: 4 << 20,
+            last_pause: Some(OpTiming {
+                allocations: 2,
+                bytes: 4 << 20,
+                copied_bytes: 4 << 20,
+                seconds: 0.5,
+                gib_per_s: 0.0078125,
+            }),
+            ..Default::default()
+        }],
+        default_region: Some(RegionInfo {
+            enabled: true,
+            tag: "default".into(),
+            cpu_backup: false,
+            backend: BackupBackend::Pinned,
+        }),
+        ..Default::default()
+    };
+    let replies = [
+        Reply::Hello(Hello {
+            backend: Some("sim".into()),
+            ..hello()
+        }),
+        Reply::Pong { pid: 3 },
+        Reply::Status(Box::new(status)),
+        Reply::Done(OpDone {
+            op: Op::Pause,
+            tag: Some("kv".into()),
+            allocations: 1,
+            bytes: 2 << 20,
+            copied_bytes: 0,
+            seconds: 0.25,
+        }),
+        Reply::error(ErrorKind::OutOfMemory, "out of memory: resume"),
+    ];
+    for r in replies {
+        let line = encode(&r);
+        assert_eq!(line.last(), Some(&b'\n'));
+        assert_eq!(decode_reply(&line).unwrap(), r);
+    }
+}
+
+#[test]
+fn unknown_error_kinds_of_a_newer_server_decode() {
+    let r = decode_reply(b"{\"reply\":\"error\",\"kind\":\"quota\",\"message\":\"m\"}").unwrap();
+    assert_eq!(r, Reply::error(ErrorKind::Unknown, "m"));
+}
+
+#[test]
+fn line_buffer_splits_and_limits() {
+    let mut b = LineBuffer::new(8);
+    b.push(b"ab\ncd");
+    assert_eq!(b.next_line(), Some(Ok(b"ab".to_vec())));
+    assert_eq!(b.next_line(), None);
+    assert_eq!(b.pending(), 2);
+    b.push(b"\n\n");
+    assert_eq!(b.next_line(), Some(Ok(b"cd".to_vec())));
+    assert_eq!(b.next_line(), Some(Ok(Vec::new())));
+    b.push(b"12345678");
+    assert_eq!(b.next_line(), None);
+    b.push(b"\n");
+    assert_eq!(b.next_line(), Some(Ok(b"12345678".to_vec())));
+    b.push(b"123456789");
+    assert!(matches!(
+        b.next_line(),
+        Some(Err(ProtoError::TooLong { .. }))
+    ));
+}
+
+#[test]
+fn socket_naming() {
+    let p = |s: &str| pid_of_socket_file(s);
+    assert_eq!(p("1234.sock"), Some(1234));
+    for bad in [
+        ".sock",
+        "0.sock",
+        "01.sock",
+        "-1.sock",
+        "12.sock.tmp",
+        ".12.sock",
+        "x.sock",
+        "99999999999.sock",
+    ] {
+        assert_eq!(p(bad), None, "{bad}");
+    }
+    assert_eq!(p(&socket_file_name(77)), Some(77));
+    let some = |s: &str| Some(OsString::from(s));
+    assert_eq!(
+        socket_dir(some("/s"), some("/run/user/1"), 1),
+        PathBuf::from("/s")
+    );
+    assert_eq!(
+        socket_dir(some(""), some("/run/user/1"), 1),
+        PathBuf::from("/run/user/1/tms")
+    );
+    assert_eq!(socket_dir(None, some(""), 5), PathBuf::from("/tmp/tms-5"));
+    assert_eq!(socket_dir(None, None, 0), PathBuf::from("/tmp/tms-0"));
+}
+
+// --- property tests ------------------------------------------------------------------------
+//
+// Case counts are fixed here (not taken from PROPTEST_CASES) so every run does the same amount
+// of work: 4096 + 2048 + 1024 + 512 + 512 = 8192 generated cases per `cargo test`.
+
+fn arb_tag() -> impl Strategy<Value = Option<String>> {
+    prop::option::of("\\PC{0,24}")
+}
+
+fn arb_request() -> impl Strategy<Value = Request> {
+    prop_oneof![
+        (any::<u32>(), any::<u32>(), "\\PC{0,16}").prop_map(|(protocol, pid, software)| {
+            Request::Hello(Hello {
+                protocol,
+                pid,
+                software,
+                backend: None,
+            })
+        }),
+        Just(Request::Ping),
+        Just(Request::Status),
+        Just(Request::GetRegion),
+        arb_tag().prop_map(|tag| Request::Pause { tag }),
+        arb_tag().prop_map(|tag| Request::Resume { tag }),
+        (
+            prop::option::of(any::<bool>()),
+            arb_tag(),
+            prop::option::of(any::<bool>()),
+            prop::option::of(prop_oneof![
+                Just(BackupBackend::Pinned),
+                Just(BackupBackend::Mmap)
+            ]),
+        )
+            .prop_map(|(enabled, tag, cpu_backup, backend)| {
+                Request::SetRegion(RegionUpdate {
+                    enabled,
+                    tag,
+                    cpu_backup,
+                    backend,
+                })
+            }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4096))]
+
+    /// Arbitrary bytes: the decoder returns (it never panics), and what it accepts is a
+    /// request that encodes to a line it accepts again.
+    #[test]
+    fn decoder_never_panics_on_bytes(bytes in prop::collection::vec(any::<u8>(), 0..512)) {
+        if let Ok(r) = decode_request(&bytes) {
+            prop_assert_eq!(decode_request(&encode(&r)), Ok(r));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2048))]
+
+    /// Valid requests with bytes flipped, cut or inserted: closer to what a fuzzer would reach
+    /// than random bytes.
+    #[test]
+    fn decoder_never_panics_on_mutated_requests(
+        req in arb_request(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),
+    ) {
+        let mut line = encode(&req);
+        for (at, byte, how) in edits {
+            if line.is_empty() {
+                line.push(byte);
+                continue;
+            }
+            let i = at.index(line.len());
+            match how {
+                0 => line[i] = byte,
+                1 => line.truncate(i),
+                _ => line.insert(i, byte),
+            }
+        }
+        let _ = decode_request(&line);
+        let _ = decode_reply(&line);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    /// Every request survives encode then decode.
+    #[test]
+    fn requests_round_trip(req in arb_request()) {
+        let line = encode(&req);
+        prop_assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+        prop_assert_eq!(decode_request(&line), Ok(req));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// However a stream of lines is cut into reads, the buffer yields the same lines.
+    #[test]
+    fn line_buffer_is_independent_of_chunking(
+        lines in prop::collection::vec(prop::collection::vec(any::<u8>().prop_filter("no newline", |b| *b != b'\n'), 0..40), 0..8),
+        cuts in prop::collection::vec(1usize..17, 1..64),
+    ) {
+        let mut stream = Vec::new();
+        for l in &lines {
+            stream.extend_from_slice(l);
+            stream.push(b'\n');
+        }
+        let mut b = LineBuffer::new(64);
+        let mut got = Vec::new();
+        let mut rest = &stream[..];
+        let mut cuts = cuts.iter().cycle();
+        while !rest.is_empty() {
+            let n = (*cuts.next().unwrap_or(&1)).min(rest.len());
+            b.push(&rest[..n]);
+            rest = &rest[n..];
+            while let Some(l) = b.next_line() {
+                got.push(l.unwrap());
+            }
+        }
+        prop_assert_eq!(got, lines);
+        prop_assert_eq!(b.pending(), 0);
+    }
+
+    /// A line over the limit is reported as soon as more than the limit has arrived.
+    #[test]
+    fn line_buffer_reports_long_lines(len in 65usize..300, chunk in 1usize..50) {
+        let data = vec![b'x'; len];
+        let mut b = LineBuffer::new(64);
+        let mut seen = 0;
+        let mut reported = None;
+        for c in data.chunks(chunk) {
+            b.push(c);
+            seen += c.len();
+            if let Some(r) = b.next_line() {
+                prop_assert!(r.is_err());
+                reported = Some(seen);
+                break;
+            }
+        }
+        let at = reported.expect("reported");
+        prop_assert!(at > 64 && at < 65 + chunk);
+    }
+}
