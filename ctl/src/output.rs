@@ -4,21 +4,7 @@ use std::fmt::Write as _;
 
 use tms_proto::{OpDone, OpTiming, RegionInfo, Status};
 
-/// `1.50 GiB`-style rendering.
-pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[i])
-    }
-}
+pub use tms_proto::human_bytes as human;
 
 /// A signed change in bytes, `+1.00 GiB` / `-512.00 MiB` / `0 B`.
 pub fn human_delta(from: u64, to: u64) -> String {

@@ -51,18 +51,7 @@ pub fn env_parsed<T>(name: &str, parse: impl FnOnce(&str) -> Result<T>) -> Resul
 
 /// `1.50 GiB`-style rendering.
 pub fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[i])
-    }
+    tms_proto::human_bytes(bytes)
 }
 
 #[cfg(test)]

@@ -557,5 +557,21 @@ pub fn pid_of_socket_file(name: &str) -> Option<u32> {
     digits.parse().ok().filter(|p| *p > 0)
 }
 
+/// `1.50 GiB`-style rendering of a byte count, shared by the library's messages and tmsctl.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.2} {}", UNITS[i])
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -79,3 +79,32 @@ fn python_is_unaffected_with_tms_settings() {
     assert_eq!(r.stderr, "", "{}", r.dump());
     assert!(list_tree(cwd.path()).is_empty());
 }
+
+/// One build serves CUDA 12 and 13: the library links no CUDA library; the driver is opened at
+/// run time.
+#[test]
+fn libtms_links_no_cuda_library() {
+    let out = Command::new("readelf")
+        .arg("-d")
+        .arg(libtms())
+        .output()
+        .expect("readelf (binutils) is needed for this test");
+    assert!(
+        out.status.success(),
+        "readelf failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let dynamic = String::from_utf8_lossy(&out.stdout);
+    let needed: Vec<&str> = dynamic.lines().filter(|l| l.contains("(NEEDED)")).collect();
+    assert!(
+        !needed.is_empty(),
+        "no NEEDED entries parsed from:\n{dynamic}"
+    );
+    for l in &needed {
+        let lower = l.to_ascii_lowercase();
+        assert!(
+            !lower.contains("cuda") && !lower.contains("nvidia"),
+            "libtms.so links a CUDA library: {l}"
+        );
+    }
+}
