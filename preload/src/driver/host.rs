@@ -93,6 +93,12 @@ impl HostBuffer {
         self.backend
     }
 
+    /// The contents, for writing.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in as_slice, and &mut self makes the borrow exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len as usize) }
+    }
+
     /// The contents.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr..ptr+len is owned, initialised-or-zero mapped memory for our lifetime
