@@ -22,20 +22,7 @@ pub fn human_delta(from: u64, to: u64) -> String {
 /// Parse a byte count: an integer with an optional `K`/`M`/`G`/`T` suffix (powers of 1024;
 /// `KiB`, `KB`, `k` spellings accepted).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let bad = || format!("{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)");
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
+    tms_proto::parse_bytes(s)
 }
 
 /// A region in words.

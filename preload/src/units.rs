@@ -5,24 +5,7 @@ use crate::error::{Error, Result};
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of 1024;
 /// `KiB`/`KB`/`k` spellings accepted).
 pub fn parse_bytes(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let bad = || {
-        Error::InvalidArgument(format!(
-            "{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)"
-        ))
-    };
-    let n: u64 = num.parse().map_err(|_| bad())?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kb" | "kib" => 10,
-        "m" | "mb" | "mib" => 20,
-        "g" | "gb" | "gib" => 30,
-        "t" | "tb" | "tib" => 40,
-        _ => return Err(bad()),
-    };
-    n.checked_mul(1u64 << shift).ok_or_else(bad)
+    tms_proto::parse_bytes(s).map_err(Error::InvalidArgument)
 }
 
 /// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).

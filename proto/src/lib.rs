@@ -557,6 +557,25 @@ pub fn pid_of_socket_file(name: &str) -> Option<u32> {
     digits.parse().ok().filter(|p| *p > 0)
 }
 
+/// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of
+/// 1024; `KiB`/`KB`/`k` spellings accepted). Shared by the library's settings and tmsctl.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let bad = || format!("{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)");
+    let n: u64 = num.parse().map_err(|_| bad())?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kb" | "kib" => 10,
+        "m" | "mb" | "mib" => 20,
+        "g" | "gb" | "gib" => 30,
+        "t" | "tb" | "tib" => 40,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(1u64 << shift).ok_or_else(bad)
+}
+
 /// `1.50 GiB`-style rendering of a byte count, shared by the library's messages and tmsctl.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
