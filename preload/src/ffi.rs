@@ -147,7 +147,7 @@ pub extern "C" fn tms_version() -> *const c_char {
 #[no_mangle]
 pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
     catch(c"TMS_ERR_INTERNAL".as_ptr(), || {
-        // Names are static; add the NUL by looking them up in a static table.
+        // The same names as status::name, NUL-terminated (tests/tests/header.rs checks both).
         static NAMES: [&CStr; 10] = [
             c"TMS_OK",
             c"TMS_ERR_OUT_OF_MEMORY",
