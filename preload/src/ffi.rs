@@ -91,15 +91,6 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
     }
 }
 
-fn check_tag(t: Option<&str>) -> Result<Option<&str>> {
-    match t {
-        Some("") => Err(Error::InvalidArgument(
-            "tag must not be empty (pass NULL for every tag)".into(),
-        )),
-        t => Ok(t),
-    }
-}
-
 /// Write `s` (with a NUL) into `buf` of `cap` bytes; `BUFFER_TOO_SMALL` when it does not fit.
 ///
 /// # Safety
@@ -307,7 +298,7 @@ pub unsafe extern "C" fn tms_region_current(
 pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
-        let tag = check_tag(unsafe { opt_str(tag, "tag") }?)?;
+        let tag = unsafe { opt_str(tag, "tag") }?;
         runtime::get()?.engine.pause(tag).map(|_| ())
     })
 }
@@ -321,7 +312,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
 pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
-        let tag = check_tag(unsafe { opt_str(tag, "tag") }?)?;
+        let tag = unsafe { opt_str(tag, "tag") }?;
         runtime::get()?.engine.resume(tag).map(|_| ())
     })
 }

@@ -66,11 +66,6 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
 }
 
 fn op(host: &dyn Host, which: Op, tag: Option<String>) -> Result<Reply> {
-    if tag.as_deref() == Some("") {
-        return Err(Error::InvalidArgument(
-            "tag must not be empty (leave it out for every tag)".into(),
-        ));
-    }
     let e = host.engine();
     let r = match which {
         Op::Pause => e.pause(tag.as_deref())?,

@@ -154,11 +154,34 @@ impl Registry {
     }
 
     /// The allocation holding `[addr, addr+len)` within its asked size.
-    fn containing(&self, addr: DevPtr, len: u64) -> Option<(DevPtr, &Allocation)> {
-        let (start, a) = self.allocs.range(..=addr).next_back()?;
-        let end = addr.checked_add(len)?;
-        (end <= start + a.size).then_some((*start, a))
+    fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
+        let not_found = || {
+            Error::NotFound(format!(
+                "range {addr:#x}+{len} does not lie inside one pauseable allocation"
+            ))
+        };
+        let (start, a) = self
+            .allocs
+            .range(..=addr)
+            .next_back()
+            .ok_or_else(not_found)?;
+        let end = addr.checked_add(len).ok_or_else(not_found)?;
+        if end <= start + a.size {
+            Ok((*start, a))
+        } else {
+            Err(not_found())
+        }
     }
+}
+
+/// Refuse `Some("")`: no tag (`None`) is how every tag is named.
+fn check_tag(tag: Option<&str>) -> Result<()> {
+    if tag == Some("") {
+        return Err(Error::InvalidArgument(
+            "tag must not be empty (no tag means every tag)".into(),
+        ));
+    }
+    Ok(())
 }
 
 fn describe(tag: Option<&str>) -> String {
@@ -396,6 +419,7 @@ impl Engine {
 
     /// Pause every active allocation of `tag` (all tags if `None`).
     pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
+        check_tag(tag)?;
         let t0 = Instant::now();
         let mut reg = self.reg.lock();
         let addrs = reg.selected(tag, State::Active);
@@ -472,6 +496,7 @@ impl Engine {
 
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
     pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
+        check_tag(tag)?;
         let t0 = Instant::now();
         let mut reg = self.reg.lock();
         let addrs = reg.selected(tag, State::Paused);
@@ -586,12 +611,7 @@ impl Engine {
     /// `Ok(false)` when there is none (no backup asked, or active with the backup released).
     pub fn copy_cpu_backup(&self, addr: DevPtr, dst: &mut [u8]) -> Result<bool> {
         let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, dst.len() as u64).ok_or_else(|| {
-            Error::NotFound(format!(
-                "range {addr:#x}+{} does not lie inside one pauseable allocation",
-                dst.len()
-            ))
-        })?;
+        let (start, a) = reg.containing(addr, dst.len() as u64)?;
         match Self::backup_of(a) {
             Some(host) => {
                 let off = (addr - start) as usize;
@@ -607,11 +627,7 @@ impl Engine {
     /// resumed without retention.
     pub fn cpu_backup_ptr(&self, addr: DevPtr, len: u64) -> Result<Option<*const u8>> {
         let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, len).ok_or_else(|| {
-            Error::NotFound(format!(
-                "range {addr:#x}+{len} does not lie inside one pauseable allocation"
-            ))
-        })?;
+        let (start, a) = reg.containing(addr, len)?;
         // SAFETY of the arithmetic: containing() proved addr-start+len <= size == host.len().
         Ok(Self::backup_of(a).map(|h| h.as_ptr().wrapping_add((addr - start) as usize)))
     }
@@ -646,12 +662,7 @@ impl Engine {
     ) -> Result<()> {
         let reg = self.reg.lock();
         let what = || format!("range {addr:#x}+{len}");
-        let (_, a) = reg.containing(addr, len).ok_or_else(|| {
-            Error::NotFound(format!(
-                "{} does not lie inside one pauseable allocation",
-                what()
-            ))
-        })?;
+        let (_, a) = reg.containing(addr, len)?;
         if a.state() != State::Active {
             return Err(Error::InvalidState(format!(
                 "{} is paused (tag {:?})",

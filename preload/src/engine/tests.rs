@@ -239,6 +239,15 @@ fn backup_lookup_checks_the_range() {
 #[test]
 fn bad_requests_are_clear_errors() {
     let (_sim, e) = setup(64 << 20);
+    for err in [
+        e.pause(Some("")).unwrap_err(),
+        e.resume(Some("")).unwrap_err(),
+    ] {
+        assert!(
+            matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("empty"),
+            "{err}"
+        );
+    }
     let err = e.alloc(&req(0, "a", None)).unwrap_err();
     assert!(
         matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("0 bytes"),
