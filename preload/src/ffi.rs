@@ -91,6 +91,22 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
     }
 }
 
+/// The length of a caller's buffer argument, checked so that a slice can be made of it: `None`
+/// for an empty buffer (whose pointer may then be NULL).
+fn buffer_len(is_null: bool, len: u64, what: &str) -> Result<Option<usize>> {
+    let n = usize::try_from(len)
+        .ok()
+        .filter(|n| isize::try_from(*n).is_ok())
+        .ok_or_else(|| Error::InvalidArgument(format!("length {len}")))?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if is_null {
+        return Err(Error::InvalidArgument(format!("{what} is NULL")));
+    }
+    Ok(Some(n))
+}
+
 /// Write `s` (with a NUL) into `buf` of `cap` bytes; `BUFFER_TOO_SMALL` when it does not fit.
 ///
 /// # Safety
@@ -404,8 +420,7 @@ pub unsafe extern "C" fn tms_copy_cpu_backup(
         if dst.is_null() || found.is_null() {
             return Err(Error::InvalidArgument("dst or found is NULL".into()));
         }
-        let len =
-            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
+        let len = buffer_len(false, len, "dst")?.unwrap_or(0);
         // SAFETY: caller vouches dst is writable for len bytes.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
         let f = runtime::get()?.engine.copy_cpu_backup(addr, dst)?;
@@ -447,17 +462,9 @@ pub unsafe extern "C" fn tms_stats_json(
 #[no_mangle]
 pub unsafe extern "C" fn tms_write_bytes(addr: u64, src: *const c_void, len: u64) -> c_int {
     entry(|| {
-        let len =
-            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
-        if len == 0 {
+        let Some(len) = buffer_len(src.is_null(), len, "src")? else {
             return Ok(());
-        }
-        if src.is_null() {
-            return Err(Error::InvalidArgument("src is NULL".into()));
-        }
-        if isize::try_from(len).is_err() {
-            return Err(Error::InvalidArgument(format!("length {len}")));
-        }
+        };
         // SAFETY: non-null, and the caller vouches src is readable for len bytes.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
         runtime::get()?.engine.write_bytes(addr, data)
@@ -471,17 +478,9 @@ pub unsafe extern "C" fn tms_write_bytes(addr: u64, src: *const c_void, len: u64
 #[no_mangle]
 pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -> c_int {
     entry(|| {
-        let len =
-            usize::try_from(len).map_err(|_| Error::InvalidArgument(format!("length {len}")))?;
-        if len == 0 {
+        let Some(len) = buffer_len(dst.is_null(), len, "dst")? else {
             return Ok(());
-        }
-        if dst.is_null() {
-            return Err(Error::InvalidArgument("dst is NULL".into()));
-        }
-        if isize::try_from(len).is_err() {
-            return Err(Error::InvalidArgument(format!("length {len}")));
-        }
+        };
         // SAFETY: non-null, and the caller vouches dst is writable for len bytes.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
         runtime::get()?.engine.read_bytes(addr, out)
