@@ -19,11 +19,7 @@ pub fn human_delta(from: u64, to: u64) -> String {
     }
 }
 
-/// Parse a byte count: an integer with an optional `K`/`M`/`G`/`T` suffix (powers of 1024;
-/// `KiB`, `KB`, `k` spellings accepted).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    tms_proto::parse_bytes(s)
-}
+pub use tms_proto::parse_bytes;
 
 /// A region in words.
 pub fn region(r: &RegionInfo) -> String {

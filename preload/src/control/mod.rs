@@ -52,7 +52,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::hooks::runtime::Runtime;
 use crate::hooks::settings::{self, RegionSettings};
-use crate::units::parse_flag;
+use crate::units::{env_parsed, parse_flag};
 
 use dispatch::Host;
 use session::{Identity, Limits};
@@ -106,16 +106,10 @@ pub fn socket_path() -> std::result::Result<PathBuf, String> {
 }
 
 fn enabled() -> std::result::Result<(), String> {
-    match std::env::var("TMS_CONTROL") {
-        Err(std::env::VarError::NotPresent) => Ok(()),
-        Err(std::env::VarError::NotUnicode(_)) => {
-            Err("environment variable TMS_CONTROL is not valid UTF-8".into())
-        }
-        Ok(v) => match parse_flag(&v) {
-            Ok(true) => Ok(()),
-            Ok(false) => Err("disabled by TMS_CONTROL=0".into()),
-            Err(e) => Err(format!("environment variable TMS_CONTROL: {e}")),
-        },
+    match env_parsed("TMS_CONTROL", parse_flag) {
+        Ok(None | Some(true)) => Ok(()),
+        Ok(Some(false)) => Err("disabled by TMS_CONTROL=0".into()),
+        Err(e) => Err(e.to_string()),
     }
 }
 
