@@ -15,15 +15,15 @@
 #[allow(dead_code)]
 mod common;
 
+use common::{gib_per_s, req, s};
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
 use tms::driver::{Driver, HostBackend, HostBuffer};
 use tms::units::{human, parse_bytes};
-use tms::{AllocRequest, Engine};
-
-const GIB: f64 = (1u64 << 30) as f64;
+use tms::Engine;
 
 struct Row {
     what: String,
@@ -51,18 +51,10 @@ impl Table {
             seconds,
             limit: limit.map(|(n, v)| (n.to_string(), v)),
         };
-        let rate = rate(bytes, seconds);
+        let rate = gib_per_s(bytes, seconds);
         println!("  {:<52} {:>9.4} s {:>8.2} GiB/s", r.what, seconds, rate);
         self.rows.push(r);
         rate
-    }
-}
-
-fn rate(bytes: u64, s: f64) -> f64 {
-    if s > 0.0 {
-        bytes as f64 / s / GIB
-    } else {
-        0.0
     }
 }
 
@@ -128,19 +120,6 @@ fn main() -> ExitCode {
             println!("PROBLEM {p}");
         }
         ExitCode::from(1)
-    }
-}
-
-fn s<T>(r: tms::Result<T>) -> Result<T, String> {
-    r.map_err(|e| e.to_string())
-}
-
-fn req(size: u64, tag: &str, backup: Option<HostBackend>) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
     }
 }
 
@@ -364,7 +343,7 @@ fn print_table(t: &Table) {
             }
             Some((name, v)) => format!(
                 "{:.0}% of {name}",
-                rate(r.bytes, r.seconds) / v.max(1e-9) * 100.0
+                gib_per_s(r.bytes, r.seconds) / v.max(1e-9) * 100.0
             ),
             None => "limit".to_string(),
         };
@@ -373,7 +352,7 @@ fn print_table(t: &Table) {
             r.what,
             human(r.bytes),
             r.seconds,
-            rate(r.bytes, r.seconds),
+            gib_per_s(r.bytes, r.seconds),
             vs
         );
     }

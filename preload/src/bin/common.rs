@@ -3,10 +3,11 @@
 use std::sync::Arc;
 
 use tms::driver::sim::{SimConfig, SimDriver};
-use tms::driver::Driver;
+use tms::driver::{Driver, HostBackend};
 use tms::hooks::runtime::open_driver;
 use tms::hooks::settings::BackendChoice;
 use tms::hooks::settings::ProcessSettings;
+use tms::AllocRequest;
 
 /// The driver `TMS_BACKEND` asks for; with `auto`, CUDA where a driver and device exist, else
 /// the simulated device (`sim_capacity` bytes), saying so.
@@ -81,4 +82,28 @@ pub fn free_bytes(d: &dyn Driver, device: i32) -> u64 {
 pub fn delta_gib(after: u64, before: u64) -> String {
     let d = after as f64 - before as f64;
     format!("{:+.3} GiB", d / (1u64 << 30) as f64)
+}
+
+/// Bytes over seconds in GiB/s (0 for no time).
+pub fn gib_per_s(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / (1u64 << 30) as f64
+    } else {
+        0.0
+    }
+}
+
+/// An engine error as the tools' message.
+pub fn s<T>(r: tms::Result<T>) -> Result<T, String> {
+    r.map_err(|e| e.to_string())
+}
+
+/// A request for device 0.
+pub fn req(size: u64, tag: &str, backup: Option<HostBackend>) -> AllocRequest {
+    AllocRequest {
+        size,
+        device: 0,
+        tag: tag.into(),
+        backup,
+    }
 }

@@ -6,12 +6,14 @@
 #[path = "common.rs"]
 mod common;
 
+use common::{req, s};
+
 use std::process::ExitCode;
 use std::time::Instant;
 
 use tms::driver::HostBackend;
 use tms::units::{human, parse_bytes};
-use tms::{AllocRequest, Engine};
+use tms::Engine;
 
 fn main() -> ExitCode {
     match run() {
@@ -47,44 +49,42 @@ fn run() -> Result<bool, String> {
     let f0 = common::free_bytes(d, dev);
     rows.push(("start".into(), f0, String::new()));
 
-    let req = AllocRequest {
-        size,
-        device: dev,
-        tag: "demo".into(),
-        backup: Some(HostBackend::Pinned),
-    };
-    let ptr = engine.alloc(&req).map_err(|e| e.to_string())?;
+    let ptr = s(engine.alloc(&req(size, "demo", Some(HostBackend::Pinned))))?;
     let f1 = common::free_bytes(d, dev);
     rows.push((format!("allocated at {ptr:#x}"), f1, String::new()));
 
     let data = common::pattern(size as usize, 42);
-    engine.write_bytes(ptr, &data).map_err(|e| e.to_string())?;
+    s(engine.write_bytes(ptr, &data))?;
 
     let t = Instant::now();
-    let p = engine.pause(Some("demo")).map_err(|e| e.to_string())?;
+    let p = s(engine.pause(Some("demo")))?;
     let pause_s = t.elapsed().as_secs_f64();
     let f2 = common::free_bytes(d, dev);
     rows.push((
         "paused".into(),
         f2,
-        format!("{pause_s:.3} s, {:.1} GiB/s", gib_s(p.copied, pause_s)),
+        format!(
+            "{pause_s:.3} s, {:.1} GiB/s",
+            common::gib_per_s(p.copied, pause_s)
+        ),
     ));
 
     let t = Instant::now();
-    let r = engine.resume(Some("demo")).map_err(|e| e.to_string())?;
+    let r = s(engine.resume(Some("demo")))?;
     let resume_s = t.elapsed().as_secs_f64();
     let f3 = common::free_bytes(d, dev);
     rows.push((
         "resumed".into(),
         f3,
-        format!("{resume_s:.3} s, {:.1} GiB/s", gib_s(r.copied, resume_s)),
+        format!(
+            "{resume_s:.3} s, {:.1} GiB/s",
+            common::gib_per_s(r.copied, resume_s)
+        ),
     ));
 
     let same_addr = engine.allocations().first().map(|a| a.addr) == Some(ptr);
     let mut back = vec![0u8; size as usize];
-    engine
-        .read_bytes(ptr, &mut back)
-        .map_err(|e| e.to_string())?;
+    s(engine.read_bytes(ptr, &mut back))?;
     let intact = back == data;
 
     println!(
@@ -115,16 +115,8 @@ fn run() -> Result<bool, String> {
         "pattern after resume       : {}",
         if intact { "identical" } else { "DIFFERENT" }
     );
-    engine.free(ptr).map_err(|e| e.to_string())?;
+    s(engine.free(ptr))?;
     let ok = same_addr && intact && released as f64 >= 0.99 * p.bytes as f64;
     println!("\ndemo {}", if ok { "OK" } else { "FAILED" });
     Ok(ok)
-}
-
-fn gib_s(bytes: u64, s: f64) -> f64 {
-    if s > 0.0 {
-        bytes as f64 / s / (1u64 << 30) as f64
-    } else {
-        0.0
-    }
 }

@@ -8,6 +8,8 @@
 #[allow(dead_code)]
 mod common;
 
+use common::{req, s};
+
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -15,7 +17,7 @@ use std::time::Instant;
 use tms::driver::{Driver, HostBackend};
 use tms::engine::State;
 use tms::units::{human, parse_bytes};
-use tms::{AllocRequest, Engine};
+use tms::Engine;
 
 struct Checks {
     passed: usize,
@@ -74,15 +76,6 @@ fn main() -> ExitCode {
         ExitCode::SUCCESS
     } else {
         ExitCode::from(1)
-    }
-}
-
-fn req(size: u64, tag: &str, backup: Option<HostBackend>) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
     }
 }
 
@@ -162,9 +155,9 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
                 "{} bytes; pause {:.3} s ({:.1} GiB/s), resume {:.3} s ({:.1} GiB/s)",
                 sz,
                 ps,
-                gib(pr.copied, ps),
+                common::gib_per_s(pr.copied, ps),
                 rs,
-                gib(rr.copied, rs)
+                common::gib_per_s(rr.copied, rs)
             ),
         );
         s(e.free(p))?;
@@ -286,16 +279,4 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
         format!("free at start {}, at end {}", human(start_free), human(end)),
     );
     Ok(())
-}
-
-fn s<T>(r: tms::Result<T>) -> Result<T, String> {
-    r.map_err(|e| e.to_string())
-}
-
-fn gib(bytes: u64, s: f64) -> f64 {
-    if s > 0.0 {
-        bytes as f64 / s / (1u64 << 30) as f64
-    } else {
-        0.0
-    }
 }
