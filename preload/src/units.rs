@@ -22,14 +22,22 @@ pub fn parse_flag(s: &str) -> Result<bool> {
 /// Read an environment variable through `parse`, naming the variable in any error.
 pub fn env_parsed<T>(name: &str, parse: impl FnOnce(&str) -> Result<T>) -> Result<Option<T>> {
     match std::env::var(name) {
-        Ok(v) => parse(&v)
-            .map(Some)
-            .map_err(|e| e.context(format!("environment variable {name}"))),
+        Ok(v) => var_parsed(name, Some(&v), parse),
         Err(std::env::VarError::NotPresent) => Ok(None),
         Err(std::env::VarError::NotUnicode(_)) => Err(Error::InvalidArgument(format!(
             "environment variable {name} is not valid UTF-8"
         ))),
     }
+}
+
+/// Parse the value `raw` of the variable `name` (absent: `None`), naming it in any error.
+pub fn var_parsed<T>(
+    name: &str,
+    raw: Option<&str>,
+    parse: impl FnOnce(&str) -> Result<T>,
+) -> Result<Option<T>> {
+    raw.map(|v| parse(v).map_err(|e| e.context(format!("environment variable {name}"))))
+        .transpose()
 }
 
 /// `1.50 GiB`-style rendering.

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::driver::HostBackend;
-use tms::engine::{AllocRequest, Engine, State};
+use tms::driver::HostLayout;
+use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::Backup;
 
 const G: u64 = 64 << 10;
@@ -73,6 +74,24 @@ fn size_strategy() -> impl Strategy<Value = u64> {
         (1..=4u64, any::<bool>()).prop_map(|(k, up)| if up { k * G + 1 } else { k * G - 1 }),
         Just(1u64),
     ]
+}
+
+/// Copy settings from one worker and whole allocations per chunk to several workers cutting
+/// allocations into many chunks and staging slots, page-locking or not.
+fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
+    (
+        1..=4usize,
+        prop_oneof![Just(4096u64), Just(16 << 10), Just(64 << 20)],
+        prop_oneof![Just(4096u64), Just(8 << 10), Just(1 << 20)],
+        any::<bool>(),
+        prop_oneof![Just(PinMode::Inline), Just(PinMode::Never)],
+    )
+        .prop_map(|(threads, chunk, slot, hugepages, pin)| CopyConfig {
+            threads,
+            layout: HostLayout { chunk, hugepages },
+            slot,
+            pin,
+        })
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -261,6 +280,7 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
 
 /// The engine and the sim agree with the model.
 fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
+    let inline = e.copy_config().pin == PinMode::Inline;
     let infos = e.allocations();
     prop_assert_eq!(
         infos.iter().map(|i| i.addr).collect::<Vec<_>>(),
@@ -295,9 +315,14 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             "host_valid of {:#x}",
             i.addr
         );
-        if a.host && a.backup == Some(HostBackend::Pinned) {
-            pinned += a.size;
-        }
+        // Pinned backups are page-locked in whole pages, chunk by chunk, by the first pause.
+        let locked = if a.host && a.backup == Some(HostBackend::Pinned) && inline {
+            a.size.next_multiple_of(4096)
+        } else {
+            0
+        };
+        prop_assert_eq!(i.host_pinned_bytes, locked, "page-locked bytes of {:#x}", i.addr);
+        pinned += locked;
         let (first, last) = (i.addr, i.addr + i.mapped - 1);
         match a.state {
             State::Active => {
@@ -327,7 +352,9 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
     prop_assert_eq!(sim.live_mappings(), active, "mappings");
     prop_assert_eq!(sim.live_handles(), active, "handles");
     prop_assert_eq!(sim.live_reservations(), m.allocs.len(), "reservations");
-    prop_assert_eq!(sim.pinned_bytes(), pinned, "pinned bytes");
+    prop_assert_eq!(sim.pinned_bytes(), pinned + e.staging_bytes(), "pinned bytes");
+    prop_assert_eq!(sim.pageable_copies(), 0, "every copy of a backup uses page-locked memory");
+    prop_assert_eq!(sim.queued_copies(), 0, "nothing left queued after an operation");
     Ok(())
 }
 
@@ -340,13 +367,17 @@ proptest! {
     })]
 
     #[test]
-    fn engine_matches_the_model(ops in prop::collection::vec(op_strategy(), 1..=50)) {
+    fn engine_matches_the_model(
+        ops in prop::collection::vec(op_strategy(), 1..=50),
+        cfg in copy_config_strategy(),
+    ) {
         let sim = Arc::new(
             SimDriver::new(SimConfig { devices: 2, capacity: CAPACITY, granularity: G }).unwrap(),
         );
         let mut m = Model::default();
         {
             let e = Engine::new(sim.clone());
+            e.set_copy_config(cfg).unwrap();
             for (n, op) in ops.iter().enumerate() {
                 step(&sim, &e, &mut m, op)
                     .map_err(|err| TestCaseError::fail(format!("step {n} {op:?}: {err}")))?;

@@ -1,15 +1,18 @@
 //! Pause/resume throughput against the machine's own limits, measured in the same run.
 //!
-//! Limits: pinned and pageable host<->device copy bandwidth, a parallel fill of fresh host
-//! memory, and the bare VMM calls (create+map+access, unmap+release) for the same allocations.
-//! Scenarios: pause/resume with CPU backup (first cycle, then retained cycles) for one large
-//! allocation and for many 32 MiB ones, pinned and mmap backends; resume without retention (the
-//! share spent releasing host buffers); pause/resume without backup against the bare VMM calls;
-//! process RSS after a non-retaining resume. Contents are verified. Prints a table; asserts
-//! nothing about time.
+//! Limits: pinned and pageable host<->device copy bandwidth; how fast the host supplies fresh
+//! memory (a parallel fill, in small and in huge pages), copies memory, and page-locks it; the
+//! bare VMM calls (create+map+access, unmap+release) for the same allocations. Scenarios:
+//! pause/resume with CPU backup (the first pause into fresh host memory, then cycles with the
+//! host buffers retained, then a resume that releases them) for one large allocation and for
+//! many small ones, pinned and mmap backends; pause/resume without backup against the bare VMM
+//! calls; process RSS after a non-retaining resume. Every byte is verified after each scenario.
+//! Prints a table; asserts nothing about time.
 //!
-//! Usage: `tms-bench [TOTAL] [COUNT]` (default 16GiB and 512: one allocation of TOTAL, and COUNT
-//! allocations of TOTAL/COUNT). On the sim use small sizes, e.g. `tms-bench 256MiB 16`.
+//! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]`
+//! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT). The copy
+//! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
+//! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
 
 #[path = "common.rs"]
 #[allow(dead_code)]
@@ -21,7 +24,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::driver::{Driver, HostBackend, HostBuffer};
+use tms::driver::{DevPtr, Driver, HostBackend, HostBuffer, HostLayout};
+use tms::hooks::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
 
@@ -29,16 +33,22 @@ struct Row {
     what: String,
     bytes: u64,
     seconds: f64,
+    /// What to compare with: a rate in GiB/s, or (name ending in " s") a time in seconds.
     limit: Option<(String, f64)>,
 }
 
+#[derive(Default)]
 struct Table {
     rows: Vec<Row>,
     problems: Vec<String>,
 }
 
 impl Table {
-    fn add(
+    fn add(&mut self, what: impl Into<String>, bytes: u64, seconds: f64) -> f64 {
+        self.add_vs(what, bytes, seconds, None)
+    }
+
+    fn add_vs(
         &mut self,
         what: impl Into<String>,
         bytes: u64,
@@ -52,64 +62,119 @@ impl Table {
             limit: limit.map(|(n, v)| (n.to_string(), v)),
         };
         let rate = gib_per_s(bytes, seconds);
-        println!("  {:<52} {:>9.4} s {:>8.2} GiB/s", r.what, seconds, rate);
+        println!("  {:<56} {:>9.4} s {:>8.2} GiB/s", r.what, seconds, rate);
         self.rows.push(r);
         rate
     }
 }
 
-fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/statm")
-        .ok()
-        .and_then(|s| {
-            s.split_whitespace()
-                .nth(1)
-                .and_then(|v| v.parse::<u64>().ok())
-        })
-        .map_or(0, |pages| pages * 4096)
+/// The machine's limits, measured first. Rates in GiB/s.
+#[derive(Default)]
+struct Limits {
+    h2d: f64,
+    d2h: f64,
+    fill: f64,
+    vmm_map_s: f64,
+    vmm_unmap_s: f64,
+}
+
+struct Opts {
+    total: u64,
+    count: u64,
+    limits: bool,
+    backends: Vec<HostBackend>,
+    plain: bool,
+}
+
+fn usage() -> &'static str {
+    "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]   (default 16GiB 512)"
+}
+
+fn parse_args() -> Result<Option<Opts>, String> {
+    let mut o = Opts {
+        total: 16 << 30,
+        count: 512,
+        limits: true,
+        backends: vec![HostBackend::Pinned, HostBackend::Mmap],
+        plain: true,
+    };
+    let mut positional = 0;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "-h" | "--help" => {
+                println!("{}", usage());
+                return Ok(None);
+            }
+            "--no-limits" => o.limits = false,
+            "--no-plain" => o.plain = false,
+            "--backend" => {
+                let b = args.next().ok_or("--backend needs pinned or mmap")?;
+                o.backends = vec![HostBackend::parse(&b).map_err(|e| e.to_string())?];
+            }
+            _ if positional == 0 => {
+                o.total = parse_bytes(&a).map_err(|e| e.to_string())?;
+                positional += 1;
+            }
+            _ if positional == 1 => {
+                o.count = a
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or("COUNT must be a positive integer")?;
+                positional += 1;
+            }
+            _ => return Err(format!("unexpected argument {a:?}\n{}", usage())),
+        }
+    }
+    if o.total / o.count == 0 {
+        return Err("TOTAL/COUNT must be at least one byte".into());
+    }
+    Ok(Some(o))
 }
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "-h" || a == "--help") {
-        println!("usage: tms-bench [TOTAL] [COUNT]   (default 16GiB 512)");
-        return ExitCode::SUCCESS;
-    }
-    let total = match args.first().map(|a| parse_bytes(a)).transpose() {
-        Ok(v) => v.unwrap_or(16 << 30),
+    let o = match parse_args() {
+        Ok(Some(o)) => o,
+        Ok(None) => return ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("tms-bench: {e}");
             return ExitCode::from(2);
         }
     };
-    let count: u64 = match args.get(1).map(|a| a.parse::<u64>()) {
-        None => 512,
-        Some(Ok(n)) if n > 0 => n,
-        _ => {
-            eprintln!("tms-bench: COUNT must be a positive integer");
-            return ExitCode::from(2);
-        }
-    };
-    let driver = match common::choose_driver(total.saturating_mul(3)) {
+    let driver = match common::choose_driver(o.total.saturating_mul(3)) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("tms-bench: {e}");
             return ExitCode::from(2);
         }
     };
-    println!(
-        "tms-bench on the {} driver: 1 x {} and {} x {}\n",
-        driver.name(),
-        human(total),
-        count,
-        human(total / count)
-    );
-    let mut t = Table {
-        rows: Vec::new(),
-        problems: Vec::new(),
+    let e = Engine::new(driver.clone());
+    let cfg = match copy_config_from_env().and_then(|c| e.set_copy_config(c).map(|()| c)) {
+        Ok(c) => c,
+        Err(err) => {
+            eprintln!("tms-bench: {err}");
+            return ExitCode::from(2);
+        }
     };
-    if let Err(e) = run(&driver, total, count, &mut t) {
-        t.problems.push(format!("error: {e}"));
+    println!(
+        "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {}, \
+         huge pages {}, pin {:?}; {} host threads\n",
+        driver.name(),
+        human(o.total),
+        o.count,
+        human(o.total / o.count),
+        cfg.threads,
+        human(cfg.layout.chunk),
+        human(cfg.slot),
+        if cfg.layout.hugepages { "on" } else { "off" },
+        cfg.pin,
+        host_threads()
+    );
+    print_host_facts();
+    let mut t = Table::default();
+    if let Err(err) = run(&driver, &e, &o, &mut t) {
+        t.problems.push(format!("error: {err}"));
     }
     print_table(&t);
     if t.problems.is_empty() {
@@ -123,78 +188,212 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(driver: &Arc<dyn Driver>, total: u64, count: u64, t: &mut Table) -> Result<(), String> {
-    let d = &**driver;
-    let e = Engine::new(driver.clone());
+fn host_threads() -> usize {
+    std::thread::available_parallelism().map_or(4, |n| n.get())
+}
 
-    println!("machine limits");
-    // Copy bandwidth, pinned and pageable, through one device allocation.
+fn print_host_facts() {
+    for f in [
+        "/sys/kernel/mm/transparent_hugepage/enabled",
+        "/sys/kernel/mm/transparent_hugepage/defrag",
+    ] {
+        if let Ok(v) = std::fs::read_to_string(f) {
+            println!("{f}: {}", v.trim());
+        }
+    }
+    println!();
+}
+
+fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<(), String> {
+    let lim = if o.limits {
+        println!("machine limits");
+        limits(driver, e, o, t)?
+    } else {
+        Limits::default()
+    };
+    let piece = o.total / o.count;
+    for &backend in &o.backends {
+        for (n, size) in [(1u64, o.total), (o.count, piece)] {
+            backup_scenario(e, backend, n, size, &lim, t)?;
+        }
+    }
+    if o.plain {
+        plain_scenario(e, o.count, piece, &lim, t)?;
+    }
+    Ok(())
+}
+
+/// Run `f(i, chunk)` over `buf` cut into `threads` pieces, in parallel.
+fn par_chunks(buf: &mut [u8], threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
+    let per = buf.len().div_ceil(threads.max(1)).max(1);
+    let f = &f;
+    std::thread::scope(|sc| {
+        for (i, c) in buf.chunks_mut(per).enumerate() {
+            sc.spawn(move || f(i, c));
+        }
+    });
+}
+
+fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<Limits, String> {
+    let d = &**driver;
+    let total = o.total;
+    let threads = host_threads();
+    let chunk = e.copy_config().layout.chunk;
+    let small = HostLayout {
+        chunk: total.next_multiple_of(4096),
+        hugepages: false,
+    };
+    let mut lim = Limits::default();
     let dev = s(e.alloc(&req(total, "limits", None)))?;
+
+    // Page-locking fresh memory in one call: what allocating pinned memory costs.
     let t0 = Instant::now();
-    let mut pinned = s(HostBuffer::new(driver.clone(), HostBackend::Pinned, total))?;
-    let pin_alloc = t0.elapsed().as_secs_f64();
-    t.add("allocate fresh pinned host memory", total, pin_alloc, None);
+    let mut pinned = s(HostBuffer::new(
+        driver.clone(),
+        HostBackend::Pinned,
+        total,
+        small,
+    ))?;
+    s(pinned.pin_all())?;
+    t.add(
+        "page-lock fresh memory, one call",
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
     common::fill_pattern(pinned.as_mut_slice(), 1);
     let t0 = Instant::now();
     s(e.write_bytes(dev, pinned.as_slice()))?;
-    let h2d = t.add(
-        "copy H2D from pinned memory",
+    lim.h2d = t.add(
+        "copy H2D from pinned memory (one copy)",
         total,
         t0.elapsed().as_secs_f64(),
-        None,
     );
     let t0 = Instant::now();
     s(e.read_bytes(dev, pinned.as_mut_slice()))?;
-    let d2h = t.add(
-        "copy D2H to pinned memory",
+    lim.d2h = t.add(
+        "copy D2H to pinned memory (one copy)",
         total,
         t0.elapsed().as_secs_f64(),
-        None,
     );
+    let t0 = Instant::now();
     drop(pinned);
+    t.add(
+        "unregister and free pinned memory, one call",
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
+
+    // Pageable copies: the driver's own staging path.
     let mut pageable = vec![0u8; total as usize];
-    common::fill_pattern(&mut pageable, 2);
+    par_chunks(&mut pageable, threads, |i, c| {
+        common::fill_pattern(c, i as u64)
+    });
     let t0 = Instant::now();
     s(e.write_bytes(dev, &pageable))?;
-    let h2d_page = t.add(
-        "copy H2D from pageable memory",
+    t.add(
+        "copy H2D from pageable memory (driver)",
         total,
         t0.elapsed().as_secs_f64(),
-        None,
     );
     let t0 = Instant::now();
     s(e.read_bytes(dev, &mut pageable))?;
-    let d2h_page = t.add(
-        "copy D2H to pageable memory",
+    t.add(
+        "copy D2H to pageable memory (driver)",
         total,
         t0.elapsed().as_secs_f64(),
-        None,
     );
-    drop(pageable);
-    s(e.free(dev))?;
-    // A parallel fill of fresh host memory: how fast the host supplies new pages.
-    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+
+    // The host: a parallel memcpy between touched buffers.
+    let mut other = vec![0u8; total as usize];
+    par_chunks(&mut other, threads, |_, c| c.fill(1));
     let t0 = Instant::now();
-    let mut fresh = vec![0u8; total as usize];
-    let chunk = fresh.len().div_ceil(threads);
+    let per = pageable.len().div_ceil(threads);
     std::thread::scope(|sc| {
-        for (i, c) in fresh.chunks_mut(chunk).enumerate() {
-            sc.spawn(move || common::fill_pattern(c, i as u64));
+        for (dst, src) in other.chunks_mut(per).zip(pageable.chunks(per)) {
+            sc.spawn(move || dst.copy_from_slice(src));
         }
     });
-    let fill = t.add(
-        format!("parallel fill of fresh host memory ({threads} threads)"),
+    t.add(
+        format!("host memcpy, touched memory ({threads} threads)"),
         total,
         t0.elapsed().as_secs_f64(),
-        None,
+    );
+    drop(other);
+    let t0 = Instant::now();
+    drop(pageable);
+    t.add(
+        "free touched pageable memory (munmap)",
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
+
+    // Fresh memory: how fast the host hands out new pages.
+    let t0 = Instant::now();
+    let mut fresh = vec![0u8; total as usize];
+    par_chunks(&mut fresh, threads, |i, c| {
+        common::fill_pattern(c, i as u64)
+    });
+    lim.fill = t.add(
+        format!("parallel fill of fresh memory, small pages ({threads} thr)"),
+        total,
+        t0.elapsed().as_secs_f64(),
     );
     drop(fresh);
-    // Bare VMM calls for COUNT allocations of total/COUNT.
-    let piece = (total / count).max(1);
+    let huge = HostLayout {
+        chunk: small.chunk,
+        hugepages: true,
+    };
+    let t0 = Instant::now();
+    let mut fresh = s(HostBuffer::new(
+        driver.clone(),
+        HostBackend::Mmap,
+        total,
+        huge,
+    ))?;
+    par_chunks(fresh.as_mut_slice(), threads, |i, c| {
+        common::fill_pattern(c, i as u64)
+    });
+    t.add(
+        format!("parallel fill of fresh memory, huge pages ({threads} thr)"),
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
+    // Page-locking touched memory in parallel chunks, then releasing it the same way.
+    let layout = HostLayout { chunk, ..huge };
+    let touched = s(HostBuffer::new(
+        driver.clone(),
+        HostBackend::Pinned,
+        total,
+        layout,
+    ))?;
+    let t0 = Instant::now();
+    pin_parallel(&touched, threads)?;
+    t.add(
+        format!(
+            "page-lock fresh memory, {} chunks ({threads} thr)",
+            human(chunk)
+        ),
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
+    let t0 = Instant::now();
+    tms::driver::host::release_parallel(vec![touched, fresh], threads);
+    t.add(
+        format!(
+            "release 2 x that memory, {} chunks ({threads} thr)",
+            human(chunk)
+        ),
+        2 * total,
+        t0.elapsed().as_secs_f64(),
+    );
+    s(e.free(dev))?;
+
+    // Bare VMM calls for COUNT allocations of TOTAL/COUNT.
+    let piece = total / o.count;
     let g = s(d.granularity(0))?;
     let mapped = piece.div_ceil(g) * g;
     let mut ranges = Vec::new();
-    for _ in 0..count {
+    for _ in 0..o.count {
         ranges.push(s(d.reserve(0, mapped))?);
     }
     let t0 = Instant::now();
@@ -205,123 +404,217 @@ fn run(driver: &Arc<dyn Driver>, total: u64, count: u64, t: &mut Table) -> Resul
         s(d.set_access(0, *p, mapped))?;
         handles.push(h);
     }
-    let vmm_map = t0.elapsed().as_secs_f64();
+    lim.vmm_map_s = t0.elapsed().as_secs_f64();
     let t0 = Instant::now();
     for (p, h) in ranges.iter().zip(&handles) {
         s(d.unmap(*p, mapped))?;
         s(d.release(*h))?;
     }
-    let vmm_unmap = t0.elapsed().as_secs_f64();
+    lim.vmm_unmap_s = t0.elapsed().as_secs_f64();
     for p in &ranges {
         s(d.free_range(*p, mapped))?;
     }
+    let what = format!("{} x {}", o.count, human(mapped));
     t.add(
-        format!("bare create+map+access, {count} x {}", human(mapped)),
-        count * mapped,
-        vmm_map,
-        None,
+        format!("bare create+map+access, {what}"),
+        o.count * mapped,
+        lim.vmm_map_s,
     );
     t.add(
-        format!("bare unmap+release, {count} x {}", human(mapped)),
-        count * mapped,
-        vmm_unmap,
-        None,
+        format!("bare unmap+release, {what}"),
+        o.count * mapped,
+        lim.vmm_unmap_s,
     );
+    Ok(lim)
+}
 
-    // Scenarios with CPU backup.
-    for backend in [HostBackend::Pinned, HostBackend::Mmap] {
-        let (lim_d2h, lim_h2d) = (d2h, h2d);
-        for (n, size) in [(1u64, total), (count, piece)] {
-            println!("\n{} backup, {n} x {}", backend.as_str(), human(size));
-            let tag = format!("{}-{n}", backend.as_str());
-            let mut ptrs = Vec::new();
-            for i in 0..n {
-                let p = s(e.alloc(&req(size, &tag, Some(backend))))?;
-                let data = common::pattern(size.min(1 << 20) as usize, i);
-                s(e.write_bytes(p, &data))?;
-                ptrs.push((p, data));
-            }
-            let bytes = n * size;
-            e.set_retain_cpu_backup(true);
-            let rss0 = rss_bytes();
-            let r = s(e.pause(Some(&tag)))?;
-            t.add(
-                format!("{tag}: first pause (fresh host memory)"),
-                bytes,
-                r.seconds,
-                Some(("fill", fill)),
-            );
-            let r = s(e.resume(Some(&tag)))?;
-            t.add(
-                format!("{tag}: resume, retained"),
-                bytes,
-                r.seconds,
-                Some(("pinned H2D", lim_h2d)),
-            );
-            for cycle in 2..=3 {
-                let r = s(e.pause(Some(&tag)))?;
-                t.add(
-                    format!("{tag}: pause #{cycle}, buffers retained"),
-                    bytes,
-                    r.seconds,
-                    Some(("pinned D2H", lim_d2h)),
-                );
-                let r = s(e.resume(Some(&tag)))?;
-                t.add(
-                    format!("{tag}: resume #{cycle}, retained"),
-                    bytes,
-                    r.seconds,
-                    Some(("pinned H2D", lim_h2d)),
-                );
-            }
-            s(e.pause(Some(&tag)))?;
-            e.set_retain_cpu_backup(false);
-            let r = s(e.resume(Some(&tag)))?;
-            t.add(
-                format!("{tag}: resume, releasing host buffers"),
-                bytes,
-                r.seconds,
-                Some(("pinned H2D", lim_h2d)),
-            );
-            let rss1 = rss_bytes();
-            println!(
-                "  RSS before first pause {}, after non-retaining resume {} ({:+.1}%)",
-                human(rss0),
-                human(rss1),
-                (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
-            );
-            for (p, data) in &ptrs {
-                let mut back = vec![0u8; data.len()];
-                s(e.read_bytes(*p, &mut back))?;
-                if &back != data {
-                    t.problems.push(format!("{tag}: contents differ at {p:#x}"));
+fn pin_parallel(buf: &HostBuffer, threads: usize) -> Result<(), String> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let err = std::sync::Mutex::new(None);
+    std::thread::scope(|sc| {
+        for _ in 0..threads.min(buf.chunks()) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= buf.chunks() {
+                    break;
                 }
-                s(e.free(*p))?;
-            }
+                if let Err(e) = buf.pin(i) {
+                    *err.lock().unwrap() = Some(e.to_string());
+                    break;
+                }
+            });
         }
+    });
+    match err.into_inner().unwrap() {
+        Some(e) => Err(e),
+        None => Ok(()),
     }
-    let _ = (h2d_page, d2h_page);
+}
 
-    // Without backup: COUNT allocations against the bare VMM calls.
+/// Fill `[ptr, ptr+size)` with the pattern of `seed` (or compare it with that pattern), through
+/// host buffers of 64 MiB generated in parallel.
+fn device_pattern(
+    e: &Engine,
+    ptr: DevPtr,
+    size: u64,
+    seed: u64,
+    check: bool,
+) -> Result<bool, String> {
+    const PIECE: u64 = 64 << 20;
+    let threads = host_threads() as u64;
+    let mut off = 0;
+    let mut want = vec![0u8; (PIECE * threads).min(size) as usize];
+    let mut got = if check {
+        vec![0u8; want.len()]
+    } else {
+        Vec::new()
+    };
+    while off < size {
+        let n = (want.len() as u64).min(size - off) as usize;
+        let base = off / PIECE;
+        std::thread::scope(|sc| {
+            for (i, c) in want[..n].chunks_mut(PIECE as usize).enumerate() {
+                sc.spawn(move || common::fill_pattern(c, seed ^ ((base + i as u64) << 20)));
+            }
+        });
+        if check {
+            s(e.read_bytes(ptr + off, &mut got[..n]))?;
+            if got[..n] != want[..n] {
+                return Ok(false);
+            }
+        } else {
+            s(e.write_bytes(ptr + off, &want[..n]))?;
+        }
+        off += n as u64;
+    }
+    Ok(true)
+}
+
+fn rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map_or(0, |pages| pages * 4096)
+}
+
+fn backup_scenario(
+    e: &Engine,
+    backend: HostBackend,
+    n: u64,
+    size: u64,
+    lim: &Limits,
+    t: &mut Table,
+) -> Result<(), String> {
+    let limit = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
+    println!("\n{} backup, {n} x {}", backend.as_str(), human(size));
+    let tag = format!("{}-{n}", backend.as_str());
+    let mut ptrs = Vec::new();
+    for i in 0..n {
+        let p = s(e.alloc(&req(size, &tag, Some(backend))))?;
+        device_pattern(e, p, size, i + 1, false)?;
+        ptrs.push(p);
+    }
+    let bytes = n * size;
+    e.set_retain_cpu_backup(true);
+    let rss0 = rss_bytes();
+    let r = s(e.pause(Some(&tag)))?;
+    t.add_vs(
+        format!("{tag}: first pause (fresh host memory)"),
+        bytes,
+        r.seconds,
+        limit("fresh fill", lim.fill),
+    );
+    let r = s(e.resume(Some(&tag)))?;
+    t.add_vs(
+        format!("{tag}: resume #1, retained"),
+        bytes,
+        r.seconds,
+        limit("pinned H2D", lim.h2d),
+    );
+    for cycle in 2..=3 {
+        let r = s(e.pause(Some(&tag)))?;
+        t.add_vs(
+            format!("{tag}: pause #{cycle}, buffers retained"),
+            bytes,
+            r.seconds,
+            limit("pinned D2H", lim.d2h),
+        );
+        let r = s(e.resume(Some(&tag)))?;
+        t.add_vs(
+            format!("{tag}: resume #{cycle}, retained"),
+            bytes,
+            r.seconds,
+            limit("pinned H2D", lim.h2d),
+        );
+    }
+    let pinned: u64 = e.allocations().iter().map(|a| a.host_pinned_bytes).sum();
+    let staging = e.staging_bytes();
+    s(e.pause(Some(&tag)))?;
+    e.set_retain_cpu_backup(false);
+    let r = s(e.resume(Some(&tag)))?;
+    t.add_vs(
+        format!("{tag}: resume releasing host buffers"),
+        bytes,
+        r.seconds,
+        limit("pinned H2D", lim.h2d),
+    );
+    let rss1 = rss_bytes();
+    println!(
+        "  release {:.4} s of {:.4} s ({:.0}%); host page-locked while retained {}, staging {}",
+        r.release_seconds,
+        r.seconds,
+        r.release_seconds / r.seconds.max(1e-9) * 100.0,
+        human(pinned),
+        human(staging)
+    );
+    println!(
+        "  RSS before the first pause {}, after the non-retaining resume {} ({:+.1}%)",
+        human(rss0),
+        human(rss1),
+        (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
+    );
+    for (i, p) in ptrs.iter().enumerate() {
+        if !device_pattern(e, *p, size, i as u64 + 1, true)? {
+            t.problems
+                .push(format!("{tag}: contents of {p:#x} differ after the cycles"));
+        }
+        s(e.free(*p))?;
+    }
+    Ok(())
+}
+
+fn plain_scenario(
+    e: &Engine,
+    count: u64,
+    piece: u64,
+    lim: &Limits,
+    t: &mut Table,
+) -> Result<(), String> {
     println!("\nno backup, {count} x {}", human(piece));
     let mut ptrs = Vec::new();
     for _ in 0..count {
         ptrs.push(s(e.alloc(&req(piece, "plain", None)))?);
     }
+    let mapped: u64 = e.allocations().iter().map(|a| a.mapped).sum();
+    let vs = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
     for cycle in 1..=3 {
         let r = s(e.pause(Some("plain")))?;
-        t.add(
+        t.add_vs(
             format!("plain: pause #{cycle}"),
-            count * mapped,
+            mapped,
             r.seconds,
-            Some(("bare unmap+release s", vmm_unmap)),
+            vs("bare unmap+release s", lim.vmm_unmap_s),
         );
         let r = s(e.resume(Some("plain")))?;
-        t.add(
+        t.add_vs(
             format!("plain: resume #{cycle}"),
-            count * mapped,
+            mapped,
             r.seconds,
-            Some(("bare create+map s", vmm_map)),
+            vs("bare create+map s", lim.vmm_map_s),
         );
     }
     for p in ptrs {
@@ -333,7 +626,7 @@ fn run(driver: &Arc<dyn Driver>, total: u64, count: u64, t: &mut Table) -> Resul
 fn print_table(t: &Table) {
     println!("\nBENCH TABLE");
     println!(
-        "{:<52} {:>10} {:>10} {:>12} {:>22}",
+        "{:<56} {:>10} {:>10} {:>10} {:>24}",
         "what", "bytes", "seconds", "GiB/s", "vs limit"
     );
     for r in &t.rows {
@@ -345,10 +638,10 @@ fn print_table(t: &Table) {
                 "{:.0}% of {name}",
                 gib_per_s(r.bytes, r.seconds) / v.max(1e-9) * 100.0
             ),
-            None => "limit".to_string(),
+            None => String::new(),
         };
         println!(
-            "{:<52} {:>10} {:>10.4} {:>12.2} {:>22}",
+            "{:<56} {:>10} {:>10.4} {:>10.2} {:>24}",
             r.what,
             human(r.bytes),
             r.seconds,

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{check, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream};
+use super::{check, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream, MAX_LANES};
 use crate::error::{Error, Result};
 
 /// Every driver entry point this module calls, by the symbol cudarc loads for it.
@@ -44,8 +44,8 @@ const SYMBOLS: &[&str] = &[
     "cuStreamSynchronize",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
-    "cuMemHostAlloc",
-    "cuMemFreeHost",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
 ];
 
 /// The CUDA driver API.
@@ -53,6 +53,7 @@ pub struct CudaDriver {
     devices: i32,
     version: i32,
     contexts: Vec<OnceLock<usize>>,
+    /// `MAX_LANES` streams per device, made on first use.
     streams: Vec<OnceLock<usize>>,
 }
 
@@ -138,7 +139,9 @@ impl CudaDriver {
             devices: n,
             version,
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
-            streams: (0..n).map(|_| OnceLock::new()).collect(),
+            streams: (0..n as usize * MAX_LANES)
+                .map(|_| OnceLock::new())
+                .collect(),
         })
     }
 
@@ -384,9 +387,15 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn stream(&self, device: i32) -> Result<Stream> {
-        let i = self.check_device(device)?;
-        if let Some(s) = self.streams[i].get() {
+    fn stream(&self, device: i32, lane: usize) -> Result<Stream> {
+        let dev = self.check_device(device)?;
+        if lane >= MAX_LANES {
+            return Err(Error::InvalidArgument(format!(
+                "stream lane {lane} (at most {MAX_LANES} per device)"
+            )));
+        }
+        let slot = &self.streams[dev * MAX_LANES + lane];
+        if let Some(s) = slot.get() {
             return Ok(Stream(*s as u64));
         }
         let _scope = super::DeviceScope::enter(self, device)?;
@@ -396,10 +405,10 @@ impl Driver for CudaDriver {
         cu(
             "cuStreamCreate",
             unsafe { sys::cuStreamCreate(&mut s, 1) },
-            || format!("device {device}"),
+            || format!("device {device}, lane {lane}"),
         )?;
         // A racing thread may create a second stream; the loser's stream is kept alive unused.
-        Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
+        Ok(Stream(*slot.get_or_init(|| s as usize) as u64))
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -433,26 +442,25 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn host_alloc_pinned(&self, size: u64) -> Result<*mut u8> {
-        // cuMemHostAlloc needs a current context; use the calling thread's, or device 0's.
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()> {
+        // cuMemHostRegister needs a current context; use the calling thread's, or device 0's.
         let _scope = super::DeviceScope::enter(self, self.current_device()?)?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: writes one pointer; PORTABLE (1) makes it pinned for every context.
+        // SAFETY: the caller upholds the trait's contract; PORTABLE (1) makes the range pinned
+        // for every context.
         cu(
-            "cuMemHostAlloc",
-            unsafe { sys::cuMemHostAlloc(&mut p, size as usize, 1) },
-            || format!("{size} bytes of pinned host memory"),
-        )?;
-        Ok(p.cast())
+            "cuMemHostRegister",
+            unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len as usize, 1) },
+            || format!("{len} bytes of host memory at {ptr:p}"),
+        )
     }
 
-    unsafe fn host_free_pinned(&self, ptr: *mut u8, size: u64) -> Result<()> {
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
         let _scope = super::DeviceScope::enter(self, self.current_device()?)?;
-        // SAFETY: the caller passes memory from host_alloc_pinned, not used after.
+        // SAFETY: the caller passes the start of a registered range no copy uses any more.
         cu(
-            "cuMemFreeHost",
-            unsafe { sys::cuMemFreeHost(ptr.cast()) },
-            || format!("{size} bytes at {ptr:p}"),
+            "cuMemHostUnregister",
+            unsafe { sys::cuMemHostUnregister(ptr.cast()) },
+            || format!("host memory at {ptr:p}"),
         )
     }
 }

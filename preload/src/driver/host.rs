@@ -1,6 +1,8 @@
-//! Host memory that holds CPU backups: page-locked (through the driver, so copies run at link
-//! speed) or pageable anonymous memory (so the kernel can take the pages back once it is freed).
+//! Host memory that holds CPU backups and staging slots: anonymous memory, page-locked through
+//! the driver chunk by chunk where copies should run straight at link speed (the pinned backend,
+//! staging slots), or left pageable (the mmap backend, so the kernel can take the pages back).
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::Driver;
@@ -37,33 +39,81 @@ impl HostBackend {
     }
 }
 
-/// An owned block of host memory. Freed on drop; a failure to free is logged, never panicked.
+/// How host buffers are laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Unit of page-locking and of direct copies, in bytes (a multiple of the page size).
+    pub chunk: u64,
+    /// Ask the kernel for transparent huge pages (fewer page faults and a cheaper release).
+    pub hugepages: bool,
+}
+
+impl Default for HostLayout {
+    fn default() -> Self {
+        HostLayout {
+            chunk: 64 << 20,
+            hugepages: true,
+        }
+    }
+}
+
+const HUGE_PAGE: u64 = 2 << 20;
+
+/// An owned block of anonymous host memory, page-locked chunk by chunk on demand
+/// ([`HostBuffer::pin`]). Freed on drop: registered chunks are unregistered first; a chunk whose
+/// unregistration fails keeps the whole mapping alive (leaked, logged), because the driver may
+/// still consider that address range its own.
 pub struct HostBuffer {
     ptr: *mut u8,
     len: u64,
+    map_len: u64,
     backend: HostBackend,
+    chunk: u64,
+    pinned: Box<[AtomicBool]>,
     driver: Arc<dyn Driver>,
 }
 
-// SAFETY: the buffer exclusively owns its memory; access goes through &self / &mut self.
+// SAFETY: the buffer exclusively owns its memory; the pinned flags are atomics, and writes to the
+// memory go through raw pointers under the engine's registry lock (see HostBuffer::base).
 unsafe impl Send for HostBuffer {}
-// SAFETY: shared references only read.
+// SAFETY: as above; shared references only read, or register disjoint chunks.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
-    /// Allocate `len` bytes (> 0) of the given kind. Contents are unspecified.
-    pub fn new(driver: Arc<dyn Driver>, backend: HostBackend, len: u64) -> Result<Self> {
+    /// Allocate `len` bytes (> 0) of pageable memory; nothing is page-locked yet and no page is
+    /// touched, so this is cheap at any size. Contents read as zero until written.
+    pub fn new(
+        driver: Arc<dyn Driver>,
+        backend: HostBackend,
+        len: u64,
+        layout: HostLayout,
+    ) -> Result<Self> {
+        let page = page_size();
         if len == 0 {
             return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
         }
-        let ptr = match backend {
-            HostBackend::Pinned => driver.host_alloc_pinned(len)?,
-            HostBackend::Mmap => mmap_anonymous(len)?,
+        if layout.chunk == 0 || layout.chunk % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "host chunk size {} is not a positive multiple of the page size {page}",
+                layout.chunk
+            )));
+        }
+        let map_len = len.checked_next_multiple_of(page).ok_or_else(|| {
+            Error::InvalidArgument(format!("host buffer of {len} bytes overflows"))
+        })?;
+        let ptr = if layout.hugepages && map_len >= HUGE_PAGE {
+            mmap_huge(map_len)?
+        } else {
+            mmap_anonymous(map_len)?
         };
+        let chunks = len.div_ceil(layout.chunk) as usize;
         Ok(HostBuffer {
             ptr,
             len,
+            map_len,
             backend,
+            chunk: layout.chunk,
+            pinned: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             driver,
         })
     }
@@ -73,8 +123,10 @@ impl HostBuffer {
         self.ptr
     }
 
-    /// Start of the buffer, for writing.
-    pub fn as_mut_ptr(&mut self) -> *mut u8 {
+    /// Start of the buffer for writing through a shared reference: the copy pipeline's workers
+    /// write disjoint chunks of it at once. Callers guarantee no other reference reads or writes
+    /// those bytes meanwhile (the engine holds its registry lock for the whole operation).
+    pub(crate) fn base(&self) -> *mut u8 {
         self.ptr
     }
 
@@ -88,9 +140,79 @@ impl HostBuffer {
         false
     }
 
-    /// Kind of memory.
+    /// Kind of memory asked for.
     pub fn backend(&self) -> HostBackend {
         self.backend
+    }
+
+    /// Number of chunks.
+    pub fn chunks(&self) -> usize {
+        self.pinned.len()
+    }
+
+    /// Offset and length (within `len`) of chunk `i`.
+    pub fn chunk_span(&self, i: usize) -> (u64, u64) {
+        let off = i as u64 * self.chunk;
+        (off, self.chunk.min(self.len - off))
+    }
+
+    /// Offset and length of chunk `i` in whole pages, as it is registered.
+    fn chunk_pages(&self, i: usize) -> (u64, u64) {
+        let off = i as u64 * self.chunk;
+        (off, self.chunk.min(self.map_len - off))
+    }
+
+    /// Whether chunk `i` is page-locked.
+    pub fn is_pinned(&self, i: usize) -> bool {
+        self.pinned[i].load(Ordering::Acquire)
+    }
+
+    /// Bytes page-locked.
+    pub fn pinned_bytes(&self) -> u64 {
+        (0..self.chunks())
+            .filter(|i| self.is_pinned(*i))
+            .map(|i| self.chunk_pages(i).1)
+            .sum()
+    }
+
+    /// Page-lock chunk `i` (a no-op if it is already). Safe from several threads for different
+    /// chunks.
+    pub fn pin(&self, i: usize) -> Result<()> {
+        if self.is_pinned(i) {
+            return Ok(());
+        }
+        let (off, n) = self.chunk_pages(i);
+        // SAFETY: whole pages of our own live mapping, not registered (flag clear, and only the
+        // owner of chunk i registers it); the mapping outlives the registration (Drop unregisters
+        // before unmapping).
+        unsafe { self.driver.host_register(self.ptr.add(off as usize), n)? };
+        self.pinned[i].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Page-lock every chunk.
+    pub fn pin_all(&self) -> Result<()> {
+        (0..self.chunks()).try_for_each(|i| self.pin(i))
+    }
+
+    /// Give chunk `i`'s memory back to the system: unregister it, then drop its pages. Only for
+    /// buffers on their way out ([`release_parallel`]). Returns false if the unregistration
+    /// failed (logged; the chunk stays registered and the mapping will be leaked).
+    fn discard(&self, i: usize) -> bool {
+        let (off, n) = self.chunk_pages(i);
+        // SAFETY: offset inside our mapping.
+        let p = unsafe { self.ptr.add(off as usize) };
+        if self.is_pinned(i) {
+            // SAFETY: chunk i is registered at p and no copy uses it (the buffer is released).
+            if let Err(e) = unsafe { self.driver.host_unregister(p) } {
+                tracing::error!("releasing a host backup: {e}; its memory is leaked");
+                return false;
+            }
+            self.pinned[i].store(false, Ordering::Release);
+        }
+        // SAFETY: our own mapping; the buffer is being released, so nobody reads these pages.
+        unsafe { libc::madvise(p.cast(), n as usize, libc::MADV_DONTNEED) };
+        true
     }
 
     /// The contents, for writing.
@@ -101,27 +223,94 @@ impl HostBuffer {
 
     /// The contents.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: ptr..ptr+len is owned, initialised-or-zero mapped memory for our lifetime
-        // (anonymous and pinned memory both read as bytes).
+        // SAFETY: ptr..ptr+len is owned, mapped memory for our lifetime (anonymous memory reads
+        // as bytes, zero where never written).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len as usize) }
     }
 }
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        let res = match self.backend {
-            // SAFETY: ptr/len came from host_alloc_pinned of this driver and are not used again.
-            HostBackend::Pinned => unsafe { self.driver.host_free_pinned(self.ptr, self.len) },
-            HostBackend::Mmap => munmap(self.ptr, self.len),
-        };
-        if let Err(e) = res {
+        let mut intact = true;
+        for i in 0..self.chunks() {
+            if self.is_pinned(i) {
+                let off = self.chunk_pages(i).0 as usize;
+                // SAFETY: chunk i is registered at this address and nothing uses the buffer now.
+                if let Err(e) = unsafe { self.driver.host_unregister(self.ptr.add(off)) } {
+                    tracing::error!("freeing a host buffer of {} bytes: {e}", self.len);
+                    intact = false;
+                }
+            }
+        }
+        if !intact {
             tracing::error!(
-                "freeing a {} host buffer of {} bytes: {e}",
-                self.backend.as_str(),
-                self.len
+                "leaking {} bytes of host memory at {:p}: part of it is still registered",
+                self.map_len,
+                self.ptr
             );
+            return;
+        }
+        if let Err(e) = munmap(self.ptr, self.map_len) {
+            tracing::error!("freeing a host buffer of {} bytes: {e}", self.len);
         }
     }
+}
+
+/// Release many buffers with up to `threads` threads: unregistering and dropping the pages of
+/// large buffers costs about as much as filling them, so it is spread out like the copies.
+pub fn release_parallel(bufs: Vec<HostBuffer>, threads: usize) {
+    let units: Vec<(usize, usize)> = bufs
+        .iter()
+        .enumerate()
+        .flat_map(|(b, h)| (0..h.chunks()).map(move |c| (b, c)))
+        .collect();
+    let next = AtomicUsize::new(0);
+    let work = || {
+        while let Some(&(b, c)) = units.get(next.fetch_add(1, Ordering::Relaxed)) {
+            bufs[b].discard(c);
+        }
+    };
+    let helpers = threads.min(units.len()).saturating_sub(1);
+    std::thread::scope(|s| {
+        for _ in 0..helpers {
+            s.spawn(work);
+        }
+        work();
+    });
+    drop(bufs);
+}
+
+/// The system's page size.
+pub(crate) fn page_size() -> u64 {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+/// `len` bytes of fresh anonymous memory aligned to a huge page and advised to use huge pages.
+fn mmap_huge(len: u64) -> Result<*mut u8> {
+    let span = len + HUGE_PAGE;
+    let raw = mmap_anonymous(span)?;
+    let start = raw as u64;
+    let p = start.next_multiple_of(HUGE_PAGE);
+    // SAFETY: both trimmed pieces lie inside the mapping just made and nothing uses them; the
+    // advice concerns only our own range.
+    unsafe {
+        if p > start {
+            libc::munmap(raw.cast(), (p - start) as usize);
+        }
+        let end = p + len;
+        if start + span > end {
+            libc::munmap(end as *mut libc::c_void, (start + span - end) as usize);
+        }
+        // Advice only: where huge pages are off, the memory is simply in small pages.
+        libc::madvise(p as *mut libc::c_void, len as usize, libc::MADV_HUGEPAGE);
+    }
+    Ok(p as *mut u8)
 }
 
 /// Fresh pageable anonymous memory, not reserved against swap.

@@ -9,7 +9,7 @@ pub mod cuda;
 pub mod host;
 pub mod sim;
 
-pub use host::{HostBackend, HostBuffer};
+pub use host::{HostBackend, HostBuffer, HostLayout};
 
 use crate::error::Result;
 
@@ -19,6 +19,9 @@ pub type DevPtr = u64;
 /// Opaque handle of a piece of physical device memory (`CUmemGenericAllocationHandle`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PhysHandle(pub u64);
+
+/// Streams (lanes) per device that [`Driver::stream`] hands out.
+pub const MAX_LANES: usize = 128;
 
 /// Opaque handle of a stream (`CUstream`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,8 +74,9 @@ pub trait Driver: Send + Sync {
     fn set_access(&self, device: i32, ptr: DevPtr, size: u64) -> Result<()>;
     /// Wait for all work on `device` to finish.
     fn synchronize(&self, device: i32) -> Result<()>;
-    /// The engine's own stream on `device`, created on first use and kept.
-    fn stream(&self, device: i32) -> Result<Stream>;
+    /// The engine's own stream number `lane` (below [`MAX_LANES`]) on `device`, created on first
+    /// use and kept. Lanes let several copy workers wait for their own copies only.
+    fn stream(&self, device: i32, lane: usize) -> Result<Stream>;
     /// Wait for all work queued on `stream`.
     fn stream_sync(&self, stream: Stream) -> Result<()>;
     /// Queue a device-to-host copy of `len` bytes on `stream`.
@@ -87,13 +91,18 @@ pub trait Driver: Send + Sync {
     /// `dst..dst+len` is mapped and accessible; `src..src+len` is readable host memory that stays
     /// alive and unchanged until `stream` has been synchronized.
     unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()>;
-    /// Allocate `size` bytes of page-locked host memory.
-    fn host_alloc_pinned(&self, size: u64) -> Result<*mut u8>;
-    /// Free memory from [`Driver::host_alloc_pinned`].
+    /// Page-lock `[ptr, ptr+len)` for the devices (`cuMemHostRegister`), so copies from and to it
+    /// run at link speed and can be asynchronous.
     ///
     /// # Safety
-    /// `ptr` came from `host_alloc_pinned` of this driver with this `size` and is not used after.
-    unsafe fn host_free_pinned(&self, ptr: *mut u8, size: u64) -> Result<()>;
+    /// The range is page-aligned host memory mapped read/write by the caller, overlapping no range
+    /// registered already, and it stays mapped until [`Driver::host_unregister`] of `ptr`.
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()>;
+    /// Undo [`Driver::host_register`] of the range starting at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` starts a registered range, and no queued copy still uses it.
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
 }
 
 /// RAII scope that keeps a device current on this thread and restores the previous one.
@@ -129,6 +138,8 @@ pub fn cuda_error_name(code: i32) -> &'static str {
         201 => "CUDA_ERROR_INVALID_CONTEXT",
         400 => "CUDA_ERROR_INVALID_HANDLE",
         700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+        712 => "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+        713 => "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
         801 => "CUDA_ERROR_NOT_SUPPORTED",
         999 => "CUDA_ERROR_UNKNOWN",
         _ => "CUDA_ERROR_OTHER",

@@ -18,7 +18,8 @@ use std::fmt;
 
 use parking_lot::Mutex;
 
-use super::{cuda_error_name, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream};
+use super::host::page_size;
+use super::{cuda_error_name, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream, MAX_LANES};
 use crate::error::{Error, Result};
 use crate::units::{env_parsed, parse_bytes};
 
@@ -47,10 +48,10 @@ pub enum Prim {
     CopyD2H,
     /// [`Driver::copy_h2d`]
     CopyH2D,
-    /// [`Driver::host_alloc_pinned`]
-    HostAlloc,
-    /// [`Driver::host_free_pinned`]
-    HostFree,
+    /// [`Driver::host_register`]
+    HostRegister,
+    /// [`Driver::host_unregister`]
+    HostUnregister,
     /// [`Driver::mem_info`]
     MemInfo,
 }
@@ -69,8 +70,8 @@ impl Prim {
         Prim::StreamSync,
         Prim::CopyD2H,
         Prim::CopyH2D,
-        Prim::HostAlloc,
-        Prim::HostFree,
+        Prim::HostRegister,
+        Prim::HostUnregister,
         Prim::MemInfo,
     ];
 
@@ -88,8 +89,8 @@ impl Prim {
             Prim::StreamSync => "stream_sync",
             Prim::CopyD2H => "copy_d2h",
             Prim::CopyH2D => "copy_h2d",
-            Prim::HostAlloc => "host_alloc",
-            Prim::HostFree => "host_free",
+            Prim::HostRegister => "host_register",
+            Prim::HostUnregister => "host_unregister",
             Prim::MemInfo => "mem_info",
         }
     }
@@ -108,8 +109,8 @@ impl Prim {
             Prim::StreamSync => "cuStreamSynchronize",
             Prim::CopyD2H => "cuMemcpyDtoHAsync",
             Prim::CopyH2D => "cuMemcpyHtoDAsync",
-            Prim::HostAlloc => "cuMemHostAlloc",
-            Prim::HostFree => "cuMemFreeHost",
+            Prim::HostRegister => "cuMemHostRegister",
+            Prim::HostUnregister => "cuMemHostUnregister",
             Prim::MemInfo => "cuMemGetInfo",
         }
     }
@@ -248,6 +249,15 @@ struct Fault {
     code: i32,
 }
 
+/// A copy queued on a stream: it runs when the stream (or its device) is synchronized, as a GPU
+/// runs queued work later, so an engine that reuses a buffer before waiting sees wrong data.
+struct Queued {
+    to_host: bool,
+    host: usize,
+    dev: DevPtr,
+    len: u64,
+}
+
 #[derive(Default)]
 struct Inner {
     live: Vec<u64>,
@@ -258,6 +268,10 @@ struct Inner {
     faults: Vec<Fault>,
     calls: HashMap<Prim, u64>,
     pinned_live: u64,
+    queued: HashMap<u64, Vec<Queued>>,
+    /// Registered host ranges: start -> length.
+    registered: BTreeMap<usize, u64>,
+    pageable_copies: u64,
 }
 
 /// The simulated driver.
@@ -268,16 +282,6 @@ pub struct SimDriver {
 
 thread_local! {
     static CURRENT: Cell<i32> = const { Cell::new(0) };
-}
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
 }
 
 fn driver_err(prim: Prim, code: i32, context: String) -> Error {
@@ -380,9 +384,25 @@ impl SimDriver {
         self.inner.lock().mappings.len()
     }
 
-    /// Pinned host bytes allocated.
+    /// Host bytes registered (page-locked).
     pub fn pinned_bytes(&self) -> u64 {
         self.inner.lock().pinned_live
+    }
+
+    /// Host ranges registered.
+    pub fn registered_ranges(&self) -> usize {
+        self.inner.lock().registered.len()
+    }
+
+    /// Copies queued whose host side was not registered memory (on a GPU such a copy goes
+    /// through the driver's slow pageable path).
+    pub fn pageable_copies(&self) -> u64 {
+        self.inner.lock().pageable_copies
+    }
+
+    /// Copies queued and not yet run by a synchronization.
+    pub fn queued_copies(&self) -> usize {
+        self.inner.lock().queued.values().map(Vec::len).sum()
     }
 
     /// True if `ptr` lies in a mapped, accessible range.
@@ -446,6 +466,68 @@ impl SimDriver {
         g.mappings.range(..=ptr).next_back().is_some_and(|(s, m)| {
             m.accessible && ptr.checked_add(len).is_some_and(|end| end <= s + m.size)
         })
+    }
+
+    fn is_registered(g: &Inner, host: usize, len: u64) -> bool {
+        g.registered
+            .range(..=host)
+            .next_back()
+            .is_some_and(|(s, l)| host as u64 + len <= *s as u64 + l)
+    }
+
+    fn queue(&self, g: &mut Inner, stream: Stream, q: Queued) -> Result<()> {
+        let prim = if q.to_host {
+            Prim::CopyD2H
+        } else {
+            Prim::CopyH2D
+        };
+        let device = Self::stream_device(stream);
+        self.check_device(prim, device)?;
+        if !Self::covered(g, q.dev, q.len) {
+            return Err(invalid(
+                prim,
+                format!(
+                    "device range {:#x}+{} is not mapped and accessible",
+                    q.dev, q.len
+                ),
+            ));
+        }
+        if !Self::is_registered(g, q.host, q.len) {
+            g.pageable_copies += 1;
+        }
+        g.queued.entry(stream.0).or_default().push(q);
+        Ok(())
+    }
+
+    /// Run the copies queued on `stream`; a device range unmapped meanwhile is an illegal
+    /// address, as on a GPU, and the rest of the queue is dropped.
+    fn run_queue(g: &mut Inner, stream: u64) -> Result<()> {
+        for q in g.queued.remove(&stream).unwrap_or_default() {
+            if !Self::covered(g, q.dev, q.len) {
+                return Err(driver_err(
+                    Prim::StreamSync,
+                    700,
+                    format!(
+                        "a queued copy touches {:#x}+{}, which is no longer mapped",
+                        q.dev, q.len
+                    ),
+                ));
+            }
+            let (src, dst) = if q.to_host {
+                (q.dev as *const u8, q.host as *mut u8)
+            } else {
+                (q.host as *const u8, q.dev as *mut u8)
+            };
+            // SAFETY: the device range is an accessible mapping (checked just now); the engine
+            // keeps the host range alive and untouched until this synchronization (the copy
+            // contract of Driver::copy_d2h / copy_h2d).
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, q.len as usize) };
+        }
+        Ok(())
+    }
+
+    fn stream_device(stream: Stream) -> i32 {
+        (stream.0.saturating_sub(1) / MAX_LANES as u64) as i32
     }
 
     fn drop_handle_if_done(g: &mut Inner, id: u64) {
@@ -804,73 +886,112 @@ impl Driver for SimDriver {
     fn synchronize(&self, device: i32) -> Result<()> {
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::Synchronize, || format!("device {device}"))?;
-        self.check_device(Prim::Synchronize, device)
+        self.check_device(Prim::Synchronize, device)?;
+        let mine: Vec<u64> = g
+            .queued
+            .keys()
+            .copied()
+            .filter(|s| Self::stream_device(Stream(*s)) == device)
+            .collect();
+        for s in mine {
+            Self::run_queue(&mut g, s)?;
+        }
+        Ok(())
     }
 
-    fn stream(&self, device: i32) -> Result<Stream> {
+    fn stream(&self, device: i32, lane: usize) -> Result<Stream> {
         self.check_device(Prim::StreamSync, device)?;
-        Ok(Stream(device as u64 + 1))
+        if lane >= MAX_LANES {
+            return Err(invalid(
+                Prim::StreamSync,
+                format!("stream lane {lane} (at most {MAX_LANES} per device)"),
+            ));
+        }
+        Ok(Stream((device as usize * MAX_LANES + lane + 1) as u64))
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
         let mut g = self.inner.lock();
-        self.enter(&mut g, Prim::StreamSync, || format!("stream {}", stream.0))
+        if let Err(e) = self.enter(&mut g, Prim::StreamSync, || format!("stream {}", stream.0)) {
+            // A failed synchronization: what was queued did not (all) happen.
+            g.queued.remove(&stream.0);
+            return Err(e);
+        }
+        Self::run_queue(&mut g, stream.0)
     }
 
-    unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, _stream: Stream) -> Result<()> {
+    unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::CopyD2H, || {
             format!("{len} bytes from {src:#x}")
         })?;
-        if !Self::covered(&g, src, len) {
-            return Err(invalid(
-                Prim::CopyD2H,
-                format!("source {src:#x}+{len} is not mapped and accessible"),
-            ));
-        }
-        // SAFETY: the source is an accessible mapping (checked); the caller vouches for dst.
-        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst, len as usize) };
-        Ok(())
+        let q = Queued {
+            to_host: true,
+            host: dst as usize,
+            dev: src,
+            len,
+        };
+        self.queue(&mut g, stream, q)
     }
 
-    unsafe fn copy_h2d(
-        &self,
-        dst: DevPtr,
-        src: *const u8,
-        len: u64,
-        _stream: Stream,
-    ) -> Result<()> {
+    unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()> {
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::CopyH2D, || format!("{len} bytes to {dst:#x}"))?;
-        if !Self::covered(&g, dst, len) {
+        let q = Queued {
+            to_host: false,
+            host: src as usize,
+            dev: dst,
+            len,
+        };
+        self.queue(&mut g, stream, q)
+    }
+
+    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::HostRegister, || {
+            format!("{len} bytes of host memory at {ptr:p}")
+        })?;
+        let (start, page) = (ptr as usize, page_size());
+        if len == 0 || start as u64 % page != 0 || len % page != 0 {
             return Err(invalid(
-                Prim::CopyH2D,
-                format!("destination {dst:#x}+{len} is not mapped and accessible"),
+                Prim::HostRegister,
+                format!("{len} bytes at {ptr:p}: not whole pages"),
             ));
         }
-        // SAFETY: the destination is an accessible mapping (checked); the caller vouches for src.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst as *mut u8, len as usize) };
+        let end = start as u64 + len;
+        let overlaps = g
+            .registered
+            .range(..end as usize)
+            .next_back()
+            .is_some_and(|(s, l)| *s as u64 + l > start as u64);
+        if overlaps {
+            return Err(driver_err(
+                Prim::HostRegister,
+                712,
+                format!("{len} bytes at {ptr:p} overlap a registered range"),
+            ));
+        }
+        g.registered.insert(start, len);
+        g.pinned_live += len;
         Ok(())
     }
 
-    fn host_alloc_pinned(&self, size: u64) -> Result<*mut u8> {
+    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
         let mut g = self.inner.lock();
-        self.enter(&mut g, Prim::HostAlloc, || {
-            format!("{size} bytes of pinned host memory")
+        self.enter(&mut g, Prim::HostUnregister, || {
+            format!("host memory at {ptr:p}")
         })?;
-        let p = super::host::mmap_anonymous(size)?;
-        g.pinned_live += size;
-        Ok(p)
-    }
-
-    unsafe fn host_free_pinned(&self, ptr: *mut u8, size: u64) -> Result<()> {
-        let mut g = self.inner.lock();
-        self.enter(&mut g, Prim::HostFree, || {
-            format!("{size} bytes at {ptr:p}")
-        })?;
-        super::host::munmap(ptr, size)?;
-        g.pinned_live -= size;
-        Ok(())
+        match g.registered.remove(&(ptr as usize)) {
+            Some(len) => {
+                g.pinned_live -= len;
+                Ok(())
+            }
+            None => Err(driver_err(
+                Prim::HostUnregister,
+                713,
+                format!("{ptr:p} does not start a registered range"),
+            )),
+        }
     }
 }
 
@@ -899,17 +1020,19 @@ mod tests {
         d.set_access(0, va, 2 * g).unwrap();
         assert!(d.is_accessible(va + g));
         let data = vec![7u8; 4096];
-        // SAFETY: va is mapped and accessible; data outlives the (synchronous) copy.
-        unsafe {
-            d.copy_h2d(va + 100, data.as_ptr(), 4096, Stream(1))
-                .unwrap()
-        };
+        let s = d.stream(0, 0).unwrap();
+        // SAFETY: va is mapped and accessible; data outlives the copy (synchronized below).
+        unsafe { d.copy_h2d(va + 100, data.as_ptr(), 4096, s).unwrap() };
+        d.stream_sync(s).unwrap();
         let mut back = vec![0u8; 4096];
         // SAFETY: as above.
-        unsafe {
-            d.copy_d2h(back.as_mut_ptr(), va + 100, 4096, Stream(1))
-                .unwrap()
-        };
+        unsafe { d.copy_d2h(back.as_mut_ptr(), va + 100, 4096, s).unwrap() };
+        assert_eq!(
+            back,
+            vec![0u8; 4096],
+            "nothing lands before the stream is synchronized"
+        );
+        d.stream_sync(s).unwrap();
         assert_eq!(back, data);
         d.release(h).unwrap();
         assert_eq!(d.live_bytes(0), 2 * g, "still mapped: pages held");
@@ -945,7 +1068,7 @@ mod tests {
         let va = d.reserve(0, 2 << 20).unwrap();
         let mut b = [0u8; 8];
         // SAFETY: the sim checks the range and refuses; nothing is touched.
-        let e = unsafe { d.copy_d2h(b.as_mut_ptr(), va, 8, Stream(1)) }.unwrap_err();
+        let e = unsafe { d.copy_d2h(b.as_mut_ptr(), va, 8, d.stream(0, 0).unwrap()) }.unwrap_err();
         assert!(e.to_string().contains("not mapped"), "{e}");
         assert!(d.unmap(va, 2 << 20).is_err());
         assert!(d.release(PhysHandle(77)).is_err());
@@ -982,5 +1105,95 @@ mod tests {
         assert!(parse_faults("map:0").is_err());
         assert!(parse_faults("map:1:x").is_err());
         assert!(parse_faults("map:1:2:3").is_err());
+    }
+
+    /// A mapped, accessible range of `2 * g` bytes on device 0 and its handle.
+    fn mapped(d: &SimDriver) -> (DevPtr, PhysHandle, u64) {
+        let size = 2 * d.granularity(0).unwrap();
+        let va = d.reserve(0, size).unwrap();
+        let h = d.create(0, size).unwrap();
+        d.map(va, size, h).unwrap();
+        d.set_access(0, va, size).unwrap();
+        (va, h, size)
+    }
+
+    #[test]
+    fn queued_copies_run_at_sync_and_fail_on_unmapped_ranges() {
+        let d = sim();
+        let (va, h, size) = mapped(&d);
+        let mut back = vec![1u8; 64];
+        let (s0, s1) = (d.stream(0, 0).unwrap(), d.stream(0, 1).unwrap());
+        assert_ne!(s0, s1, "lanes are distinct streams");
+        // SAFETY: mapped range; back outlives the copies (synchronized or dropped below).
+        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s1).unwrap() };
+        assert_eq!(d.queued_copies(), 1);
+        d.synchronize(0).unwrap();
+        assert_eq!(
+            (d.queued_copies(), back[0]),
+            (0, 0),
+            "device sync runs every lane"
+        );
+        // SAFETY: as above.
+        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s0).unwrap() };
+        d.unmap(va, size).unwrap();
+        let e = d.stream_sync(s0).unwrap_err();
+        assert!(e.to_string().contains("no longer mapped"), "{e}");
+        d.release(h).unwrap();
+        d.free_range(va, size).unwrap();
+    }
+
+    #[test]
+    fn a_failed_stream_sync_drops_what_was_queued() {
+        let d = sim();
+        let (va, _, _) = mapped(&d);
+        let data = [9u8; 32];
+        let s = d.stream(0, 3).unwrap();
+        // SAFETY: mapped range; data outlives the copy.
+        unsafe { d.copy_h2d(va, data.as_ptr(), 32, s).unwrap() };
+        d.arm_fault(Prim::StreamSync, 1, 999);
+        assert!(d.stream_sync(s).is_err());
+        d.stream_sync(s).unwrap();
+        // SAFETY: the range is mapped read/write.
+        let first = unsafe { *(va as *const u8) };
+        assert_eq!(first, 0, "the copy never happened");
+        assert!(d.stream(0, MAX_LANES).is_err());
+    }
+
+    #[test]
+    fn host_registration_is_tracked_and_checked() {
+        let d = sim();
+        let page = page_size();
+        let buf = crate::driver::host::mmap_anonymous(4 * page).unwrap();
+        // SAFETY: buf is our 4-page mapping, unregistered before it is unmapped.
+        unsafe {
+            d.host_register(buf, 2 * page).unwrap();
+            let e = d.host_register(buf.add(page as usize), page).unwrap_err();
+            assert!(e.to_string().contains("ALREADY_REGISTERED"), "{e}");
+            assert!(d.host_register(buf.add(1), page).is_err(), "unaligned");
+            d.host_register(buf.add(2 * page as usize), 2 * page)
+                .unwrap();
+        }
+        assert_eq!((d.pinned_bytes(), d.registered_ranges()), (4 * page, 2));
+        let (va, _, _) = mapped(&d);
+        let s = d.stream(0, 0).unwrap();
+        // SAFETY: both host ranges are inside our mapping; copies are synchronized below.
+        unsafe {
+            d.copy_h2d(va, buf, 2 * page, s).unwrap();
+            d.copy_h2d(va, buf.add(page as usize), 2 * page, s).unwrap();
+        }
+        d.stream_sync(s).unwrap();
+        assert_eq!(
+            d.pageable_copies(),
+            1,
+            "a copy across two registrations is pageable"
+        );
+        // SAFETY: no copy is queued; the ranges were registered above.
+        unsafe {
+            assert!(d.host_unregister(buf.add(page as usize)).is_err());
+            d.host_unregister(buf).unwrap();
+            d.host_unregister(buf.add(2 * page as usize)).unwrap();
+        }
+        assert_eq!(d.pinned_bytes(), 0);
+        crate::driver::host::munmap(buf, 4 * page).unwrap();
     }
 }

@@ -7,26 +7,32 @@
 //! it (one handle per allocation keeps the VMM calls few: they cost per handle, not per byte).
 //!
 //! *Pause* synchronizes each device concerned, then for each active allocation of the tag:
-//! copy to its host backup (when asked) and wait, unmap, release. It stops at the first failure,
-//! so every allocation is in a state the registry names truly: those before it are paused with
-//! their backups, the failing one is still active and mapped (unless only the release failed:
-//! then it is unmapped and counted paused, its handle reported), the rest are active.
+//! copy to its host backup (when asked), unmap, release. The copies run in the pipeline
+//! (Note [The copy pipeline] in `pipeline.rs`), and each allocation is unmapped and released
+//! as soon as its own copy is complete. The first failure stops the work, and every allocation
+//! is in a state the registry names truly: those finished are paused with their backups, the
+//! failing one is still active and mapped (unless only its release failed: then it is unmapped
+//! and counted paused, its handle reported), the rest are active (a backup copied for an
+//! allocation that stays active is not claimed valid).
 //!
 //! *Resume* first creates, maps and enables access for every paused allocation of the tag. If
 //! any of those fails, everything this call made is undone and the tag stays paused with its
 //! backups intact; the error (out of memory, typically) goes to the caller, who may free memory
-//! and call again. Only when all mappings exist are the backups copied back; a copy failure also
-//! undoes the whole call. Then each allocation becomes active and, unless retention is on, its
-//! host backup is released.
+//! and call again. Only when all mappings exist are the backups copied back (in the pipeline); a
+//! copy failure also undoes the whole call. Then each allocation becomes active and, unless
+//! retention is on, its host backup and the staging slots are released, in parallel and after
+//! the registry lock is let go.
 //!
 //! *Free* removes the allocation; if unmapping fails it is put back, still active. A failure
 //! after the unmap (releasing the handle, or giving back the address range) is reported but the
 //! allocation is gone: only that handle or range leaks. Likewise a host buffer whose release
 //! fails is logged and leaks; nothing the caller still needs is ever dropped.
 //!
-//! The registry lock is held for a whole pause or resume, so allocations and frees from other
-//! threads wait for it (bounded by the copy time) instead of seeing half-done state.
+//! The registry lock is held for a whole pause or resume (but for the release of host memory),
+//! so allocations and frees from other threads wait for it (bounded by the copy time) instead of
+//! seeing half-done state.
 
+mod pipeline;
 mod stats;
 mod transfer;
 
@@ -37,11 +43,14 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
+pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use stats::{OpStats, Stats, TagStats};
 
+use crate::driver::host::release_parallel;
 use crate::driver::{DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
+use pipeline::{Copy, Dir, Ring};
 
 /// CPU-backup policy of an allocation.
 pub type Backup = Option<HostBackend>;
@@ -88,6 +97,8 @@ pub struct AllocInfo {
     pub state: State,
     /// Bytes of host memory held for this allocation's backup.
     pub host_bytes: u64,
+    /// Bytes of that host memory page-locked.
+    pub host_pinned_bytes: u64,
     /// True when the host backup holds the allocation's contents (paused with backup).
     pub host_valid: bool,
     /// False for allocations that pause and resume leave alone (see [`Engine::alloc_unpauseable`]).
@@ -105,6 +116,8 @@ pub struct OpReport {
     pub copied: u64,
     /// Wall time of the call.
     pub seconds: f64,
+    /// Part of `seconds` spent giving host backups back (a resume without retention).
+    pub release_seconds: f64,
 }
 
 struct Allocation {
@@ -134,6 +147,9 @@ struct Registry {
     allocs: BTreeMap<DevPtr, Allocation>,
     history: HashMap<Arc<str>, stats::History>,
     granularity: HashMap<i32, u64>,
+    rings: BTreeMap<i32, Ring>,
+    /// Allocations with a backup policy: the staging slots go when the last one does.
+    backed: usize,
 }
 
 impl Registry {
@@ -174,6 +190,78 @@ impl Registry {
     }
 }
 
+/// What a pause did to one allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    /// Still active and mapped.
+    Untouched,
+    /// Unmapped (and released, unless the release reported an error).
+    Released,
+}
+
+/// One allocation in a pause, as the device's coordinator sees it.
+struct PauseItem<'a> {
+    ptr: DevPtr,
+    size: u64,
+    mapped: u64,
+    tag: &'a str,
+    handle: PhysHandle,
+    host: Option<&'a HostBuffer>,
+}
+
+impl<'a> PauseItem<'a> {
+    fn new(ptr: DevPtr, a: &'a Allocation) -> Self {
+        PauseItem {
+            ptr,
+            size: a.size,
+            mapped: a.mapped,
+            tag: &a.tag,
+            handle: a.handle.expect("active allocations have a handle"),
+            host: a.host.as_ref().filter(|_| a.backup.is_some()),
+        }
+    }
+
+    fn what(&self) -> String {
+        format!(
+            "allocation {:#x} ({} bytes, tag {:?}, handle {:#x})",
+            self.ptr, self.size, self.tag, self.handle.0
+        )
+    }
+}
+
+/// Run `f` on each device's job: on this thread for one device, else on a thread per device.
+fn per_device<J: Send, T: Send>(jobs: Vec<J>, f: impl Fn(J) -> T + Sync) -> Vec<T> {
+    if jobs.len() <= 1 {
+        return jobs.into_iter().map(f).collect();
+    }
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = jobs.into_iter().map(|j| s.spawn(move || f(j))).collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(t) => t,
+                Err(p) => std::panic::resume_unwind(p),
+            })
+            .collect()
+    })
+}
+
+/// The first error (in device order); the others are logged.
+fn first_error(results: impl IntoIterator<Item = Result<()>>) -> Result<()> {
+    let mut first = Ok(());
+    for r in results {
+        if let Err(e) = r {
+            if first.is_ok() {
+                first = Err(e);
+            } else {
+                tracing::error!("another device failed too: {e}");
+            }
+        }
+    }
+    first
+}
+
 /// Refuse `Some("")`: no tag (`None`) is how every tag is named.
 fn check_tag(tag: Option<&str>) -> Result<()> {
     if tag == Some("") {
@@ -197,6 +285,7 @@ pub struct Engine {
     reg: Mutex<Registry>,
     retain: AtomicBool,
     margin: AtomicU64,
+    copy: Mutex<CopyConfig>,
 }
 
 impl Engine {
@@ -207,7 +296,25 @@ impl Engine {
             reg: Mutex::new(Registry::default()),
             retain: AtomicBool::new(false),
             margin: AtomicU64::new(0),
+            copy: Mutex::new(CopyConfig::default()),
         }
+    }
+
+    /// Set how backups are copied (used from the next pause or resume on).
+    pub fn set_copy_config(&self, c: CopyConfig) -> Result<()> {
+        c.validate()?;
+        *self.copy.lock() = c;
+        Ok(())
+    }
+
+    /// How backups are copied.
+    pub fn copy_config(&self) -> CopyConfig {
+        *self.copy.lock()
+    }
+
+    /// Page-locked bytes held in staging slots.
+    pub fn staging_bytes(&self) -> u64 {
+        self.reg.lock().rings.values().map(Ring::bytes).sum()
     }
 
     /// The driver underneath.
@@ -328,6 +435,7 @@ impl Engine {
                 return Err(e.context(what()));
             }
         };
+        reg.backed += usize::from(req.backup.is_some());
         reg.allocs.insert(
             ptr,
             Allocation {
@@ -396,7 +504,7 @@ impl Engine {
                 return Err(e);
             }
         };
-        if let Some(h) = a.handle {
+        if a.handle.is_some() {
             // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
             if let Err(e) = d.synchronize(a.device).and_then(|_| d.unmap(ptr, a.mapped)) {
                 let e = e.context(what());
@@ -404,7 +512,16 @@ impl Engine {
                 reg.allocs.insert(ptr, a);
                 return Err(e);
             }
-            a.handle = None;
+        }
+        // Gone for the caller from here on.
+        if a.backup.is_some() {
+            reg.backed -= 1;
+            if reg.backed == 0 {
+                // The last allocation that could need them: the staging slots go too.
+                reg.rings.clear();
+            }
+        }
+        if let Some(h) = a.handle.take() {
             if let Err(e) = d.release(h) {
                 // Unmapped already: the allocation is gone for the caller; only the handle leaks.
                 tracing::error!("{}: {e}", what());
@@ -421,32 +538,62 @@ impl Engine {
     pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
         let t0 = Instant::now();
-        let mut reg = self.reg.lock();
+        let cfg = self.copy_config();
+        let mut guard = self.reg.lock();
+        let reg = &mut *guard;
         let addrs = reg.selected(tag, State::Active);
+        let groups = reg.by_device(&addrs);
+        let mut steps: BTreeMap<DevPtr, Step> = BTreeMap::new();
+        let result = self.prepare_backups(reg, &addrs, &cfg).and_then(|()| {
+            for device in groups.keys() {
+                reg.rings.entry(*device).or_default();
+            }
+            let Registry { allocs, rings, .. } = &mut *reg;
+            let allocs = &*allocs;
+            let jobs: Vec<(i32, Vec<PauseItem<'_>>, &mut Ring)> = rings
+                .iter_mut()
+                .filter_map(|(device, ring)| {
+                    let list = groups.get(device)?;
+                    let items = list
+                        .iter()
+                        .map(|p| PauseItem::new(*p, &allocs[p]))
+                        .collect();
+                    Some((*device, items, ring))
+                })
+                .collect();
+            let results = per_device(jobs, |(device, items, ring)| {
+                let (done, r) = self.pause_device(device, &items, ring, &cfg);
+                (
+                    items.iter().map(|it| it.ptr).zip(done).collect::<Vec<_>>(),
+                    r,
+                )
+            });
+            first_error(results.into_iter().map(|(done, r)| {
+                steps.extend(done);
+                r
+            }))
+        });
         let mut report = OpReport::default();
         let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
-        let result = (|| -> Result<()> {
-            for (device, list) in reg.by_device(&addrs) {
-                let d = &*self.driver;
-                let _scope = DeviceScope::enter(d, device)?;
-                d.synchronize(device)
-                    .ctx(|| format!("synchronizing device {device}"))?;
-                for ptr in list {
-                    let a = reg
-                        .allocs
-                        .get_mut(&ptr)
-                        .expect("selected under the same lock");
-                    let copied = self.pause_one(ptr, a)?;
-                    let r = per_tag.entry(a.tag.clone()).or_default();
-                    for r in [r, &mut report] {
-                        r.allocations += 1;
-                        r.bytes += a.mapped;
-                        r.copied += copied;
-                    }
-                }
+        for (ptr, step) in steps {
+            let a = reg
+                .allocs
+                .get_mut(&ptr)
+                .expect("selected under the same lock");
+            if step == Step::Untouched {
+                a.host_valid = false;
+                continue;
             }
-            Ok(())
-        })();
+            a.handle = None;
+            a.host_valid = a.host.is_some();
+            let copied = if a.host_valid { a.size } else { 0 };
+            let r = per_tag.entry(a.tag.clone()).or_default();
+            for r in [r, &mut report] {
+                r.allocations += 1;
+                r.bytes += a.mapped;
+                r.copied += copied;
+            }
+        }
         report.seconds = t0.elapsed().as_secs_f64();
         for (t, mut r) in per_tag {
             r.seconds = report.seconds;
@@ -462,43 +609,88 @@ impl Engine {
         Ok(report)
     }
 
-    /// Back up (if asked), unmap and release one active allocation.
-    fn pause_one(&self, ptr: DevPtr, a: &mut Allocation) -> Result<u64> {
-        let d = &*self.driver;
-        let what = || format!("allocation {ptr:#x} ({} bytes, tag {:?})", a.size, a.tag);
-        let mut copied = 0;
-        if let Some(backend) = a.backup {
+    /// Give every allocation with a backup policy a host buffer (reusing a retained one of the
+    /// right kind and size). Cheap: buffers are touched only by the copies.
+    fn prepare_backups(
+        &self,
+        reg: &mut Registry,
+        addrs: &[DevPtr],
+        cfg: &CopyConfig,
+    ) -> Result<()> {
+        for ptr in addrs {
+            let a = reg
+                .allocs
+                .get_mut(ptr)
+                .expect("selected under the same lock");
+            let Some(backend) = a.backup else { continue };
+            a.host_valid = false;
             let reuse = a
                 .host
                 .as_ref()
                 .is_some_and(|h| h.backend() == backend && h.len() == a.size);
             if !reuse {
                 a.host = None;
-                a.host = Some(HostBuffer::new(self.driver.clone(), backend, a.size).ctx(what)?);
+                let h = HostBuffer::new(self.driver.clone(), backend, a.size, cfg.layout)
+                    .ctx(|| format!("allocation {ptr:#x} ({} bytes, tag {:?})", a.size, a.tag))?;
+                a.host = Some(h);
             }
-            let host = a.host.as_mut().expect("set above");
-            a.host_valid = false;
-            let stream = d.stream(a.device).ctx(what)?;
-            transfer::device_to_host(d, host, ptr, stream).ctx(what)?;
-            a.host_valid = true;
-            copied = a.size;
         }
-        let h = a.handle.expect("active allocations have a handle");
-        if let Err(e) = d.unmap(ptr, a.mapped) {
-            // Still active and writable: the copy just made is no longer "the contents".
-            a.host_valid = false;
-            return Err(e.context(what()));
-        }
-        a.handle = None;
-        d.release(h).ctx(what)?;
-        Ok(copied)
+        Ok(())
+    }
+
+    /// Pause one device's share: wait for its work, retire the allocations without backup, then
+    /// copy the others out, retiring each as its copy completes. Returns each item's step.
+    fn pause_device(
+        &self,
+        device: i32,
+        items: &[PauseItem<'_>],
+        ring: &mut Ring,
+        cfg: &CopyConfig,
+    ) -> (Vec<Step>, Result<()>) {
+        let d = &*self.driver;
+        let mut steps = vec![Step::Untouched; items.len()];
+        let result = (|| -> Result<()> {
+            let _scope = DeviceScope::enter(d, device)?;
+            d.synchronize(device)
+                .ctx(|| format!("synchronizing device {device}"))?;
+            for (i, it) in items.iter().enumerate() {
+                if it.host.is_none() {
+                    self.retire(it, &mut steps[i])?;
+                }
+            }
+            let backed: Vec<usize> = (0..items.len())
+                .filter(|i| items[*i].host.is_some())
+                .collect();
+            let copies: Vec<Copy<'_>> = backed
+                .iter()
+                .map(|i| Copy {
+                    dev: items[*i].ptr,
+                    host: items[*i].host.expect("filtered"),
+                })
+                .collect();
+            pipeline::run(&self.driver, device, Dir::Save, cfg, ring, &copies, |j| {
+                let i = backed[j];
+                self.retire(&items[i], &mut steps[i])
+            })
+        })();
+        (steps, result)
+    }
+
+    /// Unmap and release one allocation whose contents are safe (copied, or not wanted).
+    fn retire(&self, it: &PauseItem<'_>, step: &mut Step) -> Result<()> {
+        let d = &*self.driver;
+        d.unmap(it.ptr, it.mapped).ctx(|| it.what())?;
+        *step = Step::Released;
+        d.release(it.handle).ctx(|| it.what())
     }
 
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
     pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
         let t0 = Instant::now();
-        let mut reg = self.reg.lock();
+        let cfg = self.copy_config();
+        let mut guard = self.reg.lock();
+        let reg = &mut *guard;
         let addrs = reg.selected(tag, State::Paused);
         let groups = reg.by_device(&addrs);
         let d = &*self.driver;
@@ -517,34 +709,44 @@ impl Engine {
             }
             Ok(())
         })();
-        // Phase 2: copy the backups back, then wait for every device's stream.
-        let phase2 = phase1.and_then(|_| {
-            let mut copied = 0;
-            for (device, list) in &groups {
-                let _scope = DeviceScope::enter(d, *device)?;
-                let stream = d.stream(*device)?;
-                let mut queued = false;
-                for ptr in list {
-                    let a = &reg.allocs[ptr];
-                    if let (Some(host), true) = (&a.host, a.host_valid) {
-                        // SAFETY-relevant contract lives in transfer: host stays alive (we hold
-                        // the lock) until the stream is synchronized below.
-                        transfer::host_to_device_async(d, host, *ptr, stream).ctx(|| {
-                            format!(
-                                "restoring allocation {ptr:#x} ({} bytes, tag {:?})",
-                                a.size, a.tag
-                            )
-                        })?;
-                        copied += a.size;
-                        queued = true;
-                    }
-                }
-                if queued {
-                    d.stream_sync(stream)
-                        .ctx(|| format!("waiting for restores on device {device}"))?;
-                }
+        // Phase 2: copy the backups back, every device at once.
+        let phase2 = phase1.and_then(|()| {
+            for device in groups.keys() {
+                reg.rings.entry(*device).or_default();
             }
-            Ok(copied)
+            let Registry { allocs, rings, .. } = &mut *reg;
+            let allocs = &*allocs;
+            let jobs: Vec<(i32, Vec<Copy<'_>>, &mut Ring)> = rings
+                .iter_mut()
+                .filter_map(|(device, ring)| {
+                    let list = groups.get(device)?;
+                    let copies = list
+                        .iter()
+                        .filter_map(|p| {
+                            let a = &allocs[p];
+                            let host = a.host.as_ref().filter(|_| a.host_valid)?;
+                            Some(Copy { dev: *p, host })
+                        })
+                        .collect();
+                    Some((*device, copies, ring))
+                })
+                .collect();
+            let copied: u64 = jobs
+                .iter()
+                .flat_map(|j| j.1.iter().map(|c| c.host.len()))
+                .sum();
+            let results = per_device(jobs, |(device, copies, ring)| {
+                pipeline::run(
+                    &self.driver,
+                    device,
+                    Dir::Restore,
+                    &cfg,
+                    ring,
+                    &copies,
+                    |_| Ok(()),
+                )
+            });
+            first_error(results).map(|()| copied)
         });
         let copied = match phase2 {
             Ok(c) => c,
@@ -563,6 +765,7 @@ impl Engine {
             ..Default::default()
         };
         let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
+        let mut released = Vec::new();
         for (_, ptr, mapped, h) in made {
             let a = reg
                 .allocs
@@ -577,21 +780,37 @@ impl Engine {
             }
             a.host_valid = false;
             if !retain {
-                a.host = None;
+                released.extend(a.host.take());
             }
             report.allocations += 1;
             report.bytes += mapped;
         }
+        let rings = if retain {
+            BTreeMap::new()
+        } else {
+            std::mem::take(&mut reg.rings)
+        };
+        drop(guard);
+        // Giving host memory back takes as long as filling it did: in parallel, and without
+        // holding up other threads' allocations.
+        let t1 = Instant::now();
+        release_parallel(released, cfg.threads);
+        drop(rings);
+        report.release_seconds = t1.elapsed().as_secs_f64();
         report.seconds = t0.elapsed().as_secs_f64();
+        let mut reg = self.reg.lock();
         for (t, mut r) in per_tag {
             r.seconds = report.seconds;
+            r.release_seconds = report.release_seconds;
             reg.history.entry(t).or_default().last_resume = Some(r);
         }
+        drop(reg);
         tracing::info!(
-            "resumed {} ({} allocations) in {:.3}s",
+            "resumed {} ({} allocations) in {:.3}s ({:.3}s releasing host memory)",
             human(report.bytes),
             report.allocations,
-            report.seconds
+            report.seconds,
+            report.release_seconds
         );
         Ok(report)
     }
@@ -672,7 +891,7 @@ impl Engine {
         }
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, a.device).ctx(what)?;
-        let stream = d.stream(a.device).ctx(what)?;
+        let stream = d.stream(a.device, 0).ctx(what)?;
         f(d, stream).ctx(what)
     }
 
@@ -690,6 +909,7 @@ impl Engine {
                 backup: a.backup,
                 state: a.state(),
                 host_bytes: a.host.as_ref().map_or(0, |h| h.len()),
+                host_pinned_bytes: a.host.as_ref().map_or(0, |h| h.pinned_bytes()),
                 host_valid: a.host_valid,
                 pauseable: a.pauseable,
             })

@@ -28,24 +28,26 @@ fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
 }
 
 fn fill(sim: &SimDriver, ptr: DevPtr, data: &[u8]) {
-    // SAFETY: tests pass active allocations at least data.len() long.
+    let s = sim.stream(0, 0).unwrap();
+    // SAFETY: tests pass active allocations at least data.len() long; data outlives the sync.
     unsafe {
-        sim.copy_h2d(ptr, data.as_ptr(), data.len() as u64, Stream(1))
+        sim.copy_h2d(ptr, data.as_ptr(), data.len() as u64, s)
             .unwrap()
     }
+    sim.stream_sync(s).unwrap();
 }
 
 fn read(sim: &SimDriver, ptr: DevPtr, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
+    let s = sim.stream(0, 0).unwrap();
     // SAFETY: as in fill.
     unsafe {
-        sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, Stream(1))
+        sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, s)
             .unwrap()
     }
+    sim.stream_sync(s).unwrap();
     v
 }
-
-use crate::driver::Stream;
 
 fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -199,7 +201,11 @@ fn retention_reuses_the_same_host_buffer() {
         Some(first),
         "the same buffer, not a new one"
     );
-    assert_eq!(sim.calls(Prim::HostAlloc), 1);
+    assert_eq!(
+        sim.calls(Prim::HostRegister),
+        1,
+        "page-locked once, at the first pause"
+    );
     let mut back = vec![0u8; G as usize];
     assert!(e.copy_cpu_backup(p, &mut back).unwrap());
     assert_eq!(

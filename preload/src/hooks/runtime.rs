@@ -62,6 +62,7 @@ fn init() -> Result<Runtime> {
     let engine = Engine::new(driver);
     engine.set_retain_cpu_backup(ps.retain_cpu_backup);
     engine.set_memory_margin(ps.memory_margin);
+    engine.set_copy_config(ps.copy)?;
     tracing::info!(
         "torch-memory-saver active on the {} driver",
         engine.driver().name()

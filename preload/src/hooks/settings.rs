@@ -9,6 +9,11 @@
 //! - `TMS_RETAIN_CPU_BACKUP=1`: keep host backups across resume.
 //! - `TMS_MEMORY_MARGIN_BYTES=N`: refuse pauseable allocations leaving less than N bytes free.
 //! - `TMS_BACKEND=auto|cuda|sim`: which driver (auto = cuda).
+//! - `TMS_COPY_THREADS=N`: copy workers per device (default: the cores, at most 16).
+//! - `TMS_COPY_CHUNK=BYTES`: unit of copy work and of page-locking (default 64 MiB).
+//! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 8 MiB).
+//! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
+//! - `TMS_PIN=inline|never`: when pinned backups are page-locked (default inline).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
 
 use std::cell::RefCell;
@@ -17,8 +22,9 @@ use std::sync::OnceLock;
 use parking_lot::RwLock;
 
 use crate::driver::HostBackend;
+use crate::engine::{CopyConfig, PinMode};
 use crate::error::{Error, Result};
-use crate::units::{env_parsed, parse_bytes, parse_flag};
+use crate::units::{env_parsed, parse_bytes, parse_flag, var_parsed};
 
 /// Which driver the runtime opens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,6 +81,56 @@ pub struct ProcessSettings {
     pub memory_margin: u64,
     /// `TMS_BACKEND`.
     pub backend: BackendChoice,
+    /// `TMS_COPY_THREADS`, `TMS_COPY_CHUNK`, `TMS_STAGING_SLOT`, `TMS_HOST_HUGEPAGES`, `TMS_PIN`.
+    pub copy: CopyConfig,
+}
+
+/// The copy settings from the environment, over the defaults.
+pub fn copy_config_from_env() -> Result<CopyConfig> {
+    copy_config_from(&|name| std::env::var(name).ok())
+}
+
+/// The copy settings from the variables `lookup` finds, over the defaults.
+fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfig> {
+    let mut c = CopyConfig::default();
+    if let Some(n) = var_parsed(
+        "TMS_COPY_THREADS",
+        lookup("TMS_COPY_THREADS").as_deref(),
+        |s| {
+            s.trim()
+                .parse::<usize>()
+                .map_err(|_| Error::InvalidArgument(format!("{s:?} is not a number of threads")))
+        },
+    )? {
+        c.threads = n;
+    }
+    if let Some(b) = var_parsed(
+        "TMS_COPY_CHUNK",
+        lookup("TMS_COPY_CHUNK").as_deref(),
+        parse_bytes,
+    )? {
+        c.layout.chunk = b;
+    }
+    if let Some(b) = var_parsed(
+        "TMS_STAGING_SLOT",
+        lookup("TMS_STAGING_SLOT").as_deref(),
+        parse_bytes,
+    )? {
+        c.slot = b;
+    }
+    if let Some(f) = var_parsed(
+        "TMS_HOST_HUGEPAGES",
+        lookup("TMS_HOST_HUGEPAGES").as_deref(),
+        parse_flag,
+    )? {
+        c.layout.hugepages = f;
+    }
+    if let Some(p) = var_parsed("TMS_PIN", lookup("TMS_PIN").as_deref(), PinMode::parse)? {
+        c.pin = p;
+    }
+    c.validate()
+        .map_err(|e| e.context("TMS_COPY_THREADS / TMS_COPY_CHUNK / TMS_STAGING_SLOT"))?;
+    Ok(c)
 }
 
 impl ProcessSettings {
@@ -102,6 +158,7 @@ impl ProcessSettings {
             memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
             backend: env_parsed("TMS_BACKEND", BackendChoice::parse)?
                 .unwrap_or(BackendChoice::Auto),
+            copy: copy_config_from_env()?,
         })
     }
 }
@@ -240,6 +297,52 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    #[test]
+    fn copy_settings_parse_and_bad_ones_are_refused() {
+        let with = |vars: &[(&str, &str)]| {
+            let vars: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            copy_config_from(&move |name| {
+                vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+            })
+        };
+        let c = with(&[
+            ("TMS_COPY_THREADS", "3"),
+            ("TMS_COPY_CHUNK", "8MiB"),
+            ("TMS_STAGING_SLOT", "1MiB"),
+            ("TMS_HOST_HUGEPAGES", "0"),
+            ("TMS_PIN", "never"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.threads, c.layout.chunk, c.slot, c.layout.hugepages, c.pin),
+            (3, 8 << 20, 1 << 20, false, PinMode::Never)
+        );
+        assert_eq!(with(&[]).unwrap(), CopyConfig::default());
+        let e = with(&[("TMS_COPY_THREADS", "0")]).unwrap_err().to_string();
+        assert!(
+            e.contains("copy threads") && e.contains("TMS_COPY_THREADS"),
+            "{e}"
+        );
+        let e = with(&[("TMS_COPY_THREADS", "many")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("\"many\" is not a number"), "{e}");
+        let e = with(&[("TMS_STAGING_SLOT", "1000")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("staging slot of 1000 bytes"), "{e}");
+        let e = with(&[("TMS_COPY_CHUNK", "0")]).unwrap_err().to_string();
+        assert!(e.contains("copy chunk of 0 bytes"), "{e}");
+        let e = with(&[("TMS_PIN", "sometimes")]).unwrap_err().to_string();
+        assert!(
+            e.contains("TMS_PIN") && e.contains("inline or never"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -1,0 +1,392 @@
+//! The copy pipeline: moves backups between device allocations and host buffers with several
+//! workers per device.
+//!
+//! # Note [The copy pipeline]
+//!
+//! One host↔device link moves about 50 GiB/s, but only from page-locked memory; a single CPU
+//! thread copies pageable memory at a fraction of that, and page-locking fresh memory costs
+//! more than filling it. So:
+//!
+//! - The work is cut into *chunks* (the host buffer's unit, 64 MiB by default), handed out to
+//!   `threads` workers in allocation order. Each worker has two *lanes*: a stream of its own and a
+//!   small page-locked *staging slot* per lane (the device's [`Ring`]).
+//! - A chunk whose host memory is page-locked is copied straight by DMA. One that is not (mmap
+//!   backups; pinned backups before they are page-locked) goes through the worker's slots: the
+//!   DMA fills one slot while the worker copies the other out with the CPU (to host), or the
+//!   worker fills one slot while the DMA drains the other (to device). With many workers the CPU
+//!   copies and the page faults of fresh memory run in parallel, and the link stays busy.
+//! - Pinned backups are page-locked chunk by chunk by the worker that first copies into them
+//!   ([`PinMode::Inline`]), in parallel, so no single thread page-locks gigabytes.
+//! - Each allocation whose chunks are all copied is reported to the coordinator at once, so a
+//!   pause unmaps and releases it while the copies of later allocations run.
+//! - A failure stops the hand-out; every worker waits for what its lanes still have queued
+//!   before it returns, so no DMA touches a buffer after the call. The caller learns which
+//!   allocations completed, and the engine keeps the registry true (engine Note [Pause and
+//!   resume as transactions]).
+//!
+//! Devices run in parallel, each with its own coordinator thread and workers.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+
+use parking_lot::Mutex;
+
+use crate::driver::{
+    DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, HostLayout, Stream, MAX_LANES,
+};
+use crate::error::{Error, Result};
+
+/// When pinned backups are page-locked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinMode {
+    /// By the copy worker, right before the first copy into a chunk: in parallel, during the
+    /// first pause.
+    Inline,
+    /// Never: pinned backups stay pageable and always go through the staging slots.
+    Never,
+}
+
+impl PinMode {
+    /// Parse `inline` or `never`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "inline" => Ok(PinMode::Inline),
+            "never" => Ok(PinMode::Never),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown pin mode {other:?}: expected inline or never"
+            ))),
+        }
+    }
+}
+
+/// How backups are copied (Note [The copy pipeline]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyConfig {
+    /// Copy workers per device (1 to [`MAX_WORKERS`]).
+    pub threads: usize,
+    /// Host buffer layout: the chunk is the unit of work and of page-locking.
+    pub layout: HostLayout,
+    /// Bytes of one staging slot (two per worker).
+    pub slot: u64,
+    /// When pinned backups are page-locked.
+    pub pin: PinMode,
+}
+
+/// Most workers per device: each takes two streams of the driver's [`MAX_LANES`].
+pub const MAX_WORKERS: usize = MAX_LANES / 2;
+
+impl Default for CopyConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        CopyConfig {
+            threads: cores.clamp(1, 16),
+            layout: HostLayout::default(),
+            slot: 8 << 20,
+            pin: PinMode::Inline,
+        }
+    }
+}
+
+impl CopyConfig {
+    /// Refuse settings the pipeline cannot work with.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_WORKERS).contains(&self.threads) {
+            return Err(Error::InvalidArgument(format!(
+                "{} copy threads: expected 1 to {MAX_WORKERS}",
+                self.threads
+            )));
+        }
+        let page = crate::driver::host::page_size();
+        if self.layout.chunk == 0 || self.layout.chunk % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
+                self.layout.chunk
+            )));
+        }
+        if self.slot == 0 || self.slot % page != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "staging slot of {} bytes: expected a positive multiple of the page size {page}",
+                self.slot
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Page-locked staging slots of one device, two per worker, kept between operations.
+#[derive(Default)]
+pub(super) struct Ring {
+    slots: Vec<Option<HostBuffer>>,
+}
+
+impl Ring {
+    /// Page-locked bytes held.
+    pub(super) fn bytes(&self) -> u64 {
+        self.slots.iter().flatten().map(HostBuffer::len).sum()
+    }
+}
+
+/// Which way a pipeline copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Dir {
+    /// Device to host (pause).
+    Save,
+    /// Host to device (resume).
+    Restore,
+}
+
+/// One allocation's backup copy: all of `host` to or from `dev..dev+host.len()`.
+pub(super) struct Copy<'a> {
+    pub dev: DevPtr,
+    pub host: &'a HostBuffer,
+}
+
+struct Shared<'a> {
+    driver: &'a Arc<dyn Driver>,
+    d: &'a dyn Driver,
+    device: i32,
+    dir: Dir,
+    cfg: &'a CopyConfig,
+    copies: &'a [Copy<'a>],
+    units: Vec<(usize, usize)>,
+    next: AtomicUsize,
+    remaining: Vec<AtomicUsize>,
+    abort: AtomicBool,
+    error: Mutex<Option<Error>>,
+}
+
+impl Shared<'_> {
+    fn fail(&self, e: Error) {
+        self.abort.store(true, Ordering::Relaxed);
+        let mut first = self.error.lock();
+        match &*first {
+            None => *first = Some(e),
+            Some(_) => tracing::error!("copy pipeline, after an earlier failure: {e}"),
+        }
+    }
+}
+
+/// Copy every `copies[i]` in direction `dir` on `device`, calling `on_done(i)` on this thread as
+/// soon as copy `i` is complete. The first error (of a copy, or returned by `on_done`) stops the
+/// hand-out of work; copies complete by then are still reported, unless `on_done` itself failed.
+/// Returns the first error, once every worker is idle.
+pub(super) fn run(
+    driver: &Arc<dyn Driver>,
+    device: i32,
+    dir: Dir,
+    cfg: &CopyConfig,
+    ring: &mut Ring,
+    copies: &[Copy<'_>],
+    mut on_done: impl FnMut(usize) -> Result<()>,
+) -> Result<()> {
+    let units: Vec<(usize, usize)> = copies
+        .iter()
+        .enumerate()
+        .flat_map(|(i, c)| (0..c.host.chunks()).map(move |k| (i, k)))
+        .collect();
+    if units.is_empty() {
+        return Ok(());
+    }
+    let workers = cfg.threads.clamp(1, MAX_WORKERS).min(units.len());
+    if ring.slots.len() < 2 * workers {
+        ring.slots.resize_with(2 * workers, || None);
+    }
+    let sh = Shared {
+        driver,
+        d: &**driver,
+        device,
+        dir,
+        cfg,
+        copies,
+        remaining: copies
+            .iter()
+            .map(|c| AtomicUsize::new(c.host.chunks()))
+            .collect(),
+        units,
+        next: AtomicUsize::new(0),
+        abort: AtomicBool::new(false),
+        error: Mutex::new(None),
+    };
+    let (tx, rx) = mpsc::channel::<usize>();
+    std::thread::scope(|s| {
+        for (w, slots) in ring.slots.chunks_mut(2).take(workers).enumerate() {
+            let tx = tx.clone();
+            let sh = &sh;
+            s.spawn(move || worker(sh, w, slots, tx));
+        }
+        drop(tx);
+        // The coordinator: react to each completed copy while the workers go on, also after a
+        // worker failed (what is complete is complete), but not after `on_done` itself failed.
+        let mut stopped = false;
+        for i in rx {
+            if stopped {
+                continue;
+            }
+            if let Err(e) = on_done(i) {
+                stopped = true;
+                sh.fail(e);
+            }
+        }
+    });
+    match sh.error.into_inner() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// A worker's two lanes: a stream each, a staging slot each (made on first need), and what each
+/// lane has queued and not yet waited for.
+struct Lanes<'s> {
+    streams: [Stream; 2],
+    slots: &'s mut [Option<HostBuffer>],
+    queued: [Option<(u64, u64)>; 2],
+}
+
+fn worker(sh: &Shared<'_>, w: usize, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
+    let res = (|| -> Result<()> {
+        let _scope = DeviceScope::enter(sh.d, sh.device)?;
+        let mut lanes = Lanes {
+            streams: [
+                sh.d.stream(sh.device, 2 * w)?,
+                sh.d.stream(sh.device, 2 * w + 1)?,
+            ],
+            slots,
+            queued: [None, None],
+        };
+        let res = work(sh, &mut lanes, &done);
+        if res.is_err() {
+            // Let nothing queued outlive the call: a late DMA must not land in a buffer that
+            // is about to be reused or freed.
+            for s in lanes.streams {
+                let _ = sh.d.stream_sync(s);
+            }
+        }
+        res
+    })();
+    if let Err(e) = res {
+        sh.fail(e);
+    }
+}
+
+fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> Result<()> {
+    while !sh.abort.load(Ordering::Relaxed) {
+        let Some(&(i, k)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
+            break;
+        };
+        let c = &sh.copies[i];
+        chunk(sh, c, k, lanes).map_err(|e| {
+            e.context(format!(
+                "{} chunk {k} of {} bytes at {:#x} (device {})",
+                match sh.dir {
+                    Dir::Save => "saving",
+                    Dir::Restore => "restoring",
+                },
+                c.host.len(),
+                c.dev,
+                sh.device
+            ))
+        })?;
+        if sh.remaining[i].fetch_sub(1, Ordering::AcqRel) == 1 {
+            // The coordinator may have stopped listening after a failure; nothing to do then.
+            let _ = done.send(i);
+        }
+    }
+    Ok(())
+}
+
+/// Copy chunk `k` of `c`: straight if its host memory is page-locked (or is made so now), else
+/// through the worker's staging slots.
+fn chunk(sh: &Shared<'_>, c: &Copy<'_>, k: usize, lanes: &mut Lanes<'_>) -> Result<()> {
+    let d = sh.d;
+    let (off, len) = c.host.chunk_span(k);
+    // SAFETY: off < host.len(), inside the buffer's mapping.
+    let host = unsafe { c.host.base().add(off as usize) };
+    let dev = c.dev + off;
+    let mut direct = c.host.is_pinned(k);
+    if !direct && c.host.backend() == HostBackend::Pinned && sh.cfg.pin == PinMode::Inline {
+        c.host.pin(k)?;
+        direct = true;
+    }
+    if direct {
+        let s = lanes.streams[0];
+        // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
+        // whole operation; host..host+len is this worker's chunk of a live, page-locked buffer
+        // that nothing else touches until the operation ends. The stream is waited for below
+        // (or, on error, by the worker before it returns).
+        unsafe {
+            match sh.dir {
+                Dir::Save => d.copy_d2h(host, dev, len, s)?,
+                Dir::Restore => d.copy_h2d(dev, host, len, s)?,
+            }
+        }
+        return d.stream_sync(s);
+    }
+    staged(sh, host, dev, len, lanes)
+}
+
+fn staged(
+    sh: &Shared<'_>,
+    host: *mut u8,
+    dev: DevPtr,
+    len: u64,
+    lanes: &mut Lanes<'_>,
+) -> Result<()> {
+    let d = sh.d;
+    let slot_len = sh.cfg.slot;
+    for slot in lanes.slots.iter_mut() {
+        if slot.as_ref().is_none_or(|s| s.len() != slot_len) {
+            *slot = None;
+            let layout = HostLayout {
+                chunk: slot_len,
+                ..sh.cfg.layout
+            };
+            let s = HostBuffer::new(sh.driver.clone(), HostBackend::Pinned, slot_len, layout)?;
+            s.pin_all()?;
+            *slot = Some(s);
+        }
+    }
+    let slot_ptr =
+        |lanes: &Lanes<'_>, l: usize| lanes.slots[l].as_ref().expect("made above").base();
+    let mut off = 0;
+    let mut l = 0;
+    while off < len {
+        let n = slot_len.min(len - off);
+        drain_lane(sh, lanes, l, host)?;
+        let slot = slot_ptr(lanes, l);
+        let s = lanes.streams[l];
+        // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle
+        // (drain_lane waited for its lane); host+off..+n is inside this worker's chunk; the
+        // device range is mapped for the whole operation. The lane is waited for before the
+        // slot is touched again.
+        unsafe {
+            match sh.dir {
+                Dir::Save => d.copy_d2h(slot, dev + off, n, s)?,
+                Dir::Restore => {
+                    std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
+                    d.copy_h2d(dev + off, slot, n, s)?;
+                }
+            }
+        }
+        lanes.queued[l] = Some((off, n));
+        off += n;
+        l ^= 1;
+    }
+    // The older lane first, then the newer.
+    drain_lane(sh, lanes, l, host)?;
+    drain_lane(sh, lanes, l ^ 1, host)
+}
+
+/// Wait for lane `l`'s queued copy, and when saving, move it from the slot to the host.
+fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, host: *mut u8) -> Result<()> {
+    let Some((off, n)) = lanes.queued[l].take() else {
+        return Ok(());
+    };
+    sh.d.stream_sync(lanes.streams[l])?;
+    if sh.dir == Dir::Save {
+        let slot = lanes.slots[l].as_ref().expect("queued lanes have a slot");
+        // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the host
+        // range is inside this worker's chunk.
+        unsafe { std::ptr::copy_nonoverlapping(slot.as_ptr(), host.add(off as usize), n as usize) };
+    }
+    Ok(())
+}
