@@ -326,7 +326,10 @@ impl Fx {
                 }
             }
             if i.backup != PINNED {
-                assert_eq!(i.host_pinned_bytes, 0, "{ctx}: {a:#x}: only pinned backups are page-locked");
+                assert_eq!(
+                    i.host_pinned_bytes, 0,
+                    "{ctx}: {a:#x}: only pinned backups are page-locked"
+                );
             }
             pinned += i.host_pinned_bytes;
         }
@@ -673,7 +676,11 @@ fn after_error(
                 if prim == Prim::Release {
                     assert!(k > 0 && seq[k - 1] == a, "{ctx}: {states:?} {msg}");
                 } else {
-                    assert_eq!(seq.get(k), Some(&a), "{ctx}: the failing allocation stays active");
+                    assert_eq!(
+                        seq.get(k),
+                        Some(&a),
+                        "{ctx}: the failing allocation stays active"
+                    );
                 }
             }
             if prim == Prim::Release {

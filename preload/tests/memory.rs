@@ -210,7 +210,11 @@ fn mmap_backup_is_given_back_after_a_non_retaining_resume() {
     check_stream(&sim, p, BIG, 4, "after a non-retaining resume");
     let back = rss();
     assert_eq!(e.allocations()[0].host_bytes, 0);
-    assert_eq!(e.staging_bytes(), 0, "staging slots go with the last backup");
+    assert_eq!(
+        e.staging_bytes(),
+        0,
+        "staging slots go with the last backup"
+    );
     assert!(
         near(back),
         "non-retaining resume: {:.1} MiB, pre-pause {:.1}",

@@ -321,7 +321,12 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
         } else {
             0
         };
-        prop_assert_eq!(i.host_pinned_bytes, locked, "page-locked bytes of {:#x}", i.addr);
+        prop_assert_eq!(
+            i.host_pinned_bytes,
+            locked,
+            "page-locked bytes of {:#x}",
+            i.addr
+        );
         pinned += locked;
         let (first, last) = (i.addr, i.addr + i.mapped - 1);
         match a.state {
@@ -352,9 +357,21 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
     prop_assert_eq!(sim.live_mappings(), active, "mappings");
     prop_assert_eq!(sim.live_handles(), active, "handles");
     prop_assert_eq!(sim.live_reservations(), m.allocs.len(), "reservations");
-    prop_assert_eq!(sim.pinned_bytes(), pinned + e.staging_bytes(), "pinned bytes");
-    prop_assert_eq!(sim.pageable_copies(), 0, "every copy of a backup uses page-locked memory");
-    prop_assert_eq!(sim.queued_copies(), 0, "nothing left queued after an operation");
+    prop_assert_eq!(
+        sim.pinned_bytes(),
+        pinned + e.staging_bytes(),
+        "pinned bytes"
+    );
+    prop_assert_eq!(
+        sim.pageable_copies(),
+        0,
+        "every copy of a backup uses page-locked memory"
+    );
+    prop_assert_eq!(
+        sim.queued_copies(),
+        0,
+        "nothing left queued after an operation"
+    );
     Ok(())
 }
 

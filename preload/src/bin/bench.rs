@@ -207,7 +207,16 @@ fn print_host_facts() {
 fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<(), String> {
     let lim = if o.limits {
         println!("machine limits");
-        limits(driver, e, o, t)?
+        let l = limits(driver, e, o, t)?;
+        // For scripts/bench: the torch benchmark compares against these.
+        println!(
+            "LIMITS_JSON {}",
+            serde_json::json!({
+                "h2d_gib_s": l.h2d, "d2h_gib_s": l.d2h, "fill_gib_s": l.fill,
+                "vmm_map_s": l.vmm_map_s, "vmm_unmap_s": l.vmm_unmap_s, "count": o.count,
+            })
+        );
+        l
     } else {
         Limits::default()
     };

@@ -32,6 +32,8 @@ pub struct OpStats {
     pub copied_bytes: u64,
     /// Wall time of the whole call.
     pub seconds: f64,
+    /// Part of `seconds` spent giving host backups back (a resume without retention).
+    pub release_seconds: f64,
     /// `copied_bytes` (or `bytes` when nothing was copied) over `seconds`, in GiB/s.
     pub gib_per_s: f64,
 }
@@ -44,6 +46,7 @@ impl From<OpReport> for OpStats {
             bytes: r.bytes,
             copied_bytes: r.copied,
             seconds: r.seconds,
+            release_seconds: r.release_seconds,
             gib_per_s: if r.seconds > 0.0 {
                 moved as f64 / r.seconds / (1u64 << 30) as f64
             } else {

@@ -41,10 +41,7 @@ fn read(sim: &SimDriver, ptr: DevPtr, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     let s = sim.stream(0, 0).unwrap();
     // SAFETY: as in fill.
-    unsafe {
-        sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, s)
-            .unwrap()
-    }
+    unsafe { sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, s).unwrap() }
     sim.stream_sync(s).unwrap();
     v
 }

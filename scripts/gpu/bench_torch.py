@@ -1,0 +1,184 @@
+"""Pause/resume through PyTorch and the torch_memory_saver package, in one hook mode.
+
+Usage: python3 bench_torch.py preload|torch TOTAL COUNT
+(preload mode needs LD_PRELOAD=libtms.so; scripts/bench runs both modes.)
+
+Measures, with every byte verified on the GPU against a copy kept outside the regions:
+- allocating pauseable tensors against plain PyTorch allocation of the same shapes;
+- pause/resume with CPU backup (first pause into fresh host memory, retained cycles, a resume
+  that releases host memory, and the share of that release), pinned and mmap, for one tensor of
+  TOTAL and COUNT tensors of TOTAL/COUNT, and the process RSS before and after;
+- pause/resume without backup of COUNT tensors.
+Limits: pinned copy bandwidth through PyTorch's own pinned memory, measured here; the fresh-fill
+rate and the bare VMM call times from tms-bench in the same run (TMS_BENCH_LIMITS, JSON).
+Prints a table; asserts nothing about time; exits 1 if contents differ.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch_memory_saver import torch_memory_saver as tms
+
+GIB = float(1 << 30)
+UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_bytes(s: str) -> int:
+    s = s.strip().lower().removesuffix("ib").removesuffix("b")
+    if s and s[-1] in UNITS:
+        return int(s[:-1]) * UNITS[s[-1]]
+    return int(s)
+
+
+mode, total, count = sys.argv[1], parse_bytes(sys.argv[2]), int(sys.argv[3])
+limits = json.loads(os.environ.get("TMS_BENCH_LIMITS") or "{}")
+tms.hook_mode = mode
+rows = []
+problems = []
+
+
+def row(what: str, nbytes: int, seconds: float, vs: str = "") -> None:
+    rate = nbytes / seconds / GIB if seconds > 0 else 0.0
+    print(f"  {what:<52} {seconds:>9.4f} s {rate:>8.2f} GiB/s  {vs}", flush=True)
+    rows.append((what, nbytes, seconds, rate, vs))
+
+
+def pct(rate: float, limit, name: str) -> str:
+    return f"{rate / limit * 100:.0f}% of {name}" if limit else ""
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def copy_limits():
+    n = min(total, 4 << 30)
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    h2d = min(timed(lambda: dev.copy_(host, non_blocking=True)) for _ in range(3))
+    d2h = min(timed(lambda: host.copy_(dev, non_blocking=True)) for _ in range(3))
+    del dev, host
+    row("copy H2D from pinned memory (torch, best of 3)", n, h2d)
+    row("copy D2H to pinned memory (torch, best of 3)", n, d2h)
+    return n / h2d / GIB, n / d2h / GIB
+
+
+def alloc_cost(size: int, n: int, reps: int = 3) -> None:
+    """Median time to allocate n fresh tensors of size bytes, plain and pauseable."""
+    plain, pauseable = [], []
+    for k in range(reps):
+        torch.cuda.empty_cache()
+        ts = []
+        plain.append(timed(lambda: ts.extend(torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n))))
+        del ts
+        torch.cuda.empty_cache()
+        tag = f"alloc-{size}-{k}"
+        ts = []
+        with tms.region(tag=tag):
+            pauseable.append(
+                timed(lambda: ts.extend(torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)))
+            )
+        del ts
+        tms.pause(tag)  # give the device memory back; the pool keeps only address ranges
+    p, q = statistics.median(plain), statistics.median(pauseable)
+    what = f"{n} x {size / (1 << 20):.0f} MiB"
+    row(f"allocate {what}, plain PyTorch", n * size, p)
+    row(f"allocate {what}, pauseable ({mode})", n * size, q, f"{q / p:.2f}x plain")
+
+
+def backup_scenario(backend: str, n: int, size: int, h2d: float, d2h: float) -> None:
+    tag = f"{backend}-{n}"
+    print(f"\n{backend} backup, {n} x {size / GIB:.3f} GiB", flush=True)
+    with tms.region(tag=tag, enable_cpu_backup=True, cpu_backup_backend=backend):
+        ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    for t in ts:
+        t.random_(0, 256)
+    ref = [t.clone() for t in ts]
+    nbytes = n * size
+    tms.retain_cpu_backup = True
+    rss0 = rss()
+    dt = timed(lambda: tms.pause(tag))
+    fill = limits.get("fill_gib_s")
+    row(f"{tag}: first pause (fresh host memory)", nbytes, dt, pct(nbytes / dt / GIB, fill, "fresh fill"))
+    dt = timed(lambda: tms.resume(tag))
+    row(f"{tag}: resume #1, retained", nbytes, dt, pct(nbytes / dt / GIB, h2d, "pinned H2D"))
+    for cycle in (2, 3):
+        for t in ts:  # new contents each cycle, so a stale backup cannot pass
+            t.add_(1)
+        for r in ref:
+            r.add_(1)
+        dt = timed(lambda: tms.pause(tag))
+        row(f"{tag}: pause #{cycle}, retained", nbytes, dt, pct(nbytes / dt / GIB, d2h, "pinned D2H"))
+        dt = timed(lambda: tms.resume(tag))
+        row(f"{tag}: resume #{cycle}, retained", nbytes, dt, pct(nbytes / dt / GIB, h2d, "pinned H2D"))
+    tms.pause(tag)
+    tms.retain_cpu_backup = False
+    dt = timed(lambda: tms.resume(tag))
+    row(f"{tag}: resume releasing host buffers", nbytes, dt, pct(nbytes / dt / GIB, h2d, "pinned H2D"))
+    last = next(t for t in tms.stats()["tags"] if t["tag"] == tag)["last_resume"]
+    rss1 = rss()
+    print(
+        f"  release {last['release_seconds']:.4f} s of {last['seconds']:.4f} s "
+        f"({last['release_seconds'] / max(last['seconds'], 1e-9) * 100:.0f}%); RSS before the first pause "
+        f"{rss0 / GIB:.2f} GiB, after {rss1 / GIB:.2f} GiB ({(rss1 - rss0) / rss0 * 100:+.1f}%)",
+        flush=True,
+    )
+    for i, (t, r) in enumerate(zip(ts, ref)):
+        if not torch.equal(t, r):
+            problems.append(f"{tag}: tensor {i} differs after the cycles")
+    del ts, ref
+
+
+def plain_scenario(n: int, size: int) -> None:
+    print(f"\nno backup, {n} x {size / (1 << 20):.0f} MiB", flush=True)
+    with tms.region(tag="plain"):
+        ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
+    nbytes = n * size
+    same_count = limits.get("count") == n
+    for cycle in (1, 2, 3):
+        dt = timed(lambda: tms.pause("plain"))
+        vs = limits.get("vmm_unmap_s") if same_count else None
+        row(f"plain: pause #{cycle}", nbytes, dt, f"{dt / vs:.2f}x bare unmap+release" if vs else "")
+        dt = timed(lambda: tms.resume("plain"))
+        vs = limits.get("vmm_map_s") if same_count else None
+        row(f"plain: resume #{cycle}", nbytes, dt, f"{dt / vs:.2f}x bare create+map" if vs else "")
+    del ts
+
+
+def main() -> int:
+    print(f"torch bench, hook mode {mode}: torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    torch.empty(1, device="cuda")
+    with tms.region(tag="warm-up"):
+        torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    h2d, d2h = copy_limits()
+    alloc_cost(32 << 20, min(count, 256))
+    alloc_cost(1 << 20, 2048)
+    for backend in ("pinned", "mmap"):
+        for n in (1, count):
+            backup_scenario(backend, n, total // n, h2d, d2h)
+    plain_scenario(count, total // count)
+    print(f"\nTORCH BENCH TABLE ({mode} mode)")
+    print(f"{'what':<52} {'GiB':>8} {'seconds':>10} {'GiB/s':>8}  vs limit")
+    for what, nbytes, seconds, rate, vs in rows:
+        print(f"{what:<52} {nbytes / GIB:>8.2f} {seconds:>10.4f} {rate:>8.2f}  {vs}")
+    for p in problems:
+        print(f"PROBLEM {p}")
+    print("torch bench OK (contents verified)" if not problems else "torch bench FAILED")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
