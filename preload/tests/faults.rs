@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::driver::HostBackend;
-use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, State};
+use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::{Backup, Error};
 
 /// Sim granularity: small, so thousands of cases stay fast in debug builds.
@@ -131,10 +131,12 @@ impl Fx {
         );
         let e = Engine::new(sim.clone());
         // One copy worker per device: the order in which allocations finish is then fixed, and
-        // the harness can check exactly which ones a failure leaves paused. The pipeline's
-        // parallel paths have their own fault tests (tests/pipeline.rs).
+        // the harness can check exactly which ones a failure leaves paused. Pinned backups are
+        // page-locked inline, so no background thread calls the driver while a fault is armed.
+        // The pipeline's parallel paths have their own fault tests (tests/pipeline.rs).
         e.set_copy_config(CopyConfig {
             threads: 1,
+            pin: PinMode::Inline,
             ..CopyConfig::default()
         })
         .unwrap();

@@ -84,7 +84,11 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
         prop_oneof![Just(4096u64), Just(16 << 10), Just(64 << 20)],
         prop_oneof![Just(4096u64), Just(8 << 10), Just(1 << 20)],
         any::<bool>(),
-        prop_oneof![Just(PinMode::Inline), Just(PinMode::Never)],
+        prop_oneof![
+            Just(PinMode::Background),
+            Just(PinMode::Inline),
+            Just(PinMode::Never)
+        ],
     )
         .prop_map(|(threads, chunk, slot, hugepages, pin)| CopyConfig {
             threads,
@@ -280,7 +284,8 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
 
 /// The engine and the sim agree with the model.
 fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
-    let inline = e.copy_config().pin == PinMode::Inline;
+    let mode = e.copy_config().pin;
+    prop_assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
     let infos = e.allocations();
     prop_assert_eq!(
         infos.iter().map(|i| i.addr).collect::<Vec<_>>(),
@@ -315,18 +320,26 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             "host_valid of {:#x}",
             i.addr
         );
-        // Pinned backups are page-locked in whole pages, chunk by chunk, by the first pause.
-        let locked = if a.host && a.backup == Some(HostBackend::Pinned) && inline {
-            a.size.next_multiple_of(4096)
-        } else {
-            0
-        };
-        prop_assert_eq!(
-            i.host_pinned_bytes,
-            locked,
-            "page-locked bytes of {:#x}",
-            i.addr
-        );
+        // Pinned backups are page-locked in whole pages: inline by the first pause; in the
+        // background only once retained (all of it, once the pinner is idle); never otherwise.
+        let whole = a.size.next_multiple_of(4096);
+        let pinned_backup = a.host && a.backup == Some(HostBackend::Pinned);
+        let locked = i.host_pinned_bytes;
+        match mode {
+            PinMode::Inline => prop_assert_eq!(
+                locked,
+                if pinned_backup { whole } else { 0 },
+                "page-locked bytes of {:#x}",
+                i.addr
+            ),
+            PinMode::Background => prop_assert!(
+                locked == 0 || (pinned_backup && locked == whole),
+                "page-locked bytes of {:#x}: {}",
+                i.addr,
+                locked
+            ),
+            PinMode::Never => prop_assert_eq!(locked, 0),
+        }
         pinned += locked;
         let (first, last) = (i.addr, i.addr + i.mapped - 1);
         match a.state {

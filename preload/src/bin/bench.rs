@@ -386,7 +386,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
         t0.elapsed().as_secs_f64(),
     );
     let t0 = Instant::now();
-    tms::driver::host::release_parallel(vec![touched, fresh], threads);
+    tms::driver::host::release_parallel(vec![Arc::new(touched), Arc::new(fresh)], threads);
     t.add(
         format!(
             "release 2 x that memory, {} chunks ({threads} thr)",

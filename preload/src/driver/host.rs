@@ -2,7 +2,7 @@
 //! the driver chunk by chunk where copies should run straight at link speed (the pinned backend,
 //! staging slots), or left pageable (the mmap backend, so the kernel can take the pages back).
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use super::Driver;
@@ -59,17 +59,25 @@ impl Default for HostLayout {
 
 const HUGE_PAGE: u64 = 2 << 20;
 
+/// Chunk states: page-locking is a transition another thread may be in the middle of (the
+/// engine's background pinner), so release waits for it instead of racing it.
+const UNPINNED: u8 = 0;
+const PINNING: u8 = 1;
+const PINNED: u8 = 2;
+const GONE: u8 = 3;
+
 /// An owned block of anonymous host memory, page-locked chunk by chunk on demand
-/// ([`HostBuffer::pin`]). Freed on drop: registered chunks are unregistered first; a chunk whose
-/// unregistration fails keeps the whole mapping alive (leaked, logged), because the driver may
-/// still consider that address range its own.
+/// ([`HostBuffer::pin`]), from any thread. Freed on drop: registered chunks are unregistered
+/// first; a chunk whose unregistration fails keeps the whole mapping alive (leaked, logged),
+/// because the driver may still consider that address range its own.
 pub struct HostBuffer {
     ptr: *mut u8,
     len: u64,
     map_len: u64,
     backend: HostBackend,
     chunk: u64,
-    pinned: Box<[AtomicBool]>,
+    state: Box<[AtomicU8]>,
+    retired: AtomicBool,
     driver: Arc<dyn Driver>,
 }
 
@@ -113,7 +121,8 @@ impl HostBuffer {
             map_len,
             backend,
             chunk: layout.chunk,
-            pinned: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
+            state: (0..chunks).map(|_| AtomicU8::new(UNPINNED)).collect(),
+            retired: AtomicBool::new(false),
             driver,
         })
     }
@@ -147,7 +156,12 @@ impl HostBuffer {
 
     /// Number of chunks.
     pub fn chunks(&self) -> usize {
-        self.pinned.len()
+        self.state.len()
+    }
+
+    /// True once the buffer is being released: page-locking it further is wasted work.
+    pub fn retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// Offset and length (within `len`) of chunk `i`.
@@ -164,7 +178,12 @@ impl HostBuffer {
 
     /// Whether chunk `i` is page-locked.
     pub fn is_pinned(&self, i: usize) -> bool {
-        self.pinned[i].load(Ordering::Acquire)
+        self.state[i].load(Ordering::Acquire) == PINNED
+    }
+
+    /// Whether every chunk is page-locked.
+    pub fn fully_pinned(&self) -> bool {
+        (0..self.chunks()).all(|i| self.is_pinned(i))
     }
 
     /// Bytes page-locked.
@@ -175,19 +194,22 @@ impl HostBuffer {
             .sum()
     }
 
-    /// Page-lock chunk `i` (a no-op if it is already). Safe from several threads for different
-    /// chunks.
+    /// Page-lock chunk `i`. A no-op if it is page-locked already, or being page-locked by
+    /// another thread, or released.
     pub fn pin(&self, i: usize) -> Result<()> {
-        if self.is_pinned(i) {
+        if self.state[i]
+            .compare_exchange(UNPINNED, PINNING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
             return Ok(());
         }
         let (off, n) = self.chunk_pages(i);
-        // SAFETY: whole pages of our own live mapping, not registered (flag clear, and only the
-        // owner of chunk i registers it); the mapping outlives the registration (Drop unregisters
-        // before unmapping).
-        unsafe { self.driver.host_register(self.ptr.add(off as usize), n)? };
-        self.pinned[i].store(true, Ordering::Release);
-        Ok(())
+        // SAFETY: whole pages of our own live mapping, not registered (we moved the chunk from
+        // UNPINNED to PINNING, so no one else registers it); the mapping outlives the
+        // registration (release and Drop unregister before unmapping).
+        let r = unsafe { self.driver.host_register(self.ptr.add(off as usize), n) };
+        self.state[i].store(if r.is_ok() { PINNED } else { UNPINNED }, Ordering::Release);
+        r
     }
 
     /// Page-lock every chunk.
@@ -196,23 +218,37 @@ impl HostBuffer {
     }
 
     /// Give chunk `i`'s memory back to the system: unregister it, then drop its pages. Only for
-    /// buffers on their way out ([`release_parallel`]). Returns false if the unregistration
-    /// failed (logged; the chunk stays registered and the mapping will be leaked).
-    fn discard(&self, i: usize) -> bool {
+    /// buffers on their way out ([`release_parallel`]); waits for a page-locking of the chunk in
+    /// progress on another thread. A failed unregistration is logged; the chunk stays registered
+    /// and the mapping will be leaked.
+    fn discard(&self, i: usize) {
         let (off, n) = self.chunk_pages(i);
         // SAFETY: offset inside our mapping.
         let p = unsafe { self.ptr.add(off as usize) };
-        if self.is_pinned(i) {
-            // SAFETY: chunk i is registered at p and no copy uses it (the buffer is released).
-            if let Err(e) = unsafe { self.driver.host_unregister(p) } {
-                tracing::error!("releasing a host backup: {e}; its memory is leaked");
-                return false;
+        loop {
+            match self.state[i].compare_exchange(
+                UNPINNED,
+                GONE,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => break,
+                Err(PINNING) => std::thread::yield_now(),
+                Err(PINNED) => {
+                    // SAFETY: chunk i is registered at p and no copy uses it (the buffer is
+                    // being released).
+                    if let Err(e) = unsafe { self.driver.host_unregister(p) } {
+                        tracing::error!("releasing a host backup: {e}; its memory is leaked");
+                        return;
+                    }
+                    self.state[i].store(GONE, Ordering::Release);
+                    break;
+                }
+                Err(_) => return,
             }
-            self.pinned[i].store(false, Ordering::Release);
         }
         // SAFETY: our own mapping; the buffer is being released, so nobody reads these pages.
         unsafe { libc::madvise(p.cast(), n as usize, libc::MADV_DONTNEED) };
-        true
     }
 
     /// The contents, for writing.
@@ -233,6 +269,7 @@ impl Drop for HostBuffer {
     fn drop(&mut self) {
         let mut intact = true;
         for i in 0..self.chunks() {
+            // No other reference exists, so no chunk is PINNING.
             if self.is_pinned(i) {
                 let off = self.chunk_pages(i).0 as usize;
                 // SAFETY: chunk i is registered at this address and nothing uses the buffer now.
@@ -257,8 +294,13 @@ impl Drop for HostBuffer {
 }
 
 /// Release many buffers with up to `threads` threads: unregistering and dropping the pages of
-/// large buffers costs about as much as filling them, so it is spread out like the copies.
-pub fn release_parallel(bufs: Vec<HostBuffer>, threads: usize) {
+/// large buffers costs about as much as filling them, so it is spread out like the copies. The
+/// memory is given back before this returns, even where another thread (the background pinner)
+/// still holds a reference; the mapping itself goes with the last reference.
+pub fn release_parallel(bufs: Vec<Arc<HostBuffer>>, threads: usize) {
+    for b in &bufs {
+        b.retired.store(true, Ordering::Release);
+    }
     let units: Vec<(usize, usize)> = bufs
         .iter()
         .enumerate()

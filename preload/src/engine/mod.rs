@@ -32,6 +32,7 @@
 //! so allocations and frees from other threads wait for it (bounded by the copy time) instead of
 //! seeing half-done state.
 
+mod pinner;
 mod pipeline;
 mod stats;
 mod transfer;
@@ -50,7 +51,8 @@ use crate::driver::host::release_parallel;
 use crate::driver::{DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
-use pipeline::{Copy, Dir, Ring};
+use pinner::Pinner;
+use pipeline::{Dir, Item, Ring};
 
 /// CPU-backup policy of an allocation.
 pub type Backup = Option<HostBackend>;
@@ -127,7 +129,7 @@ struct Allocation {
     tag: Arc<str>,
     backup: Backup,
     handle: Option<PhysHandle>,
-    host: Option<HostBuffer>,
+    host: Option<Arc<HostBuffer>>,
     host_valid: bool,
     pauseable: bool,
 }
@@ -217,7 +219,7 @@ impl<'a> PauseItem<'a> {
             mapped: a.mapped,
             tag: &a.tag,
             handle: a.handle.expect("active allocations have a handle"),
-            host: a.host.as_ref().filter(|_| a.backup.is_some()),
+            host: a.host.as_deref().filter(|_| a.backup.is_some()),
         }
     }
 
@@ -286,6 +288,7 @@ pub struct Engine {
     retain: AtomicBool,
     margin: AtomicU64,
     copy: Mutex<CopyConfig>,
+    pinner: Arc<Pinner>,
 }
 
 impl Engine {
@@ -297,7 +300,26 @@ impl Engine {
             retain: AtomicBool::new(false),
             margin: AtomicU64::new(0),
             copy: Mutex::new(CopyConfig::default()),
+            pinner: Arc::default(),
         }
+    }
+
+    /// Wait until the background pinner has page-locked what it was given (false on timeout).
+    /// Only benchmarks and tests need this: copies never wait for it.
+    pub fn wait_for_background_pinning(&self, timeout: std::time::Duration) -> bool {
+        self.pinner.wait_idle(timeout)
+    }
+
+    /// Hand retained pinned backups that are not page-locked yet to the background pinner.
+    fn pin_later<'a>(&self, cfg: &CopyConfig, hosts: impl Iterator<Item = &'a Arc<HostBuffer>>) {
+        if cfg.pin != PinMode::Background || !self.retain_cpu_backup() {
+            return;
+        }
+        let todo = hosts
+            .filter(|h| h.backend() == HostBackend::Pinned && !h.fully_pinned())
+            .map(Arc::downgrade)
+            .collect();
+        self.pinner.enqueue(todo);
     }
 
     /// Set how backups are copied (used from the next pause or resume on).
@@ -554,10 +576,12 @@ impl Engine {
                 .iter_mut()
                 .filter_map(|(device, ring)| {
                     let list = groups.get(device)?;
-                    let items = list
+                    let mut items: Vec<PauseItem<'_>> = list
                         .iter()
                         .map(|p| PauseItem::new(*p, &allocs[p]))
                         .collect();
+                    // Those with nothing to copy are retired first.
+                    items.sort_by_key(|it| (it.host.is_some(), it.ptr));
                     Some((*device, items, ring))
                 })
                 .collect();
@@ -599,6 +623,15 @@ impl Engine {
             r.seconds = report.seconds;
             reg.history.entry(t).or_default().last_pause = Some(r);
         }
+        self.pin_later(
+            &cfg,
+            addrs.iter().filter_map(|p| {
+                reg.allocs[p]
+                    .host
+                    .as_ref()
+                    .filter(|_| reg.allocs[p].host_valid)
+            }),
+        );
         result.ctx(|| format!("pause of {}", describe(tag)))?;
         tracing::info!(
             "paused {} ({} allocations) in {:.3}s",
@@ -632,14 +665,15 @@ impl Engine {
                 a.host = None;
                 let h = HostBuffer::new(self.driver.clone(), backend, a.size, cfg.layout)
                     .ctx(|| format!("allocation {ptr:#x} ({} bytes, tag {:?})", a.size, a.tag))?;
-                a.host = Some(h);
+                a.host = Some(Arc::new(h));
             }
         }
         Ok(())
     }
 
-    /// Pause one device's share: wait for its work, retire the allocations without backup, then
-    /// copy the others out, retiring each as its copy completes. Returns each item's step.
+    /// Pause one device's share: wait for its work, then retire each allocation (unmap and
+    /// release) as soon as its contents are safe: at once without backup, else when its copy is
+    /// complete. Returns each item's step.
     fn pause_device(
         &self,
         device: i32,
@@ -653,25 +687,23 @@ impl Engine {
             let _scope = DeviceScope::enter(d, device)?;
             d.synchronize(device)
                 .ctx(|| format!("synchronizing device {device}"))?;
-            for (i, it) in items.iter().enumerate() {
-                if it.host.is_none() {
-                    self.retire(it, &mut steps[i])?;
-                }
-            }
-            let backed: Vec<usize> = (0..items.len())
-                .filter(|i| items[*i].host.is_some())
-                .collect();
-            let copies: Vec<Copy<'_>> = backed
+            let work: Vec<Item<'_>> = items
                 .iter()
-                .map(|i| Copy {
-                    dev: items[*i].ptr,
-                    host: items[*i].host.expect("filtered"),
+                .map(|it| Item {
+                    dev: it.ptr,
+                    host: it.host,
                 })
                 .collect();
-            pipeline::run(&self.driver, device, Dir::Save, cfg, ring, &copies, |j| {
-                let i = backed[j];
-                self.retire(&items[i], &mut steps[i])
-            })
+            pipeline::run(
+                &self.driver,
+                device,
+                Dir::Save,
+                cfg,
+                ring,
+                &work,
+                |_| Ok(()),
+                |i| self.retire(&items[i], &mut steps[i]),
+            )
         })();
         (steps, result)
     }
@@ -693,71 +725,71 @@ impl Engine {
         let reg = &mut *guard;
         let addrs = reg.selected(tag, State::Paused);
         let groups = reg.by_device(&addrs);
-        let d = &*self.driver;
-        // Phase 1: physical memory and mappings for everything; all or nothing.
+        for device in groups.keys() {
+            reg.rings.entry(*device).or_default();
+        }
+        // Per device, in parallel: map each allocation, and copy its backup back while the next
+        // one is mapped. All or nothing: on any failure everything made here is undone.
         let mut made: Vec<(i32, DevPtr, u64, PhysHandle)> = Vec::with_capacity(addrs.len());
-        let phase1 = (|| -> Result<()> {
-            for (device, list) in &groups {
-                let _scope = DeviceScope::enter(d, *device)?;
-                for ptr in list {
-                    let a = &reg.allocs[ptr];
-                    let h = self.map_new(*device, *ptr, a.mapped).ctx(|| {
-                        format!("allocation {ptr:#x} ({} bytes, tag {:?})", a.mapped, a.tag)
-                    })?;
-                    made.push((*device, *ptr, a.mapped, h));
-                }
-            }
-            Ok(())
-        })();
-        // Phase 2: copy the backups back, every device at once.
-        let phase2 = phase1.and_then(|()| {
-            for device in groups.keys() {
-                reg.rings.entry(*device).or_default();
-            }
+        let mut copied = 0;
+        let phase2 = {
             let Registry { allocs, rings, .. } = &mut *reg;
             let allocs = &*allocs;
-            let jobs: Vec<(i32, Vec<Copy<'_>>, &mut Ring)> = rings
+            let jobs: Vec<(i32, &[DevPtr], &mut Ring)> = rings
                 .iter_mut()
-                .filter_map(|(device, ring)| {
-                    let list = groups.get(device)?;
-                    let copies = list
-                        .iter()
-                        .filter_map(|p| {
-                            let a = &allocs[p];
-                            let host = a.host.as_ref().filter(|_| a.host_valid)?;
-                            Some(Copy { dev: *p, host })
-                        })
-                        .collect();
-                    Some((*device, copies, ring))
-                })
+                .filter_map(|(device, ring)| Some((*device, groups.get(device)?.as_slice(), ring)))
                 .collect();
-            let copied: u64 = jobs
-                .iter()
-                .flat_map(|j| j.1.iter().map(|c| c.host.len()))
-                .sum();
-            let results = per_device(jobs, |(device, copies, ring)| {
-                pipeline::run(
-                    &self.driver,
-                    device,
-                    Dir::Restore,
-                    &cfg,
-                    ring,
-                    &copies,
-                    |_| Ok(()),
-                )
+            let results = per_device(jobs, |(device, list, ring)| {
+                let items: Vec<Item<'_>> = list
+                    .iter()
+                    .map(|p| {
+                        let a = &allocs[p];
+                        Item {
+                            dev: *p,
+                            host: a.host.as_deref().filter(|_| a.host_valid),
+                        }
+                    })
+                    .collect();
+                let mut made = Vec::new();
+                let r = DeviceScope::enter(&*self.driver, device).and_then(|_scope| {
+                    pipeline::run(
+                        &self.driver,
+                        device,
+                        Dir::Restore,
+                        &cfg,
+                        ring,
+                        &items,
+                        |i| {
+                            let (p, a) = (list[i], &allocs[&list[i]]);
+                            let h = self.map_new(device, p, a.mapped).ctx(|| {
+                                format!("allocation {p:#x} ({} bytes, tag {:?})", a.mapped, a.tag)
+                            })?;
+                            made.push((device, p, a.mapped, h));
+                            Ok(())
+                        },
+                        |_| Ok(()),
+                    )
+                });
+                let bytes: u64 = items
+                    .iter()
+                    .filter_map(|it| it.host)
+                    .map(HostBuffer::len)
+                    .sum();
+                (made, bytes, r)
             });
-            first_error(results).map(|()| copied)
-        });
-        let copied = match phase2 {
-            Ok(c) => c,
-            Err(e) => {
-                self.undo_resume(&made);
-                return Err(e.context(format!(
-                    "resume of {} (undone: it stays paused with its backups)",
-                    describe(tag)
-                )));
-            }
+            first_error(results.into_iter().map(|(m, bytes, r)| {
+                made.extend(m);
+                copied += bytes;
+                r
+            }))
         };
+        if let Err(e) = phase2 {
+            self.undo_resume(&made);
+            return Err(e.context(format!(
+                "resume of {} (undone: it stays paused with its backups)",
+                describe(tag)
+            )));
+        }
         // Phase 3: commit.
         let retain = self.retain_cpu_backup();
         let mut report = OpReport {
@@ -786,6 +818,10 @@ impl Engine {
             report.bytes += mapped;
         }
         let rings = if retain {
+            self.pin_later(
+                &cfg,
+                addrs.iter().filter_map(|p| reg.allocs[p].host.as_ref()),
+            );
             BTreeMap::new()
         } else {
             std::mem::take(&mut reg.rings)
@@ -852,7 +888,7 @@ impl Engine {
     }
 
     fn backup_of(a: &Allocation) -> Option<&HostBuffer> {
-        let h = a.host.as_ref()?;
+        let h = a.host.as_deref()?;
         match a.state() {
             State::Paused if !a.host_valid => None,
             _ => Some(h),
@@ -908,8 +944,8 @@ impl Engine {
                 tag: a.tag.to_string(),
                 backup: a.backup,
                 state: a.state(),
-                host_bytes: a.host.as_ref().map_or(0, |h| h.len()),
-                host_pinned_bytes: a.host.as_ref().map_or(0, |h| h.pinned_bytes()),
+                host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
+                host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 host_valid: a.host_valid,
                 pauseable: a.pauseable,
             })

@@ -15,10 +15,15 @@
 //!   DMA fills one slot while the worker copies the other out with the CPU (to host), or the
 //!   worker fills one slot while the DMA drains the other (to device). With many workers the CPU
 //!   copies and the page faults of fresh memory run in parallel, and the link stays busy.
-//! - Pinned backups are page-locked chunk by chunk by the worker that first copies into them
-//!   ([`PinMode::Inline`]), in parallel, so no single thread page-locks gigabytes.
-//! - Each allocation whose chunks are all copied is reported to the coordinator at once, so a
-//!   pause unmaps and releases it while the copies of later allocations run.
+//! - Page-locking fresh memory runs at a few GiB/s and does not scale with threads (measured on
+//!   an H200 host: 3 GiB/s in one call, 4 GiB/s from 16 threads), far below the link, while
+//!   filling fresh memory through the slots runs at 25 GiB/s. So a first pause always goes
+//!   through the slots, and pinned backups that are retained are page-locked afterwards by a
+//!   background thread (`pinner.rs`, [`PinMode::Background`]); later cycles copy them straight.
+//! - The coordinator prepares items in order while the workers copy those already prepared: a
+//!   resume maps allocation i+1 while allocation i is being copied. Each allocation whose chunks
+//!   are all copied is reported to the coordinator at once, so a pause unmaps and releases it
+//!   while the copies of later allocations run.
 //! - A failure stops the hand-out; every worker waits for what its lanes still have queued
 //!   before it returns, so no DMA touches a buffer after the call. The caller learns which
 //!   allocations completed, and the engine keeps the registry true (engine Note [Pause and
@@ -29,7 +34,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::driver::{
     DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, HostLayout, Stream, MAX_LANES,
@@ -39,21 +44,27 @@ use crate::error::{Error, Result};
 /// When pinned backups are page-locked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PinMode {
-    /// By the copy worker, right before the first copy into a chunk: in parallel, during the
-    /// first pause.
+    /// After a pause or resume that retains them, on a background thread: the pause itself runs
+    /// at the speed of fresh memory, through the staging slots; later cycles find the memory
+    /// page-locked (chunks not yet done go through the slots meanwhile). Without retention
+    /// nothing is page-locked: the buffer would be released at the next resume anyway.
+    Background,
+    /// By the copy worker, right before the first copy into a chunk, during the first pause
+    /// (page-locking is then on that pause's critical path).
     Inline,
-    /// Never: pinned backups stay pageable and always go through the staging slots.
+    /// Never: pinned backups behave as mmap ones and always go through the staging slots.
     Never,
 }
 
 impl PinMode {
-    /// Parse `inline` or `never`.
+    /// Parse `background`, `inline` or `never`.
     pub fn parse(s: &str) -> Result<Self> {
         match s.trim() {
+            "background" => Ok(PinMode::Background),
             "inline" => Ok(PinMode::Inline),
             "never" => Ok(PinMode::Never),
             other => Err(Error::InvalidArgument(format!(
-                "unknown pin mode {other:?}: expected inline or never"
+                "unknown pin mode {other:?}: expected background, inline or never"
             ))),
         }
     }
@@ -81,8 +92,8 @@ impl Default for CopyConfig {
         CopyConfig {
             threads: cores.clamp(1, 16),
             layout: HostLayout::default(),
-            slot: 8 << 20,
-            pin: PinMode::Inline,
+            slot: 2 << 20,
+            pin: PinMode::Background,
         }
     }
 }
@@ -135,10 +146,11 @@ pub(super) enum Dir {
     Restore,
 }
 
-/// One allocation's backup copy: all of `host` to or from `dev..dev+host.len()`.
-pub(super) struct Copy<'a> {
+/// One allocation in a pipelined operation: its device range, and the host buffer to copy all
+/// of to or from it (none: nothing to copy, only the coordinator's work).
+pub(super) struct Item<'a> {
     pub dev: DevPtr,
-    pub host: &'a HostBuffer,
+    pub host: Option<&'a HostBuffer>,
 }
 
 struct Shared<'a> {
@@ -147,46 +159,84 @@ struct Shared<'a> {
     device: i32,
     dir: Dir,
     cfg: &'a CopyConfig,
-    copies: &'a [Copy<'a>],
+    items: &'a [Item<'a>],
     units: Vec<(usize, usize)>,
     next: AtomicUsize,
     remaining: Vec<AtomicUsize>,
+    /// Items prepared by the coordinator so far: workers copy only those.
+    ready: AtomicUsize,
+    gate: Mutex<()>,
+    wake: Condvar,
     abort: AtomicBool,
     error: Mutex<Option<Error>>,
 }
 
 impl Shared<'_> {
     fn fail(&self, e: Error) {
-        self.abort.store(true, Ordering::Relaxed);
-        let mut first = self.error.lock();
-        match &*first {
-            None => *first = Some(e),
-            Some(_) => tracing::error!("copy pipeline, after an earlier failure: {e}"),
+        {
+            let mut first = self.error.lock();
+            match &*first {
+                None => *first = Some(e),
+                Some(_) => tracing::error!("copy pipeline, after an earlier failure: {e}"),
+            }
+        }
+        self.abort.store(true, Ordering::Release);
+        let _g = self.gate.lock();
+        self.wake.notify_all();
+    }
+
+    fn publish(&self, ready: usize) {
+        self.ready.store(ready, Ordering::Release);
+        let _g = self.gate.lock();
+        self.wake.notify_all();
+    }
+
+    /// Wait until item `i` is prepared; false if the work was stopped first.
+    fn wait_ready(&self, i: usize) -> bool {
+        let go = || {
+            if self.abort.load(Ordering::Acquire) {
+                Some(false)
+            } else if self.ready.load(Ordering::Acquire) > i {
+                Some(true)
+            } else {
+                None
+            }
+        };
+        if let Some(v) = go() {
+            return v;
+        }
+        let mut g = self.gate.lock();
+        loop {
+            if let Some(v) = go() {
+                return v;
+            }
+            self.wake.wait(&mut g);
         }
     }
 }
 
-/// Copy every `copies[i]` in direction `dir` on `device`, calling `on_done(i)` on this thread as
-/// soon as copy `i` is complete. The first error (of a copy, or returned by `on_done`) stops the
-/// hand-out of work; copies complete by then are still reported, unless `on_done` itself failed.
-/// Returns the first error, once every worker is idle.
+/// Run the pipeline over `items` on `device`, in direction `dir`. On this thread (the
+/// coordinator), in item order: `prepare(i)` (the resume maps the allocation here), after which
+/// the workers may copy item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for
+/// items with nothing to copy; the pause unmaps here). The first error, of a copy or of either
+/// callback, stops the preparing and the hand-out of work; copies complete by then are still
+/// reported, unless `on_done` itself failed. Returns the first error, once every worker is idle.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     driver: &Arc<dyn Driver>,
     device: i32,
     dir: Dir,
     cfg: &CopyConfig,
     ring: &mut Ring,
-    copies: &[Copy<'_>],
+    items: &[Item<'_>],
+    mut prepare: impl FnMut(usize) -> Result<()>,
     mut on_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
-    let units: Vec<(usize, usize)> = copies
+    let units: Vec<(usize, usize)> = items
         .iter()
         .enumerate()
-        .flat_map(|(i, c)| (0..c.host.chunks()).map(move |k| (i, k)))
+        .flat_map(|(i, it)| (0..it.host.map_or(0, HostBuffer::chunks)).map(move |k| (i, k)))
         .collect();
-    if units.is_empty() {
-        return Ok(());
-    }
     let workers = cfg.threads.clamp(1, MAX_WORKERS).min(units.len());
     if ring.slots.len() < 2 * workers {
         ring.slots.resize_with(2 * workers, || None);
@@ -197,13 +247,16 @@ pub(super) fn run(
         device,
         dir,
         cfg,
-        copies,
-        remaining: copies
+        items,
+        remaining: items
             .iter()
-            .map(|c| AtomicUsize::new(c.host.chunks()))
+            .map(|it| AtomicUsize::new(it.host.map_or(0, HostBuffer::chunks)))
             .collect(),
         units,
         next: AtomicUsize::new(0),
+        ready: AtomicUsize::new(0),
+        gate: Mutex::new(()),
+        wake: Condvar::new(),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
     };
@@ -215,17 +268,35 @@ pub(super) fn run(
             s.spawn(move || worker(sh, w, slots, tx));
         }
         drop(tx);
-        // The coordinator: react to each completed copy while the workers go on, also after a
-        // worker failed (what is complete is complete), but not after `on_done` itself failed.
+        // Completed copies are acted on also after a worker failed (what is complete is
+        // complete), but not after `on_done` itself failed.
         let mut stopped = false;
-        for i in rx {
-            if stopped {
-                continue;
+        let mut done = |j: usize, stopped: &mut bool| {
+            if !*stopped {
+                if let Err(e) = on_done(j) {
+                    *stopped = true;
+                    sh.fail(e);
+                }
             }
-            if let Err(e) = on_done(i) {
-                stopped = true;
+        };
+        for (i, it) in items.iter().enumerate() {
+            if sh.abort.load(Ordering::Acquire) {
+                break;
+            }
+            if let Err(e) = prepare(i) {
                 sh.fail(e);
+                break;
             }
+            sh.publish(i + 1);
+            if it.host.is_none() {
+                done(i, &mut stopped);
+            }
+            while let Ok(j) = rx.try_recv() {
+                done(j, &mut stopped);
+            }
+        }
+        for j in rx {
+            done(j, &mut stopped);
         }
     });
     match sh.error.into_inner() {
@@ -273,16 +344,22 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
         let Some(&(i, k)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
             break;
         };
-        let c = &sh.copies[i];
-        chunk(sh, c, k, lanes).map_err(|e| {
+        if !sh.wait_ready(i) {
+            break;
+        }
+        let it = &sh.items[i];
+        let host = it
+            .host
+            .expect("units are made for items with a host buffer");
+        chunk(sh, it.dev, host, k, lanes).map_err(|e| {
             e.context(format!(
                 "{} chunk {k} of {} bytes at {:#x} (device {})",
                 match sh.dir {
                     Dir::Save => "saving",
                     Dir::Restore => "restoring",
                 },
-                c.host.len(),
-                c.dev,
+                host.len(),
+                it.dev,
                 sh.device
             ))
         })?;
@@ -294,25 +371,30 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
     Ok(())
 }
 
-/// Copy chunk `k` of `c`: straight if its host memory is page-locked (or is made so now), else
-/// through the worker's staging slots.
-fn chunk(sh: &Shared<'_>, c: &Copy<'_>, k: usize, lanes: &mut Lanes<'_>) -> Result<()> {
+/// Copy chunk `k` of `host` to or from `dev`: straight if its memory is page-locked (or is made
+/// so now, in [`PinMode::Inline`]), else through the worker's staging slots.
+fn chunk(
+    sh: &Shared<'_>,
+    dev: DevPtr,
+    buf: &HostBuffer,
+    k: usize,
+    lanes: &mut Lanes<'_>,
+) -> Result<()> {
     let d = sh.d;
-    let (off, len) = c.host.chunk_span(k);
-    // SAFETY: off < host.len(), inside the buffer's mapping.
-    let host = unsafe { c.host.base().add(off as usize) };
-    let dev = c.dev + off;
-    let mut direct = c.host.is_pinned(k);
-    if !direct && c.host.backend() == HostBackend::Pinned && sh.cfg.pin == PinMode::Inline {
-        c.host.pin(k)?;
-        direct = true;
+    let (off, len) = buf.chunk_span(k);
+    // SAFETY: off < buf.len(), inside the buffer's mapping.
+    let host = unsafe { buf.base().add(off as usize) };
+    let dev = dev + off;
+    if !buf.is_pinned(k) && buf.backend() == HostBackend::Pinned && sh.cfg.pin == PinMode::Inline {
+        buf.pin(k)?;
     }
-    if direct {
+    if buf.is_pinned(k) {
         let s = lanes.streams[0];
         // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
         // whole operation; host..host+len is this worker's chunk of a live, page-locked buffer
-        // that nothing else touches until the operation ends. The stream is waited for below
-        // (or, on error, by the worker before it returns).
+        // that nothing else touches until the operation ends (a page-locked chunk stays so until
+        // the buffer is released, which the registry lock excludes). The stream is waited for
+        // below (or, on error, by the worker before it returns).
         unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(host, dev, len, s)?,

@@ -198,10 +198,11 @@ fn retention_reuses_the_same_host_buffer() {
         Some(first),
         "the same buffer, not a new one"
     );
+    assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
     assert_eq!(
         sim.calls(Prim::HostRegister),
-        1,
-        "page-locked once, at the first pause"
+        2 + 1,
+        "two staging slots for the first pause, then the backup, page-locked once"
     );
     let mut back = vec![0u8; G as usize];
     assert!(e.copy_cpu_backup(p, &mut back).unwrap());
@@ -372,4 +373,127 @@ fn unpauseable_allocations_are_left_alone() {
         .any(|a| a.addr == keep && !a.pauseable && a.backup.is_none()));
     e.resume(None).unwrap();
     assert!(e.free(keep).unwrap() && e.free(p).unwrap());
+}
+
+/// Settings under which a staged copy takes several copies per chunk, so the number of device
+/// copies tells a staged chunk (4 copies) from a straight one (1).
+fn small_pieces(e: &Engine, pin: PinMode) {
+    e.set_copy_config(CopyConfig {
+        threads: 2,
+        layout: crate::driver::HostLayout {
+            chunk: G,
+            hugepages: false,
+        },
+        slot: G / 4,
+        pin,
+    })
+    .unwrap();
+}
+
+#[test]
+fn first_pause_stages_then_the_retained_backup_is_page_locked_in_the_background() {
+    let (sim, e) = setup(64 << 20);
+    small_pieces(&e, PinMode::Background);
+    e.set_retain_cpu_backup(true);
+    let p = e
+        .alloc(&req(4 * G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    fill(&sim, p, &pattern(4 * G as usize, 5));
+    let d2h = sim.calls(Prim::CopyD2H);
+    let pageable = sim.pageable_copies();
+    e.pause(None).unwrap();
+    assert_eq!(
+        sim.calls(Prim::CopyD2H) - d2h,
+        16,
+        "4 chunks through the slots"
+    );
+    assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
+    assert_eq!(e.allocations()[0].host_pinned_bytes, 4 * G);
+    let h2d = sim.calls(Prim::CopyH2D);
+    e.resume(None).unwrap();
+    assert_eq!(
+        sim.calls(Prim::CopyH2D) - h2d,
+        4,
+        "4 chunks copied straight"
+    );
+    assert_eq!(
+        sim.pageable_copies(),
+        pageable,
+        "pause and resume copy only page-locked memory"
+    );
+    assert_eq!(read(&sim, p, 4 * G as usize), pattern(4 * G as usize, 5));
+    e.set_retain_cpu_backup(false);
+    e.pause(None).unwrap();
+    e.resume(None).unwrap();
+    assert_eq!(
+        (sim.pinned_bytes(), e.staging_bytes()),
+        (0, 0),
+        "a resume without retention gives back the page-locked backup and the slots"
+    );
+}
+
+#[test]
+fn without_retention_nothing_is_page_locked_but_the_slots() {
+    let (sim, e) = setup(64 << 20);
+    small_pieces(&e, PinMode::Background);
+    let p = e
+        .alloc(&req(4 * G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    fill(&sim, p, &pattern(4 * G as usize, 6));
+    e.pause(None).unwrap();
+    assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
+    assert_eq!(e.allocations()[0].host_pinned_bytes, 0);
+    assert_eq!(sim.pinned_bytes(), e.staging_bytes());
+    e.resume(None).unwrap();
+    assert_eq!(read(&sim, p, 4 * G as usize), pattern(4 * G as usize, 6));
+    assert_eq!(sim.pinned_bytes(), 0);
+}
+
+#[test]
+fn inline_mode_page_locks_during_the_first_pause() {
+    let (sim, e) = setup(64 << 20);
+    small_pieces(&e, PinMode::Inline);
+    let p = e
+        .alloc(&req(3 * G, "a", Some(HostBackend::Pinned)))
+        .unwrap();
+    fill(&sim, p, &pattern(3 * G as usize, 7));
+    let d2h = sim.calls(Prim::CopyD2H);
+    e.pause(None).unwrap();
+    assert_eq!(sim.calls(Prim::CopyD2H) - d2h, 3, "straight copies");
+    assert_eq!(e.allocations()[0].host_pinned_bytes, 3 * G);
+    assert_eq!(e.staging_bytes(), 0, "no slots needed");
+    e.resume(None).unwrap();
+    assert_eq!(read(&sim, p, 3 * G as usize), pattern(3 * G as usize, 7));
+}
+
+#[test]
+fn releasing_while_the_pinner_works_gives_everything_back() {
+    for round in 0..8u64 {
+        let (sim, e) = setup(256 << 20);
+        small_pieces(&e, PinMode::Background);
+        e.set_retain_cpu_backup(true);
+        let p = e
+            .alloc(&req(16 * G, "a", Some(HostBackend::Pinned)))
+            .unwrap();
+        fill(&sim, p, &pattern(16 * G as usize, round));
+        e.pause(None).unwrap();
+        // The pinner is busy with 16 chunks; release while it works.
+        e.set_retain_cpu_backup(false);
+        e.resume(None).unwrap();
+        assert_eq!(
+            (sim.pinned_bytes(), sim.registered_ranges()),
+            (0, 0),
+            "round {round}"
+        );
+        assert_eq!(
+            read(&sim, p, 16 * G as usize),
+            pattern(16 * G as usize, round)
+        );
+        assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
+        assert_eq!(
+            sim.pinned_bytes(),
+            0,
+            "round {round}: nothing pinned afterwards"
+        );
+    }
 }

@@ -1,0 +1,106 @@
+//! The background pinner: page-locks retained pinned backups after the pause or resume that
+//! kept them, so the next cycles copy them straight at link speed while no operation waits for
+//! the page-locking (Note [The copy pipeline] in `pipeline.rs`).
+//!
+//! One thread, started when there is work and ending when there is none, so a process that
+//! never retains a pinned backup never has it. It holds only weak references between chunks: a
+//! buffer freed or released meanwhile is skipped, and a release in progress waits at most for
+//! the one chunk being page-locked (`HostBuffer::discard`). A failure (a memory-lock limit,
+//! say) is logged and leaves the rest of that buffer pageable, which only costs speed.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::driver::HostBuffer;
+
+#[derive(Default)]
+struct Queue {
+    buffers: VecDeque<Weak<HostBuffer>>,
+    running: bool,
+}
+
+/// The pinner of one engine.
+#[derive(Default)]
+pub(super) struct Pinner {
+    queue: Mutex<Queue>,
+    idle: Condvar,
+}
+
+impl Pinner {
+    /// Page-lock these buffers soon, starting the thread if it is not running.
+    pub(super) fn enqueue(self: &Arc<Self>, bufs: Vec<Weak<HostBuffer>>) {
+        if bufs.is_empty() {
+            return;
+        }
+        let mut q = self.queue.lock();
+        q.buffers.extend(bufs);
+        if q.running {
+            return;
+        }
+        let me = self.clone();
+        match std::thread::Builder::new()
+            .name("tms-pinner".into())
+            .spawn(move || me.work())
+        {
+            Ok(_) => q.running = true,
+            Err(e) => {
+                tracing::warn!("cannot start the background pinner ({e}): backups stay pageable");
+                q.buffers.clear();
+            }
+        }
+    }
+
+    fn work(self: Arc<Self>) {
+        loop {
+            let next = {
+                let mut q = self.queue.lock();
+                match q.buffers.pop_front() {
+                    Some(w) => w,
+                    None => {
+                        q.running = false;
+                        self.idle.notify_all();
+                        return;
+                    }
+                }
+            };
+            if catch_unwind(AssertUnwindSafe(|| pin_buffer(&next))).is_err() {
+                tracing::error!("background pinner: a panic was caught; the buffer stays pageable");
+            }
+        }
+    }
+
+    /// Wait until nothing is queued or being page-locked; false on timeout.
+    pub(super) fn wait_idle(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut q = self.queue.lock();
+        while q.running {
+            if self.idle.wait_until(&mut q, deadline).timed_out() {
+                return !q.running;
+            }
+        }
+        true
+    }
+}
+
+fn pin_buffer(w: &Weak<HostBuffer>) {
+    let Some(chunks) = w.upgrade().map(|b| b.chunks()) else {
+        return;
+    };
+    for i in 0..chunks {
+        let Some(b) = w.upgrade() else { return };
+        if b.retired() {
+            return;
+        }
+        if let Err(e) = b.pin(i) {
+            tracing::warn!(
+                "page-locking a host backup in the background: {e}; the rest of it stays pageable \
+                 (its copies go through the staging slots)"
+            );
+            return;
+        }
+    }
+}

@@ -1,0 +1,373 @@
+//! Faults in the middle of pipelined pauses and resumes: several workers per device, allocations
+//! cut into many chunks and staging pieces, two devices at once. The order in which workers
+//! finish is not fixed, so the checks are the promises that hold for every order:
+//!
+//! - pause: each allocation is either paused (with a backup holding exactly its contents, when
+//!   it has a backup policy) or active with its contents untouched on the device; the error
+//!   names the driver call;
+//! - resume: nothing changes (every allocation stays paused with its backup intact, the device
+//!   holds no more memory than before);
+//! - the simulated device holds exactly what the registry implies (mappings, handles,
+//!   page-locked bytes), nothing is left queued, and every copy used page-locked memory;
+//! - after clearing the fault, a resume of everything brings back every byte that was backed up
+//!   or still on the device.
+//!
+//! Also: contents survive pause/resume cycles across random sizes and settings.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proptest::prelude::*;
+use tms::driver::sim::{Prim, SimConfig, SimDriver};
+use tms::driver::{HostBackend, HostLayout};
+use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
+use tms::Backup;
+
+const G: u64 = 16 << 10;
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = vec![0u8; len];
+    for c in v.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+    v
+}
+
+fn raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
+    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + len as u64 - 1));
+    let mut v = vec![0u8; len];
+    // SAFETY: the sim says the whole range is mapped read/write.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
+    v
+}
+
+fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
+    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + data.len() as u64 - 1));
+    // SAFETY: as in raw.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+}
+
+struct Alloc {
+    addr: u64,
+    size: u64,
+    backup: Backup,
+    data: Vec<u8>,
+    /// `data` is what the allocation holds (false once paused without a backup).
+    intact: bool,
+}
+
+struct Fx {
+    sim: Arc<SimDriver>,
+    e: Engine,
+    allocs: Vec<Alloc>,
+}
+
+const SIZES: [u64; 7] = [1, G - 1, 3 * G + 5, 9 * G, 17 * G + 4097, 5 * G, 40 * G + 3];
+const BACKUPS: [Backup; 3] = [Some(HostBackend::Pinned), Some(HostBackend::Mmap), None];
+
+fn fx(pin: PinMode, retain: bool) -> Fx {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices: 2,
+            capacity: 64 << 20,
+            granularity: G,
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone());
+    e.set_copy_config(CopyConfig {
+        threads: 3,
+        layout: HostLayout {
+            chunk: 2 * 4096,
+            hugepages: false,
+        },
+        slot: 4096,
+        pin,
+    })
+    .unwrap();
+    e.set_retain_cpu_backup(retain);
+    let mut allocs = Vec::new();
+    for (k, size) in SIZES.iter().enumerate() {
+        let backup = BACKUPS[k % 3];
+        let addr = e
+            .alloc(&AllocRequest {
+                size: *size,
+                device: (k % 2) as i32,
+                tag: "t".into(),
+                backup,
+            })
+            .unwrap();
+        let data = pattern(*size as usize, k as u64 + 1);
+        write_raw(&sim, addr, &data);
+        allocs.push(Alloc {
+            addr,
+            size: *size,
+            backup,
+            data,
+            intact: true,
+        });
+    }
+    allocs.sort_by_key(|a| a.addr);
+    Fx { sim, e, allocs }
+}
+
+impl Fx {
+    fn check(&self, ctx: &str, leaked_handles: usize) {
+        let infos = self.e.allocations();
+        let mut active = 0;
+        let mut pinned = 0;
+        for (a, i) in self.allocs.iter().zip(&infos) {
+            assert_eq!(i.addr, a.addr, "{ctx}");
+            match i.state {
+                State::Active => {
+                    active += 1;
+                    assert!(
+                        !i.host_valid,
+                        "{ctx}: active {:#x} claims its backup",
+                        a.addr
+                    );
+                    assert!(
+                        !a.intact || raw(&self.sim, a.addr, a.size as usize) == a.data,
+                        "{ctx}: active {:#x} ({} bytes, {:?}) lost contents",
+                        a.addr,
+                        a.size,
+                        a.backup,
+                    );
+                }
+                State::Paused => {
+                    assert!(!self.sim.is_accessible(a.addr), "{ctx}: {:#x}", a.addr);
+                    if a.backup.is_some() {
+                        let mut b = vec![0u8; a.size as usize];
+                        assert!(i.host_valid && self.e.copy_cpu_backup(a.addr, &mut b).unwrap());
+                        assert!(b == a.data, "{ctx}: backup of {:#x} differs", a.addr);
+                    }
+                }
+            }
+            pinned += i.host_pinned_bytes;
+        }
+        assert_eq!(self.sim.live_mappings(), active, "{ctx}: mappings");
+        assert_eq!(
+            self.sim.live_handles(),
+            active + leaked_handles,
+            "{ctx}: handles"
+        );
+        assert_eq!(
+            self.sim.pinned_bytes(),
+            pinned + self.e.staging_bytes(),
+            "{ctx}: page-locked bytes"
+        );
+        assert_eq!(self.sim.queued_copies(), 0, "{ctx}: copies left queued");
+        assert_eq!(
+            self.sim.pageable_copies(),
+            0,
+            "{ctx}: a copy used pageable memory"
+        );
+    }
+
+    /// Clear faults, resume everything and check every byte that must have survived.
+    fn recover(&self, ctx: &str) {
+        self.sim.clear_faults();
+        let lost: Vec<bool> = self
+            .e
+            .allocations()
+            .iter()
+            .zip(&self.allocs)
+            .map(|(i, a)| !a.intact || (i.state == State::Paused && a.backup.is_none()))
+            .collect();
+        self.e
+            .resume(None)
+            .unwrap_or_else(|e| panic!("{ctx}: recovery resume: {e}"));
+        for (a, lost) in self.allocs.iter().zip(lost) {
+            if !lost {
+                assert!(
+                    raw(&self.sim, a.addr, a.size as usize) == a.data,
+                    "{ctx}: {:#x} differs after recovery",
+                    a.addr
+                );
+            }
+        }
+    }
+}
+
+/// Faults a pause or resume can meet from the driver.
+const PRIMS: [Prim; 11] = [
+    Prim::Synchronize,
+    Prim::CopyD2H,
+    Prim::CopyH2D,
+    Prim::StreamSync,
+    Prim::HostRegister,
+    Prim::Unmap,
+    Prim::Release,
+    Prim::Create,
+    Prim::Map,
+    Prim::SetAccess,
+    Prim::HostUnregister,
+];
+
+fn sweep(pin: PinMode, retain: bool, resume: bool) -> usize {
+    let mut fired_cases = 0;
+    for prim in PRIMS {
+        for code in [999, 2] {
+            // Every early call, then ever sparser ones up to the end of the operation.
+            for nth in (1..=8).chain([11, 15, 21, 30, 42, 60, 85, 120, 170, 240, 340]) {
+                let ctx =
+                    format!("{pin:?} retain {retain} resume {resume}: {prim} #{nth} code {code}");
+                let mut f = fx(pin, retain);
+                if resume {
+                    f.e.pause(None).unwrap();
+                    for a in &mut f.allocs {
+                        a.intact = a.backup.is_some();
+                    }
+                }
+                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let live = (f.sim.live_bytes(0), f.sim.live_bytes(1));
+                f.sim.arm_fault(prim, nth, code);
+                let r = if resume {
+                    f.e.resume(Some("t"))
+                } else {
+                    f.e.pause(Some("t"))
+                };
+                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let fired = f.sim.pending_faults() == 0;
+                f.sim.clear_faults();
+                let mut leaked = 0;
+                match (&r, fired) {
+                    (Ok(_), false) => {
+                        f.check(&ctx, 0);
+                        break;
+                    }
+                    (Err(e), false) => panic!("{ctx}: failed without a fault: {e}"),
+                    (Ok(_), true) => {
+                        // Only page-locking and unregistering are allowed to fail quietly
+                        // (the background pinner's work, or host memory on its way out).
+                        assert!(
+                            matches!(prim, Prim::HostRegister | Prim::HostUnregister),
+                            "{ctx}: the fault was swallowed"
+                        );
+                        if prim == Prim::HostUnregister {
+                            // What stays registered is leaked on purpose; account for it.
+                            f.check_leak_tolerant(&ctx);
+                            fired_cases += 1;
+                            continue;
+                        }
+                    }
+                    (Err(e), true) => {
+                        let msg = e.to_string();
+                        assert!(msg.contains(prim.call()), "{ctx}: {msg}");
+                        assert_eq!(e.is_oom(), code == 2, "{ctx}: {msg}");
+                        if resume {
+                            assert!(msg.contains("stays paused"), "{ctx}: {msg}");
+                            assert!(f.e.allocations().iter().all(|i| i.state == State::Paused));
+                            assert_eq!(
+                                (f.sim.live_bytes(0), f.sim.live_bytes(1)),
+                                live,
+                                "{ctx}: undone"
+                            );
+                        } else if prim == Prim::Release {
+                            leaked = 1;
+                        }
+                    }
+                }
+                fired_cases += 1;
+                f.check(&ctx, leaked);
+                f.recover(&ctx);
+            }
+        }
+    }
+    fired_cases
+}
+
+impl Fx {
+    /// After a swallowed unregistration failure: the registry's accounting holds up to what the
+    /// failure left registered, and contents are intact.
+    fn check_leak_tolerant(&self, ctx: &str) {
+        let infos = self.e.allocations();
+        let accounted: u64 =
+            infos.iter().map(|i| i.host_pinned_bytes).sum::<u64>() + self.e.staging_bytes();
+        assert!(self.sim.pinned_bytes() >= accounted, "{ctx}");
+        for (a, i) in self.allocs.iter().zip(&infos) {
+            assert_eq!(i.state, State::Active, "{ctx}");
+            if a.intact {
+                assert!(raw(&self.sim, a.addr, a.size as usize) == a.data, "{ctx}");
+            }
+        }
+    }
+}
+
+#[test]
+fn faults_in_pipelined_pauses() {
+    for (pin, retain) in [
+        (PinMode::Inline, false),
+        (PinMode::Never, true),
+        (PinMode::Background, true),
+    ] {
+        assert!(
+            sweep(pin, retain, false) > 30,
+            "{pin:?}: the sweep exercised little"
+        );
+    }
+}
+
+#[test]
+fn faults_in_pipelined_resumes() {
+    for (pin, retain) in [
+        (PinMode::Inline, false),
+        (PinMode::Never, true),
+        (PinMode::Background, false),
+    ] {
+        assert!(
+            sweep(pin, retain, true) > 30,
+            "{pin:?}: the sweep exercised little"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Contents survive pause/resume cycles for random sizes, backends and copy settings.
+    #[test]
+    fn contents_survive_random_sizes_and_settings(
+        sizes in prop::collection::vec(1u64..=300 * 1024, 1..8),
+        threads in 1usize..=5,
+        chunk_pages in 1u64..=8,
+        slot_pages in 1u64..=4,
+        pin in prop_oneof![Just(PinMode::Background), Just(PinMode::Inline), Just(PinMode::Never)],
+        mmap in any::<bool>(),
+        retain in any::<bool>(),
+    ) {
+        let sim = Arc::new(SimDriver::new(SimConfig { devices: 2, capacity: 64 << 20, granularity: G }).unwrap());
+        let e = Engine::new(sim.clone());
+        e.set_copy_config(CopyConfig {
+            threads,
+            layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false },
+            slot: slot_pages * 4096,
+            pin,
+        }).unwrap();
+        e.set_retain_cpu_backup(retain);
+        let backend = if mmap { HostBackend::Mmap } else { HostBackend::Pinned };
+        let mut v = Vec::new();
+        for (k, size) in sizes.iter().enumerate() {
+            let addr = e.alloc(&AllocRequest { size: *size, device: (k % 2) as i32, tag: "t".into(), backup: Some(backend) }).unwrap();
+            v.push((addr, *size));
+        }
+        for cycle in 0..3u64 {
+            for (k, (addr, size)) in v.iter().enumerate() {
+                write_raw(&sim, *addr, &pattern(*size as usize, cycle * 100 + k as u64));
+            }
+            e.pause(None).unwrap();
+            e.resume(None).unwrap();
+            for (k, (addr, size)) in v.iter().enumerate() {
+                prop_assert!(raw(&sim, *addr, *size as usize) == pattern(*size as usize, cycle * 100 + k as u64));
+            }
+        }
+        prop_assert_eq!(sim.pageable_copies(), 0);
+        prop_assert!(e.wait_for_background_pinning(Duration::from_secs(10)));
+        let pinned: u64 = e.allocations().iter().map(|i| i.host_pinned_bytes).sum();
+        prop_assert_eq!(sim.pinned_bytes(), pinned + e.staging_bytes());
+    }
+}
