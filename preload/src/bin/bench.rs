@@ -25,6 +25,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use tms::driver::{DevPtr, Driver, HostBackend, HostBuffer, HostLayout};
+use tms::engine::PinMode;
 use tms::hooks::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
@@ -528,9 +529,43 @@ fn backup_scenario(
         ptrs.push(p);
     }
     let bytes = n * size;
-    e.set_retain_cpu_backup(true);
+    let share = |r: &tms::engine::OpReport| {
+        format!(
+            "release {:.4} s of {:.4} s ({:.0}%)",
+            r.release_seconds,
+            r.seconds,
+            r.release_seconds / r.seconds.max(1e-9) * 100.0
+        )
+    };
+    // Without retention: each pause takes fresh host memory, each resume gives it back.
+    e.set_retain_cpu_backup(false);
     let rss0 = rss_bytes();
     let r = s(e.pause(Some(&tag)))?;
+    t.add_vs(
+        format!("{tag}: pause without retention (fresh memory)"),
+        bytes,
+        r.seconds,
+        limit("fresh fill", lim.fill),
+    );
+    let r = s(e.resume(Some(&tag)))?;
+    t.add_vs(
+        format!("{tag}: resume without retention"),
+        bytes,
+        r.seconds,
+        limit("pinned H2D", lim.h2d),
+    );
+    let rss1 = rss_bytes();
+    println!(
+        "  {}; RSS before the pause {}, after the resume {} ({:+.1}%)",
+        share(&r),
+        human(rss0),
+        human(rss1),
+        (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
+    );
+    // With retention: the buffers stay, pinned ones get page-locked in the background.
+    e.set_retain_cpu_backup(true);
+    let r = s(e.pause(Some(&tag)))?;
+    let paused_at = Instant::now();
     t.add_vs(
         format!("{tag}: first pause (fresh host memory)"),
         bytes,
@@ -539,11 +574,22 @@ fn backup_scenario(
     );
     let r = s(e.resume(Some(&tag)))?;
     t.add_vs(
-        format!("{tag}: resume #1, retained"),
+        format!("{tag}: resume #1 right after, retained"),
         bytes,
         r.seconds,
         limit("pinned H2D", lim.h2d),
     );
+    if !e.wait_for_background_pinning(std::time::Duration::from_secs(120)) {
+        t.problems.push(format!(
+            "{tag}: background page-locking did not finish in 120 s"
+        ));
+    }
+    if backend == HostBackend::Pinned && e.copy_config().pin == PinMode::Background {
+        println!(
+            "  background page-locking done {:.2} s after the first pause",
+            paused_at.elapsed().as_secs_f64()
+        );
+    }
     for cycle in 2..=3 {
         let r = s(e.pause(Some(&tag)))?;
         t.add_vs(
@@ -566,25 +612,19 @@ fn backup_scenario(
     e.set_retain_cpu_backup(false);
     let r = s(e.resume(Some(&tag)))?;
     t.add_vs(
-        format!("{tag}: resume releasing host buffers"),
+        format!("{tag}: resume, retention turned off"),
         bytes,
         r.seconds,
         limit("pinned H2D", lim.h2d),
     );
-    let rss1 = rss_bytes();
+    let rss2 = rss_bytes();
     println!(
-        "  release {:.4} s of {:.4} s ({:.0}%); host page-locked while retained {}, staging {}",
-        r.release_seconds,
-        r.seconds,
-        r.release_seconds / r.seconds.max(1e-9) * 100.0,
+        "  {}; host page-locked while retained {}, staging {}; RSS after {} ({:+.1}%)",
+        share(&r),
         human(pinned),
-        human(staging)
-    );
-    println!(
-        "  RSS before the first pause {}, after the non-retaining resume {} ({:+.1}%)",
-        human(rss0),
-        human(rss1),
-        (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
+        human(staging),
+        human(rss2),
+        (rss2 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
     );
     for (i, p) in ptrs.iter().enumerate() {
         if !device_pattern(e, *p, size, i as u64 + 1, true)? {

@@ -961,7 +961,8 @@ impl Engine {
                 size: a.size,
                 mapped: a.mapped,
                 active: a.handle.is_some(),
-                host: a.host.as_ref().map_or(0, |h| h.len()),
+                host: a.host.as_deref().map_or(0, HostBuffer::len),
+                host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
             }),
             &reg.history,
         );

@@ -19,6 +19,7 @@ pub(super) struct Row<'a> {
     pub mapped: u64,
     pub active: bool,
     pub host: u64,
+    pub host_pinned: u64,
 }
 
 /// Duration and throughput of the last pause or resume that touched a tag.
@@ -75,6 +76,8 @@ pub struct TagStats {
     pub bytes_paused: u64,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
+    /// Of that, page-locked (pinned backups, once the background pinner has done them).
+    pub host_pinned_bytes: u64,
     /// Last pause that touched the tag.
     pub last_pause: Option<OpStats>,
     /// Last resume that touched the tag.
@@ -107,6 +110,7 @@ pub(super) fn collect<'a>(
         t.allocations += 1;
         t.bytes_requested += r.size;
         t.host_backup_bytes += r.host;
+        t.host_pinned_bytes += r.host_pinned;
         if r.active {
             t.active_allocations += 1;
             t.bytes_active += r.mapped;
