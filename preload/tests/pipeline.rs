@@ -90,6 +90,8 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
     })
     .unwrap();
     e.set_retain_cpu_backup(retain);
+    // Small physical segments: the larger allocations have several.
+    e.set_segment_bytes(4 * G).unwrap();
     let mut allocs = Vec::new();
     for (k, size) in SIZES.iter().enumerate() {
         let backup = BACKUPS[k % 3];
@@ -118,13 +120,20 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
 impl Fx {
     fn check(&self, ctx: &str, leaked_handles: usize) {
         let infos = self.e.allocations();
-        let mut active = 0;
+        let (mut active, mut handles) = (0, 0);
         let mut pinned = 0;
         for (a, i) in self.allocs.iter().zip(&infos) {
             assert_eq!(i.addr, a.addr, "{ctx}");
             match i.state {
                 State::Active => {
                     active += 1;
+                    handles += i.handles;
+                    assert_eq!(
+                        i.handles as u64,
+                        i.mapped.div_ceil(4 * G),
+                        "{ctx}: {:#x}: one handle per segment",
+                        a.addr
+                    );
                     assert!(
                         !i.host_valid,
                         "{ctx}: active {:#x} claims its backup",
@@ -149,10 +158,11 @@ impl Fx {
             }
             pinned += i.host_pinned_bytes;
         }
-        assert_eq!(self.sim.live_mappings(), active, "{ctx}: mappings");
+        assert!(active <= handles);
+        assert_eq!(self.sim.live_mappings(), handles, "{ctx}: mappings");
         assert_eq!(
             self.sim.live_handles(),
-            active + leaked_handles,
+            handles + leaked_handles,
             "{ctx}: handles"
         );
         assert_eq!(
@@ -339,6 +349,7 @@ proptest! {
         pin in prop_oneof![Just(PinMode::Background), Just(PinMode::Inline), Just(PinMode::Never)],
         mmap in any::<bool>(),
         retain in any::<bool>(),
+        segment_granules in prop_oneof![Just(1u64), Just(3), Just(1 << 20)],
     ) {
         let sim = Arc::new(SimDriver::new(SimConfig { devices: 2, capacity: 64 << 20, granularity: G }).unwrap());
         let e = Engine::new(sim.clone());
@@ -349,6 +360,7 @@ proptest! {
             pin,
         }).unwrap();
         e.set_retain_cpu_backup(retain);
+        e.set_segment_bytes((segment_granules * G).next_power_of_two()).unwrap();
         let backend = if mmap { HostBackend::Mmap } else { HostBackend::Pinned };
         let mut v = Vec::new();
         for (k, size) in sizes.iter().enumerate() {

@@ -462,10 +462,27 @@ impl SimDriver {
     }
 
     /// The accessible mapping that holds `[ptr, ptr+len)`, if any.
+    /// Whether `[ptr, ptr+len)` is accessible: one mapping, or several back to back (a copy may
+    /// span the segments of one allocation, as it may on a GPU).
     fn covered(g: &Inner, ptr: DevPtr, len: u64) -> bool {
-        g.mappings.range(..=ptr).next_back().is_some_and(|(s, m)| {
-            m.accessible && ptr.checked_add(len).is_some_and(|end| end <= s + m.size)
-        })
+        let Some(end) = ptr.checked_add(len) else {
+            return false;
+        };
+        let mut at = ptr;
+        let Some((s, m)) = g.mappings.range(..=at).next_back() else {
+            return false;
+        };
+        if !m.accessible || s + m.size <= at {
+            return false;
+        }
+        at = s + m.size;
+        while at < end {
+            match g.mappings.get(&at) {
+                Some(m) if m.accessible => at += m.size,
+                _ => return false,
+            }
+        }
+        true
     }
 
     fn is_registered(g: &Inner, host: usize, len: u64) -> bool {

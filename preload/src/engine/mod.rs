@@ -3,8 +3,9 @@
 //!
 //! # Note [Pause and resume as transactions]
 //!
-//! Every allocation is one reserved address range with one physical handle mapped over all of
-//! it (one handle per allocation keeps the VMM calls few: they cost per handle, not per byte).
+//! Every allocation is one reserved address range with physical memory mapped over all of it in
+//! segments of up to 1 GiB, one handle each: VMM calls cost per handle, so segments are large,
+//! but a resume can copy into the first segments of a huge allocation while it maps the next.
 //!
 //! *Pause* synchronizes each device concerned, then for each active allocation of the tag:
 //! copy to its host backup (when asked), unmap, release. The copies run in the pipeline
@@ -103,6 +104,8 @@ pub struct AllocInfo {
     pub host_pinned_bytes: u64,
     /// True when the host backup holds the allocation's contents (paused with backup).
     pub host_valid: bool,
+    /// Physical handles (segments) mapped: none while paused.
+    pub handles: usize,
     /// False for allocations that pause and resume leave alone (see [`Engine::alloc_unpauseable`]).
     pub pauseable: bool,
 }
@@ -128,7 +131,10 @@ struct Allocation {
     device: i32,
     tag: Arc<str>,
     backup: Backup,
-    handle: Option<PhysHandle>,
+    /// Bytes of each physical segment (the last may be shorter).
+    segment: u64,
+    /// One handle per segment while active; none while paused.
+    handles: Vec<PhysHandle>,
     host: Option<Arc<HostBuffer>>,
     host_valid: bool,
     pauseable: bool,
@@ -136,7 +142,7 @@ struct Allocation {
 
 impl Allocation {
     fn state(&self) -> State {
-        if self.handle.is_some() {
+        if !self.handles.is_empty() {
             State::Active
         } else {
             State::Paused
@@ -207,7 +213,9 @@ struct PauseItem<'a> {
     size: u64,
     mapped: u64,
     tag: &'a str,
-    handle: PhysHandle,
+    device: i32,
+    segment: u64,
+    handles: &'a [PhysHandle],
     host: Option<&'a HostBuffer>,
 }
 
@@ -218,15 +226,24 @@ impl<'a> PauseItem<'a> {
             size: a.size,
             mapped: a.mapped,
             tag: &a.tag,
-            handle: a.handle.expect("active allocations have a handle"),
+            device: a.device,
+            segment: a.segment,
+            handles: &a.handles,
             host: a.host.as_deref().filter(|_| a.backup.is_some()),
         }
     }
 
     fn what(&self) -> String {
         format!(
-            "allocation {:#x} ({} bytes, tag {:?}, handle {:#x})",
-            self.ptr, self.size, self.tag, self.handle.0
+            "allocation {:#x} ({} bytes, tag {:?}, handle {:#x}{})",
+            self.ptr,
+            self.size,
+            self.tag,
+            self.handles.first().map_or(0, |h| h.0),
+            match self.handles.len() {
+                0 | 1 => String::new(),
+                n => format!(" and {} more", n - 1),
+            }
         )
     }
 }
@@ -287,8 +304,20 @@ pub struct Engine {
     reg: Mutex<Registry>,
     retain: AtomicBool,
     margin: AtomicU64,
+    segment: AtomicU64,
     copy: Mutex<CopyConfig>,
     pinner: Arc<Pinner>,
+}
+
+/// What a resume mapped: device, address, mapped bytes, segment size, handles.
+type Made = (i32, DevPtr, u64, u64, Vec<PhysHandle>);
+
+/// Largest physical segment of an allocation (see the Note above).
+pub const SEGMENT_BYTES: u64 = 1 << 30;
+
+/// Offsets and lengths of the segments of `mapped` bytes.
+fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..mapped.div_ceil(segment)).map(move |k| (k * segment, segment.min(mapped - k * segment)))
 }
 
 impl Engine {
@@ -299,6 +328,7 @@ impl Engine {
             reg: Mutex::new(Registry::default()),
             retain: AtomicBool::new(false),
             margin: AtomicU64::new(0),
+            segment: AtomicU64::new(SEGMENT_BYTES),
             copy: Mutex::new(CopyConfig::default()),
             pinner: Arc::default(),
         }
@@ -320,6 +350,19 @@ impl Engine {
             .map(Arc::downgrade)
             .collect();
         self.pinner.enqueue(todo);
+    }
+
+    /// Map allocations made from now on in physical segments of at most `bytes` (a power of
+    /// two; the granularity where it is larger). [`SEGMENT_BYTES`] by default; tests use small
+    /// segments to exercise the multi-segment paths.
+    pub fn set_segment_bytes(&self, bytes: u64) -> Result<()> {
+        if !bytes.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "segment size {bytes}: expected a power of two"
+            )));
+        }
+        self.segment.store(bytes, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Set how backups are copied (used from the next pause or resume on).
@@ -448,15 +491,15 @@ impl Engine {
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, req.device).ctx(what)?;
         let ptr = d.reserve(req.device, mapped).ctx(what)?;
-        let handle = match self.map_new(req.device, ptr, mapped) {
-            Ok(h) => h,
-            Err(e) => {
-                if let Err(e2) = d.free_range(ptr, mapped) {
-                    tracing::error!("undoing a failed allocation: {e2}");
-                }
-                return Err(e.context(what()));
+        let segment = self.segment.load(Ordering::Relaxed).max(g);
+        let mut handles = Vec::with_capacity(mapped.div_ceil(segment) as usize);
+        if let Err(e) = self.map_new(req.device, ptr, mapped, segment, &mut handles, &|_| {}) {
+            self.undo_mapping(ptr, mapped, segment, &handles);
+            if let Err(e2) = d.free_range(ptr, mapped) {
+                tracing::error!("undoing a failed allocation: {e2}");
             }
-        };
+            return Err(e.context(what()));
+        }
         reg.backed += usize::from(req.backup.is_some());
         reg.allocs.insert(
             ptr,
@@ -466,7 +509,8 @@ impl Engine {
                 device: req.device,
                 tag: Arc::from(req.tag.as_str()),
                 backup: req.backup,
-                handle: Some(handle),
+                segment,
+                handles,
                 host: None,
                 host_valid: false,
                 pauseable,
@@ -476,22 +520,96 @@ impl Engine {
         Ok(ptr)
     }
 
-    /// create + map + set access over a reserved range, undoing on failure.
-    fn map_new(&self, device: i32, ptr: DevPtr, mapped: u64) -> Result<PhysHandle> {
+    /// create + map + set access over a reserved range, segment by segment, pushing each
+    /// handle to `hs` and calling `progress(bytes)` as each segment is ready. On failure `hs`
+    /// holds the segments made before it, for the caller to undo ([`Engine::undo_mapping`]) once
+    /// nothing uses them.
+    fn map_new(
+        &self,
+        device: i32,
+        ptr: DevPtr,
+        mapped: u64,
+        segment: u64,
+        hs: &mut Vec<PhysHandle>,
+        progress: &dyn Fn(u64),
+    ) -> Result<()> {
+        for (off, len) in segments(mapped, segment) {
+            hs.push(self.map_segment(device, ptr + off, len)?);
+            progress(off + len);
+        }
+        Ok(())
+    }
+
+    fn map_segment(&self, device: i32, ptr: DevPtr, len: u64) -> Result<PhysHandle> {
         let d = &*self.driver;
-        let h = d.create(device, mapped)?;
-        if let Err(e) = d.map(ptr, mapped, h) {
+        let h = d.create(device, len)?;
+        if let Err(e) = d.map(ptr, len, h) {
             self.undo_release(h);
             return Err(e);
         }
-        if let Err(e) = d.set_access(device, ptr, mapped) {
-            if let Err(e2) = d.unmap(ptr, mapped) {
+        if let Err(e) = d.set_access(device, ptr, len) {
+            if let Err(e2) = d.unmap(ptr, len) {
                 tracing::error!("undoing a failed mapping at {ptr:#x}: {e2}");
             }
             self.undo_release(h);
             return Err(e);
         }
         Ok(h)
+    }
+
+    /// Unmap and release the first `hs.len()` segments of `mapped` bytes at `ptr`, logging what
+    /// fails (undoing work of a failed call).
+    fn undo_mapping(&self, ptr: DevPtr, mapped: u64, segment: u64, hs: &[PhysHandle]) {
+        for ((off, len), h) in segments(mapped, segment).zip(hs) {
+            if let Err(e) = self.driver.unmap(ptr + off, len) {
+                tracing::error!("undoing: unmapping {:#x}: {e}", ptr + off);
+            }
+            self.undo_release(*h);
+        }
+    }
+
+    /// Unmap every segment of an active allocation. If one fails, those unmapped before it are
+    /// mapped again (their handles still hold the contents), so the allocation stays whole.
+    fn unmap_all(
+        &self,
+        device: i32,
+        ptr: DevPtr,
+        mapped: u64,
+        segment: u64,
+        hs: &[PhysHandle],
+    ) -> Result<()> {
+        let d = &*self.driver;
+        for (k, (off, len)) in segments(mapped, segment).enumerate() {
+            if let Err(e) = d.unmap(ptr + off, len) {
+                for ((off, len), h) in segments(mapped, segment).zip(hs).take(k) {
+                    let back = d
+                        .map(ptr + off, len, *h)
+                        .and_then(|()| d.set_access(device, ptr + off, len));
+                    if let Err(e2) = back {
+                        tracing::error!(
+                            "mapping {:#x} again after a failed unmap: {e2}",
+                            ptr + off
+                        );
+                    }
+                }
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// Release every handle; the first error is returned, each is logged.
+    fn release_all(&self, hs: &[PhysHandle]) -> Result<()> {
+        let mut first = Ok(());
+        for h in hs {
+            if let Err(e) = self.driver.release(*h) {
+                tracing::error!("releasing handle {:#x}: {e}", h.0);
+                if first.is_ok() {
+                    first = Err(e);
+                }
+            }
+        }
+        first
     }
 
     fn undo_release(&self, h: PhysHandle) {
@@ -526,9 +644,12 @@ impl Engine {
                 return Err(e);
             }
         };
-        if a.handle.is_some() {
+        if !a.handles.is_empty() {
             // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
-            if let Err(e) = d.synchronize(a.device).and_then(|_| d.unmap(ptr, a.mapped)) {
+            let r = d
+                .synchronize(a.device)
+                .and_then(|_| self.unmap_all(a.device, ptr, a.mapped, a.segment, &a.handles));
+            if let Err(e) = r {
                 let e = e.context(what());
                 drop(scope);
                 reg.allocs.insert(ptr, a);
@@ -543,8 +664,9 @@ impl Engine {
                 reg.rings.clear();
             }
         }
-        if let Some(h) = a.handle.take() {
-            if let Err(e) = d.release(h) {
+        let handles = std::mem::take(&mut a.handles);
+        if !handles.is_empty() {
+            if let Err(e) = self.release_all(&handles) {
                 // Unmapped already: the allocation is gone for the caller; only the handle leaks.
                 tracing::error!("{}: {e}", what());
                 let _ = d.free_range(ptr, a.mapped);
@@ -559,6 +681,7 @@ impl Engine {
     /// Pause every active allocation of `tag` (all tags if `None`).
     pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
+        let _quiet = self.pinner.quiet();
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut guard = self.reg.lock();
@@ -608,7 +731,7 @@ impl Engine {
                 a.host_valid = false;
                 continue;
             }
-            a.handle = None;
+            a.handles.clear();
             a.host_valid = a.host.is_some();
             let copied = if a.host_valid { a.size } else { 0 };
             let r = per_tag.entry(a.tag.clone()).or_default();
@@ -701,7 +824,7 @@ impl Engine {
                 cfg,
                 ring,
                 &work,
-                |_| Ok(()),
+                |_, _| Ok(()),
                 |i| self.retire(&items[i], &mut steps[i]),
             )
         })();
@@ -710,15 +833,16 @@ impl Engine {
 
     /// Unmap and release one allocation whose contents are safe (copied, or not wanted).
     fn retire(&self, it: &PauseItem<'_>, step: &mut Step) -> Result<()> {
-        let d = &*self.driver;
-        d.unmap(it.ptr, it.mapped).ctx(|| it.what())?;
+        self.unmap_all(it.device, it.ptr, it.mapped, it.segment, it.handles)
+            .ctx(|| it.what())?;
         *step = Step::Released;
-        d.release(it.handle).ctx(|| it.what())
+        self.release_all(it.handles).ctx(|| it.what())
     }
 
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
     pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
+        let _quiet = self.pinner.quiet();
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut guard = self.reg.lock();
@@ -730,7 +854,7 @@ impl Engine {
         }
         // Per device, in parallel: map each allocation, and copy its backup back while the next
         // one is mapped. All or nothing: on any failure everything made here is undone.
-        let mut made: Vec<(i32, DevPtr, u64, PhysHandle)> = Vec::with_capacity(addrs.len());
+        let mut made: Vec<Made> = Vec::with_capacity(addrs.len());
         let mut copied = 0;
         let phase2 = {
             let Registry { allocs, rings, .. } = &mut *reg;
@@ -759,13 +883,16 @@ impl Engine {
                         &cfg,
                         ring,
                         &items,
-                        |i| {
+                        |i, progress| {
                             let (p, a) = (list[i], &allocs[&list[i]]);
-                            let h = self.map_new(device, p, a.mapped).ctx(|| {
+                            let mut hs = Vec::new();
+                            let r = self.map_new(device, p, a.mapped, a.segment, &mut hs, progress);
+                            // Recorded even when incomplete: workers may be copying into the
+                            // segments made, so they are undone only after the pipeline stops.
+                            made.push((device, p, a.mapped, a.segment, hs));
+                            r.ctx(|| {
                                 format!("allocation {p:#x} ({} bytes, tag {:?})", a.mapped, a.tag)
-                            })?;
-                            made.push((device, p, a.mapped, h));
-                            Ok(())
+                            })
                         },
                         |_| Ok(()),
                     )
@@ -798,12 +925,13 @@ impl Engine {
         };
         let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
         let mut released = Vec::new();
-        for (_, ptr, mapped, h) in made {
+        for (_, ptr, _, _, hs) in made {
             let a = reg
                 .allocs
                 .get_mut(&ptr)
                 .expect("selected under the same lock");
-            a.handle = Some(h);
+            a.handles = hs;
+            let mapped = a.mapped;
             let r = per_tag.entry(a.tag.clone()).or_default();
             r.allocations += 1;
             r.bytes += mapped;
@@ -851,14 +979,10 @@ impl Engine {
         Ok(report)
     }
 
-    fn undo_resume(&self, made: &[(i32, DevPtr, u64, PhysHandle)]) {
-        let d = &*self.driver;
-        for (device, ptr, mapped, h) in made.iter().rev() {
-            let _scope = DeviceScope::enter(d, *device);
-            if let Err(e) = d.unmap(*ptr, *mapped) {
-                tracing::error!("undoing resume: unmapping {ptr:#x}: {e}");
-            }
-            self.undo_release(*h);
+    fn undo_resume(&self, made: &[Made]) {
+        for (device, ptr, mapped, segment, hs) in made.iter().rev() {
+            let _scope = DeviceScope::enter(&*self.driver, *device);
+            self.undo_mapping(*ptr, *mapped, *segment, hs);
         }
     }
 
@@ -947,6 +1071,7 @@ impl Engine {
                 host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 host_valid: a.host_valid,
+                handles: a.handles.len(),
                 pauseable: a.pauseable,
             })
             .collect()
@@ -960,7 +1085,7 @@ impl Engine {
                 tag: &a.tag,
                 size: a.size,
                 mapped: a.mapped,
-                active: a.handle.is_some(),
+                active: !a.handles.is_empty(),
                 host: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
             }),

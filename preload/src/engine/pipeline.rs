@@ -20,8 +20,9 @@
 //!   filling fresh memory through the slots runs at 25 GiB/s. So a first pause always goes
 //!   through the slots, and pinned backups that are retained are page-locked afterwards by a
 //!   background thread (`pinner.rs`, [`PinMode::Background`]); later cycles copy them straight.
-//! - The coordinator prepares items in order while the workers copy those already prepared: a
-//!   resume maps allocation i+1 while allocation i is being copied. Each allocation whose chunks
+//! - The coordinator prepares items in order while the workers copy what is prepared already: a
+//!   resume maps allocation i+1 (or the next segment of a large allocation) while what is
+//!   mapped is being copied. Each allocation whose chunks
 //!   are all copied is reported to the coordinator at once, so a pause unmaps and releases it
 //!   while the copies of later allocations run.
 //! - A failure stops the hand-out; every worker waits for what its lanes still have queued
@@ -31,7 +32,7 @@
 //!
 //! Devices run in parallel, each with its own coordinator thread and workers.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 
 use parking_lot::{Condvar, Mutex};
@@ -92,7 +93,7 @@ impl Default for CopyConfig {
         CopyConfig {
             threads: cores.clamp(1, 16),
             layout: HostLayout::default(),
-            slot: 2 << 20,
+            slot: 4 << 20,
             pin: PinMode::Background,
         }
     }
@@ -163,8 +164,10 @@ struct Shared<'a> {
     units: Vec<(usize, usize)>,
     next: AtomicUsize,
     remaining: Vec<AtomicUsize>,
-    /// Items prepared by the coordinator so far: workers copy only those.
+    /// Items prepared by the coordinator so far: workers copy only those, and the first
+    /// `partial` bytes of the one being prepared.
     ready: AtomicUsize,
+    partial: AtomicU64,
     gate: Mutex<()>,
     wake: Condvar,
     abort: AtomicBool,
@@ -185,18 +188,29 @@ impl Shared<'_> {
         self.wake.notify_all();
     }
 
+    /// Item `ready - 1` is prepared in full.
     fn publish(&self, ready: usize) {
+        self.partial.store(0, Ordering::Release);
         self.ready.store(ready, Ordering::Release);
         let _g = self.gate.lock();
         self.wake.notify_all();
     }
 
-    /// Wait until item `i` is prepared; false if the work was stopped first.
-    fn wait_ready(&self, i: usize) -> bool {
+    /// The first `bytes` of item `ready` are prepared.
+    fn publish_partial(&self, bytes: u64) {
+        self.partial.store(bytes, Ordering::Release);
+        let _g = self.gate.lock();
+        self.wake.notify_all();
+    }
+
+    /// Wait until bytes `..end` of item `i` are prepared; false if the work was stopped first.
+    fn wait_ready(&self, i: usize, end: u64) -> bool {
         let go = || {
             if self.abort.load(Ordering::Acquire) {
-                Some(false)
-            } else if self.ready.load(Ordering::Acquire) > i {
+                return Some(false);
+            }
+            let ready = self.ready.load(Ordering::Acquire);
+            if ready > i || (ready == i && self.partial.load(Ordering::Acquire) >= end) {
                 Some(true)
             } else {
                 None
@@ -216,8 +230,9 @@ impl Shared<'_> {
 }
 
 /// Run the pipeline over `items` on `device`, in direction `dir`. On this thread (the
-/// coordinator), in item order: `prepare(i)` (the resume maps the allocation here), after which
-/// the workers may copy item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for
+/// coordinator), in item order: `prepare(i, progress)` (the resume maps the allocation here,
+/// calling `progress(bytes)` as its first bytes become usable), after which the workers may copy
+/// item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for
 /// items with nothing to copy; the pause unmaps here). The first error, of a copy or of either
 /// callback, stops the preparing and the hand-out of work; copies complete by then are still
 /// reported, unless `on_done` itself failed. Returns the first error, once every worker is idle.
@@ -229,7 +244,7 @@ pub(super) fn run(
     cfg: &CopyConfig,
     ring: &mut Ring,
     items: &[Item<'_>],
-    mut prepare: impl FnMut(usize) -> Result<()>,
+    mut prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
     mut on_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
     let units: Vec<(usize, usize)> = items
@@ -255,6 +270,7 @@ pub(super) fn run(
         units,
         next: AtomicUsize::new(0),
         ready: AtomicUsize::new(0),
+        partial: AtomicU64::new(0),
         gate: Mutex::new(()),
         wake: Condvar::new(),
         abort: AtomicBool::new(false),
@@ -283,7 +299,7 @@ pub(super) fn run(
             if sh.abort.load(Ordering::Acquire) {
                 break;
             }
-            if let Err(e) = prepare(i) {
+            if let Err(e) = prepare(i, &|bytes| sh.publish_partial(bytes)) {
                 sh.fail(e);
                 break;
             }
@@ -344,13 +360,14 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
         let Some(&(i, k)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
             break;
         };
-        if !sh.wait_ready(i) {
-            break;
-        }
         let it = &sh.items[i];
         let host = it
             .host
             .expect("units are made for items with a host buffer");
+        let (off, len) = host.chunk_span(k);
+        if !sh.wait_ready(i, off + len) {
+            break;
+        }
         chunk(sh, it.dev, host, k, lanes).map_err(|e| {
             e.context(format!(
                 "{} chunk {k} of {} bytes at {:#x} (device {})",

@@ -11,7 +11,7 @@
 //! - `TMS_BACKEND=auto|cuda|sim`: which driver (auto = cuda).
 //! - `TMS_COPY_THREADS=N`: copy workers per device (default: the cores, at most 16).
 //! - `TMS_COPY_CHUNK=BYTES`: unit of copy work and of page-locking (default 64 MiB).
-//! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 2 MiB).
+//! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 4 MiB).
 //! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
 //! - `TMS_PIN=background|inline|never`: when pinned backups are page-locked (default background).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
