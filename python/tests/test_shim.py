@@ -56,6 +56,8 @@ def test_region_pause_resume_keeps_backed_up_contents(preloaded):
         tms.pause("kv")
         s = tag_stats("kv")
         assert s["paused_allocations"] == 1 and s["bytes_paused"] == 4 << 20 and s["host_backup_bytes"] == n, s
+        # Without retention a pinned backup is never page-locked (it is released at resume).
+        assert s["host_pinned_bytes"] == 0, s
         assert tag_stats("w")["active_allocations"] == 1
         tms.pause()
         tms.pause()  # pausing what is paused does nothing
@@ -65,6 +67,8 @@ def test_region_pause_resume_keeps_backed_up_contents(preloaded):
         assert ctypes.string_at(kv, n) == data, "backed-up contents kept"
         assert ctypes.string_at(w, n) != data, "no backup: fresh memory"
         assert tag_stats("kv")["host_backup_bytes"] == 0, "released after a non-retaining resume"
+        last = tag_stats("kv")["last_resume"]
+        assert 0 <= last["release_seconds"] <= last["seconds"], last
         assert cuda_free(kv) == 0 and cuda_free(w) == 0
         assert tms.stats()["tags"][0]["allocations"] == 0
         print("ok")

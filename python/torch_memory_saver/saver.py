@@ -338,8 +338,9 @@ class TorchMemorySaver:
         return host if zero_copy else host.clone()
 
     def stats(self) -> dict:
-        """Per-tag statistics: allocations, bytes active/paused, host backup bytes, and the last
-        pause/resume (seconds, bytes, GiB/s)."""
+        """Per-tag statistics: allocations, bytes active/paused, host backup bytes (and how many
+        of them are page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part
+        of a resume spent releasing host memory)."""
         lib = self._library()
         return json.loads(lib.call_string(lib.tms_stats_json))
 
