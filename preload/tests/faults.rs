@@ -840,7 +840,12 @@ fn faults_on_pause() {
             .collect();
         let mut want = vec![Prim::Synchronize, Prim::Unmap, Prim::Release];
         if selected.iter().any(Option::is_some) {
-            want.extend([Prim::CopyD2H, Prim::StreamSync]);
+            want.extend([
+                Prim::CopyD2H,
+                Prim::EventCreate,
+                Prim::EventRecord,
+                Prim::EventSync,
+            ]);
         }
         if selected.iter().any(Option::is_some) && !retained {
             // Pinned backups are page-locked chunk by chunk; mmap ones need staging slots.
@@ -878,7 +883,12 @@ fn faults_on_resume() {
                     .collect();
                 let mut want = vec![Prim::Create, Prim::Map, Prim::SetAccess];
                 if selected.iter().any(Option::is_some) {
-                    want.extend([Prim::CopyH2D, Prim::StreamSync]);
+                    want.extend([
+                        Prim::CopyH2D,
+                        Prim::EventCreate,
+                        Prim::EventRecord,
+                        Prim::EventSync,
+                    ]);
                 }
                 if selected.iter().any(Option::is_some) && !retain {
                     // Page-locked backups and staging slots go back.

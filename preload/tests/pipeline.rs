@@ -204,8 +204,11 @@ impl Fx {
 }
 
 /// Faults a pause or resume can meet from the driver.
-const PRIMS: [Prim; 11] = [
+const PRIMS: [Prim; 14] = [
     Prim::Synchronize,
+    Prim::EventCreate,
+    Prim::EventRecord,
+    Prim::EventSync,
     Prim::CopyD2H,
     Prim::CopyH2D,
     Prim::StreamSync,

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{check, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream, MAX_LANES};
+use super::{check, DevPtr, DeviceToken, Driver, Event, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, Result};
 
 /// Every driver entry point this module calls, by the symbol cudarc loads for it.
@@ -42,6 +42,10 @@ const SYMBOLS: &[&str] = &[
     "cuMemSetAccess",
     "cuStreamCreate",
     "cuStreamSynchronize",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventDestroy_v2",
     "cuMemcpyDtoHAsync_v2",
     "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
@@ -53,7 +57,6 @@ pub struct CudaDriver {
     devices: i32,
     version: i32,
     contexts: Vec<OnceLock<usize>>,
-    /// `MAX_LANES` streams per device, made on first use.
     streams: Vec<OnceLock<usize>>,
 }
 
@@ -139,9 +142,7 @@ impl CudaDriver {
             devices: n,
             version,
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
-            streams: (0..n as usize * MAX_LANES)
-                .map(|_| OnceLock::new())
-                .collect(),
+            streams: (0..n).map(|_| OnceLock::new()).collect(),
         })
     }
 
@@ -387,15 +388,9 @@ impl Driver for CudaDriver {
         )
     }
 
-    fn stream(&self, device: i32, lane: usize) -> Result<Stream> {
-        let dev = self.check_device(device)?;
-        if lane >= MAX_LANES {
-            return Err(Error::InvalidArgument(format!(
-                "stream lane {lane} (at most {MAX_LANES} per device)"
-            )));
-        }
-        let slot = &self.streams[dev * MAX_LANES + lane];
-        if let Some(s) = slot.get() {
+    fn stream(&self, device: i32) -> Result<Stream> {
+        let i = self.check_device(device)?;
+        if let Some(s) = self.streams[i].get() {
             return Ok(Stream(*s as u64));
         }
         let _scope = super::DeviceScope::enter(self, device)?;
@@ -405,10 +400,10 @@ impl Driver for CudaDriver {
         cu(
             "cuStreamCreate",
             unsafe { sys::cuStreamCreate(&mut s, 1) },
-            || format!("device {device}, lane {lane}"),
+            || format!("device {device}"),
         )?;
         // A racing thread may create a second stream; the loser's stream is kept alive unused.
-        Ok(Stream(*slot.get_or_init(|| s as usize) as u64))
+        Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -418,6 +413,44 @@ impl Driver for CudaDriver {
             unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) },
             || format!("engine stream {:#x}", stream.0),
         )
+    }
+
+    fn event_create(&self, device: i32) -> Result<Event> {
+        let _scope = super::DeviceScope::enter(self, device)?;
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: the device's context is current; writes one handle. 2 = CU_EVENT_DISABLE_TIMING.
+        cu(
+            "cuEventCreate",
+            unsafe { sys::cuEventCreate(&mut e, 2) },
+            || format!("device {device}"),
+        )?;
+        Ok(Event(e as u64))
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+        // SAFETY: both handles came from this driver and are alive.
+        cu(
+            "cuEventRecord",
+            unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream) },
+            || format!("event {:#x} on stream {:#x}", event.0, stream.0),
+        )
+    }
+
+    fn event_sync(&self, event: Event) -> Result<()> {
+        // SAFETY: the event came from event_create and is alive.
+        cu(
+            "cuEventSynchronize",
+            unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) },
+            || format!("event {:#x}", event.0),
+        )
+    }
+
+    fn event_destroy(&self, event: Event) {
+        // SAFETY: the event came from event_create; the caller does not use it again.
+        let r = unsafe { sys::cuEventDestroy_v2(event.0 as sys::CUevent) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            tracing::error!("cuEventDestroy: {}", error_name(r));
+        }
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {

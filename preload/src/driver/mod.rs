@@ -20,12 +20,13 @@ pub type DevPtr = u64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct PhysHandle(pub u64);
 
-/// Streams (lanes) per device that [`Driver::stream`] hands out.
-pub const MAX_LANES: usize = 128;
-
 /// Opaque handle of a stream (`CUstream`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Stream(pub u64);
+
+/// Opaque handle of an event (`CUevent`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
 
 /// Free and total device memory in bytes, as `cuMemGetInfo` reports them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,11 +75,20 @@ pub trait Driver: Send + Sync {
     fn set_access(&self, device: i32, ptr: DevPtr, size: u64) -> Result<()>;
     /// Wait for all work on `device` to finish.
     fn synchronize(&self, device: i32) -> Result<()>;
-    /// The engine's own stream number `lane` (below [`MAX_LANES`]) on `device`, created on first
-    /// use and kept. Lanes let several copy workers wait for their own copies only.
-    fn stream(&self, device: i32, lane: usize) -> Result<Stream>;
+    /// The engine's own stream on `device`, created on first use and kept. One per device: each
+    /// CUDA stream costs device memory (about 0.5 MiB, seen on an H200), and one stream keeps
+    /// the link busy; copy workers wait for their own copies with events.
+    fn stream(&self, device: i32) -> Result<Stream>;
     /// Wait for all work queued on `stream`.
     fn stream_sync(&self, stream: Stream) -> Result<()>;
+    /// A new event on `device` (no timing).
+    fn event_create(&self, device: i32) -> Result<Event>;
+    /// Mark the point of `stream`'s queue that `event` stands for.
+    fn event_record(&self, event: Event, stream: Stream) -> Result<()>;
+    /// Wait for the work queued before the last record of `event`.
+    fn event_sync(&self, event: Event) -> Result<()>;
+    /// Destroy an event from [`Driver::event_create`]; failures are logged.
+    fn event_destroy(&self, event: Event);
     /// Queue a device-to-host copy of `len` bytes on `stream`.
     ///
     /// # Safety

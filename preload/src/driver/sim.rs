@@ -13,13 +13,13 @@
 //! primitive with a chosen status (`2` = out of memory).
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 
 use parking_lot::Mutex;
 
 use super::host::page_size;
-use super::{cuda_error_name, DevPtr, DeviceToken, Driver, MemInfo, PhysHandle, Stream, MAX_LANES};
+use super::{cuda_error_name, DevPtr, DeviceToken, Driver, Event, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, Result};
 use crate::units::{env_parsed, parse_bytes};
 
@@ -44,6 +44,12 @@ pub enum Prim {
     Synchronize,
     /// [`Driver::stream_sync`]
     StreamSync,
+    /// [`Driver::event_create`]
+    EventCreate,
+    /// [`Driver::event_record`]
+    EventRecord,
+    /// [`Driver::event_sync`]
+    EventSync,
     /// [`Driver::copy_d2h`]
     CopyD2H,
     /// [`Driver::copy_h2d`]
@@ -58,7 +64,7 @@ pub enum Prim {
 
 impl Prim {
     /// Every primitive, for exhaustive fault-injection tests.
-    pub const ALL: [Prim; 14] = [
+    pub const ALL: [Prim; 17] = [
         Prim::Reserve,
         Prim::FreeRange,
         Prim::Create,
@@ -68,6 +74,9 @@ impl Prim {
         Prim::SetAccess,
         Prim::Synchronize,
         Prim::StreamSync,
+        Prim::EventCreate,
+        Prim::EventRecord,
+        Prim::EventSync,
         Prim::CopyD2H,
         Prim::CopyH2D,
         Prim::HostRegister,
@@ -87,6 +96,9 @@ impl Prim {
             Prim::SetAccess => "set_access",
             Prim::Synchronize => "synchronize",
             Prim::StreamSync => "stream_sync",
+            Prim::EventCreate => "event_create",
+            Prim::EventRecord => "event_record",
+            Prim::EventSync => "event_sync",
             Prim::CopyD2H => "copy_d2h",
             Prim::CopyH2D => "copy_h2d",
             Prim::HostRegister => "host_register",
@@ -107,6 +119,9 @@ impl Prim {
             Prim::SetAccess => "cuMemSetAccess",
             Prim::Synchronize => "cuCtxSynchronize",
             Prim::StreamSync => "cuStreamSynchronize",
+            Prim::EventCreate => "cuEventCreate",
+            Prim::EventRecord => "cuEventRecord",
+            Prim::EventSync => "cuEventSynchronize",
             Prim::CopyD2H => "cuMemcpyDtoHAsync",
             Prim::CopyH2D => "cuMemcpyHtoDAsync",
             Prim::HostRegister => "cuMemHostRegister",
@@ -258,6 +273,12 @@ struct Queued {
     len: u64,
 }
 
+/// What a stream's queue holds: copies, and the marks events put between them.
+enum Entry {
+    Copy(Queued),
+    Mark(u64),
+}
+
 #[derive(Default)]
 struct Inner {
     live: Vec<u64>,
@@ -268,7 +289,10 @@ struct Inner {
     faults: Vec<Fault>,
     calls: HashMap<Prim, u64>,
     pinned_live: u64,
-    queued: HashMap<u64, Vec<Queued>>,
+    queued: HashMap<u64, VecDeque<Entry>>,
+    /// Live events: id -> the stream of their last record.
+    events: HashMap<u64, Option<u64>>,
+    next_event: u64,
     /// Registered host ranges: start -> length.
     registered: BTreeMap<usize, u64>,
     pageable_copies: u64,
@@ -402,7 +426,13 @@ impl SimDriver {
 
     /// Copies queued and not yet run by a synchronization.
     pub fn queued_copies(&self) -> usize {
-        self.inner.lock().queued.values().map(Vec::len).sum()
+        self.inner
+            .lock()
+            .queued
+            .values()
+            .flat_map(|q| q.iter())
+            .filter(|e| matches!(e, Entry::Copy(_)))
+            .count()
     }
 
     /// True if `ptr` lies in a mapped, accessible range.
@@ -512,14 +542,22 @@ impl SimDriver {
         if !Self::is_registered(g, q.host, q.len) {
             g.pageable_copies += 1;
         }
-        g.queued.entry(stream.0).or_default().push(q);
+        g.queued
+            .entry(stream.0)
+            .or_default()
+            .push_back(Entry::Copy(q));
         Ok(())
     }
 
-    /// Run the copies queued on `stream`; a device range unmapped meanwhile is an illegal
-    /// address, as on a GPU, and the rest of the queue is dropped.
-    fn run_queue(g: &mut Inner, stream: u64) -> Result<()> {
-        for q in g.queued.remove(&stream).unwrap_or_default() {
+    /// Run the first `n` entries queued on `stream` (all: `usize::MAX`); a device range
+    /// unmapped meanwhile is an illegal address, as on a GPU, and the rest of those is dropped.
+    fn run_queue(g: &mut Inner, stream: u64, n: usize) -> Result<()> {
+        let Some(q) = g.queued.get_mut(&stream) else {
+            return Ok(());
+        };
+        let batch: Vec<Entry> = q.drain(..n.min(q.len())).collect();
+        for e in batch {
+            let Entry::Copy(q) = e else { continue };
             if !Self::covered(g, q.dev, q.len) {
                 return Err(driver_err(
                     Prim::StreamSync,
@@ -544,7 +582,17 @@ impl SimDriver {
     }
 
     fn stream_device(stream: Stream) -> i32 {
-        (stream.0.saturating_sub(1) / MAX_LANES as u64) as i32
+        stream.0 as i32 - 1
+    }
+
+    /// How many entries of `stream`'s queue come up to and including the last mark of `event`
+    /// (0 if it has none).
+    fn upto_mark(g: &Inner, stream: u64, event: u64) -> usize {
+        g.queued.get(&stream).map_or(0, |q| {
+            q.iter()
+                .rposition(|e| matches!(e, Entry::Mark(m) if *m == event))
+                .map_or(0, |i| i + 1)
+        })
     }
 
     fn drop_handle_if_done(g: &mut Inner, id: u64) {
@@ -911,20 +959,14 @@ impl Driver for SimDriver {
             .filter(|s| Self::stream_device(Stream(*s)) == device)
             .collect();
         for s in mine {
-            Self::run_queue(&mut g, s)?;
+            Self::run_queue(&mut g, s, usize::MAX)?;
         }
         Ok(())
     }
 
-    fn stream(&self, device: i32, lane: usize) -> Result<Stream> {
+    fn stream(&self, device: i32) -> Result<Stream> {
         self.check_device(Prim::StreamSync, device)?;
-        if lane >= MAX_LANES {
-            return Err(invalid(
-                Prim::StreamSync,
-                format!("stream lane {lane} (at most {MAX_LANES} per device)"),
-            ));
-        }
-        Ok(Stream((device as usize * MAX_LANES + lane + 1) as u64))
+        Ok(Stream(device as u64 + 1))
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -934,7 +976,69 @@ impl Driver for SimDriver {
             g.queued.remove(&stream.0);
             return Err(e);
         }
-        Self::run_queue(&mut g, stream.0)
+        Self::run_queue(&mut g, stream.0, usize::MAX)
+    }
+
+    fn event_create(&self, device: i32) -> Result<Event> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::EventCreate, || format!("device {device}"))?;
+        self.check_device(Prim::EventCreate, device)?;
+        g.next_event += 1;
+        let id = g.next_event;
+        g.events.insert(id, None);
+        Ok(Event(id))
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
+        let mut g = self.inner.lock();
+        self.enter(&mut g, Prim::EventRecord, || {
+            format!("event {} on stream {}", event.0, stream.0)
+        })?;
+        match g.events.get_mut(&event.0) {
+            Some(at) => *at = Some(stream.0),
+            None => {
+                return Err(driver_err(
+                    Prim::EventRecord,
+                    400,
+                    format!("event {} is not live", event.0),
+                ))
+            }
+        }
+        g.queued
+            .entry(stream.0)
+            .or_default()
+            .push_back(Entry::Mark(event.0));
+        Ok(())
+    }
+
+    fn event_sync(&self, event: Event) -> Result<()> {
+        let mut g = self.inner.lock();
+        let stream = match g.events.get(&event.0) {
+            Some(s) => *s,
+            None => {
+                return Err(driver_err(
+                    Prim::EventSync,
+                    400,
+                    format!("event {} is not live", event.0),
+                ))
+            }
+        };
+        let n = stream.map_or(0, |s| Self::upto_mark(&g, s, event.0));
+        if let Err(e) = self.enter(&mut g, Prim::EventSync, || format!("event {}", event.0)) {
+            // What was queued before the mark did not (all) happen.
+            if let Some(q) = stream.and_then(|s| g.queued.get_mut(&s)) {
+                q.drain(..n);
+            }
+            return Err(e);
+        }
+        match stream {
+            Some(s) => Self::run_queue(&mut g, s, n),
+            None => Ok(()),
+        }
+    }
+
+    fn event_destroy(&self, event: Event) {
+        self.inner.lock().events.remove(&event.0);
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
@@ -1037,7 +1141,7 @@ mod tests {
         d.set_access(0, va, 2 * g).unwrap();
         assert!(d.is_accessible(va + g));
         let data = vec![7u8; 4096];
-        let s = d.stream(0, 0).unwrap();
+        let s = d.stream(0).unwrap();
         // SAFETY: va is mapped and accessible; data outlives the copy (synchronized below).
         unsafe { d.copy_h2d(va + 100, data.as_ptr(), 4096, s).unwrap() };
         d.stream_sync(s).unwrap();
@@ -1085,7 +1189,7 @@ mod tests {
         let va = d.reserve(0, 2 << 20).unwrap();
         let mut b = [0u8; 8];
         // SAFETY: the sim checks the range and refuses; nothing is touched.
-        let e = unsafe { d.copy_d2h(b.as_mut_ptr(), va, 8, d.stream(0, 0).unwrap()) }.unwrap_err();
+        let e = unsafe { d.copy_d2h(b.as_mut_ptr(), va, 8, d.stream(0).unwrap()) }.unwrap_err();
         assert!(e.to_string().contains("not mapped"), "{e}");
         assert!(d.unmap(va, 2 << 20).is_err());
         assert!(d.release(PhysHandle(77)).is_err());
@@ -1139,24 +1243,53 @@ mod tests {
         let d = sim();
         let (va, h, size) = mapped(&d);
         let mut back = vec![1u8; 64];
-        let (s0, s1) = (d.stream(0, 0).unwrap(), d.stream(0, 1).unwrap());
-        assert_ne!(s0, s1, "lanes are distinct streams");
+        let s = d.stream(0).unwrap();
+        assert_ne!(s, d.stream(1).unwrap(), "one stream per device");
         // SAFETY: mapped range; back outlives the copies (synchronized or dropped below).
-        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s1).unwrap() };
+        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s).unwrap() };
         assert_eq!(d.queued_copies(), 1);
         d.synchronize(0).unwrap();
         assert_eq!(
             (d.queued_copies(), back[0]),
             (0, 0),
-            "device sync runs every lane"
+            "device sync runs the stream"
         );
         // SAFETY: as above.
-        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s0).unwrap() };
+        unsafe { d.copy_d2h(back.as_mut_ptr(), va, 64, s).unwrap() };
         d.unmap(va, size).unwrap();
-        let e = d.stream_sync(s0).unwrap_err();
+        let e = d.stream_sync(s).unwrap_err();
         assert!(e.to_string().contains("no longer mapped"), "{e}");
         d.release(h).unwrap();
         d.free_range(va, size).unwrap();
+    }
+
+    #[test]
+    fn an_event_waits_for_what_was_queued_before_it_only() {
+        let d = sim();
+        let (va, _, _) = mapped(&d);
+        let (a, b) = ([1u8; 16], [2u8; 16]);
+        let s = d.stream(0).unwrap();
+        let (e1, e2) = (d.event_create(0).unwrap(), d.event_create(0).unwrap());
+        d.event_sync(e1).unwrap(); // never recorded: nothing to wait for
+                                   // SAFETY: mapped range; a and b outlive the copies, run below.
+        unsafe {
+            d.copy_h2d(va, a.as_ptr(), 16, s).unwrap();
+            d.event_record(e1, s).unwrap();
+            d.copy_h2d(va + 16, b.as_ptr(), 16, s).unwrap();
+            d.event_record(e2, s).unwrap();
+        }
+        d.event_sync(e1).unwrap();
+        assert_eq!(d.queued_copies(), 1, "the copy after the first mark waits");
+        // SAFETY: the range is mapped read/write.
+        assert_eq!(unsafe { *(va as *const u8) }, 1);
+        d.arm_fault(Prim::EventSync, 1, 999);
+        assert!(d.event_sync(e2).is_err());
+        assert_eq!(d.queued_copies(), 0, "a failed wait drops what it covered");
+        // SAFETY: as above.
+        assert_eq!(unsafe { *((va + 16) as *const u8) }, 0, "never copied");
+        d.event_destroy(e1);
+        d.event_destroy(e2);
+        assert!(d.event_sync(e1).is_err(), "destroyed");
     }
 
     #[test]
@@ -1164,7 +1297,7 @@ mod tests {
         let d = sim();
         let (va, _, _) = mapped(&d);
         let data = [9u8; 32];
-        let s = d.stream(0, 3).unwrap();
+        let s = d.stream(0).unwrap();
         // SAFETY: mapped range; data outlives the copy.
         unsafe { d.copy_h2d(va, data.as_ptr(), 32, s).unwrap() };
         d.arm_fault(Prim::StreamSync, 1, 999);
@@ -1173,7 +1306,6 @@ mod tests {
         // SAFETY: the range is mapped read/write.
         let first = unsafe { *(va as *const u8) };
         assert_eq!(first, 0, "the copy never happened");
-        assert!(d.stream(0, MAX_LANES).is_err());
     }
 
     #[test]
@@ -1192,7 +1324,7 @@ mod tests {
         }
         assert_eq!((d.pinned_bytes(), d.registered_ranges()), (4 * page, 2));
         let (va, _, _) = mapped(&d);
-        let s = d.stream(0, 0).unwrap();
+        let s = d.stream(0).unwrap();
         // SAFETY: both host ranges are inside our mapping; copies are synchronized below.
         unsafe {
             d.copy_h2d(va, buf, 2 * page, s).unwrap();

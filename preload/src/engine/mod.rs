@@ -1051,7 +1051,7 @@ impl Engine {
         }
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, a.device).ctx(what)?;
-        let stream = d.stream(a.device, 0).ctx(what)?;
+        let stream = d.stream(a.device).ctx(what)?;
         f(d, stream).ctx(what)
     }
 

@@ -8,8 +8,9 @@
 //! more than filling it. So:
 //!
 //! - The work is cut into *chunks* (the host buffer's unit, 64 MiB by default), handed out to
-//!   `threads` workers in allocation order. Each worker has two *lanes*: a stream of its own and a
-//!   small page-locked *staging slot* per lane (the device's [`Ring`]).
+//!   `threads` workers in allocation order. Each worker has two *lanes*: an event of its own on
+//!   the device's one engine stream, and a small page-locked *staging slot* per lane (the
+//!   device's [`Ring`]). One stream keeps the link busy; more would each cost device memory.
 //! - A chunk whose host memory is page-locked is copied straight by DMA. One that is not (mmap
 //!   backups; pinned backups before they are page-locked) goes through the worker's slots: the
 //!   DMA fills one slot while the worker copies the other out with the CPU (to host), or the
@@ -38,7 +39,7 @@ use std::sync::{mpsc, Arc};
 use parking_lot::{Condvar, Mutex};
 
 use crate::driver::{
-    DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, HostLayout, Stream, MAX_LANES,
+    DevPtr, DeviceScope, Driver, Event, HostBackend, HostBuffer, HostLayout, Stream,
 };
 use crate::error::{Error, Result};
 
@@ -84,8 +85,8 @@ pub struct CopyConfig {
     pub pin: PinMode,
 }
 
-/// Most workers per device: each takes two streams of the driver's [`MAX_LANES`].
-pub const MAX_WORKERS: usize = MAX_LANES / 2;
+/// Most workers per device.
+pub const MAX_WORKERS: usize = 64;
 
 impl Default for CopyConfig {
     fn default() -> Self {
@@ -278,10 +279,10 @@ pub(super) fn run(
     };
     let (tx, rx) = mpsc::channel::<usize>();
     std::thread::scope(|s| {
-        for (w, slots) in ring.slots.chunks_mut(2).take(workers).enumerate() {
+        for slots in ring.slots.chunks_mut(2).take(workers) {
             let tx = tx.clone();
             let sh = &sh;
-            s.spawn(move || worker(sh, w, slots, tx));
+            s.spawn(move || worker(sh, slots, tx));
         }
         drop(tx);
         // Completed copies are acted on also after a worker failed (what is complete is
@@ -321,22 +322,39 @@ pub(super) fn run(
     }
 }
 
-/// A worker's two lanes: a stream each, a staging slot each (made on first need), and what each
-/// lane has queued and not yet waited for.
+/// A worker's two lanes on the device's stream: an event each (to wait for the lane's own copy
+/// only), a staging slot each (made on first need), and what each lane has queued and not yet
+/// waited for.
 struct Lanes<'s> {
-    streams: [Stream; 2],
+    stream: Stream,
+    events: [Event; 2],
     slots: &'s mut [Option<HostBuffer>],
     queued: [Option<(u64, u64)>; 2],
 }
 
-fn worker(sh: &Shared<'_>, w: usize, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
+impl Lanes<'_> {
+    /// Queue the copy `f` on the stream for lane `l`, and mark it with the lane's event.
+    fn issue(&self, d: &dyn Driver, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
+        f(self.stream)?;
+        d.event_record(self.events[l], self.stream)
+    }
+}
+
+fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = (|| -> Result<()> {
         let _scope = DeviceScope::enter(sh.d, sh.device)?;
+        let stream = sh.d.stream(sh.device)?;
+        let e0 = sh.d.event_create(sh.device)?;
+        let e1 = match sh.d.event_create(sh.device) {
+            Ok(e) => e,
+            Err(e) => {
+                sh.d.event_destroy(e0);
+                return Err(e);
+            }
+        };
         let mut lanes = Lanes {
-            streams: [
-                sh.d.stream(sh.device, 2 * w)?,
-                sh.d.stream(sh.device, 2 * w + 1)?,
-            ],
+            stream,
+            events: [e0, e1],
             slots,
             queued: [None, None],
         };
@@ -344,9 +362,10 @@ fn worker(sh: &Shared<'_>, w: usize, slots: &mut [Option<HostBuffer>], done: mps
         if res.is_err() {
             // Let nothing queued outlive the call: a late DMA must not land in a buffer that
             // is about to be reused or freed.
-            for s in lanes.streams {
-                let _ = sh.d.stream_sync(s);
-            }
+            let _ = sh.d.stream_sync(stream);
+        }
+        for e in lanes.events {
+            sh.d.event_destroy(e);
         }
         res
     })();
@@ -406,19 +425,18 @@ fn chunk(
         buf.pin(k)?;
     }
     if buf.is_pinned(k) {
-        let s = lanes.streams[0];
         // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
         // whole operation; host..host+len is this worker's chunk of a live, page-locked buffer
         // that nothing else touches until the operation ends (a page-locked chunk stays so until
         // the buffer is released, which the registry lock excludes). The stream is waited for
         // below (or, on error, by the worker before it returns).
-        unsafe {
+        lanes.issue(d, 0, |s| unsafe {
             match sh.dir {
-                Dir::Save => d.copy_d2h(host, dev, len, s)?,
-                Dir::Restore => d.copy_h2d(dev, host, len, s)?,
+                Dir::Save => d.copy_d2h(host, dev, len, s),
+                Dir::Restore => d.copy_h2d(dev, host, len, s),
             }
-        }
-        return d.stream_sync(s);
+        })?;
+        return d.event_sync(lanes.events[0]);
     }
     staged(sh, host, dev, len, lanes)
 }
@@ -452,20 +470,19 @@ fn staged(
         let n = slot_len.min(len - off);
         drain_lane(sh, lanes, l, host)?;
         let slot = slot_ptr(lanes, l);
-        let s = lanes.streams[l];
         // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle
         // (drain_lane waited for its lane); host+off..+n is inside this worker's chunk; the
         // device range is mapped for the whole operation. The lane is waited for before the
         // slot is touched again.
-        unsafe {
+        lanes.issue(d, l, |s| unsafe {
             match sh.dir {
-                Dir::Save => d.copy_d2h(slot, dev + off, n, s)?,
+                Dir::Save => d.copy_d2h(slot, dev + off, n, s),
                 Dir::Restore => {
                     std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
-                    d.copy_h2d(dev + off, slot, n, s)?;
+                    d.copy_h2d(dev + off, slot, n, s)
                 }
             }
-        }
+        })?;
         lanes.queued[l] = Some((off, n));
         off += n;
         l ^= 1;
@@ -480,7 +497,7 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, host: *mut u8) -
     let Some((off, n)) = lanes.queued[l].take() else {
         return Ok(());
     };
-    sh.d.stream_sync(lanes.streams[l])?;
+    sh.d.event_sync(lanes.events[l])?;
     if sh.dir == Dir::Save {
         let slot = lanes.slots[l].as_ref().expect("queued lanes have a slot");
         // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the host

@@ -28,7 +28,7 @@ fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
 }
 
 fn fill(sim: &SimDriver, ptr: DevPtr, data: &[u8]) {
-    let s = sim.stream(0, 0).unwrap();
+    let s = sim.stream(0).unwrap();
     // SAFETY: tests pass active allocations at least data.len() long; data outlives the sync.
     unsafe {
         sim.copy_h2d(ptr, data.as_ptr(), data.len() as u64, s)
@@ -39,7 +39,7 @@ fn fill(sim: &SimDriver, ptr: DevPtr, data: &[u8]) {
 
 fn read(sim: &SimDriver, ptr: DevPtr, len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
-    let s = sim.stream(0, 0).unwrap();
+    let s = sim.stream(0).unwrap();
     // SAFETY: as in fill.
     unsafe { sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, s).unwrap() }
     sim.stream_sync(s).unwrap();
