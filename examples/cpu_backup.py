@@ -1,4 +1,4 @@
-"""CPU backups: both backends ("pinned" page-locked memory, "mmap" pageable memory),
+"""CPU backups: both backends ("pinned": page-locked once retained, "mmap": pageable memory),
 get_cpu_backup() (a copy, or a zero-copy view of the backup itself), and retention.
 
 For each backend, a uint8 and a float32 tensor (256 MiB each) in a region with a backup:

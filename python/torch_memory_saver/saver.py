@@ -237,9 +237,12 @@ class TorchMemorySaver:
         They come from a ``torch.cuda.MemPool`` of the region's own (one per tag, backup setting,
         backend and device), so cached blocks never move between pauseable and ordinary tensors.
 
-        ``enable_cpu_backup=True`` keeps their contents across pause, in page-locked host memory
-        (``cpu_backup_backend="pinned"``, the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``) or
-        pageable memory (``"mmap"``).
+        ``enable_cpu_backup=True`` keeps their contents across pause in host memory:
+        ``cpu_backup_backend="pinned"`` (the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``) is
+        page-locked once retained (``retain_cpu_backup``; a background thread does it after the
+        pause), so later cycles copy at link speed; ``"mmap"`` stays pageable, so the kernel can
+        take it back. Both are filled and read through small page-locked staging buffers where
+        they are not page-locked.
         """
         tag = _check_tag(tag)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)

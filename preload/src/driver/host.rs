@@ -12,7 +12,8 @@ use crate::error::{Error, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum HostBackend {
-    /// Page-locked host memory from the driver.
+    /// Host memory page-locked through the driver, chunk by chunk (when, the engine's
+    /// `PinMode` says: by default once the backup is retained).
     Pinned,
     /// Pageable anonymous memory (`mmap`).
     Mmap,
