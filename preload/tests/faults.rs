@@ -15,10 +15,13 @@
 //! call the primitive that often). The set of primitives that fired on each path is asserted too,
 //! so the harness cannot silently stop exercising a path.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
+use common::{pattern, read_raw, write_raw};
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::driver::HostBackend;
 use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
@@ -38,43 +41,6 @@ const SIZES: [u64; 3] = [G + 1, 2 * G - 7, 3 * G + 4097];
 const DEVICES: [i32; 3] = [0, 1, 0];
 /// A bystander of another tag ("u"), with a pinned backup.
 const BYSTANDER: u64 = G / 2 + 3;
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = vec![0u8; len];
-    for c in v.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-    v
-}
-
-/// Write straight into simulated device memory (it is host memory), without calling a driver
-/// primitive, so armed faults are not consumed by the test itself.
-fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
-    let last = addr + data.len() as u64 - 1;
-    assert!(
-        sim.is_accessible(addr) && sim.is_accessible(last),
-        "writing {addr:#x}+{}: not accessible",
-        data.len()
-    );
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
-}
-
-fn read_raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
-    let last = addr + len as u64 - 1;
-    assert!(
-        sim.is_accessible(addr) && sim.is_accessible(last),
-        "reading {addr:#x}+{len}: not accessible"
-    );
-    let mut v = vec![0u8; len];
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
-    v
-}
 
 /// Compare without dumping megabytes on failure.
 fn assert_same(got: &[u8], want: &[u8], what: &str) {

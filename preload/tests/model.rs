@@ -4,9 +4,12 @@
 //! hold. Capacity is small enough that allocations and resumes run out of memory now and then;
 //! the model predicts those failures exactly (an out-of-memory resume leaves the tag paused).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use common::{pattern, read_raw, write_raw};
 use proptest::prelude::*;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::driver::HostBackend;
@@ -18,32 +21,6 @@ const G: u64 = 64 << 10;
 /// Per device: about four allocations of average size, so out-of-memory happens.
 const CAPACITY: u64 = 12 * G;
 const TAGS: [&str; 3] = ["kv", "weights", "misc"];
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = vec![0u8; len];
-    for c in v.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-    v
-}
-
-fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
-    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + data.len() as u64 - 1));
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
-}
-
-fn read_raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
-    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + len as u64 - 1));
-    let mut v = vec![0u8; len];
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
-    v
-}
 
 #[derive(Clone, Debug)]
 enum Op {

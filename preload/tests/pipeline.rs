@@ -14,9 +14,12 @@
 //!
 //! Also: contents survive pause/resume cycles across random sizes and settings.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::{pattern, read_raw, write_raw};
 use proptest::prelude::*;
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::driver::{HostBackend, HostLayout};
@@ -24,32 +27,6 @@ use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::Backup;
 
 const G: u64 = 16 << 10;
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = vec![0u8; len];
-    for c in v.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
-    }
-    v
-}
-
-fn raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
-    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + len as u64 - 1));
-    let mut v = vec![0u8; len];
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
-    v
-}
-
-fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
-    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + data.len() as u64 - 1));
-    // SAFETY: as in raw.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
-}
 
 struct Alloc {
     addr: u64,
@@ -140,7 +117,7 @@ impl Fx {
                         a.addr
                     );
                     assert!(
-                        !a.intact || raw(&self.sim, a.addr, a.size as usize) == a.data,
+                        !a.intact || read_raw(&self.sim, a.addr, a.size as usize) == a.data,
                         "{ctx}: active {:#x} ({} bytes, {:?}) lost contents",
                         a.addr,
                         a.size,
@@ -194,7 +171,7 @@ impl Fx {
         for (a, lost) in self.allocs.iter().zip(lost) {
             if !lost {
                 assert!(
-                    raw(&self.sim, a.addr, a.size as usize) == a.data,
+                    read_raw(&self.sim, a.addr, a.size as usize) == a.data,
                     "{ctx}: {:#x} differs after recovery",
                     a.addr
                 );
@@ -305,7 +282,10 @@ impl Fx {
         for (a, i) in self.allocs.iter().zip(&infos) {
             assert_eq!(i.state, State::Active, "{ctx}");
             if a.intact {
-                assert!(raw(&self.sim, a.addr, a.size as usize) == a.data, "{ctx}");
+                assert!(
+                    read_raw(&self.sim, a.addr, a.size as usize) == a.data,
+                    "{ctx}"
+                );
             }
         }
     }
@@ -377,7 +357,7 @@ proptest! {
             e.pause(None).unwrap();
             e.resume(None).unwrap();
             for (k, (addr, size)) in v.iter().enumerate() {
-                prop_assert!(raw(&sim, *addr, *size as usize) == pattern(*size as usize, cycle * 100 + k as u64));
+                prop_assert!(read_raw(&sim, *addr, *size as usize) == pattern(*size as usize, cycle * 100 + k as u64));
             }
         }
         prop_assert_eq!(sim.pageable_copies(), 0);
