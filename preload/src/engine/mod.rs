@@ -141,6 +141,14 @@ struct Allocation {
 }
 
 impl Allocation {
+    /// How errors name the allocation at `ptr`.
+    fn describe(&self, ptr: DevPtr) -> String {
+        format!(
+            "allocation {ptr:#x} ({} bytes, tag {:?})",
+            self.size, self.tag
+        )
+    }
+
     fn state(&self) -> State {
         if !self.handles.is_empty() {
             State::Active
@@ -167,6 +175,27 @@ impl Registry {
             .filter(|(_, a)| a.pauseable && a.state() == state && tag.is_none_or(|t| &*a.tag == t))
             .map(|(p, _)| *p)
             .collect()
+    }
+
+    /// Each device's share of `groups` with that device's staging ring (made if missing), next to
+    /// the allocations: what a pause or resume hands to its per-device coordinators.
+    #[allow(clippy::type_complexity)]
+    fn device_jobs<'a>(
+        &'a mut self,
+        groups: &'a BTreeMap<i32, Vec<DevPtr>>,
+    ) -> (
+        &'a BTreeMap<DevPtr, Allocation>,
+        Vec<(i32, &'a [DevPtr], &'a mut Ring)>,
+    ) {
+        for device in groups.keys() {
+            self.rings.entry(*device).or_default();
+        }
+        let jobs = self
+            .rings
+            .iter_mut()
+            .filter_map(|(device, ring)| Some((*device, groups.get(device)?.as_slice(), ring)))
+            .collect();
+        (&self.allocs, jobs)
     }
 
     fn by_device(&self, addrs: &[DevPtr]) -> BTreeMap<i32, Vec<DevPtr>> {
@@ -210,12 +239,8 @@ enum Step {
 /// One allocation in a pause, as the device's coordinator sees it.
 struct PauseItem<'a> {
     ptr: DevPtr,
-    size: u64,
-    mapped: u64,
-    tag: &'a str,
-    device: i32,
-    segment: u64,
-    handles: &'a [PhysHandle],
+    a: &'a Allocation,
+    /// The backup to copy to, if the allocation has a backup policy.
     host: Option<&'a HostBuffer>,
 }
 
@@ -223,24 +248,18 @@ impl<'a> PauseItem<'a> {
     fn new(ptr: DevPtr, a: &'a Allocation) -> Self {
         PauseItem {
             ptr,
-            size: a.size,
-            mapped: a.mapped,
-            tag: &a.tag,
-            device: a.device,
-            segment: a.segment,
-            handles: &a.handles,
+            a,
             host: a.host.as_deref().filter(|_| a.backup.is_some()),
         }
     }
 
     fn what(&self) -> String {
+        let hs = &self.a.handles;
         format!(
-            "allocation {:#x} ({} bytes, tag {:?}, handle {:#x}{})",
-            self.ptr,
-            self.size,
-            self.tag,
-            self.handles.first().map_or(0, |h| h.0),
-            match self.handles.len() {
+            "{}, handle {:#x}{}",
+            self.a.describe(self.ptr),
+            hs.first().map_or(0, |h| h.0),
+            match hs.len() {
                 0 | 1 => String::new(),
                 n => format!(" and {} more", n - 1),
             }
@@ -690,25 +709,14 @@ impl Engine {
         let groups = reg.by_device(&addrs);
         let mut steps: BTreeMap<DevPtr, Step> = BTreeMap::new();
         let result = self.prepare_backups(reg, &addrs, &cfg).and_then(|()| {
-            for device in groups.keys() {
-                reg.rings.entry(*device).or_default();
-            }
-            let Registry { allocs, rings, .. } = &mut *reg;
-            let allocs = &*allocs;
-            let jobs: Vec<(i32, Vec<PauseItem<'_>>, &mut Ring)> = rings
-                .iter_mut()
-                .filter_map(|(device, ring)| {
-                    let list = groups.get(device)?;
-                    let mut items: Vec<PauseItem<'_>> = list
-                        .iter()
-                        .map(|p| PauseItem::new(*p, &allocs[p]))
-                        .collect();
-                    // Those with nothing to copy are retired first.
-                    items.sort_by_key(|it| (it.host.is_some(), it.ptr));
-                    Some((*device, items, ring))
-                })
-                .collect();
-            let results = per_device(jobs, |(device, items, ring)| {
+            let (allocs, jobs) = reg.device_jobs(&groups);
+            let results = per_device(jobs, |(device, list, ring)| {
+                let mut items: Vec<PauseItem<'_>> = list
+                    .iter()
+                    .map(|p| PauseItem::new(*p, &allocs[p]))
+                    .collect();
+                // Those with nothing to copy are retired first.
+                items.sort_by_key(|it| (it.host.is_some(), it.ptr));
                 let (done, r) = self.pause_device(device, &items, ring, &cfg);
                 (
                     items.iter().map(|it| it.ptr).zip(done).collect::<Vec<_>>(),
@@ -787,7 +795,7 @@ impl Engine {
             if !reuse {
                 a.host = None;
                 let h = HostBuffer::new(self.driver.clone(), backend, a.size, cfg.layout)
-                    .ctx(|| format!("allocation {ptr:#x} ({} bytes, tag {:?})", a.size, a.tag))?;
+                    .ctx(|| a.describe(*ptr))?;
                 a.host = Some(Arc::new(h));
             }
         }
@@ -833,10 +841,11 @@ impl Engine {
 
     /// Unmap and release one allocation whose contents are safe (copied, or not wanted).
     fn retire(&self, it: &PauseItem<'_>, step: &mut Step) -> Result<()> {
-        self.unmap_all(it.device, it.ptr, it.mapped, it.segment, it.handles)
+        let a = it.a;
+        self.unmap_all(a.device, it.ptr, a.mapped, a.segment, &a.handles)
             .ctx(|| it.what())?;
         *step = Step::Released;
-        self.release_all(it.handles).ctx(|| it.what())
+        self.release_all(&a.handles).ctx(|| it.what())
     }
 
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
@@ -849,20 +858,12 @@ impl Engine {
         let reg = &mut *guard;
         let addrs = reg.selected(tag, State::Paused);
         let groups = reg.by_device(&addrs);
-        for device in groups.keys() {
-            reg.rings.entry(*device).or_default();
-        }
         // Per device, in parallel: map each allocation, and copy its backup back while the next
         // one is mapped. All or nothing: on any failure everything made here is undone.
         let mut made: Vec<Made> = Vec::with_capacity(addrs.len());
         let mut copied = 0;
         let phase2 = {
-            let Registry { allocs, rings, .. } = &mut *reg;
-            let allocs = &*allocs;
-            let jobs: Vec<(i32, &[DevPtr], &mut Ring)> = rings
-                .iter_mut()
-                .filter_map(|(device, ring)| Some((*device, groups.get(device)?.as_slice(), ring)))
-                .collect();
+            let (allocs, jobs) = reg.device_jobs(&groups);
             let results = per_device(jobs, |(device, list, ring)| {
                 let items: Vec<Item<'_>> = list
                     .iter()
@@ -890,9 +891,7 @@ impl Engine {
                             // Recorded even when incomplete: workers may be copying into the
                             // segments made, so they are undone only after the pipeline stops.
                             made.push((device, p, a.mapped, a.segment, hs));
-                            r.ctx(|| {
-                                format!("allocation {p:#x} ({} bytes, tag {:?})", a.mapped, a.tag)
-                            })
+                            r.ctx(|| a.describe(p))
                         },
                         |_| Ok(()),
                     )

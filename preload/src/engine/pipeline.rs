@@ -157,7 +157,6 @@ pub(super) struct Item<'a> {
 
 struct Shared<'a> {
     driver: &'a Arc<dyn Driver>,
-    d: &'a dyn Driver,
     device: i32,
     dir: Dir,
     cfg: &'a CopyConfig,
@@ -176,6 +175,10 @@ struct Shared<'a> {
 }
 
 impl Shared<'_> {
+    fn d(&self) -> &dyn Driver {
+        &**self.driver
+    }
+
     fn fail(&self, e: Error) {
         {
             let mut first = self.error.lock();
@@ -259,7 +262,6 @@ pub(super) fn run(
     }
     let sh = Shared {
         driver,
-        d: &**driver,
         device,
         dir,
         cfg,
@@ -342,13 +344,13 @@ impl Lanes<'_> {
 
 fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = (|| -> Result<()> {
-        let _scope = DeviceScope::enter(sh.d, sh.device)?;
-        let stream = sh.d.stream(sh.device)?;
-        let e0 = sh.d.event_create(sh.device)?;
-        let e1 = match sh.d.event_create(sh.device) {
+        let _scope = DeviceScope::enter(sh.d(), sh.device)?;
+        let stream = sh.d().stream(sh.device)?;
+        let e0 = sh.d().event_create(sh.device)?;
+        let e1 = match sh.d().event_create(sh.device) {
             Ok(e) => e,
             Err(e) => {
-                sh.d.event_destroy(e0);
+                sh.d().event_destroy(e0);
                 return Err(e);
             }
         };
@@ -362,10 +364,10 @@ fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<
         if res.is_err() {
             // Let nothing queued outlive the call: a late DMA must not land in a buffer that
             // is about to be reused or freed.
-            let _ = sh.d.stream_sync(stream);
+            let _ = sh.d().stream_sync(stream);
         }
         for e in lanes.events {
-            sh.d.event_destroy(e);
+            sh.d().event_destroy(e);
         }
         res
     })();
@@ -416,7 +418,7 @@ fn chunk(
     k: usize,
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
-    let d = sh.d;
+    let d = sh.d();
     let (off, len) = buf.chunk_span(k);
     // SAFETY: off < buf.len(), inside the buffer's mapping.
     let host = unsafe { buf.base().add(off as usize) };
@@ -448,7 +450,7 @@ fn staged(
     len: u64,
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
-    let d = sh.d;
+    let d = sh.d();
     let slot_len = sh.cfg.slot;
     for slot in lanes.slots.iter_mut() {
         if slot.as_ref().is_none_or(|s| s.len() != slot_len) {
@@ -497,7 +499,7 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, host: *mut u8) -
     let Some((off, n)) = lanes.queued[l].take() else {
         return Ok(());
     };
-    sh.d.event_sync(lanes.events[l])?;
+    sh.d().event_sync(lanes.events[l])?;
     if sh.dir == Dir::Save {
         let slot = lanes.slots[l].as_ref().expect("queued lanes have a slot");
         // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the host
