@@ -1,6 +1,6 @@
 """Pause/resume through PyTorch and the torch_memory_saver package, in one hook mode.
 
-Usage: python3 bench_torch.py preload|torch TOTAL COUNT
+Usage: python3 bench_torch.py preload|torch TOTAL COUNT [--plain-only]
 (preload mode needs LD_PRELOAD=libtms.so; scripts/bench runs both modes.)
 
 Measures, with every byte verified on the GPU against a copy kept outside the regions:
@@ -8,12 +8,15 @@ Measures, with every byte verified on the GPU against a copy kept outside the re
 - pause/resume with CPU backup (first pause into fresh host memory, retained cycles, a resume
   that releases host memory, and the share of that release), pinned and mmap, for one tensor of
   TOTAL and COUNT tensors of TOTAL/COUNT, and the process RSS before and after;
-- pause/resume without backup of COUNT tensors.
+- pause/resume without backup of COUNT tensors, against the bare VMM calls for the same sizes
+  made from this process through ctypes and timed the same way (device synchronized before and
+  after), and the engine's own time for each operation.
 Limits: pinned copy bandwidth through PyTorch's own pinned memory, measured here; the fresh-fill
 rate and the bare VMM call times from tms-bench in the same run (TMS_BENCH_LIMITS, JSON).
 Prints a table; asserts nothing about time; exits 1 if contents differ.
 """
 
+import ctypes
 import json
 import os
 import statistics
@@ -35,6 +38,7 @@ def parse_bytes(s: str) -> int:
 
 
 mode, total, count = sys.argv[1], parse_bytes(sys.argv[2]), int(sys.argv[3])
+plain_only = sys.argv[4:] == ["--plain-only"]
 limits = json.loads(os.environ.get("TMS_BENCH_LIMITS") or "{}")
 tms.hook_mode = mode
 rows = []
@@ -166,19 +170,94 @@ def backup_scenario(backend: str, n: int, size: int, h2d: float, d2h: float) -> 
     del ts, ref
 
 
+class _Prop(ctypes.Structure):
+    """CUmemAllocationProp: pinned device memory on one device."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("handle_types", ctypes.c_int),
+        ("loc_type", ctypes.c_int),
+        ("loc_id", ctypes.c_int),
+        ("win32", ctypes.c_void_p),
+        ("flags", ctypes.c_ubyte * 8),
+    ]
+
+
+class _Access(ctypes.Structure):
+    """CUmemAccessDesc."""
+
+    _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+def bare_vmm(n: int, size: int, reps: int = 3):
+    """Best-of-reps seconds for the bare driver calls a pause and a resume without backup make
+    for n allocations of size bytes (unmap+release; create+map+access), from this process, timed
+    like the library's calls (device synchronized before and after)."""
+    cu = ctypes.CDLL("libcuda.so.1")
+    u64 = ctypes.c_uint64
+
+    def ok(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {rc}")
+
+    dev = torch.cuda.current_device()
+    prop = _Prop(type=1, handle_types=0, loc_type=1, loc_id=dev)
+    access = _Access(loc_type=1, loc_id=dev, flags=3)
+    g = 2 << 20
+    mapped = -(-size // g) * g
+    ptrs = []
+    for _ in range(n):
+        p = u64()
+        ok(cu.cuMemAddressReserve(ctypes.byref(p), u64(mapped), u64(0), u64(0), u64(0)), "cuMemAddressReserve")
+        ptrs.append(p.value)
+    handles = [u64() for _ in range(n)]
+
+    def create_map():
+        for p, h in zip(ptrs, handles):
+            ok(cu.cuMemCreate(ctypes.byref(h), u64(mapped), ctypes.byref(prop), u64(0)), "cuMemCreate")
+            ok(cu.cuMemMap(u64(p), u64(mapped), u64(0), h, u64(0)), "cuMemMap")
+            ok(cu.cuMemSetAccess(u64(p), u64(mapped), ctypes.byref(access), u64(1)), "cuMemSetAccess")
+
+    def unmap_release():
+        for p, h in zip(ptrs, handles):
+            ok(cu.cuMemUnmap(u64(p), u64(mapped)), "cuMemUnmap")
+            ok(cu.cuMemRelease(h), "cuMemRelease")
+
+    maps, unmaps = [], []
+    try:
+        for _ in range(reps):
+            maps.append(timed(create_map))
+            unmaps.append(timed(unmap_release))
+    finally:
+        for p in ptrs:
+            cu.cuMemAddressFree(u64(p), u64(mapped))
+    return min(unmaps), min(maps)
+
+
 def plain_scenario(n: int, size: int) -> None:
     print(f"\nno backup, {n} x {size / (1 << 20):.0f} MiB", flush=True)
     with tms.region(tag="plain"):
         ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
     nbytes = n * size
+    bare_unmap, bare_map = bare_vmm(n, size)
+    row(f"bare unmap+release, {n} allocations (ctypes, here)", nbytes, bare_unmap)
+    row(f"bare create+map+access, {n} allocations (ctypes, here)", nbytes, bare_map)
     same_count = limits.get("count") == n
+
+    def vs(dt: float, here: float, engine: float, limit_key: str) -> str:
+        out = f"{dt / here:.2f}x bare here; engine {engine:.4f} s"
+        if same_count and limits.get(limit_key):
+            out += f", {engine / limits[limit_key]:.2f}x tms-bench bare"
+        return out
+
+    def engine_s(op: str) -> float:
+        return next(t for t in tms.stats()["tags"] if t["tag"] == "plain")[op]["seconds"]
+
     for cycle in (1, 2, 3):
         dt = timed(lambda: tms.pause("plain"))
-        vs = limits.get("vmm_unmap_s") if same_count else None
-        row(f"plain: pause #{cycle}", nbytes, dt, f"{dt / vs:.2f}x bare unmap+release" if vs else "")
+        row(f"plain: pause #{cycle}", nbytes, dt, vs(dt, bare_unmap, engine_s("last_pause"), "vmm_unmap_s"))
         dt = timed(lambda: tms.resume("plain"))
-        vs = limits.get("vmm_map_s") if same_count else None
-        row(f"plain: resume #{cycle}", nbytes, dt, f"{dt / vs:.2f}x bare create+map" if vs else "")
+        row(f"plain: resume #{cycle}", nbytes, dt, vs(dt, bare_map, engine_s("last_resume"), "vmm_map_s"))
     del ts
 
 
@@ -187,12 +266,13 @@ def main() -> int:
     torch.empty(1, device="cuda")
     with tms.region(tag="warm-up"):
         torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
-    h2d, d2h = copy_limits()
-    alloc_cost(32 << 20, min(count, 256))
-    alloc_cost(1 << 20, 2048)
-    for backend in ("pinned", "mmap"):
-        for n in (1, count):
-            backup_scenario(backend, n, total // n, h2d, d2h)
+    if not plain_only:
+        h2d, d2h = copy_limits()
+        alloc_cost(32 << 20, min(count, 256))
+        alloc_cost(1 << 20, 2048)
+        for backend in ("pinned", "mmap"):
+            for n in (1, count):
+                backup_scenario(backend, n, total // n, h2d, d2h)
     plain_scenario(count, total // count)
     print(f"\nTORCH BENCH TABLE ({mode} mode)")
     print(f"{'what':<52} {'GiB':>8} {'seconds':>10} {'GiB/s':>8}  vs limit")

@@ -9,8 +9,10 @@
 //! calls; process RSS after a non-retaining resume. Every byte is verified after each scenario.
 //! Prints a table; asserts nothing about time.
 //!
-//! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]`
-//! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT). The copy
+//! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]
+//! [--no-many] [--segment BYTES]` (default 16GiB 512: one allocation of TOTAL, and COUNT
+//! allocations of TOTAL/COUNT; `--no-many` skips the latter with backup; `--segment` sets the
+//! engine's physical segment size, for experiments; `TMS_LOG=tms=debug` logs pipeline phases). The copy
 //! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
 //! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
 
@@ -85,10 +87,13 @@ struct Opts {
     limits: bool,
     backends: Vec<HostBackend>,
     plain: bool,
+    many: bool,
+    segment: Option<u64>,
 }
 
 fn usage() -> &'static str {
-    "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]   (default 16GiB 512)"
+    "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
+     [--segment BYTES]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -98,6 +103,8 @@ fn parse_args() -> Result<Option<Opts>, String> {
         limits: true,
         backends: vec![HostBackend::Pinned, HostBackend::Mmap],
         plain: true,
+        many: true,
+        segment: None,
     };
     let mut positional = 0;
     let mut args = std::env::args().skip(1);
@@ -109,6 +116,11 @@ fn parse_args() -> Result<Option<Opts>, String> {
             }
             "--no-limits" => o.limits = false,
             "--no-plain" => o.plain = false,
+            "--no-many" => o.many = false,
+            "--segment" => {
+                let b = args.next().ok_or("--segment needs a size")?;
+                o.segment = Some(parse_bytes(&b).map_err(|e| e.to_string())?);
+            }
             "--backend" => {
                 let b = args.next().ok_or("--backend needs pinned or mmap")?;
                 o.backends = vec![HostBackend::parse(&b).map_err(|e| e.to_string())?];
@@ -150,7 +162,20 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Ok(filter) = std::env::var("TMS_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .try_init();
+    }
     let e = Engine::new(driver.clone());
+    if let Some(b) = o.segment {
+        if let Err(err) = e.set_segment_bytes(b) {
+            eprintln!("tms-bench: {err}");
+            return ExitCode::from(2);
+        }
+    }
     let cfg = match copy_config_from_env().and_then(|c| e.set_copy_config(c).map(|()| c)) {
         Ok(c) => c,
         Err(err) => {
@@ -223,7 +248,8 @@ fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<
     };
     let piece = o.total / o.count;
     for &backend in &o.backends {
-        for (n, size) in [(1u64, o.total), (o.count, piece)] {
+        let many = o.many.then_some((o.count, piece));
+        for (n, size) in std::iter::once((1u64, o.total)).chain(many) {
             backup_scenario(e, backend, n, size, &lim, t)?;
         }
     }
@@ -386,6 +412,24 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
         total,
         t0.elapsed().as_secs_f64(),
     );
+    // Memory laid out as a backup (huge pages, page-locked chunk by chunk), copied in one
+    // chunk-sized copy after another on one stream: the pipeline's best case.
+    let mut touched = touched;
+    let piece = chunk as usize;
+    let t0 = Instant::now();
+    s(e.write_bytes_in(dev, touched.as_slice(), piece))?;
+    t.add(
+        format!("copy H2D, backup layout, {} copies queued", human(chunk)),
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
+    let t0 = Instant::now();
+    s(e.read_bytes_in(dev, touched.as_mut_slice(), piece))?;
+    t.add(
+        format!("copy D2H, backup layout, {} copies queued", human(chunk)),
+        total,
+        t0.elapsed().as_secs_f64(),
+    );
     let t0 = Instant::now();
     tms::driver::host::release_parallel(vec![Arc::new(touched), Arc::new(fresh)], threads);
     t.add(
@@ -435,6 +479,39 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
         o.count * mapped,
         lim.vmm_unmap_s,
     );
+
+    // The same calls for one allocation of TOTAL in the engine's segments: what a resume of it
+    // must do before (and, overlapped, while) copying.
+    let seg = e.segment_bytes().max(g);
+    let mapped = o.total.div_ceil(g) * g;
+    let base = s(d.reserve(0, mapped))?;
+    let pieces: Vec<(u64, u64)> = (0..mapped.div_ceil(seg))
+        .map(|k| (k * seg, seg.min(mapped - k * seg)))
+        .collect();
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    let mut first = 0.0;
+    for &(off, len) in &pieces {
+        let h = s(d.create(0, len))?;
+        s(d.map(base + off, len, h))?;
+        s(d.set_access(0, base + off, len))?;
+        handles.push(h);
+        if first == 0.0 {
+            first = t0.elapsed().as_secs_f64();
+        }
+    }
+    let map_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for (&(off, len), h) in pieces.iter().zip(&handles) {
+        s(d.unmap(base + off, len))?;
+        s(d.release(*h))?;
+    }
+    let unmap_s = t0.elapsed().as_secs_f64();
+    s(d.free_range(base, mapped))?;
+    let what = format!("1 x {} in {} segments", human(mapped), pieces.len());
+    t.add(format!("bare create+map+access, {what}"), mapped, map_s);
+    println!("    (the first segment took {first:.4} s)");
+    t.add(format!("bare unmap+release, {what}"), mapped, unmap_s);
     Ok(lim)
 }
 

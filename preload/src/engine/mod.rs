@@ -384,6 +384,11 @@ impl Engine {
         Ok(())
     }
 
+    /// The segment size set by [`Engine::set_segment_bytes`].
+    pub fn segment_bytes(&self) -> u64 {
+        self.segment.load(Ordering::Relaxed)
+    }
+
     /// Set how backups are copied (used from the next pause or resume on).
     pub fn set_copy_config(&self, c: CopyConfig) -> Result<()> {
         c.validate()?;
@@ -1021,15 +1026,28 @@ impl Engine {
     /// Copy `data` into an active allocation at `addr` (for tools, demos and tests: the device
     /// side of real workloads writes with kernels). The range must lie inside one allocation.
     pub fn write_bytes(&self, addr: DevPtr, data: &[u8]) -> Result<()> {
+        self.write_bytes_in(addr, data, usize::MAX)
+    }
+
+    /// [`Engine::write_bytes`] as copies of at most `piece` bytes queued back to back (the
+    /// benchmark measures what cutting copies costs).
+    pub fn write_bytes_in(&self, addr: DevPtr, data: &[u8], piece: usize) -> Result<()> {
         self.with_active(addr, data.len() as u64, |d, stream| {
-            transfer::write(d, addr, data, stream)
+            transfer::write(d, addr, data, piece, stream)
         })
     }
 
     /// Copy from an active allocation at `addr` into `out`.
     pub fn read_bytes(&self, addr: DevPtr, out: &mut [u8]) -> Result<()> {
+        self.read_bytes_in(addr, out, usize::MAX)
+    }
+
+    /// [`Engine::read_bytes`] as copies of at most `piece` bytes queued back to back.
+    pub fn read_bytes_in(&self, addr: DevPtr, out: &mut [u8], piece: usize) -> Result<()> {
         let len = out.len() as u64;
-        self.with_active(addr, len, |d, stream| transfer::read(d, out, addr, stream))
+        self.with_active(addr, len, |d, stream| {
+            transfer::read(d, out, addr, piece, stream)
+        })
     }
 
     fn with_active(

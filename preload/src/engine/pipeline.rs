@@ -35,6 +35,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
+use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -172,6 +173,10 @@ struct Shared<'a> {
     wake: Condvar,
     abort: AtomicBool,
     error: Mutex<Option<Error>>,
+    /// When the pipeline started, and (ns after that, 0 = not yet) when the first copy was
+    /// issued: logged with the phases at debug level, to see where an operation's time goes.
+    t0: Instant,
+    first_copy_ns: AtomicU64,
 }
 
 impl Shared<'_> {
@@ -278,7 +283,10 @@ pub(super) fn run(
         wake: Condvar::new(),
         abort: AtomicBool::new(false),
         error: Mutex::new(None),
+        t0: Instant::now(),
+        first_copy_ns: AtomicU64::new(0),
     };
+    let mut prepared_s = 0.0;
     let (tx, rx) = mpsc::channel::<usize>();
     std::thread::scope(|s| {
         for slots in ring.slots.chunks_mut(2).take(workers) {
@@ -314,10 +322,20 @@ pub(super) fn run(
                 done(j, &mut stopped);
             }
         }
+        prepared_s = sh.t0.elapsed().as_secs_f64();
         for j in rx {
             done(j, &mut stopped);
         }
     });
+    tracing::debug!(
+        "copy pipeline ({:?}, device {device}): {} items, {} chunks, {workers} workers; \
+         prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s",
+        dir,
+        items.len(),
+        sh.units.len(),
+        sh.first_copy_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        sh.t0.elapsed().as_secs_f64()
+    );
     match sh.error.into_inner() {
         Some(e) => Err(e),
         None => Ok(()),
@@ -336,8 +354,15 @@ struct Lanes<'s> {
 
 impl Lanes<'_> {
     /// Queue the copy `f` on the stream for lane `l`, and mark it with the lane's event.
-    fn issue(&self, d: &dyn Driver, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
+    fn issue(&self, sh: &Shared<'_>, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
+        let d = sh.d();
         f(self.stream)?;
+        if sh.first_copy_ns.load(Ordering::Relaxed) == 0 {
+            let ns = (sh.t0.elapsed().as_nanos() as u64).max(1);
+            let _ = sh
+                .first_copy_ns
+                .compare_exchange(0, ns, Ordering::Relaxed, Ordering::Relaxed);
+        }
         d.event_record(self.events[l], self.stream)
     }
 }
@@ -432,7 +457,7 @@ fn chunk(
         // that nothing else touches until the operation ends (a page-locked chunk stays so until
         // the buffer is released, which the registry lock excludes). The stream is waited for
         // below (or, on error, by the worker before it returns).
-        lanes.issue(d, 0, |s| unsafe {
+        lanes.issue(sh, 0, |s| unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(host, dev, len, s),
                 Dir::Restore => d.copy_h2d(dev, host, len, s),
@@ -476,7 +501,7 @@ fn staged(
         // (drain_lane waited for its lane); host+off..+n is inside this worker's chunk; the
         // device range is mapped for the whole operation. The lane is waited for before the
         // slot is touched again.
-        lanes.issue(d, l, |s| unsafe {
+        lanes.issue(sh, l, |s| unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(slot, dev + off, n, s),
                 Dir::Restore => {

@@ -497,3 +497,21 @@ fn releasing_while_the_pinner_works_gives_everything_back() {
         );
     }
 }
+
+#[test]
+fn byte_copies_in_pieces_land_in_place_and_refuse_paused_ranges() {
+    let (sim, e) = setup(64 * G);
+    let size = 3 * G + 12345;
+    let p = e.alloc(&req(size, "t", Backup::None)).unwrap();
+    let data = pattern(size as usize, 7);
+    // Pieces that do not divide the length, and a last piece shorter than the others.
+    e.write_bytes_in(p, &data, (G / 3) as usize).unwrap();
+    assert_eq!(read(&sim, p, data.len()), data);
+    let mut out = vec![0u8; data.len()];
+    e.read_bytes_in(p, &mut out, 4096 + 1).unwrap();
+    assert_eq!(out, data);
+    assert_eq!(sim.queued_copies(), 0);
+    e.pause(Some("t")).unwrap();
+    let err = e.write_bytes_in(p, &data[..10], 4).unwrap_err();
+    assert!(err.to_string().contains("paused"), "{err}");
+}
