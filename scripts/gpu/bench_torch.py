@@ -8,9 +8,10 @@ Measures, with every byte verified on the GPU against a copy kept outside the re
 - pause/resume with CPU backup (first pause into fresh host memory, retained cycles, a resume
   that releases host memory, and the share of that release), pinned and mmap, for one tensor of
   TOTAL and COUNT tensors of TOTAL/COUNT, and the process RSS before and after;
-- pause/resume without backup of COUNT tensors, against the bare VMM calls for the same sizes
-  made from this process through ctypes and timed the same way (device synchronized before and
-  after), and the engine's own time for each operation.
+- pause/resume without backup of COUNT tensors (5 cycles, and their medians), against the
+  median of 5 rounds of the bare VMM calls for the same sizes made from this process through
+  ctypes and timed the same way (device synchronized before and after), and the engine's own
+  time for each operation.
 Limits: pinned copy bandwidth through PyTorch's own pinned memory, measured here; the fresh-fill
 rate and the bare VMM call times from tms-bench in the same run (TMS_BENCH_LIMITS, JSON).
 Prints a table; asserts nothing about time; exits 1 if contents differ.
@@ -189,8 +190,8 @@ class _Access(ctypes.Structure):
     _fields_ = [("loc_type", ctypes.c_int), ("loc_id", ctypes.c_int), ("flags", ctypes.c_int)]
 
 
-def bare_vmm(n: int, size: int, reps: int = 3):
-    """Best-of-reps seconds for the bare driver calls a pause and a resume without backup make
+def bare_vmm(n: int, size: int, reps: int = 5):
+    """Median seconds over reps of the bare driver calls a pause and a resume without backup make
     for n allocations of size bytes (unmap+release; create+map+access), from this process, timed
     like the library's calls (device synchronized before and after)."""
     cu = ctypes.CDLL("libcuda.so.1")
@@ -231,7 +232,7 @@ def bare_vmm(n: int, size: int, reps: int = 3):
     finally:
         for p in ptrs:
             cu.cuMemAddressFree(u64(p), u64(mapped))
-    return min(unmaps), min(maps)
+    return statistics.median(unmaps), statistics.median(maps)
 
 
 def plain_scenario(n: int, size: int) -> None:
@@ -240,8 +241,8 @@ def plain_scenario(n: int, size: int) -> None:
         ts = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in range(n)]
     nbytes = n * size
     bare_unmap, bare_map = bare_vmm(n, size)
-    row(f"bare unmap+release, {n} allocations (ctypes, here)", nbytes, bare_unmap)
-    row(f"bare create+map+access, {n} allocations (ctypes, here)", nbytes, bare_map)
+    row(f"bare unmap+release, {n} allocs (here, median of 5)", nbytes, bare_unmap)
+    row(f"bare create+map+access, {n} allocs (here, median of 5)", nbytes, bare_map)
     same_count = limits.get("count") == n
 
     def vs(dt: float, here: float, engine: float, limit_key: str) -> str:
@@ -253,11 +254,17 @@ def plain_scenario(n: int, size: int) -> None:
     def engine_s(op: str) -> float:
         return next(t for t in tms.stats()["tags"] if t["tag"] == "plain")[op]["seconds"]
 
-    for cycle in (1, 2, 3):
+    pauses, resumes = [], []
+    for cycle in (1, 2, 3, 4, 5):
         dt = timed(lambda: tms.pause("plain"))
+        pauses.append(dt)
         row(f"plain: pause #{cycle}", nbytes, dt, vs(dt, bare_unmap, engine_s("last_pause"), "vmm_unmap_s"))
         dt = timed(lambda: tms.resume("plain"))
+        resumes.append(dt)
         row(f"plain: resume #{cycle}", nbytes, dt, vs(dt, bare_map, engine_s("last_resume"), "vmm_map_s"))
+    p, r = statistics.median(pauses), statistics.median(resumes)
+    row("plain: pause, median of 5 cycles", nbytes, p, f"{p / bare_unmap:.2f}x bare here (median)")
+    row("plain: resume, median of 5 cycles", nbytes, r, f"{r / bare_map:.2f}x bare here (median)")
     del ts
 
 
