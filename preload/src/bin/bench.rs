@@ -162,13 +162,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Ok(filter) = std::env::var("TMS_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
-            .with_target(false)
-            .try_init();
-    }
+    tms::hooks::runtime::init_logging();
     let e = Engine::new(driver.clone());
     if let Some(b) = o.segment {
         if let Err(err) = e.set_segment_bytes(b) {
@@ -257,6 +251,31 @@ fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<
         plain_scenario(e, o.count, piece, &lim, t)?;
     }
     Ok(())
+}
+
+/// Seconds for the bare calls of device 0 over the reserved `(address, bytes)` pieces:
+/// create+map+access of them all, then unmap+release of them all; and how long the first
+/// create+map+access took.
+fn bare_vmm(d: &dyn Driver, pieces: &[(DevPtr, u64)]) -> Result<(f64, f64, f64), String> {
+    let t0 = Instant::now();
+    let mut handles = Vec::new();
+    let mut first = 0.0;
+    for &(p, len) in pieces {
+        let h = s(d.create(0, len))?;
+        s(d.map(p, len, h))?;
+        s(d.set_access(0, p, len))?;
+        handles.push(h);
+        if handles.len() == 1 {
+            first = t0.elapsed().as_secs_f64();
+        }
+    }
+    let map_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for (&(p, len), h) in pieces.iter().zip(&handles) {
+        s(d.unmap(p, len))?;
+        s(d.release(*h))?;
+    }
+    Ok((map_s, t0.elapsed().as_secs_f64(), first))
 }
 
 /// Run `f(i, chunk)` over `buf` cut into `threads` pieces, in parallel.
@@ -450,21 +469,8 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     for _ in 0..o.count {
         ranges.push(s(d.reserve(0, mapped))?);
     }
-    let t0 = Instant::now();
-    let mut handles = Vec::new();
-    for p in &ranges {
-        let h = s(d.create(0, mapped))?;
-        s(d.map(*p, mapped, h))?;
-        s(d.set_access(0, *p, mapped))?;
-        handles.push(h);
-    }
-    lim.vmm_map_s = t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    for (p, h) in ranges.iter().zip(&handles) {
-        s(d.unmap(*p, mapped))?;
-        s(d.release(*h))?;
-    }
-    lim.vmm_unmap_s = t0.elapsed().as_secs_f64();
+    let pieces: Vec<(DevPtr, u64)> = ranges.iter().map(|p| (*p, mapped)).collect();
+    (lim.vmm_map_s, lim.vmm_unmap_s, _) = bare_vmm(d, &pieces)?;
     for p in &ranges {
         s(d.free_range(*p, mapped))?;
     }
@@ -485,28 +491,10 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let seg = e.segment_bytes().max(g);
     let mapped = o.total.div_ceil(g) * g;
     let base = s(d.reserve(0, mapped))?;
-    let pieces: Vec<(u64, u64)> = (0..mapped.div_ceil(seg))
-        .map(|k| (k * seg, seg.min(mapped - k * seg)))
+    let pieces: Vec<(DevPtr, u64)> = tms::engine::segments(mapped, seg)
+        .map(|(off, len)| (base + off, len))
         .collect();
-    let t0 = Instant::now();
-    let mut handles = Vec::new();
-    let mut first = 0.0;
-    for &(off, len) in &pieces {
-        let h = s(d.create(0, len))?;
-        s(d.map(base + off, len, h))?;
-        s(d.set_access(0, base + off, len))?;
-        handles.push(h);
-        if first == 0.0 {
-            first = t0.elapsed().as_secs_f64();
-        }
-    }
-    let map_s = t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    for (&(off, len), h) in pieces.iter().zip(&handles) {
-        s(d.unmap(base + off, len))?;
-        s(d.release(*h))?;
-    }
-    let unmap_s = t0.elapsed().as_secs_f64();
+    let (map_s, unmap_s, first) = bare_vmm(d, &pieces)?;
     s(d.free_range(base, mapped))?;
     let what = format!("1 x {} in {} segments", human(mapped), pieces.len());
     t.add(format!("bare create+map+access, {what}"), mapped, map_s);

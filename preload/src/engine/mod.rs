@@ -335,7 +335,7 @@ type Made = (i32, DevPtr, u64, u64, Vec<PhysHandle>);
 pub const SEGMENT_BYTES: u64 = 1 << 30;
 
 /// Offsets and lengths of the segments of `mapped` bytes.
-fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
+pub fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
     (0..mapped.div_ceil(segment)).map(move |k| (k * segment, segment.min(mapped - k * segment)))
 }
 

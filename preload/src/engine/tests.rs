@@ -511,6 +511,9 @@ fn byte_copies_in_pieces_land_in_place_and_refuse_paused_ranges() {
     e.read_bytes_in(p, &mut out, 4096 + 1).unwrap();
     assert_eq!(out, data);
     assert_eq!(sim.queued_copies(), 0);
+    // A piece of 0 bytes is taken as 1, not as "everything at the start".
+    e.write_bytes_in(p, &data[..3], 0).unwrap();
+    assert_eq!(read(&sim, p, 3), data[..3]);
     e.pause(Some("t")).unwrap();
     let err = e.write_bytes_in(p, &data[..10], 4).unwrap_err();
     assert!(err.to_string().contains("paused"), "{err}");

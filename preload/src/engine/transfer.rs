@@ -6,6 +6,28 @@
 use crate::driver::{DevPtr, Driver, Stream};
 use crate::error::Result;
 
+/// Queue `copy(offset, n)` over `len` bytes in pieces of at most `piece` bytes, then wait for the
+/// stream, also when a piece fails to queue: nothing queued may outlive the caller's borrow.
+fn in_pieces(
+    d: &dyn Driver,
+    stream: Stream,
+    len: usize,
+    piece: usize,
+    mut copy: impl FnMut(usize, usize) -> Result<()>,
+) -> Result<()> {
+    let piece = piece.max(1);
+    let mut off = 0;
+    while off < len {
+        let n = piece.min(len - off);
+        if let Err(e) = copy(off, n) {
+            let _ = d.stream_sync(stream);
+            return Err(e);
+        }
+        off += n;
+    }
+    d.stream_sync(stream)
+}
+
 /// Copy `data` to `dst` in copies of at most `piece` bytes queued back to back, and wait. The
 /// caller checked that the range is active and holds the lock.
 pub(super) fn write(
@@ -15,18 +37,12 @@ pub(super) fn write(
     piece: usize,
     stream: Stream,
 ) -> Result<()> {
-    for (k, part) in data.chunks(piece.max(1)).enumerate() {
-        let at = dst + (k * piece) as u64;
-        // SAFETY: at..at+len lies in an active allocation (checked by the caller under the
-        // registry lock); data is borrowed until the stream is synchronized below.
-        let r = unsafe { d.copy_h2d(at, part.as_ptr(), part.len() as u64, stream) };
-        if let Err(e) = r {
-            // Nothing queued may outlive the borrow.
-            let _ = d.stream_sync(stream);
-            return Err(e);
-        }
-    }
-    d.stream_sync(stream)
+    in_pieces(d, stream, data.len(), piece, |off, n| {
+        // SAFETY: dst..dst+data.len() lies in an active allocation (checked by the caller under
+        // the registry lock) and off+n <= data.len(); data is borrowed until in_pieces has
+        // synchronized the stream.
+        unsafe { d.copy_h2d(dst + off as u64, data.as_ptr().add(off), n as u64, stream) }
+    })
 }
 
 /// Copy from `src` into `out` in pieces, and wait. Same contract as [`write`].
@@ -37,14 +53,9 @@ pub(super) fn read(
     piece: usize,
     stream: Stream,
 ) -> Result<()> {
-    for (k, part) in out.chunks_mut(piece.max(1)).enumerate() {
-        let at = src + (k * piece) as u64;
+    let (base, len) = (out.as_mut_ptr(), out.len());
+    in_pieces(d, stream, len, piece, |off, n| {
         // SAFETY: as in write, with out exclusively borrowed until the synchronization.
-        let r = unsafe { d.copy_d2h(part.as_mut_ptr(), at, part.len() as u64, stream) };
-        if let Err(e) = r {
-            let _ = d.stream_sync(stream);
-            return Err(e);
-        }
-    }
-    d.stream_sync(stream)
+        unsafe { d.copy_d2h(base.add(off), src + off as u64, n as u64, stream) }
+    })
 }

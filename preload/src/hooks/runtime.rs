@@ -32,7 +32,9 @@ pub fn forked() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
-fn init_logging() {
+/// Log to stderr as `TMS_LOG` (a tracing filter) asks; nothing when it is unset. The tools
+/// built on the engine call it too.
+pub fn init_logging() {
     if let Ok(filter) = std::env::var("TMS_LOG") {
         let f = tracing_subscriber::EnvFilter::builder().parse_lossy(filter);
         let _ = tracing_subscriber::fmt()
