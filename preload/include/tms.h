@@ -35,6 +35,9 @@
 #ifndef TMS_H
 #define TMS_H
 
+#ifndef __cplusplus
+#include <stdbool.h>
+#endif
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h> /* ssize_t */
@@ -106,11 +109,11 @@ int tms_region_current(char *buf, size_t cap, size_t *out_len);
 
 /* ---- Pause and resume ---------------------------------------------------------------- */
 
-/* Pause every active allocation of tag (NULL: every tag): back up the contents where a
- * CPU backup was asked, then give the device memory back. Touching a paused range faults. */
+/* Pause every active allocation of tag (NULL or "": every tag): back up the contents where
+ * a CPU backup was asked, then give the device memory back. Touching a paused range faults. */
 int tms_pause(const char *tag);
 
-/* Resume every paused allocation of tag (NULL: every tag) at the same addresses, restoring
+/* Resume every paused allocation of tag (NULL or "": every tag) at the same addresses, restoring
  * backed-up contents. Out of memory leaves the tag paused with its backups; call again
  * once memory is free. */
 int tms_resume(const char *tag);
@@ -118,8 +121,9 @@ int tms_resume(const char *tag);
 /* Keep host backups across resume (on != 0), so a later pause need not allocate them. */
 int tms_set_retain_cpu_backup(int on);
 
-/* Whether host backups are kept across resume, into *out (0 or 1). */
-int tms_get_retain_cpu_backup(int *out);
+/* Whether host backups are kept across resume, into *out (0 or 1). (The existing library's
+ * bool tms_get_retain_cpu_backup(void), below, cannot report a failure.) */
+int tms_query_retain_cpu_backup(int *out);
 
 /* Refuse pauseable allocations that would leave fewer than bytes free on the device. */
 int tms_set_memory_margin(uint64_t bytes);
@@ -156,6 +160,43 @@ int tms_read_bytes(uint64_t addr, void *dst, uint64_t len);
 /* Start the library if needed and write this process's control socket path into buf;
  * TMS_ERR_UNSUPPORTED when there is none (TMS_CONTROL=0, or the socket folder was refused). */
 int tms_control_socket(char *buf, size_t cap, size_t *out_len);
+
+/* ---- The existing torch_memory_saver library's names ---------------------------------- */
+
+/*
+ * The names that users of the existing library call directly (through ctypes), with its
+ * arguments. The setters act on the calling thread's innermost region; with none open they
+ * open one from the thread's effective settings (tms_region_exit closes it). Where the
+ * original returns nothing these return a status, which a caller may ignore; a getter's
+ * failure reads as false / NULL with the reason in tms_last_error(). None of them ends the
+ * process.
+ */
+
+/* Allocations of this thread become pauseable (true) or ordinary (false). */
+int tms_set_interesting_region(bool is_interesting);
+bool tms_get_interesting_region(void);
+
+/* The tag of this thread's region (non-empty). tms_get_current_tag's string belongs to the
+ * calling thread and is valid until its next call of tms_get_current_tag. */
+int tms_set_current_tag(const char *tag);
+const char *tms_get_current_tag(void);
+
+/* CPU backup of this thread's new pauseable allocations, and its host memory ("pinned",
+ * "mmap", or NULL for the process default; a static string from the getter). */
+int tms_set_enable_cpu_backup(bool enable);
+bool tms_get_enable_cpu_backup(void);
+int tms_set_cpu_backup_backend(const char *backend);
+const char *tms_get_cpu_backup_backend(void);
+
+/* tms_set_memory_margin under its old name. */
+int set_memory_margin_bytes(uint64_t bytes);
+
+/* Whether host backups are kept across resume (tms_set_retain_cpu_backup sets it). */
+bool tms_get_retain_cpu_backup(void);
+
+/* The host backup of [gpu_ptr, gpu_ptr + size), or NULL where there is none; valid as
+ * tms_get_cpu_backup's pointer is. */
+uint8_t *tms_get_cpu_backup_pointer(const uint8_t *gpu_ptr, uint64_t size);
 
 /* ---- PyTorch pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) ---------- */
 

@@ -12,6 +12,12 @@ in host memory.
 Run under ``LD_PRELOAD=<libtms.so>`` (hook_mode "preload", the default; see
 ``configure_subprocess``) or set ``torch_memory_saver.hook_mode = "torch"``. Importing this
 package needs neither a GPU nor torch; ``pause``, ``resume`` and ``stats`` work without torch.
+
+Modules integrations use: ``entrypoint`` (``TorchMemorySaver``, the class of the instance, whose
+``_impl`` does the work), ``binary_wrapper`` (the ctypes binding; ``_impl._binary_wrapper.cdll``),
+``hooks`` (the hook modes), ``utils`` (``get_binary_path_from_package``, ``change_env``,
+``is_xpu``) and ``testing_utils``. An installed package also holds the library beside itself in
+site-packages as ``torch_memory_saver_hook_mode_{preload,torch}[_cu12|_cu13].abi3.so``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import contextlib
 import os
 from typing import Iterator
 
-from ._binding import bundled_library_path
+from . import binary_wrapper, entrypoint, hooks, testing_utils, utils
+from .binary_wrapper import bundled_library_path
+from .entrypoint import TorchMemorySaver
 from .errors import (
     DriverError,
     InternalError,
@@ -32,7 +40,6 @@ from .errors import (
     TorchMemorySaverError,
     UnsupportedError,
 )
-from .saver import TorchMemorySaver
 
 __version__ = "0.1.0"
 

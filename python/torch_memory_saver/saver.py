@@ -1,4 +1,5 @@
-"""The TorchMemorySaver class: regions, pause/resume, CUDA graphs, CPU backups, statistics."""
+"""The implementation behind ``torch_memory_saver.entrypoint.TorchMemorySaver``: regions,
+pause/resume, CUDA graphs, ``disable()``, CPU backups, statistics."""
 
 from __future__ import annotations
 
@@ -6,22 +7,21 @@ import contextlib
 import ctypes
 import json
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from . import _binding
+from .binary_wrapper import BinaryWrapper
 from .errors import InvalidArgumentError, InvalidStateError, LibraryNotFoundError, UnsupportedError
+from .hooks import HOOK_MODES, HookUtilBase
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TorchMemorySaver"]
+__all__ = ["_TorchMemorySaverImpl"]
 
 logger = logging.getLogger("torch_memory_saver")
 
-HOOK_MODES = ("preload", "torch")
 BACKENDS = ("pinned", "mmap")
 
 
@@ -31,6 +31,8 @@ def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
     if not isinstance(tag, str):
         raise TypeError(f"tag must be a str{' or None' if optional else ''}, not {type(tag).__name__}")
     if not tag:
+        if optional:
+            return None  # pause("") / resume(""): every tag, as callers of the existing library expect
         raise InvalidArgumentError("tag must not be empty")
     if "\0" in tag:
         raise InvalidArgumentError("tag must not contain NUL characters")
@@ -38,8 +40,6 @@ def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
 
 
 def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
-    if not isinstance(enable_cpu_backup, bool):
-        raise TypeError(f"enable_cpu_backup must be a bool, not {type(enable_cpu_backup).__name__}")
     if backend is None:
         return None
     if backend not in BACKENDS:
@@ -49,16 +49,6 @@ def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
             f"cpu_backup_backend={backend!r} needs enable_cpu_backup=True (there is no backup to put in it)"
         )
     return backend
-
-
-def _expandable_segments_setting() -> Optional[str]:
-    """The allocator setting variable that turns expandable segments on, if any."""
-    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        for item in os.environ.get(var, "").split(","):
-            key, _, value = item.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
-                return var
-    return None
 
 
 def _torch_if_cuda() -> Any:
@@ -82,105 +72,88 @@ def _enc(s: Optional[str]) -> Optional[bytes]:
     return None if s is None else s.encode("utf-8")
 
 
-class TorchMemorySaver:
-    """Pauseable GPU memory for PyTorch.
+class _Route:
+    """One pool this thread's allocations are routed to, and the ``use_mem_pool`` context that
+    does it while the route is the innermost one (None while a nested route suspends it)."""
 
-    Tensors allocated inside :meth:`region` (or captured by :meth:`cuda_graph`) can give their
-    device memory back with :meth:`pause` and get it back with :meth:`resume`, at the same
-    addresses, so tensors, pointers and CUDA graphs stay valid. With ``enable_cpu_backup=True``
-    the contents survive; without it they are undefined after resume.
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.ctx: Any = None
 
-    Use the process-wide instance ``torch_memory_saver.torch_memory_saver``.
-    """
+    def start(self, torch: Any) -> None:
+        self.ctx = torch.cuda.use_mem_pool(self.pool)
+        self.ctx.__enter__()
 
-    def __init__(self) -> None:
-        self._hook_mode = "preload"
-        self._lib: Optional[_binding.Library] = None
+    def stop(self) -> None:
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+
+class _TorchMemorySaverImpl:
+    """What ``torch_memory_saver.torch_memory_saver`` does, in one hook mode."""
+
+    def __init__(self, hook_mode: str = "preload") -> None:
+        self._hook_util: HookUtilBase = HookUtilBase.create(hook_mode)
+        self._lib: Optional[BinaryWrapper] = None
         self._lock = threading.RLock()
-        self._allocator: Any = None
         self._pools: dict[tuple, Any] = {}
+        self._local = threading.local()
 
     # ---------------------------------------------------------------- configuration
 
     @property
     def hook_mode(self) -> str:
-        """``"preload"`` (libtms.so in ``LD_PRELOAD``; the default) or ``"torch"`` (a
-        ``torch.cuda.MemPool`` per tag whose allocator is libtms.so). Set before first use."""
-        return self._hook_mode
+        return self._hook_util.hook_mode
 
     @hook_mode.setter
     def hook_mode(self, mode: str) -> None:
-        if mode not in HOOK_MODES:
-            raise InvalidArgumentError(f"hook_mode must be one of {HOOK_MODES}, not {mode!r}")
         with self._lock:
-            if self._lib is not None and mode != self._hook_mode:
+            if mode == self._hook_util.hook_mode:
+                return
+            if mode not in HOOK_MODES:
+                raise InvalidArgumentError(f"hook_mode must be one of {HOOK_MODES}, not {mode!r}")
+            if self._lib is not None or self._pools:
                 raise InvalidStateError(
-                    f"hook_mode is already {self._hook_mode!r} and in use; set it before the first region or pause"
+                    f"hook_mode is already {self.hook_mode!r} and in use; set it before the first region or pause"
                 )
-            self._hook_mode = mode
+            self._hook_util = HookUtilBase.create(mode)
 
-    def _library(self) -> _binding.Library:
+    @property
+    def _binary_wrapper(self) -> BinaryWrapper:
+        """The loaded libtms.so (``.cdll`` is its ``ctypes.CDLL``); loaded on first use."""
         with self._lock:
-            if self._lib is not None:
-                return self._lib
-            if self._hook_mode == "preload":
-                var = _expandable_segments_setting()
-                if var:
-                    raise UnsupportedError(
-                        f"{var} has expandable_segments:True: PyTorch then maps memory itself and never calls "
-                        "cudaMalloc, so preload mode cannot make it pauseable. Remove the setting, or use "
-                        "torch_memory_saver.hook_mode = 'torch'."
-                    )
-                lib = _binding.preloaded()
-                if lib is None:
-                    try:
-                        path = _binding.bundled_library_path()
-                    except LibraryNotFoundError:
-                        path = "/path/to/libtms.so"
-                    raise LibraryNotFoundError(
-                        "hook_mode 'preload' needs libtms.so in LD_PRELOAD, and this process does not have it: "
-                        f"run `LD_PRELOAD={path} python ...`, start child processes inside "
-                        "`torch_memory_saver.configure_subprocess()`, or set torch_memory_saver.hook_mode = 'torch'"
-                    )
-            else:
-                lib = _binding.load()
-            self._lib = lib
-            logger.debug("using libtms %s in %s mode", lib.tms_version().decode(), self._hook_mode)
-            return lib
+            if self._lib is None:
+                self._lib = self._hook_util.binary_wrapper()
+                logger.debug("using libtms %s in %s mode", self._lib.tms_version().decode(), self.hook_mode)
+            return self._lib
+
+    def _library(self) -> BinaryWrapper:
+        return self._binary_wrapper
 
     @property
     def enabled(self) -> bool:
-        """True when libtms.so is present in this process for the current hook mode."""
         if self._lib is not None:
             return True
-        if self._hook_mode == "preload":
-            return _binding.preloaded() is not None
         try:
-            _binding.bundled_library_path()
-            return True
+            return self._hook_util.get_path_binary() is not None
         except LibraryNotFoundError:
             return False
 
     @property
     def retain_cpu_backup(self) -> bool:
-        """Keep host backups across resume, so the next pause reuses them instead of allocating
-        host memory again. Consulted at resume; setting it to False frees nothing at once."""
         lib = self._library()
         v = ctypes.c_int(0)
-        lib.check(lib.tms_get_retain_cpu_backup(ctypes.byref(v)))
+        lib.check(lib.tms_query_retain_cpu_backup(ctypes.byref(v)))
         return bool(v.value)
 
     @retain_cpu_backup.setter
-    def retain_cpu_backup(self, on: bool) -> None:
-        if not isinstance(on, bool):
-            raise TypeError(f"retain_cpu_backup must be a bool, not {type(on).__name__}")
+    def retain_cpu_backup(self, on: Any) -> None:
         lib = self._library()
-        lib.check(lib.tms_set_retain_cpu_backup(int(on)))
+        lib.check(lib.tms_set_retain_cpu_backup(int(bool(on))))
 
     @property
     def memory_margin_bytes(self) -> int:
-        """A pauseable allocation that would leave fewer bytes free on the device fails with out
-        of memory (so PyTorch frees its cache and retries). 0 turns it off."""
         lib = self._library()
         v = ctypes.c_uint64(0)
         lib.check(lib.tms_get_memory_margin(ctypes.byref(v)))
@@ -198,7 +171,7 @@ class TorchMemorySaver:
     # ---------------------------------------------------------------- regions
 
     @contextlib.contextmanager
-    def _flags(self, lib: _binding.Library, enabled: bool, tag: Optional[str], backup: bool, backend: Optional[str]):
+    def _flags(self, lib: BinaryWrapper, enabled: bool, tag: Optional[str], backup: bool, backend: Optional[str]):
         lib.check(lib.tms_region_enter(int(enabled), _enc(tag), int(backup), _enc(backend)))
         try:
             yield
@@ -206,48 +179,57 @@ class TorchMemorySaver:
             lib.check(lib.tms_region_exit())
 
     def _pool(self, kind: str, tag: str, backup: bool, backend: Optional[str], device: int) -> Any:
-        """The MemPool of (kind, tag, backup, backend, device), made on first use. In torch mode
-        its allocator is libtms.so; in preload mode it is PyTorch's own (cudaMalloc, which the
-        preloaded library serves while the region's flags are on)."""
+        """The MemPool of (kind, tag, backup, backend, device), made on first use. Its allocator
+        is the hook mode's: libtms.so in torch mode; PyTorch's own (cudaMalloc, which the
+        preloaded library serves while the region's flags are on) in preload mode."""
         import torch
 
         with self._lock:
-            key = (self._hook_mode, kind, tag, backup, backend, device)
+            key = (self.hook_mode, kind, tag, backup, backend, device)
             pool = self._pools.get(key)
-            if pool is not None:
-                return pool
-            if self._hook_mode == "torch":
-                if self._allocator is None:
-                    from torch.cuda.memory import CUDAPluggableAllocator
-
-                    lib = self._library()
-                    self._allocator = CUDAPluggableAllocator(lib.path, "tms_torch_malloc", "tms_torch_free")
-                pool = torch.cuda.MemPool(self._allocator.allocator())
-            else:
-                pool = torch.cuda.MemPool()
-            self._pools[key] = pool
+            if pool is None:
+                allocator = self._hook_util.get_allocator()
+                pool = torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
+                self._pools[key] = pool
             return pool
 
     @contextlib.contextmanager
+    def _routed(self, torch: Any, pool: Any) -> Iterator[None]:
+        """Route this thread's allocations to ``pool`` inside the block. Routes nest: the
+        innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
+        which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``)."""
+        stack = getattr(self._local, "routes", None)
+        if stack is None:
+            stack = self._local.routes = []
+        route = _Route(pool)
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            outer.stop()
+        try:
+            route.start(torch)
+        except BaseException:
+            if outer is not None:
+                outer.start(torch)
+            raise
+        stack.append(route)
+        try:
+            yield
+        finally:
+            stack.pop()
+            route.stop()
+            if outer is not None:
+                outer.start(torch)
+
+    @contextlib.contextmanager
     def region(
-        self, tag: str = "default", enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None
+        self, tag: str = "default", enable_cpu_backup: Any = False, cpu_backup_backend: Optional[str] = None
     ) -> Iterator[None]:
-        """Tensors allocated inside are pauseable under ``tag``.
-
-        They come from a ``torch.cuda.MemPool`` of the region's own (one per tag, backup setting,
-        backend and device), so cached blocks never move between pauseable and ordinary tensors.
-
-        ``enable_cpu_backup=True`` keeps their contents across pause in host memory:
-        ``cpu_backup_backend="pinned"`` (the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``) is
-        page-locked once retained (``retain_cpu_backup``; a background thread does it after the
-        pause), so later cycles copy at link speed; ``"mmap"`` stays pageable, so the kernel can
-        take it back. Both are filled and read through small page-locked staging buffers where
-        they are not page-locked.
-        """
+        """See ``TorchMemorySaver.region``."""
         tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
         lib = self._library()
-        torch = _torch_if_cuda() if self._hook_mode == "preload" else _require_torch()
+        torch = _torch_if_cuda() if self.hook_mode == "preload" else _require_torch()
         if torch is None:
             # Preload mode without torch (C extensions calling cudaMalloc): the flags suffice.
             with self._flags(lib, True, tag, enable_cpu_backup, backend):
@@ -257,15 +239,31 @@ class TorchMemorySaver:
         # block to a tensor made outside the region, nor a plain cached block to one inside it.
         pool = self._pool("region", tag, enable_cpu_backup, backend, torch.cuda.current_device())
         with self._flags(lib, True, tag, enable_cpu_backup, backend):
-            with torch.cuda.use_mem_pool(pool):
+            with self._routed(torch, pool):
                 yield
 
     @contextlib.contextmanager
     def disable(self) -> Iterator[None]:
-        """Allocations inside are ordinary (not pauseable), even inside a region."""
+        """See ``TorchMemorySaver.disable``."""
         lib = self._library()
-        with self._flags(lib, False, None, False, None):
-            yield
+        torch = _torch_if_cuda()
+        if torch is None:
+            with self._flags(lib, False, None, False, None):
+                yield
+            return
+        # A pool of its own with PyTorch's own allocator: plain cudaMalloc (the library's flags
+        # are off, so a preloaded libtms.so passes it through), never a cached pauseable block
+        # of the enclosing region's pool or, under TMS_INIT_ENABLE=1, of the default pool.
+        pool = torch.cuda.MemPool()
+        try:
+            with self._flags(lib, False, None, False, None):
+                with self._routed(torch, pool):
+                    yield
+        finally:
+            # The pool is referenced only here: dropping it destroys it, and PyTorch then gives
+            # its cached free blocks back to the device (seen on torch 2.11: the memory of freed
+            # tensors returns at once, while blocks of tensors still alive stay theirs).
+            del pool
 
     @contextlib.contextmanager
     def cuda_graph(
@@ -275,18 +273,17 @@ class TorchMemorySaver:
         stream: Any = None,
         capture_error_mode: str = "global",
         tag: str = "default",
-        enable_cpu_backup: bool = False,
+        enable_cpu_backup: Any = False,
         cpu_backup_backend: Optional[str] = None,
     ) -> Iterator[None]:
-        """Like ``torch.cuda.graph(...)``, but the graph's own memory (its intermediate tensors)
-        is pauseable under ``tag``; the graph replays correctly after resume. Works in both hook
-        modes."""
+        """See ``TorchMemorySaver.cuda_graph``."""
         import torch
 
         tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
         lib = self._library()
-        if self._hook_mode == "torch" and pool is None:
+        if self.hook_mode == "torch" and pool is None:
             device = torch.cuda.current_device()
             pool = self._pool("graph", tag, enable_cpu_backup, backend, device).id
         with self._flags(lib, True, tag, enable_cpu_backup, backend):

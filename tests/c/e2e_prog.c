@@ -268,8 +268,8 @@ static int mode_basic(void) {
           rc);
     print_stats("kv-paused");
 
-    rc = p_tms_pause(NULL);
-    check(rc == TMS_OK, "tms_pause(NULL) pauses the rest (rc %d)", rc);
+    rc = p_tms_pause("");
+    check(rc == TMS_OK, "tms_pause(\"\") pauses every tag: the rest (rc %d)", rc);
     print_stats("all-paused");
 
     rc = p_tms_resume(NULL);
@@ -292,8 +292,8 @@ static int mode_basic(void) {
     rc = p_tms_region_exit();
     check(rc == TMS_ERR_INVALID_STATE, "an unmatched tms_region_exit is refused (rc %d)", rc);
     report_error("unmatched-exit");
-    rc = p_tms_pause("");
-    check(rc == TMS_ERR_INVALID_ARGUMENT, "tms_pause(\"\") is refused (rc %d)", rc);
+    rc = p_tms_region_enter(1, "", 0, NULL);
+    check(rc == TMS_ERR_INVALID_ARGUMENT, "a region with an empty tag is refused (rc %d)", rc);
     report_error("empty-tag");
 
     rc = cudaFree(kv);

@@ -37,12 +37,17 @@ fn header_declares_exactly_the_exported_functions() {
         stale.is_empty(),
         "declared in tms.h but not exported: {stale:?}"
     );
-    // Everything else the library exports is the CUDA interposers, declared (guarded) too.
+    // Everything else the library exports is the CUDA interposers, declared (guarded) too,
+    // and the existing library's one name without the prefix.
     assert_eq!(exported, declared, "exports and declarations differ");
     let others: BTreeSet<_> = exported.difference(&tms(&exported)).cloned().collect();
     assert_eq!(
         others,
-        BTreeSet::from(["cudaFree".to_string(), "cudaMalloc".to_string()])
+        BTreeSet::from([
+            "cudaFree".to_string(),
+            "cudaMalloc".to_string(),
+            "set_memory_margin_bytes".to_string()
+        ])
     );
 }
 
@@ -129,6 +134,32 @@ int main(void) {
     printf("active %d\n", tms_is_active());
     rc = tms_region_exit();
     printf("exit %d\n", rc);
+
+    /* The existing library's names, through the header's bool prototypes: they act on the
+     * innermost region, opening one when none is open. */
+    printf("upstream-start %d %s %d %s\n", tms_get_interesting_region(), tms_get_current_tag(),
+           tms_get_enable_cpu_backup(), tms_get_cpu_backup_backend());
+    rc = tms_set_interesting_region(false);
+    printf("upstream-off %d %d\n", rc, tms_get_interesting_region());
+    rc = tms_region_enter(1, "kv", 1, "mmap");
+    printf("upstream-enter %d %d %s %d %s\n", rc, tms_get_interesting_region(),
+           tms_get_current_tag(), tms_get_enable_cpu_backup(), tms_get_cpu_backup_backend());
+    rc = tms_set_current_tag("weights") | tms_set_enable_cpu_backup(false) |
+         tms_set_cpu_backup_backend("pinned");
+    printf("upstream-set %d %s %d %s\n", rc, tms_get_current_tag(), tms_get_enable_cpu_backup(),
+           tms_get_cpu_backup_backend());
+    printf("upstream-bad %d %d\n", tms_set_current_tag(""), tms_set_cpu_backup_backend("disk"));
+    rc = tms_region_exit();
+    printf("upstream-exit %d %d %s\n", rc, tms_get_interesting_region(), tms_get_current_tag());
+    rc = tms_region_exit();
+    printf("upstream-closed %d %d %d\n", rc, tms_get_interesting_region(), tms_region_exit());
+    rc = set_memory_margin_bytes(4096) | tms_set_retain_cpu_backup(true);
+    uint64_t margin = 0;
+    tms_get_memory_margin(&margin);
+    printf("upstream-process %d %llu %d\n", rc, (unsigned long long)margin,
+           tms_get_retain_cpu_backup());
+    static const uint8_t nowhere[16];
+    printf("upstream-backup %d\n", tms_get_cpu_backup_pointer(nowhere, sizeof nowhere) == NULL);
     return 0;
 }
 "#;
@@ -179,7 +210,20 @@ fn header_links_against_libtms_and_the_answers_match() {
     );
     assert_eq!(
         lines[14..],
-        ["init 0 sim 3", "active 1", "exit 4"],
+        [
+            "init 0 sim 3",
+            "active 1",
+            "exit 4",
+            "upstream-start 0 default 0 pinned",
+            "upstream-off 0 0",
+            "upstream-enter 0 1 kv 1 mmap",
+            "upstream-set 0 weights 0 pinned",
+            "upstream-bad 3 3",
+            "upstream-exit 0 0 default",
+            "upstream-closed 0 0 4",
+            "upstream-process 0 4096 1",
+            "upstream-backup 1",
+        ],
         "{}",
         r.dump()
     );

@@ -266,6 +266,24 @@ pub fn pop_region() -> Result<RegionSettings> {
         })
 }
 
+/// Change the calling thread's innermost region with `f`; with no region open, open one from
+/// the thread's effective settings first (the upstream setters, `tms_set_current_tag` and
+/// friends, act on "the thread's region", which has no enter/exit of its own).
+pub fn update_region(f: impl FnOnce(&mut RegionSettings)) -> Result<()> {
+    let base = current_region()?;
+    STACK
+        .try_with(|s| {
+            let mut s = s.borrow_mut();
+            if s.is_empty() {
+                s.push(base);
+            }
+            if let Some(top) = s.last_mut() {
+                f(top);
+            }
+        })
+        .map_err(|_| Error::InvalidState("thread is exiting".into()))
+}
+
 /// Depth of this thread's region stack.
 pub fn region_depth() -> usize {
     STACK.try_with(|s| s.borrow().len()).unwrap_or(0)
@@ -294,6 +312,32 @@ mod tests {
             pop_region().unwrap();
             assert!(pop_region().is_err());
             assert!(push_region(r(true, "")).is_err());
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn update_region_changes_the_innermost_or_opens_one() {
+        let r = |enabled, tag: &str| RegionSettings {
+            enabled,
+            tag: tag.into(),
+            cpu_backup: false,
+            backend: HostBackend::Pinned,
+        };
+        std::thread::spawn(move || {
+            let base = current_region().unwrap();
+            update_region(|s| s.tag = "opened".into()).unwrap();
+            assert_eq!(region_depth(), 1);
+            assert_eq!(current_region().unwrap().tag, "opened");
+            assert_eq!(current_region().unwrap().enabled, base.enabled);
+            push_region(r(true, "inner")).unwrap();
+            update_region(|s| s.enabled = false).unwrap();
+            assert_eq!(region_depth(), 2);
+            assert!(!in_region().unwrap());
+            assert_eq!(current_region().unwrap().tag, "inner");
+            pop_region().unwrap();
+            assert_eq!(current_region().unwrap().tag, "opened");
         })
         .join()
         .unwrap();

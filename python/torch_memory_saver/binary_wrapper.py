@@ -1,5 +1,9 @@
-"""ctypes binding of libtms.so's C ABI (see preload/include/tms.h). Importing this module
-loads nothing; the library is found on first use."""
+"""ctypes binding of libtms.so's C ABI (see preload/include/tms.h). Importing this module loads
+nothing; the library is found on first use.
+
+``BinaryWrapper.cdll`` is the ``ctypes.CDLL`` of the library, the object integrations reach for
+(``torch_memory_saver._impl._binary_wrapper.cdll.tms_set_interesting_region(False)``); the
+library's own calls are also attributes of the wrapper itself, with their types declared."""
 
 from __future__ import annotations
 
@@ -7,8 +11,11 @@ import ctypes
 import os
 import threading
 from pathlib import Path
+from typing import Optional
 
 from .errors import LibraryNotFoundError, error_for_status
+
+__all__ = ["BinaryWrapper", "bundled_library_path", "preloaded", "preloaded_path", "load"]
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
 
@@ -25,7 +32,7 @@ _SIGNATURES = {
     "tms_pause": (ctypes.c_int, [ctypes.c_char_p]),
     "tms_resume": (ctypes.c_int, [ctypes.c_char_p]),
     "tms_set_retain_cpu_backup": (ctypes.c_int, [ctypes.c_int]),
-    "tms_get_retain_cpu_backup": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
+    "tms_query_retain_cpu_backup": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
     "tms_set_memory_margin": (ctypes.c_int, [ctypes.c_uint64]),
     "tms_get_memory_margin": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64)]),
     "tms_get_cpu_backup": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
@@ -34,6 +41,18 @@ _SIGNATURES = {
         [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
     ),
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
+    # The existing library's names (booleans travel as int 0/1; see tms.h).
+    "tms_set_interesting_region": (ctypes.c_int, [ctypes.c_int]),
+    "tms_get_interesting_region": (ctypes.c_bool, []),
+    "tms_set_current_tag": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_get_current_tag": (ctypes.c_char_p, []),
+    "tms_set_enable_cpu_backup": (ctypes.c_int, [ctypes.c_int]),
+    "tms_get_enable_cpu_backup": (ctypes.c_bool, []),
+    "tms_set_cpu_backup_backend": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_get_cpu_backup_backend": (ctypes.c_char_p, []),
+    "set_memory_margin_bytes": (ctypes.c_int, [ctypes.c_uint64]),
+    "tms_get_retain_cpu_backup": (ctypes.c_bool, []),
+    "tms_get_cpu_backup_pointer": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_uint64]),
 }
 
 BUFFER_TOO_SMALL = 9
@@ -61,14 +80,14 @@ def bundled_library_path() -> str:
     )
 
 
-class Library:
-    """The loaded C ABI, with status checking."""
+class BinaryWrapper:
+    """The loaded C ABI, with status checking. ``cdll`` is the ``ctypes.CDLL`` itself."""
 
-    def __init__(self, handle: ctypes.CDLL, path: str | None) -> None:
-        self._h = handle
+    def __init__(self, cdll: ctypes.CDLL, path: Optional[str]) -> None:
+        self.cdll = cdll
         self.path = path
         for name, (res, args) in _SIGNATURES.items():
-            f = getattr(handle, name)
+            f = getattr(cdll, name)
             f.restype = res
             f.argtypes = args
             setattr(self, name, f)
@@ -97,13 +116,39 @@ class Library:
             return buf.value.decode("utf-8")
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
 _lock = threading.Lock()
-_preloaded: Library | None = None
-_loaded: dict[str, Library] = {}
+_preloaded: Optional[BinaryWrapper] = None
+_loaded: dict[str, BinaryWrapper] = {}
 
 
-def preloaded() -> Library | None:
-    """The libtms.so that LD_PRELOAD put into this process, or None."""
+def preloaded_path() -> Optional[str]:
+    """The file of the libtms.so that ``LD_PRELOAD`` put into this process (under whatever
+    name), or None."""
+    try:
+        process = ctypes.CDLL(None)
+        addr = ctypes.cast(process.tms_region_enter, ctypes.c_void_p).value
+        dladdr = process.dladdr
+    except (OSError, AttributeError):
+        return None
+    dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+    dladdr.restype = ctypes.c_int
+    info = _DlInfo()
+    if not dladdr(addr, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.fsdecode(info.dli_fname)
+
+
+def preloaded() -> Optional[BinaryWrapper]:
+    """The libtms.so that ``LD_PRELOAD`` put into this process, or None."""
     global _preloaded
     with _lock:
         if _preloaded is None:
@@ -112,14 +157,16 @@ def preloaded() -> Library | None:
                 getattr(h, "tms_region_enter")
             except (OSError, AttributeError):
                 return None
-            _preloaded = Library(h, None)
+            _preloaded = BinaryWrapper(h, preloaded_path())
         return _preloaded
 
 
-def load(path: str | None = None) -> Library:
-    """Load libtms.so from ``path`` (default: the bundled one). Loading the file that is already
-    preloaded gives the same library instance (the loader shares it)."""
-    path = path or bundled_library_path()
+def load(path: Optional[str] = None) -> BinaryWrapper:
+    """Load libtms.so from ``path`` (default: the preloaded one if there is one, else the
+    bundled one). A process holds one instance of the library: loading the file that is already
+    preloaded gives that instance (the loader shares it), and a preloaded copy under another
+    name is preferred over loading a second instance."""
+    path = path or preloaded_path() or bundled_library_path()
     with _lock:
         lib = _loaded.get(path)
         if lib is None:
@@ -127,5 +174,5 @@ def load(path: str | None = None) -> Library:
                 h = ctypes.CDLL(path)
             except OSError as e:
                 raise LibraryNotFoundError(f"cannot load {path}: {e}") from e
-            lib = _loaded[path] = Library(h, path)
+            lib = _loaded[path] = BinaryWrapper(h, path)
         return lib

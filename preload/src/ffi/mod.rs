@@ -13,6 +13,8 @@ use crate::driver::HostBackend;
 use crate::error::{status, Error, Result};
 use crate::hooks::{runtime, settings};
 
+mod upstream;
+
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
 }
@@ -306,7 +308,17 @@ pub unsafe extern "C" fn tms_region_current(
     })
 }
 
-/// Pause every active allocation of `tag` (NULL: every tag).
+/// The tag argument of pause and resume: NULL or `""` is every tag (callers of the existing
+/// library pass `""` for that).
+///
+/// # Safety
+/// As [`arg_str`].
+unsafe fn tag_or_all<'a>(p: *const c_char) -> Result<Option<&'a str>> {
+    // SAFETY: forwarded contract.
+    Ok(unsafe { opt_str(p, "tag") }?.filter(|t| !t.is_empty()))
+}
+
+/// Pause every active allocation of `tag` (NULL or `""`: every tag).
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -314,13 +326,13 @@ pub unsafe extern "C" fn tms_region_current(
 pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
-        let tag = unsafe { opt_str(tag, "tag") }?;
+        let tag = unsafe { tag_or_all(tag) }?;
         runtime::get()?.engine.pause(tag).map(|_| ())
     })
 }
 
-/// Resume every paused allocation of `tag` (NULL: every tag) at the same addresses. Out of
-/// memory leaves the tag paused with its backups; call again once memory is free.
+/// Resume every paused allocation of `tag` (NULL or `""`: every tag) at the same addresses.
+/// Out of memory leaves the tag paused with its backups; call again once memory is free.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -328,7 +340,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
 pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
-        let tag = unsafe { opt_str(tag, "tag") }?;
+        let tag = unsafe { tag_or_all(tag) }?;
         runtime::get()?.engine.resume(tag).map(|_| ())
     })
 }
@@ -342,12 +354,13 @@ pub extern "C" fn tms_set_retain_cpu_backup(on: c_int) -> c_int {
     })
 }
 
-/// Whether host backups are kept across resume.
+/// Whether host backups are kept across resume, with a status (`tms_get_retain_cpu_backup`
+/// is the existing library's form, which cannot report a failure).
 ///
 /// # Safety
 /// `out` is writable.
 #[no_mangle]
-pub unsafe extern "C" fn tms_get_retain_cpu_backup(out: *mut c_int) -> c_int {
+pub unsafe extern "C" fn tms_query_retain_cpu_backup(out: *mut c_int) -> c_int {
     entry(|| {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));

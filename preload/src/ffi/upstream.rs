@@ -1,0 +1,174 @@
+//! The C names of the existing `torch_memory_saver` library, which its users call directly
+//! through ctypes (`..._binary_wrapper.cdll.tms_set_interesting_region(False)` around an
+//! allocation that must stay ordinary, for one). Same names and arguments; where the original
+//! returns nothing, these return a status (a caller that ignores it loses nothing), and none of
+//! them can end the process.
+//!
+//! The setters act on the calling thread's innermost region; with none open they open one from
+//! the thread's effective settings (the original keeps one set of flags per thread, with no
+//! enter/exit, so "the thread's region" is what its callers change). `tms_region_exit` closes it.
+//!
+//! Booleans: the original declares `bool`. Arguments are read as `int` and tested against 0,
+//! and results are returned as an `int` of 0 or 1, which is what both a C caller of the `bool`
+//! prototype (which widens its argument) and a ctypes caller without declared types (which
+//! passes and reads an `int`) agree on.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, CStr, CString};
+
+use super::{catch, entry, opt_str, set_last_error};
+use crate::driver::HostBackend;
+use crate::error::{Error, Result};
+use crate::hooks::{runtime, settings};
+
+thread_local! {
+    /// Storage behind the pointer `tms_get_current_tag` returns.
+    static TAG_OUT: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// A boolean result for C: 1 or 0; a failure is 0 with the thread's last error set.
+fn flag(r: Result<bool>) -> c_int {
+    match r {
+        Ok(b) => c_int::from(b),
+        Err(e) => {
+            set_last_error(&e);
+            0
+        }
+    }
+}
+
+/// Make allocations of this thread pauseable (`on != 0`) or ordinary.
+#[no_mangle]
+pub extern "C" fn tms_set_interesting_region(on: c_int) -> c_int {
+    entry(|| settings::update_region(|r| r.enabled = on != 0))
+}
+
+/// 1 when this thread's allocations are pauseable now.
+#[no_mangle]
+pub extern "C" fn tms_get_interesting_region() -> c_int {
+    catch(0, || flag(settings::in_region()))
+}
+
+/// Set the tag of this thread's region (a non-empty string).
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_set_current_tag(tag: *const c_char) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { opt_str(tag, "tag") }?
+            .ok_or_else(|| Error::InvalidArgument("tag is NULL".into()))?;
+        if tag.is_empty() {
+            return Err(Error::InvalidArgument(
+                "a region's tag must not be empty".into(),
+            ));
+        }
+        settings::update_region(|r| r.tag = tag.to_string())
+    })
+}
+
+/// The tag of this thread's region. The string belongs to the calling thread and stays valid
+/// until its next call of this function; NULL on failure (see `tms_last_error`).
+#[no_mangle]
+pub extern "C" fn tms_get_current_tag() -> *const c_char {
+    catch(std::ptr::null(), || {
+        let tag = match settings::current_region() {
+            Ok(r) => r.tag,
+            Err(e) => {
+                set_last_error(&e);
+                return std::ptr::null();
+            }
+        };
+        // Tags come from C strings or the environment, so they hold no NUL; be safe anyway.
+        let c = CString::new(tag.replace('\0', " ")).unwrap_or_default();
+        TAG_OUT
+            .try_with(|slot| {
+                *slot.borrow_mut() = c;
+                slot.borrow().as_ptr()
+            })
+            .unwrap_or(std::ptr::null())
+    })
+}
+
+/// Keep a CPU backup of this thread's new pauseable allocations (`on != 0`).
+#[no_mangle]
+pub extern "C" fn tms_set_enable_cpu_backup(on: c_int) -> c_int {
+    entry(|| settings::update_region(|r| r.cpu_backup = on != 0))
+}
+
+/// 1 when this thread's new pauseable allocations keep a CPU backup.
+#[no_mangle]
+pub extern "C" fn tms_get_enable_cpu_backup() -> c_int {
+    catch(0, || flag(settings::current_region().map(|r| r.cpu_backup)))
+}
+
+/// Host memory of this thread's CPU backups: `"pinned"`, `"mmap"`, or NULL for the process
+/// default (`TMS_INIT_CPU_BACKUP_BACKEND`). Consulted only where a CPU backup is enabled.
+///
+/// # Safety
+/// `backend` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let backend = match unsafe { opt_str(backend, "backend") }? {
+            Some(b) => HostBackend::parse(b)?,
+            None => settings::process()?.region.backend,
+        };
+        settings::update_region(|r| r.backend = backend)
+    })
+}
+
+/// `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups; NULL on
+/// failure.
+#[no_mangle]
+pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
+    catch(std::ptr::null(), || match settings::current_region() {
+        Ok(r) => {
+            let name: &'static CStr = match r.backend {
+                HostBackend::Pinned => c"pinned",
+                HostBackend::Mmap => c"mmap",
+            };
+            name.as_ptr()
+        }
+        Err(e) => {
+            set_last_error(&e);
+            std::ptr::null()
+        }
+    })
+}
+
+/// Refuse pauseable allocations that would leave fewer than `bytes` free on the device (the
+/// existing library's name for `tms_set_memory_margin`).
+#[no_mangle]
+pub extern "C" fn set_memory_margin_bytes(bytes: u64) -> c_int {
+    super::tms_set_memory_margin(bytes)
+}
+
+/// 1 when host backups are kept across resume; 0 also when the library cannot start (see
+/// `tms_last_error`, or use `tms_query_retain_cpu_backup`).
+#[no_mangle]
+pub extern "C" fn tms_get_retain_cpu_backup() -> c_int {
+    catch(0, || {
+        flag(runtime::get().map(|rt| rt.engine.retain_cpu_backup()))
+    })
+}
+
+/// The host backup of `[gpu_ptr, gpu_ptr + size)`, or NULL where there is none (no backup, the
+/// allocation is active with its backup released, the range is not inside one pauseable
+/// allocation, or the library cannot start; the last two set the last error). Valid as
+/// `tms_get_cpu_backup`'s pointer is.
+#[no_mangle]
+pub extern "C" fn tms_get_cpu_backup_pointer(gpu_ptr: *const u8, size: u64) -> *mut u8 {
+    catch(std::ptr::null_mut(), || {
+        let r = runtime::get().and_then(|rt| rt.engine.cpu_backup_ptr(gpu_ptr as u64, size));
+        match r {
+            Ok(p) => p.map_or(std::ptr::null_mut(), |p| p.cast_mut()),
+            Err(e) => {
+                set_last_error(&e);
+                std::ptr::null_mut()
+            }
+        }
+    })
+}

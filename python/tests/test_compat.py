@@ -1,0 +1,312 @@
+"""What integrations of the existing torch_memory_saver reach for, on the simulated device and
+without torch: module and attribute names, the facade's internal shape (``_impl_ctor_kwargs``,
+``_impl``, ``_ensure_initialized``), the library's C names through ``_binary_wrapper.cdll``, the
+library file names, and the lenient arguments they pass."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import torch_memory_saver as tms_pkg
+from torch_memory_saver import utils
+
+from conftest import clean_env, run_py
+
+STEMS = [f"torch_memory_saver_hook_mode_{m}{c}" for m in ("preload", "torch") for c in ("", "_cu12", "_cu13")]
+
+
+def test_every_module_and_name_integrations_import():
+    for mod in ("entrypoint", "binary_wrapper", "hooks", "hooks.base", "hooks.mode_preload", "hooks.mode_torch",
+                "utils", "testing_utils"):
+        importlib.import_module(f"torch_memory_saver.{mod}")
+    from torch_memory_saver.entrypoint import TorchMemorySaver, _TorchMemorySaverImpl
+    from torch_memory_saver.hooks.base import HookUtilBase
+    from torch_memory_saver.testing_utils import get_and_print_gpu_memory
+    from torch_memory_saver.utils import change_env, get_binary_path_from_package, is_xpu
+
+    assert type(tms_pkg.torch_memory_saver) is TorchMemorySaver is tms_pkg.TorchMemorySaver
+    assert callable(get_and_print_gpu_memory) and callable(change_env) and callable(get_binary_path_from_package)
+    assert is_xpu() in (True, False)
+    impl = _TorchMemorySaverImpl(hook_mode="torch")
+    assert impl.hook_mode == "torch" and isinstance(impl._hook_util, HookUtilBase)
+    assert HookUtilBase.create("preload").get_allocator() is None
+    with pytest.raises(ValueError, match="hook_mode must be one of"):
+        _TorchMemorySaverImpl(hook_mode="gms")
+
+
+def test_facade_shape_before_and_after_first_use():
+    r = run_py(
+        """
+        from torch_memory_saver.entrypoint import TorchMemorySaver, _TorchMemorySaverImpl
+        assert tms._impl is None and tms._impl_ctor_kwargs == {}, (tms._impl, tms._impl_ctor_kwargs)
+        assert tms.hook_mode == "preload"
+        tms.hook_mode = "torch"
+        assert tms._impl_ctor_kwargs == {"hook_mode": "torch"} and tms._impl is None
+        tms._ensure_initialized()
+        assert isinstance(tms._impl, _TorchMemorySaverImpl) and tms._impl.hook_mode == "torch"
+        assert not hasattr(tms, "_impl_ctor_kwargs"), "the constructor state goes once _impl exists"
+        first = tms._impl
+        tms._ensure_initialized()
+        assert tms._impl is first
+        tms.hook_mode = "torch"  # the same mode: fine
+        # dynamo's reset: _impl back to None, kwargs recreated; the next use builds a new one.
+        tms._impl = None
+        tms._impl_ctor_kwargs = {}
+        tms.hook_mode = "torch"
+        tms.pause("")
+        assert tms._impl is not first and tms._impl.hook_mode == "torch"
+        lib = tms._impl._binary_wrapper
+        assert isinstance(lib.cdll, ctypes.CDLL)
+        print("OK", tms.stats()["backend"], "torch" in sys.modules)
+        """,
+        clean_env(TMS_BACKEND="sim", TMS_LIBRARY_PATH=tms_pkg.get_binary_path()),
+    )
+    assert r.stdout.split() == ["OK", "sim", "False"], r.stdout
+
+
+def test_hook_mode_property_can_be_patched_as_awex_does():
+    r = run_py(
+        """
+        cls = type(tms)
+        prop = cls.hook_mode
+        assert isinstance(prop, property) and prop.fget and prop.fset
+        seen = []
+        def safe_setter(self, value):
+            seen.append(value)
+            if not hasattr(self, "_impl_ctor_kwargs"):
+                return
+            prop.fset(self, value)
+        cls.hook_mode = property(prop.fget, safe_setter)
+        tms.hook_mode = "torch"
+        assert tms._impl_ctor_kwargs["hook_mode"] == "torch"
+        tms._ensure_initialized()
+        tms.hook_mode = "preload"  # after first use: their setter skips it, nothing raises
+        print(seen, tms.hook_mode)
+        """,
+        clean_env(TMS_BACKEND="sim", TMS_LIBRARY_PATH=tms_pkg.get_binary_path()),
+    )
+    assert r.stdout.strip() == "['torch', 'preload'] torch", r.stdout
+
+
+def test_an_installed_impl_takes_every_call_with_the_keywords_it_expects():
+    r = run_py(
+        """
+        import contextlib
+        import torch_memory_saver.entrypoint as ep
+        calls = []
+        class OwnImpl:
+            # Like dynamo's: no cpu_backup_backend, no zero_copy, no enabled, no _binary_wrapper.
+            @contextlib.contextmanager
+            def region(self, tag, enable_cpu_backup):
+                calls.append(("region", tag, enable_cpu_backup)); yield
+            @contextlib.contextmanager
+            def cuda_graph(self, cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup):
+                calls.append(("cuda_graph", cuda_graph, pool, stream, capture_error_mode, tag, enable_cpu_backup)); yield
+            @contextlib.contextmanager
+            def disable(self):
+                calls.append(("disable",)); yield
+            def pause(self, tag=None): calls.append(("pause", tag))
+            def resume(self, tag=None): calls.append(("resume", tag))
+            def get_cpu_backup(self, x): calls.append(("get_cpu_backup", x)); return None
+        original = ep.TorchMemorySaver._ensure_initialized
+        def patched(self):
+            if self._impl is not None:
+                return
+            if self._impl_ctor_kwargs.get("hook_mode") is None:
+                self._impl = OwnImpl()
+                del self._impl_ctor_kwargs
+            else:
+                original(self)
+        ep.TorchMemorySaver._ensure_initialized = patched
+        with tms.region(tag="weights", enable_cpu_backup=True):
+            pass
+        with tms.cuda_graph("G", pool="P", stream="S", tag="cuda_graph"):
+            pass
+        with tms.disable():
+            pass
+        tms.pause("kv"); tms.resume(); tms.get_cpu_backup("X")
+        assert tms.enabled is True
+        for c in calls: print(c)
+        """,
+        clean_env(),
+    )
+    assert r.stdout.splitlines() == [
+        "('region', 'weights', True)",
+        "('cuda_graph', 'G', 'P', 'S', 'global', 'cuda_graph', False)",
+        "('disable',)",
+        "('pause', 'kv')",
+        "('resume', None)",
+        "('get_cpu_backup', 'X')",
+    ], r.stdout
+
+
+def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
+    r = preloaded(
+        """
+        def count(tag):
+            return sum(t["allocations"] for t in tms.stats()["tags"] if t["tag"] == tag)
+        with tms.region(tag="outer", enable_cpu_backup=True):
+            cdll = tms._impl._binary_wrapper.cdll
+            lib = tms._impl._binary_wrapper
+            assert lib.tms_get_interesting_region() is True and lib.tms_get_current_tag() == b"outer"
+            assert lib.tms_get_enable_cpu_backup() is True and lib.tms_get_cpu_backup_backend() == b"pinned"
+            # DeepEP's patch, as slime and miles call it (no types declared on their side).
+            original = cdll.tms_get_interesting_region()
+            cdll.tms_set_interesting_region(False)
+            rc, ordinary = cuda_malloc(1 << 20)   # passes through (no CUDA runtime under the sim)
+            cdll.tms_set_interesting_region(original)
+            assert rc != 0 and count("outer") == 0, rc
+            rc, kept = cuda_malloc(1 << 20)
+            assert rc == 0 and count("outer") == 1
+            # Setters change the innermost region; an inner region has its own.
+            assert lib.tms_set_current_tag(b"renamed") == 0 and lib.tms_set_cpu_backup_backend(b"mmap") == 0
+            with tms.region(tag="inner"):
+                assert lib.tms_get_current_tag() == b"inner" and lib.tms_get_enable_cpu_backup() is False
+                assert lib.tms_set_enable_cpu_backup(True) == 0 and lib.tms_get_enable_cpu_backup() is True
+            assert lib.tms_get_current_tag() == b"renamed" and lib.tms_get_cpu_backup_backend() == b"mmap"
+            rc, moved = cuda_malloc(1 << 20)
+            assert rc == 0 and count("renamed") == 1
+            # Bad values are refused with a status and a message, never an exit.
+            assert lib.tms_set_current_tag(b"") == 3 and "empty" in lib.last_error()
+            assert lib.tms_set_cpu_backup_backend(b"disk") == 3 and "disk" in lib.last_error()
+            assert lib.tms_set_current_tag(None) == 3
+        # The region closed: back to the thread's default settings.
+        assert lib.tms_get_interesting_region() is False and lib.tms_get_current_tag() == b"default"
+        # No region open: a setter opens one, tms_region_exit closes it.
+        assert lib.tms_set_interesting_region(True) == 0 and lib.tms_get_interesting_region() is True
+        rc, opened = cuda_malloc(1 << 20)
+        assert rc == 0 and count("default") == 1
+        assert lib.tms_region_exit() == 0 and lib.tms_get_interesting_region() is False
+        assert lib.tms_region_exit() == 4
+        # Process-wide names.
+        assert cdll.set_memory_margin_bytes(4096) == 0 and tms.memory_margin_bytes == 4096
+        assert lib.tms_set_retain_cpu_backup(True) == 0 and lib.tms_get_retain_cpu_backup() is True
+        assert tms.retain_cpu_backup is True
+        ctypes.memmove(kept, b"\\x5a" * (1 << 20), 1 << 20)
+        assert cdll.tms_pause(b"") == 0, "empty tag: every tag"
+        assert all(t["bytes_active"] == 0 for t in tms.stats()["tags"]), tms.stats()
+        p = lib.tms_get_cpu_backup_pointer(kept, 1 << 20)
+        assert p and ctypes.string_at(p, 16) == b"\\x5a" * 16
+        assert lib.tms_get_cpu_backup_pointer(moved, 1 << 20) is not None, "mmap backups too"
+        assert lib.tms_get_cpu_backup_pointer(opened, 1 << 20) is None, "no backup asked"
+        assert lib.tms_get_cpu_backup_pointer(12345, 16) is None
+        print("NOTFOUND", lib.last_error())
+        assert cdll.tms_resume(b"") == 0
+        assert ctypes.string_at(kept, 16) == b"\\x5a" * 16
+        print("OK")
+        """
+    )
+    assert r.stdout.strip().endswith("OK"), r.stdout
+    assert "NOTFOUND" in r.stdout and "0x3039" in r.stdout, r.stdout
+
+
+def test_empty_tag_means_every_tag_and_truthy_backup_flags(preloaded):
+    preloaded(
+        """
+        with tms.region(tag="a", enable_cpu_backup=1):
+            rc, a = cuda_malloc(1 << 20)
+        with tms.region(tag="b", enable_cpu_backup="yes"):
+            rc, b = cuda_malloc(1 << 20)
+        ctypes.memmove(a, b"A" * (1 << 20), 1 << 20)
+        ctypes.memmove(b, b"B" * (1 << 20), 1 << 20)
+        tms.pause("")
+        assert tag_stats("a")["bytes_paused"] and tag_stats("b")["bytes_paused"]
+        assert tag_stats("a")["host_backup_bytes"] == 1 << 20
+        tms.resume("")
+        assert ctypes.string_at(a, 4) == b"AAAA" and ctypes.string_at(b, 4) == b"BBBB"
+        tms.retain_cpu_backup = 1
+        assert tms.retain_cpu_backup is True
+        """
+    )
+
+
+def test_library_file_names_beside_the_package():
+    here = Path(tms_pkg.__file__).resolve().parent
+    root = here.parent
+    main = Path(tms_pkg.get_binary_path())
+    for stem in STEMS:
+        p = utils.get_binary_path_from_package(stem)
+        assert p.is_file(), p
+        if (root / f"{stem}.abi3.so").exists():
+            # Installed: the path AReaL and slime build by hand, a copy of the one build.
+            assert p == root / f"{stem}.abi3.so"
+            assert p.read_bytes() == main.read_bytes()
+        else:  # a source checkout: the development build serves every name
+            assert p == main
+    with pytest.raises(tms_pkg.LibraryNotFoundError, match="no_such_library"):
+        utils.get_binary_path_from_package("no_such_library")
+    with pytest.raises(ValueError):
+        utils.get_binary_path_from_package("../etc/passwd")
+
+
+@pytest.mark.skipif(
+    not (Path(tms_pkg.__file__).resolve().parent.parent / f"{STEMS[0]}.abi3.so").exists(),
+    reason="needs the package installed from its wheel (scripts/test installs it)",
+)
+def test_preload_by_the_upstream_file_name_as_areal_and_slime_build_it(tmp_path):
+    import torch_memory_saver
+
+    path = os.path.join(os.path.dirname(os.path.dirname(torch_memory_saver.__file__)), f"{STEMS[0]}.abi3.so")
+    env = clean_env(LD_PRELOAD=path, TMS_INIT_ENABLE="1", TMS_INIT_ENABLE_CPU_BACKUP="1", TMS_BACKEND="sim",
+                    TMS_SIM_CAPACITY="64MiB", TMS_SOCKET_DIR=str(tmp_path))
+    r = run_py(
+        """
+        from torch_memory_saver import binary_wrapper
+        assert tms.enabled
+        rc, p = cuda_malloc(3 << 20)
+        assert rc == 0
+        ctypes.memmove(p, b"q" * (3 << 20), 3 << 20)
+        tms.pause()
+        backed_up = tag_stats("default")["host_backup_bytes"]
+        tms.resume()
+        assert ctypes.string_at(p, 3) == b"qqq"
+        print(os.path.basename(binary_wrapper.preloaded_path()), backed_up)
+        """,
+        env,
+    )
+    assert r.stdout.split() == [f"{STEMS[0]}.abi3.so", str(3 << 20)], r.stdout
+
+
+def test_change_env_restores_absent_as_absent(monkeypatch):
+    monkeypatch.delenv("TMS_TEST_X", raising=False)
+    monkeypatch.setenv("TMS_TEST_Y", "old")
+    with utils.change_env("TMS_TEST_X", "1"), utils.change_env("TMS_TEST_Y", "new"):
+        assert os.environ["TMS_TEST_X"] == "1" and os.environ["TMS_TEST_Y"] == "new"
+    assert "TMS_TEST_X" not in os.environ and os.environ["TMS_TEST_Y"] == "old"
+    with pytest.raises(KeyError):
+        with utils.change_env("TMS_TEST_Y", None):
+            assert "TMS_TEST_Y" not in os.environ
+            raise KeyError("boom")
+    assert os.environ["TMS_TEST_Y"] == "old"
+
+
+def test_is_xpu_is_false_without_torch():
+    r = run_py("from torch_memory_saver.utils import is_xpu\nprint(is_xpu(), 'torch' in sys.modules)\n", clean_env())
+    assert r.stdout.split()[0] == "False"
+
+
+@pytest.mark.skipif(not os.environ.get("TMS_TEST_WHEEL"), reason="TMS_TEST_WHEEL names the wheel to check")
+def test_wheel_file_list():
+    wheel = Path(os.environ["TMS_TEST_WHEEL"])
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected_libs = {f"{s}.abi3.so" for s in STEMS} | {"torch_memory_saver/libtms.abi3.so"}
+    assert expected_libs <= names, sorted(expected_libs - names)
+    for mod in ("__init__", "entrypoint", "binary_wrapper", "saver", "errors", "utils", "testing_utils",
+                "hooks/__init__", "hooks/base", "hooks/mode_preload", "hooks/mode_torch"):
+        assert f"torch_memory_saver/{mod}.py" in names, mod
+    assert any(n.endswith(".data/scripts/tmsctl") for n in names), "tmsctl goes onto PATH"
+    assert not any("/tests/" in n or n.endswith(".pyc") for n in names), sorted(names)
+    wheel_tag = next(n for n in names if n.endswith(".dist-info/WHEEL"))
+    tags = zipfile.ZipFile(wheel).read(wheel_tag).decode()
+    assert "Tag: cp39-abi3-linux_x86_64" in tags, "one wheel for every Python 3 on x86-64"
+    z = zipfile.ZipFile(wheel)
+    assert len({z.getinfo(n).CRC for n in expected_libs}) == 1, "every name is the same build"
+    for n in expected_libs:
+        assert (z.getinfo(n).external_attr >> 16) & 0o170000 != 0o120000, f"{n} is a symlink"
+        assert z.getinfo(n).file_size > 100_000, n

@@ -1,0 +1,215 @@
+"""The class of the process-wide instance, ``torch_memory_saver.torch_memory_saver``.
+
+:class:`TorchMemorySaver` is a thin facade: before first use it holds ``_impl_ctor_kwargs``
+(``hook_mode`` is stored there) and ``_impl = None``; :meth:`TorchMemorySaver._ensure_initialized`
+builds ``_impl`` (a :class:`_TorchMemorySaverImpl`) from them and drops ``_impl_ctor_kwargs``;
+every public method calls ``self._ensure_initialized()`` then the method of the same name on
+``self._impl``. So an integration that installs its own ``_impl`` (or patches
+``_ensure_initialized``) takes over every call, and the keywords passed on are only those the
+caller gave beyond the long-standing ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any, Optional
+
+from .saver import _TorchMemorySaverImpl
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["TorchMemorySaver", "_TorchMemorySaverImpl"]
+
+_init_lock = threading.RLock()
+
+
+def _given(**kwargs: Any) -> dict:
+    """The optional keywords the caller actually set (None = not given), so that an installed
+    ``_impl`` without them is still called the way it expects."""
+    return {k: v for k, v in kwargs.items() if v is not None}
+
+
+class TorchMemorySaver:
+    """Pauseable GPU memory for PyTorch.
+
+    Tensors allocated inside :meth:`region` (or captured by :meth:`cuda_graph`) can give their
+    device memory back with :meth:`pause` and get it back with :meth:`resume`, at the same
+    addresses, so tensors, pointers and CUDA graphs stay valid. With ``enable_cpu_backup=True``
+    the contents survive; without it they are undefined after resume.
+
+    Use the process-wide instance ``torch_memory_saver.torch_memory_saver``.
+    """
+
+    def __init__(self) -> None:
+        self._impl_ctor_kwargs: dict = {}
+        self._impl: Any = None
+
+    def _ensure_initialized(self) -> None:
+        """Build ``_impl`` from ``_impl_ctor_kwargs`` if there is none yet. Cheap: the library is
+        loaded by the first call that needs it."""
+        if self._impl is not None:
+            return
+        with _init_lock:
+            if self._impl is not None:
+                return
+            kwargs = getattr(self, "_impl_ctor_kwargs", None) or {}
+            self._impl = _TorchMemorySaverImpl(**kwargs)
+            try:
+                del self._impl_ctor_kwargs
+            except AttributeError:
+                pass
+
+    # ---------------------------------------------------------------- configuration
+
+    @property
+    def hook_mode(self) -> str:
+        """``"preload"`` (libtms.so in ``LD_PRELOAD``; the default) or ``"torch"`` (a
+        ``torch.cuda.MemPool`` per tag whose allocator is libtms.so). Set it before first use;
+        an unknown mode is refused at first use. Changing it once in use raises
+        :class:`InvalidStateError`."""
+        impl_mode = getattr(self._impl, "hook_mode", None) if self._impl is not None else None
+        if impl_mode is not None:
+            return impl_mode
+        return (getattr(self, "_impl_ctor_kwargs", None) or {}).get("hook_mode") or "preload"
+
+    @hook_mode.setter
+    def hook_mode(self, mode: str) -> None:
+        with _init_lock:
+            if self._impl is None:
+                if not hasattr(self, "_impl_ctor_kwargs"):
+                    self._impl_ctor_kwargs = {}
+                self._impl_ctor_kwargs["hook_mode"] = mode
+            elif isinstance(self._impl, _TorchMemorySaverImpl):
+                self._impl.hook_mode = mode
+            # An integration's own _impl decides its mode itself.
+
+    @property
+    def enabled(self) -> bool:
+        """True when the package can work in this process in the current hook mode: in preload
+        mode, libtms.so is in ``LD_PRELOAD``; in torch mode, the library file is found. False
+        means regions would raise :class:`LibraryNotFoundError` (which says how to fix it),
+        while pausing and resuming would find nothing to do."""
+        self._ensure_initialized()
+        return bool(getattr(self._impl, "enabled", True))
+
+    @property
+    def retain_cpu_backup(self) -> bool:
+        """Keep host backups across resume, so the next pause reuses them instead of allocating
+        host memory again. Consulted at resume; setting it to False frees nothing at once."""
+        self._ensure_initialized()
+        return self._impl.retain_cpu_backup
+
+    @retain_cpu_backup.setter
+    def retain_cpu_backup(self, on: bool) -> None:
+        self._ensure_initialized()
+        self._impl.retain_cpu_backup = on
+
+    @property
+    def memory_margin_bytes(self) -> int:
+        """A pauseable allocation that would leave fewer bytes free on the device fails with out
+        of memory (so PyTorch frees its cache and retries). 0 turns it off."""
+        self._ensure_initialized()
+        return self._impl.memory_margin_bytes
+
+    @memory_margin_bytes.setter
+    def memory_margin_bytes(self, n: int) -> None:
+        self._ensure_initialized()
+        self._impl.memory_margin_bytes = n
+
+    # ---------------------------------------------------------------- regions
+
+    def region(
+        self, tag: str = "default", enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None
+    ) -> contextlib.AbstractContextManager:
+        """Tensors allocated inside are pauseable under ``tag``.
+
+        They come from a ``torch.cuda.MemPool`` of the region's own (one per tag, backup setting,
+        backend and device), so cached blocks never move between pauseable and ordinary tensors.
+
+        ``enable_cpu_backup`` (any truthy value) keeps their contents across pause in host
+        memory: ``cpu_backup_backend="pinned"`` (the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``)
+        is page-locked once retained (``retain_cpu_backup``; a background thread does it after
+        the pause), so later cycles copy at link speed; ``"mmap"`` stays pageable, so the kernel
+        can take it back. Both are filled and read through small page-locked staging buffers
+        where they are not page-locked.
+        """
+        self._ensure_initialized()
+        return self._impl.region(
+            tag=tag, enable_cpu_backup=enable_cpu_backup, **_given(cpu_backup_backend=cpu_backup_backend)
+        )
+
+    def disable(self) -> contextlib.AbstractContextManager:
+        """Allocations inside are ordinary ``cudaMalloc`` memory that no pause touches, even
+        inside a region or under ``TMS_INIT_ENABLE=1``: they come from a pool of their own,
+        never from a cached pauseable block. On exit, what freed tensors of the block left
+        cached goes back to the device; tensors still alive stay valid across every later
+        pause and can be shared with other processes through CUDA IPC
+        (``torch.multiprocessing``), while their region's tags are paused too."""
+        self._ensure_initialized()
+        return self._impl.disable()
+
+    def cuda_graph(
+        self,
+        cuda_graph: "torch.cuda.CUDAGraph",
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+        tag: str = "default",
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[str] = None,
+    ) -> contextlib.AbstractContextManager:
+        """Like ``torch.cuda.graph(...)``, but the graph's own memory (its intermediate tensors)
+        is pauseable under ``tag``; the graph replays correctly after resume. Works in both hook
+        modes."""
+        self._ensure_initialized()
+        return self._impl.cuda_graph(
+            cuda_graph=cuda_graph,
+            pool=pool,
+            stream=stream,
+            capture_error_mode=capture_error_mode,
+            tag=tag,
+            enable_cpu_backup=enable_cpu_backup,
+            **_given(cpu_backup_backend=cpu_backup_backend),
+        )
+
+    # ---------------------------------------------------------------- pause / resume
+
+    def pause(self, tag: Optional[str] = None) -> None:
+        """Give back the device memory of ``tag`` (every tag if None or ``""``), backing up
+        contents where the region asked for it. Pausing what is paused does nothing."""
+        self._ensure_initialized()
+        return self._impl.pause(tag=tag)
+
+    def resume(self, tag: Optional[str] = None) -> None:
+        """Take device memory back for ``tag`` (every tag if None or ``""``), at the same
+        addresses, and restore backups. On out of memory raises :class:`OutOfMemoryError` and
+        the tag stays paused with its backups: free memory and call again."""
+        self._ensure_initialized()
+        return self._impl.resume(tag=tag)
+
+    # ---------------------------------------------------------------- backups and stats
+
+    def get_cpu_backup(self, x: "torch.Tensor", zero_copy: bool = False) -> "Optional[torch.Tensor]":
+        """The host backup of ``x`` as a CPU tensor of the same dtype and shape (a copy, or with
+        ``zero_copy=True`` a view of the backup itself, valid until the next resume without
+        retention or the tensor's memory is freed), or None where there is none (no backup
+        enabled, or the allocation is active and its backup was released). ``x`` must be
+        contiguous and lie inside one pauseable allocation."""
+        self._ensure_initialized()
+        if zero_copy:
+            return self._impl.get_cpu_backup(x, zero_copy=True)
+        return self._impl.get_cpu_backup(x)
+
+    def stats(self) -> dict:
+        """Per-tag statistics: allocations, bytes active/paused, host backup bytes (and how many
+        of them are page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part
+        of a resume spent releasing host memory)."""
+        self._ensure_initialized()
+        return self._impl.stats()
+
+    def summary(self) -> str:
+        """The statistics as a readable table."""
+        self._ensure_initialized()
+        return self._impl.summary()

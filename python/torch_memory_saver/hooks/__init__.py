@@ -1,0 +1,16 @@
+"""Hook modes: how allocations reach libtms.so.
+
+- ``preload`` (:class:`~.mode_preload.HookUtilModePreload`): the process runs with libtms.so in
+  ``LD_PRELOAD``, which interposes ``cudaMalloc``; PyTorch's own allocator is used.
+- ``torch`` (:class:`~.mode_torch.HookUtilModeTorch`): no preload; pools whose allocator is
+  libtms.so's pluggable-allocator entry points (``torch.cuda.memory.CUDAPluggableAllocator``).
+
+``HookUtilBase.create(hook_mode)`` gives the object of a mode; an integration may subclass
+:class:`~.base.HookUtilBase` to route allocations elsewhere.
+"""
+
+from .base import HOOK_MODES, HookUtilBase
+from .mode_preload import HookUtilModePreload
+from .mode_torch import HookUtilModeTorch
+
+__all__ = ["HOOK_MODES", "HookUtilBase", "HookUtilModePreload", "HookUtilModeTorch"]

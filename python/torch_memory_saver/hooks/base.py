@@ -1,0 +1,43 @@
+"""The interface of a hook mode."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ..binary_wrapper import BinaryWrapper
+from ..errors import InvalidArgumentError
+
+__all__ = ["HOOK_MODES", "HookUtilBase"]
+
+HOOK_MODES = ("preload", "torch")
+
+
+class HookUtilBase:
+    """How one hook mode finds libtms.so and which allocator its pools use."""
+
+    hook_mode: str = ""
+
+    @staticmethod
+    def create(hook_mode: str) -> "HookUtilBase":
+        """The object of ``hook_mode`` (``"preload"`` or ``"torch"``)."""
+        from .mode_preload import HookUtilModePreload
+        from .mode_torch import HookUtilModeTorch
+
+        modes = {"preload": HookUtilModePreload, "torch": HookUtilModeTorch}
+        if hook_mode not in modes:
+            raise InvalidArgumentError(f"hook_mode must be one of {HOOK_MODES}, not {hook_mode!r}")
+        return modes[hook_mode]()
+
+    def get_path_binary(self) -> Optional[str]:
+        """Path of the libtms.so this mode uses (None where the loader found it by name)."""
+        raise NotImplementedError
+
+    def get_allocator(self) -> Any:
+        """The ``CUDAPluggableAllocator`` of this mode's pools, or None for PyTorch's own."""
+        raise NotImplementedError
+
+    def binary_wrapper(self) -> BinaryWrapper:
+        """The loaded library (raises :class:`LibraryNotFoundError` saying how to provide it)."""
+        from .. import binary_wrapper
+
+        return binary_wrapper.load(self.get_path_binary())
