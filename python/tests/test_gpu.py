@@ -41,10 +41,9 @@ torch.cuda.init()
 
 
 def env_for(mode: str, **extra: str) -> dict:
+    # The package as this interpreter has it (the GPU suite installs the wheel).
     env = clean_env(TEST_HOOK_MODE=mode, PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])
     lib = tms_pkg.get_binary_path()
-    env["TMS_LIBRARY_PATH"] = lib
     if mode == "preload":
         env["LD_PRELOAD"] = lib
     env.update(extra)

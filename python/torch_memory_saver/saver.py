@@ -72,6 +72,46 @@ def _enc(s: Optional[str]) -> Optional[bytes]:
     return None if s is None else s.encode("utf-8")
 
 
+class _Routing:
+    """Which pools this process's threads route allocations to, through ``use_mem_pool``.
+
+    PyTorch (2.11) asserts, and so ends the process, when a ``MemPool`` is destroyed while any
+    thread routes to a pool or captures a graph: the pool's destructor frees its cache, which
+    needs that nothing be under way. ``disable()`` destroys its pool to give the cache back, so
+    it does so only when no route or capture of this package is active in any thread; until
+    then the pool waits in ``retired`` and goes with the last route or capture to end.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.retired: list = []
+
+    def enter(self) -> None:
+        with self.lock:
+            self.active += 1
+
+    def leave(self, torch: Any) -> None:
+        with self.lock:
+            self.active -= 1
+        self.collect(torch)
+
+    def retire(self, pool: Any, torch: Any) -> None:
+        with self.lock:
+            self.retired.append(pool)
+        self.collect(torch)
+
+    def collect(self, torch: Any) -> None:
+        with self.lock:
+            if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
+                return
+            dead, self.retired = self.retired, []
+        del dead  # the last references: each pool gives its cached blocks back to the device
+
+
+_routing = _Routing()
+
+
 class _Route:
     """One pool this thread's allocations are routed to, and the ``use_mem_pool`` context that
     does it while the route is the innermost one (None while a nested route suspends it)."""
@@ -81,13 +121,18 @@ class _Route:
         self.ctx: Any = None
 
     def start(self, torch: Any) -> None:
-        self.ctx = torch.cuda.use_mem_pool(self.pool)
-        self.ctx.__enter__()
+        ctx = torch.cuda.use_mem_pool(self.pool)
+        ctx.__enter__()
+        self.ctx = ctx
+        _routing.enter()
 
-    def stop(self) -> None:
+    def stop(self, torch: Any) -> None:
         ctx, self.ctx = self.ctx, None
         if ctx is not None:
-            ctx.__exit__(None, None, None)
+            try:
+                ctx.__exit__(None, None, None)
+            finally:
+                _routing.leave(torch)
 
 
 class _TorchMemorySaverImpl:
@@ -194,17 +239,21 @@ class _TorchMemorySaverImpl:
             return pool
 
     @contextlib.contextmanager
-    def _routed(self, torch: Any, pool: Any) -> Iterator[None]:
+    def _routed(self, torch: Any, pool: Any = None) -> Iterator[None]:
         """Route this thread's allocations to ``pool`` inside the block. Routes nest: the
         innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
-        which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``)."""
+        which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``).
+        ``pool=None``: a pool of PyTorch's own allocator for this block alone, dropped on exit
+        before the enclosing route restarts, so that its cache can go back to the device."""
         stack = getattr(self._local, "routes", None)
         if stack is None:
             stack = self._local.routes = []
-        route = _Route(pool)
+        retire = pool is None
+        route = _Route(torch.cuda.MemPool() if retire else pool)
+        del pool
         outer = stack[-1] if stack else None
         if outer is not None:
-            outer.stop()
+            outer.stop(torch)
         try:
             route.start(torch)
         except BaseException:
@@ -216,7 +265,10 @@ class _TorchMemorySaverImpl:
             yield
         finally:
             stack.pop()
-            route.stop()
+            route.stop(torch)
+            if retire:
+                _routing.retire(route.pool, torch)
+                route.pool = None
             if outer is not None:
                 outer.start(torch)
 
@@ -254,16 +306,11 @@ class _TorchMemorySaverImpl:
         # A pool of its own with PyTorch's own allocator: plain cudaMalloc (the library's flags
         # are off, so a preloaded libtms.so passes it through), never a cached pauseable block
         # of the enclosing region's pool or, under TMS_INIT_ENABLE=1, of the default pool.
-        pool = torch.cuda.MemPool()
-        try:
-            with self._flags(lib, False, None, False, None):
-                with self._routed(torch, pool):
-                    yield
-        finally:
-            # The pool is referenced only here: dropping it destroys it, and PyTorch then gives
-            # its cached free blocks back to the device (seen on torch 2.11: the memory of freed
-            # tensors returns at once, while blocks of tensors still alive stay theirs).
-            del pool
+        # On exit the pool is dropped: PyTorch then gives its cached free blocks back to the
+        # device (on torch 2.11 at once), while blocks of tensors still alive stay theirs.
+        with self._flags(lib, False, None, False, None):
+            with self._routed(torch):
+                yield
 
     @contextlib.contextmanager
     def cuda_graph(
@@ -287,8 +334,12 @@ class _TorchMemorySaverImpl:
             device = torch.cuda.current_device()
             pool = self._pool("graph", tag, enable_cpu_backup, backend, device).id
         with self._flags(lib, True, tag, enable_cpu_backup, backend):
-            with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
-                yield
+            _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
+            try:
+                with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                    yield
+            finally:
+                _routing.leave(torch)
 
     # ---------------------------------------------------------------- pause / resume
 
