@@ -293,14 +293,17 @@ pub fn region_depth() -> usize {
 mod tests {
     use super::*;
 
-    #[test]
-    fn region_stack_nests_and_refuses_bad_pops() {
-        let r = |enabled, tag: &str| RegionSettings {
+    fn r(enabled: bool, tag: &str) -> RegionSettings {
+        RegionSettings {
             enabled,
             tag: tag.into(),
             cpu_backup: false,
             backend: HostBackend::Pinned,
-        };
+        }
+    }
+
+    #[test]
+    fn region_stack_nests_and_refuses_bad_pops() {
         std::thread::spawn(move || {
             push_region(r(true, "kv")).unwrap();
             assert!(in_region().unwrap());
@@ -319,12 +322,6 @@ mod tests {
 
     #[test]
     fn update_region_changes_the_innermost_or_opens_one() {
-        let r = |enabled, tag: &str| RegionSettings {
-            enabled,
-            tag: tag.into(),
-            cpu_backup: false,
-            backend: HostBackend::Pinned,
-        };
         std::thread::spawn(move || {
             let base = current_region().unwrap();
             update_region(|s| s.tag = "opened".into()).unwrap();
