@@ -265,6 +265,10 @@ pub struct OpDone {
     pub copied_bytes: u64,
     /// Wall time of the call.
     pub seconds: f64,
+    /// A tag was given that no allocation of the process has: nothing could change (a typo,
+    /// perhaps). Absent (false) otherwise, and from servers that predate it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unknown_tag: bool,
 }
 
 /// What kind of failure an error reply reports.
@@ -543,18 +547,64 @@ pub fn socket_dir_from_env(uid: u32) -> PathBuf {
     )
 }
 
-/// File name of the socket of process `pid`: `<pid>.sock`.
-pub fn socket_file_name(pid: u32) -> String {
-    format!("{pid}.sock")
+/// Where a socket file says its process is: the pid as that process sees it, and the inode of
+/// its pid namespace (`/proc/self/ns/pid`), which tells processes of different namespaces
+/// apart (two of them can have the same pid, and a pid of another namespace cannot be probed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SocketName {
+    /// The process id, in the process's own pid namespace.
+    pub pid: u32,
+    /// The inode of that pid namespace; `None` where it could not be read (no `/proc`), and for
+    /// sockets named by earlier versions.
+    pub pidns: Option<u64>,
 }
 
-/// The pid in a socket file name (`"1234.sock"` -> 1234); `None` for any other name.
-pub fn pid_of_socket_file(name: &str) -> Option<u32> {
-    let digits = name.strip_suffix(".sock")?;
-    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) || digits.starts_with('0') {
-        return None;
+impl SocketName {
+    /// File name of the socket: `<pid>.<pidns>.sock`, or `<pid>.sock` without a namespace.
+    pub fn file_name(&self) -> String {
+        match self.pidns {
+            Some(ns) => format!("{}.{ns}.sock", self.pid),
+            None => format!("{}.sock", self.pid),
+        }
     }
-    digits.parse().ok().filter(|p| *p > 0)
+
+    /// Parse a socket file name; `None` for any other name.
+    pub fn parse(name: &str) -> Option<SocketName> {
+        fn number<T: std::str::FromStr>(s: &str) -> Option<T> {
+            if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) || s.starts_with('0') {
+                return None;
+            }
+            s.parse().ok()
+        }
+        let stem = name.strip_suffix(".sock")?;
+        let (pid, pidns) = match stem.split_once('.') {
+            Some((pid, ns)) => (pid, Some(number::<u64>(ns)?)),
+            None => (stem, None),
+        };
+        let pid = number::<u32>(pid).filter(|p| *p > 0 && *p <= i32::MAX as u32)?;
+        Some(SocketName { pid, pidns })
+    }
+}
+
+/// The inode of this process's pid namespace, or `None` where `/proc` cannot say.
+pub fn pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
+}
+
+/// File name of the socket of process `pid` in this process's pid namespace.
+pub fn socket_file_name(pid: u32) -> String {
+    SocketName {
+        pid,
+        pidns: pid_namespace(),
+    }
+    .file_name()
+}
+
+/// The pid in a socket file name (`"1234.4026531836.sock"` or `"1234.sock"` -> 1234); `None`
+/// for any other name.
+pub fn pid_of_socket_file(name: &str) -> Option<u32> {
+    SocketName::parse(name).map(|n| n.pid)
 }
 
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of

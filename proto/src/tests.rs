@@ -167,6 +167,7 @@ fn replies_round_trip() {
             bytes: 2 << 20,
             copied_bytes: 0,
             seconds: 0.25,
+            unknown_tag: false,
         }),
         Reply::error(ErrorKind::OutOfMemory, "out of memory: resume"),
     ];
@@ -221,6 +222,18 @@ fn socket_naming() {
         assert_eq!(p(bad), None, "{bad}");
     }
     assert_eq!(p(&socket_file_name(77)), Some(77));
+    assert_eq!(p("1234.4026531836.sock"), Some(1234));
+    for bad in ["1.0.sock", "1..sock", "1.x.sock", "1.2.3.sock", "2147483648.5.sock"] {
+        assert_eq!(SocketName::parse(bad), None, "{bad}");
+    }
+    let named = SocketName {
+        pid: 9,
+        pidns: Some(4026531836),
+    };
+    assert_eq!(SocketName::parse(&named.file_name()), Some(named));
+    let ours = SocketName::parse(&socket_file_name(5)).unwrap();
+    assert_eq!(ours.pidns, pid_namespace());
+    assert!(ours.pidns.is_some(), "Linux has /proc/self/ns/pid");
     let some = |s: &str| Some(OsString::from(s));
     assert_eq!(
         socket_dir(some("/s"), some("/run/user/1"), 1),

@@ -78,6 +78,7 @@ fn op(host: &dyn Host, which: Op, tag: Option<String>) -> Result<Reply> {
         bytes: r.bytes,
         copied_bytes: r.copied,
         seconds: finite(r.seconds),
+        unknown_tag: false,
     }))
 }
 
