@@ -256,27 +256,61 @@ fn malformed_backend_passes_through() {
 }
 
 #[test]
-fn malformed_sim_device_fails_region_allocations_cleanly() {
-    let r = run_e2e("bad-device", &[("TMS_SIM_CAPACITY", "lots")]);
-    r.assert_passed("bad-device");
-    let lines: Vec<&str> = r.stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "one line on stderr\n{}", r.dump());
-    assert!(lines[0].starts_with("torch-memory-saver: "), "{}", r.dump());
+fn malformed_sim_settings_pass_through_naming_the_variable() {
+    check_malformed("TMS_SIM_CAPACITY", "lots", "\"lots\" is not a byte size");
+    check_malformed("TMS_SIM_DEVICES", "0", "not a device count");
+    check_malformed("TMS_SIM_GRANULARITY", "3000", "must be a power of two");
+    check_malformed("TMS_SIM_FAULTS", "teleport:1", "teleport");
+}
+
+#[test]
+fn undecodable_init_tag_passes_through_naming_the_variable() {
+    use std::os::unix::ffi::OsStrExt;
+    let mut cmd = tms_tests::e2e_command("malformed");
+    cmd.env("TMS_INIT_TAG", std::ffi::OsStr::from_bytes(b"kv\xff"));
+    let r = tms_tests::run(cmd);
+    r.assert_passed("malformed");
     assert!(
-        lines[0].contains("environment variable TMS_SIM_CAPACITY"),
+        r.stderr.lines().count() == 1
+            && r.stderr
+                .contains("environment variable TMS_INIT_TAG is not valid UTF-8"),
         "{}",
         r.dump()
     );
+}
+
+#[test]
+fn a_malformed_log_filter_is_named_and_nothing_else_changes() {
+    let r = run_e2e("basic", &[("TMS_LOG", "garbage[")]);
+    r.assert_passed("basic");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr\n{}", r.dump());
     assert!(
-        lines[0].contains("\"lots\" is not a byte size"),
+        lines[0].starts_with("torch-memory-saver: environment variable TMS_LOG: \"garbage[\"")
+            && lines[0].ends_with("logging stays off"),
+        "{}",
+        r.dump()
+    );
+}
+
+#[test]
+fn a_device_that_cannot_start_fails_region_allocations_cleanly() {
+    // No CUDA device can be used: no driver here, or none visible where there is one.
+    let r = run_e2e(
+        "bad-device",
+        &[("TMS_BACKEND", "cuda"), ("CUDA_VISIBLE_DEVICES", "")],
+    );
+    r.assert_passed("bad-device");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line on stderr\n{}", r.dump());
+    assert!(
+        lines[0].starts_with("torch-memory-saver: ")
+            && lines[0].contains("starting torch-memory-saver"),
         "{}",
         r.dump()
     );
     for e in r.tagged("ERROR") {
-        assert!(
-            e.contains("starting torch-memory-saver") && e.contains("TMS_SIM_CAPACITY"),
-            "{e}"
-        );
+        assert!(e.contains("starting torch-memory-saver"), "{e}");
     }
 }
 

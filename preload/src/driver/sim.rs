@@ -182,6 +182,8 @@ impl SimConfig {
         }
         if let Some(g) = env_parsed("TMS_SIM_GRANULARITY", parse_bytes)? {
             c.granularity = g;
+            c.validate()
+                .map_err(|e| e.context("environment variable TMS_SIM_GRANULARITY"))?;
         }
         c.validate()?;
         Ok(c)
@@ -345,13 +347,20 @@ impl SimDriver {
 
     /// From `TMS_SIM_*` environment variables, faults from `TMS_SIM_FAULTS` armed.
     pub fn from_env() -> Result<Self> {
-        let d = SimDriver::new(SimConfig::from_env()?)?;
-        if let Some(faults) = env_parsed("TMS_SIM_FAULTS", parse_faults)? {
-            for (p, n, c) in faults {
-                d.arm_fault(p, n, c);
-            }
+        let (cfg, faults) = Self::settings_from_env()?;
+        let d = SimDriver::new(cfg)?;
+        for (p, n, c) in faults {
+            d.arm_fault(p, n, c);
         }
         Ok(d)
+    }
+
+    /// The `TMS_SIM_*` settings (the machine's shape and the fault plan), each malformed value
+    /// an error naming its variable.
+    pub fn settings_from_env() -> Result<(SimConfig, Vec<(Prim, u64, i32)>)> {
+        let cfg = SimConfig::from_env()?;
+        let faults = env_parsed("TMS_SIM_FAULTS", parse_faults)?.unwrap_or_default();
+        Ok((cfg, faults))
     }
 
     /// The machine's shape.

@@ -21,6 +21,7 @@ use std::sync::OnceLock;
 
 use parking_lot::RwLock;
 
+use crate::driver::sim::SimDriver;
 use crate::driver::HostBackend;
 use crate::engine::{CopyConfig, PinMode};
 use crate::error::{Error, Result};
@@ -138,15 +139,22 @@ impl ProcessSettings {
     pub fn from_env() -> Result<Self> {
         let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", HostBackend::parse)?
             .unwrap_or(HostBackend::Pinned);
-        let tag = match std::env::var("TMS_INIT_TAG") {
-            Ok(t) if !t.is_empty() => t,
-            Ok(_) => {
+        let tag = match env_parsed("TMS_INIT_TAG", |t| Ok(t.to_string()))? {
+            Some(t) if t.is_empty() => {
                 return Err(Error::InvalidArgument(
                     "environment variable TMS_INIT_TAG is empty".into(),
                 ))
             }
-            Err(_) => "default".to_string(),
+            Some(t) => t,
+            None => "default".to_string(),
         };
+        let backend_choice =
+            env_parsed("TMS_BACKEND", BackendChoice::parse)?.unwrap_or(BackendChoice::Auto);
+        if backend_choice == BackendChoice::Sim {
+            // Checked here, with the other settings, so that a malformed one leaves the process
+            // alone (allocations pass through) as any malformed TMS_* variable does.
+            SimDriver::settings_from_env()?;
+        }
         Ok(ProcessSettings {
             region: RegionSettings {
                 enabled: env_parsed("TMS_INIT_ENABLE", parse_flag)?.unwrap_or(false),
@@ -156,8 +164,7 @@ impl ProcessSettings {
             },
             retain_cpu_backup: env_parsed("TMS_RETAIN_CPU_BACKUP", parse_flag)?.unwrap_or(false),
             memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
-            backend: env_parsed("TMS_BACKEND", BackendChoice::parse)?
-                .unwrap_or(BackendChoice::Auto),
+            backend: backend_choice,
             copy: copy_config_from_env()?,
         })
     }
