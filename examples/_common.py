@@ -22,6 +22,32 @@ except ImportError:  # running from a checkout without installing: use its pytho
 
 from torch_memory_saver import configure_subprocess, torch_memory_saver
 
+
+def _needs_torch() -> None:
+    """The examples need PyTorch with CUDA. Without it, ``--help`` still shows what the example
+    does and how to run it, and anything else stops with one line saying what is missing
+    (rather than a traceback from ``import torch``)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as e:
+        script = os.path.basename(sys.argv[0]) or "this example"
+        if {"-h", "--help"} & set(sys.argv[1:]):
+            main = sys.modules.get("__main__")
+            print((getattr(main, "__doc__", None) or "").strip())
+            print(
+                f"\nusage: python examples/{script} [--hook-mode {{preload,torch}}] [options]\n"
+                "  --hook-mode  how libtms.so gets at the allocations: LD_PRELOAD (preload, the default) "
+                "or a torch.cuda.MemPool per tag (torch)\n"
+                "\n(PyTorch is not installed here: running the example needs PyTorch with CUDA, "
+                "torch.cuda.MemPool and torch.cuda.use_mem_pool (tested with 2.11), and a GPU; its "
+                "--help then lists every option.)"
+            )
+            sys.exit(0)
+        sys.exit(f"{script} needs PyTorch with CUDA (torch.cuda.MemPool; tested with 2.11) and a CUDA GPU: {e}")
+
+
+_needs_torch()
+
 KiB = 1 << 10
 MiB = 1 << 20
 GiB = 1 << 30

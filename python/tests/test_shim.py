@@ -410,3 +410,23 @@ def test_error_classes_map_status_codes():
     e = error_for_status(77, "")
     assert type(e) is tms_pkg.TorchMemorySaverError and "77" in str(e)
     assert issubclass(tms_pkg.OutOfMemoryError, tms_pkg.TorchMemorySaverError)
+
+
+EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples")
+
+
+@pytest.mark.parametrize("example", ["simple.py", "multi_tags.py", "cuda_graph.py", "cpu_backup.py", "rl_example.py"])
+def test_examples_without_torch_explain_themselves(tmp_path, example):
+    # A torch that cannot be imported, whatever this machine has.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError(\"No module named 'torch'\")\n")
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    script = os.path.join(EXAMPLES_DIR, example)
+    h = subprocess.run([sys.executable, script, "--help"], env=env, capture_output=True, text=True, timeout=60)
+    assert h.returncode == 0 and "usage: python examples/" in h.stdout and "--hook-mode" in h.stdout, h
+    assert "Traceback" not in h.stderr, h.stderr
+    r = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r
+    assert r.stderr.strip().splitlines() == [
+        f"{example} needs PyTorch with CUDA (torch.cuda.MemPool; tested with 2.11) and a CUDA GPU: No module named 'torch'"
+    ], r.stderr
