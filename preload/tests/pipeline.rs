@@ -366,3 +366,57 @@ proptest! {
         prop_assert_eq!(sim.pinned_bytes(), pinned + e.staging_bytes());
     }
 }
+
+/// A failed event wait of one worker must not let another worker take its own (dropped) copy
+/// for done: with two workers sharing the device's stream, a pause that fails on an event wait
+/// and is retried, then a resume, must give back every byte (the shape of a reported loss:
+/// allocations of 3, 8 and 5 MiB in 64 MiB chunks through 4 MiB slots; several rounds, since
+/// which worker's copy was dropped depends on timing).
+#[test]
+fn a_failed_event_wait_never_passes_off_another_workers_dropped_copy_as_done() {
+    for nth in [1, 2, 4] {
+        for round in 0..25 {
+            let sim = Arc::new(
+                SimDriver::new(SimConfig {
+                    devices: 1,
+                    capacity: 64 << 20,
+                    granularity: 2 << 20,
+                })
+                .unwrap(),
+            );
+            let e = Engine::new(sim.clone());
+            e.set_copy_config(CopyConfig {
+                threads: 2,
+                ..CopyConfig::default()
+            })
+            .unwrap();
+            let mut allocs = Vec::new();
+            for (k, mib) in [3u64, 8, 5].into_iter().enumerate() {
+                let size = mib << 20;
+                let addr = e
+                    .alloc(&AllocRequest {
+                        size,
+                        device: 0,
+                        tag: "default".into(),
+                        backup: Some(HostBackend::Pinned),
+                    })
+                    .unwrap();
+                let data = pattern(size as usize, 1000 * round + k as u64);
+                write_raw(&sim, addr, &data);
+                allocs.push((addr, data));
+            }
+            sim.arm_fault(Prim::EventSync, nth, 999);
+            assert!(e.pause(None).is_err(), "event_sync:{nth} round {round}");
+            e.pause(None).unwrap();
+            e.resume(None).unwrap();
+            for (k, (addr, data)) in allocs.iter().enumerate() {
+                let got = read_raw(&sim, *addr, data.len());
+                let first = got.iter().zip(data).position(|(a, b)| a != b);
+                assert_eq!(
+                    first, None,
+                    "event_sync:{nth} round {round}: allocation {k} differs from byte {first:?} on"
+                );
+            }
+        }
+    }
+}

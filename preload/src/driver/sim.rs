@@ -13,7 +13,7 @@
 //! primitive with a chosen status (`2` = out of memory).
 
 use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
 
 use parking_lot::Mutex;
@@ -294,6 +294,10 @@ struct Inner {
     queued: HashMap<u64, VecDeque<Entry>>,
     /// Live events: id -> the stream of their last record.
     events: HashMap<u64, Option<u64>>,
+    /// Events whose mark was dropped (with work queued ahead of it) when a queued copy hit an
+    /// unmapped range: a wait for one fails (as on a GPU, where that error is sticky) until it
+    /// is recorded again, so nobody takes work that never ran for done.
+    lost: HashSet<u64>,
     next_event: u64,
     /// Registered host ranges: start -> length.
     registered: BTreeMap<usize, u64>,
@@ -558,16 +562,36 @@ impl SimDriver {
         Ok(())
     }
 
+    /// A queued copy of `stream` failed: it and the entries after it in its batch (`rest`) never
+    /// run, and every event marked among them or still marked on the stream is lost (the work
+    /// queued before it did not all happen).
+    fn drop_after_failure(g: &mut Inner, stream: u64, rest: impl IntoIterator<Item = Entry>) {
+        let queued = g.queued.get(&stream).into_iter().flatten();
+        let marks: Vec<u64> = rest
+            .into_iter()
+            .filter_map(|e| match e {
+                Entry::Mark(ev) => Some(ev),
+                Entry::Copy(_) => None,
+            })
+            .chain(queued.filter_map(|e| match e {
+                Entry::Mark(ev) => Some(*ev),
+                Entry::Copy(_) => None,
+            }))
+            .collect();
+        g.lost.extend(marks);
+    }
+
     /// Run the first `n` entries queued on `stream` (all: `usize::MAX`); a device range
     /// unmapped meanwhile is an illegal address, as on a GPU, and the rest of those is dropped.
     fn run_queue(g: &mut Inner, stream: u64, n: usize) -> Result<()> {
         let Some(q) = g.queued.get_mut(&stream) else {
             return Ok(());
         };
-        let batch: Vec<Entry> = q.drain(..n.min(q.len())).collect();
-        for e in batch {
+        let mut batch: VecDeque<Entry> = q.drain(..n.min(q.len())).collect();
+        while let Some(e) = batch.pop_front() {
             let Entry::Copy(q) = e else { continue };
             if !Self::covered(g, q.dev, q.len) {
+                Self::drop_after_failure(g, stream, batch);
                 return Err(driver_err(
                     Prim::StreamSync,
                     700,
@@ -980,11 +1004,9 @@ impl Driver for SimDriver {
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
         let mut g = self.inner.lock();
-        if let Err(e) = self.enter(&mut g, Prim::StreamSync, || format!("stream {}", stream.0)) {
-            // A failed synchronization: what was queued did not (all) happen.
-            g.queued.remove(&stream.0);
-            return Err(e);
-        }
+        // A failed wait leaves the queued work alone, as on a GPU, where the work runs on
+        // whatever the host's wait did; it runs at a later synchronization.
+        self.enter(&mut g, Prim::StreamSync, || format!("stream {}", stream.0))?;
         Self::run_queue(&mut g, stream.0, usize::MAX)
     }
 
@@ -1003,6 +1025,7 @@ impl Driver for SimDriver {
         self.enter(&mut g, Prim::EventRecord, || {
             format!("event {} on stream {}", event.0, stream.0)
         })?;
+        g.lost.remove(&event.0);
         match g.events.get_mut(&event.0) {
             Some(at) => *at = Some(stream.0),
             None => {
@@ -1032,22 +1055,31 @@ impl Driver for SimDriver {
                 ))
             }
         };
-        let n = stream.map_or(0, |s| Self::upto_mark(&g, s, event.0));
-        if let Err(e) = self.enter(&mut g, Prim::EventSync, || format!("event {}", event.0)) {
-            // What was queued before the mark did not (all) happen.
-            if let Some(q) = stream.and_then(|s| g.queued.get_mut(&s)) {
-                q.drain(..n);
-            }
-            return Err(e);
+        // A failed wait leaves the queued work alone (see stream_sync).
+        self.enter(&mut g, Prim::EventSync, || format!("event {}", event.0))?;
+        if g.lost.contains(&event.0) {
+            return Err(driver_err(
+                Prim::EventSync,
+                999,
+                format!(
+                    "event {}: the work queued before it was lost to an earlier failure",
+                    event.0
+                ),
+            ));
         }
         match stream {
-            Some(s) => Self::run_queue(&mut g, s, n),
+            Some(s) => {
+                let n = Self::upto_mark(&g, s, event.0);
+                Self::run_queue(&mut g, s, n)
+            }
             None => Ok(()),
         }
     }
 
     fn event_destroy(&self, event: Event) {
-        self.inner.lock().events.remove(&event.0);
+        let mut g = self.inner.lock();
+        g.events.remove(&event.0);
+        g.lost.remove(&event.0);
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
@@ -1293,16 +1325,23 @@ mod tests {
         assert_eq!(unsafe { *(va as *const u8) }, 1);
         d.arm_fault(Prim::EventSync, 1, 999);
         assert!(d.event_sync(e2).is_err());
-        assert_eq!(d.queued_copies(), 0, "a failed wait drops what it covered");
+        assert_eq!(d.queued_copies(), 1, "a failed wait leaves the work queued");
         // SAFETY: as above.
-        assert_eq!(unsafe { *((va + 16) as *const u8) }, 0, "never copied");
+        assert_eq!(unsafe { *((va + 16) as *const u8) }, 0, "not run yet");
+        d.event_sync(e2).unwrap();
+        // SAFETY: as above.
+        assert_eq!(
+            unsafe { *((va + 16) as *const u8) },
+            2,
+            "run by the next wait"
+        );
         d.event_destroy(e1);
         d.event_destroy(e2);
         assert!(d.event_sync(e1).is_err(), "destroyed");
     }
 
     #[test]
-    fn a_failed_stream_sync_drops_what_was_queued() {
+    fn a_failed_stream_sync_leaves_the_work_for_the_next() {
         let d = sim();
         let (va, _, _) = mapped(&d);
         let data = [9u8; 32];
@@ -1311,10 +1350,41 @@ mod tests {
         unsafe { d.copy_h2d(va, data.as_ptr(), 32, s).unwrap() };
         d.arm_fault(Prim::StreamSync, 1, 999);
         assert!(d.stream_sync(s).is_err());
+        assert_eq!(d.queued_copies(), 1);
         d.stream_sync(s).unwrap();
         // SAFETY: the range is mapped read/write.
         let first = unsafe { *(va as *const u8) };
-        assert_eq!(first, 0, "the copy never happened");
+        assert_eq!(first, 9, "the copy ran at the next synchronization");
+    }
+
+    #[test]
+    fn work_dropped_by_an_illegal_address_fails_every_wait_that_covers_it() {
+        let d = sim();
+        let (va, h, size) = mapped(&d);
+        let mut back = [0u8; 16];
+        let s = d.stream(0).unwrap();
+        let (e1, e2) = (d.event_create(0).unwrap(), d.event_create(0).unwrap());
+        // SAFETY: mapped range; back outlives the copies (dropped below, never run).
+        unsafe {
+            d.copy_d2h(back.as_mut_ptr(), va, 16, s).unwrap();
+            d.event_record(e1, s).unwrap();
+            d.copy_d2h(back.as_mut_ptr(), va + 16, 16, s).unwrap();
+            d.event_record(e2, s).unwrap();
+        }
+        d.unmap(va, size).unwrap();
+        let e = d.event_sync(e1).unwrap_err();
+        assert!(e.to_string().contains("no longer mapped"), "{e}");
+        // e2's mark was still queued when work ahead of it was dropped: it never completes.
+        let e = d.event_sync(e2).unwrap_err();
+        assert!(e.to_string().contains("lost to an earlier failure"), "{e}");
+        assert!(d.stream_sync(s).is_err(), "the copy after it is as illegal");
+        assert_eq!(d.queued_copies(), 0);
+        d.event_record(e2, s).unwrap();
+        d.event_sync(e2).unwrap();
+        d.event_destroy(e1);
+        d.event_destroy(e2);
+        d.release(h).unwrap();
+        d.free_range(va, size).unwrap();
     }
 
     #[test]
