@@ -140,6 +140,9 @@ fi
 P=$(num "$(jget .pid <"$WORK/ready.json")")
 children+=("$P")
 ok "holder-ready (pid $P)"
+# Its socket: <pid>.<pid-namespace>.sock (or <pid>.sock where /proc cannot say the namespace).
+SOCK=$(find "$TMS_SOCKET_DIR" -maxdepth 1 -regextype posix-extended -regex ".*/$P(\.[0-9]+)?\.sock" | head -n 1)
+[ -S "$SOCK" ] || bad "holder-socket" "no socket of pid $P in $TMS_SOCKET_DIR"
 
 if timeout 60 "$CTL" list | tee "$WORK/list.txt" | grep -Eq "^$P +cuda "; then
   cat "$WORK/list.txt"
@@ -217,8 +220,8 @@ else
     bad "holder-verify" "exit status $rc"
   fi
 fi
-if [ -e "$TMS_SOCKET_DIR/$P.sock" ]; then
-  bad "socket removed at exit" "$TMS_SOCKET_DIR/$P.sock is still there"
+if [ -z "$SOCK" ] || [ -e "$SOCK" ]; then
+  bad "socket removed at exit" "${SOCK:-the socket} is still there"
 else
   ok "socket removed at exit"
 fi
