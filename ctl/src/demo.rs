@@ -17,11 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
+use nix::sys::signal::{signal, SigHandler, Signal};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{fork, ForkResult};
 use serde_json::{json, Value};
 use tms_proto::{OpDone, Reply, Request, Status};
 
-use crate::client::{self, Client, Code, Failure};
-use crate::output::{human, human_delta, parse_bytes};
+use crate::client::{self, Client, Code, Failure, Folder};
+use crate::output::{human, human_delta, parse_bytes, printable};
 use crate::Ctx;
 
 fn parse_size(s: &str) -> Result<u64, String> {
@@ -32,28 +35,42 @@ fn parse_size(s: &str) -> Result<u64, String> {
     Ok(v)
 }
 
-/// Which device the demo runs on.
+/// Which device the demo runs on. Not the library's `TMS_BACKEND` values: there `auto` means
+/// CUDA only, so the demo's own default has a name of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum DemoBackend {
-    /// CUDA if it can start, else the simulated device.
-    Auto,
-    /// CUDA only.
+    /// CUDA if the driver starts, else the simulated device (the demo's default).
+    CudaOrSim,
+    /// CUDA only (what TMS_BACKEND=auto and TMS_BACKEND=cuda mean in the library).
     Cuda,
     /// The simulated device (host memory standing in for a GPU).
     Sim,
+}
+
+impl DemoBackend {
+    fn name(self) -> &'static str {
+        match self {
+            DemoBackend::CudaOrSim => "cuda-or-sim",
+            DemoBackend::Cuda => "cuda",
+            DemoBackend::Sim => "sim",
+        }
+    }
 }
 
 /// Options of `tmsctl demo`.
 #[derive(Args, Debug)]
 pub struct DemoArgs {
     /// libtms.so to preload [default: $TMS_LIB, else libtms.so next to tmsctl, else
-    /// ../lib/libtms.so from there].
+    /// ../lib/libtms.so from there, else the one pip installed: ../lib/python3*/site-packages/
+    /// torch_memory_saver/libtms*.so, ../torch_memory_saver/libtms*.so (pip --target), and the
+    /// torch_memory_saver_hook_mode_preload*.so beside them].
     #[arg(long, value_name = "PATH")]
     lib: Option<PathBuf>,
     /// Pauseable memory to allocate (1GiB, 256MiB, ...).
     #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
     size: u64,
-    /// Device to run on [default: $TMS_BACKEND, else auto].
+    /// Device to run on [default: $TMS_BACKEND where set, as the library reads it (auto and
+    /// cuda: CUDA only; sim), else cuda-or-sim]. The output says which was used and why.
     #[arg(long, value_enum, value_name = "BACKEND")]
     backend: Option<DemoBackend>,
     /// Tag of the demo's allocation.
@@ -224,8 +241,8 @@ fn verify_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<Option<u64
 /// libtms.so is not preloaded; 4 when the library cannot start (no usable driver); 1 otherwise.
 pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
     // Behave like a C program that never ignored SIGPIPE: the library must not raise it.
-    // SAFETY: setting a signal's disposition to the default has no preconditions.
-    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    // SAFETY: the default disposition runs no handler of ours, so nothing can be unsound.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
     let api = match Api::load() {
         Ok(api) => api,
         Err(e) => {
@@ -304,20 +321,20 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
             Some("fork") => {
                 // SAFETY: the child only calls exit (running atexit handlers, which is the
                 // point: they must leave the parent's socket alone).
-                let pid = unsafe { libc::fork() };
-                if pid == 0 {
-                    // SAFETY: ends the child normally.
-                    unsafe { libc::exit(0) };
+                match unsafe { fork() } {
+                    Ok(ForkResult::Child) => {
+                        // SAFETY: ends the child normally, atexit handlers included.
+                        unsafe { libc::exit(0) }
+                    }
+                    Ok(ForkResult::Parent { child }) => {
+                        let code = match waitpid(child, None) {
+                            Ok(WaitStatus::Exited(_, code)) => code,
+                            _ => -1,
+                        };
+                        say(&format!("FORKED {child} {code}"));
+                    }
+                    Err(e) => say(&format!("FORKED -1 {e}")),
                 }
-                let mut st: c_int = 0;
-                // SAFETY: waits for our own child; st is writable.
-                let r = unsafe { libc::waitpid(pid, &mut st, 0) };
-                let code = if r == pid && libc::WIFEXITED(st) {
-                    libc::WEXITSTATUS(st)
-                } else {
-                    -1
-                };
-                say(&format!("FORKED {pid} {code}"));
             }
             Some("exit") => break,
             Some(other) => say(&format!("ERROR command unknown command {other:?}")),
@@ -494,28 +511,87 @@ impl Drop for DemoChild {
     }
 }
 
+/// Where `tmsctl demo` looks for the library when no `--lib` is given, in order: `$TMS_LIB`,
+/// then beside this executable (`bin/`) and below its parent (`prefix`): a build tree
+/// (`target/release/`), an install prefix (`../lib`), a virtual environment or `--user`
+/// install (`../lib/python3*/site-packages/`) and `pip install --target DIR` (`DIR/bin/tmsctl`,
+/// `DIR/torch_memory_saver/`). The Python package holds the library as `libtms*.so`
+/// (`libtms.abi3.so`) and, beside the package, under the existing library's names. Entries with
+/// `*` are patterns: one `*` per path component.
+fn lib_candidates(exe_dir: &Path) -> Vec<PathBuf> {
+    let prefix = exe_dir.parent().unwrap_or(exe_dir);
+    let mut c = vec![exe_dir.join("libtms.so"), prefix.join("lib/libtms.so")];
+    for base in ["lib/python3*/*-packages", ""] {
+        let base = if base.is_empty() {
+            prefix.to_path_buf()
+        } else {
+            prefix.join(base)
+        };
+        c.push(base.join("torch_memory_saver/libtms*.so"));
+        c.push(base.join("torch_memory_saver_hook_mode_preload*.so"));
+    }
+    c
+}
+
+/// The files a candidate of [`lib_candidates`] names, by name (none, or itself, without `*`).
+fn expand(pattern: &Path) -> Vec<PathBuf> {
+    let mut found = vec![PathBuf::new()];
+    for part in pattern.components() {
+        let part = part.as_os_str();
+        let Some((head, tail)) = part.to_str().and_then(|p| p.split_once('*')) else {
+            for f in &mut found {
+                f.push(part);
+            }
+            continue;
+        };
+        let mut next = Vec::new();
+        for dir in &found {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                continue;
+            };
+            let mut names: Vec<String> = entries
+                .flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    n.len() >= head.len() + tail.len() && n.starts_with(head) && n.ends_with(tail)
+                })
+                .collect();
+            names.sort();
+            next.extend(names.into_iter().map(|n| dir.join(n)));
+        }
+        found = next;
+    }
+    found.retain(|f| f.is_file());
+    found
+}
+
 fn find_lib(explicit: Option<&Path>) -> anyhow::Result<PathBuf> {
-    let mut tried = Vec::new();
-    let mut candidates: Vec<PathBuf> = Vec::new();
+    // (path, a pattern): --lib and $TMS_LIB are taken as they are.
+    let mut candidates: Vec<(PathBuf, bool)> = Vec::new();
     if let Some(p) = explicit {
-        candidates.push(p.to_path_buf());
+        candidates.push((p.to_path_buf(), false));
     } else {
         if let Some(p) = std::env::var_os("TMS_LIB").filter(|p| !p.is_empty()) {
-            candidates.push(PathBuf::from(p));
+            candidates.push((PathBuf::from(p), false));
         }
         if let Some(dir) = std::env::current_exe()
             .ok()
             .and_then(|e| e.parent().map(Path::to_path_buf))
         {
-            candidates.push(dir.join("libtms.so"));
-            candidates.push(dir.join("../lib/libtms.so"));
+            candidates.extend(lib_candidates(&dir).into_iter().map(|c| (c, true)));
         }
     }
-    for c in candidates {
-        if c.is_file() {
-            return Ok(std::fs::canonicalize(&c).unwrap_or(c));
+    let mut tried = Vec::new();
+    for (c, pattern) in candidates {
+        let found = if pattern {
+            expand(&c).into_iter().next()
+        } else {
+            c.is_file().then(|| c.clone())
+        };
+        if let Some(found) = found {
+            return Ok(std::fs::canonicalize(&found).unwrap_or(found));
         }
-        tried.push(c.display().to_string());
+        tried.push(printable(&c.display().to_string()).into_owned());
     }
     Err(Failure::new(
         Code::Failed,
@@ -558,24 +634,41 @@ fn op(c: &mut Client, req: Request) -> client::Result<OpDone> {
     })
 }
 
+/// The device the demo asks for and why, in words: `--backend`, else `$TMS_BACKEND` as the
+/// library reads it (`auto` is CUDA only there), else the demo's default, cuda-or-sim.
+fn backend_choice(flag: Option<DemoBackend>) -> anyhow::Result<(DemoBackend, String)> {
+    if let Some(b) = flag {
+        return Ok((b, format!("--backend {}", b.name())));
+    }
+    let env = std::env::var("TMS_BACKEND").unwrap_or_default();
+    Ok(match env.trim() {
+        "" => (
+            DemoBackend::CudaOrSim,
+            "--backend cuda-or-sim, the default".to_string(),
+        ),
+        "auto" => (
+            DemoBackend::Cuda,
+            "TMS_BACKEND=auto, which is CUDA only in the library".to_string(),
+        ),
+        "cuda" => (DemoBackend::Cuda, "TMS_BACKEND=cuda".to_string()),
+        "sim" => (DemoBackend::Sim, "TMS_BACKEND=sim".to_string()),
+        other => {
+            return Err(Failure::new(
+                Code::Usage,
+                format!(
+                    "TMS_BACKEND={}: expected auto, cuda or sim",
+                    crate::output::quoted(other)
+                ),
+            )
+            .into())
+        }
+    })
+}
+
 /// `tmsctl demo`.
 pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     let lib = find_lib(a.lib.as_deref())?;
-    let choice = match a.backend {
-        Some(b) => b,
-        None => match std::env::var("TMS_BACKEND").as_deref().map(str::trim) {
-            Ok("cuda") => DemoBackend::Cuda,
-            Ok("sim") => DemoBackend::Sim,
-            Ok("") | Ok("auto") | Err(_) => DemoBackend::Auto,
-            Ok(other) => {
-                return Err(Failure::new(
-                    Code::Usage,
-                    format!("TMS_BACKEND={other:?}: expected auto, cuda or sim"),
-                )
-                .into())
-            }
-        },
-    };
+    let (choice, because) = backend_choice(a.backend)?;
     let mut fallback: Option<String> = None;
     let first = if choice == DemoBackend::Sim {
         "sim"
@@ -585,7 +678,19 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     let mut child = DemoChild::spawn(&lib, first, a.size, &a.tag, &ctx.dir)?;
     let ready = match child.expect("READY", ctx.timeout) {
         Ok(r) => r,
-        Err((stage, msg)) if stage == "init" && choice == DemoBackend::Auto => {
+        Err((stage, msg)) if stage == "init" && choice == DemoBackend::Cuda => {
+            return Err(Failure::new(
+                Code::Failed,
+                format!(
+                    "demo child (init): {}; the demo was to use CUDA only ({because}): \
+                     --backend cuda-or-sim falls back to the simulated device, --backend sim \
+                     uses it",
+                    printable(&msg)
+                ),
+            )
+            .into())
+        }
+        Err((stage, msg)) if stage == "init" && choice == DemoBackend::CudaOrSim => {
             drop(child);
             fallback = Some(msg);
             child = DemoChild::spawn(&lib, "sim", a.size, &a.tag, &ctx.dir)?;
@@ -612,7 +717,8 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         .into());
     }
 
-    let mut c = Client::connect(&ctx.dir, pid, ctx.timeout)?;
+    let sock = Folder::open(&ctx.dir)?.find(pid)?;
+    let mut c = Client::connect(&sock, ctx.timeout)?;
     let tag = Some(a.tag.clone());
     let mut rows = vec![Row {
         step: "allocated",
@@ -674,9 +780,12 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     }
     let ok = problems.is_empty();
     let driver_note = match (&fallback, backend.as_str()) {
-        (Some(why), _) => format!("sim (the simulated device: CUDA could not start: {why})"),
-        (None, "sim") => "sim (the simulated device, as asked)".to_string(),
-        (None, b) => b.to_string(),
+        (Some(why), _) => format!(
+            "sim (the simulated device: {because}, and CUDA could not start: {})",
+            printable(why)
+        ),
+        (None, "sim") => format!("sim (the simulated device: {because})"),
+        (None, b) => format!("{} ({because})", printable(b)),
     };
 
     if ctx.json {
@@ -697,9 +806,11 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             .collect();
         println!(
             "{}",
-            json!({
+            crate::output::json_line(&json!({
                 "ok": ok,
                 "backend": backend,
+                "backend_choice": choice.name(),
+                "backend_because": because,
                 "fallback_reason": fallback,
                 "child_pid": pid,
                 "lib": lib,
@@ -711,17 +822,17 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
                 "steps": steps,
                 "pattern": verdict,
                 "problems": problems,
-            })
+            }))
         );
     } else {
         println!(
             "tmsctl demo: child {pid} with LD_PRELOAD={}\n\
              driver {driver_note}\n\
-             {} pauseable with CPU backup (pinned), tag {:?}, control socket {}\n",
-            lib.display(),
+             {} pauseable with CPU backup (pinned), tag {}, control socket {}\n",
+            printable(&lib.display().to_string()),
             human(a.size),
-            a.tag,
-            socket.as_deref().unwrap_or("?")
+            crate::output::quoted(&a.tag),
+            printable(socket.as_deref().unwrap_or("?"))
         );
         println!(
             "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  time",
@@ -771,9 +882,9 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         println!(
             "pattern after resume       : {}",
             if verdict == "ok" {
-                "identical"
+                "identical".into()
             } else {
-                verdict.as_str()
+                printable(&verdict)
             }
         );
         println!();

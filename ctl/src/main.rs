@@ -12,7 +12,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tms_proto::{BackupBackend, RegionInfo, RegionUpdate, Reply, Request, Status};
 
-use client::{Client, Code, Failure};
+use client::{Client, Code, Failure, Folder, Socket};
 
 /// Shown after every command's help.
 pub const EXIT_CODES: &str = "\
@@ -21,10 +21,14 @@ Exit codes:
   1  the process replied with an error (or another failure: a bad reply, a failed demo check)
   2  bad command line (or several processes and neither --pid nor --all)
   3  no such process, or it has no control socket
-  4  permission denied (the process belongs to another user)
-  5  no answer within --timeout
+  4  permission denied: the process belongs to another user, or tmsctl does not trust the
+     socket folder (not ours, open to others, unreadable) or the server (another uid or pid)
+  5  no answer (or no room at the server) within --timeout
+  6  pause/resume --tag T: no allocation of the process ever had tag T (nothing changed)
 
-Errors are one line on stderr, starting with \"tmsctl: \".";
+With --all every process is tried in turn: the exit code is the first failure's (1 to 5),
+else 6 if a process did not know the tag, else 0.
+Errors are one line on stderr each, starting with \"tmsctl: \".";
 
 const LONG_ABOUT: &str = "\
 Drive processes that run Torch Memory Saver (libtms.so) from outside: list them, show their
@@ -34,7 +38,10 @@ have not entered one of their own.
 A process listens on a control socket once libtms.so is active in it (it made a pauseable
 allocation, or called the library's API): `LD_PRELOAD=libtms.so TMS_INIT_ENABLE=1 python
 serve.py`, then `tmsctl pause --tag kv`. Sockets live in $TMS_SOCKET_DIR, else
-$XDG_RUNTIME_DIR/tms, else /tmp/tms-<uid>; only the same user can use them.
+$XDG_RUNTIME_DIR/tms, else /tmp/tms-<uid>; only the same user can use them (tmsctl refuses a
+folder that is not its user's or that others can enter, and a server that runs as another
+user or is not the process its socket names). --pid means a pid of tmsctl's own pid
+namespace; `tmsctl list` shows the sockets of other namespaces too.
 
 `tmsctl demo` shows the whole cycle on a child process of its own.";
 
@@ -83,10 +90,11 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
 
 #[derive(Args, Debug, Clone)]
 struct Select {
-    /// The process to act on [default: the only process with a control socket].
+    /// The process to act on, by its pid in tmsctl's pid namespace [default: the only process
+    /// with a control socket].
     #[arg(long, value_name = "PID")]
     pid: Option<u32>,
-    /// Every process with a control socket.
+    /// Every process with a control socket (of tmsctl's pid namespace), in turn.
     #[arg(long, conflicts_with = "pid")]
     all: bool,
 }
@@ -101,7 +109,8 @@ enum BackendArg {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// List the processes with a control socket: pid, backend, memory, command line.
+    /// List the processes with a control socket: pid, backend, memory, command line (sockets of
+    /// other pid namespaces are listed too, marked).
     #[command(after_help = EXIT_CODES)]
     List,
     /// Show a process's tags, allocations, bytes active and paused, host backups, device
@@ -117,7 +126,8 @@ enum Cmd {
     Pause {
         #[command(flatten)]
         sel: Select,
-        /// Only this tag [default: every tag].
+        /// Only this tag [default: every tag]. A tag that no allocation of the process ever had
+        /// changes nothing and exits with code 6.
         #[arg(long, value_name = "TAG")]
         tag: Option<String>,
     },
@@ -127,7 +137,8 @@ enum Cmd {
     Resume {
         #[command(flatten)]
         sel: Select,
-        /// Only this tag [default: every tag].
+        /// Only this tag [default: every tag]. A tag that no allocation of the process ever had
+        /// changes nothing and exits with code 6.
         #[arg(long, value_name = "TAG")]
         tag: Option<String>,
     },
@@ -164,7 +175,8 @@ enum Cmd {
     },
     /// Start a child process with libtms.so preloaded, have it allocate pauseable memory with
     /// a pattern, pause and resume it through the control socket, and print a before/after
-    /// table. CUDA where a GPU is usable, else the simulated device (it says which).
+    /// table. By default CUDA where a GPU is usable, else the simulated device (--backend;
+    /// it says which it used and why).
     #[command(after_help = EXIT_CODES)]
     Demo(demo::DemoArgs),
     /// The demo's child process (run by `tmsctl demo`, with libtms.so preloaded).
@@ -176,6 +188,19 @@ enum Cmd {
 struct Outcome {
     json: Value,
     text: String,
+    /// A pause or resume of a tag the process never had: this line goes to stderr instead of
+    /// `text`, and the exit code is [`Code::UnknownTag`].
+    unknown_tag: Option<String>,
+}
+
+impl Outcome {
+    fn new(json: Value, text: String) -> Outcome {
+        Outcome {
+            json,
+            text,
+            unknown_tag: None,
+        }
+    }
 }
 
 /// An error already reported on stderr: only the exit code remains.
@@ -201,21 +226,18 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    fn targets(&self, sel: &Select) -> client::Result<Vec<u32>> {
+    fn targets(&self, folder: &Folder, sel: &Select) -> client::Result<Vec<Socket>> {
         if let Some(p) = sel.pid {
-            return Ok(vec![p]);
+            return Ok(vec![folder.find(p)?]);
         }
-        let live = client::live_sockets(&self.dir);
+        let live = folder.live_here();
         if live.is_empty() {
-            return Err(Failure::new(
-                Code::NoProcess,
-                format!("no process has a control socket in {}", self.dir.display()),
-            ));
+            return Err(folder.none_here());
         }
         if sel.all || live.len() == 1 {
             return Ok(live);
         }
-        let shown: Vec<String> = live.iter().map(u32::to_string).collect();
+        let shown: Vec<String> = live.iter().map(|s| s.pid().to_string()).collect();
         Err(Failure::new(
             Code::Usage,
             format!(
@@ -227,51 +249,60 @@ impl Ctx {
     }
 
     /// Run `f` against each selected process; print what each answered; report failures on
-    /// stderr, one line each.
+    /// stderr, one line each. The exit code is the first failure's, else
+    /// [`Code::UnknownTag`] if a process did not know the tag, else success.
     fn fan_out(
         &self,
         sel: &Select,
         f: impl Fn(&mut Client) -> client::Result<Outcome>,
     ) -> anyhow::Result<()> {
-        let pids = self.targets(sel)?;
+        let folder = Folder::open(&self.dir)?;
+        let targets = self.targets(&folder, sel)?;
         let many = sel.all;
         let mut items = Vec::new();
         let mut first: Option<Code> = None;
-        for pid in pids {
-            match Client::connect(&self.dir, pid, self.timeout).and_then(|mut c| f(&mut c)) {
+        let mut unknown_tag = false;
+        for sock in targets {
+            match Client::connect(&sock, self.timeout).and_then(|mut c| f(&mut c)) {
                 Ok(o) => {
-                    if !self.json {
-                        print!("{}", o.text);
-                        if !o.text.ends_with('\n') {
-                            println!();
+                    if self.json {
+                        if many {
+                            items.push(o.json);
+                        } else {
+                            println!("{}", output::json_line(&o.json));
                         }
-                    } else if many {
-                        items.push(o.json);
-                    } else {
-                        println!("{}", o.json);
+                    } else if o.unknown_tag.is_none() {
+                        let text = output::printable_lines(o.text.trim_end_matches('\n'));
+                        println!("{text}");
+                    }
+                    if let Some(why) = &o.unknown_tag {
+                        eprintln!("tmsctl: {}", one_line(why));
+                        unknown_tag = true;
                     }
                 }
                 Err(e) => {
                     eprintln!("tmsctl: {}", one_line(&e.message));
                     if many {
-                        items.push(json!({"pid": pid, "error": {"exit_code": e.code as u8, "message": e.message}}));
+                        items.push(json!({"pid": sock.pid(), "error": {"exit_code": e.code as u8, "message": e.message}}));
                     }
                     first.get_or_insert(e.code);
                 }
             }
         }
         if self.json && many {
-            println!("{}", Value::Array(items));
+            println!("{}", output::json_line(&Value::Array(items)));
         }
-        match first {
-            Some(c) => Err(Reported(c).into()),
-            None => Ok(()),
+        match (first, unknown_tag) {
+            (Some(c), _) => Err(Reported(c).into()),
+            (None, true) => Err(Reported(Code::UnknownTag).into()),
+            (None, false) => Ok(()),
         }
     }
 }
 
+/// `s` on one line (white space collapsed) and [printable](output::printable).
 fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
+    output::printable(&s.split_whitespace().collect::<Vec<_>>().join(" ")).into_owned()
 }
 
 fn with_pid<T: serde::Serialize>(pid: u32, v: &T) -> Value {
@@ -292,56 +323,70 @@ fn status_of(c: &mut Client) -> client::Result<Status> {
 }
 
 fn list(ctx: &Ctx) -> anyhow::Result<()> {
-    let pids = client::live_sockets(&ctx.dir);
+    let folder = Folder::open(&ctx.dir)?;
+    // The live processes of our pid namespace, then the sockets of others (not probed: their
+    // pids mean other processes here, and their command lines cannot be read from here).
+    let mut socks = folder.live_here();
+    socks.extend(folder.elsewhere());
     let mut rows = Vec::new();
-    for pid in &pids {
-        let command = client::command_line(*pid);
+    for sock in socks {
+        let command = match sock.ns {
+            client::Ns::Other(_) => "?".to_string(),
+            _ => client::command_line(sock.pid()),
+        };
         let t = ctx.timeout.min(Duration::from_secs(5));
-        let r = Client::connect(&ctx.dir, *pid, t).and_then(|mut c| status_of(&mut c));
-        rows.push((*pid, command, r));
+        let r = Client::connect(&sock, t).and_then(|mut c| status_of(&mut c));
+        rows.push((sock, command, r));
     }
     if ctx.json {
         let items: Vec<Value> = rows
             .iter()
-            .map(|(pid, command, r)| match r {
-                Ok(s) => json!({
-                    "pid": pid, "command": command, "backend": s.backend,
-                    "socket": client::socket_path(&ctx.dir, *pid),
-                    "tags": s.tags.len(), "bytes_active": s.bytes_active(),
-                    "bytes_paused": s.bytes_paused(),
-                }),
-                Err(e) => json!({
-                    "pid": pid, "command": command,
-                    "socket": client::socket_path(&ctx.dir, *pid),
-                    "error": e.message,
-                }),
+            .map(|(sock, command, r)| {
+                let mut j = match r {
+                    Ok(s) => json!({
+                        "pid": sock.pid(), "command": command, "backend": s.backend,
+                        "tags": s.tags.len(), "bytes_active": s.bytes_active(),
+                        "bytes_paused": s.bytes_paused(),
+                    }),
+                    Err(e) => json!({"pid": sock.pid(), "command": command, "error": e.message}),
+                };
+                j["socket"] = json!(sock.path);
+                j["pidns"] = json!(sock.name.pidns);
+                j["this_pid_namespace"] = json!(sock.here());
+                j
             })
             .collect();
-        println!("{}", Value::Array(items));
+        println!("{}", output::json_line(&Value::Array(items)));
         return Ok(());
     }
     if rows.is_empty() {
-        println!("no process has a control socket in {}", ctx.dir.display());
+        println!(
+            "no process has a control socket in {}",
+            output::printable(&ctx.dir.display().to_string())
+        );
         return Ok(());
     }
     println!(
         "{:<8} {:<8} {:>5} {:>12} {:>12}  COMMAND",
         "PID", "BACKEND", "TAGS", "ACTIVE", "PAUSED"
     );
-    for (pid, command, r) in rows {
-        let command: String = command.chars().take(100).collect();
+    for (sock, command, r) in rows {
+        let mut command: String = command.chars().take(100).collect();
+        if let client::Ns::Other(ns) = sock.ns {
+            command = format!("(pid {} of pid namespace {ns}, not this one)", sock.pid());
+        }
         match r {
             Ok(s) => println!(
                 "{:<8} {:<8} {:>5} {:>12} {:>12}  {command}",
-                pid,
-                s.backend,
+                sock.pid(),
+                output::printable(&s.backend),
                 s.tags.len(),
                 output::human(s.bytes_active()),
                 output::human(s.bytes_paused())
             ),
             Err(e) => println!(
                 "{:<8} {:<8} {:>5} {:>12} {:>12}  {command}  ({})",
-                pid,
+                sock.pid(),
                 "-",
                 "-",
                 "-",
@@ -354,6 +399,10 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
 }
 
 fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
+    let asked = match &req {
+        Request::Pause { tag } | Request::Resume { tag } => tag.clone(),
+        _ => None,
+    };
     ctx.fan_out(sel, |c| {
         let d = c.ask_for(&req, |r| match r {
             Reply::Done(d) => Some(d),
@@ -362,6 +411,9 @@ fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
         Ok(Outcome {
             json: with_pid(c.pid(), &d),
             text: output::done(c.pid(), &d),
+            unknown_tag: d
+                .unknown_tag
+                .then(|| output::unknown_tag(c.pid(), &d, asked.as_deref())),
         })
     })
 }
@@ -376,10 +428,10 @@ fn region(ctx: &Ctx, sel: &Select, update: Option<RegionUpdate>) -> anyhow::Resu
             Reply::Region(r) => Some(r),
             _ => None,
         })?;
-        Ok(Outcome {
-            json: with_pid(c.pid(), &r),
-            text: format!("pid {}: default region: {}", c.pid(), output::region(&r)),
-        })
+        Ok(Outcome::new(
+            with_pid(c.pid(), &r),
+            format!("pid {}: default region: {}", c.pid(), output::region(&r)),
+        ))
     })
 }
 
@@ -397,10 +449,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::List => list(&ctx),
         Cmd::Status { sel } => ctx.fan_out(&sel, |c| {
             let s = status_of(c)?;
-            Ok(Outcome {
-                json: serde_json::to_value(&s).unwrap_or(Value::Null),
-                text: output::status(&s, &client::command_line(c.pid())),
-            })
+            Ok(Outcome::new(
+                serde_json::to_value(&s).unwrap_or(Value::Null),
+                output::status(&s, &client::command_line(c.pid())),
+            ))
         }),
         Cmd::Pause { sel, tag } => op(&ctx, &sel, Request::Pause { tag }),
         Cmd::Resume { sel, tag } => op(&ctx, &sel, Request::Resume { tag }),
@@ -432,18 +484,86 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 _ => None,
             })?;
             let s = t.elapsed().as_secs_f64();
-            Ok(Outcome {
-                json: json!({"pid": pid, "seconds": s}),
-                text: format!("pid {pid}: pong in {:.2} ms", s * 1e3),
-            })
+            Ok(Outcome::new(
+                json!({"pid": pid, "seconds": s}),
+                format!("pid {pid}: pong in {:.2} ms", s * 1e3),
+            ))
         }),
         Cmd::Demo(a) => demo::run(&ctx, &a),
         Cmd::DemoChild(a) => demo::child(&a),
     }
 }
 
+/// A command-line error in one line, as every other error: clap's first line (and its tip, if
+/// any), then where the help is.
+fn usage_line(e: &clap::Error) -> String {
+    use clap::error::ErrorKind as K;
+    let text = e.render().to_string();
+    let lines: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    // Where to send the reader: the (sub)command of the usage line.
+    let command = lines
+        .iter()
+        .find_map(|l| l.strip_prefix("Usage:"))
+        .map(|u| {
+            u.split_whitespace()
+                .take_while(|w| !w.starts_with(['[', '<', '-']))
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .filter(|c| !c.is_empty())
+        .or_else(|| {
+            // Errors without a usage line: the first word of the command line that names a
+            // subcommand.
+            let cmd = <Cli as clap::CommandFactory>::command();
+            std::env::args().skip(1).find_map(|a| {
+                cmd.get_subcommands()
+                    .any(|c| !c.is_hide_set() && c.get_name() == a)
+                    .then(|| format!("tmsctl {a}"))
+            })
+        })
+        .unwrap_or_else(|| "tmsctl".to_string());
+    let mut what = if e.kind() == K::DisplayHelpOnMissingArgumentOrSubcommand {
+        let cmd = <Cli as clap::CommandFactory>::command();
+        let names: Vec<String> = cmd
+            .get_subcommands()
+            .filter(|c| !c.is_hide_set())
+            .map(|c| c.get_name().to_string())
+            .collect();
+        format!("a command is needed ({})", names.join(", "))
+    } else {
+        let first = lines.first().copied().unwrap_or("bad command line");
+        first
+            .strip_prefix("error:")
+            .unwrap_or(first)
+            .trim()
+            .to_string()
+    };
+    if let Some(values) = lines.iter().find(|l| l.starts_with("[possible values:")) {
+        what = format!("{what} {values}");
+    }
+    if let Some(tip) = lines.iter().find_map(|l| l.strip_prefix("tip:")) {
+        what = format!("{what} ({})", tip.trim());
+    }
+    one_line(&format!("{what}; see '{command} --help'"))
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind as K;
+            if matches!(e.kind(), K::DisplayHelp | K::DisplayVersion) {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            eprintln!("tmsctl: {}", usage_line(&e));
+            return ExitCode::from(Code::Usage as u8);
+        }
+    };
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -17,6 +17,7 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Output, Stdio};
 use std::sync::mpsc::{self, Receiver};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -237,9 +238,16 @@ fn output_of(mut cmd: Command) -> Output {
 }
 
 fn ctl(sb: &Sandbox, args: &[&str]) -> Ran {
-    let mut cmd = Command::new(tmsctl());
+    ctl_with(&tmsctl(), sb, args, |_| {})
+}
+
+/// `exe` (a tmsctl) with `args`, in `sb`'s clean environment, after `tweak`.
+fn ctl_with(exe: &Path, sb: &Sandbox, args: &[&str], tweak: impl FnOnce(&mut Command)) -> Ran {
+    let mut cmd = Command::new(exe);
     cmd.args(args);
-    let o = output_of(clean(cmd, sb));
+    let mut cmd = clean(cmd, sb);
+    tweak(&mut cmd);
+    let o = output_of(cmd);
     Ran {
         code: o.status.code().unwrap_or(-1),
         stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
@@ -567,9 +575,8 @@ fn failures_have_exit_codes_and_one_line_reasons() {
 
 #[test]
 fn another_user_is_refused() {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: needs root to run the preloaded process as another user (the credential check itself is unit-tested in preload/src/control/auth.rs)");
+    if !is_root() {
+        eprintln!("skipped: needs root to run the preloaded process as another user (the credential checks themselves are unit-tested in preload/src/control/auth.rs and ctl/src/client.rs)");
         return;
     }
     // The preloaded process runs as nobody (65534) in a folder it creates itself; we (root)
@@ -584,6 +591,7 @@ fn another_user_is_refused() {
     assert_eq!(std::os::unix::fs::MetadataExt::uid(&meta), 65534);
 
     let pid = p.pid.to_string();
+    // Its folder is not ours: refused before any socket in it is used.
     let line = ctl(&sb, &["status", "--pid", &pid]).failed(4).to_string();
     assert!(line.contains("permission denied"), "{line}");
     assert!(
@@ -591,6 +599,21 @@ fn another_user_is_refused() {
         "{line}"
     );
     ctl(&sb, &["pause", "--pid", &pid]).failed(4);
+    // Its socket, linked into a private folder of ours: the server runs as another uid
+    // (SO_PEERCRED), so tmsctl refuses it without a word sent.
+    let mine = sb.tmp.path().join("mine");
+    std::fs::create_dir(&mine).expect("mkdir");
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let sock = p.socket();
+    std::fs::hard_link(&sock, mine.join(sock.file_name().expect("name"))).expect("link");
+    let dir = mine.to_str().expect("utf-8");
+    let line = ctl(&sb, &["status", "--socket-dir", dir, "--pid", &pid])
+        .failed(4)
+        .to_string();
+    assert!(
+        line.contains("its server runs as uid 65534, not as uid 0"),
+        "{line}"
+    );
 
     // The raw reply, before any hello.
     let mut raw = Raw::connect(&p.socket());
@@ -787,4 +810,662 @@ fn demo_on_the_sim() {
         std::fs::read_dir(&sb.dir).map(|d| d.count()).unwrap_or(0),
         0
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trust, pid namespaces, unknown tags, escaping, usage errors, the installed layout.
+
+fn is_root() -> bool {
+    nix::unistd::geteuid().is_root()
+}
+
+/// Our pid namespace's inode (the tests need /proc).
+fn our_ns() -> u64 {
+    tms_proto::pid_namespace().expect("/proc/self/ns/pid")
+}
+
+/// `<pid>.<our-ns>.sock`.
+fn our_name(pid: u32) -> String {
+    format!("{pid}.{}.sock", our_ns())
+}
+
+/// `sb.dir`, made as the server makes it (mode 0700).
+fn private_dir(sb: &Sandbox) -> &Path {
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    &sb.dir
+}
+
+type Answer = Arc<dyn Fn(&Value) -> String + Send + Sync>;
+
+/// A server of the test's own (in this process, so the kernel reports this process's pid and
+/// uid for it), listening on `dir/file`: it answers the hello with `hello_pid` and every
+/// request with `answer(request)`, and records the requests.
+struct Fake {
+    requests: Arc<Mutex<Vec<Value>>>,
+    path: PathBuf,
+}
+
+impl Fake {
+    fn start(dir: &Path, file: &str, hello_pid: u32, answer: Answer) -> Fake {
+        Fake::start_busy(dir, file, hello_pid, answer, 0)
+    }
+
+    /// The same, but the first `busy` connections get a `busy` error and are closed at once,
+    /// as a server with no room for them does.
+    fn start_busy(dir: &Path, file: &str, hello_pid: u32, answer: Answer, busy: usize) -> Fake {
+        let path = dir.join(file);
+        let listener = UnixListener::bind(&path).expect("bind the fake server");
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let log = requests.clone();
+        std::thread::spawn(move || {
+            for (n, conn) in listener.incoming().enumerate() {
+                let Ok(mut conn) = conn else { break };
+                if n < busy {
+                    let _ = conn.write_all(
+                        b"{\"reply\":\"error\",\"kind\":\"busy\",\"message\":\"no room for another connection\"}\n",
+                    );
+                    continue;
+                }
+                let Ok(read) = conn.try_clone() else { continue };
+                let mut lines = BufReader::new(read).lines();
+                let Some(Ok(_hello)) = lines.next() else {
+                    continue;
+                };
+                let hello = format!(
+                    "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{hello_pid},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
+                );
+                if conn.write_all(hello.as_bytes()).is_err() {
+                    continue;
+                }
+                for line in lines {
+                    let Ok(line) = line else { break };
+                    let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+                    let mut reply = answer(&req);
+                    log.lock().expect("log").push(req);
+                    reply.push('\n');
+                    if conn.write_all(reply.as_bytes()).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        Fake { requests, path }
+    }
+
+    /// The operations it was asked for (after the hello).
+    fn ops(&self) -> Vec<String> {
+        self.requests
+            .lock()
+            .expect("log")
+            .iter()
+            .map(|r| r["op"].as_str().unwrap_or("?").to_string())
+            .collect()
+    }
+}
+
+/// Answers like a server with one tag "kv" of 8 MiB (pid `pid`).
+fn honest(pid: u32) -> Answer {
+    Arc::new(move |req: &Value| -> String {
+        match req["op"].as_str() {
+            Some("ping") => format!("{{\"reply\":\"pong\",\"pid\":{pid}}}"),
+            Some("status") => serde_json::json!({
+                "reply": "status", "pid": pid, "backend": "sim", "retain_cpu_backup": false,
+                "memory_margin_bytes": 0, "devices": [],
+                "tags": [{"tag": "kv", "allocations": 1, "active_allocations": 1,
+                          "paused_allocations": 0, "bytes_requested": 8 << 20,
+                          "bytes_active": 8 << 20, "bytes_paused": 0, "host_backup_bytes": 0}],
+            })
+            .to_string(),
+            Some(op @ ("pause" | "resume")) => {
+                let tag = req["tag"].as_str();
+                let known = tag.is_none_or(|t| t == "kv");
+                let mut d = serde_json::json!({
+                    "reply": "done", "op": op, "allocations": u64::from(known),
+                    "bytes": if known { 8u64 << 20 } else { 0 }, "copied_bytes": 0, "seconds": 0.01,
+                });
+                if let Some(t) = tag {
+                    d["tag"] = t.into();
+                }
+                if !known {
+                    d["unknown_tag"] = true.into();
+                }
+                d.to_string()
+            }
+            _ => "{\"reply\":\"error\",\"kind\":\"unsupported\",\"message\":\"not in the fake\"}"
+                .to_string(),
+        }
+    })
+}
+
+/// No byte of `r`'s output can act on a terminal (only line breaks).
+fn assert_inert(r: &Ran) {
+    for (what, text) in [("stdout", &r.stdout), ("stderr", &r.stderr)] {
+        let bad: Vec<char> = text
+            .chars()
+            .filter(|c| (c.is_control() && *c != '\n') || ('\u{202a}'..='\u{202e}').contains(c))
+            .collect();
+        assert!(bad.is_empty(), "raw {bad:?} on {what}\n{}", r.dump());
+    }
+}
+
+/// A live process that is not ours to speak for (a `sleep`), killed on drop.
+struct Victim(Child);
+
+impl Victim {
+    fn start() -> Victim {
+        Victim(Command::new("sleep").arg("60").spawn().expect("sleep"))
+    }
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Victim {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_server_that_is_not_the_process_named_is_refused() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let me_s = me.to_string();
+
+    // Our own socket name, but the hello claims another pid.
+    let liar = Fake::start(dir, &our_name(me), 1, honest(1));
+    let line = ctl(&sb, &["ping", "--pid", &me_s]).failed(4).to_string();
+    assert!(
+        line.contains("permission denied") && line.contains("says it is process 1,"),
+        "{line}"
+    );
+    ctl(&sb, &["pause", "--pid", &me_s]).failed(4);
+    ctl(&sb, &["pause"]).failed(4);
+    assert!(liar.ops().is_empty(), "{:?}", liar.ops());
+    std::fs::remove_file(&liar.path).expect("rm");
+
+    // A socket named after a live victim, whose hello claims the victim's pid: the kernel says
+    // another process (this one) serves it.
+    let victim = Victim::start();
+    let v = victim.pid().to_string();
+    let impostor = Fake::start(
+        dir,
+        &our_name(victim.pid()),
+        victim.pid(),
+        honest(victim.pid()),
+    );
+    let line = ctl(&sb, &["pause", "--pid", &v]).failed(4).to_string();
+    assert!(
+        line.contains(&format!("served by process {me}, not by process {v}")),
+        "{line}"
+    );
+    ctl(&sb, &["resume", "--all"]).failed(4);
+    // list shows the refusal, not the impostor's numbers.
+    let l = ok(&sb, &["list", "--json"]).json();
+    assert_eq!(l.as_array().map(Vec::len), Some(1), "{l}");
+    assert!(l[0]["backend"].is_null(), "{l}");
+    assert!(
+        l[0]["error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("permission denied"),
+        "{l}"
+    );
+    assert!(impostor.ops().is_empty(), "{:?}", impostor.ops());
+}
+
+#[test]
+fn an_open_socket_folder_is_refused() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id().to_string();
+    let fake = Fake::start(
+        dir,
+        &our_name(std::process::id()),
+        std::process::id(),
+        honest(std::process::id()),
+    );
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    for args in [
+        &["list"][..],
+        &["status"],
+        &["pause", "--pid", &me],
+        &["ping", "--all"],
+    ] {
+        let line = ctl(&sb, args).failed(4).to_string();
+        assert!(
+            line.contains("permission denied")
+                && line.contains(&sb.dir.display().to_string())
+                && line.contains("0777"),
+            "{args:?}: {line}"
+        );
+    }
+    assert!(fake.ops().is_empty(), "{:?}", fake.ops());
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).expect("chmod");
+    assert!(ctl(&sb, &["ping"]).failed(4).contains("0750"));
+    // The same folder made private: trusted.
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    assert!(ok(&sb, &["ping"]).stdout.contains("pong"));
+    assert_eq!(fake.ops(), ["ping"]);
+}
+
+#[test]
+fn a_socket_folder_that_is_a_file_or_a_link_is_refused() {
+    // A file where the folder should be: not "no process" (exit 3) but a refusal naming it.
+    let sb = sandbox();
+    std::fs::write(&sb.dir, b"not a folder").expect("write");
+    for args in [&["status"][..], &["list"], &["pause", "--pid", "1"]] {
+        let line = ctl(&sb, args).failed(4).to_string();
+        assert!(
+            line.contains(&sb.dir.display().to_string()) && line.contains("not a folder"),
+            "{args:?}: {line}"
+        );
+    }
+    // A symbolic link to a private folder of ours.
+    let sb = sandbox();
+    let real = sb.tmp.path().join("real");
+    std::fs::create_dir(&real).expect("mkdir");
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    std::os::unix::fs::symlink(&real, &sb.dir).expect("symlink");
+    let line = ctl(&sb, &["list"]).failed(4).to_string();
+    assert!(line.contains("symbolic link"), "{line}");
+}
+
+#[test]
+fn a_foreign_or_unreadable_socket_folder_is_refused() {
+    if !is_root() {
+        eprintln!("skipped: needs root to give a folder to another uid");
+        return;
+    }
+    // Another user's private folder: refused by owner, even though root could read it.
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let _fake = Fake::start(
+        dir,
+        &our_name(std::process::id()),
+        std::process::id(),
+        honest(std::process::id()),
+    );
+    std::os::unix::fs::chown(dir, Some(65534), Some(65534)).expect("chown");
+    for args in [&["status"][..], &["list"]] {
+        let line = ctl(&sb, args).failed(4).to_string();
+        assert!(
+            line.contains("permission denied")
+                && line.contains("uid 65534")
+                && line.contains("uid 0"),
+            "{args:?}: {line}"
+        );
+    }
+
+    // A folder of the user (65534) that the user cannot read (mode 0000): tmsctl run as that
+    // user gets EACCES from the kernel, and says so, naming the folder (not "no process").
+    let sb = sandbox();
+    std::os::unix::fs::chown(sb.tmp.path(), Some(65534), Some(65534)).expect("chown");
+    std::fs::create_dir(&sb.dir).expect("mkdir");
+    std::os::unix::fs::chown(&sb.dir, Some(65534), Some(65534)).expect("chown");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o000)).expect("chmod");
+    for args in [&["status"][..], &["list"], &["ping", "--pid", "1"]] {
+        let r = ctl_with(&tmsctl(), &sb, args, |c| {
+            c.uid(65534).gid(65534);
+        });
+        let line = r.failed(4).to_string();
+        assert!(
+            line.contains("cannot read the socket folder")
+                && line.contains(&sb.dir.display().to_string()),
+            "{args:?}: {line}"
+        );
+    }
+}
+
+#[test]
+fn server_text_is_escaped_before_it_is_printed() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let answer: Answer = Arc::new(move |req: &Value| -> String {
+        match req["op"].as_str() {
+            Some("status") => serde_json::json!({
+                "reply": "error", "kind": "internal",
+                "message": "\u{1b}[2J\u{1b}]0;owned\u{7} boom\r\n\u{9b}31m",
+            })
+            .to_string(),
+            Some("pause") => serde_json::json!({
+                "reply": "done", "op": "pause", "tag": "\u{1b}[31mred", "allocations": 1,
+                "bytes": 4096, "copied_bytes": 0, "seconds": 0.0,
+            })
+            .to_string(),
+            Some("get_region") => serde_json::json!({
+                "reply": "region", "enabled": true, "tag": "\u{9b}2J\u{202e}kv",
+                "cpu_backup": false, "backend": "pinned",
+            })
+            .to_string(),
+            _ => format!("{{\"reply\":\"pong\",\"pid\":{me}}}"),
+        }
+    });
+    let _fake = Fake::start(dir, &our_name(me), me, answer);
+
+    let r = ctl(&sb, &["status"]);
+    r.failed(1);
+    assert_inert(&r);
+    assert!(
+        r.stderr.contains("\\u{1b}[2J\\u{1b}]0;owned\\u{7} boom"),
+        "{}",
+        r.dump()
+    );
+
+    let r = ok(&sb, &["pause", "--tag", "red"]);
+    assert_inert(&r);
+    assert!(r.stdout.contains("\\u{1b}[31mred"), "{}", r.dump());
+    let r = ok(&sb, &["pause", "--tag", "red", "--json"]);
+    assert_inert(&r);
+    assert_eq!(
+        r.json()["tag"],
+        "\u{1b}[31mred",
+        "the JSON still carries the value"
+    );
+
+    let r = ok(&sb, &["region"]);
+    assert_inert(&r);
+    assert!(r.stdout.contains("\\u{9b}2J\\u{202e}kv"), "{}", r.dump());
+    let r = ok(&sb, &["region", "--json"]);
+    assert_inert(&r);
+    assert_eq!(r.json()["tag"], "\u{9b}2J\u{202e}kv");
+
+    let r = ok(&sb, &["list"]);
+    assert_inert(&r);
+    assert!(r.stdout.contains("\\u{1b}[2J"), "{}", r.dump());
+}
+
+#[test]
+fn an_unknown_tag_is_exit_6_with_a_reason() {
+    // The client's side, against a fake server that sets unknown_tag.
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let _fake = Fake::start(dir, &our_name(me), me, honest(me));
+    let r = ctl(&sb, &["pause", "--tag", "kvv"]);
+    let line = r.failed(6).to_string();
+    assert!(
+        line.contains(&format!("process {me}"))
+            && line.contains("ever had tag \"kvv\"")
+            && line.contains("nothing was paused"),
+        "{line}"
+    );
+    assert_eq!(r.stdout, "", "{}", r.dump());
+    let line = ctl(&sb, &["resume", "--tag", "kvv"]).failed(6).to_string();
+    assert!(line.contains("nothing was resumed"), "{line}");
+    let r = ctl(&sb, &["pause", "--tag", "kvv", "--json"]);
+    r.failed(6);
+    let j: Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(j["unknown_tag"], true, "{j}");
+    // A tag it has, and every tag: fine.
+    ok(&sb, &["pause", "--tag", "kv"]);
+    ok(&sb, &["resume"]);
+    // --all: 6 when the unknown tag is the only problem ...
+    ctl(&sb, &["pause", "--all", "--tag", "kvv"]).failed(6);
+    // ... but another failure (here a stale socket of a live process) takes precedence.
+    let victim = Victim::start();
+    drop(UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind"));
+    let r = ctl(&sb, &["pause", "--all", "--tag", "kvv"]);
+    assert_eq!(r.code, 3, "{}", r.dump());
+    assert_eq!(
+        r.stderr.lines().count(),
+        2,
+        "one line per process\n{}",
+        r.dump()
+    );
+    assert!(
+        r.stderr.contains("stale") && r.stderr.contains("\"kvv\""),
+        "{}",
+        r.dump()
+    );
+    let r = ctl(&sb, &["pause", "--all", "--tag", "kvv", "--json"]);
+    assert_eq!(r.code, 3, "{}", r.dump());
+    let items: Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(items.as_array().map(Vec::len), Some(2), "{items}");
+}
+
+#[test]
+fn an_unknown_tag_of_a_real_process_is_exit_6() {
+    // Needs the server to set `unknown_tag` (libtms.so of this tree).
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[]);
+    let line = ctl(&sb, &["pause", "--tag", "dmeo"]).failed(6).to_string();
+    assert!(
+        line.contains(&format!("process {}", p.pid)) && line.contains("\"dmeo\""),
+        "{line}"
+    );
+    ctl(&sb, &["resume", "--tag", "dmeo"]).failed(6);
+    ctl(&sb, &["pause", "--all", "--tag", "dmeo"]).failed(6);
+    // Nothing changed; the real tag still works.
+    assert_eq!(
+        tag(&status(&sb, p.pid), "demo")["bytes_active"].as_u64(),
+        Some(SIZE)
+    );
+    ok(&sb, &["pause", "--tag", "demo"]);
+    ok(&sb, &["resume", "--tag", "demo"]);
+    p.verify();
+}
+
+#[test]
+fn pid_means_a_process_of_our_pid_namespace() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let me_s = me.to_string();
+    let other_ns = our_ns() + 1;
+    let elsewhere_name = format!("{me}.{other_ns}.sock");
+    // A process of another namespace whose pid there happens to be ours here.
+    let elsewhere = Fake::start(dir, &elsewhere_name, me, honest(me));
+
+    // Not taken for process `me` of ours: refused, naming it.
+    let line = ctl(&sb, &["ping", "--pid", &me_s]).failed(3).to_string();
+    assert!(
+        line.contains(&elsewhere_name) && line.contains("another pid namespace"),
+        "{line}"
+    );
+    let line = ctl(&sb, &["status"]).failed(3).to_string();
+    assert!(
+        line.contains(&elsewhere_name) && line.contains("other pid namespaces"),
+        "{line}"
+    );
+    ctl(&sb, &["pause", "--all"]).failed(3);
+    assert!(elsewhere.ops().is_empty());
+
+    // list shows it, marked.
+    let l = ok(&sb, &["list"]);
+    assert!(
+        l.stdout
+            .contains(&format!("pid namespace {other_ns}, not this one")),
+        "{}",
+        l.dump()
+    );
+    let l = ok(&sb, &["list", "--json"]).json();
+    assert_eq!(l[0]["pidns"].as_u64(), Some(other_ns), "{l}");
+    assert_eq!(l[0]["this_pid_namespace"], false, "{l}");
+    assert_eq!(l[0]["backend"], "sim", "{l}");
+
+    // An older server's `<pid>.sock` is taken as ours ...
+    let legacy = Fake::start(dir, &format!("{me}.sock"), me, honest(me));
+    ok(&sb, &["ping", "--pid", &me_s]);
+    ok(&sb, &["ping"]);
+    assert_eq!(legacy.ops(), ["ping", "ping"]);
+    // ... and `<pid>.<our-ns>.sock` preferred to it.
+    let named = Fake::start(dir, &our_name(me), me, honest(me));
+    ok(&sb, &["ping", "--pid", &me_s]);
+    ok(&sb, &["pause", "--all"]);
+    assert_eq!(named.ops(), ["ping", "pause"]);
+    assert_eq!(legacy.ops().len(), 2);
+    let l = ok(&sb, &["list", "--json"]).json();
+    let shown: Vec<(Option<u64>, bool)> = l
+        .as_array()
+        .expect("array")
+        .iter()
+        .map(|i| (i["pidns"].as_u64(), i["this_pid_namespace"] == true))
+        .collect();
+    assert_eq!(
+        shown,
+        [(Some(our_ns()), true), (Some(other_ns), false)],
+        "{l}"
+    );
+}
+
+#[test]
+fn usage_errors_are_one_line() {
+    let sb = sandbox();
+    for args in [
+        &["frobnicate"][..],
+        &[],
+        &["pause", "--pid", "1", "--all"],
+        &["region", "--enable", "--disable"],
+        &["status", "--timeout", "0"],
+        &["pause", "--pid", "x"],
+        &["demo", "--backend", "auto"],
+    ] {
+        let line = ctl(&sb, args).failed(2).to_string();
+        assert!(line.contains("--help"), "{args:?}: {line}");
+    }
+    let line = ctl(&sb, &["pause", "--tagg", "kv"]).failed(2).to_string();
+    assert!(
+        line.contains("'tmsctl pause --help'") && line.contains("'--tag'"),
+        "{line}"
+    );
+    let line = ctl(&sb, &["demo", "--backend", "auto"])
+        .failed(2)
+        .to_string();
+    assert!(
+        line.contains("cuda-or-sim") && line.contains("'tmsctl demo --help'"),
+        "{line}"
+    );
+    assert!(ctl(&sb, &[]).failed(2).contains("a command is needed"));
+}
+
+/// A copy of tmsctl at `root/bin/tmsctl` and of libtms.so at `root/<lib>` (as pip lays out).
+fn install(root: &Path, lib: Option<&str>) -> PathBuf {
+    let bin = root.join("bin");
+    std::fs::create_dir_all(&bin).expect("mkdir");
+    let exe = bin.join("tmsctl");
+    std::fs::copy(tmsctl(), &exe).expect("copy tmsctl");
+    if let Some(lib) = lib {
+        let to = root.join(lib);
+        std::fs::create_dir_all(to.parent().expect("folder")).expect("mkdir");
+        std::fs::copy(libtms(), &to).expect("copy libtms.so");
+    }
+    exe
+}
+
+#[test]
+fn demo_finds_the_library_where_pip_puts_it() {
+    let sb = sandbox();
+    for (root, lib) in [
+        // pip install . (in a venv, or --user)
+        (
+            "venv",
+            "lib/python3.11/site-packages/torch_memory_saver/libtms.abi3.so",
+        ),
+        // pip install --target DIR
+        ("target", "torch_memory_saver/libtms.abi3.so"),
+        // only the existing library's name, beside the package
+        (
+            "upstream",
+            "lib/python3.12/site-packages/torch_memory_saver_hook_mode_preload.abi3.so",
+        ),
+    ] {
+        let root = sb.tmp.path().join(root);
+        let exe = install(&root, Some(lib));
+        let r = ctl_with(
+            &exe,
+            &sb,
+            &["demo", "--backend", "sim", "--size", "8MiB"],
+            |_| {},
+        );
+        assert_eq!(r.code, 0, "{lib}\n{}", r.dump());
+        assert!(r.stdout.contains("demo OK"), "{}", r.dump());
+        let used = std::fs::canonicalize(root.join(lib)).expect("canonical");
+        assert!(
+            r.stdout.contains(&format!("LD_PRELOAD={}", used.display())),
+            "{}",
+            r.dump()
+        );
+    }
+    // Nowhere: the reason lists what was tried, patterns included.
+    let exe = install(&sb.tmp.path().join("bare"), None);
+    let line = ctl_with(&exe, &sb, &["demo", "--backend", "sim"], |_| {})
+        .failed(1)
+        .to_string();
+    for want in [
+        "cannot find libtms.so",
+        "bare/bin/libtms.so",
+        "bare/lib/libtms.so",
+        "bare/lib/python3*/*-packages/torch_memory_saver/libtms*.so",
+        "bare/torch_memory_saver/libtms*.so",
+        "torch_memory_saver_hook_mode_preload*.so",
+    ] {
+        assert!(line.contains(want), "{want}: {line}");
+    }
+}
+
+#[test]
+fn demo_says_which_device_it_chose_and_why() {
+    let sb = sandbox();
+    let r = ok(&sb, &["demo", "--backend", "sim", "--size", "4MiB"]);
+    assert!(
+        r.stdout
+            .contains("driver sim (the simulated device: --backend sim)"),
+        "{}",
+        r.dump()
+    );
+    let r = ctl_with(&tmsctl(), &sb, &["demo", "--size", "4MiB"], |c| {
+        c.env("TMS_BACKEND", "sim");
+    });
+    assert!(r.stdout.contains("TMS_BACKEND=sim"), "{}", r.dump());
+    // The default: CUDA if it starts, else the simulated device, named as such.
+    let j = ok(&sb, &["demo", "--size", "4MiB", "--json"]).json();
+    assert_eq!(j["backend_choice"], "cuda-or-sim", "{j}");
+    assert!(
+        j["backend_because"]
+            .as_str()
+            .unwrap_or("")
+            .contains("default"),
+        "{j}"
+    );
+    // TMS_BACKEND=auto is the library's: CUDA only.
+    let r = ctl_with(&tmsctl(), &sb, &["demo", "--size", "4MiB"], |c| {
+        c.env("TMS_BACKEND", "auto");
+    });
+    if r.code == 0 {
+        assert!(
+            r.stdout.contains("driver cuda (TMS_BACKEND=auto"),
+            "{}",
+            r.dump()
+        );
+    } else {
+        let line = r.failed(1);
+        assert!(line.contains("CUDA only"), "{line}");
+    }
+}
+
+#[test]
+fn a_busy_server_is_asked_again_until_the_timeout() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let fake = Fake::start_busy(dir, &our_name(me), me, honest(me), 3);
+    assert!(ok(&sb, &["ping"]).stdout.contains("pong"));
+    assert_eq!(fake.ops(), ["ping"]);
+    std::fs::remove_file(&fake.path).expect("rm");
+
+    let _always = Fake::start_busy(dir, &our_name(me), me, honest(me), usize::MAX);
+    let t = Instant::now();
+    let line = ctl(&sb, &["ping", "--timeout", "0.5"])
+        .failed(5)
+        .to_string();
+    assert!(
+        line.contains("no room") && line.contains("--timeout"),
+        "{line}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
 }

@@ -17,7 +17,8 @@
 //! then any number of requests, each answered by exactly one reply, in order. A request the
 //! server cannot accept (not JSON, not a known operation, a field it does not know, longer
 //! than [`MAX_LINE_BYTES`], no hello first, another protocol version) is answered with
-//! [`Reply::Error`] and the server closes the connection. An operation that fails (out of
+//! [`Reply::Error`] and the server closes the connection; so is a connection the server has no
+//! room for ([`ErrorKind::Busy`], possibly in place of any reply). An operation that fails (out of
 //! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays
 //! open.
 //!
@@ -215,11 +216,20 @@ pub struct Status {
     pub memory_margin_bytes: u64,
     /// Device memory, per device.
     pub devices: Vec<DeviceMemory>,
-    /// Per tag, sorted by tag.
+    /// Per tag, sorted by tag. A tag longer than the server's bound is shown shortened (its
+    /// start, then `…(N bytes, hash H)`), so that the reply always fits [`MAX_REPLY_BYTES`].
     pub tags: Vec<TagStatus>,
+    /// Tags left out at the end of `tags` because the reply would not fit [`MAX_REPLY_BYTES`]
+    /// otherwise. Absent (0) when every tag is listed, and from servers that predate it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tags_omitted: u64,
     /// The process-wide default region, when it can be read.
     #[serde(default)]
     pub default_region: Option<RegionInfo>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl Status {
@@ -304,6 +314,9 @@ pub enum ErrorKind {
     Io,
     /// A bug in the server (caught; the process carries on).
     Internal,
+    /// The server has no room for this connection (too many at once), or closed it to make
+    /// room for a newer one while it sat idle; connect again.
+    Busy,
     /// A kind this side does not know (sent by a newer peer).
     #[serde(other)]
     Unknown,
@@ -321,6 +334,7 @@ impl ErrorKind {
                 | ErrorKind::VersionMismatch
                 | ErrorKind::HelloRequired
                 | ErrorKind::PermissionDenied
+                | ErrorKind::Busy
         )
     }
 }
@@ -437,9 +451,25 @@ fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, 
     serde_json::from_slice(line).map_err(|e| ProtoError::Malformed(shorten(e.to_string())))
 }
 
+/// The keys a request without fields may have: `op` only.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpOnly {
+    #[serde(rename = "op")]
+    _op: serde::de::IgnoredAny,
+}
+
 /// Decode one request line (with or without its `\n`). Never panics, whatever the bytes.
+///
+/// A field the request does not have is rejected, for the operations without fields
+/// (`ping`, `status`, `get_region`) too: serde ignores extra keys of a unit variant of an
+/// internally tagged enum, so those are checked again here.
 pub fn decode_request(line: &[u8]) -> Result<Request, ProtoError> {
-    decode(line, MAX_LINE_BYTES)
+    let r: Request = decode(line, MAX_LINE_BYTES)?;
+    if matches!(r, Request::Ping | Request::Status | Request::GetRegion) {
+        decode::<OpOnly>(line, MAX_LINE_BYTES)?;
+    }
+    Ok(r)
 }
 
 /// Decode one reply line (with or without its `\n`). Never panics, whatever the bytes.

@@ -91,6 +91,55 @@ fn decoder_rejects_what_is_not_a_request() {
 }
 
 #[test]
+fn operations_without_fields_reject_fields_too() {
+    for l in [
+        &b"{\"op\":\"ping\",\"x\":1}"[..],
+        b"{\"x\":1,\"op\":\"ping\"}",
+        b"{\"op\":\"status\",\"tag\":\"kv\"}",
+        b"{\"op\":\"get_region\",\"enabled\":true}",
+        b"{\"op\":\"get_region\",\"tag\":null}",
+        b"{\"op\":\"ping\",\"op\":\"ping\"}",
+    ] {
+        let e = decode_request(l).expect_err(&String::from_utf8_lossy(l));
+        assert_eq!(e.kind(), ErrorKind::BadRequest, "{l:?}: {e}");
+        assert!(e.kind().closes_connection());
+    }
+    let m = decode_request(b"{\"op\":\"ping\",\"x\":1}")
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("unknown field `x`"), "{m}");
+    for (l, r) in [
+        (&b"{\"op\":\"ping\"}"[..], Request::Ping),
+        (b" { \"op\" : \"status\" }\r\n", Request::Status),
+        (b"{\"op\":\"get_region\"}\n", Request::GetRegion),
+    ] {
+        assert_eq!(decode_request(l), Ok(r));
+    }
+}
+
+#[test]
+fn busy_and_the_new_fields_have_their_wire_form() {
+    let busy = Reply::error(ErrorKind::Busy, "full");
+    let line = encode(&busy);
+    assert_eq!(
+        String::from_utf8(line.clone()).unwrap(),
+        "{\"reply\":\"error\",\"kind\":\"busy\",\"message\":\"full\"}\n"
+    );
+    assert_eq!(decode_reply(&line), Ok(busy));
+    assert!(ErrorKind::Busy.closes_connection());
+    // tags_omitted is left out when 0, and read as 0 from servers that do not send it.
+    let s = Status::default();
+    let line = String::from_utf8(encode(&Reply::Status(Box::new(s.clone())))).unwrap();
+    assert!(!line.contains("tags_omitted"), "{line}");
+    let with = Status {
+        tags_omitted: 3,
+        ..s
+    };
+    let line = encode(&Reply::Status(Box::new(with.clone())));
+    assert_eq!(decode_reply(&line), Ok(Reply::Status(Box::new(with))));
+}
+
+#[test]
 fn decoder_enforces_the_line_limit() {
     let mut l = b"{\"op\":\"pause\",\"tag\":\"".to_vec();
     l.resize(MAX_LINE_BYTES - 2, b'a');
@@ -223,7 +272,13 @@ fn socket_naming() {
     }
     assert_eq!(p(&socket_file_name(77)), Some(77));
     assert_eq!(p("1234.4026531836.sock"), Some(1234));
-    for bad in ["1.0.sock", "1..sock", "1.x.sock", "1.2.3.sock", "2147483648.5.sock"] {
+    for bad in [
+        "1.0.sock",
+        "1..sock",
+        "1.x.sock",
+        "1.2.3.sock",
+        "2147483648.5.sock",
+    ] {
         assert_eq!(SocketName::parse(bad), None, "{bad}");
     }
     let named = SocketName {

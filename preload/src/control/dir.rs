@@ -1,34 +1,67 @@
-//! The socket folder and the socket file: created private, checked before use, cleaned of the
-//! sockets of processes that died without removing theirs.
+//! The socket folder and the socket file: created private whatever the umask, checked before
+//! use, cleaned of the sockets nobody listens on any more.
 
 use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
-use super::sys;
+use super::sys::{self, Probe};
 
-/// Create `dir` (mode 0700) if it does not exist, then check it is a real folder (not a
-/// symlink), owned by `uid`, that nobody else can enter or list.
+/// Create `dir` (and any missing parent) with mode 0700 whatever the umask, then check it is a
+/// real folder (not a symlink), owned by `uid`, that nobody else can enter or list. A folder
+/// of ours that nobody else can enter but that we cannot use either (made under a umask such
+/// as 0777 by an earlier version) is given mode 0700 again rather than refused for ever.
 pub fn prepare(dir: &Path, uid: u32) -> Result<(), String> {
     let shown = dir.display();
     match fs::symlink_metadata(dir) {
         Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
-            fs::DirBuilder::new()
-                .recursive(true)
-                .mode(0o700)
-                .create(dir)
-                .map_err(|e| format!("cannot create the socket folder {shown}: {e}"))?;
-        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => create_private(dir)
+            .map_err(|e| format!("cannot create the socket folder {shown}: {e}"))?,
         Err(e) => return Err(format!("cannot inspect the socket folder {shown}: {e}")),
     }
-    let m = fs::symlink_metadata(dir)
-        .map_err(|e| format!("cannot inspect the socket folder {shown}: {e}"))?;
+    let inspect = || {
+        fs::symlink_metadata(dir)
+            .map_err(|e| format!("cannot inspect the socket folder {shown}: {e}"))
+    };
+    let mut m = inspect()?;
+    let mode = m.permissions().mode() & 0o777;
+    if m.is_dir() && m.uid() == uid && mode & 0o077 == 0 && mode != 0o700 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+            .map_err(|e| format!("cannot give the socket folder {shown} mode 0700: {e}"))?;
+        tracing::debug!("socket folder {shown}: mode {mode:04o} set to 0700");
+        m = inspect()?;
+    }
     verify(&m, uid).map_err(|why| format!("refusing the socket folder {shown}: {why}"))
 }
 
+/// Create `dir` and its missing parents, each with mode 0700 set explicitly after `mkdir`: the
+/// umask would otherwise take bits away (0777 leaves a folder nobody can use).
+fn create_private(dir: &Path) -> io::Result<()> {
+    let mut missing = Vec::new();
+    let mut p = Some(dir);
+    while let Some(d) = p {
+        match fs::symlink_metadata(d) {
+            Ok(_) => break,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(d),
+            Err(e) => return Err(e),
+        }
+        p = d.parent().filter(|q| !q.as_os_str().is_empty());
+    }
+    for d in missing.into_iter().rev() {
+        match fs::DirBuilder::new().mode(0o700).create(d) {
+            // We made it: nobody else can have replaced it in a folder we may use, and chmod
+            // needs ownership anyway.
+            Ok(()) => fs::set_permissions(d, fs::Permissions::from_mode(0o700))?,
+            // Made meanwhile by someone else (another process starting): checked by the caller.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
 /// The rule [`prepare`] applies to the folder's metadata (from `lstat`).
 pub fn verify(m: &fs::Metadata, uid: u32) -> Result<(), String> {
     if m.file_type().is_symlink() {
@@ -54,13 +87,24 @@ pub fn verify(m: &fs::Metadata, uid: u32) -> Result<(), String> {
     Ok(())
 }
 
-/// Listen on `<dir>/<pid>.sock`, mode 0600. The socket is bound under a temporary name,
-/// restricted, then renamed into place, so no client ever sees it with a wider mode. A socket
-/// of the same name can only be left over from this pid before an `exec` (another live process
-/// has another pid), so it is replaced.
+/// Listen on `<dir>/<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]), mode 0600 whatever
+/// the umask. The socket is bound under a temporary name (`.<name>.tmp`), restricted, then
+/// renamed into place, so no client ever sees it with a wider mode. A socket of the same name
+/// can only be left over from this pid of this pid namespace before an `exec` (another live
+/// process has another name), so it is replaced.
 pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf), String> {
-    let path = dir.join(tms_proto::socket_file_name(pid));
-    let tmp = dir.join(format!(".{pid}.sock.tmp"));
+    bind_as(dir, &tms_proto::socket_file_name(pid))
+}
+
+/// The temporary name a socket `name` is bound under.
+fn temporary_name(name: &str) -> String {
+    format!(".{name}.tmp")
+}
+
+/// [`bind`] under the file name `name`.
+pub fn bind_as(dir: &Path, name: &str) -> Result<(UnixListener, PathBuf), String> {
+    let path = dir.join(name);
+    let tmp = dir.join(temporary_name(name));
     match fs::remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -68,6 +112,8 @@ pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf), String> {
     }
     let listener =
         UnixListener::bind(&tmp).map_err(|e| format!("cannot listen on {}: {e}", tmp.display()))?;
+    // Explicitly, whatever the umask gave the new file (a socket's mode can only be set
+    // through its path: fchmod on the socket's fd does not reach the file).
     let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600))
         .map_err(|e| format!("cannot restrict {}: {e}", tmp.display()))
         .and_then(|_| {
@@ -81,40 +127,71 @@ pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf), String> {
     Ok((listener, path))
 }
 
-/// Remove the sockets (and temporary names) of processes that no longer exist; returns how
-/// many. Only sockets owned by `uid` are touched; our own (`our_pid`) never.
-pub fn clean_stale(dir: &Path, uid: u32, our_pid: u32) -> usize {
+/// A temporary name younger than this is left alone even when nobody listens on it: its
+/// server may be between `bind` and `listen`.
+const TEMPORARY_GRACE: Duration = Duration::from_secs(60);
+
+/// Remove the sockets in `dir` that nobody listens on any more; returns how many. A socket is
+/// stale only when connecting to it is refused (`ECONNREFUSED`): never because of its pid,
+/// which may belong to another pid namespace sharing the folder, where it cannot be probed.
+/// Only sockets owned by `uid` and named as sockets of this protocol (or their temporary names,
+/// once older than a minute) are touched; `ours` (our own file name) and its temporary name
+/// never.
+pub fn clean_stale(dir: &Path, uid: u32, ours: &str) -> usize {
     let Ok(entries) = fs::read_dir(dir) else {
         return 0;
     };
+    let our_tmp = temporary_name(ours);
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        let pid = tms_proto::pid_of_socket_file(name).or_else(|| {
-            name.strip_prefix('.')
-                .and_then(|n| n.strip_suffix(".tmp"))
-                .and_then(tms_proto::pid_of_socket_file)
-        });
-        let Some(pid) = pid else { continue };
-        if pid == our_pid || sys::pid_alive(pid) {
+        if name == ours || name == our_tmp {
             continue;
         }
-        let Ok(m) = fs::symlink_metadata(entry.path()) else {
+        let temporary = match name.strip_prefix('.').and_then(|n| n.strip_suffix(".tmp")) {
+            Some(n) if tms_proto::SocketName::parse(n).is_some() => true,
+            Some(_) => continue,
+            None if tms_proto::SocketName::parse(name).is_some() => false,
+            None => continue,
+        };
+        let path = entry.path();
+        let Ok(m) = fs::symlink_metadata(&path) else {
             continue;
         };
         if !m.file_type().is_socket() || m.uid() != uid {
             continue;
         }
-        match fs::remove_file(entry.path()) {
+        if temporary {
+            let young = m
+                .modified()
+                .ok()
+                .and_then(|t| SystemTime::now().duration_since(t).ok())
+                .is_none_or(|age| age < TEMPORARY_GRACE);
+            if young {
+                continue;
+            }
+        }
+        match sys::probe(&path) {
+            Probe::Refused => {}
+            Probe::Listening => continue,
+            Probe::Unknown(e) => {
+                tracing::debug!("probing {}: {e}; left alone", path.display());
+                continue;
+            }
+        }
+        // Still the same file (not replaced by a new server between the probe and now)?
+        let same =
+            fs::symlink_metadata(&path).is_ok_and(|n| n.dev() == m.dev() && n.ino() == m.ino());
+        if !same {
+            continue;
+        }
+        match fs::remove_file(&path) {
             Ok(()) => {
-                tracing::debug!(
-                    "removed the stale control socket {}",
-                    entry.path().display()
-                );
+                tracing::debug!("removed the stale control socket {}", path.display());
                 removed += 1;
             }
-            Err(e) => tracing::debug!("removing {}: {e}", entry.path().display()),
+            Err(e) => tracing::debug!("removing {}: {e}", path.display()),
         }
     }
     removed
@@ -172,33 +249,20 @@ mod tests {
     }
 
     #[test]
-    fn binds_0600_and_cleans_only_dead_sockets() {
+    fn binds_0600_under_the_namespaced_name() {
         let d = tmp("bind");
         prepare(&d, sys::euid()).unwrap();
         let me = std::process::id();
         let (_l, path) = bind(&d, me).unwrap();
-        assert_eq!(path, d.join(format!("{me}.sock")));
+        assert_eq!(path, d.join(tms_proto::socket_file_name(me)));
+        let name = tms_proto::SocketName::parse(path.file_name().unwrap().to_str().unwrap());
+        assert_eq!(name.unwrap().pidns, tms_proto::pid_namespace());
         let m = fs::symlink_metadata(&path).unwrap();
         assert!(m.file_type().is_socket());
         assert_eq!(m.permissions().mode() & 0o777, 0o600);
-
-        // A dead process's socket and temporary name, a live process's socket, and a file
-        // that is not a socket.
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        let (l1, dead_path) = bind(&d, dead).unwrap();
-        drop(l1);
-        let dead_tmp = d.join(format!(".{dead}.sock.tmp"));
-        drop(UnixListener::bind(&dead_tmp).unwrap());
-        let live = d.join("1.sock");
-        drop(UnixListener::bind(&live).unwrap());
-        let not_socket = d.join(format!("{}.sock", dead + 1_000_000));
-        fs::write(&not_socket, b"").unwrap();
-
-        assert_eq!(clean_stale(&d, sys::euid(), me), 2);
-        assert!(!dead_path.exists() && !dead_tmp.exists());
-        assert!(path.exists() && live.exists() && not_socket.exists());
+        assert!(!d
+            .join(temporary_name(&tms_proto::socket_file_name(me)))
+            .exists());
 
         // A folder whose socket path would not fit in sun_path: an error, not a panic.
         let long = d.join("x".repeat(120));
@@ -208,6 +272,89 @@ mod tests {
         // Binding again (same pid, as after exec) replaces the old socket.
         let (_l2, again) = bind(&d, me).unwrap();
         assert_eq!(again, path);
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// Sets a file's times `secs` into the past (`utimensat` without following links).
+    fn age(path: &Path, secs: i64) {
+        use nix::sys::stat::{utimensat, UtimensatFlags};
+        use nix::sys::time::TimeSpec;
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64;
+        let t = TimeSpec::new(now - secs, 0);
+        utimensat(
+            nix::fcntl::AT_FDCWD,
+            path,
+            &t,
+            &t,
+            UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn only_sockets_nobody_listens_on_are_removed() {
+        let d = tmp("clean");
+        prepare(&d, sys::euid()).unwrap();
+        let me = std::process::id();
+        let (_ours, our_path) = bind(&d, me).unwrap();
+        let ours = tms_proto::socket_file_name(me);
+
+        // A live server of another pid namespace: its pid means nothing here (this one does
+        // not exist in ours), but it listens, so it stays.
+        let (_other, other_ns) = bind_as(&d, "2147483000.4026530000.sock").unwrap();
+        // An old-style name, listening.
+        let (_old, old_style) = bind_as(&d, "2147483001.sock").unwrap();
+        // Nobody listens on these, although pid 1 and our own pid exist: they go.
+        let (l, dead_ns) = bind_as(&d, "1.4026530001.sock").unwrap();
+        drop(l);
+        let (l, dead_old) = bind_as(&d, &format!("{me}.sock")).unwrap();
+        drop(l);
+        // Temporary names nobody listens on: an old one goes, a fresh one (its server may be
+        // between bind and listen) stays.
+        let old_tmp = d.join(".7.4026530002.sock.tmp");
+        drop(UnixListener::bind(&old_tmp).unwrap());
+        age(&old_tmp, 3600);
+        let young_tmp = d.join(".8.4026530002.sock.tmp");
+        drop(UnixListener::bind(&young_tmp).unwrap());
+        // Not ours to judge: a file that is not a socket, a socket of another name.
+        let not_socket = d.join("9.4026530002.sock");
+        fs::write(&not_socket, b"").unwrap();
+        let other_name = d.join("other.sock");
+        drop(UnixListener::bind(&other_name).unwrap());
+
+        assert_eq!(clean_stale(&d, sys::euid(), &ours), 3);
+        for kept in [
+            &our_path,
+            &other_ns,
+            &old_style,
+            &young_tmp,
+            &not_socket,
+            &other_name,
+        ] {
+            assert!(kept.exists(), "{} was removed", kept.display());
+        }
+        for gone in [&dead_ns, &dead_old, &old_tmp] {
+            assert!(!gone.exists(), "{} was kept", gone.display());
+        }
+
+        // Our own socket is never probed nor removed, even with nobody listening.
+        drop(_ours);
+        assert_eq!(clean_stale(&d, sys::euid(), &ours), 0);
+        assert!(our_path.exists());
+        fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_folder_we_cannot_use_is_repaired_if_nobody_else_can_either() {
+        let d = tmp("repair");
+        fs::DirBuilder::new().mode(0o700).create(&d).unwrap();
+        fs::set_permissions(&d, fs::Permissions::from_mode(0o000)).unwrap();
+        prepare(&d, sys::euid()).unwrap();
+        let m = fs::symlink_metadata(&d).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o700);
         fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -1,12 +1,16 @@
 //! Requests to the engine: each operation calls the same engine methods as the C ABI and the
 //! Python shim, so it takes the same registry lock and the same pause/resume path (which
 //! synchronises each device concerned before unmapping anything).
+//!
+//! Replies stay within the client's limit ([`MAX_REPLY_BYTES`]) whatever the process holds: a
+//! tag longer than [`MAX_SHOWN_TAG_BYTES`] is shown shortened ([`shown_tag`]), and a status
+//! with more tags than fit lists the first ones and counts the rest ([`Status::tags_omitted`]).
 
 use std::collections::BTreeSet;
 
 use tms_proto::{
     BackupBackend, DeviceMemory, ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply,
-    Request, Status, TagStatus,
+    Request, Status, TagStatus, MAX_REPLY_BYTES,
 };
 
 use crate::driver::HostBackend;
@@ -71,6 +75,9 @@ fn op(host: &dyn Host, which: Op, tag: Option<String>) -> Result<Reply> {
         Op::Pause => e.pause(tag.as_deref())?,
         Op::Resume => e.resume(tag.as_deref())?,
     };
+    // Asked after the operation (which refuses an empty tag), from the engine's record of every
+    // tag ever allocated: a tag of freed allocations is known, a misspelt one is not.
+    let unknown_tag = tag.as_deref().is_some_and(|t| !e.tag_known(t));
     Ok(Reply::Done(OpDone {
         op: which,
         tag,
@@ -78,7 +85,7 @@ fn op(host: &dyn Host, which: Op, tag: Option<String>) -> Result<Reply> {
         bytes: r.bytes,
         copied_bytes: r.copied,
         seconds: finite(r.seconds),
-        unknown_tag: false,
+        unknown_tag,
     }))
 }
 
@@ -97,10 +104,34 @@ fn backend_of(b: HostBackend) -> BackupBackend {
     }
 }
 
+/// Longest tag shown whole in a reply, in bytes; a longer one is shown by [`shown_tag`].
+pub const MAX_SHOWN_TAG_BYTES: usize = 1024;
+
+/// `tag` as replies show it: whole up to [`MAX_SHOWN_TAG_BYTES`], else its first bytes (cut at
+/// a character boundary), then `…(N bytes, hash H)` with its length and a 64-bit FNV-1a hash of
+/// it, so two long tags with the same beginning still look different.
+pub fn shown_tag(tag: &str) -> String {
+    if tag.len() <= MAX_SHOWN_TAG_BYTES {
+        return tag.to_string();
+    }
+    let mut end = MAX_SHOWN_TAG_BYTES;
+    while !tag.is_char_boundary(end) {
+        end -= 1;
+    }
+    let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!(
+        "{}\u{2026}({} bytes, hash {hash:016x})",
+        &tag[..end],
+        tag.len()
+    )
+}
+
 fn region_info(r: &RegionSettings) -> RegionInfo {
     RegionInfo {
         enabled: r.enabled,
-        tag: r.tag.clone(),
+        tag: shown_tag(&r.tag),
         cpu_backup: r.cpu_backup,
         backend: backend_of(r.backend),
     }
@@ -151,8 +182,42 @@ fn timing(o: &Option<OpStats>) -> Option<OpTiming> {
 
 /// The status of the process. Device memory is reported for the devices that hold pauseable
 /// allocations only: asking the CUDA driver about any other device would create a context on
-/// it, taking device memory the process never wanted.
+/// it, taking device memory the process never wanted. Long tags are shortened and the tags
+/// that do not fit the reply limit are counted, not listed ([`fit_reply`]).
 pub fn status_of(host: &dyn Host) -> Status {
+    fit_reply(full_status(host), MAX_REPLY_BYTES)
+}
+
+fn encoded_len<T: serde::Serialize>(x: &T) -> usize {
+    serde_json::to_vec(x).map_or(usize::MAX, |v| v.len())
+}
+
+/// `s` with as many of its last tags left out (and counted in `tags_omitted`) as it takes for
+/// its reply line to fit `max` bytes.
+pub fn fit_reply(mut s: Status, max: usize) -> Status {
+    // Room for `{"reply":"status",` around the status and for the `tags_omitted` field.
+    let budget = max.saturating_sub(128);
+    let total = encoded_len(&s);
+    if total <= budget {
+        return s;
+    }
+    let mut over = total - budget;
+    let mut keep = s.tags.len();
+    while over > 0 && keep > 0 {
+        keep -= 1;
+        // The entry and its comma.
+        over = over.saturating_sub(encoded_len(&s.tags[keep]).saturating_add(1));
+    }
+    s.tags_omitted = (s.tags.len() - keep) as u64;
+    s.tags.truncate(keep);
+    tracing::debug!(
+        "status: {} tags left out to keep the reply under {max} bytes",
+        s.tags_omitted
+    );
+    s
+}
+
+fn full_status(host: &dyn Host) -> Status {
     let engine = host.engine();
     let stats: Stats = engine.stats();
     let devices: BTreeSet<i32> = engine.allocations().iter().map(|a| a.device).collect();
@@ -183,7 +248,7 @@ pub fn status_of(host: &dyn Host) -> Status {
             .tags
             .iter()
             .map(|t| TagStatus {
-                tag: t.tag.clone(),
+                tag: shown_tag(&t.tag),
                 allocations: t.allocations as u64,
                 active_allocations: t.active_allocations as u64,
                 paused_allocations: t.paused_allocations as u64,
@@ -195,6 +260,7 @@ pub fn status_of(host: &dyn Host) -> Status {
                 last_resume: timing(&t.last_resume),
             })
             .collect(),
+        tags_omitted: 0,
         default_region: host.default_region().ok().map(|r| region_info(&r)),
     }
 }

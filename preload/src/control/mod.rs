@@ -8,32 +8,56 @@
 //! inherited `LD_PRELOAD` never gets here, so it gets no thread, no folder, no socket.
 //! `TMS_CONTROL=0` turns the server off. Setup (folder check, bind) runs on the thread that
 //! started the runtime, once, and costs a handful of system calls; everything else runs on the
-//! server's own thread (`tms-control`).
+//! server's own threads: `tms-control` accepts, and each connection is served by a thread of
+//! its own (`tms-control-conn`) that ends with the connection.
 //!
 //! *Where.* `$TMS_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>`; the folder is
-//! created 0700 and refused (the server stays off, with a logged error) unless it is a real
-//! folder owned by us that no one else can enter. The socket is `<pid>.sock`, mode 0600.
-//! Sockets of processes that died without cleaning up are removed when a server starts.
+//! created 0700 (the mode set explicitly after `mkdir`, whatever the umask) and refused (the
+//! server stays off, with a logged error) unless it is a real folder owned by us that no one
+//! else can enter (one of ours that we cannot enter either, left by a umask such as 0777, is
+//! given 0700 again). The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
+//! pid and the inode of our pid namespace, so processes of different pid namespaces sharing
+//! the folder never collide), mode 0600, also set explicitly.
+//!
+//! *Stale sockets.* When a server starts, it removes the sockets in the folder that nobody
+//! listens on: a socket is stale only when connecting to it is refused (`ECONNREFUSED`), never
+//! because its pid looks dead (a pid of another namespace cannot be probed from ours, and a
+//! live server there must keep its socket). Our own name is never touched ([`dir::clean_stale`]).
 //!
 //! *Who.* The peer's uid (`SO_PEERCRED`) must be ours ([`auth`]).
 //!
-//! *How long.* One thread, one connection at a time, each bounded in time and size
-//! ([`session::Limits`]), so no client can keep another waiting for long. The thread touches
-//! the host's threads only through the engine: `status` takes the registry lock briefly, and
-//! `pause`/`resume` take it for the whole operation, exactly as the C ABI's calls do.
+//! *How long, and how many.* Each connection is bounded in time and size
+//! ([`session::Limits`]): a request line must arrive within 2 s of the previous reply, a reply
+//! must be taken within 2 s, and a connection serves at most 1000 requests and waits for them
+//! 10 s in all. Since each connection has its own thread, a slow or silent client holds only
+//! its own connection, never another client's. At most 64 connections are served at once
+//! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a
+//! request line: one that has not sent its hello yet if there is such, else the one that has
+//! waited longest; it gets a `busy` error. If all 64 are busy serving requests, the newcomer
+//! gets a `busy` error at once and is closed. So idle connections, however many, never keep a newcomer waiting, and a
+//! misbehaving client can hold a place for 10 s of waiting at most. (Every client has our
+//! uid, so this guards against clients that are broken or stuck, not against a deliberate
+//! flood of connections: such a client could signal the process anyway.)
+//!
+//! *The engine.* The threads touch the host's threads only through the engine: `status` takes
+//! the registry lock briefly, and `pause`/`resume` take it for the whole operation, exactly as
+//! the C ABI's calls do; two clients asking for a pause at once are served one after the other
+//! by the engine's lock, like two threads of the process.
 //!
 //! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made
-//! it; a fork child closes its copies of the listener and of any open connection (it has no
-//! server thread, and the library is disabled in it anyway).
+//! it; a fork child closes its copies of the listener and of every open connection (it has no
+//! server threads, and the library is disabled in it anyway).
 //!
-//! *Harm.* Any failure here is logged (seen only with `TMS_LOG`) and the process carries on;
-//! the server thread runs inside `catch_unwind`; replies are sent with `MSG_NOSIGNAL` so a
-//! client that disappears cannot raise `SIGPIPE` in the host.
+//! *Harm.* Any failure here is logged (seen only with `TMS_LOG`) and the process carries on:
+//! the accept thread and every connection thread run inside `catch_unwind`, a thread that
+//! cannot be started costs its connection a `busy` reply, and replies are sent with
+//! `MSG_NOSIGNAL` so a client that disappears cannot raise `SIGPIPE` in the host.
 //!
-//! This module has `unsafe` of its own (beyond driver/, hooks/ and ffi.rs), all of it in
-//! [`sys`]: the socket calls above have no safe form in the standard library.
+//! The system calls go through the `nix` crate ([`sys`]); this module's only `unsafe` is there
+//! too: registering the exit and fork handlers, and closing descriptors in a fork child.
 
 pub mod auth;
+pub mod conns;
 pub mod dir;
 pub mod dispatch;
 pub mod session;
@@ -42,11 +66,13 @@ mod sys;
 use std::ffi::CString;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::PathBuf;
-use std::sync::{Once, OnceLock};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Once, OnceLock};
 use std::time::Duration;
+
+use tms_proto::encode;
 
 use crate::engine::Engine;
 use crate::error::Result;
@@ -54,8 +80,9 @@ use crate::hooks::runtime::Runtime;
 use crate::hooks::settings::{self, RegionSettings};
 use crate::units::{env_parsed, parse_flag};
 
+use conns::Table;
 use dispatch::Host;
-use session::{Identity, Limits};
+use session::{busy_reply, serve_connection, Identity, Limits};
 
 static START: Once = Once::new();
 static STATE: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
@@ -134,24 +161,12 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
         pid,
         backend: rt.engine.driver().name().to_string(),
     };
-    let host = ProcessHost { rt };
-    let folder2 = folder.clone();
+    // Once per process (START): the connection threads need a host that lives for ever.
+    let host: &'static ProcessHost = Box::leak(Box::new(ProcessHost { rt }));
+    let ours = tms_proto::socket_file_name(pid);
     let spawned = std::thread::Builder::new()
         .name("tms-control".into())
-        .spawn(move || {
-            let r = catch_unwind(AssertUnwindSafe(|| {
-                let n = dir::clean_stale(&folder2, uid, pid);
-                if n > 0 {
-                    tracing::debug!("removed {n} stale control sockets");
-                }
-                serve(&listener, &host, &Limits::default(), &me)
-            }));
-            if r.is_err() {
-                tracing::error!(
-                    "the control server stopped after a panic (a bug); the process carries on"
-                );
-            }
-        });
+        .spawn(move || run(&listener, &folder, &ours, host, Limits::default(), me));
     match spawned {
         Ok(_) => Ok(path),
         Err(e) => {
@@ -162,19 +177,52 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
     }
 }
 
-/// Accept and serve connections, one at a time, for ever.
-fn serve(listener: &UnixListener, host: &dyn Host, limits: &Limits, me: &Identity) {
+/// The server thread's work: clean the folder of stale sockets (ours, `ours`, excepted), then
+/// serve for ever. Never panics.
+fn run(
+    listener: &UnixListener,
+    folder: &Path,
+    ours: &str,
+    host: &'static dyn Host,
+    limits: Limits,
+    me: Identity,
+) {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        let n = dir::clean_stale(folder, me.uid, ours);
+        if n > 0 {
+            tracing::debug!("removed {n} stale control sockets");
+        }
+        serve(listener, host, limits, me)
+    }));
+    if r.is_err() {
+        tracing::error!("the control server stopped after a panic (a bug); the process carries on");
+    }
+}
+
+/// What every connection thread shares.
+struct Shared {
+    host: &'static dyn Host,
+    limits: Limits,
+    me: Identity,
+}
+
+/// Stack of a connection thread. The same as the old single server thread's (and Rust's
+/// default), because a pause or resume runs on it, CUDA driver calls included: an overflow
+/// would kill the host. Only the pages a thread touches are ever committed.
+const CONN_STACK: usize = 2 << 20;
+
+/// Accept connections for ever, each served on a thread of its own (see the Note).
+fn serve(listener: &UnixListener, host: &'static dyn Host, limits: Limits, me: Identity) {
+    let table = Table::new(limits.max_connections);
+    let shared = Arc::new(Shared { host, limits, me });
     loop {
         match listener.accept() {
             Ok((stream, _)) => {
-                sys::set_connection(stream.as_raw_fd());
-                let r = catch_unwind(AssertUnwindSafe(|| {
-                    session::serve_connection(&stream, host, limits, me)
-                }));
-                sys::set_connection(-1);
-                drop(stream);
+                let r = catch_unwind(AssertUnwindSafe(|| admit(&table, &shared, stream)));
                 if r.is_err() {
-                    tracing::error!("a control connection panicked (a bug); the server carries on");
+                    tracing::error!(
+                        "taking a control connection panicked (a bug); the server carries on"
+                    );
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -184,6 +232,43 @@ fn serve(listener: &UnixListener, host: &dyn Host, limits: &Limits, me: &Identit
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
+    }
+}
+
+/// Refuse a connection with a `busy` error, without waiting for the client.
+fn refuse(stream: &UnixStream, why: &str) {
+    tracing::debug!("control connection refused: {why}");
+    let _ = sys::send_now(stream, &encode(&busy_reply(why)));
+}
+
+/// Give `stream` a place in `table` and a thread, or a `busy` reply.
+fn admit(table: &Arc<Table>, shared: &Arc<Shared>, stream: UnixStream) {
+    let ticket = match table.admit(stream) {
+        Ok(t) => t,
+        Err(stream) => {
+            let why = format!(
+                "all {} connections it serves at once are running requests",
+                shared.limits.max_connections
+            );
+            return refuse(&stream, &why);
+        }
+    };
+    let stream = ticket.shared_stream();
+    let s = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name("tms-control-conn".into())
+        .stack_size(CONN_STACK)
+        .spawn(move || {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                serve_connection(ticket.stream(), s.host, &s.limits, &s.me, &ticket)
+            }));
+            drop(ticket);
+            if r.is_err() {
+                tracing::error!("a control connection panicked (a bug); the server carries on");
+            }
+        });
+    if let Err(e) = spawned {
+        refuse(&stream, &format!("no thread could be started for it ({e})"));
     }
 }
 

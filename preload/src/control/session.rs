@@ -1,12 +1,18 @@
 //! One connection: hello, then requests and replies, under time and size limits.
 //!
-//! The server has one thread, so a connection must not hold it for long whatever the client
-//! does: every request line must arrive whole within [`Limits::request_timeout`] of the
+//! Each connection has a thread of its own (see Note [The control server]), and whatever the
+//! client does, it must not keep that thread and its place among the server's connections for
+//! long: every request line must arrive whole within [`Limits::request_timeout`] of the
 //! previous reply (this bounds idle clients and clients that dribble bytes alike), every reply
 //! must be taken within [`Limits::write_timeout`], and a connection serves at most
-//! [`Limits::max_requests`] requests. Anything unacceptable gets an error reply (best effort)
-//! and the connection is closed; nothing a client sends can make this code panic, and the
-//! dispatch of a request runs inside `catch_unwind` regardless.
+//! [`Limits::max_requests`] requests and waits for them [`Limits::max_idle_total`] in all.
+//! Anything unacceptable gets an error reply (best effort) and the connection is closed;
+//! nothing a client sends can make this code panic, and the dispatch of a request runs inside
+//! `catch_unwind` regardless.
+//!
+//! The session tells the server's connection table when it waits for a request and when it
+//! serves one ([`Watch`]): a connection that waits may be closed to make room for a newer one,
+//! and then it gets a [`ErrorKind::Busy`] reply instead of its next answer.
 
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
@@ -22,7 +28,7 @@ use super::auth::{authenticate, AuthenticatedClient};
 use super::dispatch::{dispatch, Host};
 use super::sys;
 
-/// Time and count limits of one connection.
+/// Time and count limits of the connections.
 #[derive(Clone, Debug)]
 pub struct Limits {
     /// Time for a whole request line to arrive, counted from the previous reply.
@@ -31,6 +37,13 @@ pub struct Limits {
     pub write_timeout: Duration,
     /// Requests served on one connection.
     pub max_requests: usize,
+    /// Time one connection may spend waiting for request lines, in all: a client that sends a
+    /// request just before each [`request_timeout`](Limits::request_timeout) runs out is closed
+    /// after this long (the time its requests take to serve does not count).
+    pub max_idle_total: Duration,
+    /// Connections served at once (one thread each); see Note [The control server] for what
+    /// happens to one more.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
@@ -39,8 +52,53 @@ impl Default for Limits {
             request_timeout: Duration::from_secs(2),
             write_timeout: Duration::from_secs(2),
             max_requests: 1000,
+            max_idle_total: Duration::from_secs(10),
+            max_connections: 64,
         }
     }
+}
+
+/// What the session tells the server's connection table, and learns from it.
+pub trait Watch {
+    /// The session waits for a request line (the hello, or the next request).
+    fn idle(&self);
+    /// A whole request arrived and is about to be served; `false` when the connection has
+    /// been closed to make room for another (the request is then not served).
+    fn working(&self) -> bool;
+    /// The connection has been closed to make room for another.
+    fn evicted(&self) -> bool;
+}
+
+/// A connection outside any table (never closed to make room).
+pub struct Unwatched;
+
+impl Watch for Unwatched {
+    fn idle(&self) {}
+    fn working(&self) -> bool {
+        true
+    }
+    fn evicted(&self) -> bool {
+        false
+    }
+}
+
+/// The reply to a connection closed to make room for a newer one.
+pub fn evicted_reply(max: usize) -> Reply {
+    Reply::error(
+        ErrorKind::Busy,
+        format!(
+            "this connection waited longest of the {max} this process serves at once, and was \
+             closed to make room for a new one; connect again"
+        ),
+    )
+}
+
+/// The reply to a connection the server has no room for.
+pub fn busy_reply(why: &str) -> Reply {
+    Reply::error(
+        ErrorKind::Busy,
+        format!("the process cannot take this control connection now: {why}; try again"),
+    )
 }
 
 /// Who the server is, for the hello and the credential check.
@@ -60,18 +118,26 @@ enum ReadError {
         pending: usize,
     },
     Timeout,
+    /// The connection used up [`Limits::max_idle_total`].
+    IdleBudget,
     Proto(ProtoError),
     Io(io::Error),
 }
 
 /// Serve one connection until it ends. Never panics on anything the client sends.
-pub fn serve_connection(stream: &UnixStream, host: &dyn Host, limits: &Limits, me: &Identity) {
+pub fn serve_connection(
+    stream: &UnixStream,
+    host: &dyn Host,
+    limits: &Limits,
+    me: &Identity,
+    watch: &dyn Watch,
+) {
     if let Err(e) = stream.set_write_timeout(Some(limits.write_timeout.max(MIN_TIMEOUT))) {
         tracing::debug!("control connection: setting the write timeout: {e}");
         return;
     }
     match authenticate(stream, me.uid) {
-        Ok(client) => Session::new(client, host, limits, me).run(),
+        Ok(client) => Session::new(client, host, limits, me, watch).run(),
         Err(e) => {
             tracing::warn!("control connection refused: {e}");
             send(
@@ -99,7 +165,10 @@ struct Session<'a> {
     host: &'a dyn Host,
     limits: &'a Limits,
     me: &'a Identity,
+    watch: &'a dyn Watch,
     lines: LineBuffer,
+    /// Time spent waiting for request lines so far.
+    idle: Duration,
 }
 
 impl<'a> Session<'a> {
@@ -108,13 +177,16 @@ impl<'a> Session<'a> {
         host: &'a dyn Host,
         limits: &'a Limits,
         me: &'a Identity,
+        watch: &'a dyn Watch,
     ) -> Self {
         Session {
             client,
             host,
             limits,
             me,
+            watch,
             lines: LineBuffer::new(MAX_LINE_BYTES),
+            idle: Duration::ZERO,
         }
     }
 
@@ -123,7 +195,23 @@ impl<'a> Session<'a> {
     }
 
     fn read_line(&mut self) -> Result<Vec<u8>, ReadError> {
-        let deadline = Instant::now() + self.limits.request_timeout;
+        let t0 = Instant::now();
+        let r = self.read_line_by(t0);
+        self.idle += t0.elapsed();
+        r
+    }
+
+    fn read_line_by(&mut self, t0: Instant) -> Result<Vec<u8>, ReadError> {
+        let budget = self.limits.max_idle_total.saturating_sub(self.idle);
+        let by_budget = budget < self.limits.request_timeout;
+        let deadline = t0 + budget.min(self.limits.request_timeout);
+        let expired = || {
+            if by_budget {
+                ReadError::IdleBudget
+            } else {
+                ReadError::Timeout
+            }
+        };
         let mut chunk = [0u8; 8192];
         let mut stream = self.client.stream();
         loop {
@@ -134,7 +222,7 @@ impl<'a> Session<'a> {
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(ReadError::Timeout);
+                return Err(expired());
             }
             stream
                 .set_read_timeout(Some(left.max(MIN_TIMEOUT)))
@@ -153,18 +241,31 @@ impl<'a> Session<'a> {
                         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                     ) =>
                 {
-                    return Err(ReadError::Timeout)
+                    return Err(expired())
                 }
                 Err(e) => return Err(ReadError::Io(e)),
             }
         }
     }
 
+    /// The notice to a connection closed to make room: sent without waiting, since the
+    /// client may not be reading.
+    fn evicted(&self) -> Option<Request> {
+        tracing::debug!("control connection closed to make room for a newer one");
+        let _ = sys::send_now(
+            self.client.stream(),
+            &encode(&evicted_reply(self.limits.max_connections)),
+        );
+        None
+    }
+
     /// The next request, or `None` when the connection is over (an error was replied where
     /// the client can still read it).
     fn next_request(&mut self) -> Option<Request> {
+        self.watch.idle();
         let line = match self.read_line() {
             Ok(l) => l,
+            Err(_) if self.watch.evicted() => return self.evicted(),
             Err(ReadError::Closed { pending: 0 }) => return None,
             Err(ReadError::Closed { pending }) => {
                 tracing::debug!("control client left in the middle of a line ({pending} bytes)");
@@ -185,6 +286,18 @@ impl<'a> Session<'a> {
                 ));
                 return None;
             }
+            Err(ReadError::IdleBudget) => {
+                tracing::debug!("control client used up its waiting time");
+                self.reply(&Reply::error(
+                    ErrorKind::Timeout,
+                    format!(
+                        "this connection has waited {:.1} s for requests in all, the most one \
+                         may; closing (connect again)",
+                        self.limits.max_idle_total.as_secs_f64()
+                    ),
+                ));
+                return None;
+            }
             Err(ReadError::Proto(e)) => {
                 self.reply(&e.to_reply());
                 return None;
@@ -194,6 +307,9 @@ impl<'a> Session<'a> {
                 return None;
             }
         };
+        if !self.watch.working() {
+            return self.evicted();
+        }
         match decode_request(&line) {
             Ok(r) => Some(r),
             Err(e) => {

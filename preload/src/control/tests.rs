@@ -2,6 +2,7 @@
 //! device, and the accept loop over a real socket in a temporary folder.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +14,7 @@ use tms_proto::{
 };
 
 use super::dispatch::Host;
-use super::session::{serve_connection, Identity, Limits};
+use super::session::{Identity, Limits, Unwatched};
 use super::*;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::driver::HostBackend;
@@ -22,6 +23,10 @@ use crate::engine::AllocRequest;
 struct TestHost {
     engine: Engine,
     region: Mutex<RegionSettings>,
+    /// Held by a test to make `get_region` (and `status`) wait: a request that takes long.
+    gate: Mutex<()>,
+    /// Requests that have reached the gate.
+    at_gate: std::sync::atomic::AtomicUsize,
 }
 
 fn host() -> &'static TestHost {
@@ -34,6 +39,8 @@ fn host() -> &'static TestHost {
             cpu_backup: false,
             backend: HostBackend::Pinned,
         }),
+        gate: Mutex::new(()),
+        at_gate: Default::default(),
     }))
 }
 
@@ -42,6 +49,9 @@ impl Host for TestHost {
         &self.engine
     }
     fn default_region(&self) -> Result<RegionSettings> {
+        self.at_gate
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        drop(self.gate.lock());
         Ok(self.region.lock().clone())
     }
     fn set_default_region(&self, r: RegionSettings) {
@@ -54,6 +64,8 @@ fn limits() -> Limits {
         request_timeout: Duration::from_millis(300),
         write_timeout: Duration::from_millis(300),
         max_requests: 50,
+        max_idle_total: Duration::from_secs(10),
+        max_connections: 64,
     }
 }
 
@@ -75,7 +87,9 @@ struct Conn {
 impl Conn {
     fn open(h: &'static TestHost, l: Limits) -> Conn {
         let (client, server) = UnixStream::pair().unwrap();
-        let t = std::thread::spawn(move || serve_connection(&server, h, &l, &me()));
+        let t = std::thread::spawn(move || {
+            session::serve_connection(&server, h, &l, &me(), &Unwatched)
+        });
         client
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
@@ -421,7 +435,7 @@ fn the_accept_loop_serves_one_client_after_another() {
     let _ = std::fs::remove_dir_all(&base);
     dir::prepare(&base, sys::euid()).unwrap();
     let (listener, path) = dir::bind(&base, 4_000_001).unwrap();
-    std::thread::spawn(move || serve(&listener, h, &limits(), &me()));
+    std::thread::spawn(move || serve(&listener, h, limits(), me()));
 
     // A silent client holds the thread only until its timeout.
     let _silent = UnixStream::connect(&path).unwrap();
@@ -449,4 +463,506 @@ fn the_accept_loop_serves_one_client_after_another() {
     }
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     std::fs::remove_dir_all(&base).unwrap();
+}
+
+// --- the server over a real socket ------------------------------------------------------------
+
+/// A server in a fresh folder, as `start` runs it (stale sockets cleaned first), under the
+/// name `name`; returns the folder and the socket's path.
+fn server_in(
+    h: &'static TestHost,
+    test: &str,
+    name: &str,
+    l: Limits,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let base = std::env::temp_dir().join(format!("tms-srv-{}-{test}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    start_in(h, &base, name, l)
+}
+
+fn start_in(
+    h: &'static TestHost,
+    base: &Path,
+    name: &str,
+    l: Limits,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    dir::prepare(base, sys::euid()).unwrap();
+    let (listener, path) = dir::bind_as(base, name).unwrap();
+    let folder = base.to_path_buf();
+    let ours = name.to_string();
+    std::thread::spawn(move || run(&listener, &folder, &ours, h, l, me()));
+    (base.to_path_buf(), path)
+}
+
+/// A client over the real socket.
+struct Client {
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+}
+
+impl Client {
+    fn connect(path: &Path) -> Client {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Client {
+            r: BufReader::new(s.try_clone().unwrap()),
+            w: s,
+        }
+    }
+
+    /// The next reply; `None` at end of file (or a reset connection).
+    fn reply(&mut self) -> Option<Reply> {
+        let mut l = String::new();
+        match self.r.read_line(&mut l) {
+            Ok(0) => None,
+            Ok(_) => Some(decode_reply(l.as_bytes()).unwrap_or_else(|e| panic!("{e}: {l:?}"))),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => None,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Send `r` and read its reply; `None` when the server closed the connection instead.
+    fn ask(&mut self, r: &Request) -> Option<Reply> {
+        if self.w.write_all(&encode(r)).is_err() {
+            return None;
+        }
+        self.reply()
+    }
+
+    fn greeted(path: &Path) -> Client {
+        let mut c = Client::connect(path);
+        let r = c.ask(&Request::Hello(hello(PROTOCOL_VERSION)));
+        assert!(matches!(r, Some(Reply::Hello(_))), "{r:?}");
+        c
+    }
+
+    fn assert_closed(mut self) {
+        let mut rest = Vec::new();
+        let _ = self.r.read_to_end(&mut rest);
+        assert!(rest.is_empty(), "{:?}", String::from_utf8_lossy(&rest));
+    }
+}
+
+/// Connect, say hello, ping: how long it took.
+fn fresh_ping(path: &Path) -> Duration {
+    let t = Instant::now();
+    let mut c = Client::greeted(path);
+    let r = c.ask(&Request::Ping);
+    assert!(matches!(r, Some(Reply::Pong { .. })), "{r:?}");
+    t.elapsed()
+}
+
+use std::path::Path;
+
+#[test]
+fn idle_connections_and_a_slow_client_never_delay_a_newcomer() {
+    // The production limits: 2 s per request line, 64 connections at once.
+    let h = host();
+    let (base, path) = server_in(h, "flood", "4000100.1.sock", Limits::default());
+
+    // A slow client: a ping every 1.5 s, each within the 2 s allowed (on a single server
+    // thread it held every other client off for as long as it went on).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slow = {
+        let (path, stop) = (path.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut c = Client::greeted(&path);
+            let mut pongs = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1500));
+                match c.ask(&Request::Ping) {
+                    Some(Reply::Pong { .. }) => pongs += 1,
+                    _ => break,
+                }
+            }
+            pongs
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // 200 connections that say nothing (on a single thread: 2 s each, 400 s in all).
+    let idle: Vec<UnixStream> = (0..200)
+        .map(|_| UnixStream::connect(&path).unwrap())
+        .collect();
+
+    // Newcomers over the next 4 s (while the idle ones are open, as they time out, after):
+    // each is answered at once.
+    let mut worst = Duration::ZERO;
+    for _ in 0..8 {
+        worst = worst.max(fresh_ping(&path));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let pongs = slow.join().unwrap();
+    assert!(
+        worst < Duration::from_secs(1),
+        "a newcomer waited {worst:?}"
+    );
+    // The slow client itself was served all along: the idle ones (no hello) gave way first.
+    assert!(pongs >= 2, "{pongs} pongs");
+    drop(idle);
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_full_server_answers_busy_and_idle_connections_make_room() {
+    let h = host();
+    let l = Limits {
+        max_connections: 2,
+        request_timeout: Duration::from_secs(5),
+        write_timeout: Duration::from_secs(5),
+        ..limits()
+    };
+    let (base, path) = server_in(h, "cap", "4000101.1.sock", l);
+
+    // Two connections serving requests that take long (get_region waits for the gate).
+    let gate = h.gate.lock();
+    let mut a = Client::greeted(&path);
+    let mut b = Client::greeted(&path);
+    a.w.write_all(&encode(&Request::GetRegion)).unwrap();
+    b.w.write_all(&encode(&Request::GetRegion)).unwrap();
+    let t = Instant::now();
+    while h.at_gate.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // A third is refused at once with `busy`, and closed.
+    let t = Instant::now();
+    let mut c = Client::connect(&path);
+    let r = c.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(ErrorKind::Busy.closes_connection());
+    c.assert_closed();
+
+    // Both requests complete; a and b wait again, a longer (b has just had a ping served).
+    drop(gate);
+    assert!(matches!(a.reply(), Some(Reply::Region(_))));
+    assert!(matches!(b.reply(), Some(Reply::Region(_))));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(matches!(b.ask(&Request::Ping), Some(Reply::Pong { .. })));
+
+    // A newcomer that has not said hello yet (e) makes room by closing the idle connection
+    // that waited longest (a), which gets `busy`; b is still served.
+    let mut e = Client::connect(&path);
+    let r = a.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy, "{r:?}");
+    a.assert_closed();
+
+    // Now b (greeted) and e (not yet): the next newcomer closes e, the one without a hello,
+    // although b has waited longer.
+    let t = Instant::now();
+    let took = fresh_ping(&path);
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    let r = e.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy);
+    e.assert_closed();
+    assert!(matches!(b.ask(&Request::Ping), Some(Reply::Pong { .. })));
+    assert!(t.elapsed() < Duration::from_secs(2));
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_drip_feeding_client_is_closed_after_its_waiting_time() {
+    let h = host();
+    let mut c = Conn::open(
+        h,
+        Limits {
+            max_idle_total: Duration::from_millis(700),
+            ..limits()
+        },
+    );
+    assert!(matches!(
+        c.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
+        Reply::Hello(_)
+    ));
+    // Each ping comes within the 300 ms per request, but they add up.
+    let t = Instant::now();
+    let mut pongs = 0;
+    let last = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        // The server may have given up already: its reply is there to read all the same.
+        let _ = c.stream.write_all(&encode(&Request::Ping));
+        match c.read_reply() {
+            Reply::Pong { .. } => pongs += 1,
+            other => break other,
+        }
+        assert!(pongs < 10, "still open after {pongs} pings");
+    };
+    assert_eq!(error_kind(&last), ErrorKind::Timeout);
+    let Reply::Error(e) = last else { panic!() };
+    assert!(e.message.contains("in all"), "{}", e.message);
+    assert!((2..=4).contains(&pongs), "{pongs} pongs");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    c.assert_closed();
+}
+
+#[test]
+fn concurrent_pauses_from_several_clients_are_safe() {
+    let h = host();
+    let mut ptrs = Vec::new();
+    for i in 0..4u8 {
+        let p = h
+            .engine
+            .alloc(&AllocRequest {
+                size: 1 << 20,
+                device: 0,
+                tag: "kv".into(),
+                backup: Some(HostBackend::Mmap),
+            })
+            .unwrap();
+        h.engine.write_bytes(p, &[i; 64]).unwrap();
+        ptrs.push(p);
+    }
+    let (base, path) = server_in(h, "concurrent", "4000102.1.sock", limits());
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::greeted(&path);
+                for _ in 0..5 {
+                    for r in [
+                        Request::Pause {
+                            tag: Some("kv".into()),
+                        },
+                        Request::Resume { tag: None },
+                    ] {
+                        let reply = c.ask(&r);
+                        assert!(matches!(reply, Some(Reply::Done(_))), "{reply:?}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    let s = h.engine.stats();
+    assert_eq!(s.tags.len(), 1);
+    assert_eq!(s.tags[0].active_allocations, 4);
+    for (i, p) in ptrs.iter().enumerate() {
+        let mut back = [0u8; 64];
+        h.engine.read_bytes(*p, &mut back).unwrap();
+        assert_eq!(back, [i as u8; 64]);
+    }
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_starting_server_removes_only_sockets_nobody_listens_on() {
+    let h = host();
+    let base = std::env::temp_dir().join(format!("tms-srv-{}-stale", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    dir::prepare(&base, sys::euid()).unwrap();
+    // A live server of another pid namespace sharing the folder: the pid in its name does not
+    // exist in ours (kill(pid, 0) said "dead" and its socket was removed).
+    let (_live, live) = dir::bind_as(&base, "2147483000.4026530000.sock").unwrap();
+    // Nobody listens on this one, though its pid (1) exists here: it goes.
+    let (l, dead) = dir::bind_as(&base, "1.4026530001.sock").unwrap();
+    drop(l);
+    let (_, path) = start_in(h, &base, "4000103.1.sock", limits());
+    // Served once the cleaning is over (it runs first on the server thread).
+    assert!(fresh_ping(&path) < Duration::from_secs(2));
+    assert!(live.exists(), "a live listener's socket was removed");
+    assert!(!dead.exists(), "a socket nobody listens on was kept");
+    assert!(path.exists());
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
+    let h = host();
+    let ptr = h
+        .engine
+        .alloc(&AllocRequest {
+            size: 1 << 20,
+            device: 0,
+            tag: "kv".into(),
+            backup: None,
+        })
+        .unwrap();
+    assert!(h.engine.tag_known("kv") && !h.engine.tag_known("vk"));
+    let mut c = Conn::greeted(h);
+    let mut done = |r: Request| match c.ask(&r) {
+        Reply::Done(d) => d,
+        other => panic!("{other:?}"),
+    };
+    let d = done(Request::Pause {
+        tag: Some("kv".into()),
+    });
+    assert_eq!((d.allocations, d.unknown_tag), (1, false));
+    // A typo: nothing changes, and the reply says why.
+    let d = done(Request::Pause {
+        tag: Some("kvv".into()),
+    });
+    assert_eq!((d.allocations, d.unknown_tag), (0, true));
+    let d = done(Request::Resume {
+        tag: Some("kvv".into()),
+    });
+    assert_eq!((d.allocations, d.unknown_tag), (0, true));
+    // Every tag: no flag.
+    let d = done(Request::Resume { tag: None });
+    assert_eq!((d.allocations, d.unknown_tag), (1, false));
+    // A tag whose allocations are all freed is still one the process had.
+    h.engine.free(ptr).unwrap();
+    let d = done(Request::Pause {
+        tag: Some("kv".into()),
+    });
+    assert_eq!((d.allocations, d.unknown_tag), (0, false));
+    // The library's own calls stay quiet successes.
+    assert_eq!(h.engine.pause(Some("kvv")).unwrap().allocations, 0);
+    assert_eq!(h.engine.resume(Some("kvv")).unwrap().allocations, 0);
+    // Unpauseable allocations' tags count too.
+    h.engine
+        .alloc_unpauseable(&AllocRequest {
+            size: 1 << 20,
+            device: 0,
+            tag: "pool".into(),
+            backup: None,
+        })
+        .unwrap();
+    assert!(h.engine.tag_known("pool"));
+    assert!(
+        !done(Request::Pause {
+            tag: Some("pool".into())
+        })
+        .unknown_tag
+    );
+}
+
+#[test]
+fn status_answers_whatever_the_tags() {
+    let h = host();
+    // Two tags of 5 MiB with the same beginning and length, and a short one.
+    let long_a = format!("{}a", "t".repeat(5 << 20));
+    let long_b = format!("{}b", "t".repeat(5 << 20));
+    for tag in [&long_a, &long_b, &"kv".to_string()] {
+        h.engine
+            .alloc(&AllocRequest {
+                size: 1 << 20,
+                device: 0,
+                tag: tag.clone(),
+                backup: None,
+            })
+            .unwrap();
+    }
+    h.region.lock().tag = long_a.clone();
+    let mut c = Conn::greeted(h);
+    // read_reply enforces the client's limit (MAX_REPLY_BYTES).
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!(s.tags.len(), 3);
+    assert_eq!(s.tags_omitted, 0);
+    let shown: Vec<&str> = s.tags.iter().map(|t| t.tag.as_str()).collect();
+    assert!(shown.contains(&"kv"));
+    let long: Vec<&str> = shown.iter().copied().filter(|t| *t != "kv").collect();
+    assert_eq!(long.len(), 2);
+    assert_ne!(long[0], long[1], "two long tags must stay distinguishable");
+    for t in &long {
+        assert!(t.len() < 1200, "{} bytes", t.len());
+        assert!(t.starts_with(&"t".repeat(1000)));
+        assert!(
+            t.contains(&format!("({} bytes, hash ", long_a.len())),
+            "{t}"
+        );
+    }
+    assert_eq!(dispatch::shown_tag(&long_a), s.default_region.unwrap().tag);
+    let Reply::Region(r) = c.ask(&Request::GetRegion) else {
+        panic!()
+    };
+    assert_eq!(r.tag, dispatch::shown_tag(&long_a));
+    // A tag at the bound is shown whole; one byte more is not; multi-byte characters are cut
+    // at a boundary.
+    let at = "x".repeat(dispatch::MAX_SHOWN_TAG_BYTES);
+    assert_eq!(dispatch::shown_tag(&at), at);
+    assert_ne!(dispatch::shown_tag(&format!("{at}x")), format!("{at}x"));
+    let wide = "é".repeat(dispatch::MAX_SHOWN_TAG_BYTES);
+    assert!(dispatch::shown_tag(&wide).starts_with(&"é".repeat(512)));
+}
+
+#[test]
+fn status_with_more_tags_than_fit_lists_the_first_and_counts_the_rest() {
+    let tags: Vec<tms_proto::TagStatus> = (0..5000)
+        .map(|i| tms_proto::TagStatus {
+            tag: format!("{i:05}{}", "y".repeat(1000)),
+            allocations: 1,
+            ..Default::default()
+        })
+        .collect();
+    let status = tms_proto::Status {
+        backend: "sim".into(),
+        tags,
+        ..Default::default()
+    };
+    assert!(encode(&Reply::Status(Box::new(status.clone()))).len() > tms_proto::MAX_REPLY_BYTES);
+    let fitted = dispatch::fit_reply(status, tms_proto::MAX_REPLY_BYTES);
+    let line = encode(&Reply::Status(Box::new(fitted.clone())));
+    let Ok(Reply::Status(back)) = decode_reply(&line) else {
+        panic!("{} bytes do not decode", line.len())
+    };
+    assert!(fitted.tags_omitted > 0);
+    assert_eq!(fitted.tags.len() as u64 + fitted.tags_omitted, 5000);
+    assert!(fitted.tags[0].tag.starts_with("00000"));
+    assert_eq!(back.tags_omitted, fitted.tags_omitted);
+    // Nearly all that fits is used.
+    assert!(
+        line.len() > tms_proto::MAX_REPLY_BYTES - 4096,
+        "{}",
+        line.len()
+    );
+    // A small status is left alone.
+    let small = tms_proto::Status::default();
+    assert_eq!(dispatch::fit_reply(small.clone(), 1 << 20), small);
+}
+
+/// Runs `test` alone in a child process (this test binary, `--exact`), with `TMS_TEST_CHILD`
+/// set: for what changes process-wide state, such as the umask, that parallel tests would see.
+fn in_child(test: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads=1", "--nocapture"])
+        .env("TMS_TEST_CHILD", "1")
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("1 passed"), "{text}");
+}
+
+#[test]
+fn a_restrictive_umask_still_gives_a_usable_private_folder_and_socket() {
+    in_child("control::tests::restrictive_umask_child");
+}
+
+/// The work of the test above; does nothing unless run as its child.
+#[test]
+fn restrictive_umask_child() {
+    use nix::sys::stat::{umask, Mode};
+    if std::env::var_os("TMS_TEST_CHILD").is_none() {
+        return;
+    }
+    let h = host();
+    for mask in [0o777, 0o077, 0o277, 0o577, 0o700] {
+        let base = std::env::temp_dir().join(format!("tms-umask-{}-{mask:o}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let folder = base.join("a/b");
+        let old = umask(Mode::from_bits_truncate(mask));
+        let r = dir::prepare(&folder, sys::euid())
+            .map(|()| start_in(h, &folder, "4000104.1.sock", limits()));
+        umask(old);
+        let (_, path) = r.unwrap_or_else(|e| panic!("umask {mask:04o}: {e}"));
+        for d in [&base, &base.join("a"), &folder] {
+            let m = std::fs::symlink_metadata(d).unwrap().permissions().mode() & 0o777;
+            assert_eq!(m, 0o700, "umask {mask:04o}: {}", d.display());
+        }
+        let m = std::fs::symlink_metadata(&path)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(m, 0o600, "umask {mask:04o}: the socket");
+        assert!(fresh_ping(&path) < Duration::from_secs(2));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
 }
