@@ -46,6 +46,9 @@ pub enum Error {
         /// The original message.
         message: String,
     },
+    /// A bug inside the library (a panic caught inside it); the process carries on.
+    #[error("internal error (a bug in torch-memory-saver): {0}")]
+    Internal(String),
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -109,6 +112,7 @@ impl Error {
             Error::NotFound(_) => status::NOT_FOUND,
             Error::Unsupported(_) => status::UNSUPPORTED,
             Error::Io { .. } => status::IO,
+            Error::Internal(_) => status::INTERNAL,
             Error::Sticky { status, .. } => *status,
         }
     }
@@ -152,6 +156,7 @@ impl Error {
                 status,
                 message: join(message),
             },
+            Error::Internal(s) => Error::Internal(join(s)),
         }
     }
 
@@ -173,6 +178,17 @@ pub trait ResultExt<T> {
 impl<T> ResultExt<T> for Result<T> {
     fn ctx<D: Display>(self, f: impl FnOnce() -> D) -> Result<T> {
         self.map_err(|e| e.context(f()))
+    }
+}
+
+/// The message of a caught panic's payload.
+pub fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_string()
     }
 }
 

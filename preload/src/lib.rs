@@ -14,6 +14,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod hooks;
+pub mod threads;
 pub mod units;
 
 pub use engine::{AllocRequest, Backup, Engine};

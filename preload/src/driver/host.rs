@@ -316,7 +316,9 @@ pub fn release_parallel(bufs: Vec<Arc<HostBuffer>>, threads: usize) {
     let helpers = threads.min(units.len()).saturating_sub(1);
     std::thread::scope(|s| {
         for _ in 0..helpers {
-            s.spawn(work);
+            if crate::threads::spawn_scoped(s, "tms-release", work).is_none() {
+                break;
+            }
         }
         work();
     });

@@ -204,9 +204,17 @@ impl SimConfig {
     }
 }
 
+/// Faults to inject: (primitive, nth call from now, status code or [`PANIC`]).
+pub type FaultPlan = Vec<(Prim, u64, i32)>;
+
+/// The fault code that makes the call panic instead of failing (a bug inside the call, to test
+/// that no panic hangs or takes down the host).
+pub const PANIC: i32 = i32::MIN;
+
 /// Parse a fault plan: `prim:nth[:code]` items separated by commas, e.g. `map:2:oom,create:1`.
-/// `code` is a CUDA status number or `oom` (default `999`, CUDA_ERROR_UNKNOWN).
-pub fn parse_faults(s: &str) -> Result<Vec<(Prim, u64, i32)>> {
+/// `code` is a CUDA status number, `oom`, or `panic` ([`PANIC`]) (default `999`,
+/// CUDA_ERROR_UNKNOWN).
+pub fn parse_faults(s: &str) -> Result<FaultPlan> {
     let mut out = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let bad = |why: &str| {
@@ -228,6 +236,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<(Prim, u64, i32)>> {
         let code = match parts.next() {
             None => 999,
             Some("oom") => 2,
+            Some("panic") => PANIC,
             Some(c) => c
                 .parse::<i32>()
                 .ok()
@@ -361,7 +370,7 @@ impl SimDriver {
 
     /// The `TMS_SIM_*` settings (the machine's shape and the fault plan), each malformed value
     /// an error naming its variable.
-    pub fn settings_from_env() -> Result<(SimConfig, Vec<(Prim, u64, i32)>)> {
+    pub fn settings_from_env() -> Result<(SimConfig, FaultPlan)> {
         let cfg = SimConfig::from_env()?;
         let faults = env_parsed("TMS_SIM_FAULTS", parse_faults)?.unwrap_or_default();
         Ok((cfg, faults))
@@ -471,6 +480,9 @@ impl SimDriver {
         }
         if let Some(i) = fired {
             let f = g.faults.remove(i);
+            if f.code == PANIC {
+                panic!("{} {} (injected panic)", prim.name(), context());
+            }
             return Err(driver_err(
                 prim,
                 f.code,

@@ -38,7 +38,7 @@ mod pipeline;
 mod stats;
 mod transfer;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -272,14 +272,24 @@ fn per_device<J: Send, T: Send>(jobs: Vec<J>, f: impl Fn(J) -> T + Sync) -> Vec<
     if jobs.len() <= 1 {
         return jobs.into_iter().map(f).collect();
     }
-    let f = &f;
+    // Each job waits in a slot until a thread takes it; a job whose thread could not be had
+    // runs here, after the others were started.
+    let slots: Vec<Mutex<Option<J>>> = jobs.into_iter().map(|j| Mutex::new(Some(j))).collect();
+    let run = |i: usize| slots[i].lock().take().map(&f);
+    let run = &run;
     std::thread::scope(|s| {
-        let handles: Vec<_> = jobs.into_iter().map(|j| s.spawn(move || f(j))).collect();
+        let handles: Vec<_> = (0..slots.len())
+            .map(|i| crate::threads::spawn_scoped(s, "tms-device", move || run(i)))
+            .collect();
         handles
             .into_iter()
-            .map(|h| match h.join() {
-                Ok(t) => t,
-                Err(p) => std::panic::resume_unwind(p),
+            .enumerate()
+            .filter_map(|(i, h)| match h {
+                Some(h) => match h.join() {
+                    Ok(t) => t,
+                    Err(p) => std::panic::resume_unwind(p),
+                },
+                None => run(i),
             })
             .collect()
     })
@@ -326,6 +336,34 @@ pub struct Engine {
     segment: AtomicU64,
     copy: Mutex<CopyConfig>,
     pinner: Arc<Pinner>,
+    /// Every tag an allocation ever had (never cleared), for [`Engine::tag_known`]. A lock of
+    /// its own, and a leaf (nothing is taken while it is held), so asking never waits for a
+    /// pause.
+    tags_seen: Mutex<HashSet<Box<str>>>,
+    /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
+    /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
+    /// with this message instead of acting on it.
+    broken: Mutex<Option<String>>,
+}
+
+/// Marks the engine broken if a panic unwinds through the operation it guards.
+struct BreakOnUnwind<'a> {
+    engine: &'a Engine,
+    what: String,
+}
+
+impl Drop for BreakOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            tracing::error!("a panic (a bug) unwound through {}", self.what);
+            *self.engine.broken.lock() = Some(format!(
+                "torch-memory-saver stopped after an internal error (a bug) during {}: its record \
+                 of the device may be wrong, so it no longer pauses, resumes or allocates; \
+                 restart the process",
+                self.what
+            ));
+        }
+    }
 }
 
 /// What a resume mapped: device, address, mapped bytes, segment size, handles.
@@ -350,6 +388,23 @@ impl Engine {
             segment: AtomicU64::new(SEGMENT_BYTES),
             copy: Mutex::new(CopyConfig::default()),
             pinner: Arc::default(),
+            tags_seen: Mutex::default(),
+            broken: Mutex::new(None),
+        }
+    }
+
+    /// Refuse to act after a panic unwound through a pause or resume.
+    fn check_sound(&self) -> Result<()> {
+        match &*self.broken.lock() {
+            Some(m) => Err(Error::InvalidState(m.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn guard(&self, what: &str, tag: Option<&str>) -> BreakOnUnwind<'_> {
+        BreakOnUnwind {
+            engine: self,
+            what: format!("a {what} of {}", describe(tag)),
         }
     }
 
@@ -474,6 +529,7 @@ impl Engine {
     }
 
     fn alloc_impl(&self, req: &AllocRequest, pauseable: bool) -> Result<DevPtr> {
+        self.check_sound()?;
         let what = || {
             format!(
                 "allocating {} ({} bytes) on device {} for tag {:?}",
@@ -540,8 +596,31 @@ impl Engine {
                 pauseable,
             },
         );
+        // Under the registry lock, so no pause can see the allocation but not its tag.
+        self.remember_tag(&req.tag);
         tracing::debug!("alloc {ptr:#x} {} tag {:?}", req.size, req.tag);
         Ok(ptr)
+    }
+
+    fn remember_tag(&self, tag: &str) {
+        let mut seen = self.tags_seen.lock();
+        if !seen.contains(tag) {
+            seen.insert(tag.into());
+        }
+    }
+
+    /// True if some allocation of this engine (pauseable or not, alive or freed since) ever had
+    /// `tag`. A pause or resume of a tag never seen changes nothing: a typo, perhaps.
+    pub fn tag_known(&self, tag: &str) -> bool {
+        self.tags_seen.lock().contains(tag)
+    }
+
+    /// Log at debug level a pause or resume of a tag no allocation ever had (it is a quiet
+    /// success, like one of a tag whose allocations are all freed).
+    fn note_unknown_tag(&self, what: &str, tag: Option<&str>) {
+        if let Some(t) = tag.filter(|t| !self.tag_known(t)) {
+            tracing::debug!("{what} of tag {t:?}: no allocation ever had this tag; nothing to do");
+        }
     }
 
     /// create + map + set access over a reserved range, segment by segment, pushing each
@@ -705,6 +784,9 @@ impl Engine {
     /// Pause every active allocation of `tag` (all tags if `None`).
     pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
+        self.check_sound()?;
+        let _unwind = self.guard("pause", tag);
+        self.note_unknown_tag("pause", tag);
         let _quiet = self.pinner.quiet();
         let t0 = Instant::now();
         let cfg = self.copy_config();
@@ -856,6 +938,9 @@ impl Engine {
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
     pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
         check_tag(tag)?;
+        self.check_sound()?;
+        let _unwind = self.guard("resume", tag);
+        self.note_unknown_tag("resume", tag);
         let _quiet = self.pinner.quiet();
         let t0 = Instant::now();
         let cfg = self.copy_config();

@@ -30,9 +30,18 @@
 //!   before it returns, so no DMA touches a buffer after the call. The caller learns which
 //!   allocations completed, and the engine keeps the registry true (engine Note [Pause and
 //!   resume as transactions]).
+//! - A chunk counts as copied only once the wait for its own lane's event succeeded: the driver
+//!   contract is that such a wait covers every copy queued before the event (the simulated
+//!   device keeps it even when another worker's wait failed).
+//! - Threads may not be had (a pids limit): a worker that cannot be started is not started,
+//!   and with none at all the coordinator copies itself once everything is prepared. A panic in
+//!   a worker (a bug) fails the operation like an error; a panic of the coordinator stops the
+//!   workers before it unwinds, so nothing waits for work that will never come (and the engine
+//!   then refuses further pauses and resumes: its registry may be wrong).
 //!
 //! Devices run in parallel, each with its own coordinator thread and workers.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
@@ -288,13 +297,34 @@ pub(super) fn run(
     };
     let mut prepared_s = 0.0;
     let (tx, rx) = mpsc::channel::<usize>();
+    // A worker's slots sit behind a lock, so that a worker whose thread could not be had leaves
+    // them for this thread (see below).
+    let lanes: Vec<Mutex<&mut [Option<HostBuffer>]>> = ring
+        .slots
+        .chunks_mut(2)
+        .take(workers)
+        .map(Mutex::new)
+        .collect();
     std::thread::scope(|s| {
-        for slots in ring.slots.chunks_mut(2).take(workers) {
+        let mut started = 0;
+        for slots in &lanes {
             let tx = tx.clone();
             let sh = &sh;
-            s.spawn(move || worker(sh, slots, tx));
+            if crate::threads::spawn_scoped(s, "tms-copy", move || {
+                worker(sh, &mut slots.lock(), tx)
+            })
+            .is_none()
+            {
+                break;
+            }
+            started += 1;
         }
+        // No worker at all: this thread copies, once everything is prepared.
+        let inline = (started == 0 && !lanes.is_empty()).then(|| tx.clone());
         drop(tx);
+        // A panic on this thread (in `prepare` or `on_done`) must not leave the workers
+        // waiting for items that will never be prepared: they stop, and the scope can end.
+        let _stop = StopOnUnwind(&sh);
         // Completed copies are acted on also after a worker failed (what is complete is
         // complete), but not after `on_done` itself failed.
         let mut stopped = false;
@@ -323,6 +353,9 @@ pub(super) fn run(
             }
         }
         prepared_s = sh.t0.elapsed().as_secs_f64();
+        if let (Some(tx), Some(slots)) = (inline, lanes.first()) {
+            worker(&sh, &mut slots.lock(), tx);
+        }
         for j in rx {
             done(j, &mut stopped);
         }
@@ -367,7 +400,32 @@ impl Lanes<'_> {
     }
 }
 
+/// Stops the work of a pipeline whose coordinator unwinds.
+struct StopOnUnwind<'a, 'b>(&'a Shared<'b>);
+
+impl Drop for StopOnUnwind<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail(Error::Internal(
+                "the copy pipeline's coordinator panicked".into(),
+            ));
+        }
+    }
+}
+
+/// A worker: copies chunks until there are none left or the work stops. A panic inside it (a
+/// bug) fails the operation like an error: its chunk is not counted as copied.
 fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
+    let res = catch_unwind(AssertUnwindSafe(|| worker_inner(sh, slots, done)));
+    if let Err(p) = res {
+        sh.fail(Error::Internal(format!(
+            "a copy worker panicked (a bug): {}",
+            crate::error::panic_message(&*p)
+        )));
+    }
+}
+
+fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = (|| -> Result<()> {
         let _scope = DeviceScope::enter(sh.d(), sh.device)?;
         let stream = sh.d().stream(sh.device)?;

@@ -10,7 +10,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::driver::HostBackend;
-use crate::error::{status, Error, Result};
+use crate::error::{panic_message, status, Error, Result};
 use crate::hooks::{runtime, settings};
 
 mod upstream;
@@ -27,16 +27,6 @@ pub fn set_last_error(e: &Error) {
 fn set_last_message(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
-}
-
-fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "unknown panic".to_string()
-    }
 }
 
 /// Run `f`, turning a panic into `fallback` and a recorded internal error.

@@ -1,0 +1,42 @@
+//! Helper threads that may not be had. A container's pids limit makes thread creation fail, and
+//! `std::thread::Scope::spawn` panics then, which inside a pause would leave the other helpers
+//! waiting for work that never comes. Every helper the library starts for a pause, a resume or a
+//! release goes through [`spawn_scoped`], which reports the failure instead: the caller then does
+//! the work on fewer threads, or on its own.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::thread::{Builder, Scope, ScopedJoinHandle};
+
+static FAIL_SPAWNS: AtomicUsize = AtomicUsize::new(0);
+
+/// Make the next `n` helper spawns fail as a pids limit would (for tests of that path).
+#[doc(hidden)]
+pub fn fail_next_spawns(n: usize) {
+    FAIL_SPAWNS.store(n, Ordering::SeqCst);
+}
+
+/// Start a helper named `name` in scope `s`; `None` (logged) where no thread can be had.
+pub fn spawn_scoped<'scope, 'env, T: Send + 'scope>(
+    s: &'scope Scope<'scope, 'env>,
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'scope,
+) -> Option<ScopedJoinHandle<'scope, T>> {
+    let injected = FAIL_SPAWNS
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok();
+    let r = if injected {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::WouldBlock,
+            "thread creation refused (injected)",
+        ))
+    } else {
+        Builder::new().name(name.into()).spawn_scoped(s, f)
+    };
+    match r {
+        Ok(h) => Some(h),
+        Err(e) => {
+            tracing::warn!("cannot start a {name} thread ({e}): its work is done on fewer threads");
+            None
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! Threads that cannot be had and panics inside a pause or resume: the operation fails (or, for
+//! a panic of the operation's own thread, unwinds to the caller) and never hangs, nothing
+//! backed up is lost, and after a panic the engine refuses to act on a registry it can no longer
+//! trust. Its own test binary: the spawn-failure switch is process-wide.
+
+mod common;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use common::{pattern, read_raw, write_raw};
+use tms::driver::sim::{Prim, SimConfig, SimDriver, PANIC};
+use tms::driver::HostBackend;
+use tms::engine::{AllocRequest, CopyConfig, Engine, State};
+use tms::threads::fail_next_spawns;
+
+const MIB: u64 = 1 << 20;
+
+struct Fx {
+    sim: Arc<SimDriver>,
+    e: Arc<Engine>,
+    allocs: Vec<(u64, Vec<u8>)>,
+}
+
+/// Two devices, three workers each, small chunks and slots so every allocation is many pieces.
+fn fx() -> Fx {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices: 2,
+            capacity: 64 << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap(),
+    );
+    let e = Arc::new(Engine::new(sim.clone()));
+    let mut cfg = CopyConfig {
+        threads: 3,
+        ..CopyConfig::default()
+    };
+    cfg.layout.chunk = MIB;
+    cfg.slot = 256 << 10;
+    e.set_copy_config(cfg).unwrap();
+    let mut allocs = Vec::new();
+    for (k, mib) in [3u64, 8, 5, 2].into_iter().enumerate() {
+        let size = mib * MIB;
+        let addr = e
+            .alloc(&AllocRequest {
+                size,
+                device: (k % 2) as i32,
+                tag: "t".into(),
+                backup: Some(if k % 2 == 0 {
+                    HostBackend::Pinned
+                } else {
+                    HostBackend::Mmap
+                }),
+            })
+            .unwrap();
+        let data = pattern(size as usize, 77 + k as u64);
+        write_raw(&sim, addr, &data);
+        allocs.push((addr, data));
+    }
+    Fx { sim, e, allocs }
+}
+
+impl Fx {
+    fn check_contents(&self) {
+        for (k, (addr, data)) in self.allocs.iter().enumerate() {
+            assert!(
+                read_raw(&self.sim, *addr, data.len()) == *data,
+                "allocation {k} differs"
+            );
+        }
+    }
+}
+
+/// Run `f` on another thread and fail the test if it does not finish in a minute (a hang).
+fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("{what} hung"),
+    }
+}
+
+#[test]
+fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
+    // 1. No helper thread can be had: pause and resume run with fewer threads, or inline.
+    for refused in [usize::MAX, 1, 2, 5] {
+        let f = fx();
+        fail_next_spawns(refused);
+        let e = f.e.clone();
+        bounded("a pause without threads", move || e.pause(None)).unwrap();
+        let e = f.e.clone();
+        bounded("a resume without threads", move || e.resume(None)).unwrap();
+        fail_next_spawns(0);
+        f.check_contents();
+    }
+
+    // 2. A copy worker panics: the pause fails like an error, nothing is lost, the engine goes on.
+    for prim in [Prim::CopyD2H, Prim::EventSync] {
+        let f = fx();
+        f.sim.arm_fault(prim, 3, PANIC);
+        let e = f.e.clone();
+        let err = bounded("a pause with a panicking worker", move || e.pause(None)).unwrap_err();
+        assert!(
+            err.to_string().contains("a copy worker panicked") && err.status() == 8,
+            "{err}"
+        );
+        for (addr, data) in &f.allocs {
+            let a =
+                f.e.allocations()
+                    .into_iter()
+                    .find(|a| a.addr == *addr)
+                    .unwrap();
+            if a.state == State::Active {
+                assert!(read_raw(&f.sim, *addr, data.len()) == *data);
+            }
+        }
+        f.e.pause(None).unwrap();
+        f.e.resume(None).unwrap();
+        f.check_contents();
+    }
+
+    // 3. The operation's own thread panics (mapping during a resume, one device and two):
+    //    the panic reaches the caller without a hang, and the engine then refuses to act.
+    for nth in [1, 3] {
+        let f = fx();
+        f.e.pause(None).unwrap();
+        f.sim.arm_fault(Prim::Map, nth, PANIC);
+        let e = f.e.clone();
+        let r = bounded("a resume whose mapping panics", move || {
+            catch_unwind(AssertUnwindSafe(|| e.resume(None)))
+        });
+        assert!(r.is_err(), "the panic reaches the caller");
+        for err in [
+            f.e.pause(None).unwrap_err(),
+            f.e.resume(None).unwrap_err(),
+            f.e.alloc(&AllocRequest {
+                size: MIB,
+                device: 0,
+                tag: "t".into(),
+                backup: None,
+            })
+            .unwrap_err(),
+        ] {
+            assert!(
+                err.to_string()
+                    .contains("stopped after an internal error (a bug) during a resume")
+                    && err.status() == 4,
+                "{err}"
+            );
+        }
+    }
+}
