@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from .binary_wrapper import BinaryWrapper
 from .errors import InvalidArgumentError, InvalidStateError, LibraryNotFoundError, UnsupportedError
-from .hooks import HOOK_MODES, HookUtilBase
+from .hooks import HookUtilBase
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -156,13 +156,12 @@ class _TorchMemorySaverImpl:
         with self._lock:
             if mode == self._hook_util.hook_mode:
                 return
-            if mode not in HOOK_MODES:
-                raise InvalidArgumentError(f"hook_mode must be one of {HOOK_MODES}, not {mode!r}")
+            new = HookUtilBase.create(mode)  # refuses an unknown mode
             if self._lib is not None or self._pools:
                 raise InvalidStateError(
                     f"hook_mode is already {self.hook_mode!r} and in use; set it before the first region or pause"
                 )
-            self._hook_util = HookUtilBase.create(mode)
+            self._hook_util = new
 
     @property
     def _binary_wrapper(self) -> BinaryWrapper:
