@@ -8,12 +8,14 @@
 //! - [`control`]: the control socket server (started lazily) that `tmsctl` talks to.
 //! - [`driver`]: the device primitives as a trait, with the CUDA and simulated implementations.
 
+pub mod backup;
 pub mod control;
 pub mod driver;
 pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod hooks;
+pub mod os;
 pub mod threads;
 pub mod units;
 

@@ -19,8 +19,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
+use tms::backup::HostBackend;
 use tms::driver::sim::{SimConfig, SimDriver};
-use tms::driver::HostBackend;
 use tms::engine::{AllocRequest, Engine, State};
 use tms::Backup;
 

@@ -22,8 +22,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use common::{pattern, read_raw, write_raw};
+use tms::backup::HostBackend;
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
-use tms::driver::HostBackend;
 use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::{Backup, Error};
 
@@ -63,6 +63,9 @@ struct Tracked {
     data: Vec<u8>,
     /// `data` is what the allocation holds (false once it was paused without a backup).
     intact: bool,
+    /// What the allocation held before `data` was written over a retained backup: the snapshot
+    /// that backup may still hold.
+    snapshot: Option<Vec<u8>>,
 }
 
 /// What the engine is allowed to leak after the injected failure.
@@ -80,9 +83,6 @@ struct Fx {
     t: Vec<Tracked>,
     leaks: Leaks,
     seed: u64,
-    /// The one allocation allowed to be active with `host_valid` set: the one whose unmap failed
-    /// in a pause (see `failed_unmap_in_pause_claims_a_valid_backup`, which fails on it).
-    stale_host_valid: Option<u64>,
 }
 
 impl Fx {
@@ -112,7 +112,6 @@ impl Fx {
             t: Vec::new(),
             leaks: Leaks::default(),
             seed: 1,
-            stale_host_valid: None,
         }
     }
 
@@ -132,6 +131,7 @@ impl Fx {
             backup,
             data: Vec::new(),
             intact: false,
+            snapshot: None,
         });
     }
 
@@ -168,7 +168,8 @@ impl Fx {
             if infos[&addr].state == State::Active && (all || !self.t[i].intact) {
                 let data = pattern(size as usize, self.next_seed());
                 write_raw(&self.sim, addr, &data);
-                self.t[i].data = data;
+                let old = std::mem::replace(&mut self.t[i].data, data);
+                self.t[i].snapshot = (infos[&addr].host_valid && self.t[i].intact).then_some(old);
                 self.t[i].intact = true;
             }
         }
@@ -254,11 +255,21 @@ impl Fx {
                         self.sim.is_accessible(a) && self.sim.is_accessible(last),
                         "{ctx}: {a:#x} reported active but not accessible in the sim"
                     );
-                    assert!(
-                        !i.host_valid || self.stale_host_valid == Some(a),
-                        "{ctx}: {a:#x} is active yet reported with a valid host backup \
-                         (host_valid means: paused with backup)"
-                    );
+                    // Active with a valid backup: only a retained, complete snapshot of the
+                    // last pause (never one a failed pause left half written).
+                    let mut b = vec![0u8; t.size as usize];
+                    let has = self.e.copy_cpu_backup(a, &mut b).unwrap();
+                    assert_eq!(has, i.host_valid, "{ctx}: {a:#x} backup offered");
+                    if has {
+                        assert!(
+                            self.e.retain_cpu_backup(),
+                            "{ctx}: {a:#x} is active with a backup that was not retained"
+                        );
+                        assert!(
+                            b == t.data || t.snapshot.as_ref().is_some_and(|s| *s == b),
+                            "{ctx}: active {a:#x} offers a backup that is no snapshot of it"
+                        );
+                    }
                     active += 1;
                     active_bytes[i.device as usize] += i.mapped;
                     if t.intact {
@@ -292,6 +303,7 @@ impl Fx {
                         assert!(!i.host_valid && i.host_bytes == 0, "{ctx}: {a:#x} host");
                     }
                 }
+                s => panic!("{ctx}: {a:#x} left {s:?} after the call returned"),
             }
             if i.backup != PINNED {
                 assert_eq!(
@@ -666,9 +678,6 @@ fn after_error(
                     order.iter().any(|a| now[a].state == State::Active),
                     "{ctx}: something failed"
                 );
-                if let (Some(a), Prim::Unmap) = (named, prim) {
-                    fx.stale_host_valid = Some(a);
-                }
             }
             unchanged_outside(fx, order);
         }

@@ -13,8 +13,8 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use tms::backup::HostBackend;
 use tms::driver::sim::{SimConfig, SimDriver};
-use tms::driver::HostBackend;
 use tms::engine::{AllocRequest, Engine, State};
 use tms::Backup;
 

@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use common::{pattern, read_raw, write_raw};
 use proptest::prelude::*;
+use tms::backup::HostBackend;
+use tms::backup::HostLayout;
 use tms::driver::sim::{SimConfig, SimDriver};
-use tms::driver::HostBackend;
-use tms::driver::HostLayout;
 use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::Backup;
 
@@ -291,12 +291,9 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             "host bytes of {:#x}",
             i.addr
         );
-        prop_assert_eq!(
-            i.host_valid,
-            a.state == State::Paused && a.backup.is_some(),
-            "host_valid of {:#x}",
-            i.addr
-        );
+        // A held backup is a complete snapshot: paused with a backup, or its last pause's,
+        // retained while active.
+        prop_assert_eq!(i.host_valid, a.host, "host_valid of {:#x}", i.addr);
         // Pinned backups are page-locked in whole pages: inline by the first pause; in the
         // background only once retained (all of it, once the pinner is idle); never otherwise.
         let whole = a.size.next_multiple_of(4096);
@@ -322,6 +319,11 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
         match a.state {
             State::Active => {
                 prop_assert!(sim.is_accessible(first) && sim.is_accessible(last));
+                let mut b = vec![0u8; a.size as usize];
+                let has = e
+                    .copy_cpu_backup(i.addr, &mut b)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                prop_assert_eq!(has, a.host, "retained snapshot of active {:#x}", i.addr);
                 if let Some(want) = &a.contents {
                     let got = read_raw(sim, i.addr, a.size as usize);
                     prop_assert!(&got == want, "contents of active {:#x}", i.addr);
@@ -338,6 +340,7 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
                     prop_assert!(&b == want, "backup of paused {:#x}", i.addr);
                 }
             }
+            s => prop_assert!(false, "{:#x} left {:?} after the call returned", i.addr, s),
         }
     }
     for d in 0..2 {

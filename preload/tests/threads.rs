@@ -10,8 +10,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use common::{pattern, read_raw, write_raw};
+use tms::backup::HostBackend;
 use tms::driver::sim::{Prim, SimConfig, SimDriver, PANIC};
-use tms::driver::HostBackend;
 use tms::engine::{AllocRequest, CopyConfig, Engine, State};
 use tms::threads::fail_next_spawns;
 

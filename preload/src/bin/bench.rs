@@ -26,7 +26,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::driver::{DevPtr, Driver, HostBackend, HostBuffer, HostLayout};
+use tms::backup::{HostBackend, HostBuffer, HostLayout};
+use tms::driver::{DevPtr, Driver};
 use tms::engine::PinMode;
 use tms::hooks::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
@@ -305,6 +306,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let t0 = Instant::now();
     let mut pinned = s(HostBuffer::new(
         driver.clone(),
+        0,
         HostBackend::Pinned,
         total,
         small,
@@ -401,6 +403,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let t0 = Instant::now();
     let mut fresh = s(HostBuffer::new(
         driver.clone(),
+        0,
         HostBackend::Mmap,
         total,
         huge,
@@ -417,6 +420,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let layout = HostLayout { chunk, ..huge };
     let touched = s(HostBuffer::new(
         driver.clone(),
+        0,
         HostBackend::Pinned,
         total,
         layout,
@@ -450,7 +454,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
         t0.elapsed().as_secs_f64(),
     );
     let t0 = Instant::now();
-    tms::driver::host::release_parallel(vec![Arc::new(touched), Arc::new(fresh)], threads);
+    tms::backup::release_parallel(vec![Arc::new(touched), Arc::new(fresh)], threads);
     t.add(
         format!(
             "release 2 x that memory, {} chunks ({threads} thr)",

@@ -2,8 +2,9 @@
 
 use std::sync::Arc;
 
+use tms::backup::HostBackend;
 use tms::driver::sim::{SimConfig, SimDriver};
-use tms::driver::{Driver, HostBackend};
+use tms::driver::Driver;
 use tms::hooks::runtime::open_driver;
 use tms::hooks::settings::BackendChoice;
 use tms::hooks::settings::ProcessSettings;

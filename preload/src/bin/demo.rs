@@ -11,7 +11,7 @@ use common::{req, s};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tms::driver::HostBackend;
+use tms::backup::HostBackend;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
 

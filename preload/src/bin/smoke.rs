@@ -14,7 +14,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::driver::{Driver, HostBackend};
+use tms::backup::HostBackend;
+use tms::driver::Driver;
 use tms::engine::State;
 use tms::units::{human, parse_bytes};
 use tms::Engine;

@@ -13,7 +13,7 @@ use tms_proto::{
     Request, Status, TagStatus, MAX_REPLY_BYTES,
 };
 
-use crate::driver::HostBackend;
+use crate::backup::HostBackend;
 use crate::engine::{Engine, OpStats, Stats};
 use crate::error::{status, Error, Result};
 use crate::hooks::settings::RegionSettings;

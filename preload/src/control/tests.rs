@@ -16,8 +16,8 @@ use tms_proto::{
 use super::dispatch::Host;
 use super::session::{Identity, Limits, Unwatched};
 use super::*;
+use crate::backup::HostBackend;
 use crate::driver::sim::{SimConfig, SimDriver};
-use crate::driver::HostBackend;
 use crate::engine::AllocRequest;
 
 struct TestHost {

@@ -475,9 +475,9 @@ impl Driver for CudaDriver {
         )
     }
 
-    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()> {
-        // cuMemHostRegister needs a current context; use the calling thread's, or device 0's.
-        let _scope = super::DeviceScope::enter(self, self.current_device()?)?;
+    unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
+        // cuMemHostRegister needs a current context: the one of the device backed up.
+        let _scope = super::DeviceScope::enter(self, device)?;
         // SAFETY: the caller upholds the trait's contract; PORTABLE (1) makes the range pinned
         // for every context.
         cu(
@@ -487,8 +487,8 @@ impl Driver for CudaDriver {
         )
     }
 
-    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
-        let _scope = super::DeviceScope::enter(self, self.current_device()?)?;
+    unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
+        let _scope = super::DeviceScope::enter(self, device)?;
         // SAFETY: the caller passes the start of a registered range no copy uses any more.
         cu(
             "cuMemHostUnregister",

@@ -6,10 +6,7 @@
 //! method reports failure as an [`Error`](crate::Error) naming the driver call.
 
 pub mod cuda;
-pub mod host;
 pub mod sim;
-
-pub use host::{HostBackend, HostBuffer, HostLayout};
 
 use crate::error::Result;
 
@@ -107,12 +104,20 @@ pub trait Driver: Send + Sync {
     /// # Safety
     /// The range is page-aligned host memory mapped read/write by the caller, overlapping no range
     /// registered already, and it stays mapped until [`Driver::host_unregister`] of `ptr`.
-    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()>;
-    /// Undo [`Driver::host_register`] of the range starting at `ptr`.
+    /// `device`'s context does the registration (the memory is usable from every context): the
+    /// device whose memory the buffer backs up, so a helper thread never opens a context (and
+    /// takes memory) on another GPU.
+    unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()>;
+    /// Undo [`Driver::host_register`] of the range starting at `ptr`, in `device`'s context.
     ///
     /// # Safety
     /// `ptr` starts a registered range, and no queued copy still uses it.
-    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()>;
+    unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()>;
+    /// How much more host memory this process can fill (`None`: unknown). The system's answer
+    /// ([`crate::os::host_memory`]); the simulated device can pretend to be a smaller host.
+    fn host_memory(&self) -> Option<crate::os::HostMemory> {
+        crate::os::host_memory()
+    }
 }
 
 /// RAII scope that keeps a device current on this thread and restores the previous one.

@@ -16,11 +16,11 @@ use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
-use super::host::page_size;
 use super::{cuda_error_name, DevPtr, DeviceToken, Driver, Event, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, Result};
+use crate::os::page_size;
 use crate::units::{env_parsed, parse_bytes};
 
 /// The primitives that can be made to fail.
@@ -310,13 +310,38 @@ struct Inner {
     next_event: u64,
     /// Registered host ranges: start -> length.
     registered: BTreeMap<usize, u64>,
+    /// Registrations and unregistrations made in each device's context.
+    host_calls_by_device: BTreeMap<i32, u64>,
+    /// Host memory the sim pretends is available (see [`SimDriver::set_host_memory`]).
+    host_memory: Option<u64>,
     pageable_copies: u64,
+}
+
+/// The `TMS_SIM_*` environment variables, read.
+#[derive(Clone, Debug)]
+pub struct SimEnv {
+    /// The machine's shape.
+    pub config: SimConfig,
+    /// Faults to arm (`TMS_SIM_FAULTS`).
+    pub faults: FaultPlan,
+    /// Host memory to pretend is available (`TMS_SIM_HOST_MEMORY`).
+    pub host_memory: Option<u64>,
+}
+
+#[derive(Default)]
+struct Holds {
+    held: HashSet<(Prim, Option<i32>)>,
+    waiting: usize,
 }
 
 /// The simulated driver.
 pub struct SimDriver {
     cfg: SimConfig,
     inner: Mutex<Inner>,
+    /// Primitives whose calls wait (see [`SimDriver::hold`]); apart from `inner`, so that a held
+    /// call blocks no other.
+    holds: Mutex<Holds>,
+    holds_changed: Condvar,
 }
 
 thread_local! {
@@ -355,25 +380,69 @@ impl SimDriver {
         Ok(SimDriver {
             cfg,
             inner: Mutex::new(inner),
+            holds: Mutex::default(),
+            holds_changed: Condvar::new(),
         })
     }
 
     /// From `TMS_SIM_*` environment variables, faults from `TMS_SIM_FAULTS` armed.
     pub fn from_env() -> Result<Self> {
-        let (cfg, faults) = Self::settings_from_env()?;
-        let d = SimDriver::new(cfg)?;
-        for (p, n, c) in faults {
+        let env = Self::settings_from_env()?;
+        let d = SimDriver::new(env.config)?;
+        for (p, n, c) in env.faults {
             d.arm_fault(p, n, c);
         }
+        d.set_host_memory(env.host_memory);
         Ok(d)
     }
 
-    /// The `TMS_SIM_*` settings (the machine's shape and the fault plan), each malformed value
-    /// an error naming its variable.
-    pub fn settings_from_env() -> Result<(SimConfig, FaultPlan)> {
-        let cfg = SimConfig::from_env()?;
-        let faults = env_parsed("TMS_SIM_FAULTS", parse_faults)?.unwrap_or_default();
-        Ok((cfg, faults))
+    /// The `TMS_SIM_*` settings, each malformed value an error naming its variable.
+    pub fn settings_from_env() -> Result<SimEnv> {
+        Ok(SimEnv {
+            config: SimConfig::from_env()?,
+            faults: env_parsed("TMS_SIM_FAULTS", parse_faults)?.unwrap_or_default(),
+            host_memory: env_parsed("TMS_SIM_HOST_MEMORY", parse_bytes)?,
+        })
+    }
+
+    /// Pretend the host has only `bytes` of memory available (`None`: the real figure). The
+    /// engine's host-memory check and this device's own memory (host memory too) see it.
+    pub fn set_host_memory(&self, bytes: Option<u64>) {
+        self.inner.lock().host_memory = bytes;
+    }
+
+    /// Make every call of `prim` (on `device`, or on any device if `None`) wait, before it
+    /// does anything, until [`SimDriver::unhold`] of it: a device stalled at a chosen point (say,
+    /// on work that waits for a host thread).
+    pub fn hold(&self, prim: Prim, device: Option<i32>) {
+        self.holds.lock().held.insert((prim, device));
+    }
+
+    /// Let the calls held by [`SimDriver::hold`] of the same arguments go on.
+    pub fn unhold(&self, prim: Prim, device: Option<i32>) {
+        self.holds.lock().held.remove(&(prim, device));
+        self.holds_changed.notify_all();
+    }
+
+    /// Calls waiting in [`SimDriver::hold`] now.
+    pub fn held_calls(&self) -> usize {
+        self.holds.lock().waiting
+    }
+
+    fn wait_if_held(&self, prim: Prim, device: Option<i32>) {
+        let mut h = self.holds.lock();
+        let held = |h: &Holds| {
+            h.held.contains(&(prim, None))
+                || device.is_some_and(|d| h.held.contains(&(prim, Some(d))))
+        };
+        if !held(&h) {
+            return;
+        }
+        h.waiting += 1;
+        while held(&h) {
+            self.holds_changed.wait(&mut h);
+        }
+        h.waiting -= 1;
     }
 
     /// The machine's shape.
@@ -433,6 +502,12 @@ impl SimDriver {
     /// Host bytes registered (page-locked).
     pub fn pinned_bytes(&self) -> u64 {
         self.inner.lock().pinned_live
+    }
+
+    /// Host registrations and unregistrations made in each device's context (a GPU would have
+    /// a context, and its memory, on each device listed).
+    pub fn host_calls_by_device(&self) -> BTreeMap<i32, u64> {
+        self.inner.lock().host_calls_by_device.clone()
     }
 
     /// Host ranges registered.
@@ -785,6 +860,24 @@ impl Driver for SimDriver {
     }
 
     fn create(&self, device: i32, size: u64) -> Result<PhysHandle> {
+        self.wait_if_held(Prim::Create, Some(device));
+        // The sim's device memory is host memory: more than the host has would be killed by the
+        // kernel once written, so it is refused like device memory beyond the capacity.
+        let live: u64 = self.inner.lock().live.iter().sum();
+        if let Some(h) = self
+            .host_memory()
+            .filter(|h| live.saturating_add(size) > h.available)
+        {
+            return Err(driver_err(
+                Prim::Create,
+                2,
+                format!(
+                    "device {device}, {size} bytes: the simulated device keeps its memory in host \
+                     RAM, which has {} bytes available ({}) for its {live} bytes and these",
+                    h.available, h.bound
+                ),
+            ));
+        }
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::Create, || {
             format!("device {device}, {size} bytes")
@@ -994,6 +1087,7 @@ impl Driver for SimDriver {
     }
 
     fn synchronize(&self, device: i32) -> Result<()> {
+        self.wait_if_held(Prim::Synchronize, Some(device));
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::Synchronize, || format!("device {device}"))?;
         self.check_device(Prim::Synchronize, device)?;
@@ -1056,6 +1150,7 @@ impl Driver for SimDriver {
     }
 
     fn event_sync(&self, event: Event) -> Result<()> {
+        self.wait_if_held(Prim::EventSync, None);
         let mut g = self.inner.lock();
         let stream = match g.events.get(&event.0) {
             Some(s) => *s,
@@ -1120,11 +1215,23 @@ impl Driver for SimDriver {
         self.queue(&mut g, stream, q)
     }
 
-    unsafe fn host_register(&self, ptr: *mut u8, len: u64) -> Result<()> {
+    fn host_memory(&self) -> Option<crate::os::HostMemory> {
+        match self.inner.lock().host_memory {
+            Some(available) => Some(crate::os::HostMemory {
+                available,
+                bound: "TMS_SIM_HOST_MEMORY of the simulated device".into(),
+            }),
+            None => crate::os::host_memory(),
+        }
+    }
+
+    unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
+        self.check_device(Prim::HostRegister, device)?;
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::HostRegister, || {
             format!("{len} bytes of host memory at {ptr:p}")
         })?;
+        *g.host_calls_by_device.entry(device).or_default() += 1;
         let (start, page) = (ptr as usize, page_size());
         if len == 0 || start as u64 % page != 0 || len % page != 0 {
             return Err(invalid(
@@ -1150,11 +1257,13 @@ impl Driver for SimDriver {
         Ok(())
     }
 
-    unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+    unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
+        self.check_device(Prim::HostUnregister, device)?;
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::HostUnregister, || {
             format!("host memory at {ptr:p}")
         })?;
+        *g.host_calls_by_device.entry(device).or_default() += 1;
         match g.registered.remove(&(ptr as usize)) {
             Some(len) => {
                 g.pinned_live -= len;
@@ -1403,14 +1512,16 @@ mod tests {
     fn host_registration_is_tracked_and_checked() {
         let d = sim();
         let page = page_size();
-        let buf = crate::driver::host::mmap_anonymous(4 * page).unwrap();
+        let buf = crate::os::mmap_anonymous(4 * page).unwrap();
         // SAFETY: buf is our 4-page mapping, unregistered before it is unmapped.
         unsafe {
-            d.host_register(buf, 2 * page).unwrap();
-            let e = d.host_register(buf.add(page as usize), page).unwrap_err();
+            d.host_register(0, buf, 2 * page).unwrap();
+            let e = d
+                .host_register(0, buf.add(page as usize), page)
+                .unwrap_err();
             assert!(e.to_string().contains("ALREADY_REGISTERED"), "{e}");
-            assert!(d.host_register(buf.add(1), page).is_err(), "unaligned");
-            d.host_register(buf.add(2 * page as usize), 2 * page)
+            assert!(d.host_register(0, buf.add(1), page).is_err(), "unaligned");
+            d.host_register(0, buf.add(2 * page as usize), 2 * page)
                 .unwrap();
         }
         assert_eq!((d.pinned_bytes(), d.registered_ranges()), (4 * page, 2));
@@ -1429,11 +1540,11 @@ mod tests {
         );
         // SAFETY: no copy is queued; the ranges were registered above.
         unsafe {
-            assert!(d.host_unregister(buf.add(page as usize)).is_err());
-            d.host_unregister(buf).unwrap();
-            d.host_unregister(buf.add(2 * page as usize)).unwrap();
+            assert!(d.host_unregister(0, buf.add(page as usize)).is_err());
+            d.host_unregister(0, buf).unwrap();
+            d.host_unregister(0, buf.add(2 * page as usize)).unwrap();
         }
         assert_eq!(d.pinned_bytes(), 0);
-        crate::driver::host::munmap(buf, 4 * page).unwrap();
+        crate::os::munmap(buf, 4 * page).unwrap();
     }
 }

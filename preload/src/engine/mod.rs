@@ -4,56 +4,77 @@
 //! # Note [Pause and resume as transactions]
 //!
 //! Every allocation is one reserved address range with physical memory mapped over all of it in
-//! segments of up to 1 GiB, one handle each: VMM calls cost per handle, so segments are large,
-//! but a resume can copy into the first segments of a huge allocation while it maps the next.
+//! segments of up to 1 GiB, one handle each (`segment.rs`): VMM calls cost per handle, so
+//! segments are large, but a resume can copy into the first segments of a huge allocation while
+//! it maps the next.
 //!
-//! *Pause* synchronizes each device concerned, then for each active allocation of the tag:
-//! copy to its host backup (when asked), unmap, release. The copies run in the pipeline
-//! (Note [The copy pipeline] in `pipeline.rs`), and each allocation is unmapped and released
-//! as soon as its own copy is complete. The first failure stops the work, and every allocation
-//! is in a state the registry names truly: those finished are paused with their backups, the
-//! failing one is still active and mapped (unless only its release failed: then it is unmapped
-//! and counted paused, its handle reported), the rest are active (a backup copied for an
-//! allocation that stays active is not claimed valid).
+//! The registry (`registry.rs`) is a small index: for each allocation its place, tag, backup and
+//! state, *Active*, *Pausing*, *Paused* or *Resuming*. Its lock is held only to read or change
+//! entries, never across a driver call, a copy or a wait, so the hooks' questions (is this
+//! pointer ours? a new allocation, a free of someone else's memory) never wait for a pause: a
+//! thread the GPU's work depends on (a host callback, a proxy thread) keeps running while a pause
+//! synchronizes the device. Pauses and resumes run one at a time (the `ops` lock, which also
+//! holds the staging slots); the hooks never take it.
 //!
-//! *Resume* first creates, maps and enables access for every paused allocation of the tag. If
-//! any of those fails, everything this call made is undone and the tag stays paused with its
-//! backups intact; the error (out of memory, typically) goes to the caller, who may free memory
-//! and call again. Only when all mappings exist are the backups copied back (in the pipeline); a
-//! copy failure also undoes the whole call. Then each allocation becomes active and, unless
-//! retention is on, its host backup and the staging slots are released, in parallel and after
-//! the registry lock is let go.
+//! *Pause* marks the tag's active allocations Pausing and works on a copy of what it needs:
+//! backups are prepared (after checking the host can hold them: backups are touched only while
+//! copying, so a pause larger than the host's memory would be killed mid-copy instead of
+//! failing), each device is synchronized, and the copies run in the pipeline (Note [The copy
+//! pipeline] in `pipeline.rs`). Each allocation is unmapped, released and recorded Paused as soon
+//! as its own copy is complete. The first failure stops the work; those not retired go back to
+//! Active, still mapped (a backup partly written for them is not claimed valid). If only a
+//! release fails, the allocation is Paused all the same (unmapped, its contents in the backup)
+//! and the handle is reported.
 //!
-//! *Free* removes the allocation; if unmapping fails it is put back, still active. A failure
-//! after the unmap (releasing the handle, or giving back the address range) is reported but the
-//! allocation is gone: only that handle or range leaks. Likewise a host buffer whose release
-//! fails is logged and leaks; nothing the caller still needs is ever dropped.
+//! *Resume* marks the tag's paused allocations Resuming, then creates, maps and enables access
+//! for each (as [`segment::Mapping`]s) while the pipeline copies the backups back. All or
+//! nothing: on any failure the mappings are dropped, which undoes them, and the tag stays paused
+//! with its backups; the error (out of memory, typically) goes to the caller, who may free memory
+//! and call again. Otherwise every allocation is committed Active at once and, unless retention
+//! is on, its backup and the staging slots are released, in parallel, after both locks are let
+//! go.
 //!
-//! The registry lock is held for a whole pause or resume (but for the release of host memory),
-//! so allocations and frees from other threads wait for it (bounded by the copy time) instead of
-//! seeing half-done state.
+//! A guard (`Settle`) returns every allocation still in transition to where it came from when a
+//! transaction ends, by error or by unwind; and after an unwind the engine refuses further
+//! pauses, resumes and allocations (it cannot know what the panic left undone).
+//!
+//! *Free* of an allocation in transition waits for that allocation to settle (a pause retires
+//! each one as soon as its copy is done), then removes it; if unmapping fails it is put back,
+//! still active. A failure after the unmap (releasing the handle, or giving back the address
+//! range) is reported but the allocation is gone: only that handle or range leaks.
+//!
+//! *Backups* are shared, never overwritten under a reader: [`Engine::acquire_cpu_backup`] hands
+//! out a reference that keeps a snapshot alive and unchanged (a pause then writes a new buffer;
+//! a resume without retention leaves it to its last holder), and only complete snapshots are
+//! ever handed out.
 
+mod pause;
 mod pinner;
 mod pipeline;
+mod registry;
+mod resume;
+pub mod segment;
 mod stats;
 mod transfer;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
+pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
 
-use crate::driver::host::release_parallel;
-use crate::driver::{DevPtr, DeviceScope, Driver, HostBackend, HostBuffer, PhysHandle};
+use crate::backup::{HostBackend, HostBuffer};
+use crate::driver::{DevPtr, DeviceScope, Driver};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
 use pinner::Pinner;
-use pipeline::{Dir, Item, Ring};
+use pipeline::Ring;
+use registry::{Allocation, Registry};
+use segment::{Mapping, Span};
 
 /// CPU-backup policy of an allocation.
 pub type Backup = Option<HostBackend>;
@@ -71,14 +92,18 @@ pub struct AllocRequest {
     pub backup: Backup,
 }
 
-/// Whether physical memory is behind an allocation.
+/// Whether physical memory is behind an allocation, or a transaction is changing that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum State {
     /// Mapped and usable.
     Active,
+    /// A pause is saving and releasing it (still mapped).
+    Pausing,
     /// Unmapped; the address range stays reserved.
     Paused,
+    /// A resume is mapping and restoring it.
+    Resuming,
 }
 
 /// A read-only view of one allocation, for tests and tools.
@@ -102,7 +127,8 @@ pub struct AllocInfo {
     pub host_bytes: u64,
     /// Bytes of that host memory page-locked.
     pub host_pinned_bytes: u64,
-    /// True when the host backup holds the allocation's contents (paused with backup).
+    /// True when the host backup holds a complete snapshot: the contents while paused, the last
+    /// pause's contents while active with the backup retained.
     pub host_valid: bool,
     /// Physical handles (segments) mapped: none while paused.
     pub handles: usize,
@@ -125,146 +151,14 @@ pub struct OpReport {
     pub release_seconds: f64,
 }
 
-struct Allocation {
-    size: u64,
-    mapped: u64,
-    device: i32,
-    tag: Arc<str>,
-    backup: Backup,
-    /// Bytes of each physical segment (the last may be shorter).
-    segment: u64,
-    /// One handle per segment while active; none while paused.
-    handles: Vec<PhysHandle>,
-    host: Option<Arc<HostBuffer>>,
-    host_valid: bool,
-    pauseable: bool,
-}
-
-impl Allocation {
-    /// How errors name the allocation at `ptr`.
-    fn describe(&self, ptr: DevPtr) -> String {
-        format!(
-            "allocation {ptr:#x} ({} bytes, tag {:?})",
-            self.size, self.tag
-        )
-    }
-
-    fn state(&self) -> State {
-        if !self.handles.is_empty() {
-            State::Active
-        } else {
-            State::Paused
-        }
-    }
-}
-
-#[derive(Default)]
-struct Registry {
-    allocs: BTreeMap<DevPtr, Allocation>,
-    history: HashMap<Arc<str>, stats::History>,
-    granularity: HashMap<i32, u64>,
-    rings: BTreeMap<i32, Ring>,
-    /// Allocations with a backup policy: the staging slots go when the last one does.
-    backed: usize,
-}
-
-impl Registry {
-    fn selected(&self, tag: Option<&str>, state: State) -> Vec<DevPtr> {
-        self.allocs
-            .iter()
-            .filter(|(_, a)| a.pauseable && a.state() == state && tag.is_none_or(|t| &*a.tag == t))
-            .map(|(p, _)| *p)
-            .collect()
-    }
-
-    /// Each device's share of `groups` with that device's staging ring (made if missing), next to
-    /// the allocations: what a pause or resume hands to its per-device coordinators.
-    #[allow(clippy::type_complexity)]
-    fn device_jobs<'a>(
-        &'a mut self,
-        groups: &'a BTreeMap<i32, Vec<DevPtr>>,
-    ) -> (
-        &'a BTreeMap<DevPtr, Allocation>,
-        Vec<(i32, &'a [DevPtr], &'a mut Ring)>,
-    ) {
-        for device in groups.keys() {
-            self.rings.entry(*device).or_default();
-        }
-        let jobs = self
-            .rings
-            .iter_mut()
-            .filter_map(|(device, ring)| Some((*device, groups.get(device)?.as_slice(), ring)))
-            .collect();
-        (&self.allocs, jobs)
-    }
-
-    fn by_device(&self, addrs: &[DevPtr]) -> BTreeMap<i32, Vec<DevPtr>> {
-        let mut m: BTreeMap<i32, Vec<DevPtr>> = BTreeMap::new();
-        for p in addrs {
-            m.entry(self.allocs[p].device).or_default().push(*p);
-        }
-        m
-    }
-
-    /// The allocation holding `[addr, addr+len)` within its asked size.
-    fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
-        let not_found = || {
-            Error::NotFound(format!(
-                "range {addr:#x}+{len} does not lie inside one pauseable allocation"
-            ))
-        };
-        let (start, a) = self
-            .allocs
-            .range(..=addr)
-            .next_back()
-            .ok_or_else(not_found)?;
-        let end = addr.checked_add(len).ok_or_else(not_found)?;
-        if end <= start + a.size {
-            Ok((*start, a))
-        } else {
-            Err(not_found())
-        }
-    }
-}
-
-/// What a pause did to one allocation.
+/// A host backup handed out by [`Engine::acquire_cpu_backup`]: the address of the bytes asked
+/// for, valid and unchanged until [`Engine::release_cpu_backup`] of `lease`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Step {
-    /// Still active and mapped.
-    Untouched,
-    /// Unmapped (and released, unless the release reported an error).
-    Released,
-}
-
-/// One allocation in a pause, as the device's coordinator sees it.
-struct PauseItem<'a> {
-    ptr: DevPtr,
-    a: &'a Allocation,
-    /// The backup to copy to, if the allocation has a backup policy.
-    host: Option<&'a HostBuffer>,
-}
-
-impl<'a> PauseItem<'a> {
-    fn new(ptr: DevPtr, a: &'a Allocation) -> Self {
-        PauseItem {
-            ptr,
-            a,
-            host: a.host.as_deref().filter(|_| a.backup.is_some()),
-        }
-    }
-
-    fn what(&self) -> String {
-        let hs = &self.a.handles;
-        format!(
-            "{}, handle {:#x}{}",
-            self.a.describe(self.ptr),
-            hs.first().map_or(0, |h| h.0),
-            match hs.len() {
-                0 | 1 => String::new(),
-                n => format!(" and {} more", n - 1),
-            }
-        )
-    }
+pub struct BackupLease {
+    /// Start of the bytes asked for.
+    pub ptr: *const u8,
+    /// What to pass to [`Engine::release_cpu_backup`].
+    pub lease: u64,
 }
 
 /// Run `f` on each device's job: on this thread for one device, else on a thread per device.
@@ -327,10 +221,20 @@ fn describe(tag: Option<&str>) -> String {
     }
 }
 
+/// Pauses and resumes, one at a time; and what they keep between calls.
+#[derive(Default)]
+struct Ops {
+    /// Each device's staging slots.
+    rings: BTreeMap<i32, Ring>,
+}
+
 /// The registry of pauseable allocations over one driver. Thread-safe.
 pub struct Engine {
     driver: Arc<dyn Driver>,
     reg: Mutex<Registry>,
+    /// Notified whenever an allocation leaves a transition (see [`Engine::free`]).
+    settled: Condvar,
+    ops: Mutex<Ops>,
     retain: AtomicBool,
     margin: AtomicU64,
     segment: AtomicU64,
@@ -340,6 +244,9 @@ pub struct Engine {
     /// its own, and a leaf (nothing is taken while it is held), so asking never waits for a
     /// pause.
     tags_seen: Mutex<HashSet<Box<str>>>,
+    /// Backups handed out by [`Engine::acquire_cpu_backup`], by lease number.
+    leases: Mutex<HashMap<u64, Arc<HostBuffer>>>,
+    next_lease: AtomicU64,
     /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
     /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
     /// with this message instead of acting on it.
@@ -366,15 +273,44 @@ impl Drop for BreakOnUnwind<'_> {
     }
 }
 
-/// What a resume mapped: device, address, mapped bytes, segment size, handles.
-type Made = (i32, DevPtr, u64, u64, Vec<PhysHandle>);
+/// Returns the allocations a transaction marked, and that are still in transition when it ends
+/// (by error or unwind), to the state they came from, and wakes those waiting for them.
+struct Settle<'a> {
+    engine: &'a Engine,
+    ptrs: Vec<DevPtr>,
+    during: State,
+}
 
-/// Largest physical segment of an allocation (see the Note above).
-pub const SEGMENT_BYTES: u64 = 1 << 30;
+impl<'a> Settle<'a> {
+    fn new(engine: &'a Engine, ptrs: impl Iterator<Item = DevPtr>, during: State) -> Self {
+        Settle {
+            engine,
+            ptrs: ptrs.collect(),
+            during,
+        }
+    }
+}
 
-/// Offsets and lengths of the segments of `mapped` bytes.
-pub fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
-    (0..mapped.div_ceil(segment)).map(move |k| (k * segment, segment.min(mapped - k * segment)))
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        let back = match self.during {
+            State::Pausing => State::Active,
+            _ => State::Paused,
+        };
+        {
+            let mut reg = self.engine.reg.lock();
+            for p in &self.ptrs {
+                if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
+                    a.state = back;
+                    if back == State::Active {
+                        // Whatever the pause wrote into its backup is not a snapshot.
+                        a.host_valid = false;
+                    }
+                }
+            }
+        }
+        self.engine.settled.notify_all();
+    }
 }
 
 impl Engine {
@@ -383,12 +319,16 @@ impl Engine {
         Engine {
             driver,
             reg: Mutex::new(Registry::default()),
+            settled: Condvar::new(),
+            ops: Mutex::default(),
             retain: AtomicBool::new(false),
             margin: AtomicU64::new(0),
             segment: AtomicU64::new(SEGMENT_BYTES),
             copy: Mutex::new(CopyConfig::default()),
             pinner: Arc::default(),
             tags_seen: Mutex::default(),
+            leases: Mutex::default(),
+            next_lease: AtomicU64::new(1),
             broken: Mutex::new(None),
         }
     }
@@ -426,6 +366,28 @@ impl Engine {
         self.pinner.enqueue(todo);
     }
 
+    /// Record a pause's or resume's numbers per tag.
+    fn record_history(
+        &self,
+        per_tag: HashMap<Arc<str>, OpReport>,
+        report: OpReport,
+        slot: impl Fn(&mut stats::History) -> &mut Option<OpReport>,
+    ) {
+        let mut reg = self.reg.lock();
+        for (t, mut r) in per_tag {
+            r.seconds = report.seconds;
+            r.release_seconds = report.release_seconds;
+            *slot(reg.history.entry(t).or_default()) = Some(r);
+        }
+    }
+
+    /// The staging slots go with the last allocation that could need them.
+    fn drop_unused_rings(&self, rings: &mut BTreeMap<i32, Ring>) {
+        if self.reg.lock().backed == 0 {
+            rings.clear();
+        }
+    }
+
     /// Map allocations made from now on in physical segments of at most `bytes` (a power of
     /// two; the granularity where it is larger). [`SEGMENT_BYTES`] by default; tests use small
     /// segments to exercise the multi-segment paths.
@@ -458,7 +420,7 @@ impl Engine {
 
     /// Page-locked bytes held in staging slots.
     pub fn staging_bytes(&self) -> u64 {
-        self.reg.lock().rings.values().map(Ring::bytes).sum()
+        self.ops.lock().rings.values().map(Ring::bytes).sum()
     }
 
     /// The driver underneath.
@@ -486,8 +448,8 @@ impl Engine {
         self.margin.load(Ordering::Relaxed)
     }
 
-    fn granularity(&self, reg: &mut Registry, device: i32) -> Result<u64> {
-        if let Some(g) = reg.granularity.get(&device) {
+    fn granularity(&self, device: i32) -> Result<u64> {
+        if let Some(g) = self.reg.lock().granularity.get(&device) {
             return Ok(*g);
         }
         let g = self.driver.granularity(device)?;
@@ -496,7 +458,7 @@ impl Engine {
                 "device {device} reports granularity {g}"
             )));
         }
-        reg.granularity.insert(device, g);
+        self.reg.lock().granularity.insert(device, g);
         Ok(g)
     }
 
@@ -545,8 +507,7 @@ impl Engine {
             );
         }
         self.check_device(req.device).ctx(what)?;
-        let mut reg = self.reg.lock();
-        let g = self.granularity(&mut reg, req.device).ctx(what)?;
+        let g = self.granularity(req.device).ctx(what)?;
         let mapped = req
             .size
             .checked_next_multiple_of(g)
@@ -568,18 +529,28 @@ impl Engine {
                 )));
             }
         }
+        // The driver's work runs without the registry lock: other threads' hooks go on.
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, req.device).ctx(what)?;
         let ptr = d.reserve(req.device, mapped).ctx(what)?;
         let segment = self.segment.load(Ordering::Relaxed).max(g);
-        let mut handles = Vec::with_capacity(mapped.div_ceil(segment) as usize);
-        if let Err(e) = self.map_new(req.device, ptr, mapped, segment, &mut handles, &|_| {}) {
-            self.undo_mapping(ptr, mapped, segment, &handles);
+        let mut m = Mapping::new(
+            d,
+            Span {
+                device: req.device,
+                ptr,
+                mapped,
+                segment,
+            },
+        );
+        if let Err(e) = m.map_all(&|_| {}) {
+            drop(m);
             if let Err(e2) = d.free_range(ptr, mapped) {
                 tracing::error!("undoing a failed allocation: {e2}");
             }
             return Err(e.context(what()));
         }
+        let mut reg = self.reg.lock();
         reg.backed += usize::from(req.backup.is_some());
         reg.allocs.insert(
             ptr,
@@ -590,7 +561,8 @@ impl Engine {
                 tag: Arc::from(req.tag.as_str()),
                 backup: req.backup,
                 segment,
-                handles,
+                state: State::Active,
+                handles: m.commit(),
                 host: None,
                 host_valid: false,
                 pauseable,
@@ -598,6 +570,7 @@ impl Engine {
         );
         // Under the registry lock, so no pause can see the allocation but not its tag.
         self.remember_tag(&req.tag);
+        drop(reg);
         tracing::debug!("alloc {ptr:#x} {} tag {:?}", req.size, req.tag);
         Ok(ptr)
     }
@@ -623,115 +596,27 @@ impl Engine {
         }
     }
 
-    /// create + map + set access over a reserved range, segment by segment, pushing each
-    /// handle to `hs` and calling `progress(bytes)` as each segment is ready. On failure `hs`
-    /// holds the segments made before it, for the caller to undo ([`Engine::undo_mapping`]) once
-    /// nothing uses them.
-    fn map_new(
-        &self,
-        device: i32,
-        ptr: DevPtr,
-        mapped: u64,
-        segment: u64,
-        hs: &mut Vec<PhysHandle>,
-        progress: &dyn Fn(u64),
-    ) -> Result<()> {
-        for (off, len) in segments(mapped, segment) {
-            hs.push(self.map_segment(device, ptr + off, len)?);
-            progress(off + len);
-        }
-        Ok(())
-    }
-
-    fn map_segment(&self, device: i32, ptr: DevPtr, len: u64) -> Result<PhysHandle> {
-        let d = &*self.driver;
-        let h = d.create(device, len)?;
-        if let Err(e) = d.map(ptr, len, h) {
-            self.undo_release(h);
-            return Err(e);
-        }
-        if let Err(e) = d.set_access(device, ptr, len) {
-            if let Err(e2) = d.unmap(ptr, len) {
-                tracing::error!("undoing a failed mapping at {ptr:#x}: {e2}");
-            }
-            self.undo_release(h);
-            return Err(e);
-        }
-        Ok(h)
-    }
-
-    /// Unmap and release the first `hs.len()` segments of `mapped` bytes at `ptr`, logging what
-    /// fails (undoing work of a failed call).
-    fn undo_mapping(&self, ptr: DevPtr, mapped: u64, segment: u64, hs: &[PhysHandle]) {
-        for ((off, len), h) in segments(mapped, segment).zip(hs) {
-            if let Err(e) = self.driver.unmap(ptr + off, len) {
-                tracing::error!("undoing: unmapping {:#x}: {e}", ptr + off);
-            }
-            self.undo_release(*h);
-        }
-    }
-
-    /// Unmap every segment of an active allocation. If one fails, those unmapped before it are
-    /// mapped again (their handles still hold the contents), so the allocation stays whole.
-    fn unmap_all(
-        &self,
-        device: i32,
-        ptr: DevPtr,
-        mapped: u64,
-        segment: u64,
-        hs: &[PhysHandle],
-    ) -> Result<()> {
-        let d = &*self.driver;
-        for (k, (off, len)) in segments(mapped, segment).enumerate() {
-            if let Err(e) = d.unmap(ptr + off, len) {
-                for ((off, len), h) in segments(mapped, segment).zip(hs).take(k) {
-                    let back = d
-                        .map(ptr + off, len, *h)
-                        .and_then(|()| d.set_access(device, ptr + off, len));
-                    if let Err(e2) = back {
-                        tracing::error!(
-                            "mapping {:#x} again after a failed unmap: {e2}",
-                            ptr + off
-                        );
-                    }
-                }
-                return Err(e);
-            }
-        }
-        Ok(())
-    }
-
-    /// Release every handle; the first error is returned, each is logged.
-    fn release_all(&self, hs: &[PhysHandle]) -> Result<()> {
-        let mut first = Ok(());
-        for h in hs {
-            if let Err(e) = self.driver.release(*h) {
-                tracing::error!("releasing handle {:#x}: {e}", h.0);
-                if first.is_ok() {
-                    first = Err(e);
-                }
-            }
-        }
-        first
-    }
-
-    fn undo_release(&self, h: PhysHandle) {
-        if let Err(e) = self.driver.release(h) {
-            tracing::error!("undoing: releasing handle {:#x}: {e}", h.0);
-        }
-    }
-
     /// True if `ptr` is the start of a pauseable allocation.
     pub fn owns(&self, ptr: DevPtr) -> bool {
         self.reg.lock().allocs.contains_key(&ptr)
     }
 
-    /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours.
+    /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours. Waits
+    /// while a pause or resume is changing this very allocation, never for other work.
     pub fn free(&self, ptr: DevPtr) -> Result<bool> {
-        let mut reg = self.reg.lock();
-        let Some(mut a) = reg.allocs.remove(&ptr) else {
-            return Ok(false);
+        let a = {
+            let mut reg = self.reg.lock();
+            loop {
+                match reg.allocs.get(&ptr) {
+                    None => return Ok(false),
+                    Some(a) if a.in_transition() => self.settled.wait(&mut reg),
+                    Some(_) => break,
+                }
+            }
+            reg.allocs.remove(&ptr).expect("found above")
         };
+        // From here the allocation is out of the registry (no pause can select it) while its
+        // address range stays reserved (nothing else can be placed there).
         let what = || {
             format!(
                 "freeing {ptr:#x} ({} bytes, device {}, tag {:?})",
@@ -739,37 +624,42 @@ impl Engine {
             )
         };
         let d = &*self.driver;
-        let scope = match DeviceScope::enter(d, a.device) {
+        let span = Span {
+            device: a.device,
+            ptr,
+            mapped: a.mapped,
+            segment: a.segment,
+        };
+        let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
+            if !a.handles.is_empty() {
+                // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
+                d.synchronize(a.device)?;
+                segment::unmap_all(d, span, &a.handles)?;
+            }
+            Ok(scope)
+        });
+        let _scope = match unmapped {
             Ok(s) => s,
             Err(e) => {
                 let e = e.context(what());
-                reg.allocs.insert(ptr, a);
+                self.reg.lock().allocs.insert(ptr, a);
                 return Err(e);
             }
         };
-        if !a.handles.is_empty() {
-            // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
-            let r = d
-                .synchronize(a.device)
-                .and_then(|_| self.unmap_all(a.device, ptr, a.mapped, a.segment, &a.handles));
-            if let Err(e) = r {
-                let e = e.context(what());
-                drop(scope);
-                reg.allocs.insert(ptr, a);
-                return Err(e);
-            }
-        }
         // Gone for the caller from here on.
         if a.backup.is_some() {
-            reg.backed -= 1;
-            if reg.backed == 0 {
-                // The last allocation that could need them: the staging slots go too.
-                reg.rings.clear();
+            let last = {
+                let mut reg = self.reg.lock();
+                reg.backed -= 1;
+                reg.backed == 0
+            };
+            // A pause or resume running now drops them itself when it ends.
+            if let Some(mut ops) = self.ops.try_lock().filter(|_| last) {
+                self.drop_unused_rings(&mut ops.rings);
             }
         }
-        let handles = std::mem::take(&mut a.handles);
-        if !handles.is_empty() {
-            if let Err(e) = self.release_all(&handles) {
+        if !a.handles.is_empty() {
+            if let Err(e) = segment::release_all(d, &a.handles) {
                 // Unmapped already: the allocation is gone for the caller; only the handle leaks.
                 tracing::error!("{}: {e}", what());
                 let _ = d.free_range(ptr, a.mapped);
@@ -781,331 +671,66 @@ impl Engine {
         Ok(true)
     }
 
-    /// Pause every active allocation of `tag` (all tags if `None`).
-    pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
-        check_tag(tag)?;
-        self.check_sound()?;
-        let _unwind = self.guard("pause", tag);
-        self.note_unknown_tag("pause", tag);
-        let _quiet = self.pinner.quiet();
-        let t0 = Instant::now();
-        let cfg = self.copy_config();
-        let mut guard = self.reg.lock();
-        let reg = &mut *guard;
-        let addrs = reg.selected(tag, State::Active);
-        let groups = reg.by_device(&addrs);
-        let mut steps: BTreeMap<DevPtr, Step> = BTreeMap::new();
-        let result = self.prepare_backups(reg, &addrs, &cfg).and_then(|()| {
-            let (allocs, jobs) = reg.device_jobs(&groups);
-            let results = per_device(jobs, |(device, list, ring)| {
-                let mut items: Vec<PauseItem<'_>> = list
-                    .iter()
-                    .map(|p| PauseItem::new(*p, &allocs[p]))
-                    .collect();
-                // Those with nothing to copy are retired first.
-                items.sort_by_key(|it| (it.host.is_some(), it.ptr));
-                let (done, r) = self.pause_device(device, &items, ring, &cfg);
-                (
-                    items.iter().map(|it| it.ptr).zip(done).collect::<Vec<_>>(),
-                    r,
-                )
-            });
-            first_error(results.into_iter().map(|(done, r)| {
-                steps.extend(done);
-                r
-            }))
-        });
-        let mut report = OpReport::default();
-        let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
-        for (ptr, step) in steps {
-            let a = reg
-                .allocs
-                .get_mut(&ptr)
-                .expect("selected under the same lock");
-            if step == Step::Untouched {
-                a.host_valid = false;
-                continue;
-            }
-            a.handles.clear();
-            a.host_valid = a.host.is_some();
-            let copied = if a.host_valid { a.size } else { 0 };
-            let r = per_tag.entry(a.tag.clone()).or_default();
-            for r in [r, &mut report] {
-                r.allocations += 1;
-                r.bytes += a.mapped;
-                r.copied += copied;
-            }
-        }
-        report.seconds = t0.elapsed().as_secs_f64();
-        for (t, mut r) in per_tag {
-            r.seconds = report.seconds;
-            reg.history.entry(t).or_default().last_pause = Some(r);
-        }
-        self.pin_later(
-            &cfg,
-            addrs.iter().filter_map(|p| {
-                reg.allocs[p]
-                    .host
-                    .as_ref()
-                    .filter(|_| reg.allocs[p].host_valid)
-            }),
-        );
-        result.ctx(|| format!("pause of {}", describe(tag)))?;
-        tracing::info!(
-            "paused {} ({} allocations) in {:.3}s",
-            human(report.bytes),
-            report.allocations,
-            report.seconds
-        );
-        Ok(report)
-    }
-
-    /// Give every allocation with a backup policy a host buffer (reusing a retained one of the
-    /// right kind and size). Cheap: buffers are touched only by the copies.
-    fn prepare_backups(
-        &self,
-        reg: &mut Registry,
-        addrs: &[DevPtr],
-        cfg: &CopyConfig,
-    ) -> Result<()> {
-        for ptr in addrs {
-            let a = reg
-                .allocs
-                .get_mut(ptr)
-                .expect("selected under the same lock");
-            let Some(backend) = a.backup else { continue };
-            a.host_valid = false;
-            let reuse = a
-                .host
-                .as_ref()
-                .is_some_and(|h| h.backend() == backend && h.len() == a.size);
-            if !reuse {
-                a.host = None;
-                let h = HostBuffer::new(self.driver.clone(), backend, a.size, cfg.layout)
-                    .ctx(|| a.describe(*ptr))?;
-                a.host = Some(Arc::new(h));
-            }
-        }
-        Ok(())
-    }
-
-    /// Pause one device's share: wait for its work, then retire each allocation (unmap and
-    /// release) as soon as its contents are safe: at once without backup, else when its copy is
-    /// complete. Returns each item's step.
-    fn pause_device(
-        &self,
-        device: i32,
-        items: &[PauseItem<'_>],
-        ring: &mut Ring,
-        cfg: &CopyConfig,
-    ) -> (Vec<Step>, Result<()>) {
-        let d = &*self.driver;
-        let mut steps = vec![Step::Untouched; items.len()];
-        let result = (|| -> Result<()> {
-            let _scope = DeviceScope::enter(d, device)?;
-            d.synchronize(device)
-                .ctx(|| format!("synchronizing device {device}"))?;
-            let work: Vec<Item<'_>> = items
-                .iter()
-                .map(|it| Item {
-                    dev: it.ptr,
-                    host: it.host,
-                })
-                .collect();
-            pipeline::run(
-                &self.driver,
-                device,
-                Dir::Save,
-                cfg,
-                ring,
-                &work,
-                |_, _| Ok(()),
-                |i| self.retire(&items[i], &mut steps[i]),
-            )
-        })();
-        (steps, result)
-    }
-
-    /// Unmap and release one allocation whose contents are safe (copied, or not wanted).
-    fn retire(&self, it: &PauseItem<'_>, step: &mut Step) -> Result<()> {
-        let a = it.a;
-        self.unmap_all(a.device, it.ptr, a.mapped, a.segment, &a.handles)
-            .ctx(|| it.what())?;
-        *step = Step::Released;
-        self.release_all(&a.handles).ctx(|| it.what())
-    }
-
-    /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
-    pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
-        check_tag(tag)?;
-        self.check_sound()?;
-        let _unwind = self.guard("resume", tag);
-        self.note_unknown_tag("resume", tag);
-        let _quiet = self.pinner.quiet();
-        let t0 = Instant::now();
-        let cfg = self.copy_config();
-        let mut guard = self.reg.lock();
-        let reg = &mut *guard;
-        let addrs = reg.selected(tag, State::Paused);
-        let groups = reg.by_device(&addrs);
-        // Per device, in parallel: map each allocation, and copy its backup back while the next
-        // one is mapped. All or nothing: on any failure everything made here is undone.
-        let mut made: Vec<Made> = Vec::with_capacity(addrs.len());
-        let mut copied = 0;
-        let phase2 = {
-            let (allocs, jobs) = reg.device_jobs(&groups);
-            let results = per_device(jobs, |(device, list, ring)| {
-                let items: Vec<Item<'_>> = list
-                    .iter()
-                    .map(|p| {
-                        let a = &allocs[p];
-                        Item {
-                            dev: *p,
-                            host: a.host.as_deref().filter(|_| a.host_valid),
-                        }
-                    })
-                    .collect();
-                let mut made = Vec::new();
-                let r = DeviceScope::enter(&*self.driver, device).and_then(|_scope| {
-                    pipeline::run(
-                        &self.driver,
-                        device,
-                        Dir::Restore,
-                        &cfg,
-                        ring,
-                        &items,
-                        |i, progress| {
-                            let (p, a) = (list[i], &allocs[&list[i]]);
-                            let mut hs = Vec::new();
-                            let r = self.map_new(device, p, a.mapped, a.segment, &mut hs, progress);
-                            // Recorded even when incomplete: workers may be copying into the
-                            // segments made, so they are undone only after the pipeline stops.
-                            made.push((device, p, a.mapped, a.segment, hs));
-                            r.ctx(|| a.describe(p))
-                        },
-                        |_| Ok(()),
-                    )
-                });
-                let bytes: u64 = items
-                    .iter()
-                    .filter_map(|it| it.host)
-                    .map(HostBuffer::len)
-                    .sum();
-                (made, bytes, r)
-            });
-            first_error(results.into_iter().map(|(m, bytes, r)| {
-                made.extend(m);
-                copied += bytes;
-                r
-            }))
-        };
-        if let Err(e) = phase2 {
-            self.undo_resume(&made);
-            return Err(e.context(format!(
-                "resume of {} (undone: it stays paused with its backups)",
-                describe(tag)
-            )));
-        }
-        // Phase 3: commit.
-        let retain = self.retain_cpu_backup();
-        let mut report = OpReport {
-            copied,
-            ..Default::default()
-        };
-        let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
-        let mut released = Vec::new();
-        for (_, ptr, _, _, hs) in made {
-            let a = reg
-                .allocs
-                .get_mut(&ptr)
-                .expect("selected under the same lock");
-            a.handles = hs;
-            let mapped = a.mapped;
-            let r = per_tag.entry(a.tag.clone()).or_default();
-            r.allocations += 1;
-            r.bytes += mapped;
-            if a.host_valid {
-                r.copied += a.size;
-            }
-            a.host_valid = false;
-            if !retain {
-                released.extend(a.host.take());
-            }
-            report.allocations += 1;
-            report.bytes += mapped;
-        }
-        let rings = if retain {
-            self.pin_later(
-                &cfg,
-                addrs.iter().filter_map(|p| reg.allocs[p].host.as_ref()),
-            );
-            BTreeMap::new()
-        } else {
-            std::mem::take(&mut reg.rings)
-        };
-        drop(guard);
-        // Giving host memory back takes as long as filling it did: in parallel, and without
-        // holding up other threads' allocations.
-        let t1 = Instant::now();
-        release_parallel(released, cfg.threads);
-        drop(rings);
-        report.release_seconds = t1.elapsed().as_secs_f64();
-        report.seconds = t0.elapsed().as_secs_f64();
-        let mut reg = self.reg.lock();
-        for (t, mut r) in per_tag {
-            r.seconds = report.seconds;
-            r.release_seconds = report.release_seconds;
-            reg.history.entry(t).or_default().last_resume = Some(r);
-        }
-        drop(reg);
-        tracing::info!(
-            "resumed {} ({} allocations) in {:.3}s ({:.3}s releasing host memory)",
-            human(report.bytes),
-            report.allocations,
-            report.seconds,
-            report.release_seconds
-        );
-        Ok(report)
-    }
-
-    fn undo_resume(&self, made: &[Made]) {
-        for (device, ptr, mapped, segment, hs) in made.iter().rev() {
-            let _scope = DeviceScope::enter(&*self.driver, *device);
-            self.undo_mapping(*ptr, *mapped, *segment, hs);
-        }
-    }
-
-    /// Copy the host backup covering `[addr, addr+dst.len())` into `dst`.
-    /// `Ok(false)` when there is none (no backup asked, or active with the backup released).
+    /// Copy the host backup covering `[addr, addr+dst.len())` into `dst`. `Ok(false)` when there
+    /// is no complete snapshot (no backup asked; active with the backup released; a pause
+    /// writing it, or one that failed).
     pub fn copy_cpu_backup(&self, addr: DevPtr, dst: &mut [u8]) -> Result<bool> {
-        let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, dst.len() as u64)?;
-        match Self::backup_of(a) {
-            Some(host) => {
-                let off = (addr - start) as usize;
-                dst.copy_from_slice(&host.as_slice()[off..off + dst.len()]);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
+        // Holding a reference keeps a pause from writing into this buffer meanwhile.
+        let Some((off, host)) = self.snapshot_at(addr, dst.len() as u64)? else {
+            return Ok(false);
+        };
+        dst.copy_from_slice(&host.as_slice()[off..off + dst.len()]);
+        Ok(true)
     }
 
     /// Address of the host backup covering `[addr, addr+len)`, or `None` (see
-    /// [`Engine::copy_cpu_backup`]). The pointer stays valid until the allocation is freed, or
-    /// resumed without retention.
+    /// [`Engine::copy_cpu_backup`]). Unguarded: the bytes change with the next pause and go with
+    /// a resume without retention or a free. [`Engine::acquire_cpu_backup`] is the safe form.
     pub fn cpu_backup_ptr(&self, addr: DevPtr, len: u64) -> Result<Option<*const u8>> {
-        let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, len)?;
-        // SAFETY of the arithmetic: containing() proved addr-start+len <= size == host.len().
-        Ok(Self::backup_of(a).map(|h| h.as_ptr().wrapping_add((addr - start) as usize)))
+        Ok(self
+            .snapshot_at(addr, len)?
+            .map(|(off, h)| h.as_ptr().wrapping_add(off)))
     }
 
-    fn backup_of(a: &Allocation) -> Option<&HostBuffer> {
-        let h = a.host.as_deref()?;
-        match a.state() {
-            State::Paused if !a.host_valid => None,
-            _ => Some(h),
+    /// The complete snapshot covering `[addr, addr+len)` and the offset into it, or `None`.
+    fn snapshot_at(&self, addr: DevPtr, len: u64) -> Result<Option<(usize, Arc<HostBuffer>)>> {
+        let reg = self.reg.lock();
+        let (start, a) = reg.containing(addr, len)?;
+        // containing() proved addr-start+len <= size == host.len().
+        Ok(a.snapshot().map(|h| ((addr - start) as usize, h.clone())))
+    }
+
+    /// Hand out the host backup covering `[addr, addr+len)` (a complete snapshot, see
+    /// [`Engine::copy_cpu_backup`]), or `None`. Until [`Engine::release_cpu_backup`] the bytes
+    /// stay mapped and unchanged: a pause writes a new buffer instead, and a resume without
+    /// retention or a free leaves this one to the lease.
+    pub fn acquire_cpu_backup(&self, addr: DevPtr, len: u64) -> Result<Option<BackupLease>> {
+        let Some((off, host)) = self.snapshot_at(addr, len)? else {
+            return Ok(None);
+        };
+        let ptr = host.as_ptr().wrapping_add(off);
+        let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
+        self.leases.lock().insert(lease, host);
+        Ok(Some(BackupLease { ptr, lease }))
+    }
+
+    /// End a lease from [`Engine::acquire_cpu_backup`]; the buffer goes if nothing else holds it.
+    pub fn release_cpu_backup(&self, lease: u64) -> Result<()> {
+        let host = self.leases.lock().remove(&lease);
+        match host {
+            Some(h) => {
+                drop(h);
+                Ok(())
+            }
+            None => Err(Error::NotFound(format!(
+                "CPU backup lease {lease} is not held (released already?)"
+            ))),
         }
+    }
+
+    /// CPU backup leases not yet released.
+    pub fn cpu_backup_leases(&self) -> usize {
+        self.leases.lock().len()
     }
 
     /// Copy `data` into an active allocation at `addr` (for tools, demos and tests: the device
@@ -1141,19 +766,24 @@ impl Engine {
         len: u64,
         f: impl FnOnce(&dyn Driver, crate::driver::Stream) -> Result<()>,
     ) -> Result<()> {
-        let reg = self.reg.lock();
+        // Tools' copies keep pauses and resumes out while they run (not the hooks).
+        let _ops = self.ops.lock();
         let what = || format!("range {addr:#x}+{len}");
-        let (_, a) = reg.containing(addr, len)?;
-        if a.state() != State::Active {
-            return Err(Error::InvalidState(format!(
-                "{} is paused (tag {:?})",
-                what(),
-                a.tag
-            )));
-        }
+        let device = {
+            let reg = self.reg.lock();
+            let (_, a) = reg.containing(addr, len)?;
+            if a.state != State::Active {
+                return Err(Error::InvalidState(format!(
+                    "{} is paused (tag {:?})",
+                    what(),
+                    a.tag
+                )));
+            }
+            a.device
+        };
         let d = &*self.driver;
-        let _scope = DeviceScope::enter(d, a.device).ctx(what)?;
-        let stream = d.stream(a.device).ctx(what)?;
+        let _scope = DeviceScope::enter(d, device).ctx(what)?;
+        let stream = d.stream(device).ctx(what)?;
         f(d, stream).ctx(what)
     }
 
@@ -1169,7 +799,7 @@ impl Engine {
                 device: a.device,
                 tag: a.tag.to_string(),
                 backup: a.backup,
-                state: a.state(),
+                state: a.state,
                 host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 host_valid: a.host_valid,

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::driver::HostBuffer;
+use crate::backup::HostBuffer;
 
 #[derive(Default)]
 struct Queue {
@@ -26,6 +26,9 @@ struct Queue {
     /// Pauses and resumes under way: the pinner waits for them (page-locking slows the
     /// driver's copies down several times over, measured on an H200 host).
     ops: usize,
+    /// The pinner holds a buffer (page-locking a chunk of it): a pause or resume waits for this
+    /// to end, so that while it runs, the references it counts to a backup are all there are.
+    busy: bool,
 }
 
 /// The pinner of one engine.
@@ -34,6 +37,16 @@ pub(super) struct Pinner {
     queue: Mutex<Queue>,
     idle: Condvar,
     ops_done: Condvar,
+}
+
+/// The pinner holds a buffer while this lives.
+struct Busy<'a>(&'a Pinner);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.queue.lock().busy = false;
+        self.0.ops_done.notify_all();
+    }
 }
 
 /// Keeps the pinner waiting while a pause or resume runs.
@@ -73,17 +86,26 @@ impl Pinner {
         }
     }
 
-    /// Hold the pinner back until the guard is dropped (a chunk being page-locked finishes).
+    /// Hold the pinner back until the guard is dropped; returns once a chunk being page-locked
+    /// is done.
     pub(super) fn quiet(&self) -> Quiet<'_> {
-        self.queue.lock().ops += 1;
+        let mut q = self.queue.lock();
+        q.ops += 1;
+        while q.busy {
+            self.ops_done.wait(&mut q);
+        }
         Quiet(self)
     }
 
-    fn wait_for_quiet_end(&self) {
+    /// Wait until no pause or resume runs, and mark the pinner busy until the guard is dropped
+    /// (also by an unwind, so a panic never leaves a pause waiting).
+    fn busy(&self) -> Busy<'_> {
         let mut q = self.queue.lock();
         while q.ops > 0 {
             self.ops_done.wait(&mut q);
         }
+        q.busy = true;
+        Busy(self)
     }
 
     fn work(self: Arc<Self>) {
@@ -118,16 +140,19 @@ impl Pinner {
     }
 
     fn pin_buffer(&self, w: &Weak<HostBuffer>) {
-        let Some(chunks) = w.upgrade().map(|b| b.chunks()) else {
+        let Some(chunks) = ({
+            let _busy = self.busy();
+            w.upgrade().map(|b| b.chunks())
+        }) else {
             return;
         };
         for i in 0..chunks {
-            self.wait_for_quiet_end();
-            let Some(b) = w.upgrade() else { return };
-            if b.retired() {
-                return;
-            }
-            if let Err(e) = b.pin(i) {
+            let r = {
+                let _busy = self.busy();
+                w.upgrade().filter(|b| !b.retired()).map(|b| b.pin(i))
+            };
+            let Some(r) = r else { return };
+            if let Err(e) = r {
                 tracing::warn!(
                 "page-locking a host backup in the background: {e}; the rest of it stays pageable \
                  (its copies go through the staging slots)"

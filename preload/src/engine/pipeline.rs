@@ -48,9 +48,8 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::driver::{
-    DevPtr, DeviceScope, Driver, Event, HostBackend, HostBuffer, HostLayout, Stream,
-};
+use crate::backup::{HostBackend, HostBuffer, HostLayout};
+use crate::driver::{DevPtr, DeviceScope, Driver, Event, Stream};
 use crate::error::{Error, Result};
 
 /// When pinned backups are page-locked.
@@ -119,7 +118,7 @@ impl CopyConfig {
                 self.threads
             )));
         }
-        let page = crate::driver::host::page_size();
+        let page = crate::os::page_size();
         if self.layout.chunk == 0 || self.layout.chunk % page != 0 {
             return Err(Error::InvalidArgument(format!(
                 "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
@@ -513,7 +512,7 @@ fn chunk(
         // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
         // whole operation; host..host+len is this worker's chunk of a live, page-locked buffer
         // that nothing else touches until the operation ends (a page-locked chunk stays so until
-        // the buffer is released, which the registry lock excludes). The stream is waited for
+        // the buffer is released, which the engine's transactions exclude). The stream is waited for
         // below (or, on error, by the worker before it returns).
         lanes.issue(sh, 0, |s| unsafe {
             match sh.dir {
@@ -542,7 +541,13 @@ fn staged(
                 chunk: slot_len,
                 ..sh.cfg.layout
             };
-            let s = HostBuffer::new(sh.driver.clone(), HostBackend::Pinned, slot_len, layout)?;
+            let s = HostBuffer::new(
+                sh.driver.clone(),
+                sh.device,
+                HostBackend::Pinned,
+                slot_len,
+                layout,
+            )?;
             s.pin_all()?;
             *slot = Some(s);
         }

@@ -380,7 +380,7 @@ fn unpauseable_allocations_are_left_alone() {
 fn small_pieces(e: &Engine, pin: PinMode) {
     e.set_copy_config(CopyConfig {
         threads: 2,
-        layout: crate::driver::HostLayout {
+        layout: crate::backup::HostLayout {
             chunk: G,
             hugepages: false,
         },

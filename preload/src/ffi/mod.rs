@@ -9,7 +9,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::driver::HostBackend;
+use crate::backup::HostBackend;
 use crate::error::{panic_message, status, Error, Result};
 use crate::hooks::{runtime, settings};
 

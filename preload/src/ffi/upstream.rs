@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
 
 use super::{catch, entry, opt_str, set_last_error};
-use crate::driver::HostBackend;
+use crate::backup::HostBackend;
 use crate::error::{Error, Result};
 use crate::hooks::{runtime, settings};
 

@@ -21,8 +21,8 @@ use std::sync::OnceLock;
 
 use parking_lot::RwLock;
 
+use crate::backup::HostBackend;
 use crate::driver::sim::SimDriver;
-use crate::driver::HostBackend;
 use crate::engine::{CopyConfig, PinMode};
 use crate::error::{Error, Result};
 use crate::units::{env_parsed, parse_bytes, parse_flag, var_parsed};

@@ -5,8 +5,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::Driver;
+use crate::driver::Driver;
 use crate::error::{Error, Result};
+use crate::os::{mmap_anonymous, mmap_huge, munmap, page_size, HUGE_PAGE};
 
 /// Which kind of host memory backs a CPU backup.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -58,8 +59,6 @@ impl Default for HostLayout {
     }
 }
 
-const HUGE_PAGE: u64 = 2 << 20;
-
 /// Chunk states: page-locking is a transition another thread may be in the middle of (the
 /// engine's background pinner), so release waits for it instead of racing it.
 const UNPINNED: u8 = 0;
@@ -80,6 +79,10 @@ pub struct HostBuffer {
     state: Box<[AtomicU8]>,
     retired: AtomicBool,
     driver: Arc<dyn Driver>,
+    /// The device whose context page-locks the memory: the device of the allocation backed up
+    /// (or of the staging ring), so a helper thread without a context of its own never creates
+    /// one on device 0.
+    device: i32,
 }
 
 // SAFETY: the buffer exclusively owns its memory; the pinned flags are atomics, and writes to the
@@ -93,6 +96,7 @@ impl HostBuffer {
     /// touched, so this is cheap at any size. Contents read as zero until written.
     pub fn new(
         driver: Arc<dyn Driver>,
+        device: i32,
         backend: HostBackend,
         len: u64,
         layout: HostLayout,
@@ -125,6 +129,7 @@ impl HostBuffer {
             state: (0..chunks).map(|_| AtomicU8::new(UNPINNED)).collect(),
             retired: AtomicBool::new(false),
             driver,
+            device,
         })
     }
 
@@ -208,7 +213,10 @@ impl HostBuffer {
         // SAFETY: whole pages of our own live mapping, not registered (we moved the chunk from
         // UNPINNED to PINNING, so no one else registers it); the mapping outlives the
         // registration (release and Drop unregister before unmapping).
-        let r = unsafe { self.driver.host_register(self.ptr.add(off as usize), n) };
+        let r = unsafe {
+            self.driver
+                .host_register(self.device, self.ptr.add(off as usize), n)
+        };
         self.state[i].store(if r.is_ok() { PINNED } else { UNPINNED }, Ordering::Release);
         r
     }
@@ -238,7 +246,7 @@ impl HostBuffer {
                 Err(PINNED) => {
                     // SAFETY: chunk i is registered at p and no copy uses it (the buffer is
                     // being released).
-                    if let Err(e) = unsafe { self.driver.host_unregister(p) } {
+                    if let Err(e) = unsafe { self.driver.host_unregister(self.device, p) } {
                         tracing::error!("releasing a host backup: {e}; its memory is leaked");
                         return;
                     }
@@ -274,7 +282,9 @@ impl Drop for HostBuffer {
             if self.is_pinned(i) {
                 let off = self.chunk_pages(i).0 as usize;
                 // SAFETY: chunk i is registered at this address and nothing uses the buffer now.
-                if let Err(e) = unsafe { self.driver.host_unregister(self.ptr.add(off)) } {
+                if let Err(e) =
+                    unsafe { self.driver.host_unregister(self.device, self.ptr.add(off)) }
+                {
                     tracing::error!("freeing a host buffer of {} bytes: {e}", self.len);
                     intact = false;
                 }
@@ -296,9 +306,13 @@ impl Drop for HostBuffer {
 
 /// Release many buffers with up to `threads` threads: unregistering and dropping the pages of
 /// large buffers costs about as much as filling them, so it is spread out like the copies. The
-/// memory is given back before this returns, even where another thread (the background pinner)
-/// still holds a reference; the mapping itself goes with the last reference.
-pub fn release_parallel(bufs: Vec<Arc<HostBuffer>>, threads: usize) {
+/// memory of each buffer only this call holds is given back before it returns (the background
+/// pinner may still hold a reference for a moment: the mapping itself goes with the last one);
+/// buffers others hold are left to them.
+pub fn release_parallel(mut bufs: Vec<Arc<HostBuffer>>, threads: usize) {
+    // A buffer someone else still holds (a zero-copy view of a backup) is theirs to free: its
+    // memory goes with their last reference.
+    bufs.retain(|b| Arc::strong_count(b) == 1);
     for b in &bufs {
         b.retired.store(true, Ordering::Release);
     }
@@ -323,74 +337,4 @@ pub fn release_parallel(bufs: Vec<Arc<HostBuffer>>, threads: usize) {
         work();
     });
     drop(bufs);
-}
-
-/// The system's page size.
-pub(crate) fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if p > 0 {
-        p as u64
-    } else {
-        4096
-    }
-}
-
-/// `len` bytes of fresh anonymous memory aligned to a huge page and advised to use huge pages.
-fn mmap_huge(len: u64) -> Result<*mut u8> {
-    let span = len + HUGE_PAGE;
-    let raw = mmap_anonymous(span)?;
-    let start = raw as u64;
-    let p = start.next_multiple_of(HUGE_PAGE);
-    // SAFETY: both trimmed pieces lie inside the mapping just made and nothing uses them; the
-    // advice concerns only our own range.
-    unsafe {
-        if p > start {
-            libc::munmap(raw.cast(), (p - start) as usize);
-        }
-        let end = p + len;
-        if start + span > end {
-            libc::munmap(end as *mut libc::c_void, (start + span - end) as usize);
-        }
-        // Advice only: where huge pages are off, the memory is simply in small pages.
-        libc::madvise(p as *mut libc::c_void, len as usize, libc::MADV_HUGEPAGE);
-    }
-    Ok(p as *mut u8)
-}
-
-/// Fresh pageable anonymous memory, not reserved against swap.
-pub(crate) fn mmap_anonymous(len: u64) -> Result<*mut u8> {
-    // SAFETY: a new private anonymous mapping; no existing memory is touched.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::ENOMEM) {
-            return Err(Error::OutOfMemory(format!(
-                "mmap of {len} bytes of host memory: {err}"
-            )));
-        }
-        return Err(Error::Io {
-            context: format!("mmap of {len} bytes of host memory"),
-            source: err,
-        });
-    }
-    Ok(p.cast())
-}
-
-/// Unmap memory from [`mmap_anonymous`].
-pub(crate) fn munmap(ptr: *mut u8, len: u64) -> Result<()> {
-    // SAFETY: callers pass a mapping they own and no longer use.
-    if unsafe { libc::munmap(ptr.cast(), len as usize) } != 0 {
-        return Err(Error::last_os(format!("munmap of {len} bytes at {ptr:p}")));
-    }
-    Ok(())
 }

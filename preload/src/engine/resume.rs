@@ -1,0 +1,186 @@
+//! The resume transaction (Note [Pause and resume as transactions] in `mod.rs`).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::pipeline::{self, Dir, Item};
+use super::segment::{Mapping, Span};
+use super::{check_tag, describe, first_error, per_device, Engine, OpReport, Settle, State};
+use crate::backup::{release_parallel, HostBuffer};
+use crate::driver::{DevPtr, DeviceScope};
+use crate::error::{Result, ResultExt};
+use crate::units::human;
+
+/// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
+struct Job {
+    ptr: DevPtr,
+    span: Span,
+    size: u64,
+    tag: Arc<str>,
+    /// The snapshot to copy back, if the allocation has one.
+    host: Option<Arc<HostBuffer>>,
+}
+
+impl Engine {
+    /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
+    pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
+        check_tag(tag)?;
+        self.check_sound()?;
+        let _unwind = self.guard("resume", tag);
+        self.note_unknown_tag("resume", tag);
+        let _quiet = self.pinner.quiet();
+        let t0 = Instant::now();
+        let cfg = self.copy_config();
+        let mut ops = self.ops.lock();
+        let jobs = self.begin_resume(tag);
+        let settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Resuming);
+        let mut groups: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
+        for (i, j) in jobs.iter().enumerate() {
+            groups.entry(j.span.device).or_default().push(i);
+        }
+        for device in groups.keys() {
+            ops.rings.entry(*device).or_default();
+        }
+        // Per device, in parallel: map each allocation, and copy its backup back while the next
+        // one is mapped. All or nothing: on any failure the mappings made are dropped, which
+        // undoes them, and the allocations stay paused with their backups.
+        let d = &*self.driver;
+        let mut made: Vec<(usize, Mapping<'_>)> = Vec::with_capacity(jobs.len());
+        let result = {
+            let work: Vec<_> = ops
+                .rings
+                .iter_mut()
+                .filter_map(|(device, ring)| Some((*device, groups.get(device)?, ring)))
+                .collect();
+            let results = per_device(work, |(device, list, ring)| {
+                let items: Vec<Item<'_>> = list
+                    .iter()
+                    .map(|&i| Item {
+                        dev: jobs[i].ptr,
+                        host: jobs[i].host.as_deref(),
+                    })
+                    .collect();
+                let mut made = Vec::with_capacity(list.len());
+                let r = DeviceScope::enter(d, device).and_then(|_scope| {
+                    pipeline::run(
+                        &self.driver,
+                        device,
+                        Dir::Restore,
+                        &cfg,
+                        ring,
+                        &items,
+                        |k, progress| {
+                            let j = &jobs[list[k]];
+                            let mut m = Mapping::new(d, j.span);
+                            let r = m.map_all(progress);
+                            // Kept even when incomplete: workers may be copying into the
+                            // segments made, so they are undone only after the pipeline stops.
+                            made.push((list[k], m));
+                            r.ctx(|| {
+                                format!(
+                                    "allocation {:#x} ({} bytes, tag {:?})",
+                                    j.ptr, j.size, j.tag
+                                )
+                            })
+                        },
+                        |_| Ok(()),
+                    )
+                });
+                (made, r)
+            });
+            first_error(results.into_iter().map(|(m, r)| {
+                made.extend(m);
+                r
+            }))
+        };
+        if let Err(e) = result {
+            drop(made);
+            drop(settle);
+            return Err(e.context(format!(
+                "resume of {} (undone: it stays paused with its backups)",
+                describe(tag)
+            )));
+        }
+        // Commit.
+        let retain = self.retain_cpu_backup();
+        let mut report = OpReport::default();
+        let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
+        let mut released = Vec::new();
+        {
+            let mut reg = self.reg.lock();
+            for (i, m) in made {
+                let j = &jobs[i];
+                let a = reg.marked(j.ptr);
+                a.handles = m.commit();
+                a.state = State::Active;
+                // A retained backup stays a complete snapshot (of the last pause).
+                if !retain {
+                    a.host_valid = false;
+                    released.extend(a.host.take());
+                }
+                let copied = j.host.as_ref().map_or(0, |h| h.len());
+                let r = per_tag.entry(j.tag.clone()).or_default();
+                for r in [r, &mut report] {
+                    r.allocations += 1;
+                    r.bytes += j.span.mapped;
+                    r.copied += copied;
+                }
+            }
+        }
+        drop(settle);
+        if retain {
+            self.pin_later(&cfg, jobs.iter().filter_map(|j| j.host.as_ref()));
+        }
+        // The copies' references go first, so that the release below sees which buffers only
+        // it holds.
+        drop(jobs);
+        let rings = if retain {
+            BTreeMap::new()
+        } else {
+            std::mem::take(&mut ops.rings)
+        };
+        drop(ops);
+        // Giving host memory back takes as long as filling it did: in parallel, and without
+        // holding up anyone else.
+        let t1 = Instant::now();
+        release_parallel(released, cfg.threads);
+        drop(rings);
+        report.release_seconds = t1.elapsed().as_secs_f64();
+        report.seconds = t0.elapsed().as_secs_f64();
+        self.record_history(per_tag, report, |h| &mut h.last_resume);
+        tracing::info!(
+            "resumed {} ({} allocations) in {:.3}s ({:.3}s releasing host memory)",
+            human(report.bytes),
+            report.allocations,
+            report.seconds,
+            report.release_seconds
+        );
+        Ok(report)
+    }
+
+    /// Mark the paused allocations of `tag` Resuming and copy out what the resume needs.
+    fn begin_resume(&self, tag: Option<&str>) -> Vec<Job> {
+        let mut reg = self.reg.lock();
+        let addrs = reg.selected(tag, State::Paused);
+        addrs
+            .into_iter()
+            .map(|ptr| {
+                let a = reg.marked(ptr);
+                a.state = State::Resuming;
+                Job {
+                    ptr,
+                    span: Span {
+                        device: a.device,
+                        ptr,
+                        mapped: a.mapped,
+                        segment: a.segment,
+                    },
+                    size: a.size,
+                    tag: a.tag.clone(),
+                    host: a.snapshot().cloned(),
+                }
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,148 @@
+//! Physical memory over a reserved address range, in segments of one handle each, as objects
+//! that undo themselves: a [`Mapping`] being built unmaps and releases what it made when it is
+//! dropped, unless it was committed (like PyTorch's `ExpandableSegment`), so an error or an
+//! unwind between making and committing leaves no memory behind.
+
+use crate::driver::{DevPtr, DeviceScope, Driver, PhysHandle};
+use crate::error::Result;
+
+/// Largest physical segment of an allocation (engine Note [Pause and resume as transactions]).
+pub const SEGMENT_BYTES: u64 = 1 << 30;
+
+/// Offsets and lengths of the segments of `mapped` bytes.
+pub fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
+    (0..mapped.div_ceil(segment)).map(move |k| (k * segment, segment.min(mapped - k * segment)))
+}
+
+/// Where a range's segments lie: device, start, length and segment size.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Span {
+    pub device: i32,
+    pub ptr: DevPtr,
+    pub mapped: u64,
+    pub segment: u64,
+}
+
+/// Segments being mapped over a [`Span`]. Dropped uncommitted, it unmaps and releases every
+/// segment it made (failures are logged: that memory leaks, nothing else is touched).
+pub(super) struct Mapping<'d> {
+    driver: &'d dyn Driver,
+    span: Span,
+    handles: Vec<PhysHandle>,
+}
+
+impl<'d> Mapping<'d> {
+    pub fn new(driver: &'d dyn Driver, span: Span) -> Self {
+        Mapping {
+            driver,
+            span,
+            handles: Vec::with_capacity(span.mapped.div_ceil(span.segment) as usize),
+        }
+    }
+
+    /// create + map + set access for every segment, calling `progress(bytes)` as each one is
+    /// usable. On failure the segments made so far stay in the mapping (for its drop to undo,
+    /// once nothing copies into them).
+    pub fn map_all(&mut self, progress: &dyn Fn(u64)) -> Result<()> {
+        let Span {
+            device,
+            ptr,
+            mapped,
+            segment,
+        } = self.span;
+        for (off, len) in segments(mapped, segment).skip(self.handles.len()) {
+            self.handles
+                .push(map_segment(self.driver, device, ptr + off, len)?);
+            progress(off + len);
+        }
+        Ok(())
+    }
+
+    /// The handles, now owned by the caller; nothing is undone.
+    pub fn commit(mut self) -> Vec<PhysHandle> {
+        std::mem::take(&mut self.handles)
+    }
+}
+
+impl Drop for Mapping<'_> {
+    fn drop(&mut self) {
+        if self.handles.is_empty() {
+            return;
+        }
+        let d = self.driver;
+        let _scope = DeviceScope::enter(d, self.span.device);
+        let Span {
+            ptr,
+            mapped,
+            segment,
+            ..
+        } = self.span;
+        for ((off, len), h) in segments(mapped, segment).zip(&self.handles) {
+            if let Err(e) = d.unmap(ptr + off, len) {
+                tracing::error!("undoing: unmapping {:#x}: {e}", ptr + off);
+            }
+            release_logged(d, *h);
+        }
+    }
+}
+
+fn map_segment(d: &dyn Driver, device: i32, ptr: DevPtr, len: u64) -> Result<PhysHandle> {
+    let h = d.create(device, len)?;
+    if let Err(e) = d.map(ptr, len, h) {
+        release_logged(d, h);
+        return Err(e);
+    }
+    if let Err(e) = d.set_access(device, ptr, len) {
+        if let Err(e2) = d.unmap(ptr, len) {
+            tracing::error!("undoing a failed mapping at {ptr:#x}: {e2}");
+        }
+        release_logged(d, h);
+        return Err(e);
+    }
+    Ok(h)
+}
+
+fn release_logged(d: &dyn Driver, h: PhysHandle) {
+    if let Err(e) = d.release(h) {
+        tracing::error!("undoing: releasing handle {:#x}: {e}", h.0);
+    }
+}
+
+/// Unmap every segment of a mapped span. If one fails, those unmapped before it are mapped
+/// again (their handles still hold the contents), so the allocation stays whole.
+pub(super) fn unmap_all(d: &dyn Driver, span: Span, hs: &[PhysHandle]) -> Result<()> {
+    let Span {
+        device,
+        ptr,
+        mapped,
+        segment,
+    } = span;
+    for (k, (off, len)) in segments(mapped, segment).enumerate() {
+        if let Err(e) = d.unmap(ptr + off, len) {
+            for ((off, len), h) in segments(mapped, segment).zip(hs).take(k) {
+                let back = d
+                    .map(ptr + off, len, *h)
+                    .and_then(|()| d.set_access(device, ptr + off, len));
+                if let Err(e2) = back {
+                    tracing::error!("mapping {:#x} again after a failed unmap: {e2}", ptr + off);
+                }
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Release every handle; the first error is returned, each is logged.
+pub(super) fn release_all(d: &dyn Driver, hs: &[PhysHandle]) -> Result<()> {
+    let mut first = Ok(());
+    for h in hs {
+        if let Err(e) = d.release(*h) {
+            tracing::error!("releasing handle {:#x}: {e}", h.0);
+            if first.is_ok() {
+                first = Err(e);
+            }
+        }
+    }
+    first
+}
