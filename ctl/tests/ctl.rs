@@ -812,6 +812,29 @@ fn demo_on_the_sim() {
     );
 }
 
+/// A demo larger than the host's memory fails at once with the numbers (the sim's device memory
+/// is host memory), instead of being killed by the kernel after filling it. The host is
+/// pretended 64 GiB, so the answer does not depend on this machine's memory.
+#[test]
+fn demo_larger_than_the_host_fails_with_a_clear_error() {
+    let sb = sandbox();
+    let t0 = Instant::now();
+    let r = ctl_with(
+        &tmsctl(),
+        &sb,
+        &["demo", "--backend", "sim", "--size", "1TiB"],
+        |c| {
+            c.env("TMS_SIM_HOST_MEMORY", "64GiB");
+        },
+    );
+    assert_ne!(r.code, 0, "{}", r.dump());
+    assert!(t0.elapsed() < Duration::from_secs(20), "{}", r.dump());
+    let all = format!("{}{}", r.stdout, r.stderr);
+    for want in ["out of memory", "host RAM", "68719476736"] {
+        assert!(all.contains(want), "{want:?}\n{}", r.dump());
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Trust, pid namespaces, unknown tags, escaping, usage errors, the installed layout.
 

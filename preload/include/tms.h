@@ -133,14 +133,26 @@ int tms_get_memory_margin(uint64_t *out);
 
 /* ---- CPU backups --------------------------------------------------------------------- */
 
-/* Address of the host backup of [addr, addr + len) in *out, or NULL where there is none
- * (no backup asked, or active with the backup released). TMS_ERR_NOT_FOUND if the range
- * does not lie inside one pauseable allocation. The pointer stays valid until the
- * allocation is freed, or resumed without retention. */
+/* Only complete snapshots are offered: the contents while paused with a backup, or the last
+ * pause's contents while active with the backup retained. None (NULL, *found = 0) where there
+ * is no backup, where it was released, or while a pause writes it or after one that failed.
+ * TMS_ERR_NOT_FOUND if the range does not lie inside one pauseable allocation. */
+
+/* Address of the host backup of [addr, addr + len) in *out, or NULL. Unguarded: the bytes
+ * change with the next pause and go with a resume without retention or a free. Prefer
+ * tms_acquire_cpu_backup. */
 int tms_get_cpu_backup(uint64_t addr, uint64_t len, const void **out);
 
+/* As tms_get_cpu_backup, but the bytes at *out stay mapped and unchanged until
+ * tms_release_cpu_backup(*lease): a pause writes a new buffer instead, and a resume or free
+ * leaves this one to the lease. *out is NULL (and *lease 0) where there is none. */
+int tms_acquire_cpu_backup(uint64_t addr, uint64_t len, const void **out, uint64_t *lease);
+
+/* End a lease from tms_acquire_cpu_backup. TMS_ERR_NOT_FOUND if it is not held. */
+int tms_release_cpu_backup(uint64_t lease);
+
 /* Copy the host backup of [addr, addr + len) into dst (len bytes); *found is 0 where there
- * is no backup (dst untouched), 1 when copied. */
+ * is none (dst untouched), 1 when copied. */
 int tms_copy_cpu_backup(uint64_t addr, uint64_t len, void *dst, int *found);
 
 /* ---- Statistics ---------------------------------------------------------------------- */

@@ -1,12 +1,20 @@
 //! Torch Memory Saver: GPU allocations that can hand their physical memory back and get it
 //! again later at the same virtual address, optionally keeping their contents in host memory.
 //!
-//! Layers (dependencies point down only):
+//! Layers (dependencies point down only; `tests/layers.rs` checks it):
 //! - [`hooks`] and [`ffi`]: the `cudaMalloc`/`cudaFree` interposers, PyTorch's pluggable-allocator
-//!   entry points and the C ABI of the Python shim; they own the one process-wide [`Runtime`].
-//! - [`engine`]: registry of allocations, tags, pause/resume, host backups, statistics.
-//! - [`control`]: the control socket server (started lazily) that `tmsctl` talks to.
+//!   entry points and the C ABI of the Python shim.
+//! - [`control`]: the control socket server that `tmsctl` talks to. The entry points get the
+//!   runtime from [`control::runtime`], which starts the server with it (lazily: never at load
+//!   time, never in a process that does not use the library).
+//! - [`process`]: the one process-wide [`Runtime`], the settings (the environment's, each
+//!   thread's regions), and what every entry point needs at the FFI boundary (panics caught,
+//!   the thread's last error).
+//! - [`engine`]: registry of allocations, tags, pause/resume transactions, statistics.
+//! - [`backup`]: where paused contents wait (host buffers, page-locked or not).
 //! - [`driver`]: the device primitives as a trait, with the CUDA and simulated implementations.
+//! - [`os`]: host memory as the system gives it (mappings, what is available).
+//! - [`error`], [`units`], [`threads`]: used by all of the above.
 
 pub mod backup;
 pub mod control;
@@ -16,9 +24,10 @@ pub mod error;
 pub mod ffi;
 pub mod hooks;
 pub mod os;
+pub mod process;
 pub mod threads;
 pub mod units;
 
 pub use engine::{AllocRequest, Backup, Engine};
 pub use error::{Error, Result};
-pub use hooks::runtime::Runtime;
+pub use process::runtime::Runtime;

@@ -315,6 +315,13 @@ def test_get_cpu_backup_disable_and_margin(mode):
             assert torch.equal(part, ref[1000:2000])
             tms.resume("bk-" + backend)
             assert torch.equal(t.cpu(), ref) and tms.get_cpu_backup(t) is None
+            # The zero-copy view outlives the release of the backup, and the next pause writes
+            # a new buffer instead of changing it.
+            assert torch.equal(z, ref), "zero-copy view after a resume without retention"
+            t.add_(1)
+            tms.pause("bk-" + backend)
+            assert torch.equal(z, ref) and torch.equal(tms.get_cpu_backup(t), ref + 1)
+            tms.resume("bk-" + backend)
         with tms.region(tag="nobackup"):
             nb = torch.empty(16 << 20, device="cuda")
         assert tms.get_cpu_backup(nb) is None

@@ -77,6 +77,40 @@ def test_region_pause_resume_keeps_backed_up_contents(preloaded):
     assert r.stdout.strip() == "ok"
 
 
+def test_a_leased_backup_outlives_the_resume_and_the_next_pause(preloaded):
+    r = preloaded(
+        """
+        lib = tms._impl._binary_wrapper
+        n = 2 * (1 << 20) + 777
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, kv = cuda_malloc(n)
+        first, second = os.urandom(n), os.urandom(n)
+        ctypes.memmove(kv, first, n)
+        out, lease = ctypes.c_void_p(0), ctypes.c_uint64(0)
+        assert lib.tms_acquire_cpu_backup(kv, n, ctypes.byref(out), ctypes.byref(lease)) == 0
+        assert out.value is None and lease.value == 0, "active and never paused: no snapshot"
+        tms.pause("kv")
+        assert lib.tms_acquire_cpu_backup(kv, n, ctypes.byref(out), ctypes.byref(lease)) == 0
+        assert out.value and lease.value
+        tms.resume("kv")  # no retention: the library lets go of the backup, the lease keeps it
+        assert ctypes.string_at(out.value, n) == first
+        ctypes.memmove(kv, second, n)
+        tms.pause("kv")
+        assert ctypes.string_at(out.value, n) == first, "the next pause wrote a new buffer"
+        found = ctypes.c_int(0)
+        buf = ctypes.create_string_buffer(n)
+        assert lib.tms_copy_cpu_backup(kv, n, buf, ctypes.byref(found)) == 0 and found.value == 1
+        assert buf.raw == second
+        assert lib.tms_release_cpu_backup(lease.value) == 0
+        assert lib.tms_release_cpu_backup(lease.value) == 5, "not held any more: not found"
+        tms.resume("kv")
+        assert ctypes.string_at(kv, n) == second and cuda_free(kv) == 0
+        print("ok")
+        """
+    )
+    assert r.stdout.strip() == "ok"
+
+
 def test_outside_a_region_and_inside_disable_nothing_is_pauseable(preloaded):
     preloaded(
         """

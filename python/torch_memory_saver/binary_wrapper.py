@@ -36,6 +36,11 @@ _SIGNATURES = {
     "tms_set_memory_margin": (ctypes.c_int, [ctypes.c_uint64]),
     "tms_get_memory_margin": (ctypes.c_int, [ctypes.POINTER(ctypes.c_uint64)]),
     "tms_get_cpu_backup": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p)]),
+    "tms_acquire_cpu_backup": (
+        ctypes.c_int,
+        [ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint64)],
+    ),
+    "tms_release_cpu_backup": (ctypes.c_int, [ctypes.c_uint64]),
     "tms_copy_cpu_backup": (
         ctypes.c_int,
         [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],

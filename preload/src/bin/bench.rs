@@ -29,7 +29,7 @@ use std::time::Instant;
 use tms::backup::{HostBackend, HostBuffer, HostLayout};
 use tms::driver::{DevPtr, Driver};
 use tms::engine::PinMode;
-use tms::hooks::settings::copy_config_from_env;
+use tms::process::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
 
@@ -163,7 +163,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    tms::hooks::runtime::init_logging();
+    tms::process::runtime::init_logging();
     let e = Engine::new(driver.clone());
     if let Some(b) = o.segment {
         if let Err(err) = e.set_segment_bytes(b) {

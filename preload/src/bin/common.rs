@@ -5,9 +5,9 @@ use std::sync::Arc;
 use tms::backup::HostBackend;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::driver::Driver;
-use tms::hooks::runtime::open_driver;
-use tms::hooks::settings::BackendChoice;
-use tms::hooks::settings::ProcessSettings;
+use tms::process::runtime::open_driver;
+use tms::process::settings::BackendChoice;
+use tms::process::settings::ProcessSettings;
 use tms::AllocRequest;
 
 /// The driver `TMS_BACKEND` asks for; with `auto`, CUDA where a driver and device exist, else

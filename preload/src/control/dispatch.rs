@@ -16,7 +16,7 @@ use tms_proto::{
 use crate::backup::HostBackend;
 use crate::engine::{Engine, OpStats, Stats};
 use crate::error::{status, Error, Result};
-use crate::hooks::settings::RegionSettings;
+use crate::process::settings::RegionSettings;
 
 /// What the server acts on: the engine and the process-wide default region. The process's
 /// implementation uses the one [`Runtime`](crate::Runtime) and the settings module; tests use

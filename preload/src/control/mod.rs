@@ -3,7 +3,8 @@
 //!
 //! # Note [The control server]
 //!
-//! *When it starts.* Only once the [`Runtime`](crate::Runtime) has started successfully, i.e.
+//! *When it starts.* Only once the [`Runtime`](crate::Runtime) has started successfully (the
+//! entry points reach it through [`runtime()`], which starts the server with it), i.e.
 //! in a process that made a pauseable allocation or called the C ABI; a process that merely
 //! inherited `LD_PRELOAD` never gets here, so it gets no thread, no folder, no socket.
 //! `TMS_CONTROL=0` turns the server off. Setup (folder check, bind) runs on the thread that
@@ -76,8 +77,8 @@ use tms_proto::encode;
 
 use crate::engine::Engine;
 use crate::error::Result;
-use crate::hooks::runtime::Runtime;
-use crate::hooks::settings::{self, RegionSettings};
+use crate::process::runtime::{self, Runtime};
+use crate::process::settings::{self, RegionSettings};
 use crate::units::{env_parsed, parse_flag};
 
 use conns::Table;
@@ -106,9 +107,18 @@ impl Host for ProcessHost {
     }
 }
 
+/// The process's runtime (created on the first call, see [`runtime::get`]) with the server
+/// started for it. The entry points (hooks and C ABI) reach the runtime only through here, so
+/// the control socket starts with the first successful use, never at load time.
+pub fn runtime() -> Result<&'static Runtime> {
+    let rt = runtime::get()?;
+    ensure_started(rt);
+    Ok(rt)
+}
+
 /// Start the server for `rt` unless it was started (or tried) before. Cheap after the first
 /// call. Never panics, never prints (failures are logged).
-pub fn ensure_started(rt: &'static Runtime) {
+fn ensure_started(rt: &'static Runtime) {
     if START.is_completed() {
         return;
     }

@@ -5,45 +5,15 @@
 //! (`tms_last_error`). No panic crosses this boundary: each entry point runs inside [`catch`].
 //! String arguments are NUL-terminated UTF-8; NULL where a tag is optional means "every tag".
 
-use std::cell::RefCell;
-use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ffi::{c_char, c_int, c_void, CStr};
 
 use crate::backup::HostBackend;
-use crate::error::{panic_message, status, Error, Result};
-use crate::hooks::{runtime, settings};
+use crate::control;
+use crate::error::{status, Error, Result};
+use crate::process::boundary::{catch, set_last_error, set_last_message, with_last_error};
+use crate::process::{runtime, settings};
 
 mod upstream;
-
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
-
-/// Record `e` as this thread's last error.
-pub fn set_last_error(e: &Error) {
-    set_last_message(&e.to_string());
-}
-
-fn set_last_message(msg: &str) {
-    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
-}
-
-/// Run `f`, turning a panic into `fallback` and a recorded internal error.
-pub fn catch<T>(fallback: T, f: impl FnOnce() -> T) -> T {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(v) => v,
-        Err(p) => {
-            let msg = format!(
-                "internal error (a bug in torch-memory-saver): {}",
-                panic_message(&*p)
-            );
-            tracing::error!("{msg}");
-            set_last_message(&msg);
-            fallback
-        }
-    }
-}
 
 /// Run a fallible entry point: `Ok` is `TMS_OK`, an error its status with the message recorded.
 fn entry(f: impl FnOnce() -> Result<()>) -> c_int {
@@ -178,21 +148,18 @@ pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
 #[no_mangle]
 pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
     catch(0, || {
-        LAST_ERROR
-            .try_with(|l| {
-                let l = l.borrow();
-                let bytes = l.as_bytes();
-                if !buf.is_null() && cap > 0 {
-                    let n = bytes.len().min(cap - 1);
-                    // SAFETY: buf is writable for cap > n bytes (caller's contract).
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
-                        *buf.add(n) = 0;
-                    }
+        with_last_error(|bytes| {
+            if !buf.is_null() && cap > 0 {
+                let n = bytes.len().min(cap - 1);
+                // SAFETY: buf is writable for cap > n bytes (caller's contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
+                    *buf.add(n) = 0;
                 }
-                bytes.len()
-            })
-            .unwrap_or(0)
+            }
+            bytes.len()
+        })
+        .unwrap_or(0)
     })
 }
 
@@ -204,7 +171,7 @@ pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
 #[no_mangle]
 pub unsafe extern "C" fn tms_init(buf: *mut c_char, cap: usize, out_len: *mut usize) -> c_int {
     catch(status::INTERNAL, || {
-        let r = runtime::get().and_then(|rt| {
+        let r = control::runtime().and_then(|rt| {
             // SAFETY: forwarded contract.
             unsafe { write_out(rt.engine.driver().name(), buf, cap, out_len) }
         });
@@ -317,7 +284,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
         let tag = unsafe { tag_or_all(tag) }?;
-        runtime::get()?.engine.pause(tag).map(|_| ())
+        control::runtime()?.engine.pause(tag).map(|_| ())
     })
 }
 
@@ -331,7 +298,7 @@ pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
         let tag = unsafe { tag_or_all(tag) }?;
-        runtime::get()?.engine.resume(tag).map(|_| ())
+        control::runtime()?.engine.resume(tag).map(|_| ())
     })
 }
 
@@ -339,7 +306,7 @@ pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
 #[no_mangle]
 pub extern "C" fn tms_set_retain_cpu_backup(on: c_int) -> c_int {
     entry(|| {
-        runtime::get()?.engine.set_retain_cpu_backup(on != 0);
+        control::runtime()?.engine.set_retain_cpu_backup(on != 0);
         Ok(())
     })
 }
@@ -355,7 +322,7 @@ pub unsafe extern "C" fn tms_query_retain_cpu_backup(out: *mut c_int) -> c_int {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let v = runtime::get()?.engine.retain_cpu_backup();
+        let v = control::runtime()?.engine.retain_cpu_backup();
         // SAFETY: non-null, caller vouches it is writable.
         unsafe { *out = c_int::from(v) };
         Ok(())
@@ -366,7 +333,7 @@ pub unsafe extern "C" fn tms_query_retain_cpu_backup(out: *mut c_int) -> c_int {
 #[no_mangle]
 pub extern "C" fn tms_set_memory_margin(bytes: u64) -> c_int {
     entry(|| {
-        runtime::get()?.engine.set_memory_margin(bytes);
+        control::runtime()?.engine.set_memory_margin(bytes);
         Ok(())
     })
 }
@@ -381,17 +348,18 @@ pub unsafe extern "C" fn tms_get_memory_margin(out: *mut u64) -> c_int {
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let v = runtime::get()?.engine.memory_margin();
+        let v = control::runtime()?.engine.memory_margin();
         // SAFETY: non-null, caller vouches it is writable.
         unsafe { *out = v };
         Ok(())
     })
 }
 
-/// Address of the host backup of `[addr, addr+len)` in `*out`, or NULL where there is none (no
-/// backup asked, or active with the backup released). `TMS_ERR_NOT_FOUND` if the range does not
-/// lie inside one pauseable allocation. The pointer is valid until the allocation is freed or
-/// resumed without retention.
+/// Address of the host backup of `[addr, addr+len)` in `*out`, or NULL where there is no
+/// complete snapshot ([`crate::engine::Engine::copy_cpu_backup`]). `TMS_ERR_NOT_FOUND` if the
+/// range does not lie inside one pauseable allocation. Unguarded: the bytes change with the next
+/// pause and go with a resume without retention or a free ([`tms_acquire_cpu_backup`] is the
+/// guarded form).
 ///
 /// # Safety
 /// `out` is writable.
@@ -401,11 +369,44 @@ pub unsafe extern "C" fn tms_get_cpu_backup(addr: u64, len: u64, out: *mut *cons
         if out.is_null() {
             return Err(Error::InvalidArgument("out is NULL".into()));
         }
-        let p = runtime::get()?.engine.cpu_backup_ptr(addr, len)?;
+        let p = control::runtime()?.engine.cpu_backup_ptr(addr, len)?;
         // SAFETY: non-null, caller vouches it is writable.
         unsafe { *out = p.map_or(std::ptr::null(), |p| p.cast()) };
         Ok(())
     })
+}
+
+/// As [`tms_get_cpu_backup`], but the bytes stay mapped and unchanged until
+/// [`tms_release_cpu_backup`] of `*lease` (NULL and 0 where there is no snapshot).
+///
+/// # Safety
+/// `out` and `lease` are writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_acquire_cpu_backup(
+    addr: u64,
+    len: u64,
+    out: *mut *const c_void,
+    lease: *mut u64,
+) -> c_int {
+    entry(|| {
+        if out.is_null() || lease.is_null() {
+            return Err(Error::InvalidArgument("out or lease is NULL".into()));
+        }
+        let got = control::runtime()?.engine.acquire_cpu_backup(addr, len)?;
+        let (p, l) = got.map_or((std::ptr::null(), 0), |g| (g.ptr.cast(), g.lease));
+        // SAFETY: both non-null, caller vouches they are writable.
+        unsafe {
+            *out = p;
+            *lease = l;
+        }
+        Ok(())
+    })
+}
+
+/// End a lease from [`tms_acquire_cpu_backup`].
+#[no_mangle]
+pub extern "C" fn tms_release_cpu_backup(lease: u64) -> c_int {
+    entry(|| control::runtime()?.engine.release_cpu_backup(lease))
 }
 
 /// Copy the host backup of `[addr, addr+len)` into `dst`; `*found` is 0 where there is none.
@@ -426,7 +427,7 @@ pub unsafe extern "C" fn tms_copy_cpu_backup(
         let len = buffer_len(false, len, "dst")?.unwrap_or(0);
         // SAFETY: caller vouches dst is writable for len bytes.
         let dst = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
-        let f = runtime::get()?.engine.copy_cpu_backup(addr, dst)?;
+        let f = control::runtime()?.engine.copy_cpu_backup(addr, dst)?;
         // SAFETY: non-null, caller vouches it is writable.
         unsafe { *found = c_int::from(f) };
         Ok(())
@@ -446,7 +447,7 @@ pub unsafe extern "C" fn tms_stats_json(
     out_len: *mut usize,
 ) -> c_int {
     catch(status::INTERNAL, || {
-        let r = runtime::get().and_then(|rt| {
+        let r = control::runtime().and_then(|rt| {
             let j = serde_json::to_string(&rt.engine.stats())
                 .map_err(|e| Error::InvalidState(format!("serialising stats: {e}")))?;
             // SAFETY: forwarded contract.
@@ -470,7 +471,7 @@ pub unsafe extern "C" fn tms_write_bytes(addr: u64, src: *const c_void, len: u64
         };
         // SAFETY: non-null, and the caller vouches src is readable for len bytes.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
-        runtime::get()?.engine.write_bytes(addr, data)
+        control::runtime()?.engine.write_bytes(addr, data)
     })
 }
 
@@ -486,7 +487,7 @@ pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -
         };
         // SAFETY: non-null, and the caller vouches dst is writable for len bytes.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
-        runtime::get()?.engine.read_bytes(addr, out)
+        control::runtime()?.engine.read_bytes(addr, out)
     })
 }
 
@@ -503,8 +504,8 @@ pub unsafe extern "C" fn tms_control_socket(
     out_len: *mut usize,
 ) -> c_int {
     catch(status::INTERNAL, || {
-        let r = runtime::get().and_then(|_| {
-            let p = crate::control::socket_path()
+        let r = control::runtime().and_then(|_| {
+            let p = control::socket_path()
                 .map_err(|m| Error::Unsupported(format!("no control socket: {m}")))?;
             let s = p.to_string_lossy();
             // SAFETY: forwarded contract.

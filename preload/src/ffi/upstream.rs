@@ -16,10 +16,12 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
 
-use super::{catch, entry, opt_str, set_last_error};
+use super::{entry, opt_str};
 use crate::backup::HostBackend;
+use crate::control;
 use crate::error::{Error, Result};
-use crate::hooks::{runtime, settings};
+use crate::process::boundary::{catch, set_last_error};
+use crate::process::settings;
 
 thread_local! {
     /// Storage behind the pointer `tms_get_current_tag` returns.
@@ -151,7 +153,7 @@ pub extern "C" fn set_memory_margin_bytes(bytes: u64) -> c_int {
 #[no_mangle]
 pub extern "C" fn tms_get_retain_cpu_backup() -> c_int {
     catch(0, || {
-        flag(runtime::get().map(|rt| rt.engine.retain_cpu_backup()))
+        flag(control::runtime().map(|rt| rt.engine.retain_cpu_backup()))
     })
 }
 
@@ -162,7 +164,7 @@ pub extern "C" fn tms_get_retain_cpu_backup() -> c_int {
 #[no_mangle]
 pub extern "C" fn tms_get_cpu_backup_pointer(gpu_ptr: *const u8, size: u64) -> *mut u8 {
     catch(std::ptr::null_mut(), || {
-        let r = runtime::get().and_then(|rt| rt.engine.cpu_backup_ptr(gpu_ptr as u64, size));
+        let r = control::runtime().and_then(|rt| rt.engine.cpu_backup_ptr(gpu_ptr as u64, size));
         match r {
             Ok(p) => p.map_or(std::ptr::null_mut(), |p| p.cast_mut()),
             Err(e) => {

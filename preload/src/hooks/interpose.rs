@@ -10,10 +10,11 @@ use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
-use super::{runtime, settings};
+use crate::control;
 use crate::engine::AllocRequest;
 use crate::error::Error;
-use crate::ffi::{catch, set_last_error};
+use crate::process::boundary::{catch, set_last_error};
+use crate::process::{runtime, settings};
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
@@ -149,7 +150,7 @@ static STARTUP_REPORTED: std::sync::Once = std::sync::Once::new();
 fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int, Error)> {
     let fail = |code| move |e: Error| (code, e);
     let region = settings::current_region().map_err(fail(CUDA_ERROR_INVALID_VALUE))?;
-    let rt = runtime::get().map_err(|e| {
+    let rt = control::runtime().map_err(|e| {
         report_once(&STARTUP_REPORTED, &e);
         (CUDA_ERROR_INITIALIZATION, e)
     })?;

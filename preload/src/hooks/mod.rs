@@ -1,8 +1,5 @@
-//! The process-facing layer: environment settings, per-thread region settings, the one
-//! process-wide [`runtime::Runtime`], and the interposed CUDA runtime entry points.
+//! The interposed CUDA runtime entry points and PyTorch's pluggable-allocator entry points.
 
 mod interpose;
-pub mod runtime;
-pub mod settings;
 
 pub use interpose::{cudaFree, cudaMalloc, tms_torch_free, tms_torch_malloc};

@@ -86,6 +86,7 @@ fn init() -> Result<Runtime> {
 }
 
 /// The runtime, created on the first call; a failure is kept and returned to every caller.
+/// Entry points call the control layer's `runtime()` instead, which also starts the server.
 pub fn get() -> Result<&'static Runtime> {
     if forked() {
         return Err(Error::InvalidState(
@@ -93,7 +94,7 @@ pub fn get() -> Result<&'static Runtime> {
                 .into(),
         ));
     }
-    let rt = RUNTIME
+    RUNTIME
         .get_or_init(|| {
             init().map_err(|e| {
                 let e = e.context("starting torch-memory-saver");
@@ -102,10 +103,7 @@ pub fn get() -> Result<&'static Runtime> {
             })
         })
         .as_ref()
-        .map_err(StickyError::to_error)?;
-    // The control socket starts with the first successful use, never at load time.
-    crate::control::ensure_started(rt);
-    Ok(rt)
+        .map_err(StickyError::to_error)
 }
 
 /// The runtime if it was already created successfully (never creates it).
