@@ -80,10 +80,10 @@ def test_region_pause_resume_keeps_backed_up_contents(preloaded):
 def test_a_leased_backup_outlives_the_resume_and_the_next_pause(preloaded):
     r = preloaded(
         """
-        lib = tms._impl._binary_wrapper
         n = 2 * (1 << 20) + 777
         with tms.region(tag="kv", enable_cpu_backup=True):
             rc, kv = cuda_malloc(n)
+        lib = tms._impl._binary_wrapper
         first, second = os.urandom(n), os.urandom(n)
         ctypes.memmove(kv, first, n)
         out, lease = ctypes.c_void_p(0), ctypes.c_uint64(0)
