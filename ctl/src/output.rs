@@ -146,19 +146,28 @@ pub fn status(s: &Status, command: &str) -> String {
     }
     let _ = writeln!(
         o,
-        "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>20} {:>20}",
-        "TAG", "ALLOCS", "PAUSED", "ACTIVE", "PAUSED", "HOST BACKUP", "LAST PAUSE", "LAST RESUME"
+        "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
+        "TAG",
+        "ALLOCS",
+        "PAUSED",
+        "ACTIVE",
+        "PAUSED",
+        "HOST BACKUP",
+        "DISK BACKUP",
+        "LAST PAUSE",
+        "LAST RESUME"
     );
     for t in &s.tags {
         let _ = writeln!(
             o,
-            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>20} {:>20}",
+            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
             printable(&t.tag),
             t.allocations,
             t.paused_allocations,
             human(t.bytes_active),
             human(t.bytes_paused),
             human(t.host_backup_bytes),
+            human(t.disk_backup_bytes),
             timing(&t.last_pause),
             timing(&t.last_resume)
         );

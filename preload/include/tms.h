@@ -198,7 +198,17 @@ const char *tms_get_current_tag(void);
 int tms_set_enable_cpu_backup(bool enable);
 bool tms_get_enable_cpu_backup(void);
 int tms_set_cpu_backup_backend(const char *backend);
+
 const char *tms_get_cpu_backup_backend(void);
+
+/* Disk backup of this thread's new pauseable allocations: each one's contents go to a file of
+ * its own at pause and come back at resume (mutually exclusive with a CPU backup: enabling
+ * one while the other is on is TMS_ERR_INVALID_ARGUMENT). The directory of new files: an
+ * existing directory, or NULL / "" for the default (TMS_DISK_BACKUP_DIR, else the system's
+ * temporary directory). */
+int tms_set_enable_disk_backup(bool enable);
+bool tms_get_enable_disk_backup(void);
+int tms_set_disk_backup_dir(const char *dir);
 
 /* tms_set_memory_margin under its old name. */
 int set_memory_margin_bytes(uint64_t bytes);

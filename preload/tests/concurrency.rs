@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::RwLock;
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::engine::{AllocRequest, Engine, State};
 use tms::Backup;
@@ -146,9 +146,9 @@ impl Shared {
                 let (tag, backup): (&str, Backup) = if j == k {
                     (&n, None)
                 } else if j % 2 == 0 {
-                    (&w, Some(HostBackend::Pinned))
+                    (&w, Some(BackupKind::Pinned))
                 } else {
-                    (&w, Some(HostBackend::Mmap))
+                    (&w, Some(BackupKind::Mmap))
                 };
                 let size = 1 + rng.below(3 * G);
                 let addr = self

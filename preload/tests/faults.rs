@@ -22,7 +22,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
 use common::{pattern, read_raw, write_raw};
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::{Backup, Error};
@@ -33,8 +33,8 @@ const CAPACITY: u64 = 1 << 30;
 /// Fault codes tried: CUDA_ERROR_UNKNOWN and CUDA_ERROR_OUT_OF_MEMORY.
 const CODES: [i32; 2] = [999, 2];
 
-const PINNED: Backup = Some(HostBackend::Pinned);
-const MMAP: Backup = Some(HostBackend::Mmap);
+const PINNED: Backup = Some(BackupKind::Pinned);
+const MMAP: Backup = Some(BackupKind::Mmap);
 
 /// The three allocations of the operation under test: odd sizes, two devices.
 const SIZES: [u64; 3] = [G + 1, 2 * G - 7, 3 * G + 4097];

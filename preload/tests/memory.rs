@@ -13,7 +13,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::engine::{AllocRequest, Engine, State};
 use tms::Backup;
@@ -168,7 +168,7 @@ fn mmap_backup_is_given_back_after_a_non_retaining_resume() {
     let _s = serial();
     let sim = sim(2 * MIB);
     let e = Engine::new(sim.clone());
-    let p = alloc(&e, BIG, "big", Some(HostBackend::Mmap));
+    let p = alloc(&e, BIG, "big", Some(BackupKind::Mmap));
     fill_stream(&sim, p, BIG, 3);
     let base = rss();
     let near = |x: u64| x.abs_diff(base) <= BIG / 10;
@@ -241,7 +241,7 @@ fn contents_survive_pause_at_awkward_sizes() {
         5 * g - 1,
         7 * g + 1,
     ];
-    for backend in [HostBackend::Pinned, HostBackend::Mmap] {
+    for backend in [BackupKind::Pinned, BackupKind::Mmap] {
         for retain in [false, true] {
             let sim = sim(g);
             let e = Engine::new(sim.clone());
@@ -311,7 +311,7 @@ fn child(mode: &str) {
     let sim = sim(g);
     let e = Engine::new(sim.clone());
     let size = 3 * g + 5;
-    let p = alloc(&e, size, "t", Some(HostBackend::Mmap));
+    let p = alloc(&e, size, "t", Some(BackupKind::Mmap));
     // SAFETY: active allocation of `size` bytes.
     unsafe { std::ptr::write_bytes(p as *mut u8, 0x5a, size as usize) };
     e.pause(Some("t")).unwrap();

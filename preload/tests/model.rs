@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use common::{pattern, read_raw, write_raw};
 use proptest::prelude::*;
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::backup::HostLayout;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
@@ -72,14 +72,15 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
             layout: HostLayout { chunk, hugepages },
             slot,
             pin,
+            disk_chunk: 0,
         })
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     let backup = prop_oneof![
         Just(None),
-        Just(Some(HostBackend::Pinned)),
-        Just(Some(HostBackend::Mmap))
+        Just(Some(BackupKind::Pinned)),
+        Just(Some(BackupKind::Mmap))
     ];
     let tag = prop_oneof![Just(None), (0..3usize).prop_map(Some)];
     prop_oneof![
@@ -297,7 +298,7 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
         // Pinned backups are page-locked in whole pages: inline by the first pause; in the
         // background only once retained (all of it, once the pinner is idle); never otherwise.
         let whole = a.size.next_multiple_of(4096);
-        let pinned_backup = a.host && a.backup == Some(HostBackend::Pinned);
+        let pinned_backup = a.host && a.backup == Some(BackupKind::Pinned);
         let locked = i.host_pinned_bytes;
         match mode {
             PinMode::Inline => prop_assert_eq!(

@@ -21,7 +21,8 @@ use std::time::Duration;
 
 use common::{pattern, read_raw, write_raw};
 use proptest::prelude::*;
-use tms::backup::{HostBackend, HostLayout};
+use tms::backup::disk::{self, DiskOp};
+use tms::backup::{BackupKind, HostLayout};
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::Backup;
@@ -41,10 +42,26 @@ struct Fx {
     sim: Arc<SimDriver>,
     e: Engine,
     allocs: Vec<Alloc>,
+    /// The disk backups' directory; dropped after the engine, whose frees remove the files.
+    dir: tempfile::TempDir,
 }
 
-const SIZES: [u64; 7] = [1, G - 1, 3 * G + 5, 9 * G, 17 * G + 4097, 5 * G, 40 * G + 3];
-const BACKUPS: [Backup; 3] = [Some(HostBackend::Pinned), Some(HostBackend::Mmap), None];
+const SIZES: [u64; 8] = [
+    1,
+    G - 1,
+    3 * G + 5,
+    9 * G,
+    17 * G + 4097,
+    5 * G,
+    40 * G + 3,
+    13 * G + 1,
+];
+const BACKUPS: [Backup; 4] = [
+    Some(BackupKind::Pinned),
+    Some(BackupKind::Mmap),
+    None,
+    Some(BackupKind::Disk),
+];
 
 fn fx(pin: PinMode, retain: bool) -> Fx {
     let sim = Arc::new(
@@ -64,14 +81,18 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
         },
         slot: 4096,
         pin,
+        disk_chunk: 2 * 4096,
     })
     .unwrap();
     e.set_retain_cpu_backup(retain);
     // Small physical segments: the larger allocations have several.
     e.set_segment_bytes(4 * G).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
     let mut allocs = Vec::new();
     for (k, size) in SIZES.iter().enumerate() {
-        let backup = BACKUPS[k % 3];
+        let backup = BACKUPS[k % 4];
         let addr = e
             .alloc(&AllocRequest {
                 size: *size,
@@ -91,7 +112,12 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
         });
     }
     allocs.sort_by_key(|a| a.addr);
-    Fx { sim, e, allocs }
+    Fx {
+        sim,
+        e,
+        allocs,
+        dir,
+    }
 }
 
 impl Fx {
@@ -113,7 +139,9 @@ impl Fx {
                     );
                     // An active allocation's backup counts only as a complete snapshot (a
                     // retained one, of the last pause); never a partly written one.
-                    if i.host_valid {
+                    if a.backup == Some(BackupKind::Disk) {
+                        // Files are not offered as CPU backups; they are checked at recovery.
+                    } else if i.host_valid {
                         let mut b = vec![0u8; a.size as usize];
                         assert!(self.e.copy_cpu_backup(a.addr, &mut b).unwrap());
                         assert!(
@@ -139,7 +167,13 @@ impl Fx {
                 }
                 State::Paused => {
                     assert!(!self.sim.is_accessible(a.addr), "{ctx}: {:#x}", a.addr);
-                    if a.backup.is_some() {
+                    if a.backup == Some(BackupKind::Disk) {
+                        assert!(
+                            i.host_valid && i.disk_bytes == i.mapped,
+                            "{ctx}: {:#x}",
+                            a.addr
+                        );
+                    } else if a.backup.is_some() {
                         let mut b = vec![0u8; a.size as usize];
                         assert!(i.host_valid && self.e.copy_cpu_backup(a.addr, &mut b).unwrap());
                         assert!(b == a.data, "{ctx}: backup of {:#x} differs", a.addr);
@@ -285,6 +319,115 @@ fn sweep(pin: PinMode, retain: bool, resume: bool) -> usize {
     fired_cases
 }
 
+/// File operations of disk backups that fail: every early call of each, with an I/O error and
+/// with a full disk. A pause that cannot create, reserve, write or sync a file fails naming it,
+/// and every allocation not yet paused is active with its contents; a resume that cannot read
+/// stays paused with its files, and the retry restores every byte.
+fn sweep_disk(pin: PinMode, retain: bool, resume: bool) -> usize {
+    let mut fired_cases = 0;
+    for op in [
+        DiskOp::Create,
+        DiskOp::Allocate,
+        DiskOp::Write,
+        DiskOp::Sync,
+        DiskOp::Read,
+    ] {
+        for errno in [libc::EIO, libc::ENOSPC] {
+            for nth in 1..=12 {
+                let ctx = format!("{pin:?} retain {retain} resume {resume}: {op:?} #{nth} {errno}");
+                let mut f = fx(pin, retain);
+                let dir = f.dir.path().to_path_buf();
+                if resume {
+                    f.e.pause(None).unwrap();
+                    for a in &mut f.allocs {
+                        a.intact = a.backup.is_some();
+                    }
+                }
+                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let live = (f.sim.live_bytes(0), f.sim.live_bytes(1));
+                disk::arm_fault(Some(&dir), op, nth, errno);
+                let r = if resume {
+                    f.e.resume(Some("t"))
+                } else {
+                    f.e.pause(Some("t"))
+                };
+                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let fired = disk::pending_faults(Some(&dir)) == 0;
+                disk::clear_faults(Some(&dir));
+                match (&r, fired) {
+                    (Ok(_), false) => {
+                        f.check(&ctx, 0);
+                        break;
+                    }
+                    (Err(e), false) => panic!("{ctx}: failed without a fault: {e}"),
+                    (Ok(_), true) => panic!("{ctx}: the fault was swallowed"),
+                    (Err(e), true) => {
+                        let msg = e.to_string();
+                        assert!(
+                            msg.contains(&*dir.to_string_lossy()),
+                            "{ctx}: names the file: {msg}"
+                        );
+                        assert_eq!(e.is_oom(), errno == libc::ENOSPC, "{ctx}: {msg}");
+                        if resume {
+                            assert!(msg.contains("stays paused"), "{ctx}: {msg}");
+                            assert!(f.e.allocations().iter().all(|i| i.state == State::Paused));
+                            assert_eq!((f.sim.live_bytes(0), f.sim.live_bytes(1)), live, "{ctx}");
+                        } else {
+                            let infos = f.e.allocations();
+                            if matches!(op, DiskOp::Create | DiskOp::Allocate) {
+                                assert!(
+                                    infos.iter().all(|i| i.state == State::Active),
+                                    "{ctx}: files are made before anything is paused"
+                                );
+                            } else {
+                                assert!(
+                                    infos.iter().any(|i| i.backup == Some(BackupKind::Disk)
+                                        && i.state == State::Active),
+                                    "{ctx}: the allocation whose file failed stays active"
+                                );
+                            }
+                        }
+                    }
+                }
+                fired_cases += 1;
+                f.check(&ctx, 0);
+                f.recover(&ctx);
+                let files = std::fs::read_dir(&dir).unwrap().count();
+                let disk_allocs = f
+                    .allocs
+                    .iter()
+                    .filter(|a| a.backup == Some(BackupKind::Disk))
+                    .count();
+                assert!(
+                    files <= disk_allocs,
+                    "{ctx}: {files} files for {disk_allocs} allocations"
+                );
+                drop(f.e);
+                assert_eq!(
+                    std::fs::read_dir(&dir).unwrap().count(),
+                    0,
+                    "{ctx}: files removed on free"
+                );
+            }
+        }
+    }
+    fired_cases
+}
+
+#[test]
+fn file_faults_in_disk_backed_pauses_and_resumes() {
+    for (pin, retain) in [(PinMode::Inline, false), (PinMode::Background, true)] {
+        assert!(
+            sweep_disk(pin, retain, false) > 20,
+            "{pin:?}: pauses exercised little"
+        );
+        assert!(
+            sweep_disk(pin, retain, true) > 10,
+            "{pin:?}: resumes exercised little"
+        );
+    }
+}
+
 impl Fx {
     /// After a swallowed unregistration failure: the registry's accounting holds up to what the
     /// failure left registered, and contents are intact.
@@ -355,10 +498,11 @@ proptest! {
             layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false },
             slot: slot_pages * 4096,
             pin,
+            disk_chunk: chunk_pages * 4096,
         }).unwrap();
         e.set_retain_cpu_backup(retain);
         e.set_segment_bytes((segment_granules * G).next_power_of_two()).unwrap();
-        let backend = if mmap { HostBackend::Mmap } else { HostBackend::Pinned };
+        let backend = if mmap { BackupKind::Mmap } else { BackupKind::Pinned };
         let mut v = Vec::new();
         for (k, size) in sizes.iter().enumerate() {
             let addr = e.alloc(&AllocRequest { size: *size, device: (k % 2) as i32, tag: "t".into(), backup: Some(backend) }).unwrap();
@@ -412,7 +556,7 @@ fn a_failed_event_wait_never_passes_off_another_workers_dropped_copy_as_done() {
                         size,
                         device: 0,
                         tag: "default".into(),
-                        backup: Some(HostBackend::Pinned),
+                        backup: Some(BackupKind::Pinned),
                     })
                     .unwrap();
                 let data = pattern(size as usize, 1000 * round + k as u64);

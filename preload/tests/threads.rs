@@ -10,7 +10,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use common::{pattern, read_raw, write_raw};
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimConfig, SimDriver, PANIC};
 use tms::engine::{AllocRequest, CopyConfig, Engine, State};
 use tms::threads::fail_next_spawns;
@@ -50,9 +50,9 @@ fn fx() -> Fx {
                 device: (k % 2) as i32,
                 tag: "t".into(),
                 backup: Some(if k % 2 == 0 {
-                    HostBackend::Pinned
+                    BackupKind::Pinned
                 } else {
-                    HostBackend::Mmap
+                    BackupKind::Mmap
                 }),
             })
             .unwrap();

@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{pattern, read_raw, write_raw};
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimConfig, SimDriver};
 use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 
@@ -43,7 +43,7 @@ fn engine(sim: &Arc<SimDriver>, threads: usize) -> Arc<Engine> {
     e
 }
 
-fn req(size: u64, device: i32, tag: &str, backup: Option<HostBackend>) -> AllocRequest {
+fn req(size: u64, device: i32, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
     AllocRequest {
         size,
         device,
@@ -80,7 +80,7 @@ fn hooks_never_wait_for_a_stalled_pause() {
     let sim = sim(2);
     let e = engine(&sim, 2);
     let kv = e
-        .alloc(&req(8 * MIB, 0, "kv", Some(HostBackend::Pinned)))
+        .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Pinned)))
         .unwrap();
     let kv_data = pattern(8 << 20, 1);
     write_raw(&sim, kv, &kv_data);
@@ -146,7 +146,7 @@ fn hooks_and_transactions_interleave_without_loss() {
     for k in 0..6u64 {
         let size = (1 + k % 3) * 3 * MIB + 4096 * k;
         let p = e
-            .alloc(&req(size, (k % 2) as i32, "kv", Some(HostBackend::Mmap)))
+            .alloc(&req(size, (k % 2) as i32, "kv", Some(BackupKind::Mmap)))
             .unwrap();
         let data = pattern(size as usize, 100 + k);
         write_raw(&sim, p, &data);
@@ -195,7 +195,7 @@ fn a_pause_the_host_cannot_hold_fails_with_the_numbers() {
     let sim = sim(1);
     let e = engine(&sim, 2);
     let p = e
-        .alloc(&req(96 * MIB, 0, "big", Some(HostBackend::Pinned)))
+        .alloc(&req(96 * MIB, 0, "big", Some(BackupKind::Pinned)))
         .unwrap();
     let data = pattern(96 << 20, 9);
     write_raw(&sim, p, &data);
@@ -259,7 +259,7 @@ fn helper_threads_page_lock_in_the_backups_own_device() {
     })
     .unwrap();
     let p = e
-        .alloc(&req(6 * MIB, 3, "kv", Some(HostBackend::Pinned)))
+        .alloc(&req(6 * MIB, 3, "kv", Some(BackupKind::Pinned)))
         .unwrap();
     let data = pattern(6 << 20, 4);
     write_raw(&sim, p, &data);
@@ -303,7 +303,7 @@ fn a_failed_pause_offers_no_partial_backup() {
     let sim = sim(1);
     let e = engine(&sim, 3);
     let p = e
-        .alloc(&req(8 * MIB, 0, "kv", Some(HostBackend::Mmap)))
+        .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Mmap)))
         .unwrap();
     let data = pattern(8 << 20, 5);
     write_raw(&sim, p, &data);
@@ -332,7 +332,7 @@ fn a_leased_backup_outlives_release_and_is_never_overwritten() {
     let e = engine(&sim, 2);
     let len = 6 * MIB;
     let p = e
-        .alloc(&req(len, 0, "kv", Some(HostBackend::Pinned)))
+        .alloc(&req(len, 0, "kv", Some(BackupKind::Pinned)))
         .unwrap();
     let first = pattern(len as usize, 6);
     write_raw(&sim, p, &first);

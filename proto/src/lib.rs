@@ -181,6 +181,9 @@ pub struct TagStatus {
     pub bytes_paused: u64,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
+    /// Bytes of disk backup files.
+    #[serde(default)]
+    pub disk_backup_bytes: u64,
     /// Last pause that touched the tag.
     #[serde(default)]
     pub last_pause: Option<OpTiming>,

@@ -12,6 +12,7 @@ caller gave beyond the long-standing ones.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -121,7 +122,11 @@ class TorchMemorySaver:
     # ---------------------------------------------------------------- regions
 
     def region(
-        self, tag: str = "default", enable_cpu_backup: bool = False, cpu_backup_backend: Optional[str] = None
+        self,
+        tag: str = "default",
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Optional[bool] = None,
     ) -> contextlib.AbstractContextManager:
         """Tensors allocated inside are pauseable under ``tag``.
 
@@ -134,10 +139,18 @@ class TorchMemorySaver:
         the pause), so later cycles copy at link speed; ``"mmap"`` stays pageable, so the kernel
         can take it back. Both are filled and read through small page-locked staging buffers
         where they are not page-locked.
+
+        ``enable_disk_backup=True`` keeps them instead in files of their own in the disk backup
+        directory (``set_disk_backup_dir``, ``TMS_DISK_BACKUP_DIR``, else the system's temporary
+        directory), written and read at the disk's speed; files are reused across pauses and
+        removed when the tensor's memory is freed and at exit. A CPU and a disk backup are
+        mutually exclusive.
         """
         self._ensure_initialized()
         return self._impl.region(
-            tag=tag, enable_cpu_backup=enable_cpu_backup, **_given(cpu_backup_backend=cpu_backup_backend)
+            tag=tag,
+            enable_cpu_backup=enable_cpu_backup,
+            **_given(cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup),
         )
 
     def disable(self) -> contextlib.AbstractContextManager:
@@ -159,6 +172,7 @@ class TorchMemorySaver:
         tag: str = "default",
         enable_cpu_backup: bool = False,
         cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Optional[bool] = None,
     ) -> contextlib.AbstractContextManager:
         """Like ``torch.cuda.graph(...)``, but the graph's own memory (its intermediate tensors)
         is pauseable under ``tag``; the graph replays correctly after resume. Works in both hook
@@ -171,8 +185,16 @@ class TorchMemorySaver:
             capture_error_mode=capture_error_mode,
             tag=tag,
             enable_cpu_backup=enable_cpu_backup,
-            **_given(cpu_backup_backend=cpu_backup_backend),
+            **_given(cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup),
         )
+
+    def set_disk_backup_dir(self, path: "Optional[str | os.PathLike]") -> None:
+        """Put the files of disk backups made from now on in ``path`` (an existing directory;
+        None for the default, ``TMS_DISK_BACKUP_DIR`` or else the system's temporary directory).
+        Files left there by processes that died are removed at first use; a directory in RAM
+        (tmpfs) works but takes host memory, and is logged as such."""
+        self._ensure_initialized()
+        return self._impl.set_disk_backup_dir(path)
 
     # ---------------------------------------------------------------- pause / resume
 

@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -49,6 +50,16 @@ def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
             f"cpu_backup_backend={backend!r} needs enable_cpu_backup=True (there is no backup to put in it)"
         )
     return backend
+
+
+def _check_disk(enable_cpu_backup: bool, enable_disk_backup: Any) -> bool:
+    disk = bool(enable_disk_backup)
+    if disk and enable_cpu_backup:
+        raise InvalidArgumentError(
+            "enable_cpu_backup and enable_disk_backup are mutually exclusive (a paused tensor keeps its "
+            "contents in one place)"
+        )
+    return disk
 
 
 def _torch_if_cuda() -> Any:
@@ -228,17 +239,34 @@ class _TorchMemorySaverImpl:
         lib = self._library()
         lib.check(lib.tms_set_memory_margin(n))
 
+    def set_disk_backup_dir(self, path: Any) -> None:
+        """See ``TorchMemorySaver.set_disk_backup_dir``."""
+        if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
+            raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+        lib = self._library()
+        lib.check(lib.tms_set_disk_backup_dir(None if path is None else os.fsencode(path)))
+
     # ---------------------------------------------------------------- regions
 
     @contextlib.contextmanager
-    def _flags(self, lib: BinaryWrapper, enabled: bool, tag: Optional[str], backup: bool, backend: Optional[str]):
+    def _flags(
+        self,
+        lib: BinaryWrapper,
+        enabled: bool,
+        tag: Optional[str],
+        backup: bool,
+        backend: Optional[str],
+        disk: bool = False,
+    ):
         lib.check(lib.tms_region_enter(int(enabled), _enc(tag), int(backup), _enc(backend)))
         try:
+            if disk:
+                lib.check(lib.tms_set_enable_disk_backup(1))
             yield
         finally:
             lib.check(lib.tms_region_exit())
 
-    def _pool(self, kind: str, tag: str, backup: bool, backend: Optional[str], device: int) -> Any:
+    def _pool(self, kind: str, tag: str, backup: Any, backend: Optional[str], device: int) -> Any:
         """The MemPool of (kind, tag, backup, backend, device), made on first use. Its allocator
         is the hook mode's: libtms.so in torch mode; PyTorch's own (cudaMalloc, which the
         preloaded library serves while the region's flags are on) in preload mode."""
@@ -289,23 +317,29 @@ class _TorchMemorySaverImpl:
 
     @contextlib.contextmanager
     def region(
-        self, tag: str = "default", enable_cpu_backup: Any = False, cpu_backup_backend: Optional[str] = None
+        self,
+        tag: str = "default",
+        enable_cpu_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Any = False,
     ) -> Iterator[None]:
         """See ``TorchMemorySaver.region``."""
         tag = _check_tag(tag)
         enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
         lib = self._library()
         torch = _torch_if_cuda() if self.hook_mode == "preload" else _require_torch()
         if torch is None:
             # Preload mode without torch (C extensions calling cudaMalloc): the flags suffice.
-            with self._flags(lib, True, tag, enable_cpu_backup, backend):
+            with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
                 yield
             return
         # Each region's tensors live in a pool of their own, so PyTorch never hands a pauseable
         # block to a tensor made outside the region, nor a plain cached block to one inside it.
-        pool = self._pool("region", tag, enable_cpu_backup, backend, torch.cuda.current_device())
-        with self._flags(lib, True, tag, enable_cpu_backup, backend):
+        backup = "disk" if disk else enable_cpu_backup
+        pool = self._pool("region", tag, backup, backend, torch.cuda.current_device())
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
             with self._routed(torch, pool):
                 yield
 
@@ -337,6 +371,7 @@ class _TorchMemorySaverImpl:
         tag: str = "default",
         enable_cpu_backup: Any = False,
         cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Any = False,
     ) -> Iterator[None]:
         """See ``TorchMemorySaver.cuda_graph``."""
         import torch
@@ -344,11 +379,13 @@ class _TorchMemorySaverImpl:
         tag = _check_tag(tag)
         enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
         lib = self._library()
         if self.hook_mode == "torch" and pool is None:
             device = torch.cuda.current_device()
-            pool = self._pool("graph", tag, enable_cpu_backup, backend, device).id
-        with self._flags(lib, True, tag, enable_cpu_backup, backend):
+            backup = "disk" if disk else enable_cpu_backup
+            pool = self._pool("graph", tag, backup, backend, device).id
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
             _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
             try:
                 with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
@@ -428,7 +465,7 @@ class _TorchMemorySaverImpl:
             f"torch-memory-saver ({s['backend']}): retain_cpu_backup={s['retain_cpu_backup']}, "
             f"memory_margin_bytes={s['memory_margin_bytes']}",
             f"{'tag':<16} {'allocs':>6} {'paused':>6} {'active GiB':>11} {'paused GiB':>11} {'host GiB':>9} "
-            f"{'last pause':>18} {'last resume':>18}",
+            f"{'disk GiB':>9} {'last pause':>18} {'last resume':>18}",
         ]
 
         def op(o: Optional[dict]) -> str:
@@ -438,6 +475,7 @@ class _TorchMemorySaverImpl:
             lines.append(
                 f"{t['tag']:<16} {t['allocations']:>6} {t['paused_allocations']:>6} "
                 f"{t['bytes_active'] / gib:>11.3f} {t['bytes_paused'] / gib:>11.3f} "
-                f"{t['host_backup_bytes'] / gib:>9.3f} {op(t['last_pause']):>18} {op(t['last_resume']):>18}"
+                f"{t['host_backup_bytes'] / gib:>9.3f} {t.get('disk_backup_bytes', 0) / gib:>9.3f} "
+                f"{op(t['last_pause']):>18} {op(t['last_resume']):>18}"
             )
         return "\n".join(lines)

@@ -5,41 +5,10 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use super::BackupKind;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use crate::os::{mmap_anonymous, mmap_huge, munmap, page_size, HUGE_PAGE};
-
-/// Which kind of host memory backs a CPU backup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum HostBackend {
-    /// Host memory page-locked through the driver, chunk by chunk (when, the engine's
-    /// `PinMode` says: by default once the backup is retained).
-    Pinned,
-    /// Pageable anonymous memory (`mmap`).
-    Mmap,
-}
-
-impl HostBackend {
-    /// Parse `"pinned"` or `"mmap"`.
-    pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "pinned" => Ok(HostBackend::Pinned),
-            "mmap" => Ok(HostBackend::Mmap),
-            other => Err(Error::InvalidArgument(format!(
-                "unknown CPU backup backend {other:?}: expected \"pinned\" or \"mmap\""
-            ))),
-        }
-    }
-
-    /// The name `parse` accepts.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            HostBackend::Pinned => "pinned",
-            HostBackend::Mmap => "mmap",
-        }
-    }
-}
 
 /// How host buffers are laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,7 +43,7 @@ pub struct HostBuffer {
     ptr: *mut u8,
     len: u64,
     map_len: u64,
-    backend: HostBackend,
+    backend: BackupKind,
     chunk: u64,
     state: Box<[AtomicU8]>,
     retired: AtomicBool,
@@ -97,7 +66,7 @@ impl HostBuffer {
     pub fn new(
         driver: Arc<dyn Driver>,
         device: i32,
-        backend: HostBackend,
+        backend: BackupKind,
         len: u64,
         layout: HostLayout,
     ) -> Result<Self> {
@@ -156,7 +125,7 @@ impl HostBuffer {
     }
 
     /// Kind of memory asked for.
-    pub fn backend(&self) -> HostBackend {
+    pub fn backend(&self) -> BackupKind {
         self.backend
     }
 

@@ -26,7 +26,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::backup::{HostBackend, HostBuffer, HostLayout};
+use tms::backup::{BackupKind, HostBuffer, HostLayout};
 use tms::driver::{DevPtr, Driver};
 use tms::engine::PinMode;
 use tms::process::settings::copy_config_from_env;
@@ -86,7 +86,7 @@ struct Opts {
     total: u64,
     count: u64,
     limits: bool,
-    backends: Vec<HostBackend>,
+    backends: Vec<BackupKind>,
     plain: bool,
     many: bool,
     segment: Option<u64>,
@@ -102,7 +102,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
         total: 16 << 30,
         count: 512,
         limits: true,
-        backends: vec![HostBackend::Pinned, HostBackend::Mmap],
+        backends: vec![BackupKind::Pinned, BackupKind::Mmap],
         plain: true,
         many: true,
         segment: None,
@@ -124,7 +124,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
             }
             "--backend" => {
                 let b = args.next().ok_or("--backend needs pinned or mmap")?;
-                o.backends = vec![HostBackend::parse(&b).map_err(|e| e.to_string())?];
+                o.backends = vec![BackupKind::parse(&b).map_err(|e| e.to_string())?];
             }
             _ if positional == 0 => {
                 o.total = parse_bytes(&a).map_err(|e| e.to_string())?;
@@ -307,7 +307,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let mut pinned = s(HostBuffer::new(
         driver.clone(),
         0,
-        HostBackend::Pinned,
+        BackupKind::Pinned,
         total,
         small,
     ))?;
@@ -404,7 +404,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let mut fresh = s(HostBuffer::new(
         driver.clone(),
         0,
-        HostBackend::Mmap,
+        BackupKind::Mmap,
         total,
         huge,
     ))?;
@@ -421,7 +421,7 @@ fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Resu
     let touched = s(HostBuffer::new(
         driver.clone(),
         0,
-        HostBackend::Pinned,
+        BackupKind::Pinned,
         total,
         layout,
     ))?;
@@ -582,7 +582,7 @@ fn rss_bytes() -> u64 {
 
 fn backup_scenario(
     e: &Engine,
-    backend: HostBackend,
+    backend: BackupKind,
     n: u64,
     size: u64,
     lim: &Limits,
@@ -653,7 +653,7 @@ fn backup_scenario(
             "{tag}: background page-locking did not finish in 120 s"
         ));
     }
-    if backend == HostBackend::Pinned && e.copy_config().pin == PinMode::Background {
+    if backend == BackupKind::Pinned && e.copy_config().pin == PinMode::Background {
         println!(
             "  background page-locking done {:.2} s after the first pause",
             paused_at.elapsed().as_secs_f64()

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::sim::{SimConfig, SimDriver};
 use tms::driver::Driver;
 use tms::process::runtime::open_driver;
@@ -100,7 +100,7 @@ pub fn s<T>(r: tms::Result<T>) -> Result<T, String> {
 }
 
 /// A request for device 0.
-pub fn req(size: u64, tag: &str, backup: Option<HostBackend>) -> AllocRequest {
+pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
     AllocRequest {
         size,
         device: 0,

@@ -11,7 +11,7 @@ use common::{req, s};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
 
@@ -49,7 +49,7 @@ fn run() -> Result<bool, String> {
     let f0 = common::free_bytes(d, dev);
     rows.push(("start".into(), f0, String::new()));
 
-    let ptr = s(engine.alloc(&req(size, "demo", Some(HostBackend::Pinned))))?;
+    let ptr = s(engine.alloc(&req(size, "demo", Some(BackupKind::Pinned))))?;
     let f1 = common::free_bytes(d, dev);
     rows.push((format!("allocated at {ptr:#x}"), f1, String::new()));
 

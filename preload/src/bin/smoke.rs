@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::backup::HostBackend;
+use tms::backup::BackupKind;
 use tms::driver::Driver;
 use tms::engine::State;
 use tms::units::{human, parse_bytes};
@@ -132,7 +132,7 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
     }
 
     // 2. CPU backup keeps contents, both backends; without backup the memory is fresh.
-    for backend in [HostBackend::Pinned, HostBackend::Mmap] {
+    for backend in [BackupKind::Pinned, BackupKind::Mmap] {
         let sz = size + 4097;
         let p = s(e.alloc(&req(sz, "backup", Some(backend))))?;
         let data = common::pattern(sz as usize, 7 + backend as u64);
@@ -166,7 +166,7 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
 
     // 3. Retention: the second pause reuses the host buffer.
     e.set_retain_cpu_backup(true);
-    let p = s(e.alloc(&req(size / 4, "retain", Some(HostBackend::Pinned))))?;
+    let p = s(e.alloc(&req(size / 4, "retain", Some(BackupKind::Pinned))))?;
     s(e.pause(Some("retain")))?;
     let first = s(e.cpu_backup_ptr(p, 1))?;
     s(e.resume(Some("retain")))?;
@@ -192,7 +192,7 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
 
     // 4. Out of memory on resume: a status, the tag stays paused, a later resume works.
     let victim_size = size;
-    let v = s(e.alloc(&req(victim_size, "victim", Some(HostBackend::Pinned))))?;
+    let v = s(e.alloc(&req(victim_size, "victim", Some(BackupKind::Pinned))))?;
     let vdata = common::pattern(victim_size as usize, 1234);
     s(e.write_bytes(v, &vdata))?;
     s(e.pause(Some("victim")))?;

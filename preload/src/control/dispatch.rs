@@ -13,7 +13,7 @@ use tms_proto::{
     Request, Status, TagStatus, MAX_REPLY_BYTES,
 };
 
-use crate::backup::HostBackend;
+use crate::backup::BackupKind;
 use crate::engine::{Engine, OpStats, Stats};
 use crate::error::{status, Error, Result};
 use crate::process::settings::RegionSettings;
@@ -97,10 +97,11 @@ fn finite(x: f64) -> f64 {
     }
 }
 
-fn backend_of(b: HostBackend) -> BackupBackend {
+fn backend_of(b: BackupKind) -> BackupBackend {
     match b {
-        HostBackend::Pinned => BackupBackend::Pinned,
-        HostBackend::Mmap => BackupBackend::Mmap,
+        BackupKind::Mmap => BackupBackend::Mmap,
+        // Never Disk: region backends are parsed by BackupKind::parse, which refuses it.
+        BackupKind::Pinned | BackupKind::Disk => BackupBackend::Pinned,
     }
 }
 
@@ -161,8 +162,8 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
             )));
         }
         r.backend = match b {
-            BackupBackend::Pinned => HostBackend::Pinned,
-            BackupBackend::Mmap => HostBackend::Mmap,
+            BackupBackend::Pinned => BackupKind::Pinned,
+            BackupBackend::Mmap => BackupKind::Mmap,
         };
     }
     host.set_default_region(r.clone());
@@ -256,6 +257,7 @@ fn full_status(host: &dyn Host) -> Status {
                 bytes_active: t.bytes_active,
                 bytes_paused: t.bytes_paused,
                 host_backup_bytes: t.host_backup_bytes,
+                disk_backup_bytes: t.disk_backup_bytes,
                 last_pause: timing(&t.last_pause),
                 last_resume: timing(&t.last_resume),
             })

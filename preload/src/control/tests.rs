@@ -16,7 +16,7 @@ use tms_proto::{
 use super::dispatch::Host;
 use super::session::{Identity, Limits, Unwatched};
 use super::*;
-use crate::backup::HostBackend;
+use crate::backup::BackupKind;
 use crate::driver::sim::{SimConfig, SimDriver};
 use crate::engine::AllocRequest;
 
@@ -37,7 +37,8 @@ fn host() -> &'static TestHost {
             enabled: false,
             tag: "default".into(),
             cpu_backup: false,
-            backend: HostBackend::Pinned,
+            backend: BackupKind::Pinned,
+            disk_backup: false,
         }),
         gate: Mutex::new(()),
         at_gate: Default::default(),
@@ -162,7 +163,7 @@ fn every_operation_over_a_connection() {
             size: 3 << 20,
             device: 0,
             tag: "kv".into(),
-            backup: Some(HostBackend::Mmap),
+            backup: Some(BackupKind::Mmap),
         })
         .unwrap();
     h.engine.write_bytes(ptr, b"contents").unwrap();
@@ -224,7 +225,7 @@ fn every_operation_over_a_connection() {
     };
     assert!(r.enabled && r.cpu_backup && r.tag == "weights");
     assert_eq!(r.backend, BackupBackend::Mmap);
-    assert_eq!(h.region.lock().backend, HostBackend::Mmap);
+    assert_eq!(h.region.lock().backend, BackupKind::Mmap);
     let Reply::Status(s) = c.ask(&Request::Status) else {
         panic!()
     };
@@ -708,7 +709,7 @@ fn concurrent_pauses_from_several_clients_are_safe() {
                 size: 1 << 20,
                 device: 0,
                 tag: "kv".into(),
-                backup: Some(HostBackend::Mmap),
+                backup: Some(BackupKind::Mmap),
             })
             .unwrap();
         h.engine.write_bytes(p, &[i; 64]).unwrap();

@@ -67,7 +67,7 @@ pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
 
-use crate::backup::{HostBackend, HostBuffer};
+use crate::backup::{BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, Driver};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
@@ -77,7 +77,7 @@ use registry::{Allocation, Registry};
 use segment::{Mapping, Span};
 
 /// CPU-backup policy of an allocation.
-pub type Backup = Option<HostBackend>;
+pub type Backup = Option<BackupKind>;
 
 /// What to allocate.
 #[derive(Clone, Debug)]
@@ -127,6 +127,8 @@ pub struct AllocInfo {
     pub host_bytes: u64,
     /// Bytes of that host memory page-locked.
     pub host_pinned_bytes: u64,
+    /// Bytes of the disk backup's file.
+    pub disk_bytes: u64,
     /// True when the host backup holds a complete snapshot: the contents while paused, the last
     /// pause's contents while active with the backup retained.
     pub host_valid: bool,
@@ -244,6 +246,8 @@ pub struct Engine {
     /// its own, and a leaf (nothing is taken while it is held), so asking never waits for a
     /// pause.
     tags_seen: Mutex<HashSet<Box<str>>>,
+    /// Directory of new disk backup files (`None`: the system's temporary directory).
+    disk_dir: Mutex<Option<std::path::PathBuf>>,
     /// Backups handed out by [`Engine::acquire_cpu_backup`], by lease number.
     leases: Mutex<HashMap<u64, Arc<HostBuffer>>>,
     next_lease: AtomicU64,
@@ -327,6 +331,7 @@ impl Engine {
             copy: Mutex::new(CopyConfig::default()),
             pinner: Arc::default(),
             tags_seen: Mutex::default(),
+            disk_dir: Mutex::default(),
             leases: Mutex::default(),
             next_lease: AtomicU64::new(1),
             broken: Mutex::new(None),
@@ -360,7 +365,7 @@ impl Engine {
             return;
         }
         let todo = hosts
-            .filter(|h| h.backend() == HostBackend::Pinned && !h.fully_pinned())
+            .filter(|h| h.backend() == BackupKind::Pinned && !h.fully_pinned())
             .map(Arc::downgrade)
             .collect();
         self.pinner.enqueue(todo);
@@ -436,6 +441,38 @@ impl Engine {
     /// Whether host backups are kept across resume.
     pub fn retain_cpu_backup(&self) -> bool {
         self.retain.load(Ordering::Relaxed)
+    }
+
+    /// Put the files of disk backups made from now on in `dir` (`None`: the system's temporary
+    /// directory). It must be an existing directory; files made before stay where they are.
+    pub fn set_disk_backup_dir(&self, dir: Option<std::path::PathBuf>) -> Result<()> {
+        if let Some(d) = &dir {
+            match std::fs::metadata(d) {
+                Ok(m) if m.is_dir() => {}
+                Ok(_) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "disk backup directory {}: not a directory",
+                        d.display()
+                    )))
+                }
+                Err(e) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "disk backup directory {}: {e}",
+                        d.display()
+                    )))
+                }
+            }
+        }
+        *self.disk_dir.lock() = dir;
+        Ok(())
+    }
+
+    /// Where new disk backup files go.
+    pub fn disk_backup_dir(&self) -> std::path::PathBuf {
+        self.disk_dir
+            .lock()
+            .clone()
+            .unwrap_or_else(std::env::temp_dir)
     }
 
     /// Refuse (with out-of-memory) allocations that would leave fewer than `bytes` free.
@@ -564,6 +601,7 @@ impl Engine {
                 state: State::Active,
                 handles: m.commit(),
                 host: None,
+                disk: None,
                 host_valid: false,
                 pauseable,
             },
@@ -802,6 +840,7 @@ impl Engine {
                 state: a.state,
                 host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                disk_bytes: a.disk.as_deref().map_or(0, DiskFile::len),
                 host_valid: a.host_valid,
                 handles: a.handles.len(),
                 pauseable: a.pauseable,
@@ -820,6 +859,7 @@ impl Engine {
                 active: !a.handles.is_empty(),
                 host: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                disk: a.disk.as_deref().map_or(0, DiskFile::len),
             }),
             &reg.history,
         );

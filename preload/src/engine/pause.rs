@@ -4,13 +4,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item, Ring};
+use super::pipeline::{self, Dir, Item, Ring, Target};
 use super::segment::{self, Span};
 use super::{
     check_tag, describe, first_error, per_device, Backup, CopyConfig, Engine, OpReport, Settle,
     State,
 };
-use crate::backup::HostBuffer;
+use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
@@ -26,6 +26,22 @@ struct Job {
     handles: Vec<PhysHandle>,
     /// The buffer to copy into: a retained one nobody else holds, or one made for this pause.
     host: Option<Arc<HostBuffer>>,
+    /// The file to write into (disk backups): the allocation's own, or one made for this pause.
+    disk: Option<Arc<DiskFile>>,
+}
+
+impl Job {
+    fn target(&self) -> Option<Target<'_>> {
+        match (&self.host, &self.disk) {
+            (Some(h), _) => Some(Target::Host(h)),
+            (None, Some(f)) => Some(Target::Disk(f)),
+            (None, None) => None,
+        }
+    }
+
+    fn backed_up(&self) -> bool {
+        self.host.is_some() || self.disk.is_some()
+    }
 }
 
 impl Job {
@@ -69,7 +85,7 @@ impl Engine {
         let mut report = OpReport::default();
         let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
         for (j, _) in jobs.iter().zip(&retired).filter(|(_, r)| **r) {
-            let copied = if j.host.is_some() { j.size } else { 0 };
+            let copied = if j.backed_up() { j.size } else { 0 };
             let r = per_tag.entry(j.tag.clone()).or_default();
             for r in [r, &mut report] {
                 r.allocations += 1;
@@ -119,6 +135,9 @@ impl Engine {
                 if !reuse {
                     a.host = None;
                 }
+                if a.backup != Some(BackupKind::Disk) {
+                    a.disk = None;
+                }
                 Job {
                     ptr,
                     span: Span {
@@ -132,14 +151,16 @@ impl Engine {
                     backup: a.backup,
                     handles: a.handles.clone(),
                     host: a.host.clone(),
+                    disk: a.disk.clone(),
                 }
             })
             .collect()
     }
 
-    /// Give every job with a backup policy a host buffer, after checking that the host can
-    /// hold the new ones: a backup is touched only while copying, so a pause larger than what
-    /// the host has would be killed by the kernel mid-copy instead of failing.
+    /// Give every job with a backup policy a host buffer or a file, after checking that the
+    /// host and the disk can hold the new ones: a host backup is touched only while copying, so
+    /// a pause larger than what the host has would be killed by the kernel mid-copy instead of
+    /// failing; a file's space is reserved when it is made, so a full disk fails here too.
     fn prepare_backups(
         &self,
         jobs: &mut [Job],
@@ -148,10 +169,20 @@ impl Engine {
         tag: Option<&str>,
     ) -> Result<()> {
         let fresh: Vec<usize> = (0..jobs.len())
-            .filter(|&i| jobs[i].backup.is_some() && jobs[i].host.is_none())
+            .filter(|&i| jobs[i].backup.is_some() && !jobs[i].backed_up())
             .collect();
-        let backups: u64 = fresh.iter().map(|&i| jobs[i].size).sum();
-        if backups > 0 {
+        let is_disk = |i: &usize| jobs[*i].backup == Some(BackupKind::Disk);
+        let backups: u64 = fresh
+            .iter()
+            .filter(|i| !is_disk(i))
+            .map(|&i| jobs[i].size)
+            .sum();
+        let files: u64 = fresh
+            .iter()
+            .filter(|i| is_disk(i))
+            .map(|&i| jobs[i].span.mapped)
+            .sum();
+        if backups > 0 || files > 0 {
             let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].span.device).collect();
             devices.sort_unstable();
             devices.dedup();
@@ -162,17 +193,28 @@ impl Engine {
                 .sum();
             self.check_host_memory(backups, staging, fresh.len(), tag)?;
         }
+        let dir = self.disk_backup_dir();
+        if files > 0 {
+            check_disk_space(&dir, files, tag)?;
+        }
+        let disk_chunk = if cfg.disk_chunk > 0 {
+            cfg.disk_chunk
+        } else {
+            cfg.layout.chunk
+        };
         for i in fresh {
             let j = &mut jobs[i];
-            let backend = j.backup.expect("filtered on a backup policy");
-            let h = HostBuffer::new(
-                self.driver.clone(),
-                j.span.device,
-                backend,
-                j.size,
-                cfg.layout,
-            )
-            .ctx(|| format!("allocation {:#x} ({} bytes)", j.ptr, j.size))?;
+            let kind = j.backup.expect("filtered on a backup policy");
+            let what = || format!("allocation {:#x} ({} bytes)", j.ptr, j.size);
+            if kind == BackupKind::Disk {
+                let f = Arc::new(DiskFile::create(&dir, j.span.mapped, disk_chunk).ctx(what)?);
+                // Kept by the allocation from now on, and reused by every later pause.
+                self.reg.lock().marked(j.ptr).disk = Some(f.clone());
+                j.disk = Some(f);
+                continue;
+            }
+            let h = HostBuffer::new(self.driver.clone(), j.span.device, kind, j.size, cfg.layout)
+                .ctx(what)?;
             let h = Arc::new(h);
             // Kept by the allocation even if this pause fails, for the next one to reuse.
             self.reg.lock().marked(j.ptr).host = Some(h.clone());
@@ -227,7 +269,7 @@ impl Engine {
         }
         for list in groups.values_mut() {
             // Those with nothing to copy are retired first.
-            list.sort_by_key(|&i| (jobs[i].host.is_some(), jobs[i].ptr));
+            list.sort_by_key(|&i| (jobs[i].backed_up(), jobs[i].ptr));
         }
         for device in groups.keys() {
             rings.entry(*device).or_default();
@@ -266,7 +308,7 @@ impl Engine {
             .iter()
             .map(|&i| Item {
                 dev: jobs[i].ptr,
-                host: jobs[i].host.as_deref(),
+                target: jobs[i].target(),
             })
             .collect();
         pipeline::run(
@@ -286,6 +328,10 @@ impl Engine {
     /// contents in the backup) and the handle is reported.
     fn retire(&self, j: &Job, done: &mut bool) -> Result<()> {
         let d = &*self.driver;
+        if let Some(f) = &j.disk {
+            // The device memory goes only once its contents are really on disk.
+            f.sync().ctx(|| j.what())?;
+        }
         segment::unmap_all(d, j.span, &j.handles).ctx(|| j.what())?;
         let released = segment::release_all(d, &j.handles);
         {
@@ -293,10 +339,27 @@ impl Engine {
             let a = reg.marked(j.ptr);
             a.state = State::Paused;
             a.handles.clear();
-            a.host_valid = j.host.is_some();
+            a.host_valid = j.backed_up();
         }
         self.settled.notify_all();
         *done = true;
         released.ctx(|| j.what())
     }
+}
+
+/// Refuse a pause whose new disk backup files the directory cannot hold.
+fn check_disk_space(dir: &std::path::Path, need: u64, tag: Option<&str>) -> Result<()> {
+    let free = disk::free_space(dir)?;
+    if need <= free {
+        return Ok(());
+    }
+    Err(Error::OutOfMemory(format!(
+        "a pause of {} needs {} for new disk backup files in {}, which has {} free; nothing was \
+         paused: free space there or choose another directory (set_disk_backup_dir, \
+         TMS_DISK_BACKUP_DIR)",
+        describe(tag),
+        human(need),
+        dir.display(),
+        human(free),
+    )))
 }

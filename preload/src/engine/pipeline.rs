@@ -48,9 +48,10 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backup::{HostBackend, HostBuffer, HostLayout};
+use crate::backup::{BackupKind, DiskFile, HostBuffer, HostLayout};
 use crate::driver::{DevPtr, DeviceScope, Driver, Event, Stream};
 use crate::error::{Error, Result};
+use xxhash_rust::xxh3::Xxh3;
 
 /// When pinned backups are page-locked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -92,6 +93,8 @@ pub struct CopyConfig {
     pub slot: u64,
     /// When pinned backups are page-locked.
     pub pin: PinMode,
+    /// Unit of work and of checksums of disk backups, in bytes (0: `layout.chunk`).
+    pub disk_chunk: u64,
 }
 
 /// Most workers per device.
@@ -105,6 +108,7 @@ impl Default for CopyConfig {
             layout: HostLayout::default(),
             slot: 4 << 20,
             pin: PinMode::Background,
+            disk_chunk: 0,
         }
     }
 }
@@ -123,6 +127,13 @@ impl CopyConfig {
             return Err(Error::InvalidArgument(format!(
                 "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
                 self.layout.chunk
+            )));
+        }
+        if self.disk_chunk % crate::backup::disk::DIRECT_ALIGN != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "disk backup chunk of {} bytes: expected a multiple of {}",
+                self.disk_chunk,
+                crate::backup::disk::DIRECT_ALIGN
             )));
         }
         if self.slot == 0 || self.slot % page != 0 {
@@ -157,11 +168,43 @@ pub(super) enum Dir {
     Restore,
 }
 
-/// One allocation in a pipelined operation: its device range, and the host buffer to copy all
-/// of to or from it (none: nothing to copy, only the coordinator's work).
+/// One allocation in a pipelined operation: its device range, and the backup to copy all of to
+/// or from it (none: nothing to copy, only the coordinator's work).
 pub(super) struct Item<'a> {
     pub dev: DevPtr,
-    pub host: Option<&'a HostBuffer>,
+    pub target: Option<Target<'a>>,
+}
+
+/// Where an item's contents go or come from.
+#[derive(Clone, Copy)]
+pub(super) enum Target<'a> {
+    /// Host memory: copied straight where page-locked, else through the staging slots.
+    Host(&'a HostBuffer),
+    /// A file: always through the staging slots, checksummed per chunk.
+    Disk(&'a DiskFile),
+}
+
+impl Target<'_> {
+    fn chunks(&self) -> usize {
+        match self {
+            Target::Host(h) => h.chunks(),
+            Target::Disk(f) => f.chunks(),
+        }
+    }
+
+    fn chunk_span(&self, k: usize) -> (u64, u64) {
+        match self {
+            Target::Host(h) => h.chunk_span(k),
+            Target::Disk(f) => f.chunk_span(k),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Target::Host(h) => h.len(),
+            Target::Disk(f) => f.len(),
+        }
+    }
 }
 
 struct Shared<'a> {
@@ -267,7 +310,7 @@ pub(super) fn run(
     let units: Vec<(usize, usize)> = items
         .iter()
         .enumerate()
-        .flat_map(|(i, it)| (0..it.host.map_or(0, HostBuffer::chunks)).map(move |k| (i, k)))
+        .flat_map(|(i, it)| (0..it.target.map_or(0, |t| t.chunks())).map(move |k| (i, k)))
         .collect();
     let workers = cfg.threads.clamp(1, MAX_WORKERS).min(units.len());
     if ring.slots.len() < 2 * workers {
@@ -281,7 +324,7 @@ pub(super) fn run(
         items,
         remaining: items
             .iter()
-            .map(|it| AtomicUsize::new(it.host.map_or(0, HostBuffer::chunks)))
+            .map(|it| AtomicUsize::new(it.target.map_or(0, |t| t.chunks())))
             .collect(),
         units,
         next: AtomicUsize::new(0),
@@ -344,7 +387,7 @@ pub(super) fn run(
                 break;
             }
             sh.publish(i + 1);
-            if it.host.is_none() {
+            if it.target.is_none() {
                 done(i, &mut stopped);
             }
             while let Ok(j) = rx.try_recv() {
@@ -464,21 +507,25 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
             break;
         };
         let it = &sh.items[i];
-        let host = it
-            .host
-            .expect("units are made for items with a host buffer");
-        let (off, len) = host.chunk_span(k);
+        let Some(target) = it.target else {
+            break; // units are made for items with a target only
+        };
+        let (off, len) = target.chunk_span(k);
         if !sh.wait_ready(i, off + len) {
             break;
         }
-        chunk(sh, it.dev, host, k, lanes).map_err(|e| {
+        let r = match target {
+            Target::Host(host) => chunk(sh, it.dev, host, k, lanes),
+            Target::Disk(file) => disk_chunk(sh, it.dev, file, k, lanes),
+        };
+        r.map_err(|e| {
             e.context(format!(
                 "{} chunk {k} of {} bytes at {:#x} (device {})",
                 match sh.dir {
                     Dir::Save => "saving",
                     Dir::Restore => "restoring",
                 },
-                host.len(),
+                target.len(),
                 it.dev,
                 sh.device
             ))
@@ -505,7 +552,7 @@ fn chunk(
     // SAFETY: off < buf.len(), inside the buffer's mapping.
     let host = unsafe { buf.base().add(off as usize) };
     let dev = dev + off;
-    if !buf.is_pinned(k) && buf.backend() == HostBackend::Pinned && sh.cfg.pin == PinMode::Inline {
+    if !buf.is_pinned(k) && buf.backend() == BackupKind::Pinned && sh.cfg.pin == PinMode::Inline {
         buf.pin(k)?;
     }
     if buf.is_pinned(k) {
@@ -522,12 +569,97 @@ fn chunk(
         })?;
         return d.event_sync(lanes.events[0]);
     }
-    staged(sh, host, dev, len, lanes)
+    staged(sh, &mut Side::Mem(host), dev, len, lanes)
+}
+
+/// Copy chunk `k` of a disk backup through the worker's staging slots, checksumming it: the sum
+/// is recorded when saving and checked when restoring (Note [Disk backup files]).
+fn disk_chunk(
+    sh: &Shared<'_>,
+    dev: DevPtr,
+    file: &DiskFile,
+    k: usize,
+    lanes: &mut Lanes<'_>,
+) -> Result<()> {
+    let (off, len) = file.chunk_span(k);
+    let mut side = Side::File {
+        file,
+        base: off,
+        hash: Box::new(Xxh3::new()),
+    };
+    staged(sh, &mut side, dev + off, len, lanes)?;
+    let Side::File { hash, .. } = side else {
+        return Ok(());
+    };
+    match sh.dir {
+        Dir::Save => {
+            file.set_sum(k, hash.digest());
+            Ok(())
+        }
+        Dir::Restore => file.check_sum(k, hash.digest()),
+    }
+}
+
+/// The far side of a staged copy of one chunk: host memory, or a file with the chunk's running
+/// checksum. Pieces pass in order, so the checksum streams.
+enum Side<'a> {
+    /// The chunk's first byte in host memory.
+    Mem(*mut u8),
+    File {
+        file: &'a DiskFile,
+        /// The chunk's offset in the file.
+        base: u64,
+        hash: Box<Xxh3>,
+    },
+}
+
+impl Side<'_> {
+    /// Restoring: put bytes `off..off+n` of the chunk into the slot.
+    ///
+    /// # Safety
+    /// `slot` is this worker's idle slot of at least `n` bytes; for `Mem`, the range is inside
+    /// this worker's chunk.
+    unsafe fn load(&mut self, slot: *mut u8, off: u64, n: u64) -> Result<()> {
+        match self {
+            // SAFETY: as the caller promises.
+            Side::Mem(host) => unsafe {
+                std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
+                Ok(())
+            },
+            Side::File { file, base, hash } => {
+                // SAFETY: the slot is this worker's alone and idle, n bytes long at least.
+                let buf = unsafe { std::slice::from_raw_parts_mut(slot, n as usize) };
+                file.read_at(buf, *base + off)?;
+                hash.update(buf);
+                Ok(())
+            }
+        }
+    }
+
+    /// Saving: take bytes `off..off+n` of the chunk from the slot, whose DMA is complete.
+    ///
+    /// # Safety
+    /// As for [`Side::load`].
+    unsafe fn store(&mut self, slot: *const u8, off: u64, n: u64) -> Result<()> {
+        match self {
+            // SAFETY: as the caller promises.
+            Side::Mem(host) => unsafe {
+                std::ptr::copy_nonoverlapping(slot, host.add(off as usize), n as usize);
+                Ok(())
+            },
+            Side::File { file, base, hash } => {
+                // SAFETY: as above.
+                let buf = unsafe { std::slice::from_raw_parts(slot, n as usize) };
+                hash.update(buf);
+                file.write_at(buf, *base + off)
+            }
+        }
+    }
 }
 
 fn staged(
     sh: &Shared<'_>,
-    host: *mut u8,
+    side: &mut Side<'_>,
     dev: DevPtr,
     len: u64,
     lanes: &mut Lanes<'_>,
@@ -544,7 +676,7 @@ fn staged(
             let s = HostBuffer::new(
                 sh.driver.clone(),
                 sh.device,
-                HostBackend::Pinned,
+                BackupKind::Pinned,
                 slot_len,
                 layout,
             )?;
@@ -558,19 +690,19 @@ fn staged(
     let mut l = 0;
     while off < len {
         let n = slot_len.min(len - off);
-        drain_lane(sh, lanes, l, host)?;
+        drain_lane(sh, lanes, l, side)?;
         let slot = slot_ptr(lanes, l);
-        // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle
-        // (drain_lane waited for its lane); host+off..+n is inside this worker's chunk; the
-        // device range is mapped for the whole operation. The lane is waited for before the
-        // slot is touched again.
+        if sh.dir == Dir::Restore {
+            // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle
+            // (drain_lane waited for its lane); the range is inside this worker's chunk.
+            unsafe { side.load(slot, off, n) }?;
+        }
+        // SAFETY: as above; the device range is mapped for the whole operation. The lane is
+        // waited for before the slot is touched again.
         lanes.issue(sh, l, |s| unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(slot, dev + off, n, s),
-                Dir::Restore => {
-                    std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
-                    d.copy_h2d(dev + off, slot, n, s)
-                }
+                Dir::Restore => d.copy_h2d(dev + off, slot, n, s),
             }
         })?;
         lanes.queued[l] = Some((off, n));
@@ -578,21 +710,21 @@ fn staged(
         l ^= 1;
     }
     // The older lane first, then the newer.
-    drain_lane(sh, lanes, l, host)?;
-    drain_lane(sh, lanes, l ^ 1, host)
+    drain_lane(sh, lanes, l, side)?;
+    drain_lane(sh, lanes, l ^ 1, side)
 }
 
-/// Wait for lane `l`'s queued copy, and when saving, move it from the slot to the host.
-fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, host: *mut u8) -> Result<()> {
+/// Wait for lane `l`'s queued copy, and when saving, move it from the slot to the far side.
+fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, side: &mut Side<'_>) -> Result<()> {
     let Some((off, n)) = lanes.queued[l].take() else {
         return Ok(());
     };
     sh.d().event_sync(lanes.events[l])?;
     if sh.dir == Dir::Save {
         let slot = lanes.slots[l].as_ref().expect("queued lanes have a slot");
-        // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the host
-        // range is inside this worker's chunk.
-        unsafe { std::ptr::copy_nonoverlapping(slot.as_ptr(), host.add(off as usize), n as usize) };
+        // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the range
+        // is inside this worker's chunk.
+        unsafe { side.store(slot.as_ptr(), off, n) }?;
     }
     Ok(())
 }

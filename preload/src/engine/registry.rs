@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::{stats, Backup, State};
-use crate::backup::HostBuffer;
+use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};
 
@@ -25,8 +25,11 @@ pub(super) struct Allocation {
     /// One handle per segment while mapped (Active, Pausing); none otherwise.
     pub handles: Vec<PhysHandle>,
     pub host: Option<Arc<HostBuffer>>,
-    /// The host buffer holds a complete snapshot: the contents while paused, the last pause's
-    /// contents while active with the backup retained. False while a pause writes it.
+    /// The disk backup's file, kept from the first disk-backed pause until the allocation goes.
+    pub disk: Option<Arc<DiskFile>>,
+    /// The backup (host buffer or file) holds a complete snapshot: the contents while paused,
+    /// the last pause's contents while active with the backup retained. False while a pause
+    /// writes it.
     pub host_valid: bool,
     pub pauseable: bool,
 }

@@ -4,10 +4,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item};
+use super::pipeline::{self, Dir, Item, Target};
 use super::segment::{Mapping, Span};
 use super::{check_tag, describe, first_error, per_device, Engine, OpReport, Settle, State};
-use crate::backup::{release_parallel, HostBuffer};
+use crate::backup::{release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
@@ -20,6 +20,18 @@ struct Job {
     tag: Arc<str>,
     /// The snapshot to copy back, if the allocation has one.
     host: Option<Arc<HostBuffer>>,
+    /// Or the file holding it.
+    disk: Option<Arc<DiskFile>>,
+}
+
+impl Job {
+    fn target(&self) -> Option<Target<'_>> {
+        match (&self.host, &self.disk) {
+            (Some(h), _) => Some(Target::Host(h)),
+            (None, Some(f)) => Some(Target::Disk(f)),
+            (None, None) => None,
+        }
+    }
 }
 
 impl Engine {
@@ -35,6 +47,18 @@ impl Engine {
         let mut ops = self.ops.lock();
         let jobs = self.begin_resume(tag);
         let settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Resuming);
+        // A file that is gone or cut short fails the resume before anything is mapped.
+        let present = jobs
+            .iter()
+            .filter_map(|j| j.disk.as_ref())
+            .try_for_each(|f| f.check_present());
+        if let Err(e) = present {
+            drop(settle);
+            return Err(e.context(format!(
+                "resume of {} (it stays paused with its backups)",
+                describe(tag)
+            )));
+        }
         let mut groups: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
         for (i, j) in jobs.iter().enumerate() {
             groups.entry(j.span.device).or_default().push(i);
@@ -58,7 +82,7 @@ impl Engine {
                     .iter()
                     .map(|&i| Item {
                         dev: jobs[i].ptr,
-                        host: jobs[i].host.as_deref(),
+                        target: jobs[i].target(),
                     })
                     .collect();
                 let mut made = Vec::with_capacity(list.len());
@@ -119,7 +143,11 @@ impl Engine {
                     a.host_valid = false;
                     released.extend(a.host.take());
                 }
-                let copied = j.host.as_ref().map_or(0, |h| h.len());
+                let copied = match (&j.host, &j.disk) {
+                    (Some(h), _) => h.len(),
+                    (None, Some(_)) => j.size,
+                    (None, None) => 0,
+                };
                 let r = per_tag.entry(j.tag.clone()).or_default();
                 for r in [r, &mut report] {
                     r.allocations += 1;
@@ -179,6 +207,7 @@ impl Engine {
                     size: a.size,
                     tag: a.tag.clone(),
                     host: a.snapshot().cloned(),
+                    disk: a.disk.clone().filter(|_| a.host_valid),
                 }
             })
             .collect()

@@ -20,6 +20,7 @@ pub(super) struct Row<'a> {
     pub active: bool,
     pub host: u64,
     pub host_pinned: u64,
+    pub disk: u64,
 }
 
 /// Duration and throughput of the last pause or resume that touched a tag.
@@ -78,6 +79,8 @@ pub struct TagStats {
     pub host_backup_bytes: u64,
     /// Of that, page-locked (pinned backups, once the background pinner has done them).
     pub host_pinned_bytes: u64,
+    /// Bytes of the disk backups' files.
+    pub disk_backup_bytes: u64,
     /// Last pause that touched the tag.
     pub last_pause: Option<OpStats>,
     /// Last resume that touched the tag.
@@ -111,6 +114,7 @@ pub(super) fn collect<'a>(
         t.bytes_requested += r.size;
         t.host_backup_bytes += r.host;
         t.host_pinned_bytes += r.host_pinned;
+        t.disk_backup_bytes += r.disk;
         if r.active {
             t.active_allocations += 1;
             t.bytes_active += r.mapped;
@@ -144,13 +148,14 @@ impl fmt::Display for Stats {
         )?;
         writeln!(
             f,
-            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>18} {:>18}",
+            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>18} {:>18}",
             "tag",
             "allocs",
             "paused",
             "active",
             "paused",
             "host backup",
+            "disk backup",
             "last pause",
             "last resume"
         )?;
@@ -161,13 +166,14 @@ impl fmt::Display for Stats {
         for t in &self.tags {
             writeln!(
                 f,
-                "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>18} {:>18}",
+                "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>18} {:>18}",
                 t.tag,
                 t.allocations,
                 t.paused_allocations,
                 human(t.bytes_active),
                 human(t.bytes_paused),
                 human(t.host_backup_bytes),
+                human(t.disk_backup_bytes),
                 op(&t.last_pause),
                 op(&t.last_resume)
             )?;

@@ -88,7 +88,7 @@ fn pause_gives_memory_back_and_resume_keeps_the_address() {
 
 #[test]
 fn backup_keeps_contents_without_backup_they_are_lost() {
-    for backend in [HostBackend::Pinned, HostBackend::Mmap] {
+    for backend in [BackupKind::Pinned, BackupKind::Mmap] {
         let (sim, e) = setup(64 << 20);
         let size = G + 12345;
         let kept = e.alloc(&req(size, "kept", Some(backend))).unwrap();
@@ -112,8 +112,8 @@ fn backup_keeps_contents_without_backup_they_are_lost() {
 #[test]
 fn tags_are_independent() {
     let (sim, e) = setup(64 << 20);
-    let a = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
-    let b = e.alloc(&req(G, "b", Some(HostBackend::Pinned))).unwrap();
+    let a = e.alloc(&req(G, "a", Some(BackupKind::Pinned))).unwrap();
+    let b = e.alloc(&req(G, "b", Some(BackupKind::Pinned))).unwrap();
     fill(&sim, a, &pattern(G as usize, 1));
     fill(&sim, b, &pattern(G as usize, 2));
     e.pause(Some("a")).unwrap();
@@ -158,7 +158,7 @@ fn allocation_inside_a_paused_tag_is_active() {
 #[test]
 fn free_active_and_paused_leaves_nothing() {
     let (sim, e) = setup(64 << 20);
-    let a = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    let a = e.alloc(&req(G, "a", Some(BackupKind::Pinned))).unwrap();
     let b = e.alloc(&req(G, "b", None)).unwrap();
     e.pause(Some("a")).unwrap();
     assert!(sim.pinned_bytes() > 0);
@@ -182,7 +182,7 @@ fn free_active_and_paused_leaves_nothing() {
 fn retention_reuses_the_same_host_buffer() {
     let (sim, e) = setup(64 << 20);
     e.set_retain_cpu_backup(true);
-    let p = e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    let p = e.alloc(&req(G, "a", Some(BackupKind::Pinned))).unwrap();
     e.pause(None).unwrap();
     let first = e.cpu_backup_ptr(p, 1).unwrap().unwrap();
     e.resume(None).unwrap();
@@ -220,7 +220,7 @@ fn retention_reuses_the_same_host_buffer() {
 #[test]
 fn backup_lookup_checks_the_range() {
     let (sim, e) = setup(64 << 20);
-    let p = e.alloc(&req(1000, "a", Some(HostBackend::Mmap))).unwrap();
+    let p = e.alloc(&req(1000, "a", Some(BackupKind::Mmap))).unwrap();
     let q = e.alloc(&req(1000, "b", None)).unwrap();
     fill(&sim, p, &pattern(1000, 3));
     assert_eq!(
@@ -282,12 +282,8 @@ fn memory_margin_refuses_with_oom() {
 #[test]
 fn oom_on_resume_is_undone_and_retry_works() {
     let (sim, e) = setup(8 * G);
-    let a = e
-        .alloc(&req(2 * G, "a", Some(HostBackend::Pinned)))
-        .unwrap();
-    let a2 = e
-        .alloc(&req(2 * G, "a", Some(HostBackend::Pinned)))
-        .unwrap();
+    let a = e.alloc(&req(2 * G, "a", Some(BackupKind::Pinned))).unwrap();
+    let a2 = e.alloc(&req(2 * G, "a", Some(BackupKind::Pinned))).unwrap();
     fill(&sim, a, &pattern(2 * G as usize, 1));
     fill(&sim, a2, &pattern(2 * G as usize, 2));
     e.pause(Some("a")).unwrap();
@@ -310,11 +306,11 @@ fn oom_on_resume_is_undone_and_retry_works() {
 #[test]
 fn devices_are_routed_separately() {
     let (sim, e) = setup(64 << 20);
-    let a = e.alloc(&req(G, "t", Some(HostBackend::Pinned))).unwrap();
+    let a = e.alloc(&req(G, "t", Some(BackupKind::Pinned))).unwrap();
     let b = e
         .alloc(&AllocRequest {
             device: 1,
-            ..req(2 * G, "t", Some(HostBackend::Pinned))
+            ..req(2 * G, "t", Some(BackupKind::Pinned))
         })
         .unwrap();
     fill(&sim, a, &pattern(G as usize, 4));
@@ -330,7 +326,7 @@ fn devices_are_routed_separately() {
 #[test]
 fn stats_per_tag() {
     let (_sim, e) = setup(64 << 20);
-    e.alloc(&req(G, "a", Some(HostBackend::Pinned))).unwrap();
+    e.alloc(&req(G, "a", Some(BackupKind::Pinned))).unwrap();
     e.alloc(&req(10, "b", None)).unwrap();
     e.pause(Some("a")).unwrap();
     let s = e.stats();
@@ -360,7 +356,7 @@ fn stats_per_tag() {
 fn unpauseable_allocations_are_left_alone() {
     let (sim, e) = setup(64 << 20);
     let keep = e
-        .alloc_unpauseable(&req(G, "a", Some(HostBackend::Pinned)))
+        .alloc_unpauseable(&req(G, "a", Some(BackupKind::Pinned)))
         .unwrap();
     let p = e.alloc(&req(G, "a", None)).unwrap();
     fill(&sim, keep, &pattern(G as usize, 11));
@@ -386,6 +382,7 @@ fn small_pieces(e: &Engine, pin: PinMode) {
         },
         slot: G / 4,
         pin,
+        disk_chunk: 0,
     })
     .unwrap();
 }
@@ -395,9 +392,7 @@ fn first_pause_stages_then_the_retained_backup_is_page_locked_in_the_background(
     let (sim, e) = setup(64 << 20);
     small_pieces(&e, PinMode::Background);
     e.set_retain_cpu_backup(true);
-    let p = e
-        .alloc(&req(4 * G, "a", Some(HostBackend::Pinned)))
-        .unwrap();
+    let p = e.alloc(&req(4 * G, "a", Some(BackupKind::Pinned))).unwrap();
     fill(&sim, p, &pattern(4 * G as usize, 5));
     let d2h = sim.calls(Prim::CopyD2H);
     let pageable = sim.pageable_copies();
@@ -436,9 +431,7 @@ fn first_pause_stages_then_the_retained_backup_is_page_locked_in_the_background(
 fn without_retention_nothing_is_page_locked_but_the_slots() {
     let (sim, e) = setup(64 << 20);
     small_pieces(&e, PinMode::Background);
-    let p = e
-        .alloc(&req(4 * G, "a", Some(HostBackend::Pinned)))
-        .unwrap();
+    let p = e.alloc(&req(4 * G, "a", Some(BackupKind::Pinned))).unwrap();
     fill(&sim, p, &pattern(4 * G as usize, 6));
     e.pause(None).unwrap();
     assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
@@ -453,9 +446,7 @@ fn without_retention_nothing_is_page_locked_but_the_slots() {
 fn inline_mode_page_locks_during_the_first_pause() {
     let (sim, e) = setup(64 << 20);
     small_pieces(&e, PinMode::Inline);
-    let p = e
-        .alloc(&req(3 * G, "a", Some(HostBackend::Pinned)))
-        .unwrap();
+    let p = e.alloc(&req(3 * G, "a", Some(BackupKind::Pinned))).unwrap();
     fill(&sim, p, &pattern(3 * G as usize, 7));
     let d2h = sim.calls(Prim::CopyD2H);
     e.pause(None).unwrap();
@@ -473,7 +464,7 @@ fn releasing_while_the_pinner_works_gives_everything_back() {
         small_pieces(&e, PinMode::Background);
         e.set_retain_cpu_backup(true);
         let p = e
-            .alloc(&req(16 * G, "a", Some(HostBackend::Pinned)))
+            .alloc(&req(16 * G, "a", Some(BackupKind::Pinned)))
             .unwrap();
         fill(&sim, p, &pattern(16 * G as usize, round));
         e.pause(None).unwrap();

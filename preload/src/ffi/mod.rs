@@ -7,7 +7,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 
-use crate::backup::HostBackend;
+use crate::backup::BackupKind;
 use crate::control;
 use crate::error::{status, Error, Result};
 use crate::process::boundary::{catch, set_last_error, set_last_message, with_last_error};
@@ -207,7 +207,7 @@ pub unsafe extern "C" fn tms_region_enter(
         let cur = settings::current_region()?;
         let backend = match backend {
             Some(b) => {
-                let b = HostBackend::parse(b)?;
+                let b = BackupKind::parse(b)?;
                 if cpu_backup == 0 {
                     return Err(Error::InvalidArgument(format!(
                         "CPU backup backend {:?} given without enabling CPU backup",
@@ -227,6 +227,8 @@ pub unsafe extern "C" fn tms_region_enter(
                 cur.cpu_backup
             },
             backend,
+            // A new pauseable region asks for a disk backup with tms_set_enable_disk_backup.
+            disk_backup: enabled == 0 && cur.disk_backup,
         })
     })
 }

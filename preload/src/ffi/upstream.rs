@@ -17,7 +17,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, CStr, CString};
 
 use super::{entry, opt_str};
-use crate::backup::HostBackend;
+use crate::backup::BackupKind;
 use crate::control;
 use crate::error::{Error, Result};
 use crate::process::boundary::{catch, set_last_error};
@@ -105,6 +105,37 @@ pub extern "C" fn tms_get_enable_cpu_backup() -> c_int {
     catch(0, || flag(settings::current_region().map(|r| r.cpu_backup)))
 }
 
+/// Keep a disk backup of this thread's new pauseable allocations (`on != 0`); refused while a
+/// CPU backup is enabled (they are mutually exclusive).
+#[no_mangle]
+pub extern "C" fn tms_set_enable_disk_backup(on: c_int) -> c_int {
+    entry(|| settings::update_region(|r| r.disk_backup = on != 0))
+}
+
+/// 1 when this thread's new pauseable allocations keep a disk backup.
+#[no_mangle]
+pub extern "C" fn tms_get_enable_disk_backup() -> c_int {
+    catch(0, || {
+        flag(settings::current_region().map(|r| r.disk_backup))
+    })
+}
+
+/// Directory of the files of disk backups made from now on (`TMS_DISK_BACKUP_DIR`; NULL or ""
+/// for the default, the system's temporary directory). It must be an existing directory.
+///
+/// # Safety
+/// `dir` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const c_char) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let dir = unsafe { opt_str(dir, "dir") }?.filter(|d| !d.is_empty());
+        control::runtime()?
+            .engine
+            .set_disk_backup_dir(dir.map(std::path::PathBuf::from))
+    })
+}
+
 /// Host memory of this thread's CPU backups: `"pinned"`, `"mmap"`, or NULL for the process
 /// default (`TMS_INIT_CPU_BACKUP_BACKEND`). Consulted only where a CPU backup is enabled.
 ///
@@ -115,7 +146,7 @@ pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) -> c
     entry(|| {
         // SAFETY: forwarded contract.
         let backend = match unsafe { opt_str(backend, "backend") }? {
-            Some(b) => HostBackend::parse(b)?,
+            Some(b) => BackupKind::parse(b)?,
             None => settings::process()?.region.backend,
         };
         settings::update_region(|r| r.backend = backend)
@@ -129,8 +160,9 @@ pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
     catch(std::ptr::null(), || match settings::current_region() {
         Ok(r) => {
             let name: &'static CStr = match r.backend {
-                HostBackend::Pinned => c"pinned",
-                HostBackend::Mmap => c"mmap",
+                BackupKind::Mmap => c"mmap",
+                // Never Disk: backends are parsed by BackupKind::parse, which refuses it.
+                BackupKind::Pinned | BackupKind::Disk => c"pinned",
             };
             name.as_ptr()
         }

@@ -78,6 +78,12 @@ fn init() -> Result<Runtime> {
     engine.set_retain_cpu_backup(ps.retain_cpu_backup);
     engine.set_memory_margin(ps.memory_margin);
     engine.set_copy_config(ps.copy)?;
+    engine
+        .set_disk_backup_dir(ps.disk_dir.clone())
+        .map_err(|e| e.context("environment variable TMS_DISK_BACKUP_DIR"))?;
+    for (op, nth, errno) in &ps.disk_faults {
+        crate::backup::disk::arm_fault(None, *op, *nth, *errno);
+    }
     tracing::info!(
         "torch-memory-saver active on the {} driver",
         engine.driver().name()

@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 
 use parking_lot::RwLock;
 
-use crate::backup::HostBackend;
+use crate::backup::BackupKind;
 use crate::driver::sim::SimDriver;
 use crate::engine::{CopyConfig, PinMode};
 use crate::error::{Error, Result};
@@ -60,14 +60,31 @@ pub struct RegionSettings {
     pub tag: String,
     /// They keep a CPU backup across pause.
     pub cpu_backup: bool,
-    /// In this kind of host memory.
-    pub backend: HostBackend,
+    /// In this kind of host memory (`Pinned` or `Mmap`).
+    pub backend: BackupKind,
+    /// They keep a disk backup across pause (never together with `cpu_backup`).
+    pub disk_backup: bool,
 }
 
 impl RegionSettings {
     /// The engine's backup policy for these settings.
-    pub fn backup(&self) -> Option<HostBackend> {
+    pub fn backup(&self) -> Option<BackupKind> {
+        if self.disk_backup {
+            return Some(BackupKind::Disk);
+        }
         self.cpu_backup.then_some(self.backend)
+    }
+
+    /// Refuse a CPU and a disk backup at once.
+    pub fn check(&self) -> Result<()> {
+        if self.cpu_backup && self.disk_backup {
+            return Err(Error::InvalidArgument(format!(
+                "region {:?}: enable_cpu_backup and enable_disk_backup are mutually exclusive \
+                 (a paused allocation keeps its contents in one place)",
+                self.tag
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -82,8 +99,13 @@ pub struct ProcessSettings {
     pub memory_margin: u64,
     /// `TMS_BACKEND`.
     pub backend: BackendChoice,
-    /// `TMS_COPY_THREADS`, `TMS_COPY_CHUNK`, `TMS_STAGING_SLOT`, `TMS_HOST_HUGEPAGES`, `TMS_PIN`.
+    /// `TMS_COPY_THREADS`, `TMS_COPY_CHUNK`, `TMS_STAGING_SLOT`, `TMS_HOST_HUGEPAGES`, `TMS_PIN`,
+    /// `TMS_DISK_BACKUP_CHUNK_MB`.
     pub copy: CopyConfig,
+    /// `TMS_DISK_BACKUP_DIR`.
+    pub disk_dir: Option<std::path::PathBuf>,
+    /// `TMS_DISK_FAULTS` (a testing aid: fail chosen file operations of disk backups).
+    pub disk_faults: Vec<(crate::backup::disk::DiskOp, u64, i32)>,
 }
 
 /// The copy settings from the environment, over the defaults.
@@ -129,6 +151,19 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     if let Some(p) = var_parsed("TMS_PIN", lookup("TMS_PIN").as_deref(), PinMode::parse)? {
         c.pin = p;
     }
+    if let Some(mb) = var_parsed(
+        "TMS_DISK_BACKUP_CHUNK_MB",
+        lookup("TMS_DISK_BACKUP_CHUNK_MB").as_deref(),
+        |s| {
+            s.trim()
+                .parse::<u64>()
+                .ok()
+                .and_then(|mb| mb.checked_mul(1 << 20))
+                .ok_or_else(|| Error::InvalidArgument(format!("{s:?} is not a number of MiB")))
+        },
+    )? {
+        c.disk_chunk = mb;
+    }
     c.validate()
         .map_err(|e| e.context("TMS_COPY_THREADS / TMS_COPY_CHUNK / TMS_STAGING_SLOT"))?;
     Ok(c)
@@ -137,8 +172,8 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
 impl ProcessSettings {
     /// Read every `TMS_*` variable; the first malformed one is the error.
     pub fn from_env() -> Result<Self> {
-        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", HostBackend::parse)?
-            .unwrap_or(HostBackend::Pinned);
+        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", BackupKind::parse)?
+            .unwrap_or(BackupKind::Pinned);
         let tag = match env_parsed("TMS_INIT_TAG", |t| Ok(t.to_string()))? {
             Some(t) if t.is_empty() => {
                 return Err(Error::InvalidArgument(
@@ -155,13 +190,27 @@ impl ProcessSettings {
             // alone (allocations pass through) as any malformed TMS_* variable does.
             SimDriver::settings_from_env()?;
         }
+        let region = RegionSettings {
+            enabled: env_parsed("TMS_INIT_ENABLE", parse_flag)?.unwrap_or(false),
+            tag,
+            cpu_backup: env_parsed("TMS_INIT_ENABLE_CPU_BACKUP", parse_flag)?.unwrap_or(false),
+            backend,
+            disk_backup: env_parsed("TMS_INIT_ENABLE_DISK_BACKUP", parse_flag)?.unwrap_or(false),
+        };
+        region.check().map_err(|e| {
+            e.context(
+                "environment variables TMS_INIT_ENABLE_CPU_BACKUP and TMS_INIT_ENABLE_DISK_BACKUP",
+            )
+        })?;
+        let disk_dir = match std::env::var_os("TMS_DISK_BACKUP_DIR") {
+            Some(d) if !d.is_empty() => Some(std::path::PathBuf::from(d)),
+            _ => None,
+        };
         Ok(ProcessSettings {
-            region: RegionSettings {
-                enabled: env_parsed("TMS_INIT_ENABLE", parse_flag)?.unwrap_or(false),
-                tag,
-                cpu_backup: env_parsed("TMS_INIT_ENABLE_CPU_BACKUP", parse_flag)?.unwrap_or(false),
-                backend,
-            },
+            region,
+            disk_dir,
+            disk_faults: env_parsed("TMS_DISK_FAULTS", crate::backup::disk::parse_faults)?
+                .unwrap_or_default(),
             retain_cpu_backup: env_parsed("TMS_RETAIN_CPU_BACKUP", parse_flag)?.unwrap_or(false),
             memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
             backend: backend_choice,
@@ -277,15 +326,16 @@ pub fn pop_region() -> Result<RegionSettings> {
 /// the thread's effective settings first (the upstream setters, `tms_set_current_tag` and
 /// friends, act on "the thread's region", which has no enter/exit of its own).
 pub fn update_region(f: impl FnOnce(&mut RegionSettings)) -> Result<()> {
-    let base = current_region()?;
+    let mut new = current_region()?;
+    f(&mut new);
+    // Nothing changes when the result is refused (a CPU and a disk backup at once).
+    new.check()?;
     STACK
         .try_with(|s| {
             let mut s = s.borrow_mut();
-            if s.is_empty() {
-                s.push(base);
-            }
-            if let Some(top) = s.last_mut() {
-                f(top);
+            match s.last_mut() {
+                Some(top) => *top = new,
+                None => s.push(new),
             }
         })
         .map_err(|_| Error::InvalidState("thread is exiting".into()))
@@ -305,7 +355,8 @@ mod tests {
             enabled,
             tag: tag.into(),
             cpu_backup: false,
-            backend: HostBackend::Pinned,
+            backend: BackupKind::Pinned,
+            disk_backup: false,
         }
     }
 

@@ -1,0 +1,239 @@
+//! Disk backups on the simulated device: contents round-trip bit-identical through files that
+//! are reused across cycles and removed on free; files of dead processes are swept, live ones
+//! never; a file changed on disk while paused is refused; nothing is lost when the disk fails.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+
+use common::{pattern, read_raw, write_raw};
+use tms::backup::disk::{self, DiskOp};
+use tms::backup::BackupKind;
+use tms::driver::sim::{SimConfig, SimDriver};
+use tms::engine::{AllocRequest, CopyConfig, Engine, State};
+
+const MIB: u64 = 1 << 20;
+
+struct Fx {
+    sim: Arc<SimDriver>,
+    e: Engine,
+    dir: tempfile::TempDir,
+}
+
+fn fx() -> Fx {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices: 2,
+            capacity: 256 << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone());
+    let mut cfg = CopyConfig {
+        threads: 3,
+        ..CopyConfig::default()
+    };
+    cfg.slot = 256 << 10;
+    cfg.disk_chunk = MIB;
+    e.set_copy_config(cfg).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
+    Fx { sim, e, dir }
+}
+
+impl Fx {
+    fn alloc(&self, size: u64, device: i32, seed: u64) -> (u64, Vec<u8>) {
+        let p = self
+            .e
+            .alloc(&AllocRequest {
+                size,
+                device,
+                tag: "opt".into(),
+                backup: Some(BackupKind::Disk),
+            })
+            .unwrap();
+        let data = pattern(size as usize, seed);
+        write_raw(&self.sim, p, &data);
+        (p, data)
+    }
+
+    fn files(&self) -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(self.dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+#[test]
+fn contents_round_trip_through_files_reused_across_cycles() {
+    let f = fx();
+    let a = f.alloc(5 * MIB + 123, 0, 1);
+    let b = f.alloc(3 * MIB, 1, 2);
+    let r = f.e.pause(None).unwrap();
+    assert_eq!((r.allocations, r.copied), (2, 8 * MIB + 123));
+    assert_eq!(f.sim.live_bytes(0) + f.sim.live_bytes(1), 0);
+    let files = f.files();
+    assert_eq!(files.len(), 2);
+    let stats = f.e.stats();
+    assert_eq!(stats.tags[0].disk_backup_bytes, 6 * MIB + 4 * MIB);
+    assert_eq!(stats.tags[0].host_backup_bytes, 0);
+    for cycle in 0..3u64 {
+        f.e.resume(None).unwrap();
+        for (p, d) in [&a, &b] {
+            assert!(read_raw(&f.sim, *p, d.len()) == *d, "cycle {cycle}: {p:#x}");
+        }
+        assert_eq!(f.files(), files, "the same files, reused");
+        f.e.pause(None).unwrap();
+    }
+    f.e.resume(None).unwrap();
+    // Not CPU backups: none is offered as one.
+    let mut buf = vec![0u8; 16];
+    assert!(!f.e.copy_cpu_backup(a.0, &mut buf).unwrap());
+    assert!(f.e.free(a.0).unwrap());
+    assert_eq!(f.files().len(), 1, "a freed allocation's file goes");
+    let Fx { e, dir, .. } = f;
+    drop(e);
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "and every file with the engine"
+    );
+}
+
+#[test]
+fn a_file_changed_while_paused_is_refused_and_the_tag_stays_paused() {
+    let f = fx();
+    let (p, data) = f.alloc(4 * MIB, 0, 3);
+    f.e.pause(None).unwrap();
+    let path = f.files().remove(0);
+    // Overwrite one byte in the middle of the third chunk.
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    let old = {
+        let mut b = [0u8; 1];
+        std::fs::File::open(&path)
+            .unwrap()
+            .read_exact_at(&mut b, 2 * MIB + 77)
+            .unwrap();
+        b[0]
+    };
+    file.write_all_at(&[old ^ 0xff], 2 * MIB + 77).unwrap();
+    let err = f.e.resume(None).unwrap_err().to_string();
+    assert!(
+        err.contains("changed on disk") && err.contains(&*path.to_string_lossy()),
+        "{err}"
+    );
+    assert!(err.contains("stays paused"), "{err}");
+    assert_eq!(f.e.allocations()[0].state, State::Paused);
+    assert_eq!(f.sim.live_bytes(0), 0, "the resume was undone");
+    // Put the byte back: the resume now restores every byte.
+    file.write_all_at(&[old], 2 * MIB + 77).unwrap();
+    f.e.resume(None).unwrap();
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+
+    // Cut short: refused before anything is mapped.
+    f.e.pause(None).unwrap();
+    file.set_len(MIB).unwrap();
+    let err = f.e.resume(None).unwrap_err().to_string();
+    assert!(
+        err.contains("changed on disk") && err.contains("stays paused"),
+        "{err}"
+    );
+    assert_eq!(f.e.allocations()[0].state, State::Paused);
+}
+
+#[test]
+fn disk_faults_lose_nothing_and_a_retry_works() {
+    let f = fx();
+    let (p, data) = f.alloc(6 * MIB, 0, 4);
+    let dir = f.dir.path();
+    // A full disk part-way through the writes: the pause fails naming the file, and the
+    // allocation is active with its contents.
+    disk::arm_fault(Some(dir), DiskOp::Write, 5, libc::ENOSPC);
+    let e = f.e.pause(None).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("full") && msg.contains(&*dir.to_string_lossy()),
+        "{msg}"
+    );
+    assert_eq!(f.e.allocations()[0].state, State::Active);
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    // A read error on resume: still paused with its file; the retry restores it.
+    f.e.pause(None).unwrap();
+    disk::arm_fault(Some(dir), DiskOp::Read, 3, libc::EIO);
+    let msg = f.e.resume(None).unwrap_err().to_string();
+    assert!(
+        msg.contains("stays paused") && msg.contains("reading"),
+        "{msg}"
+    );
+    assert_eq!(f.e.allocations()[0].state, State::Paused);
+    f.e.resume(None).unwrap();
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    assert_eq!(disk::pending_faults(Some(dir)), 0);
+}
+
+#[test]
+fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves() {
+    let f = fx();
+    let (p, data) = f.alloc(4 * MIB, 0, 5);
+    let gone = f.dir.path().join("vanished");
+    std::fs::create_dir(&gone).unwrap();
+    f.e.set_disk_backup_dir(Some(gone.clone())).unwrap();
+    std::fs::remove_dir(&gone).unwrap();
+    let msg = f.e.pause(None).unwrap_err().to_string();
+    assert!(msg.contains(&*gone.to_string_lossy()), "{msg}");
+    assert_eq!(f.e.allocations()[0].state, State::Active);
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    let err =
+        f.e.set_disk_backup_dir(Some(gone.clone()))
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("vanished"),
+        "a missing directory is refused: {err}"
+    );
+    let file = f.dir.path().join("plain");
+    std::fs::write(&file, b"x").unwrap();
+    let err = f.e.set_disk_backup_dir(Some(file)).unwrap_err().to_string();
+    assert!(err.contains("not a directory"), "{err}");
+}
+
+#[test]
+fn files_of_dead_processes_are_swept_and_live_ones_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    // A dead process's file: the library's name, nobody holding its lock.
+    let dead = dir.path().join("tms-backup-4242-0-0.bin");
+    std::fs::write(&dead, vec![0u8; 8192]).unwrap();
+    // A live process's file: made by a child that holds it until told to go.
+    let mut child = std::process::Command::new("flock")
+        .arg(dir.path().join("tms-backup-live-0-0.bin"))
+        .arg("-c")
+        .arg("read _")
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .expect("flock(1) runs");
+    let live = dir.path().join("tms-backup-live-0-0.bin");
+    let t0 = std::time::Instant::now();
+    while !live.exists() {
+        assert!(t0.elapsed().as_secs() < 10);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let f = fx();
+    f.e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
+    let (p, data) = f.alloc(2 * MIB, 0, 6);
+    f.e.pause(None).unwrap();
+    assert!(!dead.exists(), "swept at first use");
+    assert!(live.exists(), "a live process's file is never touched");
+    f.e.resume(None).unwrap();
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    drop(child.stdin.take());
+    child.wait().unwrap();
+}
