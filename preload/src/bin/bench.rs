@@ -16,6 +16,9 @@
 //! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
 //! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
 
+#[path = "bench_disk.rs"]
+mod disk;
+
 #[path = "common.rs"]
 #[allow(dead_code)]
 mod common;
@@ -90,11 +93,15 @@ struct Opts {
     plain: bool,
     many: bool,
     segment: Option<u64>,
+    /// Directory for the disk backup scenarios (none: skipped).
+    disk: Option<std::path::PathBuf>,
+    /// Only the disk scenarios (and their limits).
+    disk_only: bool,
 }
 
 fn usage() -> &'static str {
     "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
-     [--segment BYTES]   (default 16GiB 512)"
+     [--segment BYTES] [--disk DIR [--disk-only]]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -106,6 +113,8 @@ fn parse_args() -> Result<Option<Opts>, String> {
         plain: true,
         many: true,
         segment: None,
+        disk: None,
+        disk_only: false,
     };
     let mut positional = 0;
     let mut args = std::env::args().skip(1);
@@ -118,6 +127,8 @@ fn parse_args() -> Result<Option<Opts>, String> {
             "--no-limits" => o.limits = false,
             "--no-plain" => o.plain = false,
             "--no-many" => o.many = false,
+            "--disk" => o.disk = Some(args.next().ok_or("--disk needs a directory")?.into()),
+            "--disk-only" => o.disk_only = true,
             "--segment" => {
                 let b = args.next().ok_or("--segment needs a size")?;
                 o.segment = Some(parse_bytes(&b).map_err(|e| e.to_string())?);
@@ -143,6 +154,9 @@ fn parse_args() -> Result<Option<Opts>, String> {
     }
     if o.total / o.count == 0 {
         return Err("TOTAL/COUNT must be at least one byte".into());
+    }
+    if o.disk_only && o.disk.is_none() {
+        return Err("--disk-only needs --disk DIR".into());
     }
     Ok(Some(o))
 }
@@ -226,6 +240,12 @@ fn print_host_facts() {
 }
 
 fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<(), String> {
+    if let Some(dir) = &o.disk {
+        disk::run(e, o, dir, t)?;
+        if o.disk_only {
+            return Ok(());
+        }
+    }
     let lim = if o.limits {
         println!("machine limits");
         let l = limits(driver, e, o, t)?;
