@@ -80,7 +80,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     let backup = prop_oneof![
         Just(None),
         Just(Some(BackupKind::Pinned)),
-        Just(Some(BackupKind::Mmap))
+        Just(Some(BackupKind::Mmap)),
+        Just(Some(BackupKind::Disk))
     ];
     let tag = prop_oneof![Just(None), (0..3usize).prop_map(Some)];
     prop_oneof![
@@ -104,8 +105,16 @@ struct MAlloc {
     state: State,
     /// `None`: undefined (never written, or paused without a backup).
     contents: Option<Vec<u8>>,
-    /// A host buffer is held for the backup.
+    /// A host buffer (or, for a disk backup, a file) is held for the backup.
     host: bool,
+    /// The backup holds a complete snapshot.
+    valid: bool,
+}
+
+impl MAlloc {
+    fn disk(&self) -> bool {
+        self.backup == Some(BackupKind::Disk)
+    }
 }
 
 #[derive(Default)]
@@ -173,6 +182,7 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
                         state: State::Active,
                         contents: None,
                         host: false,
+                        valid: false,
                     },
                 );
             }
@@ -208,6 +218,7 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
                 bytes += a.mapped;
                 if a.backup.is_some() {
                     a.host = true;
+                    a.valid = true;
                     copied += a.size;
                 } else {
                     a.contents = None;
@@ -243,7 +254,9 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
                     if a.backup.is_some() {
                         copied += a.size;
                     }
-                    a.host = a.backup.is_some() && m.retain;
+                    // A file stays (reused by the next pause); host memory only if retained.
+                    a.host = a.backup.is_some() && (m.retain || a.disk());
+                    a.valid = a.backup.is_some() && m.retain;
                 }
                 prop_assert_eq!(
                     (r.allocations, r.bytes, r.copied),
@@ -287,14 +300,18 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             i.addr
         );
         prop_assert_eq!(
-            i.host_bytes,
-            if a.host { a.size } else { 0 },
-            "host bytes of {:#x}",
+            (i.host_bytes, i.disk_bytes),
+            match (a.host, a.disk()) {
+                (false, _) => (0, 0),
+                (true, false) => (a.size, 0),
+                (true, true) => (0, a.mapped),
+            },
+            "host and disk bytes of {:#x}",
             i.addr
         );
         // A held backup is a complete snapshot: paused with a backup, or its last pause's,
         // retained while active.
-        prop_assert_eq!(i.host_valid, a.host, "host_valid of {:#x}", i.addr);
+        prop_assert_eq!(i.host_valid, a.valid, "host_valid of {:#x}", i.addr);
         // Pinned backups are page-locked in whole pages: inline by the first pause; in the
         // background only once retained (all of it, once the pinner is idle); never otherwise.
         let whole = a.size.next_multiple_of(4096);
@@ -324,7 +341,8 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
                 let has = e
                     .copy_cpu_backup(i.addr, &mut b)
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                prop_assert_eq!(has, a.host, "retained snapshot of active {:#x}", i.addr);
+                let offered = a.valid && !a.disk();
+                prop_assert_eq!(has, offered, "retained snapshot of active {:#x}", i.addr);
                 if let Some(want) = &a.contents {
                     let got = read_raw(sim, i.addr, a.size as usize);
                     prop_assert!(&got == want, "contents of active {:#x}", i.addr);
@@ -336,7 +354,7 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
                 let has = e
                     .copy_cpu_backup(i.addr, &mut b)
                     .map_err(|e| TestCaseError::fail(e.to_string()))?;
-                prop_assert_eq!(has, a.backup.is_some());
+                prop_assert_eq!(has, a.backup.is_some() && !a.disk());
                 if let (true, Some(want)) = (has, &a.contents) {
                     prop_assert!(&b == want, "backup of paused {:#x}", i.addr);
                 }
@@ -392,9 +410,11 @@ proptest! {
             SimDriver::new(SimConfig { devices: 2, capacity: CAPACITY, granularity: G }).unwrap(),
         );
         let mut m = Model::default();
+        let dir = tempfile::tempdir().unwrap();
         {
             let e = Engine::new(sim.clone());
             e.set_copy_config(cfg).unwrap();
+            e.set_disk_backup_dir(Some(dir.path().to_path_buf())).unwrap();
             e.set_segment_bytes(segment).unwrap();
             for (n, op) in ops.iter().enumerate() {
                 step(&sim, &e, &mut m, op)
@@ -409,6 +429,7 @@ proptest! {
             (0, 0, 0, 0)
         );
         prop_assert_eq!((sim.live_reservations(), sim.pinned_bytes()), (0, 0));
+        prop_assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files removed");
     }
 }
 
