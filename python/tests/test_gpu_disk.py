@@ -75,7 +75,12 @@ def test_a_disk_that_fills_part_way_loses_nothing(mode, tmp_path):
             msg = str(e)
             assert "full" in msg and {str(d)!r} in msg, msg
             print("error:", msg[:300])
-        assert torch.equal(a.cpu(), ra) and torch.equal(b.cpu(), rb), "intact on the device"
+        # A tensor whose file was complete may be paused already (its memory released): the
+        # one whose write failed is active with its contents; resume brings back the others.
+        st = next(t for t in tms.stats()["tags"] if t["tag"] == "opt")
+        assert st["active_allocations"] >= 1, st
+        tms.resume("opt")
+        assert torch.equal(a.cpu(), ra) and torch.equal(b.cpu(), rb), "nothing lost"
         tms.pause("opt")  # the injected fault fired once; the retry works
         tms.resume("opt")
         assert torch.equal(a.cpu(), ra) and torch.equal(b.cpu(), rb)
