@@ -131,3 +131,59 @@ def test_a_full_disk_fails_the_pause_and_loses_nothing(preloaded, tmp_path):
         TMS_COPY_THREADS="2",
     )
     assert r.stdout.strip() == "ok"
+
+
+def test_a_pause_failing_part_way_over_several_allocations_loses_nothing(preloaded, tmp_path):
+    d = tmp_path / "part"
+    d.mkdir()
+    r = preloaded(
+        f"""
+        tms.set_disk_backup_dir({str(d)!r})
+        sizes = [12 << 20, 8 << 20, 4 << 20]
+        with tms.region(tag="opt", enable_disk_backup=True):
+            ps = [cuda_malloc(n)[1] for n in sizes]
+        datas = [os.urandom(n) for n in sizes]
+        for p, n, data in zip(ps, sizes, datas):
+            ctypes.memmove(p, data, n)
+        try:
+            tms.pause("opt")
+            raise SystemExit("should raise")
+        except tms_pkg.OutOfMemoryError as e:
+            assert "full" in str(e), e
+        st = tag_stats("opt")
+        assert st["active_allocations"] >= 1 and st["paused_allocations"] + st["active_allocations"] == 3, st
+        tms.resume("opt")
+        for p, n, data in zip(ps, sizes, datas):
+            assert ctypes.string_at(p, n) == data
+        tms.pause("opt")
+        tms.resume("opt")
+        for p, n, data in zip(ps, sizes, datas):
+            assert ctypes.string_at(p, n) == data
+        print("ok", st["paused_allocations"])
+        """,
+        TMS_DISK_FAULTS="write:12:ENOSPC",
+        TMS_COPY_THREADS="4",
+        TMS_STAGING_SLOT="1MiB",
+        TMS_DISK_BACKUP_CHUNK_MB="2",
+    )
+    assert r.stdout.startswith("ok"), r.stdout
+
+
+def test_files_of_a_killed_process_are_removed_by_the_next_one(preloaded, tmp_path):
+    d = tmp_path / "shared"
+    d.mkdir()
+    snippet = f"""
+        tms.set_disk_backup_dir({str(d)!r})
+        with tms.region(tag="opt", enable_disk_backup=True):
+            rc, p = cuda_malloc(4 << 20)
+        tms.pause("opt")
+        print(sorted(os.listdir({str(d)!r})))
+        """
+    killed = preloaded(snippet + "os.kill(os.getpid(), 9)\n", expect_ok=False)
+    assert killed.returncode == -9, killed
+    left = files(d)
+    assert len(left) == 1 and left[0].startswith("tms-backup-"), left
+    r = preloaded(snippet + "tms.resume('opt')\n")
+    mine = eval(r.stdout.strip().splitlines()[-1])
+    assert left[0] not in mine and len(mine) == 1, (left, mine)
+    assert files(d) == [], "and its own went at exit"
