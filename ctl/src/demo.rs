@@ -90,6 +90,9 @@ pub struct ChildArgs {
     /// Pattern seed.
     #[arg(long, default_value_t = 7)]
     seed: u8,
+    /// Back the allocation up on disk (in `TMS_DISK_BACKUP_DIR`) instead of in host memory.
+    #[arg(long)]
+    disk: bool,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -98,6 +101,7 @@ pub struct ChildArgs {
 type OutStrFn = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
 type RegionEnterFn = unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char) -> c_int;
 type RegionExitFn = unsafe extern "C" fn() -> c_int;
+type SetFlagFn = unsafe extern "C" fn(c_int) -> c_int;
 type TorchMallocFn = unsafe extern "C" fn(isize, c_int, *mut c_void) -> *mut c_void;
 type TorchFreeFn = unsafe extern "C" fn(*mut c_void, isize, c_int, *mut c_void);
 type WriteFn = unsafe extern "C" fn(u64, *const c_void, u64) -> c_int;
@@ -112,6 +116,7 @@ struct Api {
     control_socket: OutStrFn,
     region_enter: RegionEnterFn,
     region_exit: RegionExitFn,
+    set_disk_backup: SetFlagFn,
     torch_malloc: TorchMallocFn,
     torch_free: TorchFreeFn,
     write: WriteFn,
@@ -150,6 +155,7 @@ impl Api {
             control_socket: load!(c"tms_control_socket", OutStrFn),
             region_enter: load!(c"tms_region_enter", RegionEnterFn),
             region_exit: load!(c"tms_region_exit", RegionExitFn),
+            set_disk_backup: load!(c"tms_set_enable_disk_backup", SetFlagFn),
             torch_malloc: load!(c"tms_torch_malloc", TorchMallocFn),
             torch_free: load!(c"tms_torch_free", TorchFreeFn),
             write: load!(c"tms_write_bytes", WriteFn),
@@ -262,8 +268,16 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
         std::process::exit(1);
     };
     let tag = CString::new(a.tag.clone()).unwrap_or_default();
-    // SAFETY: tag and the backend name are NUL-terminated strings.
-    let rc = unsafe { (api.region_enter)(1, tag.as_ptr(), 1, c"pinned".as_ptr()) };
+    let rc = if a.disk {
+        // SAFETY: tag is a NUL-terminated string; NULL backend; then a plain flag.
+        match unsafe { (api.region_enter)(1, tag.as_ptr(), 0, std::ptr::null()) } {
+            0 => unsafe { (api.set_disk_backup)(1) },
+            rc => rc,
+        }
+    } else {
+        // SAFETY: tag and the backend name are NUL-terminated strings.
+        unsafe { (api.region_enter)(1, tag.as_ptr(), 1, c"pinned".as_ptr()) }
+    };
     if let Err(e) = api.check(rc) {
         fail("region", e);
     }

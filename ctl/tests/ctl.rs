@@ -812,6 +812,39 @@ fn demo_on_the_sim() {
     );
 }
 
+/// A process whose allocation is backed up on disk: status shows the file's bytes per tag (in
+/// the table and in JSON), the pause and resume from outside keep the contents, and the file is
+/// gone when the process exits.
+#[test]
+fn status_shows_disk_backups() {
+    let sb = sandbox();
+    let dir = sb.tmp.path().join("disk");
+    std::fs::create_dir(&dir).unwrap();
+    let d = dir.to_str().unwrap().to_string();
+    let mut p = Proc::start_with(&sb, &[("TMS_DISK_BACKUP_DIR", &d)], |c| {
+        c.arg("--disk");
+    });
+    let pid = p.pid.to_string();
+    ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    let s = status(&sb, p.pid);
+    assert_eq!(tag(&s, "demo")["disk_backup_bytes"].as_u64(), Some(SIZE));
+    assert_eq!(tag(&s, "demo")["host_backup_bytes"].as_u64(), Some(0));
+    let text = ok(&sb, &["status", "--pid", &pid]).stdout;
+    assert!(
+        text.contains("DISK BACKUP") && text.contains("8.00 MiB"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    ok(&sb, &["resume", "--pid", &pid, "--tag", "demo"]);
+    p.verify();
+    assert!(p.exit().success());
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        0,
+        "the file went with its process"
+    );
+}
+
 /// A demo larger than the host's memory fails at once with the numbers (the sim's device memory
 /// is host memory), instead of being killed by the kernel after filling it. The host is
 /// pretended 64 GiB, so the answer does not depend on this machine's memory.
