@@ -3,7 +3,7 @@
 //!
 //! # Note [The control server]
 //!
-//! *When it starts.* Only once the [`Runtime`](crate::Runtime) has started successfully (the
+//! *When it starts.* Only once the [`Runtime`] has started successfully (the
 //! entry points reach it through [`runtime()`], which starts the server with it), i.e.
 //! in a process that made a pauseable allocation or called the C ABI; a process that merely
 //! inherited `LD_PRELOAD` never gets here, so it gets no thread, no folder, no socket.
@@ -54,7 +54,7 @@
 //! cannot be started costs its connection a `busy` reply, and replies are sent with
 //! `MSG_NOSIGNAL` so a client that disappears cannot raise `SIGPIPE` in the host.
 //!
-//! The system calls go through the `nix` crate ([`sys`]); this module's only `unsafe` is there
+//! The system calls go through the `nix` crate (`sys.rs`); this module's only `unsafe` is there
 //! too: registering the exit and fork handlers, and closing descriptors in a fork child.
 
 pub mod auth;

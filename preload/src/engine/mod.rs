@@ -1,5 +1,5 @@
 //! The engine: a registry of pauseable allocations and the pause/resume transactions over
-//! [`Driver`](crate::driver::Driver).
+//! [`Driver`].
 //!
 //! # Note [Pause and resume as transactions]
 //!
@@ -27,7 +27,7 @@
 //! and the handle is reported.
 //!
 //! *Resume* marks the tag's paused allocations Resuming, then creates, maps and enables access
-//! for each (as [`segment::Mapping`]s) while the pipeline copies the backups back. All or
+//! for each (as `segment::Mapping`s) while the pipeline copies the backups back. All or
 //! nothing: on any failure the mappings are dropped, which undoes them, and the tag stays paused
 //! with its backups; the error (out of memory, typically) goes to the caller, who may free memory
 //! and call again. Otherwise every allocation is committed Active at once and, unless retention

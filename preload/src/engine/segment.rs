@@ -1,5 +1,5 @@
 //! Physical memory over a reserved address range, in segments of one handle each, as objects
-//! that undo themselves: a [`Mapping`] being built unmaps and releases what it made when it is
+//! that undo themselves: a `Mapping` being built unmaps and releases what it made when it is
 //! dropped, unless it was committed (like PyTorch's `ExpandableSegment`), so an error or an
 //! unwind between making and committing leaves no memory behind.
 
