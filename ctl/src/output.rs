@@ -36,7 +36,7 @@ fn hazardous(c: char) -> bool {
         )
 }
 
-/// `s` safe to print: [hazardous](hazardous) characters become `\u{1b}`-style escapes (`\n`,
+/// `s` safe to print: [hazardous] characters become `\u{1b}`-style escapes (`\n`,
 /// `\t`, `\r` as such). Text that came from a server or another process goes through this
 /// before it is printed. Applying it twice changes nothing more.
 pub fn printable(s: &str) -> Cow<'_, str> {
