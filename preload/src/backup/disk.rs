@@ -605,6 +605,27 @@ mod tests {
     }
 
     #[test]
+    fn ram_backed_directories_are_recognised_as_the_mount_table_says() {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+        let fs_of = |p: &str| {
+            mounts
+                .lines()
+                .filter_map(|l| {
+                    let f: Vec<&str> = l.split_whitespace().collect();
+                    (f.len() > 2 && Path::new(p).starts_with(f[1])).then(|| (f[1].len(), f[2]))
+                })
+                .max()
+                .map(|(_, t)| t.to_string())
+        };
+        for p in ["/dev/shm", "/proc", "/"] {
+            if let Some(t) = fs_of(p) {
+                let ram = t == "tmpfs" || t == "ramfs";
+                assert_eq!(is_ram_backed(Path::new(p)), ram, "{p} is {t}");
+            }
+        }
+    }
+
+    #[test]
     fn fault_plans_parse_and_bad_ones_are_refused() {
         assert_eq!(
             parse_faults("write:3:ENOSPC, sync:1").unwrap(),
