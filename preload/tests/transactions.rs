@@ -137,16 +137,21 @@ fn hooks_never_wait_for_a_stalled_pause() {
 }
 
 /// Frees and allocations from several threads while pauses and resumes run, with several copy
-/// workers: every allocation that survives has its contents, and nothing is left in transition.
+/// workers and every kind of backup: every allocation that survives has its contents, and
+/// nothing is left in transition.
 #[test]
 fn hooks_and_transactions_interleave_without_loss() {
     let sim = sim(2);
     let e = engine(&sim, 3);
+    let dir = tempfile::tempdir().unwrap();
+    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
     let mut keep = Vec::new();
     for k in 0..6u64 {
         let size = (1 + k % 3) * 3 * MIB + 4096 * k;
+        let kind = [BackupKind::Mmap, BackupKind::Disk, BackupKind::Pinned][k as usize % 3];
         let p = e
-            .alloc(&req(size, (k % 2) as i32, "kv", Some(BackupKind::Mmap)))
+            .alloc(&req(size, (k % 2) as i32, "kv", Some(kind)))
             .unwrap();
         let data = pattern(size as usize, 100 + k);
         write_raw(&sim, p, &data);
