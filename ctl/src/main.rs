@@ -113,8 +113,8 @@ enum Cmd {
     /// other pid namespaces are listed too, marked).
     #[command(after_help = EXIT_CODES)]
     List,
-    /// Show a process's tags, allocations, bytes active and paused, host backups, device
-    /// memory and the last pause and resume.
+    /// Show a process's tags, allocations, bytes active and paused, host and disk backups,
+    /// device memory and the last pause and resume.
     #[command(after_help = EXIT_CODES)]
     Status {
         #[command(flatten)]

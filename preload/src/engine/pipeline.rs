@@ -184,7 +184,19 @@ pub(super) enum Target<'a> {
     Disk(&'a DiskFile),
 }
 
-impl Target<'_> {
+impl<'a> Target<'a> {
+    /// The backup an allocation has, if any: its host buffer, else its file.
+    pub(super) fn of(
+        host: &'a Option<Arc<HostBuffer>>,
+        disk: &'a Option<Arc<DiskFile>>,
+    ) -> Option<Self> {
+        match (host, disk) {
+            (Some(h), _) => Some(Target::Host(h)),
+            (None, Some(f)) => Some(Target::Disk(f)),
+            (None, None) => None,
+        }
+    }
+
     fn chunks(&self) -> usize {
         match self {
             Target::Host(h) => h.chunks(),

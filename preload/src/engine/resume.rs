@@ -26,11 +26,7 @@ struct Job {
 
 impl Job {
     fn target(&self) -> Option<Target<'_>> {
-        match (&self.host, &self.disk) {
-            (Some(h), _) => Some(Target::Host(h)),
-            (None, Some(f)) => Some(Target::Disk(f)),
-            (None, None) => None,
-        }
+        Target::of(&self.host, &self.disk)
     }
 }
 
