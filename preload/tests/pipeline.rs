@@ -246,6 +246,49 @@ const PRIMS: [Prim; 14] = [
     Prim::HostUnregister,
 ];
 
+/// A fixture ready for a faulted operation: for a resume, paused first (contents kept only
+/// where backed up); background page-locking done.
+fn fx_before(pin: PinMode, retain: bool, resume: bool) -> Fx {
+    let mut f = fx(pin, retain);
+    if resume {
+        f.e.pause(None).unwrap();
+        for a in &mut f.allocs {
+            a.intact = a.backup.is_some();
+        }
+    }
+    assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+    f
+}
+
+impl Fx {
+    /// Live device bytes of both devices.
+    fn live(&self) -> (u64, u64) {
+        (self.sim.live_bytes(0), self.sim.live_bytes(1))
+    }
+
+    /// The operation under test on tag "t", then background page-locking done.
+    fn operate(&self, resume: bool) -> tms::Result<tms::engine::OpReport> {
+        let r = if resume {
+            self.e.resume(Some("t"))
+        } else {
+            self.e.pause(Some("t"))
+        };
+        assert!(self.e.wait_for_background_pinning(Duration::from_secs(10)));
+        r
+    }
+
+    /// A failed resume was undone: it says so, everything is paused, no device memory kept.
+    fn check_resume_undone(&self, ctx: &str, msg: &str, live: (u64, u64)) {
+        assert!(msg.contains("stays paused"), "{ctx}: {msg}");
+        assert!(self
+            .e
+            .allocations()
+            .iter()
+            .all(|i| i.state == State::Paused));
+        assert_eq!(self.live(), live, "{ctx}: undone");
+    }
+}
+
 fn sweep(pin: PinMode, retain: bool, resume: bool) -> usize {
     let mut fired_cases = 0;
     for prim in PRIMS {
@@ -254,22 +297,10 @@ fn sweep(pin: PinMode, retain: bool, resume: bool) -> usize {
             for nth in (1..=8).chain([11, 15, 21, 30, 42, 60, 85, 120, 170, 240, 340]) {
                 let ctx =
                     format!("{pin:?} retain {retain} resume {resume}: {prim} #{nth} code {code}");
-                let mut f = fx(pin, retain);
-                if resume {
-                    f.e.pause(None).unwrap();
-                    for a in &mut f.allocs {
-                        a.intact = a.backup.is_some();
-                    }
-                }
-                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
-                let live = (f.sim.live_bytes(0), f.sim.live_bytes(1));
+                let f = fx_before(pin, retain, resume);
+                let live = f.live();
                 f.sim.arm_fault(prim, nth, code);
-                let r = if resume {
-                    f.e.resume(Some("t"))
-                } else {
-                    f.e.pause(Some("t"))
-                };
-                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let r = f.operate(resume);
                 let fired = f.sim.pending_faults() == 0;
                 f.sim.clear_faults();
                 let mut leaked = 0;
@@ -298,13 +329,7 @@ fn sweep(pin: PinMode, retain: bool, resume: bool) -> usize {
                         assert!(msg.contains(prim.call()), "{ctx}: {msg}");
                         assert_eq!(e.is_oom(), code == 2, "{ctx}: {msg}");
                         if resume {
-                            assert!(msg.contains("stays paused"), "{ctx}: {msg}");
-                            assert!(f.e.allocations().iter().all(|i| i.state == State::Paused));
-                            assert_eq!(
-                                (f.sim.live_bytes(0), f.sim.live_bytes(1)),
-                                live,
-                                "{ctx}: undone"
-                            );
+                            f.check_resume_undone(&ctx, &msg, live);
                         } else if prim == Prim::Release {
                             leaked = 1;
                         }
@@ -335,23 +360,11 @@ fn sweep_disk(pin: PinMode, retain: bool, resume: bool) -> usize {
         for errno in [libc::EIO, libc::ENOSPC] {
             for nth in 1..=12 {
                 let ctx = format!("{pin:?} retain {retain} resume {resume}: {op:?} #{nth} {errno}");
-                let mut f = fx(pin, retain);
+                let f = fx_before(pin, retain, resume);
                 let dir = f.dir.path().to_path_buf();
-                if resume {
-                    f.e.pause(None).unwrap();
-                    for a in &mut f.allocs {
-                        a.intact = a.backup.is_some();
-                    }
-                }
-                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
-                let live = (f.sim.live_bytes(0), f.sim.live_bytes(1));
+                let live = f.live();
                 disk::arm_fault(Some(&dir), op, nth, errno);
-                let r = if resume {
-                    f.e.resume(Some("t"))
-                } else {
-                    f.e.pause(Some("t"))
-                };
-                assert!(f.e.wait_for_background_pinning(Duration::from_secs(10)));
+                let r = f.operate(resume);
                 let fired = disk::pending_faults(Some(&dir)) == 0;
                 disk::clear_faults(Some(&dir));
                 match (&r, fired) {
@@ -369,9 +382,7 @@ fn sweep_disk(pin: PinMode, retain: bool, resume: bool) -> usize {
                         );
                         assert_eq!(e.is_oom(), errno == libc::ENOSPC, "{ctx}: {msg}");
                         if resume {
-                            assert!(msg.contains("stays paused"), "{ctx}: {msg}");
-                            assert!(f.e.allocations().iter().all(|i| i.state == State::Paused));
-                            assert_eq!((f.sim.live_bytes(0), f.sim.live_bytes(1)), live, "{ctx}");
+                            f.check_resume_undone(&ctx, &msg, live);
                         } else {
                             let infos = f.e.allocations();
                             if matches!(op, DiskOp::Create | DiskOp::Allocate) {

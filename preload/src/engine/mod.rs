@@ -191,6 +191,48 @@ fn per_device<J: Send, T: Send>(jobs: Vec<J>, f: impl Fn(J) -> T + Sync) -> Vec<
     })
 }
 
+/// The indices of `devices` (one per job) grouped by device.
+fn by_device(devices: impl Iterator<Item = i32>) -> BTreeMap<i32, Vec<usize>> {
+    let mut groups: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
+    for (i, d) in devices.enumerate() {
+        groups.entry(d).or_default().push(i);
+    }
+    groups
+}
+
+/// Each device's jobs next to its staging ring (made if missing): what a pause or resume hands
+/// to its per-device coordinators.
+fn device_work<'a>(
+    groups: &'a BTreeMap<i32, Vec<usize>>,
+    rings: &'a mut BTreeMap<i32, Ring>,
+) -> Vec<(i32, &'a Vec<usize>, &'a mut Ring)> {
+    for device in groups.keys() {
+        rings.entry(*device).or_default();
+    }
+    rings
+        .iter_mut()
+        .filter_map(|(device, ring)| Some((*device, groups.get(device)?, ring)))
+        .collect()
+}
+
+/// A pause's or resume's numbers, in all and per tag.
+#[derive(Default)]
+struct Tally {
+    report: OpReport,
+    per_tag: HashMap<Arc<str>, OpReport>,
+}
+
+impl Tally {
+    fn add(&mut self, tag: &Arc<str>, bytes: u64, copied: u64) {
+        let t = self.per_tag.entry(tag.clone()).or_default();
+        for r in [t, &mut self.report] {
+            r.allocations += 1;
+            r.bytes += bytes;
+            r.copied += copied;
+        }
+    }
+}
+
 /// The first error (in device order); the others are logged.
 fn first_error(results: impl IntoIterator<Item = Result<()>>) -> Result<()> {
     let mut first = Ok(());
@@ -662,12 +704,7 @@ impl Engine {
             )
         };
         let d = &*self.driver;
-        let span = Span {
-            device: a.device,
-            ptr,
-            mapped: a.mapped,
-            segment: a.segment,
-        };
+        let span = a.span(ptr);
         let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
             if !a.handles.is_empty() {
                 // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.

@@ -1,14 +1,14 @@
 //! The pause transaction (Note [Pause and resume as transactions] in `mod.rs`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::pipeline::{self, Dir, Item, Ring, Target};
 use super::segment::{self, Span};
 use super::{
-    check_tag, describe, first_error, per_device, Backup, CopyConfig, Engine, OpReport, Settle,
-    State,
+    by_device, check_tag, describe, device_work, first_error, per_device, Backup, CopyConfig,
+    Engine, OpReport, Settle, State, Tally,
 };
 use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
@@ -78,17 +78,15 @@ impl Engine {
         let result = self
             .prepare_backups(&mut jobs, &cfg, &ops.rings, tag)
             .and_then(|()| self.pause_devices(&jobs, &mut ops.rings, &cfg, &mut retired));
-        let mut report = OpReport::default();
-        let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
+        let mut tally = Tally::default();
         for (j, _) in jobs.iter().zip(&retired).filter(|(_, r)| **r) {
             let copied = if j.backed_up() { j.size } else { 0 };
-            let r = per_tag.entry(j.tag.clone()).or_default();
-            for r in [r, &mut report] {
-                r.allocations += 1;
-                r.bytes += j.span.mapped;
-                r.copied += copied;
-            }
+            tally.add(&j.tag, j.span.mapped, copied);
         }
+        let Tally {
+            mut report,
+            per_tag,
+        } = tally;
         report.seconds = t0.elapsed().as_secs_f64();
         self.pin_later(
             &cfg,
@@ -115,13 +113,9 @@ impl Engine {
     /// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
     /// a snapshot someone still looks at is never overwritten.
     fn begin_pause(&self, tag: Option<&str>) -> Vec<Job> {
-        let mut reg = self.reg.lock();
-        let addrs = reg.selected(tag, State::Active);
-        addrs
-            .into_iter()
-            .map(|ptr| {
-                let a = reg.marked(ptr);
-                a.state = State::Pausing;
+        self.reg
+            .lock()
+            .begin(tag, State::Active, State::Pausing, |ptr, a| {
                 a.host_valid = false;
                 let reuse = a.backup.is_some_and(|b| {
                     a.host.as_ref().is_some_and(|h| {
@@ -136,12 +130,7 @@ impl Engine {
                 }
                 Job {
                     ptr,
-                    span: Span {
-                        device: a.device,
-                        ptr,
-                        mapped: a.mapped,
-                        segment: a.segment,
-                    },
+                    span: a.span(ptr),
                     size: a.size,
                     tag: a.tag.clone(),
                     backup: a.backup,
@@ -150,7 +139,6 @@ impl Engine {
                     disk: a.disk.clone(),
                 }
             })
-            .collect()
     }
 
     /// Give every job with a backup policy a host buffer or a file, after checking that the
@@ -259,21 +247,12 @@ impl Engine {
         cfg: &CopyConfig,
         retired: &mut [bool],
     ) -> Result<()> {
-        let mut groups: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
-        for (i, j) in jobs.iter().enumerate() {
-            groups.entry(j.span.device).or_default().push(i);
-        }
+        let mut groups = by_device(jobs.iter().map(|j| j.span.device));
         for list in groups.values_mut() {
             // Those with nothing to copy are retired first.
             list.sort_by_key(|&i| (jobs[i].backed_up(), jobs[i].ptr));
         }
-        for device in groups.keys() {
-            rings.entry(*device).or_default();
-        }
-        let work: Vec<_> = rings
-            .iter_mut()
-            .filter_map(|(device, ring)| Some((*device, groups.get(device)?, ring)))
-            .collect();
+        let work = device_work(&groups, rings);
         let results = per_device(work, |(device, list, ring)| {
             let mut done = vec![false; list.len()];
             let r = self.pause_device(device, jobs, list, ring, cfg, &mut done);

@@ -8,6 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use super::segment::Span;
 use super::{stats, Backup, State};
 use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
@@ -35,6 +36,16 @@ pub(super) struct Allocation {
 }
 
 impl Allocation {
+    /// Where its segments lie, `ptr` being its address.
+    pub fn span(&self, ptr: DevPtr) -> Span {
+        Span {
+            device: self.device,
+            ptr,
+            mapped: self.mapped,
+            segment: self.segment,
+        }
+    }
+
     /// In the middle of a pause or resume: its owner waits before freeing it.
     pub fn in_transition(&self) -> bool {
         matches!(self.state, State::Pausing | State::Resuming)
@@ -83,6 +94,25 @@ impl Registry {
         } else {
             Err(not_found())
         }
+    }
+
+    /// Start a transaction on the pauseable allocations of `tag` (every tag if `None`) in state
+    /// `from`: mark each `during` and return what `f` copies out of it, in address order.
+    pub fn begin<J>(
+        &mut self,
+        tag: Option<&str>,
+        from: State,
+        during: State,
+        mut f: impl FnMut(DevPtr, &mut Allocation) -> J,
+    ) -> Vec<J> {
+        self.selected(tag, from)
+            .into_iter()
+            .map(|ptr| {
+                let a = self.marked(ptr);
+                a.state = during;
+                f(ptr, a)
+            })
+            .collect()
     }
 
     /// The entry a transaction marked; it cannot be gone (frees wait for the transition).

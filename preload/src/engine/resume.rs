@@ -1,12 +1,15 @@
 //! The resume transaction (Note [Pause and resume as transactions] in `mod.rs`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::pipeline::{self, Dir, Item, Target};
 use super::segment::{Mapping, Span};
-use super::{check_tag, describe, first_error, per_device, Engine, OpReport, Settle, State};
+use super::{
+    by_device, check_tag, describe, device_work, first_error, per_device, Engine, OpReport, Settle,
+    State, Tally,
+};
 use crate::backup::{release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
@@ -55,24 +58,14 @@ impl Engine {
                 describe(tag)
             )));
         }
-        let mut groups: BTreeMap<i32, Vec<usize>> = BTreeMap::new();
-        for (i, j) in jobs.iter().enumerate() {
-            groups.entry(j.span.device).or_default().push(i);
-        }
-        for device in groups.keys() {
-            ops.rings.entry(*device).or_default();
-        }
+        let groups = by_device(jobs.iter().map(|j| j.span.device));
         // Per device, in parallel: map each allocation, and copy its backup back while the next
         // one is mapped. All or nothing: on any failure the mappings made are dropped, which
         // undoes them, and the allocations stay paused with their backups.
         let d = &*self.driver;
         let mut made: Vec<(usize, Mapping<'_>)> = Vec::with_capacity(jobs.len());
         let result = {
-            let work: Vec<_> = ops
-                .rings
-                .iter_mut()
-                .filter_map(|(device, ring)| Some((*device, groups.get(device)?, ring)))
-                .collect();
+            let work = device_work(&groups, &mut ops.rings);
             let results = per_device(work, |(device, list, ring)| {
                 let items: Vec<Item<'_>> = list
                     .iter()
@@ -124,8 +117,7 @@ impl Engine {
         }
         // Commit.
         let retain = self.retain_cpu_backup();
-        let mut report = OpReport::default();
-        let mut per_tag: HashMap<Arc<str>, OpReport> = HashMap::new();
+        let mut tally = Tally::default();
         let mut released = Vec::new();
         {
             let mut reg = self.reg.lock();
@@ -144,14 +136,13 @@ impl Engine {
                     (None, Some(_)) => j.size,
                     (None, None) => 0,
                 };
-                let r = per_tag.entry(j.tag.clone()).or_default();
-                for r in [r, &mut report] {
-                    r.allocations += 1;
-                    r.bytes += j.span.mapped;
-                    r.copied += copied;
-                }
+                tally.add(&j.tag, j.span.mapped, copied);
             }
         }
+        let Tally {
+            mut report,
+            per_tag,
+        } = tally;
         drop(settle);
         if retain {
             self.pin_later(&cfg, jobs.iter().filter_map(|j| j.host.as_ref()));
@@ -185,27 +176,15 @@ impl Engine {
 
     /// Mark the paused allocations of `tag` Resuming and copy out what the resume needs.
     fn begin_resume(&self, tag: Option<&str>) -> Vec<Job> {
-        let mut reg = self.reg.lock();
-        let addrs = reg.selected(tag, State::Paused);
-        addrs
-            .into_iter()
-            .map(|ptr| {
-                let a = reg.marked(ptr);
-                a.state = State::Resuming;
-                Job {
-                    ptr,
-                    span: Span {
-                        device: a.device,
-                        ptr,
-                        mapped: a.mapped,
-                        segment: a.segment,
-                    },
-                    size: a.size,
-                    tag: a.tag.clone(),
-                    host: a.snapshot().cloned(),
-                    disk: a.disk.clone().filter(|_| a.host_valid),
-                }
+        self.reg
+            .lock()
+            .begin(tag, State::Paused, State::Resuming, |ptr, a| Job {
+                ptr,
+                span: a.span(ptr),
+                size: a.size,
+                tag: a.tag.clone(),
+                host: a.snapshot().cloned(),
+                disk: a.disk.clone().filter(|_| a.host_valid),
             })
-            .collect()
     }
 }
