@@ -118,6 +118,27 @@ int tms_pause(const char *tag);
  * once memory is free. */
 int tms_resume(const char *tag);
 
+/* tms_pause / tms_resume for chunked allocations: save_chunk_state records which chunks of
+ * each chunked allocation are active before pausing; restore_chunk_state resumes only those
+ * (all chunks of an allocation with nothing recorded). */
+int tms_pause_ex(const char *tag, int save_chunk_state);
+int tms_resume_ex(const char *tag, int restore_chunk_state);
+
+/* ---- Chunked allocations ------------------------------------------------------------- */
+
+/* A chunked allocation (made while the thread's chunk size, tms_set_chunk_size below, is not
+ * 0) is one reserved range backed by independent chunks of physical memory that pause and
+ * resume on their own, with their backups; chunks already in the target state are skipped, so
+ * chunk calls and whole-tag pause/resume compose in any order. A failed resume leaves every
+ * chunk it was to resume paused with its backup, and its message names them. By address (any
+ * address inside the allocation): */
+int tms_chunks_of(uint64_t addr, uint64_t *start, uint64_t *chunk_size, uint64_t *count);
+int tms_chunk_states_at(uint64_t addr, uint8_t *out, uint64_t n); /* 1 = active */
+int tms_chunks_at(uint64_t addr, int pause, const uint64_t *idx, uint64_t n);
+/* The chunks lying wholly inside [addr, addr + len), rounded inward; the first chunk and the
+ * count acted on go to *first and *count (either may be NULL). */
+int tms_range(uint64_t addr, uint64_t len, int pause, uint64_t *first, uint64_t *count);
+
 /* Keep host backups across resume (on != 0), so a later pause need not allocate them. */
 int tms_set_retain_cpu_backup(int on);
 
@@ -209,6 +230,18 @@ const char *tms_get_cpu_backup_backend(void);
 int tms_set_enable_disk_backup(bool enable);
 bool tms_get_enable_disk_backup(void);
 int tms_set_disk_backup_dir(const char *dir);
+
+/* Chunked allocations by tag (the tag must have exactly one). The chunk size of this thread's
+ * new pauseable allocations: 0 (not chunked) or a multiple of the device's granularity; each
+ * allocation's size must be a multiple of it. tms_get_num_chunks_for_tag returns 0 on failure;
+ * tms_get_chunk_states returns false on failure; the arrays need room for every chunk. */
+int tms_set_chunk_size(size_t bytes);
+size_t tms_get_chunk_size(void);
+int tms_pause_chunks(const char *tag, const size_t *idx, size_t n);
+int tms_resume_chunks(const char *tag, const size_t *idx, size_t n);
+size_t tms_get_num_chunks_for_tag(const char *tag);
+bool tms_get_chunk_states(const char *tag, uint8_t *out, size_t n);
+int tms_get_chunk_layout(const char *tag, size_t *offsets, size_t *sizes, size_t n);
 
 /* tms_set_memory_margin under its old name. */
 int set_memory_margin_bytes(uint64_t bytes);

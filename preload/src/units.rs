@@ -76,3 +76,8 @@ mod tests {
         assert_eq!(human(3 << 29), "1.50 GiB");
     }
 }
+
+/// Chunk indices as ranges (`0-3,8`), for messages.
+pub fn ranges(idx: &[usize]) -> String {
+    tms_proto::format_ranges(idx)
+}

@@ -158,6 +158,7 @@ impl Shared {
                         device: rng.below(2) as i32,
                         tag: tag.to_string(),
                         backup,
+                        chunk: 0,
                     })
                     .unwrap();
                 let data = pattern(size as usize, rng.next());

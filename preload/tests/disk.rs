@@ -53,6 +53,7 @@ impl Fx {
                 device,
                 tag: "opt".into(),
                 backup: Some(BackupKind::Disk),
+                chunk: 0,
             })
             .unwrap();
         let data = pattern(size as usize, seed);

@@ -144,6 +144,7 @@ impl Fx {
                 device,
                 tag: tag.into(),
                 backup,
+                chunk: 0,
             })
             .unwrap();
         self.track(addr, size, device, tag, backup);
@@ -519,6 +520,7 @@ fn op(case: &Case, fx: &mut Fx, order: &[u64]) -> Result<(), Error> {
                     device,
                     tag: "n".into(),
                     backup,
+                    chunk: 0,
                 })?;
                 fx.track(addr, size, device, "n", backup);
             }

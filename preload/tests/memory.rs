@@ -45,6 +45,7 @@ fn alloc(e: &Engine, size: u64, tag: &str, backup: Backup) -> u64 {
         device: 0,
         tag: tag.into(),
         backup,
+        chunk: 0,
     })
     .unwrap()
 }

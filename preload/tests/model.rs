@@ -160,6 +160,7 @@ fn step(sim: &SimDriver, e: &Engine, m: &mut Model, op: &Op) -> Result<(), TestC
                 device: *device,
                 tag: TAGS[*tag].into(),
                 backup: *backup,
+                chunk: 0,
             });
             if m.live(*device) + mapped > CAPACITY {
                 let err = res.expect_err("allocation beyond capacity must fail");
@@ -454,6 +455,7 @@ fn allocation_addresses_are_multiples_of_the_granularity() {
                 device: 0,
                 tag: "a".into(),
                 backup: None,
+                chunk: 0,
             })
             .unwrap()
         })

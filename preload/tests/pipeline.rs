@@ -99,6 +99,7 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
                 device: (k % 2) as i32,
                 tag: "t".into(),
                 backup,
+                chunk: 0,
             })
             .unwrap();
         let data = pattern(*size as usize, k as u64 + 1);
@@ -516,7 +517,7 @@ proptest! {
         let backend = if mmap { BackupKind::Mmap } else { BackupKind::Pinned };
         let mut v = Vec::new();
         for (k, size) in sizes.iter().enumerate() {
-            let addr = e.alloc(&AllocRequest { size: *size, device: (k % 2) as i32, tag: "t".into(), backup: Some(backend) }).unwrap();
+            let addr = e.alloc(&AllocRequest { size: *size, device: (k % 2) as i32, tag: "t".into(), backup: Some(backend), chunk: 0 }).unwrap();
             v.push((addr, *size));
         }
         for cycle in 0..3u64 {
@@ -568,6 +569,7 @@ fn a_failed_event_wait_never_passes_off_another_workers_dropped_copy_as_done() {
                         device: 0,
                         tag: "default".into(),
                         backup: Some(BackupKind::Pinned),
+                        chunk: 0,
                     })
                     .unwrap();
                 let data = pattern(size as usize, 1000 * round + k as u64);

@@ -54,6 +54,7 @@ fn fx() -> Fx {
                 } else {
                     BackupKind::Mmap
                 }),
+                chunk: 0,
             })
             .unwrap();
         let data = pattern(size as usize, 77 + k as u64);
@@ -145,6 +146,7 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
                 device: 0,
                 tag: "t".into(),
                 backup: None,
+                chunk: 0,
             })
             .unwrap_err(),
         ] {

@@ -49,6 +49,7 @@ fn req(size: u64, device: i32, tag: &str, backup: Option<BackupKind>) -> AllocRe
         device,
         tag: tag.into(),
         backup,
+        chunk: 0,
     }
 }
 

@@ -677,3 +677,54 @@ pub fn human_bytes(bytes: u64) -> String {
 
 #[cfg(test)]
 mod tests;
+
+/// Chunk indices as ranges, the way `tmsctl --chunks` takes them: `"0-3,8,10-11"` (sorted,
+/// each index once; `""` for none).
+pub fn format_ranges(idx: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < idx.len() {
+        let mut j = i;
+        while j + 1 < idx.len() && idx[j + 1] == idx[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            idx[i].to_string()
+        } else {
+            format!("{}-{}", idx[i], idx[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
+/// Parse chunk indices: comma-separated indices and inclusive ranges (`"8-15,20"`), returned
+/// sorted, each once. At most `limit` indices, so that a typo cannot ask for billions.
+pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, String> {
+    let bad = |why: &str| format!("chunk list {s:?}: {why} (expected e.g. 8-15,20)");
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(bad("empty item"));
+        }
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (a.trim(), b.trim()),
+            None => (part, part),
+        };
+        let num = |x: &str| {
+            x.parse::<usize>()
+                .map_err(|_| bad(&format!("{x:?} is not an index")))
+        };
+        let (a, b) = (num(a)?, num(b)?);
+        if a > b {
+            return Err(bad(&format!("range {a}-{b} runs backwards")));
+        }
+        if b - a >= limit || out.len() + (b - a + 1) > limit {
+            return Err(bad(&format!("more than {limit} chunks")));
+        }
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}

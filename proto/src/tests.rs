@@ -449,3 +449,25 @@ proptest! {
         prop_assert!(at > 64 && at < 65 + chunk);
     }
 }
+
+#[test]
+fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
+    use crate::{format_ranges, parse_ranges};
+    assert_eq!(
+        parse_ranges("8-11, 2,3,9", 100).unwrap(),
+        vec![2, 3, 8, 9, 10, 11]
+    );
+    assert_eq!(format_ranges(&[2, 3, 8, 9, 10, 11, 20]), "2-3,8-11,20");
+    assert_eq!(format_ranges(&[]), "");
+    for (bad, why) in [
+        ("", "empty item"),
+        ("1,,2", "empty item"),
+        ("x", "is not an index"),
+        ("5-2", "runs backwards"),
+        ("0-1000000000", "more than 100 chunks"),
+        ("-3", "is not an index"),
+    ] {
+        let e = parse_ranges(bad, 100).unwrap_err();
+        assert!(e.contains(why), "{bad:?}: {e}");
+    }
+}

@@ -235,6 +235,24 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len as usize) }
     }
 
+    /// Copy bytes `off..off + len` of `src` into the same bytes of this buffer (clipped to
+    /// both), for a buffer that nothing else uses yet.
+    pub fn copy_from(&self, src: &HostBuffer, off: u64, len: u64) {
+        let end = (off + len).min(self.len).min(src.len);
+        if off >= end {
+            return;
+        }
+        // SAFETY: off..end lies inside both live mappings; two buffers never overlap; nothing
+        // else reads or writes this one yet (the caller made it), and `src` is only read.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.ptr.add(off as usize),
+                self.ptr.add(off as usize),
+                (end - off) as usize,
+            )
+        }
+    }
+
     /// The contents.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: ptr..ptr+len is owned, mapped memory for our lifetime (anonymous memory reads

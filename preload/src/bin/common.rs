@@ -106,5 +106,6 @@ pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
         device: 0,
         tag: tag.into(),
         backup,
+        chunk: 0,
     }
 }

@@ -39,6 +39,7 @@ fn host() -> &'static TestHost {
             cpu_backup: false,
             backend: BackupKind::Pinned,
             disk_backup: false,
+            chunk: 0,
         }),
         gate: Mutex::new(()),
         at_gate: Default::default(),
@@ -164,6 +165,7 @@ fn every_operation_over_a_connection() {
             device: 0,
             tag: "kv".into(),
             backup: Some(BackupKind::Mmap),
+            chunk: 0,
         })
         .unwrap();
     h.engine.write_bytes(ptr, b"contents").unwrap();
@@ -710,6 +712,7 @@ fn concurrent_pauses_from_several_clients_are_safe() {
                 device: 0,
                 tag: "kv".into(),
                 backup: Some(BackupKind::Mmap),
+                chunk: 0,
             })
             .unwrap();
         h.engine.write_bytes(p, &[i; 64]).unwrap();
@@ -780,6 +783,7 @@ fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
             device: 0,
             tag: "kv".into(),
             backup: None,
+            chunk: 0,
         })
         .unwrap();
     assert!(h.engine.tag_known("kv") && !h.engine.tag_known("vk"));
@@ -820,6 +824,7 @@ fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
             device: 0,
             tag: "pool".into(),
             backup: None,
+            chunk: 0,
         })
         .unwrap();
     assert!(h.engine.tag_known("pool"));
@@ -844,6 +849,7 @@ fn status_answers_whatever_the_tags() {
                 device: 0,
                 tag: tag.clone(),
                 backup: None,
+                chunk: 0,
             })
             .unwrap();
     }

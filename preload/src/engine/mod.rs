@@ -48,6 +48,20 @@
 //! a resume without retention leaves it to its last holder), and only complete snapshots are
 //! ever handed out.
 
+//! # Note [Chunked allocations]
+//!
+//! An allocation made with a chunk size (`AllocRequest::chunk`, a multiple of the device's
+//! granularity that divides its size) is mapped in segments of exactly that size, and each
+//! segment is a *chunk* that pauses and resumes on its own (`Pick::chunks`): the registry keeps,
+//! per segment, its handle while mapped and whether the backup holds its contents (`saved`). A
+//! transaction works on runs of consecutive segments, one pipeline item each, so pausing or
+//! resuming k chunks costs k chunks' VMM calls plus their copies. Whole-allocation pauses and
+//! resumes are the same transactions over every mapped (paused) segment, so the two compose in
+//! any order; an allocation with some chunks of each is *Partial*. A disk backup's file is cut
+//! in chunks that divide the allocation's, so a chunk's checksum never spans two of them; a
+//! host buffer may be copied in parts of its chunks. A pause can record which chunks were active
+//! (`Pick::chunk_state`) for a resume to bring back only those.
+
 mod pause;
 mod pinner;
 mod pipeline;
@@ -80,7 +94,7 @@ use segment::{Mapping, Span};
 pub type Backup = Option<BackupKind>;
 
 /// What to allocate.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct AllocRequest {
     /// Bytes asked for (> 0).
     pub size: u64,
@@ -90,6 +104,8 @@ pub struct AllocRequest {
     pub tag: String,
     /// Keep contents across pause in host memory of this kind.
     pub backup: Backup,
+    /// Chunk size of a chunked allocation (Note [Chunked allocations]); 0: not chunked.
+    pub chunk: u64,
 }
 
 /// Whether physical memory is behind an allocation, or a transaction is changing that.
@@ -102,6 +118,8 @@ pub enum State {
     Pausing,
     /// Unmapped; the address range stays reserved.
     Paused,
+    /// Some chunks mapped and the others paused (chunked allocations).
+    Partial,
     /// A resume is mapping and restoring it.
     Resuming,
 }
@@ -134,6 +152,10 @@ pub struct AllocInfo {
     pub host_valid: bool,
     /// Physical handles (segments) mapped: none while paused.
     pub handles: usize,
+    /// Chunk size of a chunked allocation, else 0.
+    pub chunk: u64,
+    /// Bytes mapped now (less than `mapped` while some chunks are paused).
+    pub active_bytes: u64,
     /// False for allocations that pause and resume leave alone (see [`Engine::alloc_unpauseable`]).
     pub pauseable: bool,
 }
@@ -161,6 +183,109 @@ pub struct BackupLease {
     pub ptr: *const u8,
     /// What to pass to [`Engine::release_cpu_backup`].
     pub lease: u64,
+}
+
+/// What a pause or resume acts on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pick<'a> {
+    /// Allocations of this tag (every tag if `None`).
+    pub tag: Option<&'a str>,
+    /// Only the allocation starting here.
+    pub alloc: Option<DevPtr>,
+    /// Only these chunks of it (a chunked allocation; sorted, each once).
+    pub chunks: Option<&'a [usize]>,
+    /// Pause: record which chunks of each chunked allocation were active. Resume: bring back
+    /// only the chunks so recorded (all, where nothing was recorded).
+    pub chunk_state: bool,
+}
+
+impl<'a> Pick<'a> {
+    /// Every allocation of `tag` (every tag if `None`), whole.
+    pub fn tag(tag: Option<&'a str>) -> Self {
+        Pick {
+            tag,
+            ..Default::default()
+        }
+    }
+
+    /// These chunks of the chunked allocation at `alloc`.
+    pub fn chunks(alloc: DevPtr, chunks: &'a [usize]) -> Self {
+        Pick {
+            alloc: Some(alloc),
+            chunks: Some(chunks),
+            ..Default::default()
+        }
+    }
+
+    fn selects(&self, ptr: DevPtr, a: &Allocation) -> bool {
+        self.tag.is_none_or(|t| &*a.tag == t) && self.alloc.is_none_or(|p| p == ptr)
+    }
+
+    fn wants(&self, seg: usize) -> bool {
+        self.chunks.is_none_or(|c| c.binary_search(&seg).is_ok())
+    }
+
+    /// Refuse chunks of an allocation that is not chunked, or that it does not have.
+    fn check(&self, reg: &Registry) -> Result<()> {
+        let Some(ptr) = self.alloc else {
+            return Ok(());
+        };
+        let a = reg.allocs.get(&ptr).ok_or_else(|| {
+            Error::NotFound(format!(
+                "{ptr:#x} is not the start of a pauseable allocation"
+            ))
+        })?;
+        let Some(chunks) = self.chunks else {
+            return Ok(());
+        };
+        if a.chunk == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {ptr:#x} (tag {:?}) is not chunked: it pauses and resumes whole \
+                 (allocate it in a region with a chunk size)",
+                a.tag
+            )));
+        }
+        if !chunks.windows(2).all(|w| w[0] < w[1]) {
+            return Err(Error::InvalidArgument(
+                "chunk indices must be sorted and each given once".into(),
+            ));
+        }
+        let n = a.handles.len();
+        if let Some(bad) = chunks.iter().find(|&&c| c >= n) {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {bad} of allocation {ptr:#x} (tag {:?}): it has {n} chunks (0 to {})",
+                a.tag,
+                n - 1
+            )));
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        let mut d = describe(self.tag);
+        if let Some(p) = self.alloc {
+            d = format!("allocation {p:#x}");
+        }
+        if let Some(c) = self.chunks {
+            d = format!("chunks {} of {d}", crate::units::ranges(c));
+        }
+        d
+    }
+}
+
+/// Where one allocation's chunks lie and which are active.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChunkInfo {
+    /// Start of the allocation.
+    pub addr: DevPtr,
+    /// Its tag.
+    pub tag: String,
+    /// Chunk size in bytes.
+    pub chunk: u64,
+    /// Per chunk: offset and size in bytes.
+    pub layout: Vec<(u64, u64)>,
+    /// Per chunk: mapped now (its contents on the device).
+    pub active: Vec<bool>,
 }
 
 /// Run `f` on each device's job: on this thread for one device, else on a thread per device.
@@ -224,9 +349,20 @@ struct Tally {
 
 impl Tally {
     fn add(&mut self, tag: &Arc<str>, bytes: u64, copied: u64) {
+        self.allocation(tag);
+        self.bytes(tag, bytes, copied);
+    }
+
+    fn allocation(&mut self, tag: &Arc<str>) {
         let t = self.per_tag.entry(tag.clone()).or_default();
         for r in [t, &mut self.report] {
             r.allocations += 1;
+        }
+    }
+
+    fn bytes(&mut self, tag: &Arc<str>, bytes: u64, copied: u64) {
+        let t = self.per_tag.entry(tag.clone()).or_default();
+        for r in [t, &mut self.report] {
             r.bytes += bytes;
             r.copied += copied;
         }
@@ -339,19 +475,13 @@ impl<'a> Settle<'a> {
 
 impl Drop for Settle<'_> {
     fn drop(&mut self) {
-        let back = match self.during {
-            State::Pausing => State::Active,
-            _ => State::Paused,
-        };
         {
+            // What a pause wrote for segments it did not retire is not marked saved (the pause
+            // cleared that when it began), so the handles tell all.
             let mut reg = self.engine.reg.lock();
             for p in &self.ptrs {
                 if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
-                    a.state = back;
-                    if back == State::Active {
-                        // Whatever the pause wrote into its backup is not a snapshot.
-                        a.host_valid = false;
-                    }
+                    a.state = a.settled();
                 }
             }
         }
@@ -541,6 +671,19 @@ impl Engine {
         Ok(g)
     }
 
+    /// Refuse a chunk size that is not a multiple of the current device's granularity.
+    pub fn check_chunk_size(&self, chunk: u64) -> Result<()> {
+        let device = self.driver.current_device()?;
+        let g = self.granularity(device)?;
+        if chunk == 0 || chunk % g != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "chunk size {chunk} bytes: expected a positive multiple of device {device}'s \
+                 granularity ({g} bytes)"
+            )));
+        }
+        Ok(())
+    }
+
     fn check_device(&self, device: i32) -> Result<()> {
         let n = self.driver.device_count()?;
         if device < 0 || device >= n {
@@ -563,6 +706,7 @@ impl Engine {
         self.alloc_impl(
             &AllocRequest {
                 backup: None,
+                chunk: 0,
                 ..req.clone()
             },
             false,
@@ -596,6 +740,14 @@ impl Engine {
                 ))
             })
             .ctx(what)?;
+        if req.chunk > 0 && (req.chunk % g != 0 || req.size % req.chunk != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "chunk size {} bytes: the size ({} bytes) must be a multiple of it, and it a \
+                 multiple of the device's granularity ({g} bytes)",
+                req.chunk, req.size
+            ))
+            .context(what()));
+        }
         let margin = self.memory_margin();
         if margin > 0 {
             let info = self.driver.mem_info(req.device).ctx(what)?;
@@ -612,7 +764,10 @@ impl Engine {
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, req.device).ctx(what)?;
         let ptr = d.reserve(req.device, mapped).ctx(what)?;
-        let segment = self.segment.load(Ordering::Relaxed).max(g);
+        let segment = match req.chunk {
+            0 => self.segment.load(Ordering::Relaxed).max(g),
+            c => c,
+        };
         let mut m = Mapping::new(
             d,
             Span {
@@ -640,11 +795,13 @@ impl Engine {
                 tag: Arc::from(req.tag.as_str()),
                 backup: req.backup,
                 segment,
+                chunk: req.chunk,
                 state: State::Active,
-                handles: m.commit(),
+                handles: m.commit().into_iter().map(Some).collect(),
                 host: None,
                 disk: None,
-                host_valid: false,
+                saved: vec![false; mapped.div_ceil(segment) as usize],
+                kept: None,
                 pauseable,
             },
         );
@@ -704,12 +861,12 @@ impl Engine {
             )
         };
         let d = &*self.driver;
-        let span = a.span(ptr);
+        let segs = a.mapped_segs(ptr);
         let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
-            if !a.handles.is_empty() {
+            if !segs.is_empty() {
                 // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
                 d.synchronize(a.device)?;
-                segment::unmap_all(d, span, &a.handles)?;
+                segment::unmap_all(d, a.device, &segs)?;
             }
             Ok(scope)
         });
@@ -733,8 +890,8 @@ impl Engine {
                 self.drop_unused_rings(&mut ops.rings);
             }
         }
-        if !a.handles.is_empty() {
-            if let Err(e) = segment::release_all(d, &a.handles) {
+        if !segs.is_empty() {
+            if let Err(e) = segment::release_all(d, &segs) {
                 // Unmapped already: the allocation is gone for the caller; only the handle leaks.
                 tracing::error!("{}: {e}", what());
                 let _ = d.free_range(ptr, a.mapped);
@@ -772,7 +929,8 @@ impl Engine {
         let reg = self.reg.lock();
         let (start, a) = reg.containing(addr, len)?;
         // containing() proved addr-start+len <= size == host.len().
-        Ok(a.snapshot().map(|h| ((addr - start) as usize, h.clone())))
+        Ok(a.snapshot(addr - start, len)
+            .map(|h| ((addr - start) as usize, h.clone())))
     }
 
     /// Hand out the host backup covering `[addr, addr+len)` (a complete snapshot, see
@@ -846,8 +1004,9 @@ impl Engine {
         let what = || format!("range {addr:#x}+{len}");
         let device = {
             let reg = self.reg.lock();
-            let (_, a) = reg.containing(addr, len)?;
-            if a.state != State::Active {
+            let (start, a) = reg.containing(addr, len)?;
+            let r = a.segs_of(addr - start, len);
+            if a.in_transition() || a.handles[r].iter().any(Option::is_none) {
                 return Err(Error::InvalidState(format!(
                     "{} is paused (tag {:?})",
                     what(),
@@ -860,6 +1019,69 @@ impl Engine {
         let _scope = DeviceScope::enter(d, device).ctx(what)?;
         let stream = d.stream(device).ctx(what)?;
         f(d, stream).ctx(what)
+    }
+
+    /// The one chunked allocation of `tag`; an error if it has none, or several (named).
+    pub fn chunked(&self, tag: &str) -> Result<DevPtr> {
+        check_tag(Some(tag))?;
+        let reg = self.reg.lock();
+        let found: Vec<(DevPtr, u64)> = reg
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.pauseable && a.chunk > 0 && &*a.tag == tag)
+            .map(|(p, a)| (*p, a.size))
+            .collect();
+        match found[..] {
+            [(p, _)] => Ok(p),
+            [] => Err(Error::NotFound(format!(
+                "tag {tag:?} has no chunked allocation (allocate in a region with a chunk size)"
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "tag {tag:?} has {} chunked allocations ({}); name one by its tensor instead",
+                found.len(),
+                found
+                    .iter()
+                    .map(|(p, n)| format!("{p:#x}, {n} bytes"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))),
+        }
+    }
+
+    /// The chunked allocation holding `[addr, addr+len)`, and the chunks wholly inside that
+    /// range (rounded inward: a chunk only partly inside is left out).
+    pub fn chunks_in(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, Vec<usize>)> {
+        let reg = self.reg.lock();
+        let (start, a) = reg.containing(addr, len.max(1))?;
+        if a.chunk == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
+                a.tag
+            )));
+        }
+        let off = addr - start;
+        let first = off.div_ceil(a.chunk);
+        let end = (off + len) / a.chunk;
+        Ok((start, (first..end.max(first)).map(|c| c as usize).collect()))
+    }
+
+    /// Layout and states of the chunked allocation at `addr` (its start or any address in it).
+    pub fn chunk_info(&self, addr: DevPtr) -> Result<ChunkInfo> {
+        let reg = self.reg.lock();
+        let (start, a) = reg.containing(addr, 1)?;
+        if a.chunk == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {start:#x} (tag {:?}) is not chunked",
+                a.tag
+            )));
+        }
+        Ok(ChunkInfo {
+            addr: start,
+            tag: a.tag.to_string(),
+            chunk: a.chunk,
+            layout: segments(a.mapped, a.segment).collect(),
+            active: a.handles.iter().map(Option::is_some).collect(),
+        })
     }
 
     /// Every allocation, in address order.
@@ -878,8 +1100,10 @@ impl Engine {
                 host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 disk_bytes: a.disk.as_deref().map_or(0, DiskFile::len),
-                host_valid: a.host_valid,
-                handles: a.handles.len(),
+                host_valid: a.fully_saved(),
+                handles: a.handles.iter().flatten().count(),
+                chunk: a.chunk,
+                active_bytes: a.active_bytes(),
                 pauseable: a.pauseable,
             })
             .collect()
@@ -893,7 +1117,7 @@ impl Engine {
                 tag: &a.tag,
                 size: a.size,
                 mapped: a.mapped,
-                active: !a.handles.is_empty(),
+                active: a.active_bytes(),
                 host: a.host.as_deref().map_or(0, HostBuffer::len),
                 host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 disk: a.disk.as_deref().map_or(0, DiskFile::len),

@@ -8,7 +8,7 @@ use super::pipeline::{self, Dir, Item, Ring, Target};
 use super::segment::{self, Span};
 use super::{
     by_device, check_tag, describe, device_work, first_error, per_device, Backup, CopyConfig,
-    Engine, OpReport, Settle, State, Tally,
+    Engine, OpReport, Pick, Settle, State, Tally,
 };
 use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
@@ -19,15 +19,24 @@ use crate::units::human;
 /// allocation Pausing meanwhile).
 struct Job {
     ptr: DevPtr,
-    span: Span,
     size: u64,
+    mapped: u64,
     tag: Arc<str>,
     backup: Backup,
-    handles: Vec<PhysHandle>,
+    /// The segments to pause, in runs of consecutive ones, each with its handles.
+    runs: Vec<(Span, Vec<PhysHandle>)>,
+    /// The indices of those segments; the chunk indices of a chunked allocation.
+    segs: Vec<usize>,
+    chunked: bool,
     /// The buffer to copy into: a retained one nobody else holds, or one made for this pause.
     host: Option<Arc<HostBuffer>>,
     /// The file to write into (disk backups): the allocation's own, or one made for this pause.
     disk: Option<Arc<DiskFile>>,
+    /// Chunk size of the file, if one is made.
+    file_chunk: u64,
+    /// A buffer others hold that has the contents of the allocation's paused segments: copied
+    /// (those byte ranges) into the new buffer before anything is paused.
+    carry: Option<(Arc<HostBuffer>, Vec<(u64, u64)>)>,
 }
 
 impl Job {
@@ -38,17 +47,42 @@ impl Job {
     fn backed_up(&self) -> bool {
         self.host.is_some() || self.disk.is_some()
     }
-}
 
-impl Job {
-    fn what(&self) -> String {
+    fn device(&self) -> i32 {
+        self.runs[0].0.device
+    }
+
+    /// Device bytes of run `r`, and the bytes of it the backup holds.
+    fn run_bytes(&self, r: usize) -> (u64, u64) {
+        let s = &self.runs[r].0;
+        let off = s.ptr - self.ptr;
+        let copied = if self.backup.is_some() {
+            (off + s.mapped).min(self.size).saturating_sub(off)
+        } else {
+            0
+        };
+        (s.mapped, copied)
+    }
+
+    /// Bytes the backup receives.
+    fn copy_bytes(&self) -> u64 {
+        (0..self.runs.len()).map(|r| self.run_bytes(r).1).sum()
+    }
+
+    fn what(&self, r: usize) -> String {
+        let hs = &self.runs[r].1;
         format!(
-            "allocation {:#x} ({} bytes, tag {:?}), handle {:#x}{}",
+            "allocation {:#x} ({} bytes, tag {:?}){}, handle {:#x}{}",
             self.ptr,
             self.size,
             self.tag,
-            self.handles.first().map_or(0, |h| h.0),
-            match self.handles.len() {
+            if self.chunked {
+                format!(", chunks {}", crate::units::ranges(&self.segs))
+            } else {
+                String::new()
+            },
+            hs.first().map_or(0, |h| h.0),
+            match hs.len() {
                 0 | 1 => String::new(),
                 n => format!(" and {} more", n - 1),
             }
@@ -63,6 +97,12 @@ const HOST_HEADROOM_DIVISOR: u64 = 16;
 impl Engine {
     /// Pause every active allocation of `tag` (all tags if `None`).
     pub fn pause(&self, tag: Option<&str>) -> Result<OpReport> {
+        self.pause_pick(&Pick::tag(tag))
+    }
+
+    /// Pause what `pick` names: the mapped segments (chunks) of the allocations it selects.
+    pub fn pause_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
+        let tag = pick.tag;
         check_tag(tag)?;
         self.check_sound()?;
         let _unwind = self.guard("pause", tag);
@@ -71,17 +111,16 @@ impl Engine {
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut ops = self.ops.lock();
-        let mut jobs = self.begin_pause(tag);
+        let mut jobs = self.begin_pause(pick, &cfg)?;
         // Whatever happens from here (an error, a panic), no allocation stays Pausing.
         let _settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Pausing);
-        let mut retired = vec![false; jobs.len()];
+        let mut retired = vec![(0, 0); jobs.len()];
         let result = self
             .prepare_backups(&mut jobs, &cfg, &ops.rings, tag)
             .and_then(|()| self.pause_devices(&jobs, &mut ops.rings, &cfg, &mut retired));
         let mut tally = Tally::default();
-        for (j, _) in jobs.iter().zip(&retired).filter(|(_, r)| **r) {
-            let copied = if j.backed_up() { j.size } else { 0 };
-            tally.add(&j.tag, j.span.mapped, copied);
+        for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
+            tally.add(&j.tag, *bytes, *copied);
         }
         let Tally {
             mut report,
@@ -92,14 +131,14 @@ impl Engine {
             &cfg,
             jobs.iter()
                 .zip(&retired)
-                .filter(|(_, r)| **r)
+                .filter(|(_, r)| r.0 > 0)
                 .filter_map(|(j, _)| j.host.as_ref()),
         );
         drop(jobs);
         self.drop_unused_rings(&mut ops.rings);
         drop(ops);
         self.record_history(per_tag, report, |h| &mut h.last_pause);
-        result.ctx(|| format!("pause of {}", describe(tag)))?;
+        result.ctx(|| format!("pause of {}", pick.describe()))?;
         tracing::info!(
             "paused {} ({} allocations) in {:.3}s",
             human(report.bytes),
@@ -109,36 +148,89 @@ impl Engine {
         Ok(report)
     }
 
-    /// Mark the active allocations of `tag` Pausing and copy out what the pause needs. A
+    /// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
     /// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
     /// a snapshot someone still looks at is never overwritten.
-    fn begin_pause(&self, tag: Option<&str>) -> Vec<Job> {
-        self.reg
-            .lock()
-            .begin(tag, State::Active, State::Pausing, |ptr, a| {
-                a.host_valid = false;
+    fn begin_pause(&self, pick: &Pick<'_>, cfg: &CopyConfig) -> Result<Vec<Job>> {
+        let mut reg = self.reg.lock();
+        pick.check(&reg)?;
+        Ok(reg.begin(
+            State::Pausing,
+            |ptr, a| {
+                pick.selects(ptr, a).then(|| {
+                    (0..a.handles.len())
+                        .filter(|&s| a.handles[s].is_some() && pick.wants(s))
+                        .collect()
+                })
+            },
+            |ptr, a, segs| {
+                if pick.chunk_state && a.chunk > 0 {
+                    a.kept = Some(a.handles.iter().map(Option::is_some).collect());
+                }
+                for &s in &segs {
+                    a.saved[s] = false;
+                }
                 let reuse = a.backup.is_some_and(|b| {
                     a.host.as_ref().is_some_and(|h| {
                         h.backend() == b && h.len() == a.size && Arc::strong_count(h) == 1
                     })
                 });
+                let mut carry = None;
                 if !reuse {
-                    a.host = None;
+                    if let Some(old) = a.host.take() {
+                        // Paused segments have their contents only there: carried over.
+                        let span = a.span(ptr);
+                        let ranges: Vec<(u64, u64)> = (0..a.handles.len())
+                            .filter(|&s| a.handles[s].is_none() && a.saved[s])
+                            .map(|s| {
+                                let sub = span.sub(s, 1);
+                                let off = sub.ptr - ptr;
+                                (off, (off + sub.mapped).min(a.size) - off)
+                            })
+                            .collect();
+                        // Active segments' retained contents are not carried: no longer saved.
+                        for s in 0..a.saved.len() {
+                            a.saved[s] &= a.handles[s].is_none();
+                        }
+                        carry = (!ranges.is_empty()).then_some((old, ranges));
+                    }
                 }
                 if a.backup != Some(BackupKind::Disk) {
                     a.disk = None;
                 }
+                let span = a.span(ptr);
+                let runs = segment::runs(&segs)
+                    .into_iter()
+                    .map(|(first, n)| {
+                        let hs = a.handles[first..first + n]
+                            .iter()
+                            .map(|h| h.expect("picked mapped segments"))
+                            .collect();
+                        (span.sub(first, n), hs)
+                    })
+                    .collect();
+                let file_chunk = match (cfg.disk_chunk, a.chunk) {
+                    (0, 0) => cfg.layout.chunk,
+                    (0, c) => gcd(cfg.layout.chunk, c),
+                    (d, 0) => d,
+                    (d, c) => gcd(d, c),
+                };
                 Job {
                     ptr,
-                    span: a.span(ptr),
                     size: a.size,
+                    mapped: a.mapped,
                     tag: a.tag.clone(),
                     backup: a.backup,
-                    handles: a.handles.clone(),
+                    runs,
+                    segs,
+                    chunked: a.chunk > 0,
                     host: a.host.clone(),
                     disk: a.disk.clone(),
+                    file_chunk,
+                    carry,
                 }
-            })
+            },
+        ))
     }
 
     /// Give every job with a backup policy a host buffer or a file, after checking that the
@@ -156,18 +248,26 @@ impl Engine {
             .filter(|&i| jobs[i].backup.is_some() && !jobs[i].backed_up())
             .collect();
         let is_disk = |i: &usize| jobs[*i].backup == Some(BackupKind::Disk);
+        // What a new buffer will hold: this pause's copies and what is carried over.
         let backups: u64 = fresh
             .iter()
             .filter(|i| !is_disk(i))
-            .map(|&i| jobs[i].size)
+            .map(|&i| {
+                let j = &jobs[i];
+                let carried = j
+                    .carry
+                    .as_ref()
+                    .map_or(0, |(_, r)| r.iter().map(|x| x.1).sum());
+                j.copy_bytes() + carried
+            })
             .sum();
         let files: u64 = fresh
             .iter()
             .filter(|i| is_disk(i))
-            .map(|&i| jobs[i].span.mapped)
+            .map(|&i| jobs[i].mapped)
             .sum();
         if backups > 0 || files > 0 {
-            let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].span.device).collect();
+            let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].device()).collect();
             devices.sort_unstable();
             devices.dedup();
             let slots = 2 * cfg.threads as u64 * cfg.slot;
@@ -181,24 +281,24 @@ impl Engine {
         if files > 0 {
             check_disk_space(&dir, files, tag)?;
         }
-        let disk_chunk = if cfg.disk_chunk > 0 {
-            cfg.disk_chunk
-        } else {
-            cfg.layout.chunk
-        };
         for i in fresh {
             let j = &mut jobs[i];
             let kind = j.backup.expect("filtered on a backup policy");
             let what = || format!("allocation {:#x} ({} bytes)", j.ptr, j.size);
             if kind == BackupKind::Disk {
-                let f = Arc::new(DiskFile::create(&dir, j.span.mapped, disk_chunk).ctx(what)?);
+                let f = Arc::new(DiskFile::create(&dir, j.mapped, j.file_chunk).ctx(what)?);
                 // Kept by the allocation from now on, and reused by every later pause.
                 self.reg.lock().marked(j.ptr).disk = Some(f.clone());
                 j.disk = Some(f);
                 continue;
             }
-            let h = HostBuffer::new(self.driver.clone(), j.span.device, kind, j.size, cfg.layout)
+            let h = HostBuffer::new(self.driver.clone(), j.device(), kind, j.size, cfg.layout)
                 .ctx(what)?;
+            if let Some((old, ranges)) = j.carry.take() {
+                for (off, len) in ranges {
+                    h.copy_from(&old, off, len);
+                }
+            }
             let h = Arc::new(h);
             // Kept by the allocation even if this pause fails, for the next one to reuse.
             self.reg.lock().marked(j.ptr).host = Some(h.clone());
@@ -238,23 +338,24 @@ impl Engine {
         )))
     }
 
-    /// Per device, in parallel: wait for the device's work, then retire each allocation as soon
-    /// as its contents are safe.
+    /// Per device, in parallel: wait for the device's work, then retire each run of segments
+    /// as soon as its contents are safe. `retired[j]`: the device bytes of job `j` released,
+    /// and the bytes of them saved.
     fn pause_devices(
         &self,
         jobs: &[Job],
         rings: &mut BTreeMap<i32, Ring>,
         cfg: &CopyConfig,
-        retired: &mut [bool],
+        retired: &mut [(u64, u64)],
     ) -> Result<()> {
-        let mut groups = by_device(jobs.iter().map(|j| j.span.device));
+        let mut groups = by_device(jobs.iter().map(Job::device));
         for list in groups.values_mut() {
             // Those with nothing to copy are retired first.
             list.sort_by_key(|&i| (jobs[i].backed_up(), jobs[i].ptr));
         }
         let work = device_work(&groups, rings);
         let results = per_device(work, |(device, list, ring)| {
-            let mut done = vec![false; list.len()];
+            let mut done = vec![(0, 0); list.len()];
             let r = self.pause_device(device, jobs, list, ring, cfg, &mut done);
             (list.clone(), done, r)
         });
@@ -273,19 +374,32 @@ impl Engine {
         list: &[usize],
         ring: &mut Ring,
         cfg: &CopyConfig,
-        done: &mut [bool],
+        done: &mut [(u64, u64)],
     ) -> Result<()> {
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, device)?;
         d.synchronize(device)
             .ctx(|| format!("synchronizing device {device}"))?;
-        let items: Vec<Item<'_>> = list
+        // One item per run: (index in `list`, run).
+        let parts: Vec<(usize, usize)> = list
             .iter()
-            .map(|&i| Item {
-                dev: jobs[i].ptr,
-                target: jobs[i].target(),
+            .enumerate()
+            .flat_map(|(k, &i)| (0..jobs[i].runs.len()).map(move |r| (k, r)))
+            .collect();
+        let items: Vec<Item<'_>> = parts
+            .iter()
+            .map(|&(k, r)| {
+                let j = &jobs[list[k]];
+                let s = &j.runs[r].0;
+                Item {
+                    dev: j.ptr,
+                    off: s.ptr - j.ptr,
+                    len: s.mapped,
+                    target: j.target(),
+                }
             })
             .collect();
+        let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
         pipeline::run(
             &self.driver,
             device,
@@ -294,31 +408,56 @@ impl Engine {
             ring,
             &items,
             |_, _| Ok(()),
-            |k| self.retire(&jobs[list[k]], &mut done[k]),
+            |p| {
+                let (k, r) = parts[p];
+                left[k] -= 1;
+                self.retire(&jobs[list[k]], r, left[k] == 0, &mut done[k])
+            },
         )
     }
 
-    /// Unmap and release one allocation whose contents are safe (copied, or not wanted), and
-    /// record it paused. If only the release fails, it is paused all the same (unmapped, its
-    /// contents in the backup) and the handle is reported.
-    fn retire(&self, j: &Job, done: &mut bool) -> Result<()> {
+    /// Unmap and release run `r` of a job, whose contents are safe (copied, or not wanted), and
+    /// record its segments paused (the allocation settled, after its `last` run). If only the
+    /// release fails, the run is paused all the same (unmapped, its contents in the backup) and
+    /// the handle is reported.
+    fn retire(&self, j: &Job, r: usize, last: bool, done: &mut (u64, u64)) -> Result<()> {
         let d = &*self.driver;
         if let Some(f) = &j.disk {
             // The device memory goes only once its contents are really on disk.
-            f.sync().ctx(|| j.what())?;
+            f.sync().ctx(|| j.what(r))?;
         }
-        segment::unmap_all(d, j.span, &j.handles).ctx(|| j.what())?;
-        let released = segment::release_all(d, &j.handles);
+        let (span, hs) = &j.runs[r];
+        let segs = span.with_handles(hs);
+        segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
+        let released = segment::release_all(d, &segs);
+        let first = ((span.ptr - j.ptr) / span.segment) as usize;
         {
             let mut reg = self.reg.lock();
             let a = reg.marked(j.ptr);
-            a.state = State::Paused;
-            a.handles.clear();
-            a.host_valid = j.backed_up();
+            for s in first..first + hs.len() {
+                a.handles[s] = None;
+                a.saved[s] = j.backed_up();
+            }
+            if last {
+                a.state = a.settled();
+            }
         }
-        self.settled.notify_all();
-        *done = true;
-        released.ctx(|| j.what())
+        if last {
+            self.settled.notify_all();
+        }
+        let (bytes, copied) = j.run_bytes(r);
+        done.0 += bytes;
+        done.1 += copied;
+        released.ctx(|| j.what(r))
+    }
+}
+
+/// Greatest common divisor.
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 

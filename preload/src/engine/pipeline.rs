@@ -168,11 +168,40 @@ pub(super) enum Dir {
     Restore,
 }
 
-/// One allocation in a pipelined operation: its device range, and the backup to copy all of to
-/// or from it (none: nothing to copy, only the coordinator's work).
+/// One range of an allocation in a pipelined operation: the allocation's address, the range
+/// (bytes `off..off + len` of it), and the backup to copy that range of to or from it (none:
+/// nothing to copy, only the coordinator's work). Offsets in the backup are offsets in the
+/// allocation.
 pub(super) struct Item<'a> {
     pub dev: DevPtr,
+    pub off: u64,
+    pub len: u64,
     pub target: Option<Target<'a>>,
+}
+
+impl Item<'_> {
+    /// The parts of the target's chunks inside the range: `(chunk, offset, length)`.
+    fn units(&self) -> Vec<(usize, u64, u64)> {
+        let Some(t) = self.target else {
+            return Vec::new();
+        };
+        let end = self.off + self.len;
+        // Chunks are of one size but the last.
+        let first = match t.chunks() {
+            0 => 0,
+            _ => (self.off / t.chunk_span(0).1.max(1)) as usize,
+        };
+        (first..t.chunks())
+            .map_while(|k| {
+                let (o, n) = t.chunk_span(k);
+                (o < end).then_some((k, o, n))
+            })
+            .filter_map(|(k, o, n)| {
+                let (a, b) = (o.max(self.off), (o + n).min(end));
+                (a < b).then_some((k, a, b - a))
+            })
+            .collect()
+    }
 }
 
 /// Where an item's contents go or come from.
@@ -225,7 +254,8 @@ struct Shared<'a> {
     dir: Dir,
     cfg: &'a CopyConfig,
     items: &'a [Item<'a>],
-    units: Vec<(usize, usize)>,
+    /// Work: (item, target chunk, offset, length).
+    units: Vec<(usize, usize, u64, u64)>,
     next: AtomicUsize,
     remaining: Vec<AtomicUsize>,
     /// Items prepared by the coordinator so far: workers copy only those, and the first
@@ -319,10 +349,14 @@ pub(super) fn run(
     mut prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
     mut on_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
-    let units: Vec<(usize, usize)> = items
-        .iter()
+    let per_item: Vec<Vec<(usize, u64, u64)>> = items.iter().map(Item::units).collect();
+    let remaining = per_item.iter().map(|u| AtomicUsize::new(u.len())).collect();
+    // Items with nothing to copy are done once prepared.
+    let empty: Vec<bool> = per_item.iter().map(Vec::is_empty).collect();
+    let units: Vec<(usize, usize, u64, u64)> = per_item
+        .into_iter()
         .enumerate()
-        .flat_map(|(i, it)| (0..it.target.map_or(0, |t| t.chunks())).map(move |k| (i, k)))
+        .flat_map(|(i, u)| u.into_iter().map(move |(k, o, n)| (i, k, o, n)))
         .collect();
     let workers = cfg.threads.clamp(1, MAX_WORKERS).min(units.len());
     if ring.slots.len() < 2 * workers {
@@ -334,10 +368,7 @@ pub(super) fn run(
         dir,
         cfg,
         items,
-        remaining: items
-            .iter()
-            .map(|it| AtomicUsize::new(it.target.map_or(0, |t| t.chunks())))
-            .collect(),
+        remaining,
         units,
         next: AtomicUsize::new(0),
         ready: AtomicUsize::new(0),
@@ -390,7 +421,7 @@ pub(super) fn run(
                 }
             }
         };
-        for (i, it) in items.iter().enumerate() {
+        for i in 0..items.len() {
             if sh.abort.load(Ordering::Acquire) {
                 break;
             }
@@ -399,7 +430,7 @@ pub(super) fn run(
                 break;
             }
             sh.publish(i + 1);
-            if it.target.is_none() {
+            if empty[i] {
                 done(i, &mut stopped);
             }
             while let Ok(j) = rx.try_recv() {
@@ -515,20 +546,19 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
 
 fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> Result<()> {
     while !sh.abort.load(Ordering::Relaxed) {
-        let Some(&(i, k)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
+        let Some(&(i, k, off, len)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
             break;
         };
         let it = &sh.items[i];
         let Some(target) = it.target else {
             break; // units are made for items with a target only
         };
-        let (off, len) = target.chunk_span(k);
         if !sh.wait_ready(i, off + len) {
             break;
         }
         let r = match target {
-            Target::Host(host) => chunk(sh, it.dev, host, k, lanes),
-            Target::Disk(file) => disk_chunk(sh, it.dev, file, k, lanes),
+            Target::Host(host) => chunk(sh, it.dev, host, k, (off, len), lanes),
+            Target::Disk(file) => disk_chunk(sh, it.dev, file, k, (off, len), lanes),
         };
         r.map_err(|e| {
             e.context(format!(
@@ -550,17 +580,18 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
     Ok(())
 }
 
-/// Copy chunk `k` of `host` to or from `dev`: straight if its memory is page-locked (or is made
-/// so now, in [`PinMode::Inline`]), else through the worker's staging slots.
+/// Copy bytes `off..off + len` (inside chunk `k`) of `host` to or from `dev`: straight if the
+/// chunk is page-locked (or is made so now, in [`PinMode::Inline`]), else through the worker's
+/// staging slots.
 fn chunk(
     sh: &Shared<'_>,
     dev: DevPtr,
     buf: &HostBuffer,
     k: usize,
+    (off, len): (u64, u64),
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
     let d = sh.d();
-    let (off, len) = buf.chunk_span(k);
     // SAFETY: off < buf.len(), inside the buffer's mapping.
     let host = unsafe { buf.base().add(off as usize) };
     let dev = dev + off;
@@ -585,15 +616,23 @@ fn chunk(
 }
 
 /// Copy chunk `k` of a disk backup through the worker's staging slots, checksumming it: the sum
-/// is recorded when saving and checked when restoring (Note [Disk backup files]).
+/// is recorded when saving and checked when restoring (Note [Disk backup files]). Always a whole
+/// chunk: the file's chunks divide the allocation's (engine Note [Chunked allocations]).
 fn disk_chunk(
     sh: &Shared<'_>,
     dev: DevPtr,
     file: &DiskFile,
     k: usize,
+    part: (u64, u64),
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
     let (off, len) = file.chunk_span(k);
+    if part != (off, len) {
+        return Err(Error::Internal(format!(
+            "a copy of bytes {}+{} cuts disk backup chunk {k} ({off}+{len})",
+            part.0, part.1
+        )));
+    }
     let mut side = Side::File {
         file,
         base: off,

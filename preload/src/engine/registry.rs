@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use super::segment::Span;
+use super::segment::{segments, Seg, Span};
 use super::{stats, Backup, State};
 use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
@@ -22,16 +22,23 @@ pub(super) struct Allocation {
     pub backup: Backup,
     /// Bytes of each physical segment (the last may be shorter).
     pub segment: u64,
+    /// Chunked allocations (Note [Chunked allocations]): their chunk size, which is also their
+    /// segment size; 0 for the others, which pause and resume whole.
+    pub chunk: u64,
+    /// Active, Partial or Paused when settled (as its handles say), or in a transition.
     pub state: State,
-    /// One handle per segment while mapped (Active, Pausing); none otherwise.
-    pub handles: Vec<PhysHandle>,
+    /// One entry per segment: its handle while mapped.
+    pub handles: Vec<Option<PhysHandle>>,
     pub host: Option<Arc<HostBuffer>>,
     /// The disk backup's file, kept from the first disk-backed pause until the allocation goes.
     pub disk: Option<Arc<DiskFile>>,
-    /// The backup (host buffer or file) holds a complete snapshot: the contents while paused,
-    /// the last pause's contents while active with the backup retained. False while a pause
-    /// writes it.
-    pub host_valid: bool,
+    /// Per segment: the backup (host buffer or file) holds its complete contents, those of
+    /// the last pause (the contents while paused; with retention also while active). False
+    /// while a pause writes it.
+    pub saved: Vec<bool>,
+    /// Chunk states recorded by a pause asked to save them (true = was active), for a resume
+    /// asked to restore them.
+    pub kept: Option<Vec<bool>>,
     pub pauseable: bool,
 }
 
@@ -51,9 +58,59 @@ impl Allocation {
         matches!(self.state, State::Pausing | State::Resuming)
     }
 
-    /// The host backup as a complete snapshot, if there is one.
-    pub fn snapshot(&self) -> Option<&Arc<HostBuffer>> {
-        self.host.as_ref().filter(|_| self.host_valid)
+    /// The settled state its handles describe.
+    pub fn settled(&self) -> State {
+        let mapped = self.handles.iter().filter(|h| h.is_some()).count();
+        if mapped == self.handles.len() {
+            State::Active
+        } else if mapped == 0 {
+            State::Paused
+        } else {
+            State::Partial
+        }
+    }
+
+    /// The mapped segments with their handles.
+    pub fn mapped_segs(&self, ptr: DevPtr) -> Vec<Seg> {
+        segments(self.mapped, self.segment)
+            .zip(&self.handles)
+            .filter_map(|((off, len), h)| {
+                h.map(|handle| Seg {
+                    ptr: ptr + off,
+                    len,
+                    handle,
+                })
+            })
+            .collect()
+    }
+
+    /// Device bytes mapped now.
+    pub fn active_bytes(&self) -> u64 {
+        segments(self.mapped, self.segment)
+            .zip(&self.handles)
+            .filter(|(_, h)| h.is_some())
+            .map(|((_, len), _)| len)
+            .sum()
+    }
+
+    /// The segments `[off, off+len)` touches.
+    pub fn segs_of(&self, off: u64, len: u64) -> std::ops::Range<usize> {
+        let first = (off / self.segment) as usize;
+        let end = (off + len.max(1)).div_ceil(self.segment) as usize;
+        first..end.min(self.handles.len())
+    }
+
+    /// The host backup as a complete snapshot of bytes `[off, off+len)`, if it is one.
+    pub fn snapshot(&self, off: u64, len: u64) -> Option<&Arc<HostBuffer>> {
+        let r = self.segs_of(off, len);
+        self.host
+            .as_ref()
+            .filter(|_| self.saved[r].iter().all(|s| *s))
+    }
+
+    /// The backup holds the whole allocation's contents.
+    pub fn fully_saved(&self) -> bool {
+        self.saved.iter().all(|s| *s)
     }
 }
 
@@ -67,15 +124,6 @@ pub(super) struct Registry {
 }
 
 impl Registry {
-    /// Pauseable allocations of `tag` (every tag if `None`) in `state`, in address order.
-    pub fn selected(&self, tag: Option<&str>, state: State) -> Vec<DevPtr> {
-        self.allocs
-            .iter()
-            .filter(|(_, a)| a.pauseable && a.state == state && tag.is_none_or(|t| &*a.tag == t))
-            .map(|(p, _)| *p)
-            .collect()
-    }
-
     /// The allocation holding `[addr, addr+len)` within its asked size.
     pub fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
         let not_found = || {
@@ -96,23 +144,27 @@ impl Registry {
         }
     }
 
-    /// Start a transaction on the pauseable allocations of `tag` (every tag if `None`) in state
-    /// `from`: mark each `during` and return what `f` copies out of it, in address order.
+    /// Start a transaction: on each settled pauseable allocation for which `pick` names
+    /// segments (a non-empty list, sorted), mark it `during` and return what `f` copies out of
+    /// it, in address order.
     pub fn begin<J>(
         &mut self,
-        tag: Option<&str>,
-        from: State,
         during: State,
-        mut f: impl FnMut(DevPtr, &mut Allocation) -> J,
+        mut pick: impl FnMut(DevPtr, &Allocation) -> Option<Vec<usize>>,
+        mut f: impl FnMut(DevPtr, &mut Allocation, Vec<usize>) -> J,
     ) -> Vec<J> {
-        self.selected(tag, from)
-            .into_iter()
-            .map(|ptr| {
-                let a = self.marked(ptr);
-                a.state = during;
-                f(ptr, a)
-            })
-            .collect()
+        let mut out = Vec::new();
+        for (ptr, a) in self.allocs.iter_mut() {
+            if !a.pauseable || a.in_transition() {
+                continue;
+            }
+            let Some(segs) = pick(*ptr, a).filter(|s| !s.is_empty()) else {
+                continue;
+            };
+            a.state = during;
+            out.push(f(*ptr, a, segs));
+        }
+        out
     }
 
     /// The entry a transaction marked; it cannot be gone (frees wait for the transition).

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pipeline::{self, Dir, Item, Target};
-use super::segment::{Mapping, Span};
+use super::segment::{self, Mapping, Span};
 use super::{
-    by_device, check_tag, describe, device_work, first_error, per_device, Engine, OpReport, Settle,
+    by_device, check_tag, device_work, first_error, per_device, Engine, OpReport, Pick, Settle,
     State, Tally,
 };
 use crate::backup::{release_parallel, DiskFile, HostBuffer};
@@ -18,9 +18,13 @@ use crate::units::human;
 /// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
 struct Job {
     ptr: DevPtr,
-    span: Span,
     size: u64,
     tag: Arc<str>,
+    /// The segments to resume, in runs of consecutive ones that the backup holds (or not).
+    runs: Vec<(Span, bool)>,
+    /// The indices of those segments; the chunk indices of a chunked allocation.
+    segs: Vec<usize>,
+    chunked: bool,
     /// The snapshot to copy back, if the allocation has one.
     host: Option<Arc<HostBuffer>>,
     /// Or the file holding it.
@@ -28,14 +32,59 @@ struct Job {
 }
 
 impl Job {
-    fn target(&self) -> Option<Target<'_>> {
-        Target::of(&self.host, &self.disk)
+    fn target(&self, r: usize) -> Option<Target<'_>> {
+        Target::of(&self.host, &self.disk).filter(|_| self.runs[r].1)
+    }
+
+    fn device(&self) -> i32 {
+        self.runs[0].0.device
+    }
+
+    /// Bytes copied back into run `r`.
+    fn copied(&self, r: usize) -> u64 {
+        let (s, saved) = &self.runs[r];
+        let off = s.ptr - self.ptr;
+        if *saved && (self.host.is_some() || self.disk.is_some()) {
+            (off + s.mapped).min(self.size).saturating_sub(off)
+        } else {
+            0
+        }
+    }
+}
+
+/// What stays paused after a failed resume, for its message.
+fn stays(jobs: &[Job]) -> String {
+    let chunked: Vec<String> = jobs
+        .iter()
+        .filter(|j| j.chunked)
+        .map(|j| {
+            format!(
+                "chunks {} of allocation {:#x}",
+                crate::units::ranges(&j.segs),
+                j.ptr
+            )
+        })
+        .collect();
+    if chunked.is_empty() {
+        "it stays paused with its backups".into()
+    } else {
+        format!(
+            "what it was to resume stays paused with its backups: {}",
+            chunked.join("; ")
+        )
     }
 }
 
 impl Engine {
     /// Resume every paused allocation of `tag` (all tags if `None`) at the same addresses.
     pub fn resume(&self, tag: Option<&str>) -> Result<OpReport> {
+        self.resume_pick(&Pick::tag(tag))
+    }
+
+    /// Resume what `pick` names: the paused segments (chunks) of the allocations it selects, at
+    /// the same addresses.
+    pub fn resume_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
+        let tag = pick.tag;
         check_tag(tag)?;
         self.check_sound()?;
         let _unwind = self.guard("resume", tag);
@@ -44,37 +93,45 @@ impl Engine {
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut ops = self.ops.lock();
-        let jobs = self.begin_resume(tag);
+        let jobs = self.begin_resume(pick)?;
         let settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Resuming);
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
             .iter()
+            .filter(|j| j.runs.iter().any(|r| r.1))
             .filter_map(|j| j.disk.as_ref())
             .try_for_each(|f| f.check_present());
         if let Err(e) = present {
             drop(settle);
-            return Err(e.context(format!(
-                "resume of {} (it stays paused with its backups)",
-                describe(tag)
-            )));
+            return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let groups = by_device(jobs.iter().map(|j| j.span.device));
-        // Per device, in parallel: map each allocation, and copy its backup back while the next
-        // one is mapped. All or nothing: on any failure the mappings made are dropped, which
-        // undoes them, and the allocations stay paused with their backups.
+        let groups = by_device(jobs.iter().map(Job::device));
+        // Per device, in parallel: map each run of segments, and copy its backup back while the
+        // next one is mapped. All or nothing: on any failure the mappings made are dropped,
+        // which undoes them, and the allocations stay paused with their backups.
         let d = &*self.driver;
-        let mut made: Vec<(usize, Mapping<'_>)> = Vec::with_capacity(jobs.len());
+        let mut made: Vec<(usize, usize, Mapping<'_>)> = Vec::new();
         let result = {
             let work = device_work(&groups, &mut ops.rings);
             let results = per_device(work, |(device, list, ring)| {
-                let items: Vec<Item<'_>> = list
+                let parts: Vec<(usize, usize)> = list
                     .iter()
-                    .map(|&i| Item {
-                        dev: jobs[i].ptr,
-                        target: jobs[i].target(),
+                    .flat_map(|&i| (0..jobs[i].runs.len()).map(move |r| (i, r)))
+                    .collect();
+                let items: Vec<Item<'_>> = parts
+                    .iter()
+                    .map(|&(i, r)| {
+                        let j = &jobs[i];
+                        let s = &j.runs[r].0;
+                        Item {
+                            dev: j.ptr,
+                            off: s.ptr - j.ptr,
+                            len: s.mapped,
+                            target: j.target(r),
+                        }
                     })
                     .collect();
-                let mut made = Vec::with_capacity(list.len());
+                let mut made = Vec::with_capacity(parts.len());
                 let r = DeviceScope::enter(d, device).and_then(|_scope| {
                     pipeline::run(
                         &self.driver,
@@ -83,14 +140,17 @@ impl Engine {
                         &cfg,
                         ring,
                         &items,
-                        |k, progress| {
-                            let j = &jobs[list[k]];
-                            let mut m = Mapping::new(d, j.span);
-                            let r = m.map_all(progress);
+                        |p, progress| {
+                            let (i, r) = parts[p];
+                            let j = &jobs[i];
+                            let span = j.runs[r].0;
+                            let off = span.ptr - j.ptr;
+                            let mut m = Mapping::new(d, span);
+                            let res = m.map_all(&|b| progress(off + b));
                             // Kept even when incomplete: workers may be copying into the
                             // segments made, so they are undone only after the pipeline stops.
-                            made.push((list[k], m));
-                            r.ctx(|| {
+                            made.push((i, r, m));
+                            res.ctx(|| {
                                 format!(
                                     "allocation {:#x} ({} bytes, tag {:?})",
                                     j.ptr, j.size, j.tag
@@ -111,8 +171,9 @@ impl Engine {
             drop(made);
             drop(settle);
             return Err(e.context(format!(
-                "resume of {} (undone: it stays paused with its backups)",
-                describe(tag)
+                "resume of {} (undone: {})",
+                pick.describe(),
+                stays(&jobs)
             )));
         }
         // Commit.
@@ -121,22 +182,32 @@ impl Engine {
         let mut released = Vec::new();
         {
             let mut reg = self.reg.lock();
-            for (i, m) in made {
+            for (i, r, m) in made {
                 let j = &jobs[i];
                 let a = reg.marked(j.ptr);
-                a.handles = m.commit();
-                a.state = State::Active;
+                let first = ((j.runs[r].0.ptr - j.ptr) / j.runs[r].0.segment) as usize;
+                for (k, h) in m.commit().into_iter().enumerate() {
+                    a.handles[first + k] = Some(h);
+                }
+                tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r));
+            }
+            for j in &jobs {
+                let a = reg.marked(j.ptr);
+                a.state = a.settled();
+                tally.allocation(&j.tag);
+                if pick.chunk_state {
+                    a.kept = None;
+                }
                 // A retained backup stays a complete snapshot (of the last pause).
                 if !retain {
-                    a.host_valid = false;
-                    released.extend(a.host.take());
+                    for &s in &j.segs {
+                        a.saved[s] = false;
+                    }
+                    // Paused chunks still need it.
+                    if a.state == State::Active {
+                        released.extend(a.host.take());
+                    }
                 }
-                let copied = match (&j.host, &j.disk) {
-                    (Some(h), _) => h.len(),
-                    (None, Some(_)) => j.size,
-                    (None, None) => 0,
-                };
-                tally.add(&j.tag, j.span.mapped, copied);
             }
         }
         let Tally {
@@ -174,17 +245,50 @@ impl Engine {
         Ok(report)
     }
 
-    /// Mark the paused allocations of `tag` Resuming and copy out what the resume needs.
-    fn begin_resume(&self, tag: Option<&str>) -> Vec<Job> {
-        self.reg
-            .lock()
-            .begin(tag, State::Paused, State::Resuming, |ptr, a| Job {
-                ptr,
-                span: a.span(ptr),
-                size: a.size,
-                tag: a.tag.clone(),
-                host: a.snapshot().cloned(),
-                disk: a.disk.clone().filter(|_| a.host_valid),
-            })
+    /// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
+    fn begin_resume(&self, pick: &Pick<'_>) -> Result<Vec<Job>> {
+        let mut reg = self.reg.lock();
+        pick.check(&reg)?;
+        Ok(reg.begin(
+            State::Resuming,
+            |ptr, a| {
+                pick.selects(ptr, a).then(|| {
+                    let kept = a.kept.as_ref().filter(|_| pick.chunk_state);
+                    (0..a.handles.len())
+                        .filter(|&s| {
+                            a.handles[s].is_none() && pick.wants(s) && kept.is_none_or(|k| k[s])
+                        })
+                        .collect()
+                })
+            },
+            |ptr, a, segs| {
+                let span = a.span(ptr);
+                let mut runs: Vec<(Span, bool)> = Vec::new();
+                for (first, n) in segment::runs(&segs) {
+                    // Split where the backup starts or stops holding the contents.
+                    let mut k = first;
+                    while k < first + n {
+                        let saved = a.saved[k];
+                        let mut e = k + 1;
+                        while e < first + n && a.saved[e] == saved {
+                            e += 1;
+                        }
+                        runs.push((span.sub(k, e - k), saved));
+                        k = e;
+                    }
+                }
+                let any_saved = runs.iter().any(|r| r.1);
+                Job {
+                    ptr,
+                    size: a.size,
+                    tag: a.tag.clone(),
+                    runs,
+                    segs,
+                    chunked: a.chunk > 0,
+                    host: a.host.clone().filter(|_| any_saved),
+                    disk: a.disk.clone().filter(|_| any_saved),
+                }
+            },
+        ))
     }
 }

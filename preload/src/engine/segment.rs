@@ -108,23 +108,50 @@ fn release_logged(d: &dyn Driver, h: PhysHandle) {
     }
 }
 
-/// Unmap every segment of a mapped span. If one fails, those unmapped before it are mapped
-/// again (their handles still hold the contents), so the allocation stays whole.
-pub(super) fn unmap_all(d: &dyn Driver, span: Span, hs: &[PhysHandle]) -> Result<()> {
-    let Span {
-        device,
-        ptr,
-        mapped,
-        segment,
-    } = span;
-    for (k, (off, len)) in segments(mapped, segment).enumerate() {
-        if let Err(e) = d.unmap(ptr + off, len) {
-            for ((off, len), h) in segments(mapped, segment).zip(hs).take(k) {
+/// One mapped segment: where it lies and its handle.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Seg {
+    pub ptr: DevPtr,
+    pub len: u64,
+    pub handle: PhysHandle,
+}
+
+impl Span {
+    /// The segments of this span with their handles (one per segment, in order).
+    pub fn with_handles(&self, hs: &[PhysHandle]) -> Vec<Seg> {
+        segments(self.mapped, self.segment)
+            .zip(hs)
+            .map(|((off, len), h)| Seg {
+                ptr: self.ptr + off,
+                len,
+                handle: *h,
+            })
+            .collect()
+    }
+
+    /// The sub-span of segments `first..first + n`.
+    pub fn sub(&self, first: usize, n: usize) -> Span {
+        let off = first as u64 * self.segment;
+        let end = ((first + n) as u64 * self.segment).min(self.mapped);
+        Span {
+            ptr: self.ptr + off,
+            mapped: end - off,
+            ..*self
+        }
+    }
+}
+
+/// Unmap mapped segments. If one fails, those unmapped before it are mapped again (their
+/// handles still hold the contents), so the allocation stays whole.
+pub(super) fn unmap_all(d: &dyn Driver, device: i32, segs: &[Seg]) -> Result<()> {
+    for (k, s) in segs.iter().enumerate() {
+        if let Err(e) = d.unmap(s.ptr, s.len) {
+            for b in &segs[..k] {
                 let back = d
-                    .map(ptr + off, len, *h)
-                    .and_then(|()| d.set_access(device, ptr + off, len));
+                    .map(b.ptr, b.len, b.handle)
+                    .and_then(|()| d.set_access(device, b.ptr, b.len));
                 if let Err(e2) = back {
-                    tracing::error!("mapping {:#x} again after a failed unmap: {e2}", ptr + off);
+                    tracing::error!("mapping {:#x} again after a failed unmap: {e2}", b.ptr);
                 }
             }
             return Err(e);
@@ -134,15 +161,27 @@ pub(super) fn unmap_all(d: &dyn Driver, span: Span, hs: &[PhysHandle]) -> Result
 }
 
 /// Release every handle; the first error is returned, each is logged.
-pub(super) fn release_all(d: &dyn Driver, hs: &[PhysHandle]) -> Result<()> {
+pub(super) fn release_all(d: &dyn Driver, segs: &[Seg]) -> Result<()> {
     let mut first = Ok(());
-    for h in hs {
-        if let Err(e) = d.release(*h) {
-            tracing::error!("releasing handle {:#x}: {e}", h.0);
+    for s in segs {
+        if let Err(e) = d.release(s.handle) {
+            tracing::error!("releasing handle {:#x}: {e}", s.handle.0);
             if first.is_ok() {
                 first = Err(e);
             }
         }
     }
     first
+}
+
+/// Maximal runs of consecutive indices in `idx` (sorted): `(first, count)` each.
+pub(super) fn runs(idx: &[usize]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &i in idx {
+        match out.last_mut() {
+            Some((f, n)) if *f + *n == i => *n += 1,
+            _ => out.push((i, 1)),
+        }
+    }
+    out
 }

@@ -17,7 +17,8 @@ pub(super) struct Row<'a> {
     pub tag: &'a str,
     pub size: u64,
     pub mapped: u64,
-    pub active: bool,
+    /// Of `mapped`, the bytes mapped now.
+    pub active: u64,
     pub host: u64,
     pub host_pinned: u64,
     pub disk: u64,
@@ -69,11 +70,13 @@ pub struct TagStats {
     pub active_allocations: usize,
     /// Of those, paused.
     pub paused_allocations: usize,
+    /// Of those, chunked allocations with some chunks active and others paused.
+    pub partial_allocations: usize,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
-    /// Mapped bytes of active allocations (device memory held).
+    /// Mapped bytes of active allocations and active chunks (device memory held).
     pub bytes_active: u64,
-    /// Mapped bytes of paused allocations (device memory given back).
+    /// Mapped bytes of paused allocations and paused chunks (device memory given back).
     pub bytes_paused: u64,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
@@ -115,13 +118,13 @@ pub(super) fn collect<'a>(
         t.host_backup_bytes += r.host;
         t.host_pinned_bytes += r.host_pinned;
         t.disk_backup_bytes += r.disk;
-        if r.active {
-            t.active_allocations += 1;
-            t.bytes_active += r.mapped;
-        } else {
-            t.paused_allocations += 1;
-            t.bytes_paused += r.mapped;
+        match r.active {
+            a if a == r.mapped => t.active_allocations += 1,
+            0 => t.paused_allocations += 1,
+            _ => t.partial_allocations += 1,
         }
+        t.bytes_active += r.active;
+        t.bytes_paused += r.mapped - r.active;
     }
     for (tag, h) in history {
         let t = tags.entry(tag).or_insert_with(|| TagStats {

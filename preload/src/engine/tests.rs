@@ -24,6 +24,7 @@ fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
         device: 0,
         tag: tag.into(),
         backup,
+        chunk: 0,
     }
 }
 

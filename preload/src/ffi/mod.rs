@@ -229,6 +229,8 @@ pub unsafe extern "C" fn tms_region_enter(
             backend,
             // A new pauseable region asks for a disk backup with tms_set_enable_disk_backup.
             disk_backup: enabled == 0 && cur.disk_backup,
+            // And a chunk size with tms_set_chunk_size.
+            chunk: if enabled == 0 { cur.chunk } else { 0 },
         })
     })
 }
@@ -514,5 +516,164 @@ pub unsafe extern "C" fn tms_control_socket(
             unsafe { write_out(&s, buf, cap, out_len) }
         });
         write_status(r)
+    })
+}
+
+/// Pause every active allocation of `tag` (NULL or `""`: every tag); with `save_chunk_state`,
+/// first record which chunks of each chunked allocation are active, for
+/// `tms_resume_ex(tag, 1)`.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_pause_ex(tag: *const c_char, save_chunk_state: c_int) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { tag_or_all(tag) }?;
+        let p = crate::engine::Pick {
+            chunk_state: save_chunk_state != 0,
+            ..crate::engine::Pick::tag(tag)
+        };
+        control::runtime()?.engine.pause_pick(&p).map(|_| ())
+    })
+}
+
+/// Resume the paused allocations of `tag` (NULL or `""`: every tag); with
+/// `restore_chunk_state`, only the chunks recorded active by `tms_pause_ex(tag, 1)` (all of
+/// an allocation with nothing recorded).
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_resume_ex(tag: *const c_char, restore_chunk_state: c_int) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { tag_or_all(tag) }?;
+        let p = crate::engine::Pick {
+            chunk_state: restore_chunk_state != 0,
+            ..crate::engine::Pick::tag(tag)
+        };
+        control::runtime()?.engine.resume_pick(&p).map(|_| ())
+    })
+}
+
+/// The chunked allocation holding `addr`: its start, chunk size and chunk count (each output
+/// may be NULL).
+///
+/// # Safety
+/// Each output is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_chunks_of(
+    addr: u64,
+    start: *mut u64,
+    chunk: *mut u64,
+    count: *mut u64,
+) -> c_int {
+    entry(|| {
+        let i = control::runtime()?.engine.chunk_info(addr)?;
+        for (p, v) in [
+            (start, i.addr),
+            (chunk, i.chunk),
+            (count, i.active.len() as u64),
+        ] {
+            if !p.is_null() {
+                // SAFETY: the caller vouches for non-NULL outputs.
+                unsafe { *p = v };
+            }
+        }
+        Ok(())
+    })
+}
+
+/// Each chunk's state (1 = active) of the chunked allocation holding `addr`, into `out` of `n`
+/// bytes (at least the chunk count).
+///
+/// # Safety
+/// `out` is writable for `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_chunk_states_at(addr: u64, out: *mut u8, n: u64) -> c_int {
+    entry(|| {
+        let i = control::runtime()?.engine.chunk_info(addr)?;
+        let k = buffer_len(out.is_null(), n, "the state array")?.unwrap_or(0);
+        if k < i.active.len() {
+            return Err(Error::InvalidArgument(format!(
+                "the state array has room for {k} entries, but the allocation has {} chunks",
+                i.active.len()
+            )));
+        }
+        // SAFETY: the caller vouches for n writable bytes; buffer_len checked the pointer.
+        let out = unsafe { std::slice::from_raw_parts_mut(out, k) };
+        for (o, a) in out.iter_mut().zip(&i.active) {
+            *o = u8::from(*a);
+        }
+        Ok(())
+    })
+}
+
+/// Pause (`pause != 0`) or resume chunks `idx[0..n]` of the chunked allocation holding `addr`.
+///
+/// # Safety
+/// `idx` is readable for `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn tms_chunks_at(addr: u64, pause: c_int, idx: *const u64, n: u64) -> c_int {
+    entry(|| {
+        let k = buffer_len(idx.is_null(), n, "chunk index array")?.unwrap_or(0);
+        let mut v: Vec<usize> = if k == 0 {
+            Vec::new()
+        } else {
+            // SAFETY: the caller vouches for n readable entries; checked non-null.
+            unsafe { std::slice::from_raw_parts(idx, k) }
+                .iter()
+                .map(|&i| usize::try_from(i).unwrap_or(usize::MAX))
+                .collect()
+        };
+        v.sort_unstable();
+        v.dedup();
+        let e = &control::runtime()?.engine;
+        let p = crate::engine::Pick::chunks(e.chunk_info(addr)?.addr, &v);
+        if pause != 0 {
+            e.pause_pick(&p).map(|_| ())
+        } else {
+            e.resume_pick(&p).map(|_| ())
+        }
+    })
+}
+
+/// Pause (`pause != 0`) or resume the chunks lying wholly inside `[addr, addr + len)` of the
+/// chunked allocation holding it (rounded inward: chunks only partly inside are left alone);
+/// the first chunk and the count acted on go to `first` and `count` (each may be NULL).
+///
+/// # Safety
+/// `first` and `count` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_range(
+    addr: u64,
+    len: u64,
+    pause: c_int,
+    first: *mut u64,
+    count: *mut u64,
+) -> c_int {
+    entry(|| {
+        let e = &control::runtime()?.engine;
+        let (start, idx) = e.chunks_in(addr, len)?;
+        let outs = [
+            (first, idx.first().map_or(0, |&i| i as u64)),
+            (count, idx.len() as u64),
+        ];
+        for (p, v) in outs {
+            if !p.is_null() {
+                // SAFETY: the caller vouches for non-NULL outputs.
+                unsafe { *p = v };
+            }
+        }
+        if idx.is_empty() {
+            return Ok(());
+        }
+        let p = crate::engine::Pick::chunks(start, &idx);
+        if pause != 0 {
+            e.pause_pick(&p).map(|_| ())
+        } else {
+            e.resume_pick(&p).map(|_| ())
+        }
     })
 }

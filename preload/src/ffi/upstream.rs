@@ -206,3 +206,196 @@ pub extern "C" fn tms_get_cpu_backup_pointer(gpu_ptr: *const u8, size: u64) -> *
         }
     })
 }
+
+/// Make this thread's new pauseable allocations chunked, in chunks of `bytes` (0: not chunked;
+/// else a multiple of the current device's granularity). Each allocation's size must then be a
+/// multiple of it.
+#[no_mangle]
+pub extern "C" fn tms_set_chunk_size(bytes: usize) -> c_int {
+    entry(|| {
+        let bytes = bytes as u64;
+        if bytes > 0 {
+            control::runtime()?.engine.check_chunk_size(bytes)?;
+        }
+        settings::update_region(|r| r.chunk = bytes)
+    })
+}
+
+/// The chunk size of this thread's new pauseable allocations (0: not chunked, or a failure; see
+/// `tms_last_error`).
+#[no_mangle]
+pub extern "C" fn tms_get_chunk_size() -> usize {
+    catch(0, || match settings::current_region() {
+        Ok(r) => r.chunk as usize,
+        Err(e) => {
+            set_last_error(&e);
+            0
+        }
+    })
+}
+
+/// The chunk indices of a C array, sorted and each once.
+///
+/// # Safety
+/// `idx` is readable for `n` entries (or `n` is 0).
+unsafe fn indices(idx: *const usize, n: usize) -> Result<Vec<usize>> {
+    let Some(n) = super::buffer_len(idx.is_null(), n as u64, "chunk index array")? else {
+        return Ok(Vec::new());
+    };
+    // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
+    let mut v = unsafe { std::slice::from_raw_parts(idx, n) }.to_vec();
+    v.sort_unstable();
+    v.dedup();
+    Ok(v)
+}
+
+/// Pause or resume chunks of the chunked allocation of `tag` (which must have exactly one).
+///
+/// # Safety
+/// As [`indices`]; `tag` is a NUL-terminated string.
+unsafe fn tag_chunks(tag: *const c_char, idx: *const usize, n: usize, pause: bool) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { super::arg_str(tag, "tag") }?;
+        // SAFETY: forwarded contract.
+        let idx = unsafe { indices(idx, n) }?;
+        let e = &control::runtime()?.engine;
+        let p = crate::engine::Pick::chunks(e.chunked(tag)?, &idx);
+        if pause {
+            e.pause_pick(&p).map(|_| ())
+        } else {
+            e.resume_pick(&p).map(|_| ())
+        }
+    })
+}
+
+/// Pause chunks `idx[0..n]` of the chunked allocation of `tag` (saving them where its region
+/// asked for a backup). Chunks already paused are skipped.
+///
+/// # Safety
+/// `tag` is a NUL-terminated string; `idx` is readable for `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn tms_pause_chunks(
+    tag: *const c_char,
+    idx: *const usize,
+    n: usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { tag_chunks(tag, idx, n, true) }
+}
+
+/// Resume chunks `idx[0..n]` of the chunked allocation of `tag`. Chunks already active are
+/// skipped; out of memory leaves every one of them paused with its backup, and says which.
+///
+/// # Safety
+/// As [`tms_pause_chunks`].
+#[no_mangle]
+pub unsafe extern "C" fn tms_resume_chunks(
+    tag: *const c_char,
+    idx: *const usize,
+    n: usize,
+) -> c_int {
+    // SAFETY: forwarded contract.
+    unsafe { tag_chunks(tag, idx, n, false) }
+}
+
+/// The chunk layout of the chunked allocation of `tag`.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+unsafe fn tag_info(tag: *const c_char) -> Result<crate::engine::ChunkInfo> {
+    // SAFETY: forwarded contract.
+    let tag = unsafe { super::arg_str(tag, "tag") }?;
+    let e = &control::runtime()?.engine;
+    e.chunk_info(e.chunked(tag)?)
+}
+
+/// Refuse an output array shorter than the chunk count.
+fn room(n: usize, count: usize, what: &str) -> Result<()> {
+    if n < count {
+        return Err(Error::InvalidArgument(format!(
+            "{what} has room for {n} entries, but the allocation has {count} chunks"
+        )));
+    }
+    Ok(())
+}
+
+/// Chunks of the chunked allocation of `tag`; 0 on failure (no such allocation, or several;
+/// see `tms_last_error`).
+///
+/// # Safety
+/// `tag` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_num_chunks_for_tag(tag: *const c_char) -> usize {
+    catch(0, || {
+        // SAFETY: forwarded contract.
+        match unsafe { tag_info(tag) } {
+            Ok(i) => i.active.len(),
+            Err(e) => {
+                set_last_error(&e);
+                0
+            }
+        }
+    })
+}
+
+/// Write each chunk's state of the chunked allocation of `tag` into `out` (1 = active, 0 =
+/// paused; `n` at least the chunk count). 1 on success, 0 on failure (see `tms_last_error`).
+///
+/// # Safety
+/// `tag` is a NUL-terminated string; `out` is writable for `n` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, n: usize) -> c_int {
+    catch(0, || {
+        let r = (|| {
+            // SAFETY: forwarded contract.
+            let info = unsafe { tag_info(tag) }?;
+            room(n, info.active.len(), "the state array")?;
+            let n = super::buffer_len(out.is_null(), n as u64, "the state array")?.unwrap_or(0);
+            // SAFETY: the caller vouches for n writable bytes; buffer_len checked the pointer.
+            let out = unsafe { std::slice::from_raw_parts_mut(out, n) };
+            for (o, a) in out.iter_mut().zip(&info.active) {
+                *o = u8::from(*a);
+            }
+            Ok(true)
+        })();
+        flag(r)
+    })
+}
+
+/// Write each chunk's offset and size (bytes) of the chunked allocation of `tag` into
+/// `offsets` and `sizes` (`n` entries each, at least the chunk count).
+///
+/// # Safety
+/// `tag` is a NUL-terminated string; `offsets` and `sizes` are writable for `n` entries.
+#[no_mangle]
+pub unsafe extern "C" fn tms_get_chunk_layout(
+    tag: *const c_char,
+    offsets: *mut usize,
+    sizes: *mut usize,
+    n: usize,
+) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let info = unsafe { tag_info(tag) }?;
+        room(n, info.layout.len(), "the layout arrays")?;
+        let k = super::buffer_len(
+            offsets.is_null() || sizes.is_null(),
+            n as u64,
+            "offsets or sizes",
+        )?
+        .unwrap_or(0);
+        // SAFETY: the caller vouches for n writable entries each; checked non-null above.
+        let (o, s) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(offsets, k),
+                std::slice::from_raw_parts_mut(sizes, k),
+            )
+        };
+        for (i, (off, len)) in info.layout.iter().enumerate() {
+            o[i] = *off as usize;
+            s[i] = *len as usize;
+        }
+        Ok(())
+    })
+}

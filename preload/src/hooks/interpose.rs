@@ -168,6 +168,7 @@ fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int,
         device,
         tag: region.tag.clone(),
         backup: region.backup(),
+        chunk: region.chunk,
     };
     // The pluggable allocator serves every allocation of its pool, also those made inside
     // `disable()`: those are real memory that pause leaves alone.

@@ -64,6 +64,8 @@ pub struct RegionSettings {
     pub backend: BackupKind,
     /// They keep a disk backup across pause (never together with `cpu_backup`).
     pub disk_backup: bool,
+    /// They are chunked allocations of chunks of this many bytes (0: not chunked).
+    pub chunk: u64,
 }
 
 impl RegionSettings {
@@ -196,6 +198,7 @@ impl ProcessSettings {
             cpu_backup: env_parsed("TMS_INIT_ENABLE_CPU_BACKUP", parse_flag)?.unwrap_or(false),
             backend,
             disk_backup: env_parsed("TMS_INIT_ENABLE_DISK_BACKUP", parse_flag)?.unwrap_or(false),
+            chunk: 0,
         };
         region.check().map_err(|e| {
             e.context(
@@ -357,6 +360,7 @@ mod tests {
             cpu_backup: false,
             backend: BackupKind::Pinned,
             disk_backup: false,
+            chunk: 0,
         }
     }
 
