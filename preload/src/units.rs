@@ -45,6 +45,11 @@ pub fn human(bytes: u64) -> String {
     tms_proto::human_bytes(bytes)
 }
 
+/// Chunk indices as ranges (`0-3,8`), for messages.
+pub fn ranges(idx: &[usize]) -> String {
+    tms_proto::format_ranges(idx)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,9 +80,4 @@ mod tests {
         assert_eq!(human(512), "512 B");
         assert_eq!(human(3 << 29), "1.50 GiB");
     }
-}
-
-/// Chunk indices as ranges (`0-3,8`), for messages.
-pub fn ranges(idx: &[usize]) -> String {
-    tms_proto::format_ranges(idx)
 }

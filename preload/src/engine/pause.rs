@@ -36,8 +36,11 @@ struct Job {
     file_chunk: u64,
     /// A buffer others hold that has the contents of the allocation's paused segments: copied
     /// (those byte ranges) into the new buffer before anything is paused.
-    carry: Option<(Arc<HostBuffer>, Vec<(u64, u64)>)>,
+    carry: Option<Carry>,
 }
+
+/// A buffer and the byte ranges of it to carry over.
+type Carry = (Arc<HostBuffer>, Vec<(u64, u64)>);
 
 impl Job {
     fn target(&self) -> Option<Target<'_>> {

@@ -421,7 +421,7 @@ pub(super) fn run(
                 }
             }
         };
-        for i in 0..items.len() {
+        for (i, &nothing) in empty.iter().enumerate() {
             if sh.abort.load(Ordering::Acquire) {
                 break;
             }
@@ -430,7 +430,7 @@ pub(super) fn run(
                 break;
             }
             sh.publish(i + 1);
-            if empty[i] {
+            if nothing {
                 done(i, &mut stopped);
             }
             while let Ok(j) = rx.try_recv() {
