@@ -45,9 +45,12 @@ pub fn human(bytes: u64) -> String {
     tms_proto::human_bytes(bytes)
 }
 
-/// Chunk indices as ranges (`0-3,8`), for messages.
+/// Chunk indices for messages: `chunk 3`, `chunks 0-3,8`.
 pub fn ranges(idx: &[usize]) -> String {
-    tms_proto::format_ranges(idx)
+    match idx {
+        [one] => format!("chunk {one}"),
+        _ => format!("chunks {}", tms_proto::format_ranges(idx)),
+    }
 }
 
 #[cfg(test)]

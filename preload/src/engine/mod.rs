@@ -267,7 +267,7 @@ impl<'a> Pick<'a> {
             d = format!("allocation {p:#x}");
         }
         if let Some(c) = self.chunks {
-            d = format!("chunks {} of {d}", crate::units::ranges(c));
+            d = format!("{} of {d}", crate::units::ranges(c));
         }
         d
     }

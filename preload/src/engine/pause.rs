@@ -80,7 +80,7 @@ impl Job {
             self.size,
             self.tag,
             if self.chunked {
-                format!(", chunks {}", crate::units::ranges(&self.segs))
+                format!(", {}", crate::units::ranges(&self.segs))
             } else {
                 String::new()
             },

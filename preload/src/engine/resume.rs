@@ -59,7 +59,7 @@ fn stays(jobs: &[Job]) -> String {
         .filter(|j| j.chunked)
         .map(|j| {
             format!(
-                "chunks {} of allocation {:#x}",
+                "{} of allocation {:#x}",
                 crate::units::ranges(&j.segs),
                 j.ptr
             )
