@@ -6,12 +6,17 @@
 //! pause/resume with CPU backup (the first pause into fresh host memory, then cycles with the
 //! host buffers retained, then a resume that releases them) for one large allocation and for
 //! many small ones, pinned and mmap backends; pause/resume without backup against the bare VMM
-//! calls; process RSS after a non-retaining resume. Every byte is verified after each scenario.
+//! calls; process RSS after a non-retaining resume; chunked allocations (64 of 512 chunks
+//! resumed without backup against the bare calls for 64 chunks, half of a TOTAL allocation's
+//! chunks of 64 MiB and 1 GiB with a pinned backup against the link). Every byte is verified
+//! after each scenario.
 //! Prints a table; asserts nothing about time.
 //!
 //! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]
-//! [--no-many] [--segment BYTES]` (default 16GiB 512: one allocation of TOTAL, and COUNT
-//! allocations of TOTAL/COUNT; `--no-many` skips the latter with backup; `--segment` sets the
+//! [--no-many] [--no-chunks | --chunks-only] [--segment BYTES] [--disk DIR [--disk-only]]`
+//! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT;
+//! `--no-many` skips the latter with backup; `--chunks-only` runs only the limits and the
+//! chunked scenarios; `--segment` sets the
 //! engine's physical segment size, for experiments; `TMS_LOG=tms=debug` logs pipeline phases). The copy
 //! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
 //! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
@@ -31,7 +36,7 @@ use std::time::Instant;
 
 use tms::backup::{BackupKind, HostBuffer, HostLayout};
 use tms::driver::{DevPtr, Driver};
-use tms::engine::PinMode;
+use tms::engine::{AllocRequest, Pick, PinMode};
 use tms::process::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
@@ -97,11 +102,13 @@ struct Opts {
     disk: Option<std::path::PathBuf>,
     /// Only the disk scenarios (and their limits).
     disk_only: bool,
+    /// The chunked-allocation scenarios.
+    chunks: bool,
 }
 
 fn usage() -> &'static str {
     "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
-     [--segment BYTES] [--disk DIR [--disk-only]]   (default 16GiB 512)"
+     [--no-chunks | --chunks-only] [--segment BYTES] [--disk DIR [--disk-only]]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -115,6 +122,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
         segment: None,
         disk: None,
         disk_only: false,
+        chunks: true,
     };
     let mut positional = 0;
     let mut args = std::env::args().skip(1);
@@ -127,6 +135,11 @@ fn parse_args() -> Result<Option<Opts>, String> {
             "--no-limits" => o.limits = false,
             "--no-plain" => o.plain = false,
             "--no-many" => o.many = false,
+            "--no-chunks" => o.chunks = false,
+            "--chunks-only" => {
+                o.backends.clear();
+                o.plain = false;
+            }
             "--disk" => o.disk = Some(args.next().ok_or("--disk needs a directory")?.into()),
             "--disk-only" => o.disk_only = true,
             "--segment" => {
@@ -270,6 +283,142 @@ fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<
     }
     if o.plain {
         plain_scenario(e, o.count, piece, &lim, t)?;
+    }
+    if o.chunks {
+        chunk_scenarios(driver, e, o, &lim, t)?;
+    }
+    Ok(())
+}
+
+/// Chunked allocations (engine Note [Chunked allocations]): resuming k of n chunks without a
+/// backup against the bare VMM calls for k such chunks, measured here; and half the chunks of a
+/// TOTAL-sized allocation paused and resumed with a pinned backup against the link.
+fn chunk_scenarios(
+    driver: &Arc<dyn Driver>,
+    e: &Engine,
+    o: &Opts,
+    lim: &Limits,
+    t: &mut Table,
+) -> Result<(), String> {
+    let d = &**driver;
+    let g = s(d.granularity(0))?;
+    // 64 of 512 chunks, fewer where TOTAL is small (the sim).
+    let n = (o.total / g).clamp(8, 512);
+    let k = n / 8;
+    println!(
+        "
+chunked, no backup: {k} of {n} chunks of {}",
+        human(g)
+    );
+    // The bare calls for k chunks, in k reserved pieces.
+    let ranges: Vec<DevPtr> = (0..k)
+        .map(|_| s(d.reserve(0, g)))
+        .collect::<Result<_, _>>()?;
+    let pieces: Vec<(DevPtr, u64)> = ranges.iter().map(|p| (*p, g)).collect();
+    let (map_s, unmap_s, _) = bare_vmm(d, &pieces)?;
+    for p in &ranges {
+        s(d.free_range(*p, g))?;
+    }
+    t.add(
+        format!("bare create+map+access, {k} x {}", human(g)),
+        k * g,
+        map_s,
+    );
+    t.add(
+        format!("bare unmap+release, {k} x {}", human(g)),
+        k * g,
+        unmap_s,
+    );
+    let p = s(e.alloc(&AllocRequest {
+        chunk: g,
+        ..req(n * g, "chunks", None)
+    }))?;
+    // Every eighth chunk: k runs of one chunk, the costly case.
+    let idx: Vec<usize> = (0..n as usize).step_by((n / k) as usize).collect();
+    let pick = Pick::chunks(p, &idx);
+    for cycle in 1..=3 {
+        let r = s(e.pause_pick(&pick))?;
+        t.add_vs(
+            format!("chunks: pause {k} of {n} #{cycle}"),
+            k * g,
+            r.seconds,
+            Some(("bare unmap+release s", unmap_s)),
+        );
+        let r = s(e.resume_pick(&pick))?;
+        t.add_vs(
+            format!("chunks: resume {k} of {n} #{cycle}"),
+            k * g,
+            r.seconds,
+            Some(("bare create+map s", map_s)),
+        );
+    }
+    s(e.free(p))?;
+
+    // With a pinned backup: half of TOTAL's chunks (every other one), for chunks of 64 MiB and
+    // of 1 GiB.
+    let limit = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
+    for chunk in [64u64 << 20, 1 << 30] {
+        let chunk = chunk.next_multiple_of(g);
+        let n = o.total / chunk;
+        if n < 2 {
+            continue;
+        }
+        let size = n * chunk;
+        let tag = format!("chunks-{}", human(chunk).replace(' ', ""));
+        println!(
+            "
+chunked, pinned backup: half of {n} chunks of {}",
+            human(chunk)
+        );
+        let p = s(e.alloc(&AllocRequest {
+            chunk,
+            ..req(size, &tag, Some(BackupKind::Pinned))
+        }))?;
+        device_pattern(e, p, size, 7, false)?;
+        let idx: Vec<usize> = (0..n as usize).step_by(2).collect();
+        let bytes = idx.len() as u64 * chunk;
+        let pick = Pick::chunks(p, &idx);
+        e.set_retain_cpu_backup(true);
+        let r = s(e.pause_pick(&pick))?;
+        t.add_vs(
+            format!("{tag}: pause half, fresh host memory"),
+            bytes,
+            r.seconds,
+            limit("fresh fill", lim.fill),
+        );
+        let r = s(e.resume_pick(&pick))?;
+        t.add_vs(
+            format!("{tag}: resume half"),
+            bytes,
+            r.seconds,
+            limit("pinned H2D", lim.h2d),
+        );
+        if !e.wait_for_background_pinning(std::time::Duration::from_secs(120)) {
+            t.problems
+                .push(format!("{tag}: background page-locking did not finish"));
+        }
+        for cycle in 2..=3 {
+            let r = s(e.pause_pick(&pick))?;
+            t.add_vs(
+                format!("{tag}: pause half #{cycle}, retained"),
+                bytes,
+                r.seconds,
+                limit("pinned D2H", lim.d2h),
+            );
+            let r = s(e.resume_pick(&pick))?;
+            t.add_vs(
+                format!("{tag}: resume half #{cycle}, retained"),
+                bytes,
+                r.seconds,
+                limit("pinned H2D", lim.h2d),
+            );
+        }
+        e.set_retain_cpu_backup(false);
+        if !device_pattern(e, p, size, 7, true)? {
+            t.problems
+                .push(format!("{tag}: contents differ after the cycles"));
+        }
+        s(e.free(p))?;
     }
     Ok(())
 }
