@@ -1,0 +1,244 @@
+//! Chunked allocations (engine Note [Chunked allocations]): what the model test does not reach
+//! (leased backups, out of memory part-way, clear errors for bad requests, inward rounding,
+//! statistics of partial allocations).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{pattern, read_raw, write_raw};
+use tms::backup::BackupKind;
+use tms::driver::sim::{SimConfig, SimDriver};
+use tms::engine::{AllocRequest, CopyConfig, Engine, Pick, State};
+
+const G: u64 = 2 << 20;
+
+fn setup(capacity: u64) -> (Arc<SimDriver>, Engine) {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices: 1,
+            capacity,
+            granularity: G,
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone());
+    let mut cfg = CopyConfig {
+        threads: 3,
+        ..CopyConfig::default()
+    };
+    cfg.layout.chunk = 1 << 20;
+    cfg.slot = 256 << 10;
+    e.set_copy_config(cfg).unwrap();
+    (sim, e)
+}
+
+fn chunked(size: u64, chunk: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
+    AllocRequest {
+        size,
+        device: 0,
+        tag: tag.into(),
+        backup,
+        chunk,
+    }
+}
+
+fn states(e: &Engine, p: u64) -> Vec<bool> {
+    e.chunk_info(p).unwrap().active
+}
+
+/// A pause of chunk 0 while a reader holds the backup (a lease) must not write into the
+/// reader's buffer; the new buffer must still hold the other chunks' saved contents, which
+/// exist nowhere else while they are paused.
+#[test]
+fn a_leased_backup_is_carried_into_the_next_pause() {
+    let (sim, e) = setup(64 << 20);
+    e.set_retain_cpu_backup(true);
+    let p = e
+        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Mmap)))
+        .unwrap();
+    let old = pattern((4 * G) as usize, 1);
+    write_raw(&sim, p, &old);
+    e.pause(Some("kv")).unwrap();
+    e.resume_pick(&Pick::chunks(p, &[0])).unwrap();
+    assert_eq!(states(&e, p), [true, false, false, false]);
+    let lease = e
+        .acquire_cpu_backup(p, 4 * G)
+        .unwrap()
+        .expect("a complete snapshot");
+    let new0 = pattern(G as usize, 2);
+    write_raw(&sim, p, &new0);
+    e.pause_pick(&Pick::chunks(p, &[0])).unwrap();
+    // The lease still reads the old contents of chunk 0.
+    // SAFETY: the lease keeps the buffer mapped and unchanged until it is released.
+    let leased = unsafe { std::slice::from_raw_parts(lease.ptr, (4 * G) as usize) };
+    assert!(leased == &old[..], "the leased snapshot changed");
+    e.resume(Some("kv")).unwrap();
+    assert!(read_raw(&sim, p, G as usize) == new0, "chunk 0");
+    assert!(
+        read_raw(&sim, p + G, (3 * G) as usize) == old[G as usize..],
+        "chunks 1-3 carried over"
+    );
+    e.release_cpu_backup(lease.lease).unwrap();
+}
+
+#[test]
+fn bad_chunk_requests_are_refused_with_the_numbers() {
+    let (_sim, e) = setup(64 << 20);
+    let msg = |r: tms::Result<u64>| r.unwrap_err().to_string();
+    let m = msg(e.alloc(&chunked(3 * G, 2 * G, "kv", None)));
+    assert!(
+        m.contains(&format!("chunk size {}", 2 * G)) && m.contains(&(3 * G).to_string()),
+        "{m}"
+    );
+    let m = msg(e.alloc(&chunked(3 * G, 4096, "kv", None)));
+    assert!(m.contains("granularity") && m.contains("4096"), "{m}");
+    let e1 = e.alloc(&chunked(4 * G, G, "kv", None)).unwrap();
+    let m = e
+        .pause_pick(&Pick::chunks(e1, &[1, 4]))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        m.contains("chunk 4") && m.contains("it has 4 chunks"),
+        "{m}"
+    );
+    let m = e
+        .pause_pick(&Pick::chunks(e1, &[2, 1]))
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("sorted"), "{m}");
+    let plain = e.alloc(&chunked(G, 0, "w", None)).unwrap();
+    let m = e
+        .pause_pick(&Pick::chunks(plain, &[0]))
+        .unwrap_err()
+        .to_string();
+    assert!(m.contains("is not chunked"), "{m}");
+    assert!(e
+        .chunk_info(plain)
+        .unwrap_err()
+        .to_string()
+        .contains("not chunked"));
+    let m = e.chunked("w").unwrap_err().to_string();
+    assert!(m.contains("no chunked allocation"), "{m}");
+    let e2 = e.alloc(&chunked(2 * G, G, "kv", None)).unwrap();
+    let m = e.chunked("kv").unwrap_err().to_string();
+    assert!(
+        m.contains("2 chunked allocations")
+            && m.contains(&format!("{e1:#x}"))
+            && m.contains(&format!("{e2:#x}")),
+        "{m}"
+    );
+    // Nothing was paused by any of it.
+    assert!(e.allocations().iter().all(|a| a.state == State::Active));
+}
+
+#[test]
+fn ranges_round_inward_to_whole_chunks() {
+    let (_sim, e) = setup(64 << 20);
+    let p = e.alloc(&chunked(8 * G, G, "kv", None)).unwrap();
+    let (start, idx) = e.chunks_in(p + 1, 3 * G).unwrap();
+    assert_eq!((start, idx), (p, vec![1, 2]));
+    assert_eq!(e.chunks_in(p + G, 2 * G).unwrap().1, vec![1, 2]);
+    assert_eq!(e.chunks_in(p + 1, G).unwrap().1, Vec::<usize>::new());
+    assert_eq!(e.chunks_in(p, 8 * G).unwrap().1, (0..8).collect::<Vec<_>>());
+    assert!(e.chunks_in(p, 8 * G + 1).is_err(), "beyond the allocation");
+}
+
+/// Out of memory part-way through a resume of chunks: every one of them stays paused with its
+/// backup, the error says which, and a retry once memory is free restores them all.
+#[test]
+fn a_failed_resume_of_chunks_names_them_and_a_retry_restores() {
+    let (sim, e) = setup(8 * G);
+    let p = e
+        .alloc(&chunked(6 * G, G, "kv", Some(BackupKind::Pinned)))
+        .unwrap();
+    let data = pattern((6 * G) as usize, 3);
+    write_raw(&sim, p, &data);
+    e.pause_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
+    assert_eq!(states(&e, p), [true, false, false, false, true, false]);
+    let hog = e.alloc(&chunked(4 * G, 0, "hog", None)).unwrap();
+    let err = e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap_err();
+    let m = err.to_string();
+    assert!(err.is_oom(), "{m}");
+    assert!(
+        m.contains(&format!("chunks 1-3,5 of allocation {p:#x}")),
+        "{m}"
+    );
+    assert_eq!(states(&e, p), [true, false, false, false, true, false]);
+    assert_eq!(
+        sim.live_bytes(0),
+        6 * G,
+        "nothing of the failed resume stays mapped"
+    );
+    e.free(hog).unwrap();
+    e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
+    assert!(read_raw(&sim, p, (6 * G) as usize) == data);
+}
+
+#[test]
+fn statistics_count_partial_allocations_by_their_chunks() {
+    let (sim, e) = setup(64 << 20);
+    let p = e.alloc(&chunked(4 * G, G, "kv", None)).unwrap();
+    e.alloc(&chunked(G, 0, "kv", None)).unwrap();
+    e.pause_pick(&Pick::chunks(p, &[0, 3])).unwrap();
+    let t = &e.stats().tags[0];
+    assert_eq!(
+        (
+            t.allocations,
+            t.active_allocations,
+            t.partial_allocations,
+            t.paused_allocations
+        ),
+        (2, 1, 1, 0)
+    );
+    assert_eq!((t.bytes_active, t.bytes_paused), (3 * G, 2 * G));
+    assert_eq!(sim.live_bytes(0), 3 * G);
+    let info = e.allocations().into_iter().find(|a| a.addr == p).unwrap();
+    assert_eq!(
+        (info.state, info.active_bytes, info.handles),
+        (State::Partial, 2 * G, 2)
+    );
+    // A whole-tag pause takes the rest; chunk calls on paused chunks are skipped.
+    let r = e.pause(Some("kv")).unwrap();
+    assert_eq!((r.allocations, r.bytes), (2, 3 * G));
+    let r = e.pause_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+    assert_eq!(r.allocations, 0);
+    assert_eq!(sim.live_bytes(0), 0);
+    // Freeing a partial allocation releases its mapped chunks and its range.
+    e.resume_pick(&Pick::chunks(p, &[2])).unwrap();
+    assert!(e.free(p).unwrap());
+    assert_eq!((sim.live_bytes(0), sim.live_handles()), (0, 0));
+}
+
+/// Save and restore chunk state: the chunks active at the pause come back, the others stay
+/// paused (and a plain resume afterwards brings back the rest).
+#[test]
+fn resume_restores_the_saved_chunk_state() {
+    let (sim, e) = setup(64 << 20);
+    let p = e
+        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Disk)))
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
+    let data = pattern((4 * G) as usize, 4);
+    write_raw(&sim, p, &data);
+    e.pause_pick(&Pick::chunks(p, &[1])).unwrap();
+    let save = Pick {
+        chunk_state: true,
+        ..Pick::tag(Some("kv"))
+    };
+    e.pause_pick(&save).unwrap();
+    assert_eq!(states(&e, p), [false; 4]);
+    e.resume_pick(&save).unwrap();
+    assert_eq!(states(&e, p), [true, false, true, true]);
+    for c in [0u64, 2, 3] {
+        let r = (c * G) as usize..((c + 1) * G) as usize;
+        assert!(
+            read_raw(&sim, p + c * G, G as usize) == data[r],
+            "chunk {c}"
+        );
+    }
+    e.resume(Some("kv")).unwrap();
+    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
+}
