@@ -18,6 +18,8 @@ from .errors import LibraryNotFoundError, error_for_status
 __all__ = ["BinaryWrapper", "bundled_library_path", "preloaded", "preloaded_path", "load"]
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
+_c_u64_p = ctypes.POINTER(ctypes.c_uint64)
+_c_u8_p = ctypes.POINTER(ctypes.c_uint8)
 
 # name -> (restype, argtypes)
 _SIGNATURES = {
@@ -31,6 +33,13 @@ _SIGNATURES = {
     "tms_region_current": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_pause": (ctypes.c_int, [ctypes.c_char_p]),
     "tms_resume": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_pause_ex": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    "tms_resume_ex": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    # Chunked allocations, by address.
+    "tms_chunks_of": (ctypes.c_int, [ctypes.c_uint64, _c_u64_p, _c_u64_p, _c_u64_p]),
+    "tms_chunk_states_at": (ctypes.c_int, [ctypes.c_uint64, _c_u8_p, ctypes.c_uint64]),
+    "tms_chunks_at": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int, _c_u64_p, ctypes.c_uint64]),
+    "tms_range": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int, _c_u64_p, _c_u64_p]),
     "tms_set_retain_cpu_backup": (ctypes.c_int, [ctypes.c_int]),
     "tms_query_retain_cpu_backup": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
     "tms_set_memory_margin": (ctypes.c_int, [ctypes.c_uint64]),
@@ -58,6 +67,14 @@ _SIGNATURES = {
     "tms_set_enable_disk_backup": (ctypes.c_int, [ctypes.c_int]),
     "tms_get_enable_disk_backup": (ctypes.c_bool, []),
     "tms_set_disk_backup_dir": (ctypes.c_int, [ctypes.c_char_p]),
+    # Chunked allocations, by tag (the tag must have exactly one).
+    "tms_set_chunk_size": (ctypes.c_int, [ctypes.c_size_t]),
+    "tms_get_chunk_size": (ctypes.c_size_t, []),
+    "tms_pause_chunks": (ctypes.c_int, [ctypes.c_char_p, _c_size_p, ctypes.c_size_t]),
+    "tms_resume_chunks": (ctypes.c_int, [ctypes.c_char_p, _c_size_p, ctypes.c_size_t]),
+    "tms_get_num_chunks_for_tag": (ctypes.c_size_t, [ctypes.c_char_p]),
+    "tms_get_chunk_states": (ctypes.c_bool, [ctypes.c_char_p, _c_u8_p, ctypes.c_size_t]),
+    "tms_get_chunk_layout": (ctypes.c_int, [ctypes.c_char_p, _c_size_p, _c_size_p, ctypes.c_size_t]),
     "set_memory_margin_bytes": (ctypes.c_int, [ctypes.c_uint64]),
     "tms_get_retain_cpu_backup": (ctypes.c_bool, []),
     "tms_get_cpu_backup_pointer": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_uint64]),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 from .saver import _TorchMemorySaverImpl
 
@@ -127,11 +127,13 @@ class TorchMemorySaver:
         enable_cpu_backup: bool = False,
         cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Optional[bool] = None,
+        chunk_size: Optional[int] = None,
     ) -> contextlib.AbstractContextManager:
         """Tensors allocated inside are pauseable under ``tag``.
 
         They come from a ``torch.cuda.MemPool`` of the region's own (one per tag, backup setting,
-        backend and device), so cached blocks never move between pauseable and ordinary tensors.
+        backend, chunk size and device), so cached blocks never move between pauseable and
+        ordinary tensors, nor between chunk layouts.
 
         ``enable_cpu_backup`` (any truthy value) keeps their contents across pause in host
         memory: ``cpu_backup_backend="pinned"`` (the default, or ``TMS_INIT_CPU_BACKUP_BACKEND``)
@@ -145,12 +147,27 @@ class TorchMemorySaver:
         directory), written and read at the disk's speed; files are reused across pauses and
         removed when the tensor's memory is freed and at exit. A CPU and a disk backup are
         mutually exclusive.
+
+        ``chunk_size=N`` (bytes; 0 or None, the default: not chunked) makes each allocation an
+        elastic one: one reserved address range backed by independent physical chunks of ``N``
+        bytes, which :meth:`pause_chunks`, :meth:`pause_range` and their ``resume_`` twins give
+        back and take again one by one, with the region's backup; :meth:`pause` and
+        :meth:`resume` still act on whole allocations. ``N`` must be a positive multiple of the
+        device's allocation granularity (2 MiB on current GPUs), else
+        :class:`InvalidArgumentError` naming it and the granularity. Every allocation inside
+        must be a multiple of ``N`` bytes as PyTorch asks for it (which rounds requests of 10 MiB
+        and more up to 2 MiB, and serves smaller ones from 2 or 20 MiB blocks): allocate just the
+        chunked buffer inside, e.g. ``torch.empty(k * N, dtype=torch.uint8, device="cuda")``.
+        Any other size fails with :class:`InvalidArgumentError` naming both sizes (PyTorch's
+        error is its ``__cause__``). Nested regions do not inherit the chunk size.
         """
         self._ensure_initialized()
         return self._impl.region(
             tag=tag,
             enable_cpu_backup=enable_cpu_backup,
-            **_given(cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup),
+            **_given(
+                cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup, chunk_size=chunk_size
+            ),
         )
 
     def disable(self) -> contextlib.AbstractContextManager:
@@ -173,10 +190,11 @@ class TorchMemorySaver:
         enable_cpu_backup: bool = False,
         cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Optional[bool] = None,
+        chunk_size: Optional[int] = None,
     ) -> contextlib.AbstractContextManager:
         """Like ``torch.cuda.graph(...)``, but the graph's own memory (its intermediate tensors)
         is pauseable under ``tag``; the graph replays correctly after resume. Works in both hook
-        modes."""
+        modes. The backup and ``chunk_size`` arguments are those of :meth:`region`."""
         self._ensure_initialized()
         return self._impl.cuda_graph(
             cuda_graph=cuda_graph,
@@ -185,7 +203,9 @@ class TorchMemorySaver:
             capture_error_mode=capture_error_mode,
             tag=tag,
             enable_cpu_backup=enable_cpu_backup,
-            **_given(cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup),
+            **_given(
+                cpu_backup_backend=cpu_backup_backend, enable_disk_backup=enable_disk_backup, chunk_size=chunk_size
+            ),
         )
 
     def set_disk_backup_dir(self, path: "Optional[str | os.PathLike]") -> None:
@@ -198,18 +218,94 @@ class TorchMemorySaver:
 
     # ---------------------------------------------------------------- pause / resume
 
-    def pause(self, tag: Optional[str] = None) -> None:
+    def pause(self, tag: Optional[str] = None, save_chunk_state: Optional[bool] = None) -> None:
         """Give back the device memory of ``tag`` (every tag if None or ``""``), backing up
-        contents where the region asked for it. Pausing what is paused does nothing."""
-        self._ensure_initialized()
-        return self._impl.pause(tag=tag)
+        contents where the region asked for it. Pausing what is paused does nothing; the
+        paused chunks of a chunked allocation stay as they are, the active ones are paused.
 
-    def resume(self, tag: Optional[str] = None) -> None:
+        ``save_chunk_state=True`` first records which chunks of each chunked allocation are
+        active, for ``resume(tag, restore_chunk_state=True)``."""
+        self._ensure_initialized()
+        return self._impl.pause(tag=tag, **_given(save_chunk_state=save_chunk_state))
+
+    def resume(self, tag: Optional[str] = None, restore_chunk_state: Optional[bool] = None) -> None:
         """Take device memory back for ``tag`` (every tag if None or ``""``), at the same
         addresses, and restore backups. On out of memory raises :class:`OutOfMemoryError` and
-        the tag stays paused with its backups: free memory and call again."""
+        the tag stays paused with its backups: free memory and call again.
+
+        Every chunk of a chunked allocation is resumed, unless ``restore_chunk_state=True``:
+        then only the chunks that were active when ``pause(tag, save_chunk_state=True)`` ran
+        (every chunk of an allocation with nothing recorded)."""
         self._ensure_initialized()
-        return self._impl.resume(tag=tag)
+        return self._impl.resume(tag=tag, **_given(restore_chunk_state=restore_chunk_state))
+
+    # ---------------------------------------------------------------- chunked allocations
+
+    def pause_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]", indices: Iterable[int]) -> None:
+        """Pause chunks ``indices`` (any iterable of ints >= 0, counted from the start of the
+        allocation) of a chunked allocation (see ``region(chunk_size=...)``): back each one up
+        where the region asked for a backup, then give its device memory back. Chunks already
+        paused are skipped, so chunk calls and :meth:`pause`/:meth:`resume` compose in any order.
+
+        ``tag_or_tensor`` is a tag with exactly one chunked allocation (else an error naming
+        them), or a tensor: the chunked allocation holding ``tensor.data_ptr()`` (a view of it
+        does; indices still count chunks of the whole allocation). An index past the last chunk
+        raises :class:`InvalidArgumentError` and pauses nothing.
+
+        A paused chunk must not be touched: a kernel reading or writing it faults like any
+        paused memory, with an illegal-address CUDA error that poisons the CUDA context (every
+        later CUDA call of the process fails). Keeping kernels and CUDA graphs off paused chunks
+        is the caller's job."""
+        self._ensure_initialized()
+        return self._impl.pause_chunks(tag_or_tensor, indices)
+
+    def resume_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]", indices: Iterable[int]) -> None:
+        """Resume chunks ``indices`` of a chunked allocation (arguments as :meth:`pause_chunks`)
+        at the same addresses, restoring their backups (without one their contents are
+        undefined). Chunks already active are skipped. On out of memory raises
+        :class:`OutOfMemoryError` naming the chunks, and every chunk it was to resume stays
+        paused with its backup: free memory and call again."""
+        self._ensure_initialized()
+        return self._impl.resume_chunks(tag_or_tensor, indices)
+
+    def pause_range(self, tensor: "torch.Tensor", start: int, end: int) -> range:
+        """Pause the chunks lying wholly inside bytes ``[start, end)`` of ``tensor`` (offsets
+        from ``tensor.data_ptr()``; ``0 <= start <= end <=`` the tensor's size in bytes, and
+        ``tensor`` contiguous, else :class:`InvalidArgumentError`). The range is rounded
+        *inward* to whole chunks: a chunk only partly inside it stays active, so bytes of the
+        range may stay mapped but no byte outside it is paused. Returns the chunk indices acted
+        on (of the allocation holding ``tensor``), ``range(first, first + count)``, empty when
+        no whole chunk lies inside. As with :meth:`pause_chunks`, a kernel touching a paused
+        chunk faults (an illegal-address CUDA error that poisons the context)."""
+        self._ensure_initialized()
+        return self._impl.pause_range(tensor, start, end)
+
+    def resume_range(self, tensor: "torch.Tensor", start: int, end: int) -> range:
+        """Resume the chunks lying wholly inside bytes ``[start, end)`` of ``tensor``, rounded
+        inward as :meth:`pause_range` does (so the same arguments resume what it paused).
+        Returns the chunk indices acted on, ``range(first, first + count)``."""
+        self._ensure_initialized()
+        return self._impl.resume_range(tensor, start, end)
+
+    def get_num_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]") -> int:
+        """The number of chunks of a chunked allocation (a tag with exactly one, or the
+        allocation holding a tensor). A tag without one raises :class:`NotFoundError`, a
+        non-chunked tensor :class:`InvalidArgumentError`."""
+        self._ensure_initialized()
+        return self._impl.get_num_chunks(tag_or_tensor)
+
+    def get_chunk_states(self, tag_or_tensor: "Union[str, torch.Tensor]") -> "list[bool]":
+        """Each chunk's state of a chunked allocation (as :meth:`get_num_chunks`), in order:
+        True while it is active (mapped), False while it is paused."""
+        self._ensure_initialized()
+        return self._impl.get_chunk_states(tag_or_tensor)
+
+    def get_chunk_layout(self, tag_or_tensor: "Union[str, torch.Tensor]") -> "list[tuple[int, int]]":
+        """Each chunk of a chunked allocation (as :meth:`get_num_chunks`) as ``(offset, size)``
+        in bytes, the offset from the start of the allocation (for a tensor, the allocation
+        holding it, which may start before ``tensor.data_ptr()``)."""
+        self._ensure_initialized()
+        return self._impl.get_chunk_layout(tag_or_tensor)
 
     # ---------------------------------------------------------------- backups and stats
 
@@ -225,13 +321,16 @@ class TorchMemorySaver:
         return self._impl.get_cpu_backup(x)
 
     def stats(self) -> dict:
-        """Per-tag statistics: allocations, bytes active/paused, host backup bytes (and how many
-        of them are page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part
-        of a resume spent releasing host memory)."""
+        """Per-tag statistics: allocations (``active_allocations``, ``paused_allocations``, and
+        ``partial_allocations``: chunked ones with some chunks paused), bytes active/paused
+        (chunk by chunk), host backup bytes (and how many of them are page-locked), and the last
+        pause/resume (seconds, bytes, GiB/s, and the part of a resume spent releasing host
+        memory)."""
         self._ensure_initialized()
         return self._impl.stats()
 
     def summary(self) -> str:
-        """The statistics as a readable table."""
+        """The statistics as a readable table (with a ``partial`` column while some chunked
+        allocation has chunks of both states)."""
         self._ensure_initialized()
         return self._impl.summary()

@@ -7,13 +7,23 @@ import contextlib
 import ctypes
 import json
 import logging
+import operator
 import os
+import re
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from .binary_wrapper import BinaryWrapper
-from .errors import InvalidArgumentError, InvalidStateError, LibraryNotFoundError, UnsupportedError
+from .errors import (
+    InternalError,
+    InvalidArgumentError,
+    InvalidStateError,
+    LibraryNotFoundError,
+    TorchMemorySaverError,
+    UnsupportedError,
+    error_for_status,
+)
 from .hooks import HookUtilBase
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -60,6 +70,71 @@ def _check_disk(enable_cpu_backup: bool, enable_disk_backup: Any) -> bool:
             "contents in one place)"
         )
     return disk
+
+
+_U64_MAX = (1 << 64) - 1
+
+# The library's message for an allocation whose size is not a multiple of its region's chunk size.
+_CHUNK_MISFIT = re.compile(r"chunk size (\d+) bytes: the size \((\d+) bytes\) must be a multiple of it")
+
+
+def _int(what: str, v: Any) -> int:
+    """``v`` as an int (anything with ``__index__`` but a bool), else TypeError naming ``what``."""
+    if isinstance(v, bool):
+        raise TypeError(f"{what} must be an int, not bool ({v!r})")
+    try:
+        return operator.index(v)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(v).__name__} ({v!r})") from None
+
+
+def _check_chunk_size(chunk_size: Any) -> int:
+    """A region's chunk size in bytes (None: 0, not chunked). Whether it is a multiple of the
+    device's granularity is the library's to say (it knows the granularity)."""
+    if chunk_size is None:
+        return 0
+    try:
+        n = _int("chunk_size", chunk_size)
+    except TypeError as e:
+        raise InvalidArgumentError(f"{e} (bytes, a multiple of the device's allocation granularity)") from None
+    if n < 0 or n > _U64_MAX:
+        raise InvalidArgumentError(
+            f"chunk_size must be 0 (not chunked) or a positive multiple of the device's allocation "
+            f"granularity, not {n}"
+        )
+    return n
+
+
+def _check_indices(indices: Any) -> list:
+    """Chunk indices: any iterable of ints >= 0."""
+    if isinstance(indices, (str, bytes)):
+        raise TypeError(f"chunk indices must be an iterable of ints, not {type(indices).__name__}")
+    try:
+        it = iter(indices)
+    except TypeError:
+        raise TypeError(f"chunk indices must be an iterable of ints, not {type(indices).__name__}") from None
+    out = []
+    for i in it:
+        v = _int("a chunk index", i)
+        if v < 0 or v > _U64_MAX:
+            raise InvalidArgumentError(f"chunk index {v} is out of range (indices count from 0)")
+        out.append(v)
+    return out
+
+
+def _address(x: Any) -> int:
+    """The device address of a tensor (``x.data_ptr()``)."""
+    data_ptr = getattr(x, "data_ptr", None)
+    if isinstance(x, (bytes, type)) or not callable(data_ptr):
+        raise TypeError(f"expected a tag (str) or a torch.Tensor, not {type(x).__name__}")
+    return int(data_ptr())
+
+
+def _tensor_bytes(t: Any) -> int:
+    """The bytes a contiguous tensor spans from its ``data_ptr()``."""
+    if not t.is_contiguous():
+        raise InvalidArgumentError("a byte range of a tensor needs a contiguous tensor")
+    return t.numel() * t.element_size()
 
 
 def _torch_if_cuda() -> Any:
@@ -257,23 +332,55 @@ class _TorchMemorySaverImpl:
         backup: bool,
         backend: Optional[str],
         disk: bool = False,
+        chunk: int = 0,
     ):
         lib.check(lib.tms_region_enter(int(enabled), _enc(tag), int(backup), _enc(backend)))
         try:
             if disk:
                 lib.check(lib.tms_set_enable_disk_backup(1))
+            if chunk:
+                lib.check(lib.tms_set_chunk_size(chunk))  # names the granularity where it does not fit
             yield
         finally:
             lib.check(lib.tms_region_exit())
 
-    def _pool(self, kind: str, tag: str, backup: Any, backend: Optional[str], device: int) -> Any:
-        """The MemPool of (kind, tag, backup, backend, device), made on first use. Its allocator
-        is the hook mode's: libtms.so in torch mode; PyTorch's own (cudaMalloc, which the
-        preloaded library serves while the region's flags are on) in preload mode."""
+    @contextlib.contextmanager
+    def _chunk_misfits(self, lib: BinaryWrapper, chunk: int) -> Iterator[None]:
+        """Inside a region with a chunk size: an error PyTorch raised for an allocation the
+        library refused because its size is not a multiple of the chunk size (torch's
+        OutOfMemoryError in torch mode, its CUDA error in preload mode) becomes our
+        :class:`InvalidArgumentError` with the library's message, chained from torch's. Only
+        when this thread's last library error is that refusal, set inside this block (it was
+        not the last error at entry) and for this chunk size; any other exception passes
+        through unchanged."""
+        if not chunk:
+            yield
+            return
+        before = lib.last_error()
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, TorchMemorySaverError):
+                raise
+            msg = lib.last_error()
+            m = _CHUNK_MISFIT.search(msg)
+            if msg == before or m is None or int(m.group(1)) != chunk:
+                raise
+            raise InvalidArgumentError(
+                f"{msg} (inside a region with chunk_size={chunk}, allocate only tensors whose size in bytes "
+                "is a multiple of it)",
+                3,
+            ) from e
+
+    def _pool(self, kind: str, tag: str, backup: Any, backend: Optional[str], device: int, chunk: int = 0) -> Any:
+        """The MemPool of (kind, tag, backup, backend, chunk size, device), made on first use, so
+        that cached blocks never cross backup settings or chunk layouts. Its allocator is the
+        hook mode's: libtms.so in torch mode; PyTorch's own (cudaMalloc, which the preloaded
+        library serves while the region's flags are on) in preload mode."""
         import torch
 
         with self._lock:
-            key = (self.hook_mode, kind, tag, backup, backend, device)
+            key = (self.hook_mode, kind, tag, backup, backend, chunk, device)
             pool = self._pools.get(key)
             if pool is None:
                 allocator = self._hook_util.get_allocator()
@@ -322,25 +429,28 @@ class _TorchMemorySaverImpl:
         enable_cpu_backup: Any = False,
         cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Any = False,
+        chunk_size: Any = 0,
     ) -> Iterator[None]:
         """See ``TorchMemorySaver.region``."""
         tag = _check_tag(tag)
         enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
         disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        chunk = _check_chunk_size(chunk_size)
         lib = self._library()
         torch = _torch_if_cuda() if self.hook_mode == "preload" else _require_torch()
         if torch is None:
             # Preload mode without torch (C extensions calling cudaMalloc): the flags suffice.
-            with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
+            with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk), self._chunk_misfits(lib, chunk):
                 yield
             return
         # Each region's tensors live in a pool of their own, so PyTorch never hands a pauseable
-        # block to a tensor made outside the region, nor a plain cached block to one inside it.
+        # block to a tensor made outside the region, nor a plain cached block to one inside it,
+        # nor a block of one chunk layout to another.
         backup = "disk" if disk else enable_cpu_backup
-        pool = self._pool("region", tag, backup, backend, torch.cuda.current_device())
-        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
-            with self._routed(torch, pool):
+        pool = self._pool("region", tag, backup, backend, torch.cuda.current_device(), chunk)
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
+            with self._routed(torch, pool), self._chunk_misfits(lib, chunk):
                 yield
 
     @contextlib.contextmanager
@@ -372,6 +482,7 @@ class _TorchMemorySaverImpl:
         enable_cpu_backup: Any = False,
         cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Any = False,
+        chunk_size: Any = 0,
     ) -> Iterator[None]:
         """See ``TorchMemorySaver.cuda_graph``."""
         import torch
@@ -380,39 +491,158 @@ class _TorchMemorySaverImpl:
         enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
         disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        chunk = _check_chunk_size(chunk_size)
         lib = self._library()
         if self.hook_mode == "torch" and pool is None:
             device = torch.cuda.current_device()
             backup = "disk" if disk else enable_cpu_backup
-            pool = self._pool("graph", tag, backup, backend, device).id
-        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
+            pool = self._pool("graph", tag, backup, backend, device, chunk).id
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
             _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
             try:
-                with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+                with self._chunk_misfits(lib, chunk), torch.cuda.graph(
+                    cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
+                ):
                     yield
             finally:
                 _routing.leave(torch)
 
     # ---------------------------------------------------------------- pause / resume
 
-    def pause(self, tag: Optional[str] = None) -> None:
+    def pause(self, tag: Optional[str] = None, save_chunk_state: Any = False) -> None:
         """Give back the device memory of ``tag`` (every tag if None), backing up contents where
-        the region asked for it. Pausing what is paused does nothing."""
+        the region asked for it. Pausing what is paused does nothing. See
+        ``TorchMemorySaver.pause`` for ``save_chunk_state``."""
         tag = _check_tag(tag, optional=True)
         lib = self._library()
         t0 = time.perf_counter()
-        lib.check(lib.tms_pause(_enc(tag)))
+        if save_chunk_state:
+            lib.check(lib.tms_pause_ex(_enc(tag), 1))
+        else:
+            lib.check(lib.tms_pause(_enc(tag)))
         logger.info("paused %s in %.3f s", "all tags" if tag is None else f"tag {tag!r}", time.perf_counter() - t0)
 
-    def resume(self, tag: Optional[str] = None) -> None:
+    def resume(self, tag: Optional[str] = None, restore_chunk_state: Any = False) -> None:
         """Take device memory back for ``tag`` (every tag if None), at the same addresses, and
         restore backups. On out of memory raises :class:`OutOfMemoryError` and the tag stays
-        paused with its backups: free memory and call again."""
+        paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
+        for ``restore_chunk_state``."""
         tag = _check_tag(tag, optional=True)
         lib = self._library()
         t0 = time.perf_counter()
-        lib.check(lib.tms_resume(_enc(tag)))
+        if restore_chunk_state:
+            lib.check(lib.tms_resume_ex(_enc(tag), 1))
+        else:
+            lib.check(lib.tms_resume(_enc(tag)))
         logger.info("resumed %s in %.3f s", "all tags" if tag is None else f"tag {tag!r}", time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------- chunked allocations
+
+    def _chunks(self, target: Any, indices: Any, pause: bool) -> None:
+        if isinstance(target, str):
+            tag = _check_tag(target)
+            idx = _check_indices(indices)
+            lib = self._library()
+            fn = lib.tms_pause_chunks if pause else lib.tms_resume_chunks
+            lib.check(fn(_enc(tag), (ctypes.c_size_t * len(idx))(*idx), len(idx)))
+            what = f"tag {tag!r}"
+        else:
+            addr = _address(target)
+            idx = _check_indices(indices)
+            lib = self._library()
+            lib.check(lib.tms_chunks_at(addr, int(pause), (ctypes.c_uint64 * len(idx))(*idx), len(idx)))
+            what = f"the allocation at {addr:#x}"
+        logger.info("%s %d chunks of %s", "paused" if pause else "resumed", len(idx), what)
+
+    def pause_chunks(self, tag_or_tensor: Any, indices: Iterable[int]) -> None:
+        """See ``TorchMemorySaver.pause_chunks``."""
+        self._chunks(tag_or_tensor, indices, True)
+
+    def resume_chunks(self, tag_or_tensor: Any, indices: Iterable[int]) -> None:
+        """See ``TorchMemorySaver.resume_chunks``."""
+        self._chunks(tag_or_tensor, indices, False)
+
+    def _range(self, tensor: Any, start: Any, end: Any, pause: bool) -> range:
+        addr = _address(tensor)
+        start, end = _int("start", start), _int("end", end)
+        nbytes = _tensor_bytes(tensor)
+        if not 0 <= start <= end <= nbytes:
+            raise InvalidArgumentError(
+                f"byte range [{start}, {end}) is not inside the tensor's {nbytes} bytes "
+                f"(0 <= start <= end <= {nbytes})"
+            )
+        lib = self._library()
+        if start == end:
+            lib.check(lib.tms_chunks_of(addr, None, None, None))  # still refuses a non-chunked tensor
+            return range(0)
+        first, count = ctypes.c_uint64(0), ctypes.c_uint64(0)
+        lib.check(lib.tms_range(addr + start, end - start, int(pause), ctypes.byref(first), ctypes.byref(count)))
+        done = range(first.value, first.value + count.value)
+        logger.info("%s chunks %s of the allocation holding %#x", "paused" if pause else "resumed", done, addr)
+        return done
+
+    def pause_range(self, tensor: Any, start: int, end: int) -> range:
+        """See ``TorchMemorySaver.pause_range``."""
+        return self._range(tensor, start, end, True)
+
+    def resume_range(self, tensor: Any, start: int, end: int) -> range:
+        """See ``TorchMemorySaver.resume_range``."""
+        return self._range(tensor, start, end, False)
+
+    def _tag_failure(self, lib: BinaryWrapper, tag: bytes) -> TorchMemorySaverError:
+        """The error of a failed by-tag chunk query that reports no status: its message, and the
+        status of the same lookup through ``tms_get_chunk_layout`` (which fails the same way)."""
+        msg = lib.last_error()
+        status = lib.tms_get_chunk_layout(tag, None, None, 0)
+        return error_for_status(status, msg) if status else InternalError(msg or "chunk query failed")
+
+    def _chunks_of(self, lib: BinaryWrapper, addr: int) -> tuple:
+        start, chunk, count = ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_uint64(0)
+        lib.check(lib.tms_chunks_of(addr, ctypes.byref(start), ctypes.byref(chunk), ctypes.byref(count)))
+        return start.value, chunk.value, count.value
+
+    def _tag_count(self, lib: BinaryWrapper, tag: bytes) -> int:
+        n = lib.tms_get_num_chunks_for_tag(tag)
+        if not n:
+            raise self._tag_failure(lib, tag)
+        return n
+
+    def get_num_chunks(self, tag_or_tensor: Any) -> int:
+        """See ``TorchMemorySaver.get_num_chunks``."""
+        lib = self._library()
+        if isinstance(tag_or_tensor, str):
+            return self._tag_count(lib, _enc(_check_tag(tag_or_tensor)))
+        return self._chunks_of(lib, _address(tag_or_tensor))[2]
+
+    def get_chunk_states(self, tag_or_tensor: Any) -> list:
+        """See ``TorchMemorySaver.get_chunk_states``."""
+        if isinstance(tag_or_tensor, str):
+            tag = _enc(_check_tag(tag_or_tensor))
+            lib = self._library()
+            n = self._tag_count(lib, tag)
+            out = (ctypes.c_uint8 * n)()
+            if not lib.tms_get_chunk_states(tag, out, n):
+                raise self._tag_failure(lib, tag)
+        else:
+            addr = _address(tag_or_tensor)
+            lib = self._library()
+            n = self._chunks_of(lib, addr)[2]
+            out = (ctypes.c_uint8 * n)()
+            lib.check(lib.tms_chunk_states_at(addr, out, n))
+        return [bool(v) for v in out]
+
+    def get_chunk_layout(self, tag_or_tensor: Any) -> list:
+        """See ``TorchMemorySaver.get_chunk_layout``."""
+        if isinstance(tag_or_tensor, str):
+            tag = _enc(_check_tag(tag_or_tensor))
+            lib = self._library()
+            n = self._tag_count(lib, tag)
+            offsets, sizes = (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)()
+            lib.check(lib.tms_get_chunk_layout(tag, offsets, sizes, n))
+            return list(zip(offsets, sizes))
+        addr = _address(tag_or_tensor)
+        _, chunk, n = self._chunks_of(self._library(), addr)
+        return [(i * chunk, chunk) for i in range(n)]
 
     # ---------------------------------------------------------------- backups and stats
 
@@ -451,9 +681,10 @@ class _TorchMemorySaverImpl:
         return torch.frombuffer(buf, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
 
     def stats(self) -> dict:
-        """Per-tag statistics: allocations, bytes active/paused, host backup bytes (and how many
-        of them are page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part
-        of a resume spent releasing host memory)."""
+        """Per-tag statistics: allocations (active, paused, and chunked ones with some chunks
+        paused: ``partial_allocations``), bytes active/paused (counting chunks), host backup
+        bytes (and how many of them are page-locked), and the last pause/resume (seconds, bytes,
+        GiB/s, and the part of a resume spent releasing host memory)."""
         lib = self._library()
         return json.loads(lib.call_string(lib.tms_stats_json))
 
@@ -461,19 +692,23 @@ class _TorchMemorySaverImpl:
         """The statistics as a readable table."""
         s = self.stats()
         gib = float(1 << 30)
+        # A column of chunked allocations with some chunks paused, where there are any.
+        partial = any(t.get("partial_allocations", 0) for t in s["tags"])
+        partial_head = f"{'partial':>7} " if partial else ""
         lines = [
             f"torch-memory-saver ({s['backend']}): retain_cpu_backup={s['retain_cpu_backup']}, "
             f"memory_margin_bytes={s['memory_margin_bytes']}",
-            f"{'tag':<16} {'allocs':>6} {'paused':>6} {'active GiB':>11} {'paused GiB':>11} {'host GiB':>9} "
-            f"{'disk GiB':>9} {'last pause':>18} {'last resume':>18}",
+            f"{'tag':<16} {'allocs':>6} {'paused':>6} {partial_head}{'active GiB':>11} "
+            f"{'paused GiB':>11} {'host GiB':>9} {'disk GiB':>9} {'last pause':>18} {'last resume':>18}",
         ]
 
         def op(o: Optional[dict]) -> str:
             return "-" if not o else f"{o['seconds']:.3f}s {o['gib_per_s']:.1f}GiB/s"
 
         for t in s["tags"]:
+            part = f"{t.get('partial_allocations', 0):>7} " if partial else ""
             lines.append(
-                f"{t['tag']:<16} {t['allocations']:>6} {t['paused_allocations']:>6} "
+                f"{t['tag']:<16} {t['allocations']:>6} {t['paused_allocations']:>6} {part}"
                 f"{t['bytes_active'] / gib:>11.3f} {t['bytes_paused'] / gib:>11.3f} "
                 f"{t['host_backup_bytes'] / gib:>9.3f} {t.get('disk_backup_bytes', 0) / gib:>9.3f} "
                 f"{op(t['last_pause']):>18} {op(t['last_resume']):>18}"
