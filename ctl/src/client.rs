@@ -567,6 +567,7 @@ impl Client {
                 pid: 0,
                 software: String::new(),
                 backend: None,
+                features: Vec::new(),
             },
         };
         let hello = Hello {
@@ -574,6 +575,7 @@ impl Client {
             pid: std::process::id(),
             software: concat!("tmsctl ", env!("CARGO_PKG_VERSION")).to_string(),
             backend: None,
+            features: Vec::new(),
         };
         match c.exchange(&Request::Hello(hello))? {
             Reply::Error(e) if e.kind == ErrorKind::Busy => return Ok(Attempt::Busy(e.message)),

@@ -739,13 +739,27 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         status: status(&mut c)?,
         done: None,
     }];
-    let d = op(&mut c, Request::Pause { tag: tag.clone() })?;
+    let d = op(
+        &mut c,
+        Request::Pause {
+            tag: tag.clone(),
+            chunks: None,
+            chunk_state: false,
+        },
+    )?;
     rows.push(Row {
         step: "paused",
         status: status(&mut c)?,
         done: Some(d),
     });
-    let d = op(&mut c, Request::Resume { tag: tag.clone() })?;
+    let d = op(
+        &mut c,
+        Request::Resume {
+            tag: tag.clone(),
+            chunks: None,
+            chunk_state: false,
+        },
+    )?;
     rows.push(Row {
         step: "resumed",
         status: status(&mut c)?,

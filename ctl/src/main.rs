@@ -400,7 +400,7 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
 
 fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
     let asked = match &req {
-        Request::Pause { tag } | Request::Resume { tag } => tag.clone(),
+        Request::Pause { tag, .. } | Request::Resume { tag, .. } => tag.clone(),
         _ => None,
     };
     ctx.fan_out(sel, |c| {
@@ -454,8 +454,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 output::status(&s, &client::command_line(c.pid())),
             ))
         }),
-        Cmd::Pause { sel, tag } => op(&ctx, &sel, Request::Pause { tag }),
-        Cmd::Resume { sel, tag } => op(&ctx, &sel, Request::Resume { tag }),
+        Cmd::Pause { sel, tag } => op(
+            &ctx,
+            &sel,
+            Request::Pause {
+                tag,
+                chunks: None,
+                chunk_state: false,
+            },
+        ),
+        Cmd::Resume { sel, tag } => op(
+            &ctx,
+            &sel,
+            Request::Resume {
+                tag,
+                chunks: None,
+                chunk_state: false,
+            },
+        ),
         Cmd::Region {
             sel,
             enable,

@@ -27,6 +27,13 @@
 //! [`PROTOCOL_VERSION`] changes when a message changes incompatibly. The hello is the one
 //! message every version must keep decodable: it ignores fields it does not know, so a client
 //! of another version still gets a clean [`ErrorKind::VersionMismatch`] reply.
+//!
+//! Additions that old peers can live with keep the version: a new reply field has a default
+//! (an old server's reply still decodes), and a new request or request field is refused by an
+//! old server as a bad request (requests deny fields they do not know), never half-understood:
+//! an old server never takes a pause of some chunks for a pause of the whole tag. A server says
+//! what it has added in its hello's [`Hello::features`], so a client can tell its user that a
+//! process's library is too old for an operation before asking for it ([`FEATURE_CHUNKS`]).
 
 use std::ffi::OsString;
 use std::fmt;
@@ -43,6 +50,13 @@ pub const MAX_LINE_BYTES: usize = 64 * 1024;
 /// Longest reply line a client accepts, in bytes, not counting the `\n` (a status of a
 /// process with many tags is longer than any request).
 pub const MAX_REPLY_BYTES: usize = 4 * 1024 * 1024;
+
+/// Most chunk indices one request may name (a typo cannot ask for billions).
+pub const MAX_CHUNK_INDICES: usize = 1 << 20;
+
+/// The feature of servers that pause and resume single chunks ([`Request::Pause`]'s `chunks`),
+/// record and restore chunk states (`chunk_state`) and answer [`Request::Chunks`].
+pub const FEATURE_CHUNKS: &str = "chunks";
 
 /// Longest error message a decoder produces (a message may quote part of the input).
 const MAX_MESSAGE_CHARS: usize = 240;
@@ -63,6 +77,60 @@ pub struct Hello {
     /// Server only: the driver the process runs on (`"cuda"` or `"sim"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<String>,
+    /// Server only: what it supports beyond the first release of this protocol version
+    /// ([`FEATURE_CHUNKS`]); absent (empty) from servers that predate features.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
+}
+
+impl Hello {
+    /// True if the peer announced `feature`.
+    pub fn has(&self, feature: &str) -> bool {
+        self.features.iter().any(|f| f == feature)
+    }
+}
+
+/// Chunk indices on the wire: inclusive ranges `[first, last]`, sorted (`[[8,15],[20,20]]` is
+/// chunks 8 to 15 and 20). Ranges rather than single indices, so that a request naming many
+/// chunks still fits a request line ([`MAX_LINE_BYTES`]).
+pub type ChunkRanges = Vec<[u64; 2]>;
+
+/// The ranges of sorted, distinct chunk indices (`[2,3,4,9]` -> `[[2,4],[9,9]]`).
+pub fn chunk_ranges(idx: &[usize]) -> ChunkRanges {
+    let mut out: ChunkRanges = Vec::new();
+    for &i in idx {
+        let i = i as u64;
+        match out.last_mut() {
+            Some(r) if r[1].checked_add(1) == Some(i) => r[1] = i,
+            _ => out.push([i, i]),
+        }
+    }
+    out
+}
+
+/// The chunk indices of `ranges`, sorted, each once (ranges may overlap or come in any order).
+/// At most `limit` indices in all, counted before duplicates go.
+pub fn expand_chunk_ranges(ranges: &[[u64; 2]], limit: usize) -> Result<Vec<usize>, String> {
+    let mut total: u64 = 0;
+    for &[a, b] in ranges {
+        if a > b {
+            return Err(format!("chunk range {a}-{b} runs backwards"));
+        }
+        total = total.saturating_add((b - a).saturating_add(1));
+        if total > limit as u64 {
+            return Err(format!("more than {limit} chunks asked for"));
+        }
+    }
+    let mut out = Vec::with_capacity(total as usize);
+    for &[a, b] in ranges {
+        // Bounded by `limit` above; indices past usize cannot be chunks of anything.
+        let a = usize::try_from(a).map_err(|_| format!("chunk {a} is out of range"))?;
+        let b = usize::try_from(b).map_err(|_| format!("chunk {b} is out of range"))?;
+        out.extend(a..=b);
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
 }
 
 /// Kind of host memory a CPU backup lives in.
@@ -114,19 +182,41 @@ pub enum Request {
     Ping,
     /// Tags, allocations, bytes, device memory; answered by [`Reply::Status`].
     Status,
-    /// Pause the active allocations of `tag` (every tag when absent); answered by
-    /// [`Reply::Done`].
+    /// Pause the active allocations of `tag` (every tag when absent), or some chunks of its
+    /// chunked allocation; answered by [`Reply::Done`].
     Pause {
         /// The tag, or none for every tag.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tag: Option<String>,
+        /// Only these chunks of the tag's one chunked allocation (a tag is needed; an error
+        /// when it has no chunked allocation, or several). Servers with [`FEATURE_CHUNKS`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chunks: Option<ChunkRanges>,
+        /// First record which chunks of each chunked allocation are active, for a resume with
+        /// `chunk_state` (not with `chunks`). Servers with [`FEATURE_CHUNKS`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        chunk_state: bool,
     },
-    /// Resume the paused allocations of `tag` (every tag when absent); answered by
-    /// [`Reply::Done`].
+    /// Resume the paused allocations of `tag` (every tag when absent), or some chunks of its
+    /// chunked allocation; answered by [`Reply::Done`].
     Resume {
         /// The tag, or none for every tag.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         tag: Option<String>,
+        /// Only these chunks of the tag's one chunked allocation, as for [`Request::Pause`].
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        chunks: Option<ChunkRanges>,
+        /// Resume only the chunks a pause with `chunk_state` recorded active (every chunk of
+        /// an allocation without such a record; not with `chunks`). Servers with
+        /// [`FEATURE_CHUNKS`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        chunk_state: bool,
+    },
+    /// The chunks of the one chunked allocation of `tag` and which are active; answered by
+    /// [`Reply::Chunks`]. Servers with [`FEATURE_CHUNKS`].
+    Chunks {
+        /// The tag.
+        tag: String,
     },
     /// The process-wide default region; answered by [`Reply::Region`].
     GetRegion,
@@ -173,11 +263,17 @@ pub struct TagStatus {
     pub active_allocations: u64,
     /// Of those, paused.
     pub paused_allocations: u64,
+    /// Of those, chunked allocations with some chunks active and the others paused (neither
+    /// active nor paused above). Absent (0) from servers that predate chunks.
+    #[serde(default)]
+    pub partial_allocations: u64,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
-    /// Mapped bytes of active allocations (device memory held).
+    /// Mapped bytes of active allocations and of the active chunks of partial ones (device
+    /// memory held).
     pub bytes_active: u64,
-    /// Mapped bytes of paused allocations (device memory given back).
+    /// Mapped bytes of paused allocations and of the paused chunks of partial ones (device
+    /// memory given back).
     pub bytes_paused: u64,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
@@ -270,6 +366,9 @@ pub struct OpDone {
     /// The tag, or none for every tag.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tag: Option<String>,
+    /// The chunks asked for, when the request named some (as it gave them, normalised).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<ChunkRanges>,
     /// Allocations that changed state.
     pub allocations: u64,
     /// Device bytes released (pause) or re-taken (resume).
@@ -282,6 +381,49 @@ pub struct OpDone {
     /// perhaps). Absent (false) otherwise, and from servers that predate it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unknown_tag: bool,
+}
+
+/// The chunks of one chunked allocation and their states.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkStatus {
+    /// The tag.
+    pub tag: String,
+    /// Start address of the allocation.
+    pub addr: u64,
+    /// Bytes of each chunk.
+    pub chunk_size: u64,
+    /// Chunks of the allocation.
+    pub count: u64,
+    /// One character per chunk, in order: `1` active (mapped, its contents on the device), `0`
+    /// paused. A character rather than a list entry each, so that a reply about half a million
+    /// chunks takes half a megabyte.
+    pub states: String,
+}
+
+impl ChunkStatus {
+    /// `states` from one flag per chunk (true: active).
+    pub fn states_of(active: &[bool]) -> String {
+        active.iter().map(|a| if *a { '1' } else { '0' }).collect()
+    }
+
+    /// Indices of the active chunks.
+    pub fn active(&self) -> Vec<usize> {
+        self.with_state(b'1')
+    }
+
+    /// Indices of the paused chunks.
+    pub fn paused(&self) -> Vec<usize> {
+        self.with_state(b'0')
+    }
+
+    fn with_state(&self, c: u8) -> Vec<usize> {
+        self.states
+            .bytes()
+            .enumerate()
+            .filter(|(_, s)| *s == c)
+            .map(|(i, _)| i)
+            .collect()
+    }
 }
 
 /// What kind of failure an error reply reports.
@@ -368,6 +510,8 @@ pub enum Reply {
     Done(OpDone),
     /// Answer to [`Request::GetRegion`] and [`Request::SetRegion`].
     Region(RegionInfo),
+    /// Answer to [`Request::Chunks`].
+    Chunks(ChunkStatus),
     /// The request failed.
     Error(ErrorReply),
 }

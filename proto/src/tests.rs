@@ -8,6 +8,15 @@ fn hello() -> Hello {
         pid: 42,
         software: "tmsctl 0.1.0".into(),
         backend: None,
+        features: Vec::new(),
+    }
+}
+
+fn pause(tag: Option<&str>) -> Request {
+    Request::Pause {
+        tag: tag.map(str::to_string),
+        chunks: None,
+        chunk_state: false,
     }
 }
 
@@ -19,12 +28,34 @@ fn requests_have_the_documented_shape() {
         "{\"op\":\"hello\",\"protocol\":1,\"pid\":42,\"software\":\"tmsctl 0.1.0\"}\n"
     );
     assert_eq!(line(&Request::Ping), "{\"op\":\"ping\"}\n");
-    assert_eq!(line(&Request::Pause { tag: None }), "{\"op\":\"pause\"}\n");
+    assert_eq!(line(&pause(None)), "{\"op\":\"pause\"}\n");
     assert_eq!(
         line(&Request::Resume {
-            tag: Some("kv".into())
+            tag: Some("kv".into()),
+            chunks: None,
+            chunk_state: false,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\"}\n"
+    );
+    assert_eq!(
+        line(&Request::Pause {
+            tag: Some("kv".into()),
+            chunks: Some(vec![[8, 15], [20, 20]]),
+            chunk_state: false,
+        }),
+        "{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[[8,15],[20,20]]}\n"
+    );
+    assert_eq!(
+        line(&Request::Resume {
+            tag: None,
+            chunks: None,
+            chunk_state: true,
+        }),
+        "{\"op\":\"resume\",\"chunk_state\":true}\n"
+    );
+    assert_eq!(
+        line(&Request::Chunks { tag: "kv".into() }),
+        "{\"op\":\"chunks\",\"tag\":\"kv\"}\n"
     );
     assert_eq!(
         line(&Request::SetRegion(RegionUpdate {
@@ -48,14 +79,14 @@ fn decoder_accepts_requests_with_and_without_newline() {
     }
     assert_eq!(
         decode_request(b"{\"op\":\"pause\",\"tag\":null}"),
-        Ok(Request::Pause { tag: None })
+        Ok(pause(None))
     );
 }
 
 #[test]
 fn hello_of_another_version_still_decodes() {
     // A future client's hello, with fields this version does not know.
-    let r = decode_request(b"{\"op\":\"hello\",\"protocol\":7,\"pid\":1,\"features\":[\"x\"]}");
+    let r = decode_request(b"{\"op\":\"hello\",\"protocol\":7,\"pid\":1,\"future\":[\"x\"]}");
     match r {
         Ok(Request::Hello(h)) => assert_eq!((h.protocol, h.pid, h.software.as_str()), (7, 1, "")),
         other => panic!("{other:?}"),
@@ -80,6 +111,14 @@ fn decoder_rejects_what_is_not_a_request() {
         b"{\"op\":\"set_region\",\"backend\":\"gpu\"}",
         b"{\"op\":\"pause\",\"tag\":\"kv\",\"op\":\"resume\"}",
         b"{\"op\":\"hello\"}",
+        b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":\"8-15\"}",
+        b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[8,15]}",
+        b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[[8,15,16]]}",
+        b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[[-1,2]]}",
+        b"{\"op\":\"resume\",\"chunk_state\":1}",
+        b"{\"op\":\"chunks\"}",
+        b"{\"op\":\"chunks\",\"tag\":null}",
+        b"{\"op\":\"chunks\",\"tag\":\"kv\",\"chunks\":[[0,1]]}",
         b"\xff\xfe{}",
         b"{\"op\":\"pause\",\"tag\":\"\xff\"}",
     ];
@@ -212,11 +251,19 @@ fn replies_round_trip() {
         Reply::Done(OpDone {
             op: Op::Pause,
             tag: Some("kv".into()),
+            chunks: Some(vec![[1, 2]]),
             allocations: 1,
             bytes: 2 << 20,
             copied_bytes: 0,
             seconds: 0.25,
             unknown_tag: false,
+        }),
+        Reply::Chunks(ChunkStatus {
+            tag: "kv".into(),
+            addr: 0x7f00_0000_0000,
+            chunk_size: 2 << 20,
+            count: 4,
+            states: "1001".into(),
         }),
         Reply::error(ErrorKind::OutOfMemory, "out of memory: resume"),
     ];
@@ -311,6 +358,13 @@ fn arb_tag() -> impl Strategy<Value = Option<String>> {
     prop::option::of("\\PC{0,24}")
 }
 
+fn arb_chunks() -> impl Strategy<Value = Option<ChunkRanges>> {
+    prop::option::of(prop::collection::vec(
+        (any::<u64>(), any::<u64>()).prop_map(|(a, b)| [a.min(b), a.max(b)]),
+        0..6,
+    ))
+}
+
 fn arb_request() -> impl Strategy<Value = Request> {
     prop_oneof![
         (any::<u32>(), any::<u32>(), "\\PC{0,16}").prop_map(|(protocol, pid, software)| {
@@ -319,13 +373,27 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 pid,
                 software,
                 backend: None,
+                features: Vec::new(),
             })
         }),
         Just(Request::Ping),
         Just(Request::Status),
         Just(Request::GetRegion),
-        arb_tag().prop_map(|tag| Request::Pause { tag }),
-        arb_tag().prop_map(|tag| Request::Resume { tag }),
+        (arb_tag(), arb_chunks(), any::<bool>()).prop_map(|(tag, chunks, chunk_state)| {
+            Request::Pause {
+                tag,
+                chunks,
+                chunk_state,
+            }
+        }),
+        (arb_tag(), arb_chunks(), any::<bool>()).prop_map(|(tag, chunks, chunk_state)| {
+            Request::Resume {
+                tag,
+                chunks,
+                chunk_state,
+            }
+        }),
+        "\\PC{0,24}".prop_map(|tag| Request::Chunks { tag }),
         (
             prop::option::of(any::<bool>()),
             arb_tag(),
@@ -470,4 +538,165 @@ fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
         let e = parse_ranges(bad, 100).unwrap_err();
         assert!(e.contains(why), "{bad:?}: {e}");
     }
+}
+
+#[test]
+fn requests_of_older_clients_still_parse() {
+    // Before chunks: no `chunks`, no `chunk_state`.
+    for (l, want) in [
+        (&b"{\"op\":\"pause\"}"[..], pause(None)),
+        (b"{\"op\":\"pause\",\"tag\":\"kv\"}", pause(Some("kv"))),
+        (
+            b"{\"op\":\"resume\",\"tag\":\"kv\"}",
+            Request::Resume {
+                tag: Some("kv".into()),
+                chunks: None,
+                chunk_state: false,
+            },
+        ),
+        (
+            b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":null,\"chunk_state\":false}",
+            pause(Some("kv")),
+        ),
+    ] {
+        assert_eq!(
+            decode_request(l),
+            Ok(want),
+            "{}",
+            String::from_utf8_lossy(l)
+        );
+    }
+    assert_eq!(
+        decode_request(b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[[0,3],[9,9]]}"),
+        Ok(Request::Pause {
+            tag: Some("kv".into()),
+            chunks: Some(vec![[0, 3], [9, 9]]),
+            chunk_state: false,
+        })
+    );
+}
+
+#[test]
+fn replies_of_older_servers_still_decode() {
+    // A hello without features, a tag status without partial allocations, a done without
+    // chunks: what servers that predate chunks send.
+    let r = decode_reply(
+        b"{\"reply\":\"hello\",\"protocol\":1,\"pid\":9,\"software\":\"libtms 0.1.0\",\
+          \"backend\":\"sim\"}",
+    );
+    let Ok(Reply::Hello(h)) = r else {
+        panic!("{r:?}")
+    };
+    assert!(h.features.is_empty() && !h.has(FEATURE_CHUNKS));
+    let r = decode_reply(
+        b"{\"reply\":\"status\",\"pid\":9,\"backend\":\"sim\",\"retain_cpu_backup\":false,\
+          \"memory_margin_bytes\":0,\"devices\":[],\"tags\":[{\"tag\":\"kv\",\"allocations\":1,\
+          \"active_allocations\":1,\"paused_allocations\":0,\"bytes_requested\":1,\
+          \"bytes_active\":2097152,\"bytes_paused\":0,\"host_backup_bytes\":0}]}",
+    );
+    let Ok(Reply::Status(s)) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(s.tags[0].partial_allocations, 0);
+    let r = decode_reply(
+        b"{\"reply\":\"done\",\"op\":\"pause\",\"allocations\":1,\"bytes\":2,\"copied_bytes\":0,\
+          \"seconds\":0.5}",
+    );
+    let Ok(Reply::Done(d)) = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(d.chunks, None);
+    // And this version's hello, read by an older client that knows no features, keeps its
+    // other fields: features are only added.
+    let mine = Hello {
+        features: vec![FEATURE_CHUNKS.into()],
+        backend: Some("sim".into()),
+        ..hello()
+    };
+    let line = String::from_utf8(encode(&Reply::Hello(mine.clone()))).unwrap();
+    assert!(line.contains("\"features\":[\"chunks\"]"), "{line}");
+    assert!(mine.has(FEATURE_CHUNKS));
+    assert_eq!(decode_reply(line.as_bytes()), Ok(Reply::Hello(mine)));
+    // Without features, the hello is what it always was.
+    let plain = String::from_utf8(encode(&Reply::Hello(hello()))).unwrap();
+    assert!(!plain.contains("features"), "{plain}");
+    // partial_allocations is always sent (a count, like the others).
+    let line = String::from_utf8(encode(&TagStatus::default())).unwrap();
+    assert!(line.contains("\"partial_allocations\":0"), "{line}");
+}
+
+#[test]
+fn chunk_ranges_on_the_wire() {
+    assert_eq!(chunk_ranges(&[]), ChunkRanges::new());
+    assert_eq!(chunk_ranges(&[2, 3, 4, 9]), vec![[2, 4], [9, 9]]);
+    assert_eq!(chunk_ranges(&[0, 2, 4]), vec![[0, 0], [2, 2], [4, 4]]);
+    for idx in [
+        vec![],
+        vec![0],
+        vec![1, 2, 3, 7, 8, 100],
+        (0..1000).collect(),
+    ] {
+        assert_eq!(
+            expand_chunk_ranges(&chunk_ranges(&idx), MAX_CHUNK_INDICES),
+            Ok(idx)
+        );
+    }
+    // Any order, overlaps: sorted, each once.
+    assert_eq!(
+        expand_chunk_ranges(&[[9, 9], [2, 4], [3, 5]], 100),
+        Ok(vec![2, 3, 4, 5, 9])
+    );
+    // Backwards, too many, too many through overlaps, huge: refused, without expanding.
+    let e = expand_chunk_ranges(&[[5, 2]], 100).unwrap_err();
+    assert!(e.contains("5-2 runs backwards"), "{e}");
+    for bad in [
+        vec![[0, 100]],
+        vec![[0, 60], [0, 60]],
+        vec![[0, u64::MAX]],
+        vec![[u64::MAX, u64::MAX], [0, u64::MAX]],
+    ] {
+        let e = expand_chunk_ranges(&bad, 100).unwrap_err();
+        assert!(e.contains("more than 100 chunks"), "{bad:?}: {e}");
+    }
+    assert_eq!(
+        expand_chunk_ranges(&[[0, 99]], 100).map(|v| v.len()),
+        Ok(100)
+    );
+    // A request naming a million chunks in ranges fits a line.
+    let every_other: Vec<usize> = (0..MAX_CHUNK_INDICES).step_by(2).take(2000).collect();
+    let r = Request::Pause {
+        tag: Some("kv".into()),
+        chunks: Some(chunk_ranges(&every_other)),
+        chunk_state: false,
+    };
+    assert!(encode(&r).len() < MAX_LINE_BYTES);
+    let all = Request::Pause {
+        tag: Some("kv".into()),
+        chunks: Some(vec![[0, MAX_CHUNK_INDICES as u64 - 1]]),
+        chunk_state: false,
+    };
+    assert_eq!(decode_request(&encode(&all)), Ok(all));
+}
+
+#[test]
+fn chunk_status_states() {
+    let s = ChunkStatus {
+        count: 6,
+        states: ChunkStatus::states_of(&[true, false, false, true, true, false]),
+        ..Default::default()
+    };
+    assert_eq!(s.states, "100110");
+    assert_eq!(s.active(), vec![0, 3, 4]);
+    assert_eq!(s.paused(), vec![1, 2, 5]);
+    assert_eq!(format_ranges(&s.paused()), "1-2,5");
+    // Half a million chunks take about half a megabyte.
+    let big = ChunkStatus {
+        tag: "kv".into(),
+        count: 512 << 10,
+        states: ChunkStatus::states_of(&vec![true; 512 << 10]),
+        ..Default::default()
+    };
+    let line = encode(&Reply::Chunks(big.clone()));
+    assert!(line.len() < (512 << 10) + 200, "{}", line.len());
+    assert_eq!(decode_reply(&line), Ok(Reply::Chunks(big)));
 }

@@ -5,16 +5,23 @@
 //! Replies stay within the client's limit ([`MAX_REPLY_BYTES`]) whatever the process holds: a
 //! tag longer than [`MAX_SHOWN_TAG_BYTES`] is shown shortened ([`shown_tag`]), and a status
 //! with more tags than fit lists the first ones and counts the rest ([`Status::tags_omitted`]).
+//!
+//! Chunks (Note [Chunked allocations] in the engine): a pause or resume with `chunks` acts on
+//! those chunks of the tag's one chunked allocation ([`Engine::chunked`]), through the same
+//! [`Engine::pause_pick`] and [`Engine::resume_pick`] as the C ABI's chunk calls; `chunk_state`
+//! is the C ABI's `tms_pause_ex`/`tms_resume_ex` flag. `chunks` lists a chunked allocation's
+//! chunk states, one character each, so that even half a million chunks fit a reply.
 
 use std::collections::BTreeSet;
 
 use tms_proto::{
-    BackupBackend, DeviceMemory, ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply,
-    Request, Status, TagStatus, MAX_REPLY_BYTES,
+    chunk_ranges, expand_chunk_ranges, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory,
+    ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply, Request, Status, TagStatus,
+    MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
 
 use crate::backup::BackupKind;
-use crate::engine::{Engine, OpStats, Stats};
+use crate::engine::{Engine, OpReport, OpStats, Pick, Stats};
 use crate::error::{status, Error, Result};
 use crate::process::settings::RegionSettings;
 
@@ -55,8 +62,17 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             pid: std::process::id(),
         }),
         Request::Status => Ok(Reply::Status(Box::new(status_of(host)))),
-        Request::Pause { tag } => op(host, Op::Pause, tag),
-        Request::Resume { tag } => op(host, Op::Resume, tag),
+        Request::Pause {
+            tag,
+            chunks,
+            chunk_state,
+        } => op(host, Op::Pause, tag, chunks, chunk_state),
+        Request::Resume {
+            tag,
+            chunks,
+            chunk_state,
+        } => op(host, Op::Resume, tag, chunks, chunk_state),
+        Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
             .default_region()
             .map(|r| Reply::Region(region_info(&r))),
@@ -69,23 +85,112 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
     r.unwrap_or_else(|e| error_reply(&e))
 }
 
-fn op(host: &dyn Host, which: Op, tag: Option<String>) -> Result<Reply> {
+fn op(
+    host: &dyn Host,
+    which: Op,
+    tag: Option<String>,
+    chunks: Option<ChunkRanges>,
+    chunk_state: bool,
+) -> Result<Reply> {
     let e = host.engine();
-    let r = match which {
-        Op::Pause => e.pause(tag.as_deref())?,
-        Op::Resume => e.resume(tag.as_deref())?,
+    let run = |pick: &Pick<'_>| match which {
+        Op::Pause => e.pause_pick(pick),
+        Op::Resume => e.resume_pick(pick),
     };
-    // Asked after the operation (which refuses an empty tag), from the engine's record of every
-    // tag ever allocated: a tag of freed allocations is known, a misspelt one is not.
-    let unknown_tag = tag.as_deref().is_some_and(|t| !e.tag_known(t));
-    Ok(Reply::Done(OpDone {
-        op: which,
-        tag,
-        allocations: r.allocations as u64,
-        bytes: r.bytes,
-        copied_bytes: r.copied,
-        seconds: finite(r.seconds),
-        unknown_tag,
+    let done = |r: OpReport, chunks: Option<ChunkRanges>, unknown_tag: bool| {
+        Reply::Done(OpDone {
+            op: which,
+            tag: tag.clone(),
+            chunks,
+            allocations: r.allocations as u64,
+            bytes: r.bytes,
+            copied_bytes: r.copied,
+            seconds: finite(r.seconds),
+            unknown_tag,
+        })
+    };
+    let Some(ranges) = chunks else {
+        let r = run(&Pick {
+            chunk_state,
+            ..Pick::tag(tag.as_deref())
+        })?;
+        // Asked after the operation (which refuses an empty tag), from the engine's record of
+        // every tag ever allocated: a tag of freed allocations is known, a misspelt one is not.
+        let unknown_tag = tag.as_deref().is_some_and(|t| !e.tag_known(t));
+        return Ok(done(r, None, unknown_tag));
+    };
+    let idx = chunk_indices(tag.as_deref(), &ranges, chunk_state)?;
+    let t = tag.as_deref().unwrap_or_default();
+    if !e.tag_known(t) {
+        // As for a whole tag: nothing to act on, and the reply says why (a typo, perhaps).
+        return Ok(done(OpReport::default(), Some(chunk_ranges(&idx)), true));
+    }
+    let ptr = e.chunked(t)?;
+    // The tag too, so that an allocation freed meanwhile and another made at its address are
+    // never taken for each other.
+    let r = run(&Pick {
+        tag: Some(t),
+        ..Pick::chunks(ptr, &idx)
+    })?;
+    Ok(done(r, Some(chunk_ranges(&idx)), false))
+}
+
+/// The chunk indices a pause or resume of `ranges` of `tag` asks for, sorted and each once;
+/// refused without a tag, with `chunk_state`, when empty or more than [`MAX_CHUNK_INDICES`].
+/// Whether the allocation has them is the engine's to say (it names any it lacks).
+fn chunk_indices(tag: Option<&str>, ranges: &[[u64; 2]], chunk_state: bool) -> Result<Vec<usize>> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    let Some(t) = tag else {
+        return bad(
+            "chunks need a tag: they are chunks of the tag's chunked allocation".to_string(),
+        );
+    };
+    if t.is_empty() {
+        return bad("tag must not be empty (no tag means every tag)".to_string());
+    }
+    if chunk_state {
+        return bad(
+            "chunk_state records or restores the chunk states of whole allocations: not \
+             with chunks"
+                .to_string(),
+        );
+    }
+    let idx = expand_chunk_ranges(ranges, MAX_CHUNK_INDICES).map_err(Error::InvalidArgument)?;
+    if idx.is_empty() {
+        return bad("an empty chunk list: name at least one chunk".to_string());
+    }
+    Ok(idx)
+}
+
+/// The chunk states of the one chunked allocation of `tag`.
+fn chunks_of(host: &dyn Host, tag: &str) -> Result<Reply> {
+    let e = host.engine();
+    let ptr = e.chunked(tag).map_err(|err| {
+        if tag.is_empty() || e.tag_known(tag) {
+            err
+        } else {
+            Error::NotFound(format!(
+                "no allocation of this process ever had tag {:?}",
+                shown_tag(tag)
+            ))
+        }
+    })?;
+    let info = e.chunk_info(ptr)?;
+    // One byte a chunk: a reply about more chunks than fit could not be read.
+    let room = MAX_REPLY_BYTES.saturating_sub(MAX_SHOWN_TAG_BYTES * 6 + 4096);
+    if info.active.len() > room {
+        return Err(Error::Unsupported(format!(
+            "allocation {ptr:#x} (tag {:?}) has {} chunks, more than a reply can list ({room})",
+            shown_tag(tag),
+            info.active.len()
+        )));
+    }
+    Ok(Reply::Chunks(ChunkStatus {
+        tag: shown_tag(&info.tag),
+        addr: info.addr,
+        chunk_size: info.chunk,
+        count: info.active.len() as u64,
+        states: ChunkStatus::states_of(&info.active),
     }))
 }
 
@@ -253,6 +358,7 @@ fn full_status(host: &dyn Host) -> Status {
                 allocations: t.allocations as u64,
                 active_allocations: t.active_allocations as u64,
                 paused_allocations: t.paused_allocations as u64,
+                partial_allocations: t.partial_allocations as u64,
                 bytes_requested: t.bytes_requested,
                 bytes_active: t.bytes_active,
                 bytes_paused: t.bytes_paused,

@@ -145,6 +145,25 @@ fn hello(protocol: u32) -> Hello {
         pid: std::process::id(),
         software: "test".into(),
         backend: None,
+        features: Vec::new(),
+    }
+}
+
+/// A pause of a whole tag (every tag if `None`).
+fn pause(tag: Option<String>) -> Request {
+    Request::Pause {
+        tag,
+        chunks: None,
+        chunk_state: false,
+    }
+}
+
+/// A resume of a whole tag (every tag if `None`).
+fn resume(tag: Option<String>) -> Request {
+    Request::Resume {
+        tag,
+        chunks: None,
+        chunk_state: false,
     }
 }
 
@@ -185,9 +204,7 @@ fn every_operation_over_a_connection() {
     assert_eq!(s.devices.len(), 1);
     let free_before = s.devices[0].free_bytes;
 
-    let Reply::Done(d) = c.ask(&Request::Pause {
-        tag: Some("kv".into()),
-    }) else {
+    let Reply::Done(d) = c.ask(&pause(Some("kv".into()))) else {
         panic!()
     };
     assert_eq!((d.op, d.allocations, d.bytes), (Op::Pause, 1, 4 << 20));
@@ -200,11 +217,11 @@ fn every_operation_over_a_connection() {
     assert!(s.tags[0].last_pause.is_some());
 
     // Pausing again is a no-op; resuming every tag brings it back.
-    let Reply::Done(d) = c.ask(&Request::Pause { tag: None }) else {
+    let Reply::Done(d) = c.ask(&pause(None)) else {
         panic!()
     };
     assert_eq!(d.allocations, 0);
-    let Reply::Done(d) = c.ask(&Request::Resume { tag: None }) else {
+    let Reply::Done(d) = c.ask(&resume(None)) else {
         panic!()
     };
     assert_eq!((d.op, d.allocations), (Op::Resume, 1));
@@ -234,9 +251,7 @@ fn every_operation_over_a_connection() {
     assert_eq!(s.default_region.unwrap().tag, "weights");
 
     // Failed operations are replied to and the connection stays open.
-    let r = c.ask(&Request::Pause {
-        tag: Some(String::new()),
-    });
+    let r = c.ask(&pause(Some(String::new())));
     assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
     let r = c.ask(&Request::SetRegion(RegionUpdate {
         cpu_backup: Some(false),
@@ -725,12 +740,7 @@ fn concurrent_pauses_from_several_clients_are_safe() {
             std::thread::spawn(move || {
                 let mut c = Client::greeted(&path);
                 for _ in 0..5 {
-                    for r in [
-                        Request::Pause {
-                            tag: Some("kv".into()),
-                        },
-                        Request::Resume { tag: None },
-                    ] {
+                    for r in [pause(Some("kv".into())), resume(None)] {
                         let reply = c.ask(&r);
                         assert!(matches!(reply, Some(Reply::Done(_))), "{reply:?}");
                     }
@@ -792,27 +802,19 @@ fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
         Reply::Done(d) => d,
         other => panic!("{other:?}"),
     };
-    let d = done(Request::Pause {
-        tag: Some("kv".into()),
-    });
+    let d = done(pause(Some("kv".into())));
     assert_eq!((d.allocations, d.unknown_tag), (1, false));
     // A typo: nothing changes, and the reply says why.
-    let d = done(Request::Pause {
-        tag: Some("kvv".into()),
-    });
+    let d = done(pause(Some("kvv".into())));
     assert_eq!((d.allocations, d.unknown_tag), (0, true));
-    let d = done(Request::Resume {
-        tag: Some("kvv".into()),
-    });
+    let d = done(resume(Some("kvv".into())));
     assert_eq!((d.allocations, d.unknown_tag), (0, true));
     // Every tag: no flag.
-    let d = done(Request::Resume { tag: None });
+    let d = done(resume(None));
     assert_eq!((d.allocations, d.unknown_tag), (1, false));
     // A tag whose allocations are all freed is still one the process had.
     h.engine.free(ptr).unwrap();
-    let d = done(Request::Pause {
-        tag: Some("kv".into()),
-    });
+    let d = done(pause(Some("kv".into())));
     assert_eq!((d.allocations, d.unknown_tag), (0, false));
     // The library's own calls stay quiet successes.
     assert_eq!(h.engine.pause(Some("kvv")).unwrap().allocations, 0);
@@ -828,12 +830,7 @@ fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
         })
         .unwrap();
     assert!(h.engine.tag_known("pool"));
-    assert!(
-        !done(Request::Pause {
-            tag: Some("pool".into())
-        })
-        .unknown_tag
-    );
+    assert!(!done(pause(Some("pool".into()))).unknown_tag);
 }
 
 #[test]
@@ -972,4 +969,360 @@ fn restrictive_umask_child() {
         assert!(fresh_ping(&path) < Duration::from_secs(2));
         std::fs::remove_dir_all(&base).unwrap();
     }
+}
+
+// --- chunked allocations ---------------------------------------------------------------------
+
+/// A chunked allocation of `tag`: 8 MiB in chunks of 2 MiB (the sim's granularity), with a
+/// host backup, and a pattern that differs from chunk to chunk; returns it and the pattern.
+fn chunked(h: &TestHost, tag: &str) -> (u64, Vec<u8>) {
+    let ptr = h
+        .engine
+        .alloc(&AllocRequest {
+            size: 8 << 20,
+            device: 0,
+            tag: tag.into(),
+            backup: Some(BackupKind::Mmap),
+            chunk: 2 << 20,
+        })
+        .unwrap();
+    let data: Vec<u8> = (0..8u64 << 20)
+        .map(|i| (i.wrapping_mul(31) ^ (i >> 21).wrapping_mul(101)) as u8)
+        .collect();
+    h.engine.write_bytes(ptr, &data).unwrap();
+    (ptr, data)
+}
+
+fn chunk_op(which: Op, tag: &str, chunks: &[[u64; 2]]) -> Request {
+    let (tag, chunks) = (Some(tag.to_string()), Some(chunks.to_vec()));
+    match which {
+        Op::Pause => Request::Pause {
+            tag,
+            chunks,
+            chunk_state: false,
+        },
+        Op::Resume => Request::Resume {
+            tag,
+            chunks,
+            chunk_state: false,
+        },
+    }
+}
+
+fn states(c: &mut Conn, tag: &str) -> String {
+    match c.ask(&Request::Chunks { tag: tag.into() }) {
+        Reply::Chunks(s) => s.states,
+        other => panic!("{other:?}"),
+    }
+}
+
+fn done(r: Reply) -> tms_proto::OpDone {
+    match r {
+        Reply::Done(d) => d,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Whole contents back as written (every chunk active).
+fn assert_contents(h: &TestHost, ptr: u64, data: &[u8]) {
+    let mut back = vec![0u8; data.len()];
+    h.engine.read_bytes(ptr, &mut back).unwrap();
+    assert!(back == data, "contents changed");
+}
+
+#[test]
+fn chunks_pause_and_resume_through_the_server() {
+    let h = host();
+    let (ptr, data) = chunked(h, "kv");
+    // The server says it does chunks.
+    let mut c = Conn::open(h, limits());
+    let Reply::Hello(hello) = c.ask(&Request::Hello(hello(PROTOCOL_VERSION))) else {
+        panic!()
+    };
+    assert!(hello.has(tms_proto::FEATURE_CHUNKS), "{hello:?}");
+
+    let Reply::Chunks(s) = c.ask(&Request::Chunks { tag: "kv".into() }) else {
+        panic!()
+    };
+    assert_eq!(
+        s,
+        tms_proto::ChunkStatus {
+            tag: "kv".into(),
+            addr: ptr,
+            chunk_size: 2 << 20,
+            count: 4,
+            states: "1111".into(),
+        }
+    );
+
+    // Chunks 1 and 2 go: half the device memory, their contents to the backup.
+    let Reply::Status(s0) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    let d = done(c.ask(&chunk_op(Op::Pause, "kv", &[[1, 2]])));
+    assert_eq!(
+        (d.op, d.allocations, d.bytes, d.copied_bytes),
+        (Op::Pause, 1, 4 << 20, 4 << 20)
+    );
+    assert_eq!(d.chunks, Some(vec![[1, 2]]));
+    assert_eq!(d.tag.as_deref(), Some("kv"));
+    assert!(!d.unknown_tag);
+    assert_eq!(states(&mut c, "kv"), "1001");
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    let t = &s.tags[0];
+    assert_eq!(
+        (
+            t.allocations,
+            t.active_allocations,
+            t.paused_allocations,
+            t.partial_allocations
+        ),
+        (1, 0, 0, 1)
+    );
+    assert_eq!((t.bytes_active, t.bytes_paused), (4 << 20, 4 << 20));
+    assert_eq!(
+        s.devices[0].free_bytes,
+        s0.devices[0].free_bytes + (4 << 20)
+    );
+    // The active chunks are still there to read, the paused ones are not.
+    let mut first = vec![0u8; 2 << 20];
+    h.engine.read_bytes(ptr, &mut first).unwrap();
+    assert!(first == data[..2 << 20]);
+    assert!(h.engine.read_bytes(ptr + (2 << 20), &mut first).is_err());
+    // Pausing them again changes nothing.
+    let d = done(c.ask(&chunk_op(Op::Pause, "kv", &[[1, 2]])));
+    assert_eq!((d.allocations, d.bytes), (0, 0));
+
+    // Back one at a time, in any order, the list normalised in the reply.
+    let d = done(c.ask(&chunk_op(Op::Resume, "kv", &[[2, 2], [2, 2]])));
+    assert_eq!(
+        (d.allocations, d.bytes, d.copied_bytes),
+        (1, 2 << 20, 2 << 20)
+    );
+    assert_eq!(d.chunks, Some(vec![[2, 2]]));
+    assert_eq!(states(&mut c, "kv"), "1011");
+    done(c.ask(&chunk_op(Op::Resume, "kv", &[[1, 1]])));
+    assert_eq!(states(&mut c, "kv"), "1111");
+    assert_contents(h, ptr, &data);
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!(
+        (s.tags[0].active_allocations, s.tags[0].partial_allocations),
+        (1, 0)
+    );
+
+    // Whole-tag and chunk operations compose: a whole pause, one chunk back, the rest back.
+    done(c.ask(&pause(Some("kv".into()))));
+    assert_eq!(states(&mut c, "kv"), "0000");
+    done(c.ask(&chunk_op(Op::Resume, "kv", &[[0, 0]])));
+    assert_eq!(states(&mut c, "kv"), "1000");
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!(s.tags[0].partial_allocations, 1);
+    assert_eq!(s.bytes_active(), 2 << 20);
+    let d = done(c.ask(&resume(Some("kv".into()))));
+    assert_eq!((d.allocations, d.bytes), (1, 6 << 20));
+    assert_contents(h, ptr, &data);
+
+    // Saved chunk states: chunk 0 paused on its own, then the whole tag with its states
+    // recorded; a resume that restores them brings back 1 to 3 only.
+    done(c.ask(&chunk_op(Op::Pause, "kv", &[[0, 0]])));
+    let d = done(c.ask(&Request::Pause {
+        tag: Some("kv".into()),
+        chunks: None,
+        chunk_state: true,
+    }));
+    assert_eq!(d.bytes, 6 << 20);
+    assert_eq!(states(&mut c, "kv"), "0000");
+    let d = done(c.ask(&Request::Resume {
+        tag: Some("kv".into()),
+        chunks: None,
+        chunk_state: true,
+    }));
+    assert_eq!((d.bytes, d.copied_bytes), (6 << 20, 6 << 20));
+    assert_eq!(states(&mut c, "kv"), "0111");
+    done(c.ask(&resume(None)));
+    assert_eq!(states(&mut c, "kv"), "1111");
+    assert_contents(h, ptr, &data);
+}
+
+#[test]
+fn bad_chunk_requests_are_refused_and_change_nothing() {
+    let h = host();
+    let (ptr, data) = chunked(h, "kv");
+    chunked(h, "two");
+    chunked(h, "two");
+    h.engine
+        .alloc(&AllocRequest {
+            size: 2 << 20,
+            device: 0,
+            tag: "plain".into(),
+            backup: None,
+            chunk: 0,
+        })
+        .unwrap();
+    let mut c = Conn::greeted(h);
+    let refused = |c: &mut Conn, r: Request, kind: ErrorKind, words: &[&str]| {
+        let reply = c.ask(&r);
+        let Reply::Error(e) = &reply else {
+            panic!("{r:?}: {reply:?}")
+        };
+        assert_eq!(e.kind, kind, "{r:?}: {}", e.message);
+        for w in words {
+            assert!(e.message.contains(w), "{r:?}: {w:?} not in {}", e.message);
+        }
+    };
+    // Indices the allocation does not have: named, with how many it has.
+    for (op, list) in [
+        (Op::Pause, vec![[4, 4]]),
+        (Op::Pause, vec![[0, 0], [4, 9]]),
+        (Op::Resume, vec![[4, 4]]),
+    ] {
+        refused(
+            &mut c,
+            chunk_op(op, "kv", &list),
+            ErrorKind::InvalidArgument,
+            &["chunk 4 ", "it has 4 chunks (0 to 3)", "\"kv\""],
+        );
+    }
+    refused(
+        &mut c,
+        chunk_op(Op::Pause, "kv", &[[9, 2]]),
+        ErrorKind::InvalidArgument,
+        &["9-2 runs backwards"],
+    );
+    refused(
+        &mut c,
+        chunk_op(Op::Pause, "kv", &[]),
+        ErrorKind::InvalidArgument,
+        &["empty chunk list"],
+    );
+    refused(
+        &mut c,
+        chunk_op(Op::Pause, "kv", &[[0, 1 << 40]]),
+        ErrorKind::InvalidArgument,
+        &["more than 1048576 chunks"],
+    );
+    // No tag, an empty one, chunk states with chunks.
+    for r in [
+        Request::Pause {
+            tag: None,
+            chunks: Some(vec![[0, 0]]),
+            chunk_state: false,
+        },
+        Request::Resume {
+            tag: None,
+            chunks: Some(vec![[0, 0]]),
+            chunk_state: false,
+        },
+    ] {
+        refused(
+            &mut c,
+            r,
+            ErrorKind::InvalidArgument,
+            &["chunks need a tag"],
+        );
+    }
+    refused(
+        &mut c,
+        chunk_op(Op::Pause, "", &[[0, 0]]),
+        ErrorKind::InvalidArgument,
+        &["must not be empty"],
+    );
+    refused(
+        &mut c,
+        Request::Pause {
+            tag: Some("kv".into()),
+            chunks: Some(vec![[0, 0]]),
+            chunk_state: true,
+        },
+        ErrorKind::InvalidArgument,
+        &["not with chunks"],
+    );
+    // A tag without a chunked allocation, or with two (both named).
+    refused(
+        &mut c,
+        chunk_op(Op::Pause, "plain", &[[0, 0]]),
+        ErrorKind::NotFound,
+        &["\"plain\" has no chunked allocation"],
+    );
+    refused(
+        &mut c,
+        Request::Chunks {
+            tag: "plain".into(),
+        },
+        ErrorKind::NotFound,
+        &["no chunked allocation"],
+    );
+    let two: Vec<String> = h
+        .engine
+        .allocations()
+        .iter()
+        .filter(|a| a.tag == "two")
+        .map(|a| format!("{:#x}", a.addr))
+        .collect();
+    let mut words = vec!["2 chunked allocations"];
+    words.extend(two.iter().map(String::as_str));
+    refused(
+        &mut c,
+        chunk_op(Op::Resume, "two", &[[0, 0]]),
+        ErrorKind::InvalidArgument,
+        &words,
+    );
+    refused(
+        &mut c,
+        Request::Chunks { tag: "two".into() },
+        ErrorKind::InvalidArgument,
+        &words,
+    );
+    // A tag no allocation ever had: nothing to do, flagged, as for a whole tag; its chunks
+    // cannot be listed.
+    let d = done(c.ask(&chunk_op(Op::Pause, "kvv", &[[0, 0]])));
+    assert_eq!((d.allocations, d.unknown_tag), (0, true));
+    refused(
+        &mut c,
+        Request::Chunks { tag: "kvv".into() },
+        ErrorKind::NotFound,
+        &["ever had tag \"kvv\""],
+    );
+    refused(
+        &mut c,
+        Request::Chunks { tag: "".into() },
+        ErrorKind::InvalidArgument,
+        &["must not be empty"],
+    );
+    // The connection stayed open through all of that, and nothing changed.
+    assert!(matches!(c.ask(&Request::Ping), Reply::Pong { .. }));
+    assert_eq!(states(&mut c, "kv"), "1111");
+    assert_contents(h, ptr, &data);
+    // Malformed chunk lists are not requests: refused, and the connection closed.
+    c.send_raw(b"{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":\"8-15\"}\n");
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::BadRequest);
+    c.assert_closed();
+    let mut c = Conn::greeted(h);
+    c.send_raw(b"{\"op\":\"resume\",\"tag\":\"kv\",\"chunks\":[[1,2,3]]}\n");
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::BadRequest);
+    c.assert_closed();
+    assert_contents(h, ptr, &data);
+}
+
+#[test]
+fn a_chunk_list_too_long_to_send_as_indices_fits_as_ranges() {
+    let h = host();
+    let (ptr, data) = chunked(h, "kv");
+    let mut c = Conn::greeted(h);
+    // Every chunk, a million times over: refused by count, not by line length.
+    let many = vec![[0u64, 3]; 300_000];
+    assert!(encode(&chunk_op(Op::Pause, "kv", &many)).len() > MAX_LINE_BYTES);
+    let some = vec![[0u64, 3]; 2000];
+    let r = c.ask(&chunk_op(Op::Pause, "kv", &some));
+    // 8000 indices counted before duplicates go: within the bound, so it is done.
+    assert_eq!(done(r).bytes, 8 << 20);
+    assert_eq!(states(&mut c, "kv"), "0000");
+    done(c.ask(&resume(None)));
+    assert_contents(h, ptr, &data);
 }
