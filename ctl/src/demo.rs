@@ -6,7 +6,9 @@
 //! any preloaded program's code would, by symbol (`dlsym`): `tms_init`, `tms_region_enter`,
 //! `tms_torch_malloc`, `tms_write_bytes`, ... It talks to the parent in lines on stdout
 //! (`READY {json}`, `ERROR <stage> <message>`, `VERIFY ok`, ...) and takes commands on stdin
-//! (`verify`, `malloc SIZE`, `fork`, `exit`); the tests drive it the same way.
+//! (`verify [OFFSET LENGTH]`, `malloc SIZE`, `fork`, `exit`); the tests drive it the same way.
+//! With `--chunk SIZE` its allocation is a chunked one (`tms_set_chunk_size`), whose chunks
+//! pause and resume on their own.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -93,6 +95,10 @@ pub struct ChildArgs {
     /// Back the allocation up on disk (in `TMS_DISK_BACKUP_DIR`) instead of in host memory.
     #[arg(long)]
     disk: bool,
+    /// Make the allocation a chunked one, in chunks of this many bytes (a multiple of the
+    /// device's granularity that divides --size).
+    #[arg(long, value_parser = parse_size)]
+    chunk: Option<u64>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -109,6 +115,7 @@ type ReadFn = unsafe extern "C" fn(u64, *mut c_void, u64) -> c_int;
 type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
 type CudaMallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type CudaFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type SetChunkSizeFn = unsafe extern "C" fn(usize) -> c_int;
 
 /// The preloaded library's entry points.
 struct Api {
@@ -226,12 +233,20 @@ fn write_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<(), String>
     Ok(())
 }
 
-fn verify_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<Option<u64>, String> {
-    let mut got = vec![0u8; CHUNK.min(size) as usize];
+/// Check bytes `[from, to)` of the allocation at `ptr` against the pattern; the offset of the
+/// first byte that differs, if any.
+fn verify_pattern(
+    api: &Api,
+    ptr: u64,
+    from: u64,
+    to: u64,
+    seed: u8,
+) -> Result<Option<u64>, String> {
+    let mut got = vec![0u8; CHUNK.min(to.saturating_sub(from)) as usize];
     let mut want = vec![0u8; got.len()];
-    let mut off = 0;
-    while off < size {
-        let n = CHUNK.min(size - off) as usize;
+    let mut off = from;
+    while off < to {
+        let n = CHUNK.min(to - off) as usize;
         // SAFETY: got is writable for n bytes.
         api.check(unsafe { (api.read)(ptr + off, got.as_mut_ptr().cast(), n as u64) })?;
         fill(&mut want[..n], off, seed);
@@ -241,6 +256,23 @@ fn verify_pattern(api: &Api, ptr: u64, size: u64, seed: u8) -> Result<Option<u64
         off += n as u64;
     }
     Ok(None)
+}
+
+/// The range `verify` checks: `[OFFSET LENGTH]` of the words after it (sizes such as 2MiB),
+/// else the whole allocation.
+fn verify_range<'a>(
+    mut words: impl Iterator<Item = &'a str>,
+    size: u64,
+) -> Result<(u64, u64), String> {
+    let Some(off) = words.next() else {
+        return Ok((0, size));
+    };
+    let off = parse_bytes(off)?;
+    let len = parse_bytes(words.next().ok_or("verify OFFSET LENGTH: no length")?)?;
+    match off.checked_add(len) {
+        Some(end) if end <= size => Ok((off, end)),
+        _ => Err(format!("{off}+{len} is outside the {size} bytes allocated")),
+    }
 }
 
 /// The hidden `__demo-child` command. Exit status: 0 after `exit` or end of input; 3 when
@@ -281,6 +313,19 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
     if let Err(e) = api.check(rc) {
         fail("region", e);
     }
+    if let Some(chunk) = a.chunk {
+        // Looked up only here: a library that predates chunks still runs the plain demo.
+        let set = sym(c"tms_set_chunk_size").unwrap_or_else(|e| fail("chunk", e));
+        // SAFETY: the library's tms_set_chunk_size, whose C signature (tms.h) is exactly this.
+        let set = unsafe { std::mem::transmute::<*mut c_void, SetChunkSizeFn>(set) };
+        let Ok(bytes) = usize::try_from(chunk) else {
+            fail("chunk", format!("{chunk} bytes is too large"));
+        };
+        // SAFETY: a plain call with a number.
+        if let Err(e) = api.check(unsafe { set(bytes) }) {
+            fail("chunk", e);
+        }
+    }
     let Ok(size) = isize::try_from(a.size) else {
         fail("alloc", format!("{} bytes is too large", a.size));
     };
@@ -314,7 +359,9 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
         let Ok(line) = line else { break };
         let mut words = line.split_whitespace();
         match words.next() {
-            Some("verify") => match verify_pattern(&api, ptr, a.size, a.seed) {
+            Some("verify") => match verify_range(words, a.size)
+                .and_then(|(from, to)| verify_pattern(&api, ptr, from, to, a.seed))
+            {
                 Ok(None) => say("VERIFY ok"),
                 Ok(Some(at)) => say(&format!("VERIFY mismatch at byte {at}")),
                 Err(e) => say(&format!("VERIFY error {e}")),

@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
-use tms_proto::{BackupBackend, RegionInfo, RegionUpdate, Reply, Request, Status};
+use tms_proto::{
+    chunk_ranges, format_ranges, BackupBackend, ChunkStatus, RegionInfo, RegionUpdate, Reply,
+    Request, Status, FEATURE_CHUNKS, MAX_CHUNK_INDICES,
+};
 
 use client::{Client, Code, Failure, Folder, Socket};
 
@@ -24,7 +27,8 @@ Exit codes:
   4  permission denied: the process belongs to another user, or tmsctl does not trust the
      socket folder (not ours, open to others, unreadable) or the server (another uid or pid)
   5  no answer (or no room at the server) within --timeout
-  6  pause/resume --tag T: no allocation of the process ever had tag T (nothing changed)
+  6  pause/resume --tag T (with or without --chunks): no allocation of the process ever had
+     tag T (nothing changed)
 
 With --all every process is tried in turn: the exit code is the first failure's (1 to 5),
 else 6 if a process did not know the tag, else 0.
@@ -32,8 +36,9 @@ Errors are one line on stderr each, starting with \"tmsctl: \".";
 
 const LONG_ABOUT: &str = "\
 Drive processes that run Torch Memory Saver (libtms.so) from outside: list them, show their
-pauseable memory, pause and resume it by tag, and change the default region of threads that
-have not entered one of their own.
+pauseable memory, pause and resume it by tag or by chunks of a tag's chunked allocation
+(`tmsctl pause --tag kv --chunks 8-15`; `tmsctl chunks --tag kv` shows which are active), and
+change the default region of threads that have not entered one of their own.
 
 A process listens on a control socket once libtms.so is active in it (it made a pauseable
 allocation, or called the library's API): `LD_PRELOAD=libtms.so TMS_INIT_ENABLE=1 python
@@ -99,6 +104,14 @@ struct Select {
     all: bool,
 }
 
+/// Chunk indices from the command line (`8-15,20`): sorted, each once.
+#[derive(Clone, Debug)]
+struct ChunkList(Vec<usize>);
+
+fn parse_chunk_list(s: &str) -> Result<ChunkList, String> {
+    tms_proto::parse_ranges(s, MAX_CHUNK_INDICES).map(ChunkList)
+}
+
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum BackendArg {
     /// Page-locked host memory.
@@ -113,15 +126,17 @@ enum Cmd {
     /// other pid namespaces are listed too, marked).
     #[command(after_help = EXIT_CODES)]
     List,
-    /// Show a process's tags, allocations, bytes active and paused, host and disk backups,
-    /// device memory and the last pause and resume.
+    /// Show a process's tags, allocations (all, paused, and partial: chunked allocations
+    /// with some chunks paused), bytes active and paused (chunks counted), host and disk
+    /// backups, device memory and the last pause and resume.
     #[command(after_help = EXIT_CODES)]
     Status {
         #[command(flatten)]
         sel: Select,
     },
-    /// Pause: give the device memory of a tag (or every tag) back, keeping CPU backups where
-    /// the allocations asked for them. The device is synchronised first.
+    /// Pause: give the device memory of a tag (or every tag, or some chunks of a tag's chunked
+    /// allocation) back, keeping CPU backups where the allocations asked for them. The device
+    /// is synchronised first.
     #[command(after_help = EXIT_CODES)]
     Pause {
         #[command(flatten)]
@@ -130,9 +145,19 @@ enum Cmd {
         /// changes nothing and exits with code 6.
         #[arg(long, value_name = "TAG")]
         tag: Option<String>,
+        /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
+        /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks paused
+        /// already are left alone. `tmsctl chunks --tag TAG` shows them.
+        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
+        chunks: Option<ChunkList>,
+        /// First record which chunks of each chunked allocation are active, so that `resume
+        /// --restore-chunk-state` brings back only those.
+        #[arg(long, conflicts_with = "chunks")]
+        save_chunk_state: bool,
     },
-    /// Resume: map memory back at the same addresses and restore CPU backups. Out of memory
-    /// leaves the tag paused with its backups; run it again once memory is free.
+    /// Resume: map memory back at the same addresses and restore CPU backups (of a tag, every
+    /// tag, or some chunks of a tag's chunked allocation). Out of memory leaves what was to be
+    /// resumed paused with its backups; run it again once memory is free.
     #[command(after_help = EXIT_CODES)]
     Resume {
         #[command(flatten)]
@@ -141,6 +166,25 @@ enum Cmd {
         /// changes nothing and exits with code 6.
         #[arg(long, value_name = "TAG")]
         tag: Option<String>,
+        /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
+        /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks active
+        /// already are left alone.
+        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
+        chunks: Option<ChunkList>,
+        /// Of chunked allocations, resume only the chunks that `pause --save-chunk-state`
+        /// recorded active (every chunk of an allocation without such a record).
+        #[arg(long, conflicts_with = "chunks")]
+        restore_chunk_state: bool,
+    },
+    /// Show the chunks of a tag's chunked allocation (the tag must have exactly one): chunk
+    /// size and count, and which are active and which paused, as ranges that --chunks takes.
+    #[command(after_help = EXIT_CODES)]
+    Chunks {
+        #[command(flatten)]
+        sel: Select,
+        /// The tag.
+        #[arg(long, value_name = "TAG")]
+        tag: String,
     },
     /// Show or change the process-wide default region: what new allocations of threads that
     /// have not entered a region of their own become. Prints the region after any change.
@@ -398,23 +442,69 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Refuse, before asking, what a process whose library predates chunks cannot do.
+fn needs_chunks(c: &Client) -> client::Result<()> {
+    if c.hello.has(FEATURE_CHUNKS) {
+        return Ok(());
+    }
+    Err(Failure::new(
+        Code::Failed,
+        format!(
+            "process {}: its library ({}) predates chunked allocations: it cannot pause, \
+             resume or list chunks (use the whole tag, or a newer libtms.so)",
+            c.pid(),
+            output::printable(&c.hello.software)
+        ),
+    ))
+}
+
 fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
-    let asked = match &req {
-        Request::Pause { tag, .. } | Request::Resume { tag, .. } => tag.clone(),
-        _ => None,
+    let (asked, chunk_state, chunks) = match &req {
+        Request::Pause {
+            tag,
+            chunks,
+            chunk_state,
+        }
+        | Request::Resume {
+            tag,
+            chunks,
+            chunk_state,
+        } => (tag.clone(), *chunk_state, chunks.is_some()),
+        _ => (None, false, false),
     };
     ctx.fan_out(sel, |c| {
+        if chunks || chunk_state {
+            needs_chunks(c)?;
+        }
         let d = c.ask_for(&req, |r| match r {
             Reply::Done(d) => Some(d),
             _ => None,
         })?;
         Ok(Outcome {
             json: with_pid(c.pid(), &d),
-            text: output::done(c.pid(), &d),
+            text: output::done(c.pid(), &d, chunk_state),
             unknown_tag: d
                 .unknown_tag
                 .then(|| output::unknown_tag(c.pid(), &d, asked.as_deref())),
         })
+    })
+}
+
+fn chunks(ctx: &Ctx, sel: &Select, tag: String) -> anyhow::Result<()> {
+    let req = Request::Chunks { tag };
+    ctx.fan_out(sel, |c| {
+        needs_chunks(c)?;
+        let s: ChunkStatus = c.ask_for(&req, |r| match r {
+            Reply::Chunks(s) => Some(s),
+            _ => None,
+        })?;
+        let mut j = with_pid(c.pid(), &s);
+        let (active, paused) = (s.active(), s.paused());
+        j["active"] = json!(format_ranges(&active));
+        j["paused"] = json!(format_ranges(&paused));
+        j["active_chunks"] = json!(active.len());
+        j["paused_chunks"] = json!(paused.len());
+        Ok(Outcome::new(j, output::chunks(c.pid(), &s)))
     })
 }
 
@@ -454,24 +544,35 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 output::status(&s, &client::command_line(c.pid())),
             ))
         }),
-        Cmd::Pause { sel, tag } => op(
+        Cmd::Pause {
+            sel,
+            tag,
+            chunks,
+            save_chunk_state,
+        } => op(
             &ctx,
             &sel,
             Request::Pause {
                 tag,
-                chunks: None,
-                chunk_state: false,
+                chunks: chunks.map(|c| chunk_ranges(&c.0)),
+                chunk_state: save_chunk_state,
             },
         ),
-        Cmd::Resume { sel, tag } => op(
+        Cmd::Resume {
+            sel,
+            tag,
+            chunks,
+            restore_chunk_state,
+        } => op(
             &ctx,
             &sel,
             Request::Resume {
                 tag,
-                chunks: None,
-                chunk_state: false,
+                chunks: chunks.map(|c| chunk_ranges(&c.0)),
+                chunk_state: restore_chunk_state,
             },
         ),
+        Cmd::Chunks { sel, tag } => chunks(&ctx, &sel, tag),
         Cmd::Region {
             sel,
             enable,
@@ -552,11 +653,23 @@ fn usage_line(e: &clap::Error) -> String {
         format!("a command is needed ({})", names.join(", "))
     } else {
         let first = lines.first().copied().unwrap_or("bad command line");
-        first
+        let mut what = first
             .strip_prefix("error:")
             .unwrap_or(first)
             .trim()
-            .to_string()
+            .to_string();
+        // "the following required arguments were not provided:" and the arguments, a line
+        // each, up to the usage line.
+        if what.ends_with(':') {
+            let named: Vec<&str> = lines
+                .iter()
+                .skip(1)
+                .take_while(|l| !l.starts_with("Usage:"))
+                .copied()
+                .collect();
+            what = format!("{what} {}", named.join(", "));
+        }
+        what
     };
     if let Some(values) = lines.iter().find(|l| l.starts_with("[possible values:")) {
         what = format!("{what} {values}");

@@ -6,7 +6,7 @@ use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use serde_json::Value;
-use tms_proto::{OpDone, OpTiming, RegionInfo, Status};
+use tms_proto::{format_ranges, ChunkStatus, OpDone, OpTiming, RegionInfo, Status};
 
 pub use tms_proto::human_bytes as human;
 
@@ -144,12 +144,23 @@ pub fn status(s: &Status, command: &str) -> String {
         let _ = writeln!(o, "no pauseable allocations");
         return o;
     }
+    // A column of partial allocations (chunked ones with some chunks paused) only where some
+    // tag has one: most processes have no chunked allocations.
+    let partial = s.tags.iter().any(|t| t.partial_allocations > 0);
+    let partial_cell = |v: &dyn std::fmt::Display| {
+        if partial {
+            format!(" {v:>7}")
+        } else {
+            String::new()
+        }
+    };
     let _ = writeln!(
         o,
-        "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
+        "{:<16} {:>6} {:>6}{} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
         "TAG",
         "ALLOCS",
         "PAUSED",
+        partial_cell(&"PARTIAL"),
         "ACTIVE",
         "PAUSED",
         "HOST BACKUP",
@@ -160,10 +171,11 @@ pub fn status(s: &Status, command: &str) -> String {
     for t in &s.tags {
         let _ = writeln!(
             o,
-            "{:<16} {:>6} {:>6} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
+            "{:<16} {:>6} {:>6}{} {:>12} {:>12} {:>12} {:>12} {:>20} {:>20}",
             printable(&t.tag),
             t.allocations,
             t.paused_allocations,
+            partial_cell(&t.partial_allocations),
             human(t.bytes_active),
             human(t.bytes_paused),
             human(t.host_backup_bytes),
@@ -183,30 +195,96 @@ pub fn status(s: &Status, command: &str) -> String {
     o
 }
 
-/// A pause or resume in one line.
-pub fn done(pid: u32, d: &OpDone) -> String {
-    let what = match &d.tag {
+/// Chunk ranges of a reply as `--chunks` takes them (`8-15,20`).
+pub fn ranges(r: &[[u64; 2]]) -> String {
+    r.iter()
+        .map(|&[a, b]| {
+            if a == b {
+                a.to_string()
+            } else {
+                format!("{a}-{b}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A pause or resume in one line; `chunk_state`: it saved (pause) or restored (resume) chunk
+/// states.
+pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
+    let tag = match &d.tag {
         Some(t) => format!("tag {}", quoted(t)),
         None => "every tag".to_string(),
     };
-    let (verb, noun, copy) = match d.op {
-        tms_proto::Op::Pause => ("paused", "released", "copied to host"),
-        tms_proto::Op::Resume => ("resumed", "re-taken", "restored from host"),
+    let (verb, noun, copy, state) = match d.op {
+        tms_proto::Op::Pause => (
+            "paused",
+            "released",
+            "copied to host",
+            " (chunk states saved)",
+        ),
+        tms_proto::Op::Resume => (
+            "resumed",
+            "re-taken",
+            "restored from host",
+            " (the chunks saved active)",
+        ),
+    };
+    let what = match &d.chunks {
+        Some(c) => format!("chunks {} of {tag}", ranges(c)),
+        None if chunk_state => format!("{tag}{state}"),
+        None => tag,
     };
     if d.allocations == 0 {
+        if d.chunks.is_some() {
+            return format!("pid {pid}: {what}: nothing to do (all {verb} already)");
+        }
         return format!("pid {pid}: {what}: nothing to do (no allocation to be {verb})");
     }
-    let mut s = format!(
-        "pid {pid}: {verb} {what}: {} allocation{}, {} of device memory {noun}",
-        d.allocations,
-        if d.allocations == 1 { "" } else { "s" },
-        human(d.bytes)
-    );
+    let mut s = if d.chunks.is_some() {
+        format!(
+            "pid {pid}: {verb} {what}: {} of device memory {noun}",
+            human(d.bytes)
+        )
+    } else {
+        format!(
+            "pid {pid}: {verb} {what}: {} allocation{}, {} of device memory {noun}",
+            d.allocations,
+            if d.allocations == 1 { "" } else { "s" },
+            human(d.bytes)
+        )
+    };
     if d.copied_bytes > 0 {
         let _ = write!(s, ", {} {copy}", human(d.copied_bytes));
     }
     let _ = write!(s, ", in {:.3} s", d.seconds);
     s
+}
+
+/// The chunks of a chunked allocation, for people.
+pub fn chunks(pid: u32, s: &ChunkStatus) -> String {
+    let mut o = format!(
+        "pid {pid}: tag {}: allocation {:#x}, {} chunks of {} ({})\n",
+        quoted(&s.tag),
+        s.addr,
+        s.count,
+        human(s.chunk_size),
+        human(s.count.saturating_mul(s.chunk_size))
+    );
+    for (name, idx) in [("active", s.active()), ("paused", s.paused())] {
+        let _ = write!(
+            o,
+            "{name}: {} chunk{}, {}",
+            idx.len(),
+            if idx.len() == 1 { "" } else { "s" },
+            human((idx.len() as u64).saturating_mul(s.chunk_size))
+        );
+        if !idx.is_empty() {
+            let _ = write!(o, ": {}", format_ranges(&idx));
+        }
+        o.push('\n');
+    }
+    o
 }
 
 /// Why a pause or resume of `tag` that process `pid` answered with `unknown_tag` changed
@@ -252,6 +330,82 @@ mod tests {
         assert!(!status(&s, "x").contains("not listed"));
         s.tags_omitted = 3;
         assert!(status(&s, "x").contains("... and 3 more tags not listed"));
+    }
+
+    #[test]
+    fn partial_allocations_get_a_column_where_there_are_some() {
+        let kv = tms_proto::TagStatus {
+            tag: "kv".into(),
+            allocations: 3,
+            paused_allocations: 1,
+            ..Default::default()
+        };
+        let mut s = Status {
+            tags: vec![kv.clone()],
+            ..Default::default()
+        };
+        assert!(!status(&s, "x").contains("PARTIAL"));
+        s.tags[0].partial_allocations = 1;
+        s.tags.push(tms_proto::TagStatus {
+            tag: "w".into(),
+            ..kv
+        });
+        let text = status(&s, "x");
+        let lines: Vec<&str> = text.lines().collect();
+        let head = lines.iter().position(|l| l.starts_with("TAG")).unwrap();
+        let cols = |l: &str| l.split_whitespace().take(4).collect::<Vec<_>>().join(" ");
+        assert_eq!(cols(lines[head]), "TAG ALLOCS PAUSED PARTIAL");
+        assert_eq!(cols(lines[head + 1]), "kv 3 1 1");
+        assert_eq!(cols(lines[head + 2]), "w 3 1 0");
+        // The columns line up.
+        assert_eq!(lines[head].len(), lines[head + 1].len(), "{text}");
+    }
+
+    #[test]
+    fn chunk_operations_and_states_in_words() {
+        let mut d = OpDone {
+            op: tms_proto::Op::Pause,
+            tag: Some("kv".into()),
+            chunks: Some(vec![[8, 15], [20, 20]]),
+            allocations: 1,
+            bytes: 18 << 20,
+            copied_bytes: 18 << 20,
+            seconds: 0.5,
+            unknown_tag: false,
+        };
+        assert_eq!(
+            done(7, &d, false),
+            "pid 7: paused chunks 8-15,20 of tag \"kv\": 18.00 MiB of device memory released, \
+             18.00 MiB copied to host, in 0.500 s"
+        );
+        d.allocations = 0;
+        assert_eq!(
+            done(7, &d, false),
+            "pid 7: chunks 8-15,20 of tag \"kv\": nothing to do (all paused already)"
+        );
+        d.chunks = None;
+        d.allocations = 2;
+        d.op = tms_proto::Op::Resume;
+        assert!(done(7, &d, true)
+            .starts_with("pid 7: resumed tag \"kv\" (the chunks saved active): 2 allocations"));
+        let s = ChunkStatus {
+            tag: "kv".into(),
+            addr: 0x1000,
+            chunk_size: 2 << 20,
+            count: 4,
+            states: "1001".into(),
+        };
+        assert_eq!(
+            chunks(7, &s),
+            "pid 7: tag \"kv\": allocation 0x1000, 4 chunks of 2.00 MiB (8.00 MiB)\n\
+             active: 2 chunks, 4.00 MiB: 0,3\n\
+             paused: 2 chunks, 4.00 MiB: 1-2\n"
+        );
+        let all = ChunkStatus {
+            states: "1111".into(),
+            ..s
+        };
+        assert!(chunks(7, &all).ends_with("paused: 0 chunks, 0 B\n"));
     }
 
     #[test]

@@ -2,8 +2,9 @@
 //!
 //! The preloaded process is `tmsctl __demo-child` (the demo's child) run with
 //! `LD_PRELOAD=target/<profile>/libtms.so TMS_BACKEND=sim`: it allocates pauseable memory with
-//! a CPU backup through the library's C ABI, writes a pattern, prints `READY {json}` and then
-//! takes commands on stdin (`verify`, `malloc SIZE`, `fork`, `exit`). Its SIGPIPE disposition
+//! a CPU backup through the library's C ABI (a chunked one with `--chunk SIZE`), writes a
+//! pattern, prints `READY {json}` and then takes commands on stdin (`verify [OFFSET LENGTH]`,
+//! `malloc SIZE`, `fork`, `exit`). Its SIGPIPE disposition
 //! is the default, like a C program's, so a server that let SIGPIPE through would kill it.
 //! Every test has its own socket folder (`TMS_SOCKET_DIR`).
 //!
@@ -332,6 +333,7 @@ fn help_for_every_subcommand() {
         "status",
         "pause",
         "resume",
+        "chunks",
         "region",
         "ping",
         "demo",
@@ -341,7 +343,7 @@ fn help_for_every_subcommand() {
     }
     assert!(!top.stdout.contains("__demo-child"));
     for sub in [
-        "list", "status", "pause", "resume", "region", "ping", "demo",
+        "list", "status", "pause", "resume", "chunks", "region", "ping", "demo",
     ] {
         let r = ok(&sb, &[sub, "--help"]);
         assert!(r.stdout.contains("Exit codes"), "{sub}\n{}", r.stdout);
@@ -1524,4 +1526,166 @@ fn a_busy_server_is_asked_again_until_the_timeout() {
         "{line}"
     );
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+}
+
+/// A process with a chunked allocation (4 chunks of 2 MiB): chunks paused and resumed from
+/// outside, the tag partial in status meanwhile, chunk states shown and saved, the contents
+/// kept; bad chunk lists are refused in one line each.
+#[test]
+fn chunks_of_a_preloaded_process() {
+    const CHUNK: u64 = 2 << 20;
+    let sb = sandbox();
+    let mut p = Proc::start_with(&sb, &[], |c| {
+        c.args(["--chunk", "2MiB"]);
+    });
+    let pid = p.pid.to_string();
+    let chunks = |sb: &Sandbox| ok(sb, &["chunks", "--tag", "demo", "--json"]).json();
+
+    let c = chunks(&sb);
+    assert_eq!(c["pid"].as_u64(), Some(p.pid as u64));
+    assert_eq!(c["chunk_size"].as_u64(), Some(CHUNK));
+    assert_eq!(c["count"].as_u64(), Some(4));
+    assert_eq!(c["addr"].as_u64(), p.ready["ptr"].as_u64());
+    assert_eq!(
+        (c["active"].as_str(), c["paused"].as_str()),
+        (Some("0-3"), Some(""))
+    );
+    let text = ok(&sb, &["chunks", "--tag", "demo"]).stdout;
+    assert!(
+        text.contains("4 chunks of 2.00 MiB (8.00 MiB)")
+            && text.contains("active: 4 chunks, 8.00 MiB: 0-3")
+            && text.contains("paused: 0 chunks, 0 B"),
+        "{text}"
+    );
+
+    // Chunks 1 and 2 go: the tag is partial, half its bytes paused, the device has them back.
+    let s0 = status(&sb, p.pid);
+    let r = ok(
+        &sb,
+        &["pause", "--pid", &pid, "--tag", "demo", "--chunks", "1-2"],
+    );
+    assert!(
+        r.stdout
+            .contains("paused chunks 1-2 of tag \"demo\": 4.00 MiB of device memory released"),
+        "{}",
+        r.stdout
+    );
+    let s1 = status(&sb, p.pid);
+    let t = tag(&s1, "demo");
+    assert_eq!(t["partial_allocations"].as_u64(), Some(1));
+    assert_eq!(t["paused_allocations"].as_u64(), Some(0));
+    assert_eq!(t["bytes_active"].as_u64(), Some(2 * CHUNK));
+    assert_eq!(t["bytes_paused"].as_u64(), Some(2 * CHUNK));
+    assert_eq!(free(&s1), free(&s0) + 2 * CHUNK);
+    let text = ok(&sb, &["status"]).stdout;
+    assert!(text.contains("PARTIAL"), "{text}");
+    let c = chunks(&sb);
+    assert_eq!(
+        (c["active"].as_str(), c["paused"].as_str()),
+        (Some("0,3"), Some("1-2"))
+    );
+    assert_eq!(c["states"], "1001");
+    // The active chunks are still there to use.
+    assert_eq!(p.cmd("verify 0 2MiB", "VERIFY"), "ok");
+    assert_eq!(p.cmd("verify 6MiB 2MiB", "VERIFY"), "ok");
+    // Again: nothing to do.
+    let r = ok(
+        &sb,
+        &["pause", "--tag", "demo", "--chunks", "2,1", "--json"],
+    )
+    .json();
+    assert_eq!(r["allocations"].as_u64(), Some(0));
+    assert_eq!(r["chunks"], serde_json::json!([[1, 2]]));
+
+    // Bad lists: out of range (the process names it), malformed, no tag (usage, one line).
+    let line = ctl(&sb, &["resume", "--tag", "demo", "--chunks", "3-4"])
+        .failed(1)
+        .to_string();
+    assert!(
+        line.contains("chunk 4 ") && line.contains("it has 4 chunks (0 to 3)"),
+        "{line}"
+    );
+    for (args, words) in [
+        (
+            &["pause", "--tag", "demo", "--chunks", "x"][..],
+            "is not an index",
+        ),
+        (
+            &["pause", "--tag", "demo", "--chunks", "3-1"],
+            "runs backwards",
+        ),
+        (&["pause", "--tag", "demo", "--chunks", ""], "empty item"),
+        (
+            &["pause", "--tag", "demo", "--chunks", "0-99999999"],
+            "more than 1048576",
+        ),
+        (&["pause", "--chunks", "1"], "--tag"),
+        (&["resume", "--chunks", "1"], "--tag"),
+        (
+            &[
+                "pause",
+                "--tag",
+                "demo",
+                "--chunks",
+                "1",
+                "--save-chunk-state",
+            ],
+            "cannot be used with",
+        ),
+        (&["chunks"], "--tag"),
+    ] {
+        let line = ctl(&sb, args).failed(2).to_string();
+        assert!(
+            line.contains(words) && line.contains("--help"),
+            "{args:?}: {line}"
+        );
+    }
+    // A tag without a chunked allocation; a tag no allocation ever had (exit 6, as for a
+    // whole tag).
+    ok(&sb, &["region", "--enable", "--tag", "kv", "--cpu-backup"]);
+    assert!(p.cmd("malloc 2MiB", "MALLOC").starts_with("0 0x"));
+    let line = ctl(&sb, &["pause", "--tag", "kv", "--chunks", "0"])
+        .failed(1)
+        .to_string();
+    assert!(line.contains("\"kv\" has no chunked allocation"), "{line}");
+    let line = ctl(&sb, &["chunks", "--tag", "kv"]).failed(1).to_string();
+    assert!(line.contains("no chunked allocation"), "{line}");
+    let line = ctl(&sb, &["pause", "--tag", "demoo", "--chunks", "0"])
+        .failed(6)
+        .to_string();
+    assert!(line.contains("ever had tag \"demoo\""), "{line}");
+    // Nothing changed on the way.
+    assert_eq!(chunks(&sb)["states"], "1001");
+
+    // Back, and the pattern is whole.
+    let r = ok(
+        &sb,
+        &["resume", "--tag", "demo", "--chunks", "1-2", "--json"],
+    )
+    .json();
+    assert_eq!(r["bytes"].as_u64(), Some(2 * CHUNK));
+    assert_eq!(r["copied_bytes"].as_u64(), Some(2 * CHUNK));
+    p.verify();
+    let t = tag(&status(&sb, p.pid), "demo").clone();
+    assert_eq!(t["partial_allocations"].as_u64(), Some(0));
+    assert_eq!(t["bytes_active"].as_u64(), Some(SIZE));
+
+    // Saved chunk states: chunk 3 paused alone, then the whole tag with its states saved;
+    // restoring them brings back 0 to 2 only, and a plain resume the rest.
+    ok(&sb, &["pause", "--tag", "demo", "--chunks", "3"]);
+    let r = ok(&sb, &["pause", "--tag", "demo", "--save-chunk-state"]);
+    assert!(r.stdout.contains("(chunk states saved)"), "{}", r.stdout);
+    assert_eq!(chunks(&sb)["states"], "0000");
+    let r = ok(&sb, &["resume", "--tag", "demo", "--restore-chunk-state"]);
+    assert!(
+        r.stdout.contains("6.00 MiB of device memory re-taken"),
+        "{}",
+        r.stdout
+    );
+    assert_eq!(chunks(&sb)["paused"], "3");
+    assert_eq!(p.cmd("verify 0 6MiB", "VERIFY"), "ok");
+    ok(&sb, &["resume", "--tag", "demo"]);
+    assert_eq!(chunks(&sb)["paused"], "");
+    p.verify();
+    assert!(p.exit().success());
 }

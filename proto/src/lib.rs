@@ -9,7 +9,7 @@
 //!
 //! ```text
 //! C: {"op":"hello","protocol":1,"pid":4242,"software":"tmsctl 0.1.0"}
-//! S: {"reply":"hello","protocol":1,"pid":1234,"software":"libtms 0.1.0","backend":"cuda"}
+//! S: {"reply":"hello","protocol":1,"pid":1234,"software":"libtms 0.1.0","backend":"cuda",...}
 //! C: {"op":"pause","tag":"kv"}
 //! S: {"reply":"done","op":"pause","tag":"kv","allocations":3,"bytes":21474836480,...}
 //! ```
