@@ -327,9 +327,9 @@ fn resync_failed_pause(
         } else {
             vec![i.state == State::Active]
         };
-        for u in 0..active.len() {
+        for (u, &now) in active.iter().enumerate() {
             if us.contains(&u) {
-                if active[u] {
+                if now {
                     a.saved[u] = false;
                 } else {
                     a.pause(&[u]);
@@ -392,11 +392,7 @@ fn step(
                     .iter()
                     .any(|(q, a)| p < q + a.mapped && *q < p + mapped);
                 prop_assert!(!overlaps, "new allocation {:#x} overlaps", p);
-                let units = if chunk > 0 {
-                    (size / chunk) as usize
-                } else {
-                    1
-                };
+                let units = size.checked_div(chunk).map_or(1, |n| n as usize);
                 m.allocs.insert(
                     p,
                     MAlloc {

@@ -1037,7 +1037,7 @@ impl Engine {
                 "tag {tag:?} has no chunked allocation (allocate in a region with a chunk size)"
             ))),
             _ => Err(Error::InvalidArgument(format!(
-                "tag {tag:?} has {} chunked allocations ({}); name one by its tensor instead",
+                "tag {tag:?} has {} chunked allocations ({}); name one by its address (or, from Python, its tensor)",
                 found.len(),
                 found
                     .iter()
