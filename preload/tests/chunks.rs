@@ -242,3 +242,26 @@ fn resume_restores_the_saved_chunk_state() {
     e.resume(Some("kv")).unwrap();
     assert!(read_raw(&sim, p, (4 * G) as usize) == data);
 }
+
+/// Page-locking in the background touches every page of a buffer: a chunked allocation's is
+/// page-locked only once the backup holds all of it, never for chunks that were not saved.
+#[test]
+fn background_page_locking_waits_for_a_whole_backup() {
+    let (sim, e) = setup(64 << 20);
+    e.set_retain_cpu_backup(true);
+    let p = e
+        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Pinned)))
+        .unwrap();
+    write_raw(&sim, p, &pattern((4 * G) as usize, 5));
+    let pinned = |e: &Engine| {
+        assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(20)));
+        e.allocations()[0].host_pinned_bytes
+    };
+    e.pause_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+    assert_eq!(pinned(&e), 0, "half a backup is not page-locked");
+    e.pause(Some("kv")).unwrap();
+    assert_eq!(pinned(&e), 4 * G, "a whole one is");
+    e.resume(Some("kv")).unwrap();
+    assert!(read_raw(&sim, p, (4 * G) as usize) == pattern((4 * G) as usize, 5));
+}

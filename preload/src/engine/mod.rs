@@ -531,15 +531,26 @@ impl Engine {
         self.pinner.wait_idle(timeout)
     }
 
-    /// Hand retained pinned backups that are not page-locked yet to the background pinner.
-    fn pin_later<'a>(&self, cfg: &CopyConfig, hosts: impl Iterator<Item = &'a Arc<HostBuffer>>) {
+    /// Hand retained pinned backups that are not page-locked yet to the background pinner:
+    /// those holding all of their allocation (page-locking touches every page, so a chunked
+    /// allocation with only some chunks saved would pin host memory for chunks never saved).
+    fn pin_later<'a>(
+        &self,
+        cfg: &CopyConfig,
+        hosts: impl Iterator<Item = (DevPtr, &'a Arc<HostBuffer>)>,
+    ) {
         if cfg.pin != PinMode::Background || !self.retain_cpu_backup() {
             return;
         }
-        let todo = hosts
-            .filter(|h| h.backend() == BackupKind::Pinned && !h.fully_pinned())
-            .map(Arc::downgrade)
-            .collect();
+        let todo = {
+            let reg = self.reg.lock();
+            hosts
+                .filter(|(p, _)| reg.allocs.get(p).is_some_and(|a| a.fully_saved()))
+                .map(|(_, h)| h)
+                .filter(|h| h.backend() == BackupKind::Pinned && !h.fully_pinned())
+                .map(Arc::downgrade)
+                .collect()
+        };
         self.pinner.enqueue(todo);
     }
 

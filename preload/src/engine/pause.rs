@@ -135,7 +135,7 @@ impl Engine {
             jobs.iter()
                 .zip(&retired)
                 .filter(|(_, r)| r.0 > 0)
-                .filter_map(|(j, _)| j.host.as_ref()),
+                .filter_map(|(j, _)| Some((j.ptr, j.host.as_ref()?))),
         );
         drop(jobs);
         self.drop_unused_rings(&mut ops.rings);

@@ -216,7 +216,10 @@ impl Engine {
         } = tally;
         drop(settle);
         if retain {
-            self.pin_later(&cfg, jobs.iter().filter_map(|j| j.host.as_ref()));
+            self.pin_later(
+                &cfg,
+                jobs.iter().filter_map(|j| Some((j.ptr, j.host.as_ref()?))),
+            );
         }
         // The copies' references go first, so that the release below sees which buffers only
         // it holds.
