@@ -265,3 +265,44 @@ fn background_page_locking_waits_for_a_whole_backup() {
     e.resume(Some("kv")).unwrap();
     assert!(read_raw(&sim, p, (4 * G) as usize) == pattern((4 * G) as usize, 5));
 }
+
+/// Pages of `[p, p+len)` resident in host memory.
+fn resident(p: *const u8, len: usize) -> usize {
+    let page = 4096;
+    let mut v = vec![0u8; len.div_ceil(page)];
+    // SAFETY: p..p+len is inside a live mapping (the backup buffer, held by the engine), and
+    // `v` has a byte per page.
+    let r = unsafe { libc::mincore(p as *mut libc::c_void, len, v.as_mut_ptr()) };
+    assert_eq!(r, 0, "mincore");
+    v.iter().filter(|b| **b & 1 == 1).count()
+}
+
+/// Chunks resumed without retention give their part of the backup's host memory back, although
+/// the buffer stays for the chunks still paused.
+#[test]
+fn resumed_chunks_give_their_host_memory_back() {
+    let (sim, e) = setup(64 << 20);
+    let p = e
+        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Mmap)))
+        .unwrap();
+    let data = pattern((4 * G) as usize, 6);
+    write_raw(&sim, p, &data);
+    e.pause(Some("kv")).unwrap();
+    let base = e.cpu_backup_ptr(p, 4 * G).unwrap().expect("a snapshot");
+    assert_eq!(resident(base, (4 * G) as usize), (4 * G / 4096) as usize);
+    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+    assert_eq!(resident(base, (2 * G) as usize), 0, "chunks 0-1 given back");
+    assert_eq!(
+        resident(base.wrapping_add((2 * G) as usize), (2 * G) as usize),
+        (2 * G / 4096) as usize,
+        "chunks 2-3 kept"
+    );
+    assert_eq!(e.allocations()[0].host_bytes, 2 * G);
+    assert_eq!(
+        e.cpu_backup_ptr(p, G).unwrap(),
+        None,
+        "no snapshot of chunk 0 any more"
+    );
+    e.resume(Some("kv")).unwrap();
+    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
+}

@@ -345,7 +345,7 @@ fn resync_failed_pause(
             }
         }
         // A backup made for a pause that failed may be kept for the next one.
-        a.host = i.host_bytes > 0 || i.disk_bytes > 0;
+        a.host = i.host_bytes > 0 || i.host_pinned_bytes > 0 || i.disk_bytes > 0;
     }
     Ok(())
 }
@@ -601,6 +601,14 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             (i.host_bytes, i.disk_bytes),
             match (a.host, a.disk()) {
                 (false, _) => (0, 0),
+                // A chunked allocation's host memory is that of the chunks the backup holds.
+                (true, false) if a.chunk > 0 => (
+                    (0..a.saved.len())
+                        .filter(|&u| a.saved[u])
+                        .map(|u| a.span(u).1)
+                        .sum(),
+                    0,
+                ),
                 (true, false) => (a.size, 0),
                 (true, true) => (0, a.mapped),
             },

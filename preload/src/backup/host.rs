@@ -229,6 +229,33 @@ impl HostBuffer {
         unsafe { libc::madvise(p.cast(), n as usize, libc::MADV_DONTNEED) };
     }
 
+    /// Give the memory of bytes `off..off + len` back to the system (whole pages inside the
+    /// range, in chunks that are not page-locked); they read as zero afterwards. For parts of a
+    /// buffer nobody reads any more (a chunk of a chunked allocation that was resumed without
+    /// retention), while the background pinner is held quiet.
+    pub fn drop_pages(&self, off: u64, len: u64) {
+        let page = crate::os::page_size();
+        let end = (off + len).min(self.len);
+        for i in 0..self.chunks() {
+            let (c, n) = self.chunk_span(i);
+            let a = off.max(c).next_multiple_of(page);
+            let b = end.min(c + n) / page * page;
+            if a >= b || self.state[i].load(Ordering::Acquire) != UNPINNED {
+                continue;
+            }
+            // SAFETY: whole pages inside our own mapping, not page-locked (a registered page
+            // would keep feeding DMA while the mapping gets a fresh one), and unused: the caller
+            // holds the only other reference and no copy targets these bytes.
+            unsafe {
+                libc::madvise(
+                    self.ptr.add(a as usize).cast(),
+                    (b - a) as usize,
+                    libc::MADV_DONTNEED,
+                )
+            };
+        }
+    }
+
     /// The contents, for writing.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in as_slice, and &mut self makes the borrow exclusive.

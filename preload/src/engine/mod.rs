@@ -90,6 +90,9 @@ use pipeline::Ring;
 use registry::{Allocation, Registry};
 use segment::{Mapping, Span};
 
+/// A host buffer and byte ranges of it.
+type BufferRanges = (Arc<HostBuffer>, Vec<(u64, u64)>);
+
 /// CPU-backup policy of an allocation.
 pub type Backup = Option<BackupKind>;
 
@@ -141,7 +144,8 @@ pub struct AllocInfo {
     pub backup: Backup,
     /// Current state.
     pub state: State,
-    /// Bytes of host memory held for this allocation's backup.
+    /// Bytes of host memory held for this allocation's backup (for a chunked allocation, those
+    /// of the chunks the backup holds).
     pub host_bytes: u64,
     /// Bytes of that host memory page-locked.
     pub host_pinned_bytes: u64,
@@ -1108,7 +1112,7 @@ impl Engine {
                 tag: a.tag.to_string(),
                 backup: a.backup,
                 state: a.state,
-                host_bytes: a.host.as_deref().map_or(0, HostBuffer::len),
+                host_bytes: a.host_bytes(),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 disk_bytes: a.disk.as_deref().map_or(0, DiskFile::len),
                 host_valid: a.fully_saved(),
@@ -1129,7 +1133,7 @@ impl Engine {
                 size: a.size,
                 mapped: a.mapped,
                 active: a.active_bytes(),
-                host: a.host.as_deref().map_or(0, HostBuffer::len),
+                host: a.host_bytes(),
                 host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 disk: a.disk.as_deref().map_or(0, DiskFile::len),
             }),

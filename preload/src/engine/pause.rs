@@ -7,8 +7,8 @@ use std::time::Instant;
 use super::pipeline::{self, Dir, Item, Ring, Target};
 use super::segment::{self, Span};
 use super::{
-    by_device, check_tag, describe, device_work, first_error, per_device, Backup, CopyConfig,
-    Engine, OpReport, Pick, Settle, State, Tally,
+    by_device, check_tag, describe, device_work, first_error, per_device, Backup, BufferRanges,
+    CopyConfig, Engine, OpReport, Pick, Settle, State, Tally,
 };
 use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
@@ -36,11 +36,8 @@ struct Job {
     file_chunk: u64,
     /// A buffer others hold that has the contents of the allocation's paused segments: copied
     /// (those byte ranges) into the new buffer before anything is paused.
-    carry: Option<Carry>,
+    carry: Option<BufferRanges>,
 }
-
-/// A buffer and the byte ranges of it to carry over.
-type Carry = (Arc<HostBuffer>, Vec<(u64, u64)>);
 
 impl Job {
     fn target(&self) -> Option<Target<'_>> {

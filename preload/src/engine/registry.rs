@@ -108,6 +108,22 @@ impl Allocation {
             .filter(|_| self.saved[r].iter().all(|s| *s))
     }
 
+    /// Host memory held for the backup: the buffer's length, or for a chunked allocation the
+    /// bytes of the chunks it holds (the rest of the buffer is never touched, or given back).
+    pub fn host_bytes(&self) -> u64 {
+        let Some(h) = &self.host else {
+            return 0;
+        };
+        if self.chunk == 0 {
+            return h.len();
+        }
+        segments(self.mapped, self.segment)
+            .zip(&self.saved)
+            .filter(|(_, s)| **s)
+            .map(|((off, len), _)| (off + len).min(self.size).saturating_sub(off))
+            .sum()
+    }
+
     /// The backup holds the whole allocation's contents.
     pub fn fully_saved(&self) -> bool {
         self.saved.iter().all(|s| *s)

@@ -7,8 +7,8 @@ use std::time::Instant;
 use super::pipeline::{self, Dir, Item, Target};
 use super::segment::{self, Mapping, Span};
 use super::{
-    by_device, check_tag, device_work, first_error, per_device, Engine, OpReport, Pick, Settle,
-    State, Tally,
+    by_device, check_tag, device_work, first_error, per_device, BufferRanges, Engine, OpReport,
+    Pick, Settle, State, Tally,
 };
 use crate::backup::{release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
@@ -180,6 +180,9 @@ impl Engine {
         let retain = self.retain_cpu_backup();
         let mut tally = Tally::default();
         let mut released = Vec::new();
+        // Host memory of chunks resumed without retention, in buffers their paused neighbours
+        // still need: given back once nothing else holds the buffer.
+        let mut drop_pages: Vec<BufferRanges> = Vec::new();
         {
             let mut reg = self.reg.lock();
             for (i, r, m) in made {
@@ -206,6 +209,9 @@ impl Engine {
                     // Paused chunks still need it.
                     if a.state == State::Active {
                         released.extend(a.host.take());
+                    } else if let Some(h) = &a.host {
+                        let ranges = j.runs.iter().map(|(s, _)| (s.ptr - j.ptr, s.mapped));
+                        drop_pages.push((h.clone(), ranges.collect()));
                     }
                 }
             }
@@ -234,6 +240,15 @@ impl Engine {
         // holding up anyone else.
         let t1 = Instant::now();
         release_parallel(released, cfg.threads);
+        for (h, ranges) in drop_pages {
+            // The registry's reference and this one: no lease or reader from before the resume
+            // (later ones only read chunks the backup holds, never these).
+            if Arc::strong_count(&h) == 2 {
+                for (off, len) in ranges {
+                    h.drop_pages(off, len);
+                }
+            }
+        }
         drop(rings);
         report.release_seconds = t1.elapsed().as_secs_f64();
         report.seconds = t0.elapsed().as_secs_f64();
