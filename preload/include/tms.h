@@ -83,6 +83,10 @@ const char *tms_status_name(int code);
  * there is none. */
 size_t tms_last_error(char *buf, size_t cap);
 
+/* How many errors the calling thread has recorded (each failure counts one, also a refused
+ * cudaMalloc inside a hook): compare before and after to learn whether the library failed. */
+uint64_t tms_error_count(void);
+
 /* Start the library now (it otherwise starts at the first pauseable allocation) and write
  * the driver's name ("cuda" or "sim") into buf. */
 int tms_init(char *buf, size_t cap, size_t *out_len);

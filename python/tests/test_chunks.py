@@ -330,6 +330,19 @@ def test_an_allocation_that_is_not_a_multiple_of_the_chunk_fails_clearly(preload
                 raise mine
         except tms_pkg.TorchMemorySaverError as e:
             assert e is mine, e
+        # The same refusal twice in a row (the same message) is translated both times: the
+        # thread's error count tells a new error from the old one.
+        for _ in range(2):
+            try:
+                with tms.region(tag="kv", chunk_size=C):
+                    assert cuda_malloc(6 * MIB)[0] == 1
+                    raise RuntimeError("CUDA error: invalid argument")
+            except tms_pkg.InvalidArgumentError as e:
+                assert "6291456" in str(e), e
+        n = lib.tms_error_count()
+        tms.pause("kv")
+        tms.resume("kv")
+        assert lib.tms_error_count() == n, "no new error, no count"
         # Not in a region without a chunk size, nor for another chunk size (each refusal below
         # is a new last error: 10 then 18 MiB).
         for mib, kw in ((10, {}), (18, {"chunk_size": 2 * C})):

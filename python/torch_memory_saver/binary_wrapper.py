@@ -26,6 +26,7 @@ _SIGNATURES = {
     "tms_version": (ctypes.c_char_p, []),
     "tms_status_name": (ctypes.c_char_p, [ctypes.c_int]),
     "tms_last_error": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+    "tms_error_count": (ctypes.c_uint64, []),
     "tms_init": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_is_active": (ctypes.c_int, []),
     "tms_region_enter": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]),

@@ -350,13 +350,13 @@ class _TorchMemorySaverImpl:
         library refused because its size is not a multiple of the chunk size (torch's
         OutOfMemoryError in torch mode, its CUDA error in preload mode) becomes our
         :class:`InvalidArgumentError` with the library's message, chained from torch's. Only
-        when this thread's last library error is that refusal, set inside this block (it was
-        not the last error at entry) and for this chunk size; any other exception passes
-        through unchanged."""
+        when this thread's last library error is that refusal, recorded inside this block (the
+        thread's error count moved) and for this chunk size; any other exception passes through
+        unchanged."""
         if not chunk:
             yield
             return
-        before = lib.last_error()
+        before = lib.tms_error_count()
         try:
             yield
         except RuntimeError as e:
@@ -364,7 +364,7 @@ class _TorchMemorySaverImpl:
                 raise
             msg = lib.last_error()
             m = _CHUNK_MISFIT.search(msg)
-            if msg == before or m is None or int(m.group(1)) != chunk:
+            if lib.tms_error_count() == before or m is None or int(m.group(1)) != chunk:
                 raise
             raise InvalidArgumentError(
                 f"{msg} (inside a region with chunk_size={chunk}, allocate only tensors whose size in bytes "

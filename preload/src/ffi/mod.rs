@@ -163,6 +163,13 @@ pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
     })
 }
 
+/// How many errors this thread has recorded (each failure, also one inside a hook, counts one):
+/// compare before and after a call to learn whether it failed in the library.
+#[no_mangle]
+pub extern "C" fn tms_error_count() -> u64 {
+    catch(0, crate::process::boundary::error_count)
+}
+
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
 /// driver's name (`cuda` or `sim`) into `buf`.
 ///

@@ -2,7 +2,7 @@
 //! needs at the boundary: no panic crosses it ([`catch`]), and a failure leaves its message as
 //! the calling thread's last error (read back by `tms_last_error`).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ffi::CString;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -10,6 +10,14 @@ use crate::error::{panic_message, Error};
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// How many errors this thread has recorded: tells a caller whether a call it made set a
+    /// new one, even when the message is the same as before.
+    static ERRORS: Cell<u64> = const { Cell::new(0) };
+}
+
+/// How many errors this thread has recorded so far.
+pub fn error_count() -> u64 {
+    ERRORS.try_with(Cell::get).unwrap_or(0)
 }
 
 /// Record `e` as this thread's last error.
@@ -21,6 +29,7 @@ pub fn set_last_error(e: &Error) {
 pub fn set_last_message(msg: &str) {
     let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
     let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
+    let _ = ERRORS.try_with(|n| n.set(n.get() + 1));
 }
 
 /// `f` applied to this thread's last error message (without its NUL); `None` once the
