@@ -1067,13 +1067,7 @@ impl Engine {
     /// range (rounded inward: a chunk only partly inside is left out).
     pub fn chunks_in(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, Vec<usize>)> {
         let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, len.max(1))?;
-        if a.chunk == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
-                a.tag
-            )));
-        }
+        let (start, a) = reg.chunked_containing(addr, len.max(1))?;
         let off = addr - start;
         let first = off.div_ceil(a.chunk);
         let end = (off + len) / a.chunk;
@@ -1083,13 +1077,7 @@ impl Engine {
     /// Layout and states of the chunked allocation at `addr` (its start or any address in it).
     pub fn chunk_info(&self, addr: DevPtr) -> Result<ChunkInfo> {
         let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, 1)?;
-        if a.chunk == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "allocation {start:#x} (tag {:?}) is not chunked",
-                a.tag
-            )));
-        }
+        let (start, a) = reg.chunked_containing(addr, 1)?;
         Ok(ChunkInfo {
             addr: start,
             tag: a.tag.to_string(),

@@ -55,9 +55,8 @@ impl Job {
     /// Device bytes of run `r`, and the bytes of it the backup holds.
     fn run_bytes(&self, r: usize) -> (u64, u64) {
         let s = &self.runs[r].0;
-        let off = s.ptr - self.ptr;
         let copied = if self.backup.is_some() {
-            (off + s.mapped).min(self.size).saturating_sub(off)
+            s.backed(self.ptr, self.size)
         } else {
             0
         };
@@ -184,8 +183,7 @@ impl Engine {
                             .filter(|&s| a.handles[s].is_none() && a.saved[s])
                             .map(|s| {
                                 let sub = span.sub(s, 1);
-                                let off = sub.ptr - ptr;
-                                (off, (off + sub.mapped).min(a.size) - off)
+                                (sub.ptr - ptr, sub.backed(ptr, a.size))
                             })
                             .collect();
                         // Active segments' retained contents are not carried: no longer saved.
@@ -390,13 +388,7 @@ impl Engine {
             .iter()
             .map(|&(k, r)| {
                 let j = &jobs[list[k]];
-                let s = &j.runs[r].0;
-                Item {
-                    dev: j.ptr,
-                    off: s.ptr - j.ptr,
-                    len: s.mapped,
-                    target: j.target(),
-                }
+                Item::over(j.ptr, &j.runs[r].0, j.target())
             })
             .collect();
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
@@ -430,7 +422,7 @@ impl Engine {
         let segs = span.with_handles(hs);
         segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
         let released = segment::release_all(d, &segs);
-        let first = ((span.ptr - j.ptr) / span.segment) as usize;
+        let first = span.first_segment(j.ptr);
         {
             let mut reg = self.reg.lock();
             let a = reg.marked(j.ptr);

@@ -179,7 +179,21 @@ pub(super) struct Item<'a> {
     pub target: Option<Target<'a>>,
 }
 
-impl Item<'_> {
+impl<'a> Item<'a> {
+    /// The bytes of `span` of the allocation at `dev`, to or from `target`.
+    pub(super) fn over(
+        dev: DevPtr,
+        span: &super::segment::Span,
+        target: Option<Target<'a>>,
+    ) -> Self {
+        Item {
+            dev,
+            off: span.ptr - dev,
+            len: span.mapped,
+            target,
+        }
+    }
+
     /// The parts of the target's chunks inside the range: `(chunk, offset, length)`.
     fn units(&self) -> Vec<(usize, u64, u64)> {
         let Some(t) = self.target else {
@@ -332,8 +346,9 @@ impl Shared<'_> {
 }
 
 /// Run the pipeline over `items` on `device`, in direction `dir`. On this thread (the
-/// coordinator), in item order: `prepare(i, progress)` (the resume maps the allocation here,
-/// calling `progress(bytes)` as its first bytes become usable), after which the workers may copy
+/// coordinator), in item order: `prepare(i, progress)` (the resume maps the item's range here,
+/// calling `progress(end)` as the allocation's bytes up to offset `end` become usable), after
+/// which the workers may copy
 /// item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for
 /// items with nothing to copy; the pause unmaps here). The first error, of a copy or of either
 /// callback, stops the preparing and the hand-out of work; copies complete by then are still

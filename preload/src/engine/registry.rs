@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use super::segment::{segments, Seg, Span};
+use super::segment::{clipped, segments, Seg, Span};
 use super::{stats, Backup, State};
 use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
@@ -120,7 +120,7 @@ impl Allocation {
         segments(self.mapped, self.segment)
             .zip(&self.saved)
             .filter(|(_, s)| **s)
-            .map(|((off, len), _)| (off + len).min(self.size).saturating_sub(off))
+            .map(|((off, len), _)| clipped(off, len, self.size))
             .sum()
     }
 
@@ -158,6 +158,18 @@ impl Registry {
         } else {
             Err(not_found())
         }
+    }
+
+    /// [`Registry::containing`], for a chunked allocation only.
+    pub fn chunked_containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
+        let (start, a) = self.containing(addr, len)?;
+        if a.chunk == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
+                a.tag
+            )));
+        }
+        Ok((start, a))
     }
 
     /// Start a transaction: on each settled pauseable allocation for which `pick` names

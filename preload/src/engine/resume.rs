@@ -43,9 +43,8 @@ impl Job {
     /// Bytes copied back into run `r`.
     fn copied(&self, r: usize) -> u64 {
         let (s, saved) = &self.runs[r];
-        let off = s.ptr - self.ptr;
         if *saved && (self.host.is_some() || self.disk.is_some()) {
-            (off + s.mapped).min(self.size).saturating_sub(off)
+            s.backed(self.ptr, self.size)
         } else {
             0
         }
@@ -120,16 +119,7 @@ impl Engine {
                     .collect();
                 let items: Vec<Item<'_>> = parts
                     .iter()
-                    .map(|&(i, r)| {
-                        let j = &jobs[i];
-                        let s = &j.runs[r].0;
-                        Item {
-                            dev: j.ptr,
-                            off: s.ptr - j.ptr,
-                            len: s.mapped,
-                            target: j.target(r),
-                        }
-                    })
+                    .map(|&(i, r)| Item::over(jobs[i].ptr, &jobs[i].runs[r].0, jobs[i].target(r)))
                     .collect();
                 let mut made = Vec::with_capacity(parts.len());
                 let r = DeviceScope::enter(d, device).and_then(|_scope| {
@@ -188,7 +178,7 @@ impl Engine {
             for (i, r, m) in made {
                 let j = &jobs[i];
                 let a = reg.marked(j.ptr);
-                let first = ((j.runs[r].0.ptr - j.ptr) / j.runs[r].0.segment) as usize;
+                let first = j.runs[r].0.first_segment(j.ptr);
                 for (k, h) in m.commit().into_iter().enumerate() {
                     a.handles[first + k] = Some(h);
                 }

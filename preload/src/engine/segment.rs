@@ -14,6 +14,11 @@ pub fn segments(mapped: u64, segment: u64) -> impl Iterator<Item = (u64, u64)> {
     (0..mapped.div_ceil(segment)).map(move |k| (k * segment, segment.min(mapped - k * segment)))
 }
 
+/// Of bytes `off..off + len`, how many lie below `size`.
+pub(super) fn clipped(off: u64, len: u64, size: u64) -> u64 {
+    (off + len).min(size).saturating_sub(off)
+}
+
 /// Where a range's segments lie: device, start, length and segment size.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Span {
@@ -127,6 +132,17 @@ impl Span {
                 handle: *h,
             })
             .collect()
+    }
+
+    /// Index of its first segment in the allocation at `base`.
+    pub fn first_segment(&self, base: DevPtr) -> usize {
+        ((self.ptr - base) / self.segment) as usize
+    }
+
+    /// Of its bytes, those within the first `size` of the allocation at `base`: what a backup
+    /// of the allocation's asked size holds of this span.
+    pub fn backed(&self, base: DevPtr, size: u64) -> u64 {
+        clipped(self.ptr - base, self.mapped, size)
     }
 
     /// The sub-span of segments `first..first + n`.

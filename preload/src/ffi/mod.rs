@@ -9,6 +9,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 
 use crate::backup::BackupKind;
 use crate::control;
+use crate::engine::Pick;
 use crate::error::{status, Error, Result};
 use crate::process::boundary::{catch, set_last_error, set_last_message, with_last_error};
 use crate::process::{runtime, settings};
@@ -526,6 +527,74 @@ pub unsafe extern "C" fn tms_control_socket(
     })
 }
 
+/// Pause (`pause`) or resume what `p` names.
+fn transact(pause: bool, p: &Pick<'_>) -> Result<()> {
+    let e = &control::runtime()?.engine;
+    if pause {
+        e.pause_pick(p).map(|_| ())
+    } else {
+        e.resume_pick(p).map(|_| ())
+    }
+}
+
+/// The chunk indices of a C array, sorted and each once (an index that does not fit `usize`
+/// reads as `usize::MAX`, which the engine refuses as a chunk the allocation lacks).
+///
+/// # Safety
+/// `idx` is readable for `n` entries (or `n` is 0).
+unsafe fn indices<T: Copy + TryInto<usize>>(idx: *const T, n: u64) -> Result<Vec<usize>> {
+    let Some(n) = buffer_len(idx.is_null(), n, "chunk index array")? else {
+        return Ok(Vec::new());
+    };
+    // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
+    let mut v: Vec<usize> = unsafe { std::slice::from_raw_parts(idx, n) }
+        .iter()
+        .map(|&i| i.try_into().unwrap_or(usize::MAX))
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    Ok(v)
+}
+
+/// Refuse an output array shorter than the chunk count.
+fn room(n: usize, count: usize, what: &str) -> Result<()> {
+    if n < count {
+        return Err(Error::InvalidArgument(format!(
+            "{what} has room for {n} entries, but the allocation has {count} chunks"
+        )));
+    }
+    Ok(())
+}
+
+/// Write each value to its output, where the output is not NULL.
+///
+/// # Safety
+/// Each output is NULL or writable.
+unsafe fn put_all(outs: &[(*mut u64, u64)]) {
+    for &(p, v) in outs {
+        if !p.is_null() {
+            // SAFETY: the caller vouches for non-NULL outputs.
+            unsafe { *p = v };
+        }
+    }
+}
+
+/// A whole-tag pause or resume that saves or restores the chunk states.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string.
+unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bool) -> c_int {
+    entry(|| {
+        // SAFETY: forwarded contract.
+        let tag = unsafe { tag_or_all(tag) }?;
+        let p = Pick {
+            chunk_state: chunk_state != 0,
+            ..Pick::tag(tag)
+        };
+        transact(pause, &p)
+    })
+}
+
 /// Pause every active allocation of `tag` (NULL or `""`: every tag); with `save_chunk_state`,
 /// first record which chunks of each chunked allocation are active, for
 /// `tms_resume_ex(tag, 1)`.
@@ -534,15 +603,8 @@ pub unsafe extern "C" fn tms_control_socket(
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_pause_ex(tag: *const c_char, save_chunk_state: c_int) -> c_int {
-    entry(|| {
-        // SAFETY: forwarded contract.
-        let tag = unsafe { tag_or_all(tag) }?;
-        let p = crate::engine::Pick {
-            chunk_state: save_chunk_state != 0,
-            ..crate::engine::Pick::tag(tag)
-        };
-        control::runtime()?.engine.pause_pick(&p).map(|_| ())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { tag_with_chunk_state(tag, save_chunk_state, true) }
 }
 
 /// Resume the paused allocations of `tag` (NULL or `""`: every tag); with
@@ -553,15 +615,8 @@ pub unsafe extern "C" fn tms_pause_ex(tag: *const c_char, save_chunk_state: c_in
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_resume_ex(tag: *const c_char, restore_chunk_state: c_int) -> c_int {
-    entry(|| {
-        // SAFETY: forwarded contract.
-        let tag = unsafe { tag_or_all(tag) }?;
-        let p = crate::engine::Pick {
-            chunk_state: restore_chunk_state != 0,
-            ..crate::engine::Pick::tag(tag)
-        };
-        control::runtime()?.engine.resume_pick(&p).map(|_| ())
-    })
+    // SAFETY: forwarded contract.
+    unsafe { tag_with_chunk_state(tag, restore_chunk_state, false) }
 }
 
 /// The chunked allocation holding `addr`: its start, chunk size and chunk count (each output
@@ -578,16 +633,13 @@ pub unsafe extern "C" fn tms_chunks_of(
 ) -> c_int {
     entry(|| {
         let i = control::runtime()?.engine.chunk_info(addr)?;
-        for (p, v) in [
+        let outs = [
             (start, i.addr),
             (chunk, i.chunk),
             (count, i.active.len() as u64),
-        ] {
-            if !p.is_null() {
-                // SAFETY: the caller vouches for non-NULL outputs.
-                unsafe { *p = v };
-            }
-        }
+        ];
+        // SAFETY: forwarded contract.
+        unsafe { put_all(&outs) };
         Ok(())
     })
 }
@@ -602,12 +654,7 @@ pub unsafe extern "C" fn tms_chunk_states_at(addr: u64, out: *mut u8, n: u64) ->
     entry(|| {
         let i = control::runtime()?.engine.chunk_info(addr)?;
         let k = buffer_len(out.is_null(), n, "the state array")?.unwrap_or(0);
-        if k < i.active.len() {
-            return Err(Error::InvalidArgument(format!(
-                "the state array has room for {k} entries, but the allocation has {} chunks",
-                i.active.len()
-            )));
-        }
+        room(k, i.active.len(), "the state array")?;
         // SAFETY: the caller vouches for n writable bytes; buffer_len checked the pointer.
         let out = unsafe { std::slice::from_raw_parts_mut(out, k) };
         for (o, a) in out.iter_mut().zip(&i.active) {
@@ -624,25 +671,10 @@ pub unsafe extern "C" fn tms_chunk_states_at(addr: u64, out: *mut u8, n: u64) ->
 #[no_mangle]
 pub unsafe extern "C" fn tms_chunks_at(addr: u64, pause: c_int, idx: *const u64, n: u64) -> c_int {
     entry(|| {
-        let k = buffer_len(idx.is_null(), n, "chunk index array")?.unwrap_or(0);
-        let mut v: Vec<usize> = if k == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: the caller vouches for n readable entries; checked non-null.
-            unsafe { std::slice::from_raw_parts(idx, k) }
-                .iter()
-                .map(|&i| usize::try_from(i).unwrap_or(usize::MAX))
-                .collect()
-        };
-        v.sort_unstable();
-        v.dedup();
-        let e = &control::runtime()?.engine;
-        let p = crate::engine::Pick::chunks(e.chunk_info(addr)?.addr, &v);
-        if pause != 0 {
-            e.pause_pick(&p).map(|_| ())
-        } else {
-            e.resume_pick(&p).map(|_| ())
-        }
+        // SAFETY: forwarded contract.
+        let v = unsafe { indices(idx, n) }?;
+        let start = control::runtime()?.engine.chunk_info(addr)?.addr;
+        transact(pause != 0, &Pick::chunks(start, &v))
     })
 }
 
@@ -661,26 +693,16 @@ pub unsafe extern "C" fn tms_range(
     count: *mut u64,
 ) -> c_int {
     entry(|| {
-        let e = &control::runtime()?.engine;
-        let (start, idx) = e.chunks_in(addr, len)?;
+        let (start, idx) = control::runtime()?.engine.chunks_in(addr, len)?;
         let outs = [
             (first, idx.first().map_or(0, |&i| i as u64)),
             (count, idx.len() as u64),
         ];
-        for (p, v) in outs {
-            if !p.is_null() {
-                // SAFETY: the caller vouches for non-NULL outputs.
-                unsafe { *p = v };
-            }
-        }
+        // SAFETY: forwarded contract.
+        unsafe { put_all(&outs) };
         if idx.is_empty() {
             return Ok(());
         }
-        let p = crate::engine::Pick::chunks(start, &idx);
-        if pause != 0 {
-            e.pause_pick(&p).map(|_| ())
-        } else {
-            e.resume_pick(&p).map(|_| ())
-        }
+        transact(pause != 0, &Pick::chunks(start, &idx))
     })
 }

@@ -234,38 +234,18 @@ pub extern "C" fn tms_get_chunk_size() -> usize {
     })
 }
 
-/// The chunk indices of a C array, sorted and each once.
-///
-/// # Safety
-/// `idx` is readable for `n` entries (or `n` is 0).
-unsafe fn indices(idx: *const usize, n: usize) -> Result<Vec<usize>> {
-    let Some(n) = super::buffer_len(idx.is_null(), n as u64, "chunk index array")? else {
-        return Ok(Vec::new());
-    };
-    // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
-    let mut v = unsafe { std::slice::from_raw_parts(idx, n) }.to_vec();
-    v.sort_unstable();
-    v.dedup();
-    Ok(v)
-}
-
 /// Pause or resume chunks of the chunked allocation of `tag` (which must have exactly one).
 ///
 /// # Safety
-/// As [`indices`]; `tag` is a NUL-terminated string.
+/// `idx` is readable for `n` entries; `tag` is a NUL-terminated string.
 unsafe fn tag_chunks(tag: *const c_char, idx: *const usize, n: usize, pause: bool) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
         let tag = unsafe { super::arg_str(tag, "tag") }?;
         // SAFETY: forwarded contract.
-        let idx = unsafe { indices(idx, n) }?;
-        let e = &control::runtime()?.engine;
-        let p = crate::engine::Pick::chunks(e.chunked(tag)?, &idx);
-        if pause {
-            e.pause_pick(&p).map(|_| ())
-        } else {
-            e.resume_pick(&p).map(|_| ())
-        }
+        let idx = unsafe { super::indices(idx, n as u64) }?;
+        let start = control::runtime()?.engine.chunked(tag)?;
+        super::transact(pause, &crate::engine::Pick::chunks(start, &idx))
     })
 }
 
@@ -310,16 +290,6 @@ unsafe fn tag_info(tag: *const c_char) -> Result<crate::engine::ChunkInfo> {
     e.chunk_info(e.chunked(tag)?)
 }
 
-/// Refuse an output array shorter than the chunk count.
-fn room(n: usize, count: usize, what: &str) -> Result<()> {
-    if n < count {
-        return Err(Error::InvalidArgument(format!(
-            "{what} has room for {n} entries, but the allocation has {count} chunks"
-        )));
-    }
-    Ok(())
-}
-
 /// Chunks of the chunked allocation of `tag`; 0 on failure (no such allocation, or several;
 /// see `tms_last_error`).
 ///
@@ -350,7 +320,7 @@ pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, 
         let r = (|| {
             // SAFETY: forwarded contract.
             let info = unsafe { tag_info(tag) }?;
-            room(n, info.active.len(), "the state array")?;
+            super::room(n, info.active.len(), "the state array")?;
             let n = super::buffer_len(out.is_null(), n as u64, "the state array")?.unwrap_or(0);
             // SAFETY: the caller vouches for n writable bytes; buffer_len checked the pointer.
             let out = unsafe { std::slice::from_raw_parts_mut(out, n) };
@@ -378,7 +348,7 @@ pub unsafe extern "C" fn tms_get_chunk_layout(
     entry(|| {
         // SAFETY: forwarded contract.
         let info = unsafe { tag_info(tag) }?;
-        room(n, info.layout.len(), "the layout arrays")?;
+        super::room(n, info.layout.len(), "the layout arrays")?;
         let k = super::buffer_len(
             offsets.is_null() || sizes.is_null(),
             n as u64,
