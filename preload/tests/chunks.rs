@@ -243,27 +243,72 @@ fn resume_restores_the_saved_chunk_state() {
     assert!(read_raw(&sim, p, (4 * G) as usize) == data);
 }
 
-/// Page-locking in the background touches every page of a buffer: a chunked allocation's is
-/// page-locked only once the backup holds all of it, never for chunks that were not saved.
+/// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
+/// is page-locked only where it holds saved chunks (whole host chunks of them), never for chunks
+/// that were not saved; and chunks resumed without retention are unregistered before their pages
+/// are given back.
 #[test]
-fn background_page_locking_waits_for_a_whole_backup() {
+fn background_page_locking_covers_only_saved_chunks() {
     let (sim, e) = setup(64 << 20);
     e.set_retain_cpu_backup(true);
     let p = e
         .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Pinned)))
         .unwrap();
-    write_raw(&sim, p, &pattern((4 * G) as usize, 5));
+    let data = pattern((4 * G) as usize, 5);
+    write_raw(&sim, p, &data);
     let pinned = |e: &Engine| {
         assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(20)));
         e.allocations()[0].host_pinned_bytes
     };
-    e.pause_pick(&Pick::chunks(p, &[0, 1])).unwrap();
-    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
-    assert_eq!(pinned(&e), 0, "half a backup is not page-locked");
+    // Chunks 1 and 3: host chunks (1 MiB) 2-3 and 6-7.
+    e.pause_pick(&Pick::chunks(p, &[1, 3])).unwrap();
+    e.resume_pick(&Pick::chunks(p, &[1, 3])).unwrap();
+    assert_eq!(pinned(&e), 2 * G, "the saved half is page-locked");
+    let base = e
+        .cpu_backup_ptr(p + G, G)
+        .unwrap()
+        .expect("chunk 1 is saved") as usize;
+    let base = base - G as usize;
+    let registered = sim.host_registrations();
+    for c in [1, 3] {
+        let at = base + c * G as usize;
+        assert!(
+            registered
+                .iter()
+                .any(|&(s, l)| s <= at && at < s + l as usize),
+            "chunk {c} registered"
+        );
+    }
+    for c in [0, 2] {
+        let (lo, hi) = (base + c * G as usize, base + (c + 1) * G as usize);
+        assert!(
+            !registered
+                .iter()
+                .any(|&(s, l)| s < hi && lo < s + l as usize),
+            "chunk {c} was never saved, so it is not registered"
+        );
+    }
     e.pause(Some("kv")).unwrap();
-    assert_eq!(pinned(&e), 4 * G, "a whole one is");
+    assert_eq!(pinned(&e), 4 * G, "a whole backup is page-locked whole");
+    // Without retention, resumed chunks are unregistered and given back; the others stay.
+    e.set_retain_cpu_backup(false);
+    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+    assert_eq!(e.allocations()[0].host_pinned_bytes, 2 * G);
+    assert_eq!(
+        resident(base as *const u8, (2 * G) as usize),
+        0,
+        "chunks 0-1 given back"
+    );
+    assert!(sim
+        .host_registrations()
+        .iter()
+        .all(|&(s, _)| s >= base + 2 * G as usize));
     e.resume(Some("kv")).unwrap();
-    assert!(read_raw(&sim, p, (4 * G) as usize) == pattern((4 * G) as usize, 5));
+    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
+    assert!(
+        sim.host_registrations().is_empty(),
+        "all unregistered with the buffer"
+    );
 }
 
 /// Pages of `[p, p+len)` resident in host memory.
@@ -305,4 +350,35 @@ fn resumed_chunks_give_their_host_memory_back() {
     );
     e.resume(Some("kv")).unwrap();
     assert!(read_raw(&sim, p, (4 * G) as usize) == data);
+}
+
+/// A page-locking queued for later is dropped when the chunk's pages are given back meanwhile
+/// (it would bring them back as zeroes and pin them); one still wanted goes ahead.
+#[test]
+fn given_back_chunks_are_not_page_locked_later() {
+    use tms::backup::{HostBuffer, HostLayout};
+    let (sim, _e) = setup(64 << 20);
+    let layout = HostLayout {
+        chunk: 1 << 20,
+        hugepages: false,
+    };
+    let h = HostBuffer::new(sim.clone(), 0, BackupKind::Pinned, 4 << 20, layout).unwrap();
+    assert_eq!(h.chunks_within(&[(1 << 20, 2 << 20)]), vec![1, 2]);
+    assert_eq!(
+        h.chunks_within(&[(1 << 19, 2 << 20)]),
+        vec![1],
+        "whole chunks only"
+    );
+    h.want(&[0, 1, 2]);
+    h.drop_pages(0, 2 << 20);
+    for i in 0..4 {
+        h.pin_wanted(i).unwrap();
+    }
+    assert!(
+        !h.is_pinned(0) && !h.is_pinned(1),
+        "given back: no longer wanted"
+    );
+    assert!(h.is_pinned(2), "still wanted");
+    assert!(!h.is_pinned(3), "never wanted");
+    assert_eq!(h.pinned_bytes(), 1 << 20);
 }

@@ -46,6 +46,9 @@ pub struct HostBuffer {
     backend: BackupKind,
     chunk: u64,
     state: Box<[AtomicU8]>,
+    /// Page-locking chunk `i` in the background is still wanted: set when it is queued, cleared
+    /// when its pages are given back, so a queued page-locking never brings them back.
+    wanted: Box<[AtomicBool]>,
     retired: AtomicBool,
     driver: Arc<dyn Driver>,
     /// The device whose context page-locks the memory: the device of the allocation backed up
@@ -96,6 +99,7 @@ impl HostBuffer {
             backend,
             chunk: layout.chunk,
             state: (0..chunks).map(|_| AtomicU8::new(UNPINNED)).collect(),
+            wanted: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             retired: AtomicBool::new(false),
             driver,
             device,
@@ -190,6 +194,32 @@ impl HostBuffer {
         r
     }
 
+    /// Mark chunks for page-locking later ([`HostBuffer::pin_wanted`]).
+    pub fn want(&self, chunks: &[usize]) {
+        for &i in chunks {
+            self.wanted[i].store(true, Ordering::Release);
+        }
+    }
+
+    /// Page-lock chunk `i` if that is still wanted ([`HostBuffer::want`]).
+    pub fn pin_wanted(&self, i: usize) -> Result<()> {
+        if self.wanted[i].load(Ordering::Acquire) {
+            self.pin(i)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The chunks that lie wholly inside the byte ranges `(offset, length)` (sorted, disjoint).
+    pub fn chunks_within(&self, ranges: &[(u64, u64)]) -> Vec<usize> {
+        (0..self.chunks())
+            .filter(|&i| {
+                let (c, n) = self.chunk_span(i);
+                ranges.iter().any(|&(o, l)| o <= c && c + n <= o + l)
+            })
+            .collect()
+    }
+
     /// Page-lock every chunk.
     pub fn pin_all(&self) -> Result<()> {
         (0..self.chunks()).try_for_each(|i| self.pin(i))
@@ -230,9 +260,10 @@ impl HostBuffer {
     }
 
     /// Give the memory of bytes `off..off + len` back to the system (whole pages inside the
-    /// range, in chunks that are not page-locked); they read as zero afterwards. For parts of a
-    /// buffer nobody reads any more (a chunk of a chunked allocation that was resumed without
-    /// retention), while the background pinner is held quiet.
+    /// range); they read as zero afterwards. A page-locked chunk wholly inside the range is
+    /// unregistered first; one only partly inside keeps its pages. For parts of a buffer nobody
+    /// reads any more (chunks of a chunked allocation resumed without retention), while the
+    /// background pinner is held quiet (so no chunk is being page-locked).
     pub fn drop_pages(&self, off: u64, len: u64) {
         let page = crate::os::page_size();
         let end = (off + len).min(self.len);
@@ -240,7 +271,24 @@ impl HostBuffer {
             let (c, n) = self.chunk_span(i);
             let a = off.max(c).next_multiple_of(page);
             let b = end.min(c + n) / page * page;
-            if a >= b || self.state[i].load(Ordering::Acquire) != UNPINNED {
+            if a >= b {
+                continue;
+            }
+            self.wanted[i].store(false, Ordering::Release);
+            let whole = off <= c && c + n <= end;
+            if whole && self.is_pinned(i) {
+                let p = self.chunk_pages(i).0 as usize;
+                // SAFETY: chunk i is registered at this address (PINNED, and the pinner is quiet,
+                // so no one else changes that), and no copy uses it: the caller holds the only
+                // other reference.
+                if let Err(e) = unsafe { self.driver.host_unregister(self.device, self.ptr.add(p)) }
+                {
+                    tracing::warn!("giving back part of a host backup: {e}; it stays page-locked");
+                    continue;
+                }
+                self.state[i].store(UNPINNED, Ordering::Release);
+            }
+            if self.state[i].load(Ordering::Acquire) != UNPINNED {
                 continue;
             }
             // SAFETY: whole pages inside our own mapping, not page-locked (a registered page

@@ -515,6 +515,16 @@ impl SimDriver {
         self.inner.lock().registered.len()
     }
 
+    /// The registered host ranges, as (address, length).
+    pub fn host_registrations(&self) -> Vec<(usize, u64)> {
+        self.inner
+            .lock()
+            .registered
+            .iter()
+            .map(|(s, l)| (*s, *l))
+            .collect()
+    }
+
     /// Copies queued whose host side was not registered memory (on a GPU such a copy goes
     /// through the driver's slow pageable path).
     pub fn pageable_copies(&self) -> u64 {

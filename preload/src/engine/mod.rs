@@ -535,9 +535,10 @@ impl Engine {
         self.pinner.wait_idle(timeout)
     }
 
-    /// Hand retained pinned backups that are not page-locked yet to the background pinner:
-    /// those holding all of their allocation (page-locking touches every page, so a chunked
-    /// allocation with only some chunks saved would pin host memory for chunks never saved).
+    /// Hand retained pinned backups that are not page-locked yet to the background pinner: the
+    /// chunks of them that lie wholly in what the backup holds (page-locking touches every page,
+    /// so a chunked allocation with only some chunks saved would otherwise pin host memory for
+    /// chunks never saved).
     fn pin_later<'a>(
         &self,
         cfg: &CopyConfig,
@@ -549,10 +550,17 @@ impl Engine {
         let todo = {
             let reg = self.reg.lock();
             hosts
-                .filter(|(p, _)| reg.allocs.get(p).is_some_and(|a| a.fully_saved()))
-                .map(|(_, h)| h)
-                .filter(|h| h.backend() == BackupKind::Pinned && !h.fully_pinned())
-                .map(Arc::downgrade)
+                .filter(|(_, h)| h.backend() == BackupKind::Pinned)
+                .filter_map(|(p, h)| {
+                    let a = reg.allocs.get(&p)?;
+                    let chunks: Vec<usize> = h
+                        .chunks_within(&a.saved_ranges())
+                        .into_iter()
+                        .filter(|&i| !h.is_pinned(i))
+                        .collect();
+                    h.want(&chunks);
+                    (!chunks.is_empty()).then(|| (Arc::downgrade(h), chunks))
+                })
                 .collect()
         };
         self.pinner.enqueue(todo);

@@ -21,7 +21,8 @@ use crate::backup::HostBuffer;
 
 #[derive(Default)]
 struct Queue {
-    buffers: VecDeque<Weak<HostBuffer>>,
+    /// Buffers and which of their chunks to page-lock.
+    buffers: VecDeque<(Weak<HostBuffer>, Vec<usize>)>,
     running: bool,
     /// Pauses and resumes under way: the pinner waits for them (page-locking slows the
     /// driver's copies down several times over, measured on an H200 host).
@@ -63,8 +64,9 @@ impl Drop for Quiet<'_> {
 }
 
 impl Pinner {
-    /// Page-lock these buffers soon, starting the thread if it is not running.
-    pub(super) fn enqueue(self: &Arc<Self>, bufs: Vec<Weak<HostBuffer>>) {
+    /// Page-lock these chunks of these buffers soon (those still wanted then:
+    /// [`HostBuffer::want`]), starting the thread if it is not running.
+    pub(super) fn enqueue(self: &Arc<Self>, bufs: Vec<(Weak<HostBuffer>, Vec<usize>)>) {
         if bufs.is_empty() {
             return;
         }
@@ -121,7 +123,7 @@ impl Pinner {
                     }
                 }
             };
-            if catch_unwind(AssertUnwindSafe(|| self.pin_buffer(&next))).is_err() {
+            if catch_unwind(AssertUnwindSafe(|| self.pin_buffer(&next.0, &next.1))).is_err() {
                 tracing::error!("background pinner: a panic was caught; the buffer stays pageable");
             }
         }
@@ -139,17 +141,13 @@ impl Pinner {
         true
     }
 
-    fn pin_buffer(&self, w: &Weak<HostBuffer>) {
-        let Some(chunks) = ({
-            let _busy = self.busy();
-            w.upgrade().map(|b| b.chunks())
-        }) else {
-            return;
-        };
-        for i in 0..chunks {
+    fn pin_buffer(&self, w: &Weak<HostBuffer>, chunks: &[usize]) {
+        for &i in chunks {
             let r = {
                 let _busy = self.busy();
-                w.upgrade().filter(|b| !b.retired()).map(|b| b.pin(i))
+                w.upgrade()
+                    .filter(|b| !b.retired())
+                    .map(|b| b.pin_wanted(i))
             };
             let Some(r) = r else { return };
             if let Err(e) = r {

@@ -124,6 +124,23 @@ impl Allocation {
             .sum()
     }
 
+    /// Byte ranges `(offset, length)` of the allocation whose contents the backup holds,
+    /// consecutive saved segments merged, clipped to the asked size.
+    pub fn saved_ranges(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for ((off, len), _) in segments(self.mapped, self.segment)
+            .zip(&self.saved)
+            .filter(|(_, s)| **s)
+        {
+            let len = clipped(off, len, self.size);
+            match out.last_mut() {
+                Some(last) if last.0 + last.1 == off => last.1 += len,
+                _ => out.push((off, len)),
+            }
+        }
+        out
+    }
+
     /// The backup holds the whole allocation's contents.
     pub fn fully_saved(&self) -> bool {
         self.saved.iter().all(|s| *s)
