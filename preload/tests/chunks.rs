@@ -381,4 +381,8 @@ fn given_back_chunks_are_not_page_locked_later() {
     assert!(h.is_pinned(2), "still wanted");
     assert!(!h.is_pinned(3), "never wanted");
     assert_eq!(h.pinned_bytes(), 1 << 20);
+    // A page-locked chunk the range only touches is unregistered too; its other pages stay.
+    h.drop_pages(5 << 19, 1 << 19);
+    assert!(!h.is_pinned(2), "touched: unregistered");
+    assert_eq!(sim.host_registrations(), vec![]);
 }

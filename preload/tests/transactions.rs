@@ -390,3 +390,62 @@ fn a_leased_backup_outlives_release_and_is_never_overwritten() {
         "every buffer is freed with its last holder"
     );
 }
+
+/// A resume that fails (out of memory) undoes the mappings it made; when undoing cannot unmap
+/// one (a failing cuMemUnmap, twice), the registry still says paused with its backup, the error
+/// says what stays mapped, and the next resume unmaps it first and restores every byte; a free
+/// of an allocation left so also unmaps it, leaving no mapping behind.
+#[test]
+fn a_mapping_a_failed_resume_cannot_undo_is_unmapped_by_the_next_call() {
+    for free_it in [false, true] {
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                devices: 1,
+                capacity: 5 * G,
+                granularity: G,
+            })
+            .unwrap(),
+        );
+        let e = engine(&sim, 2);
+        let a = e
+            .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let b = e
+            .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let (da, db) = (pattern(2 * G as usize, 1), pattern(2 * G as usize, 2));
+        write_raw(&sim, a, &da);
+        write_raw(&sim, b, &db);
+        e.pause(Some("kv")).unwrap();
+        // Room for one of the two only: the second mapping runs out of memory.
+        let c = e.alloc(&req(2 * G, 0, "other", None)).unwrap();
+        sim.arm_fault(Prim::Unmap, 1, 999);
+        sim.arm_fault(Prim::Unmap, 1, 999);
+        let err = e.resume(Some("kv")).unwrap_err();
+        assert!(err.is_oom(), "{err}");
+        assert!(
+            err.to_string()
+                .contains("could not be unmapped while undoing"),
+            "{err}"
+        );
+        assert_eq!(sim.pending_faults(), 0, "both unmap faults fired");
+        let states: Vec<State> = e.allocations().iter().map(|i| i.state).collect();
+        assert_eq!(states.iter().filter(|s| **s == State::Paused).count(), 2);
+        let stuck = [a, b].into_iter().filter(|p| sim.is_accessible(*p)).count();
+        assert_eq!(stuck, 1, "one mapping was left in place");
+        e.free(c).unwrap();
+        if free_it {
+            e.free(a).unwrap();
+            e.free(b).unwrap();
+            assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0));
+            assert_eq!(sim.live_reservations(), 0);
+            continue;
+        }
+        e.resume(Some("kv")).unwrap();
+        assert!(read_raw(&sim, a, 2 * G as usize) == da);
+        assert!(read_raw(&sim, b, 2 * G as usize) == db);
+        e.free(a).unwrap();
+        e.free(b).unwrap();
+        assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0));
+    }
+}

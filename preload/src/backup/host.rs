@@ -260,9 +260,9 @@ impl HostBuffer {
     }
 
     /// Give the memory of bytes `off..off + len` back to the system (whole pages inside the
-    /// range); they read as zero afterwards. A page-locked chunk wholly inside the range is
-    /// unregistered first; one only partly inside keeps its pages. For parts of a buffer nobody
-    /// reads any more (chunks of a chunked allocation resumed without retention), while the
+    /// range); they read as zero afterwards. A page-locked chunk the range touches is
+    /// unregistered first (the rest of it stays, pageable). For parts of a buffer nobody reads
+    /// any more (chunks of a chunked allocation resumed without retention), while the
     /// background pinner is held quiet (so no chunk is being page-locked).
     pub fn drop_pages(&self, off: u64, len: u64) {
         let page = crate::os::page_size();
@@ -275,8 +275,7 @@ impl HostBuffer {
                 continue;
             }
             self.wanted[i].store(false, Ordering::Release);
-            let whole = off <= c && c + n <= end;
-            if whole && self.is_pinned(i) {
+            if self.is_pinned(i) {
                 let p = self.chunk_pages(i).0 as usize;
                 // SAFETY: chunk i is registered at this address (PINNED, and the pinner is quiet,
                 // so no one else changes that), and no copy uses it: the caller holds the only

@@ -30,7 +30,9 @@
 //! for each (as `segment::Mapping`s) while the pipeline copies the backups back. All or
 //! nothing: on any failure the mappings are dropped, which undoes them, and the tag stays paused
 //! with its backups; the error (out of memory, typically) goes to the caller, who may free memory
-//! and call again. Otherwise every allocation is committed Active at once and, unless retention
+//! and call again. A segment that undoing cannot unmap (twice) stays paused in the registry with
+//! its backup and is recorded as stuck: the next resume of its allocation, or its free, unmaps it
+//! first (and fails, changing nothing, if that still fails). Otherwise every allocation is committed Active at once and, unless retention
 //! is on, its backup and the staging slots are released, in parallel, after both locks are let
 //! go.
 //!
@@ -825,6 +827,7 @@ impl Engine {
                 disk: None,
                 saved: vec![false; mapped.div_ceil(segment) as usize],
                 kept: None,
+                stuck: Vec::new(),
                 pauseable,
             },
         );
@@ -864,7 +867,7 @@ impl Engine {
     /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours. Waits
     /// while a pause or resume is changing this very allocation, never for other work.
     pub fn free(&self, ptr: DevPtr) -> Result<bool> {
-        let a = {
+        let mut a = {
             let mut reg = self.reg.lock();
             loop {
                 match reg.allocs.get(&ptr) {
@@ -885,7 +888,14 @@ impl Engine {
         };
         let d = &*self.driver;
         let segs = a.mapped_segs(ptr);
+        let mut stuck = std::mem::take(&mut a.stuck);
         let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
+            // Left mapped by a failed resume: the range cannot be freed while they are.
+            while let Some(&s) = stuck.last() {
+                let seg = a.span(ptr).sub(s, 1);
+                d.unmap(seg.ptr, seg.mapped)?;
+                stuck.pop();
+            }
             if !segs.is_empty() {
                 // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
                 d.synchronize(a.device)?;
@@ -897,6 +907,8 @@ impl Engine {
             Ok(s) => s,
             Err(e) => {
                 let e = e.context(what());
+                let mut a = a;
+                a.stuck = stuck;
                 self.reg.lock().allocs.insert(ptr, a);
                 return Err(e);
             }

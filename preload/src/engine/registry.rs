@@ -39,6 +39,9 @@ pub(super) struct Allocation {
     /// Chunk states recorded by a pause asked to save them (true = was active), for a resume
     /// asked to restore them.
     pub kept: Option<Vec<bool>>,
+    /// Paused segments a failed resume could not unmap while undoing (their handles are
+    /// released): unmapped before they are mapped again, or before the range is freed.
+    pub stuck: Vec<usize>,
     pub pauseable: bool,
 }
 

@@ -25,6 +25,8 @@ struct Job {
     /// The indices of those segments; the chunk indices of a chunked allocation.
     segs: Vec<usize>,
     chunked: bool,
+    /// Segments left mapped by an earlier failed resume (index and where): unmapped first.
+    stuck: Vec<(usize, Span)>,
     /// The snapshot to copy back, if the allocation has one.
     host: Option<Arc<HostBuffer>>,
     /// Or the file holding it.
@@ -100,7 +102,7 @@ impl Engine {
             .filter(|j| j.runs.iter().any(|r| r.1))
             .filter_map(|j| j.disk.as_ref())
             .try_for_each(|f| f.check_present());
-        if let Err(e) = present {
+        if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             drop(settle);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
@@ -158,10 +160,10 @@ impl Engine {
             }))
         };
         if let Err(e) = result {
-            drop(made);
+            let stuck = self.undo(&jobs, made);
             drop(settle);
             return Err(e.context(format!(
-                "resume of {} (undone: {})",
+                "resume of {} (undone: {}{stuck})",
                 pick.describe(),
                 stays(&jobs)
             )));
@@ -253,6 +255,50 @@ impl Engine {
         Ok(report)
     }
 
+    /// Unmap and release what a failed resume made. A segment that cannot be unmapped stays
+    /// paused in the registry (its contents are in the backup, if any) and is recorded as stuck,
+    /// for the next resume or the free to unmap; returns a note on them for the error.
+    fn undo(&self, jobs: &[Job], made: Vec<(usize, usize, Mapping<'_>)>) -> String {
+        let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
+        for (i, r, m) in made {
+            let (j, span) = (&jobs[i], jobs[i].runs[r].0);
+            let first = span.first_segment(j.ptr);
+            for off in m.undo() {
+                stuck.push((j.ptr, first + (off / span.segment) as usize));
+            }
+        }
+        if stuck.is_empty() {
+            return String::new();
+        }
+        let mut reg = self.reg.lock();
+        for &(p, s) in &stuck {
+            reg.marked(p).stuck.push(s);
+        }
+        format!(
+            "; {} segment(s) could not be unmapped while undoing and stay mapped, though paused, \
+             until the next resume or free of their allocation",
+            stuck.len()
+        )
+    }
+
+    /// Unmap the segments an earlier failed resume left mapped, before mapping them again.
+    fn unmap_stuck(&self, jobs: &[Job]) -> Result<()> {
+        let d = &*self.driver;
+        for j in jobs.iter().filter(|j| !j.stuck.is_empty()) {
+            let _scope = DeviceScope::enter(d, j.device())?;
+            for &(s, seg) in &j.stuck {
+                d.unmap(seg.ptr, seg.mapped).ctx(|| {
+                    format!(
+                        "unmapping {:#x} ({} bytes), left mapped by an earlier failed resume",
+                        seg.ptr, seg.mapped
+                    )
+                })?;
+                self.reg.lock().marked(j.ptr).stuck.retain(|x| *x != s);
+            }
+        }
+        Ok(())
+    }
+
     /// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
     fn begin_resume(&self, pick: &Pick<'_>) -> Result<Vec<Job>> {
         let mut reg = self.reg.lock();
@@ -293,6 +339,7 @@ impl Engine {
                     runs,
                     segs,
                     chunked: a.chunk > 0,
+                    stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
                     host: a.host.clone().filter(|_| any_saved),
                     disk: a.disk.clone().filter(|_| any_saved),
                 }

@@ -67,12 +67,18 @@ impl<'d> Mapping<'d> {
     pub fn commit(mut self) -> Vec<PhysHandle> {
         std::mem::take(&mut self.handles)
     }
-}
 
-impl Drop for Mapping<'_> {
-    fn drop(&mut self) {
-        if self.handles.is_empty() {
-            return;
+    /// Unmap and release what was made. Returns the offsets (in the span) of segments that
+    /// could not be unmapped even on a second try: their handles are released (the driver frees
+    /// the memory once it is unmapped), but the range stays mapped until someone unmaps it.
+    pub fn undo(mut self) -> Vec<u64> {
+        self.undo_made()
+    }
+
+    fn undo_made(&mut self) -> Vec<u64> {
+        let handles = std::mem::take(&mut self.handles);
+        if handles.is_empty() {
+            return Vec::new();
         }
         let d = self.driver;
         let _scope = DeviceScope::enter(d, self.span.device);
@@ -82,12 +88,22 @@ impl Drop for Mapping<'_> {
             segment,
             ..
         } = self.span;
-        for ((off, len), h) in segments(mapped, segment).zip(&self.handles) {
-            if let Err(e) = d.unmap(ptr + off, len) {
-                tracing::error!("undoing: unmapping {:#x}: {e}", ptr + off);
+        let mut stuck = Vec::new();
+        for ((off, len), h) in segments(mapped, segment).zip(&handles) {
+            if let Err(e) = d.unmap(ptr + off, len).or_else(|_| d.unmap(ptr + off, len)) {
+                tracing::error!("undoing: unmapping {:#x} ({len} bytes): {e}", ptr + off);
+                stuck.push(off);
             }
             release_logged(d, *h);
         }
+        stuck
+    }
+}
+
+impl Drop for Mapping<'_> {
+    fn drop(&mut self) {
+        // Only on an unwind or an early return: what stays mapped is logged by undo_made.
+        self.undo_made();
     }
 }
 
