@@ -36,10 +36,15 @@ use std::time::Instant;
 
 use tms::backup::{BackupKind, HostBuffer, HostLayout};
 use tms::driver::{DevPtr, Driver};
-use tms::engine::{AllocRequest, Pick, PinMode};
+use tms::engine::{AllocRequest, OpReport, Pick, PinMode};
 use tms::process::settings::copy_config_from_env;
 use tms::units::{human, parse_bytes};
 use tms::Engine;
+
+/// A limit to compare a row with, if it was measured (a limit not measured is 0).
+fn vs(name: &'static str, v: f64) -> Option<(&'static str, f64)> {
+    (v > 0.0).then_some((name, v))
+}
 
 struct Row {
     what: String,
@@ -77,6 +82,19 @@ impl Table {
         println!("  {:<56} {:>9.4} s {:>8.2} GiB/s", r.what, seconds, rate);
         self.rows.push(r);
         rate
+    }
+
+    /// Run a pause or resume and add its row; its report, for what else the caller prints.
+    fn timed(
+        &mut self,
+        what: impl Into<String>,
+        bytes: u64,
+        limit: Option<(&str, f64)>,
+        op: impl FnOnce() -> tms::Result<OpReport>,
+    ) -> Result<OpReport, String> {
+        let r = s(op())?;
+        self.add_vs(what, bytes, r.seconds, limit);
+        Ok(r)
     }
 }
 
@@ -337,26 +355,23 @@ chunked, no backup: {k} of {n} chunks of {}",
     let idx: Vec<usize> = (0..n as usize).step_by((n / k) as usize).collect();
     let pick = Pick::chunks(p, &idx);
     for cycle in 1..=3 {
-        let r = s(e.pause_pick(&pick))?;
-        t.add_vs(
+        t.timed(
             format!("chunks: pause {k} of {n} #{cycle}"),
             k * g,
-            r.seconds,
             Some(("bare unmap+release s", unmap_s)),
-        );
-        let r = s(e.resume_pick(&pick))?;
-        t.add_vs(
+            || e.pause_pick(&pick),
+        )?;
+        t.timed(
             format!("chunks: resume {k} of {n} #{cycle}"),
             k * g,
-            r.seconds,
             Some(("bare create+map s", map_s)),
-        );
+            || e.resume_pick(&pick),
+        )?;
     }
     s(e.free(p))?;
 
     // With a pinned backup: half of TOTAL's chunks (every other one), for chunks of 64 MiB and
     // of 1 GiB.
-    let limit = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
     for chunk in [64u64 << 20, 1 << 30] {
         let chunk = chunk.next_multiple_of(g);
         let n = o.total / chunk;
@@ -379,39 +394,35 @@ chunked, pinned backup: half of {n} chunks of {}",
         let bytes = idx.len() as u64 * chunk;
         let pick = Pick::chunks(p, &idx);
         e.set_retain_cpu_backup(true);
-        let r = s(e.pause_pick(&pick))?;
-        t.add_vs(
+        t.timed(
             format!("{tag}: pause half, fresh host memory"),
             bytes,
-            r.seconds,
-            limit("fresh fill", lim.fill),
-        );
-        let r = s(e.resume_pick(&pick))?;
-        t.add_vs(
+            vs("fresh fill", lim.fill),
+            || e.pause_pick(&pick),
+        )?;
+        t.timed(
             format!("{tag}: resume half"),
             bytes,
-            r.seconds,
-            limit("pinned H2D", lim.h2d),
-        );
+            vs("pinned H2D", lim.h2d),
+            || e.resume_pick(&pick),
+        )?;
         if !e.wait_for_background_pinning(std::time::Duration::from_secs(120)) {
             t.problems
                 .push(format!("{tag}: background page-locking did not finish"));
         }
         for cycle in 2..=3 {
-            let r = s(e.pause_pick(&pick))?;
-            t.add_vs(
+            t.timed(
                 format!("{tag}: pause half #{cycle}, retained"),
                 bytes,
-                r.seconds,
-                limit("pinned D2H", lim.d2h),
-            );
-            let r = s(e.resume_pick(&pick))?;
-            t.add_vs(
+                vs("pinned D2H", lim.d2h),
+                || e.pause_pick(&pick),
+            )?;
+            t.timed(
                 format!("{tag}: resume half #{cycle}, retained"),
                 bytes,
-                r.seconds,
-                limit("pinned H2D", lim.h2d),
-            );
+                vs("pinned H2D", lim.h2d),
+                || e.resume_pick(&pick),
+            )?;
         }
         e.set_retain_cpu_backup(false);
         if !device_pattern(e, p, size, 7, true)? {
@@ -757,7 +768,6 @@ fn backup_scenario(
     lim: &Limits,
     t: &mut Table,
 ) -> Result<(), String> {
-    let limit = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
     println!("\n{} backup, {n} x {}", backend.as_str(), human(size));
     let tag = format!("{}-{n}", backend.as_str());
     let mut ptrs = Vec::new();
@@ -778,20 +788,18 @@ fn backup_scenario(
     // Without retention: each pause takes fresh host memory, each resume gives it back.
     e.set_retain_cpu_backup(false);
     let rss0 = rss_bytes();
-    let r = s(e.pause(Some(&tag)))?;
-    t.add_vs(
+    t.timed(
         format!("{tag}: pause without retention (fresh memory)"),
         bytes,
-        r.seconds,
-        limit("fresh fill", lim.fill),
-    );
-    let r = s(e.resume(Some(&tag)))?;
-    t.add_vs(
+        vs("fresh fill", lim.fill),
+        || e.pause(Some(&tag)),
+    )?;
+    let r = t.timed(
         format!("{tag}: resume without retention"),
         bytes,
-        r.seconds,
-        limit("pinned H2D", lim.h2d),
-    );
+        vs("pinned H2D", lim.h2d),
+        || e.resume(Some(&tag)),
+    )?;
     let rss1 = rss_bytes();
     println!(
         "  {}; RSS before the pause {}, after the resume {} ({:+.1}%)",
@@ -808,15 +816,14 @@ fn backup_scenario(
         format!("{tag}: first pause (fresh host memory)"),
         bytes,
         r.seconds,
-        limit("fresh fill", lim.fill),
+        vs("fresh fill", lim.fill),
     );
-    let r = s(e.resume(Some(&tag)))?;
-    t.add_vs(
+    t.timed(
         format!("{tag}: resume #1 right after, retained"),
         bytes,
-        r.seconds,
-        limit("pinned H2D", lim.h2d),
-    );
+        vs("pinned H2D", lim.h2d),
+        || e.resume(Some(&tag)),
+    )?;
     if !e.wait_for_background_pinning(std::time::Duration::from_secs(120)) {
         t.problems.push(format!(
             "{tag}: background page-locking did not finish in 120 s"
@@ -829,32 +836,29 @@ fn backup_scenario(
         );
     }
     for cycle in 2..=3 {
-        let r = s(e.pause(Some(&tag)))?;
-        t.add_vs(
+        t.timed(
             format!("{tag}: pause #{cycle}, buffers retained"),
             bytes,
-            r.seconds,
-            limit("pinned D2H", lim.d2h),
-        );
-        let r = s(e.resume(Some(&tag)))?;
-        t.add_vs(
+            vs("pinned D2H", lim.d2h),
+            || e.pause(Some(&tag)),
+        )?;
+        t.timed(
             format!("{tag}: resume #{cycle}, retained"),
             bytes,
-            r.seconds,
-            limit("pinned H2D", lim.h2d),
-        );
+            vs("pinned H2D", lim.h2d),
+            || e.resume(Some(&tag)),
+        )?;
     }
     let pinned: u64 = e.allocations().iter().map(|a| a.host_pinned_bytes).sum();
     let staging = e.staging_bytes();
     s(e.pause(Some(&tag)))?;
     e.set_retain_cpu_backup(false);
-    let r = s(e.resume(Some(&tag)))?;
-    t.add_vs(
+    let r = t.timed(
         format!("{tag}: resume, retention turned off"),
         bytes,
-        r.seconds,
-        limit("pinned H2D", lim.h2d),
-    );
+        vs("pinned H2D", lim.h2d),
+        || e.resume(Some(&tag)),
+    )?;
     let rss2 = rss_bytes();
     println!(
         "  {}; host page-locked while retained {}, staging {}; RSS after {} ({:+.1}%)",
@@ -887,22 +891,19 @@ fn plain_scenario(
         ptrs.push(s(e.alloc(&req(piece, "plain", None)))?);
     }
     let mapped: u64 = e.allocations().iter().map(|a| a.mapped).sum();
-    let vs = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
     for cycle in 1..=3 {
-        let r = s(e.pause(Some("plain")))?;
-        t.add_vs(
+        t.timed(
             format!("plain: pause #{cycle}"),
             mapped,
-            r.seconds,
             vs("bare unmap+release s", lim.vmm_unmap_s),
-        );
-        let r = s(e.resume(Some("plain")))?;
-        t.add_vs(
+            || e.pause(Some("plain")),
+        )?;
+        t.timed(
             format!("plain: resume #{cycle}"),
             mapped,
-            r.seconds,
             vs("bare create+map s", lim.vmm_map_s),
-        );
+            || e.resume(Some("plain")),
+        )?;
     }
     for p in ptrs {
         s(e.free(p))?;

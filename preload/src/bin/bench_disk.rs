@@ -14,7 +14,7 @@ use tms::units::human;
 use tms::Engine;
 
 use super::common::{req, s};
-use super::{device_pattern, rss_bytes, Opts, Table};
+use super::{device_pattern, rss_bytes, vs, Opts, Table};
 
 /// Disk bandwidth in GiB/s.
 struct DiskLimits {
@@ -220,7 +220,6 @@ fn scenario(
     dir: &Path,
     t: &mut Table,
 ) -> Result<(), String> {
-    let limit = |name: &'static str, v: f64| (v > 0.0).then_some((name, v));
     println!("\ndisk backup, {n} x {}", human(size));
     let tag = format!("disk-{n}");
     let mut ptrs = Vec::new();
@@ -243,7 +242,7 @@ fn scenario(
             format!("{tag}: pause #{cycle} ({what})"),
             bytes,
             r.seconds,
-            limit("disk write", lim.write),
+            vs("disk write", lim.write),
         );
         println!(
             "  RSS peak during the pause {} above before; page cache {}; files {}",
@@ -252,13 +251,12 @@ fn scenario(
             human(files_bytes(dir))
         );
         let cache1 = page_cache();
-        let r = s(e.resume(Some(&tag)))?;
-        t.add_vs(
+        t.timed(
             format!("{tag}: resume #{cycle}"),
             bytes,
-            r.seconds,
-            limit("disk read", lim.read),
-        );
+            vs("disk read", lim.read),
+            || e.resume(Some(&tag)),
+        )?;
         println!(
             "  page cache {} during the resume; RSS after {}",
             human_signed(page_cache() as i64 - cache1 as i64),
