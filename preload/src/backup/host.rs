@@ -160,11 +160,6 @@ impl HostBuffer {
         self.state[i].load(Ordering::Acquire) == PINNED
     }
 
-    /// Whether every chunk is page-locked.
-    pub fn fully_pinned(&self) -> bool {
-        (0..self.chunks()).all(|i| self.is_pinned(i))
-    }
-
     /// Bytes page-locked.
     pub fn pinned_bytes(&self) -> u64 {
         (0..self.chunks())
@@ -220,6 +215,18 @@ impl HostBuffer {
             .collect()
     }
 
+    /// Unregister chunk `i`.
+    ///
+    /// # Safety
+    /// Chunk `i` is registered (PINNED) and stays so meanwhile (no other thread unregisters
+    /// it), and no copy uses its memory.
+    unsafe fn unregister(&self, i: usize) -> Result<()> {
+        let off = self.chunk_pages(i).0 as usize;
+        // SAFETY: the offset lies inside our mapping; the chunk is registered there (the
+        // caller's contract).
+        unsafe { self.driver.host_unregister(self.device, self.ptr.add(off)) }
+    }
+
     /// Page-lock every chunk.
     pub fn pin_all(&self) -> Result<()> {
         (0..self.chunks()).try_for_each(|i| self.pin(i))
@@ -243,9 +250,9 @@ impl HostBuffer {
                 Ok(_) => break,
                 Err(PINNING) => std::thread::yield_now(),
                 Err(PINNED) => {
-                    // SAFETY: chunk i is registered at p and no copy uses it (the buffer is
-                    // being released).
-                    if let Err(e) = unsafe { self.driver.host_unregister(self.device, p) } {
+                    // SAFETY: chunk i is PINNED and this thread alone moves it on from
+                    // there; no copy uses it (the buffer is being released).
+                    if let Err(e) = unsafe { self.unregister(i) } {
                         tracing::error!("releasing a host backup: {e}; its memory is leaked");
                         return;
                     }
@@ -276,12 +283,9 @@ impl HostBuffer {
             }
             self.wanted[i].store(false, Ordering::Release);
             if self.is_pinned(i) {
-                let p = self.chunk_pages(i).0 as usize;
-                // SAFETY: chunk i is registered at this address (PINNED, and the pinner is quiet,
-                // so no one else changes that), and no copy uses it: the caller holds the only
-                // other reference.
-                if let Err(e) = unsafe { self.driver.host_unregister(self.device, self.ptr.add(p)) }
-                {
+                // SAFETY: chunk i is PINNED and the pinner is quiet, so no one else changes
+                // that; no copy uses it: the caller holds the only other reference.
+                if let Err(e) = unsafe { self.unregister(i) } {
                     tracing::warn!("giving back part of a host backup: {e}; it stays page-locked");
                     continue;
                 }
@@ -341,11 +345,8 @@ impl Drop for HostBuffer {
         for i in 0..self.chunks() {
             // No other reference exists, so no chunk is PINNING.
             if self.is_pinned(i) {
-                let off = self.chunk_pages(i).0 as usize;
-                // SAFETY: chunk i is registered at this address and nothing uses the buffer now.
-                if let Err(e) =
-                    unsafe { self.driver.host_unregister(self.device, self.ptr.add(off)) }
-                {
+                // SAFETY: chunk i is PINNED and nothing else uses the buffer now.
+                if let Err(e) = unsafe { self.unregister(i) } {
                     tracing::error!("freeing a host buffer of {} bytes: {e}", self.len);
                     intact = false;
                 }

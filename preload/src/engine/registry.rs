@@ -120,11 +120,7 @@ impl Allocation {
         if self.chunk == 0 {
             return h.len();
         }
-        segments(self.mapped, self.segment)
-            .zip(&self.saved)
-            .filter(|(_, s)| **s)
-            .map(|((off, len), _)| clipped(off, len, self.size))
-            .sum()
+        self.saved_ranges().iter().map(|r| r.1).sum()
     }
 
     /// Byte ranges `(offset, length)` of the allocation whose contents the backup holds,
