@@ -32,9 +32,9 @@
 //! with its backups; the error (out of memory, typically) goes to the caller, who may free memory
 //! and call again. A segment that undoing cannot unmap (twice) stays paused in the registry with
 //! its backup and is recorded as stuck: the next resume of its allocation, or its free, unmaps it
-//! first (and fails, changing nothing, if that still fails). Otherwise every allocation is committed Active at once and, unless retention
-//! is on, its backup and the staging slots are released, in parallel, after both locks are let
-//! go.
+//! first (and fails, changing nothing, if that still fails). Otherwise every allocation is
+//! committed Active at once and, unless retention is on, its backup and the staging slots are
+//! released, in parallel, after both locks are let go.
 //!
 //! A guard (`Settle`) returns every allocation still in transition to where it came from when a
 //! transaction ends, by error or by unwind; and after an unwind the engine refuses further
