@@ -81,7 +81,7 @@ def setup(description=None, add_arguments=None) -> argparse.Namespace:
     args = parser.parse_args()
 
     torch_memory_saver.hook_mode = args.hook_mode
-    if args.hook_mode == "preload" and not torch_memory_saver.enabled:
+    if args.hook_mode == "preload" and not torch_memory_saver.available:
         if os.environ.get(_REEXEC_MARK) == "1":
             sys.exit(
                 "hook mode 'preload': libtms.so is still not loaded after re-executing with "
@@ -96,7 +96,7 @@ def setup(description=None, add_arguments=None) -> argparse.Namespace:
                 os.execve(sys.executable, [sys.executable, *sys.argv], env)
         except _tms_pkg.LibraryNotFoundError as e:
             sys.exit(f"hook mode 'preload' needs libtms.so: {e}")
-    if args.hook_mode == "torch" and not torch_memory_saver.enabled:
+    if args.hook_mode == "torch" and not torch_memory_saver.available:
         sys.exit("hook mode 'torch' needs libtms.so: build it (cargo build --release) or set TMS_LIBRARY_PATH")
 
     import torch

@@ -63,6 +63,9 @@ pub enum Code {
     Timeout = 5,
     /// A pause or resume named a tag that no allocation of the process ever had.
     UnknownTag = 6,
+    /// A pause or resume was sent and not answered within the timeout: it runs on in the
+    /// process (or waits there for another to end); `tmsctl status` lists it until it ends.
+    Running = 7,
 }
 
 /// A failure with its exit code and a one-line reason.
@@ -412,6 +415,10 @@ enum Attempt {
 /// A connection that has passed the checks and the hello.
 pub struct Client {
     pid: u32,
+    /// The process is of our pid namespace: whether it still lives can be asked.
+    here: bool,
+    /// The last request went out whole and its reply did not come in time.
+    unanswered: bool,
     stream: UnixStream,
     lines: LineBuffer,
     deadline: Instant,
@@ -419,6 +426,9 @@ pub struct Client {
     /// The server's hello.
     pub hello: Hello,
 }
+
+/// Longest wait for a reply between two checks that the process still lives.
+const LIVENESS_SLICE: Duration = Duration::from_millis(200);
 
 fn remaining(deadline: Instant, timeout: Duration, pid: u32) -> Result<Duration> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -558,6 +568,8 @@ impl Client {
         vet_server(sock, me, cred.uid(), cred.pid(), None).map_err(refuse)?;
         let mut c = Client {
             pid,
+            here: sock.here(),
+            unanswered: false,
             stream,
             lines: LineBuffer::new(MAX_REPLY_BYTES),
             deadline,
@@ -622,13 +634,42 @@ impl Client {
     }
 
     fn io_failure(&self, what: &str, e: io::Error) -> Failure {
-        if matches!(
-            e.kind(),
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-        ) {
-            return timed_out(self.pid, self.timeout);
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => {
+                timed_out(self.pid, self.timeout)
+            }
+            // The server closed its end (with our request unread, or before we wrote it).
+            io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe => self.closed(),
+            _ => Failure::new(Code::Failed, format!("process {}: {what}: {e}", self.pid)),
         }
-        Failure::new(Code::Failed, format!("process {}: {what}: {e}", self.pid))
+    }
+
+    fn closed(&self) -> Failure {
+        Failure::new(
+            Code::Failed,
+            format!(
+                "process {} closed the connection without replying",
+                self.pid
+            ),
+        )
+    }
+
+    /// `f`, or for a timeout of a request that went out whole, a [`Code::Running`] failure
+    /// saying so: `what` ("the pause of tag \"kv\"") runs on in the process.
+    pub fn still_running(&self, f: Failure, what: &str) -> Failure {
+        if f.code != Code::Timeout || !self.unanswered {
+            return f;
+        }
+        Failure::new(
+            Code::Running,
+            format!(
+                "process {pid}: {what} was sent, and no reply came within {:.1} s (--timeout): \
+                 sent; still running in the process (or waiting there for another pause or \
+                 resume to end); `tmsctl status --pid {pid}` lists it until it has ended",
+                self.timeout.as_secs_f64(),
+                pid = self.pid,
+            ),
+        )
     }
 
     /// Send `req` and read one reply; error replies come back as `Ok(Reply::Error(..))`.
@@ -640,6 +681,7 @@ impl Client {
         // A server that refuses us may reply and close before reading what we sent: then
         // the write fails, but its reply (the reason) is still there to read.
         let sent = self.stream.write_all(&encode(req));
+        self.unanswered = false;
         let mut chunk = vec![0u8; 64 * 1024];
         loop {
             match self.lines.next_line() {
@@ -663,25 +705,36 @@ impl Client {
                 }
                 None => {}
             }
-            let left = remaining(self.deadline, self.timeout, self.pid)?;
+            let left = remaining(self.deadline, self.timeout, self.pid).inspect_err(|_| {
+                self.unanswered = sent.is_ok();
+            })?;
+            // In slices, so that a process that has ended is told from one that takes its
+            // time (a copy of its end of the connection, in a child it forked, keeps it open).
             self.stream
-                .set_read_timeout(Some(left))
+                .set_read_timeout(Some(left.min(LIVENESS_SLICE)))
                 .map_err(|e| self.io_failure("socket", e))?;
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
                     if let Err(e) = sent {
                         return Err(self.io_failure("sending", e));
                     }
-                    return Err(Failure::new(
-                        Code::Failed,
-                        format!(
-                            "process {} closed the connection without replying",
-                            self.pid
-                        ),
-                    ));
+                    return Err(self.closed());
                 }
                 Ok(n) => self.lines.push(&chunk[..n]),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    if self.here && !pid_alive(self.pid) {
+                        return Err(Failure::new(
+                            Code::Failed,
+                            format!("process {} ended without replying", self.pid),
+                        ));
+                    }
+                }
                 Err(e) => {
                     if let Err(se) = sent {
                         return Err(self.io_failure("sending", se));

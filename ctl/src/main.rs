@@ -1,5 +1,6 @@
 //! `tmsctl`: drive processes running Torch Memory Saver through their control sockets.
 
+mod clean;
 mod client;
 mod demo;
 mod output;
@@ -11,7 +12,7 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tms_proto::{
-    chunk_ranges, format_ranges, BackupBackend, ChunkStatus, RegionInfo, RegionUpdate, Reply,
+    chunk_ranges, format_ranges, BackupBackend, ChunkStatus, Op, RegionInfo, RegionUpdate, Reply,
     Request, Status, FEATURE_CHUNKS, MAX_CHUNK_INDICES,
 };
 
@@ -26,11 +27,15 @@ Exit codes:
   3  no such process, or it has no control socket
   4  permission denied: the process belongs to another user, or tmsctl does not trust the
      socket folder (not ours, open to others, unreadable) or the server (another uid or pid)
-  5  no answer (or no room at the server) within --timeout
+  5  no answer (or no room at the server) within --timeout; for pause and resume: the request
+     was not sent whole (nothing was asked)
   6  pause/resume --tag T (with or without --chunks): no allocation of the process ever had
      tag T (nothing changed)
+  7  pause/resume: sent, and not answered within --timeout: still running in the process (or
+     waiting there for another pause or resume); it ends there on its own, and `tmsctl status`
+     lists it (\"in progress\") until it has ended
 
-With --all every process is tried in turn: the exit code is the first failure's (1 to 5),
+With --all every process is tried in turn: the exit code is the first failure's (1 to 5, 7),
 else 6 if a process did not know the tag, else 0.
 Errors are one line on stderr each, starting with \"tmsctl: \".";
 
@@ -210,6 +215,13 @@ enum Cmd {
         /// Host memory of the CPU backup.
         #[arg(long, value_enum, value_name = "BACKEND")]
         backend: Option<BackendArg>,
+        /// Keep a disk backup of their contents across pause (not with a CPU backup: turn that
+        /// off with --no-cpu-backup in the same command).
+        #[arg(long, conflicts_with_all = ["no_disk_backup", "cpu_backup"])]
+        disk_backup: bool,
+        /// Keep no disk backup (with --cpu-backup, to switch a disk-backed region to CPU).
+        #[arg(long)]
+        no_disk_backup: bool,
     },
     /// Check that a process answers.
     #[command(after_help = EXIT_CODES)]
@@ -217,6 +229,13 @@ enum Cmd {
         #[command(flatten)]
         sel: Select,
     },
+    /// Remove what processes that died left behind: disk backup files no live process holds
+    /// (in --disk-dir, or its subfolder tms-backups-<uid> where others can write to it), and
+    /// control sockets nobody listens on (in the socket folder). A process that is stopped by
+    /// SIGKILL, or by a signal whose handler its host replaced, leaves them; the next process
+    /// that uses the folder removes them too. Files of live processes are never touched.
+    #[command(after_help = EXIT_CODES)]
+    Clean(clean::CleanArgs),
     /// Start a child process with libtms.so preloaded, have it allocate pauseable memory with
     /// a pattern, pause and resume it through the control socket, and print a before/after
     /// table. By default CUDA where a GPU is usable, else the simulated device (--backend;
@@ -472,14 +491,55 @@ fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
         } => (tag.clone(), *chunk_state, chunks.is_some()),
         _ => (None, false, false),
     };
+    let (which, sent_chunks) = match &req {
+        Request::Pause { chunks, .. } => (Op::Pause, chunks.clone()),
+        Request::Resume { chunks, .. } => (Op::Resume, chunks.clone()),
+        _ => return Err(anyhow::anyhow!("op() takes a pause or a resume")),
+    };
+    let what = format!(
+        "the {} of {}",
+        match which {
+            Op::Pause => "pause",
+            Op::Resume => "resume",
+        },
+        match &sent_chunks {
+            Some(c) => format!(
+                "chunks {} of tag {}",
+                output::ranges(c),
+                output::quoted(asked.as_deref().unwrap_or_default())
+            ),
+            None => asked
+                .as_deref()
+                .map_or("every tag".to_string(), |t| format!(
+                    "tag {}",
+                    output::quoted(t)
+                )),
+        }
+    );
     ctx.fan_out(sel, |c| {
         if chunks || chunk_state {
             needs_chunks(c)?;
         }
-        let d = c.ask_for(&req, |r| match r {
-            Reply::Done(d) => Some(d),
-            _ => None,
-        })?;
+        let d = c
+            .ask_for(&req, |r| match r {
+                Reply::Done(d) => Some(d),
+                _ => None,
+            })
+            .map_err(|f| c.still_running(f, &what))?;
+        // Printed as the process's word on what was done: it must be about what was asked.
+        if d.op != which || d.tag != asked || d.chunks != sent_chunks {
+            return Err(Failure::new(
+                Code::Failed,
+                format!(
+                    "process {}: a reply about another operation than {what}: {}",
+                    c.pid(),
+                    output::printable(&format!(
+                        "op {:?}, tag {:?}, chunks {:?}",
+                        d.op, d.tag, d.chunks
+                    ))
+                ),
+            ));
+        }
         Ok(Outcome {
             json: with_pid(c.pid(), &d),
             text: output::done(c.pid(), &d, chunk_state),
@@ -491,13 +551,36 @@ fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
 }
 
 fn chunks(ctx: &Ctx, sel: &Select, tag: String) -> anyhow::Result<()> {
-    let req = Request::Chunks { tag };
+    let req = Request::Chunks { tag: tag.clone() };
     ctx.fan_out(sel, |c| {
         needs_chunks(c)?;
         let s: ChunkStatus = c.ask_for(&req, |r| match r {
             Reply::Chunks(s) => Some(s),
             _ => None,
         })?;
+        // A tag past the server's bound comes back shortened (its start, then the length).
+        let same_tag = s.tag == tag
+            || (tag.len() > 1024
+                && s.tag.contains('\u{2026}')
+                && tag.starts_with(&s.tag[..s.tag.find('\u{2026}').unwrap_or(0)]));
+        let states_ok =
+            s.states.len() as u64 == s.count && s.states.bytes().all(|b| b == b'0' || b == b'1');
+        if !same_tag || !states_ok {
+            return Err(Failure::new(
+                Code::Failed,
+                format!(
+                    "process {}: a bad reply about the chunks of tag {}: {}",
+                    c.pid(),
+                    output::quoted(&tag),
+                    output::printable(&format!(
+                        "tag {:?}, count {}, {} states",
+                        s.tag,
+                        s.count,
+                        s.states.len()
+                    ))
+                ),
+            ));
+        }
         let mut j = with_pid(c.pid(), &s);
         let (active, paused) = (s.active(), s.paused());
         j["active"] = json!(format_ranges(&active));
@@ -581,6 +664,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cpu_backup,
             no_cpu_backup,
             backend,
+            disk_backup,
+            no_disk_backup,
         } => {
             let u = RegionUpdate {
                 enabled: (enable || disable).then_some(enable),
@@ -590,6 +675,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     BackendArg::Pinned => BackupBackend::Pinned,
                     BackendArg::Mmap => BackupBackend::Mmap,
                 }),
+                disk_backup: (disk_backup || no_disk_backup).then_some(disk_backup),
             };
             let changed = u != RegionUpdate::default();
             region(&ctx, &sel, changed.then_some(u))
@@ -606,6 +692,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 format!("pid {pid}: pong in {:.2} ms", s * 1e3),
             ))
         }),
+        Cmd::Clean(a) => clean::run(&ctx, &a),
         Cmd::Demo(a) => demo::run(&ctx, &a),
         Cmd::DemoChild(a) => demo::child(&a),
     }

@@ -88,10 +88,12 @@ pub fn json_line(v: &Value) -> String {
 
 /// A region in words.
 pub fn region(r: &RegionInfo) -> String {
-    let backup = if r.cpu_backup {
-        format!("CPU backup ({})", r.backend.as_str())
-    } else {
-        "no CPU backup".to_string()
+    let backup = match (r.cpu_backup, r.disk_backup) {
+        (true, false) => format!("CPU backup ({})", r.backend.as_str()),
+        (false, true) => "disk backup".to_string(),
+        // Only a server without the check on both (an older one) reports this.
+        (true, true) => format!("CPU backup ({}) and disk backup", r.backend.as_str()),
+        (false, false) => "no backup".to_string(),
     };
     if r.enabled {
         format!("pauseable, tag {}, {backup}", quoted(&r.tag))
@@ -139,6 +141,22 @@ pub fn status(s: &Status, command: &str) -> String {
     }
     if let Some(r) = &s.default_region {
         let _ = writeln!(o, "default region: {}", region(r));
+    }
+    for r in &s.operations {
+        let what = match (&r.tag, &r.chunks) {
+            (Some(t), Some(c)) => format!("chunks {} of tag {}", ranges(c), quoted(t)),
+            (Some(t), None) => format!("tag {}", quoted(t)),
+            (None, _) => "every tag".to_string(),
+        };
+        let verb = match r.op {
+            tms_proto::Op::Pause => "pause",
+            tms_proto::Op::Resume => "resume",
+        };
+        let _ = writeln!(
+            o,
+            "in progress: {verb} of {what}, asked {:.1} s ago",
+            r.seconds
+        );
     }
     if s.tags.is_empty() {
         let _ = writeln!(o, "no pauseable allocations");

@@ -847,6 +847,123 @@ fn status_shows_disk_backups() {
     );
 }
 
+/// A disk-backed demo child with its folder of backups, paused from outside (its file exists).
+fn paused_on_disk(sb: &Sandbox) -> (Proc, PathBuf) {
+    let dir = sb.tmp.path().join("disk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let d = dir.to_str().unwrap().to_string();
+    let p = Proc::start_with(sb, &[("TMS_DISK_BACKUP_DIR", &d)], |c| {
+        c.arg("--disk");
+    });
+    ok(sb, &["pause", "--pid", &p.pid.to_string(), "--tag", "demo"]);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    (p, dir)
+}
+
+/// Issue 23, item 5: a fork child that exits normally runs the atexit handlers it inherited;
+/// they used to remove the parent's live backup files.
+#[test]
+fn a_fork_child_leaves_the_parents_disk_backups_alone() {
+    let sb = sandbox();
+    let (mut p, dir) = paused_on_disk(&sb);
+    let forked = p.cmd("fork", "FORKED");
+    assert!(forked.ends_with(" 0"), "{forked}");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "the parent's backup file is still there"
+    );
+    ok(
+        &sb,
+        &["resume", "--pid", &p.pid.to_string(), "--tag", "demo"],
+    );
+    p.verify();
+    assert!(p.exit().success());
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+}
+
+/// Issue 23, item 5: SIGTERM (how SLURM and Kubernetes stop jobs) removes the backup files and
+/// the socket, and still ends the process by the signal.
+#[test]
+fn sigterm_removes_the_backup_files_and_the_socket() {
+    use std::os::unix::process::ExitStatusExt;
+    let sb = sandbox();
+    let (mut p, dir) = paused_on_disk(&sb);
+    let sock = p.socket();
+    assert!(sock.exists());
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        if let Ok(Some(st)) = p.child.try_wait() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "pid {} survived SIGTERM", p.pid);
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert!(left.is_empty(), "backup files left: {left:?}");
+    assert!(!sock.exists(), "the socket was left");
+}
+
+/// `tmsctl clean` removes a dead process's backup file and stale socket, and leaves a live
+/// process's file and socket, and a FIFO under a backup file's name (without blocking on it).
+#[test]
+fn clean_removes_what_dead_processes_left() {
+    let sb = sandbox();
+    let (mut p, dir) = paused_on_disk(&sb);
+    let live: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let dead = dir.join("tms-backup-4242-0-0.bin");
+    std::fs::write(&dead, b"old").unwrap();
+    let fifo = dir.join("tms-backup-4243-0-0.bin");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    let mut gone = Command::new("true").spawn().expect("true");
+    let dead_pid = gone.id();
+    gone.wait().expect("wait");
+    let stale = sb.dir.join(format!("{dead_pid}.sock"));
+    drop(UnixListener::bind(&stale).expect("bind"));
+
+    let r = ok(&sb, &["clean", "--disk-dir", dir.to_str().unwrap()]);
+    assert!(
+        r.stdout.contains("removed 1 disk backup file")
+            && r.stdout.contains("removed 1 control socket"),
+        "{}",
+        r.dump()
+    );
+    assert!(!dead.exists() && !stale.exists(), "{}", r.dump());
+    assert!(live[0].exists() && p.socket().exists() && fifo.exists());
+    let j = ok(
+        &sb,
+        &["clean", "--disk-dir", dir.to_str().unwrap(), "--json"],
+    )
+    .json();
+    assert_eq!(
+        (
+            j["backup_files_removed"].as_u64(),
+            j["sockets_removed"].as_u64()
+        ),
+        (Some(0), Some(0)),
+        "{j}"
+    );
+    let help = ok(&sb, &["clean", "--help"]).stdout;
+    assert!(
+        help.contains("--disk-dir") && help.contains("nobody listens"),
+        "{help}"
+    );
+    ok(
+        &sb,
+        &["resume", "--pid", &p.pid.to_string(), "--tag", "demo"],
+    );
+    p.verify();
+}
+
 /// A demo larger than the host's memory fails at once with the numbers (the sim's device memory
 /// is host memory), instead of being killed by the kernel after filling it. The host is
 /// pretended 64 GiB, so the answer does not depend on this machine's memory.
@@ -1214,10 +1331,11 @@ fn server_text_is_escaped_before_it_is_printed() {
         r.dump()
     );
 
-    let r = ok(&sb, &["pause", "--tag", "red"]);
+    // The tag asked for: a reply about another is refused.
+    let r = ok(&sb, &["pause", "--tag", "\u{1b}[31mred"]);
     assert_inert(&r);
     assert!(r.stdout.contains("\\u{1b}[31mred"), "{}", r.dump());
-    let r = ok(&sb, &["pause", "--tag", "red", "--json"]);
+    let r = ok(&sb, &["pause", "--tag", "\u{1b}[31mred", "--json"]);
     assert_inert(&r);
     assert_eq!(
         r.json()["tag"],
@@ -1688,4 +1806,129 @@ fn chunks_of_a_preloaded_process() {
     assert_eq!(chunks(&sb)["paused"], "");
     p.verify();
     assert!(p.exit().success());
+}
+
+/// A pause that outlasts --timeout (a slow device: every synchronization takes 3 s) is
+/// reported as sent and still running (exit 7), not as "no answer" (5); `status` lists it
+/// while it runs and no longer once it has ended, paused as asked.
+#[test]
+fn a_pause_longer_than_the_timeout_is_reported_running_and_seen_in_status() {
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "3000")]);
+    let pid = p.pid.to_string();
+    let t = Instant::now();
+    let r = ctl(
+        &sb,
+        &["pause", "--pid", &pid, "--tag", "demo", "--timeout", "1"],
+    );
+    let line = r.failed(7).to_string();
+    assert!(
+        t.elapsed() < Duration::from_millis(2900),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        line.contains("sent; still running in the process") && line.contains("tmsctl status"),
+        "{line}"
+    );
+    let s = status(&sb, p.pid);
+    let ops = s["operations"].as_array().expect("operations in progress");
+    assert_eq!(ops.len(), 1, "{s}");
+    assert_eq!(ops[0]["op"], "pause");
+    assert_eq!(ops[0]["tag"], "demo");
+    let text = ok(&sb, &["status", "--pid", &pid]).stdout;
+    assert!(
+        text.contains("in progress: pause of tag \"demo\""),
+        "{text}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let s = loop {
+        let s = status(&sb, p.pid);
+        if s.get("operations").is_none() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "still running: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(tag(&s, "demo")["bytes_paused"], SIZE, "{s}");
+    ok(&sb, &["resume", "--pid", &pid, "--tag", "demo"]);
+    p.verify();
+}
+
+/// A reply about another operation than the one asked for is not printed as its outcome.
+#[test]
+fn a_reply_about_another_operation_is_refused() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let wrong: Answer = Arc::new(|req: &Value| {
+        let op = if req["op"] == "pause" {
+            "resume"
+        } else {
+            "pause"
+        };
+        format!(
+            "{{\"reply\":\"done\",\"op\":\"{op}\",\"tag\":\"kv\",\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":0.1}}"
+        )
+    });
+    let _fake = Fake::start(dir, &our_name(me), me, wrong);
+    let line = ctl(&sb, &["pause", "--tag", "kv"]).failed(1).to_string();
+    assert!(line.contains("another operation"), "{line}");
+    let other_tag: Answer = Arc::new(|_: &Value| {
+        "{\"reply\":\"done\",\"op\":\"pause\",\"tag\":\"other\",\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":0.1}".to_string()
+    });
+    std::fs::remove_file(dir.join(our_name(me))).expect("rm");
+    let _fake = Fake::start(dir, &our_name(me), me, other_tag);
+    let line = ctl(&sb, &["pause", "--tag", "kv"]).failed(1).to_string();
+    assert!(line.contains("another operation"), "{line}");
+    // A sign is not part of an index.
+    let line = ctl(&sb, &["pause", "--tag", "kv", "--chunks", "+1"])
+        .failed(2)
+        .to_string();
+    assert!(line.contains("not an index"), "{line}");
+}
+
+/// A process started with a disk backup for its default region: `region` shows it, and asking
+/// for a CPU backup as well is refused (the region unchanged) instead of reported as done.
+#[test]
+fn region_shows_a_disk_backup_and_refuses_a_second_backup() {
+    let sb = sandbox();
+    let disk = tempfile::tempdir().expect("tempdir");
+    let p = Proc::start(
+        &sb,
+        &[
+            ("TMS_INIT_ENABLE_DISK_BACKUP", "1"),
+            ("TMS_DISK_BACKUP_DIR", disk.path().to_str().expect("utf-8")),
+        ],
+    );
+    let pid = p.pid.to_string();
+    let shown = ok(&sb, &["region", "--pid", &pid]).stdout;
+    assert!(shown.contains("disk backup"), "{shown}");
+    let line = ctl(&sb, &["region", "--pid", &pid, "--cpu-backup"])
+        .failed(1)
+        .to_string();
+    assert!(line.contains("mutually exclusive"), "{line}");
+    let r = ok(&sb, &["region", "--pid", &pid, "--json"]).json();
+    assert_eq!(
+        (r["disk_backup"].as_bool(), r["cpu_backup"].as_bool()),
+        (Some(true), Some(false)),
+        "{r}"
+    );
+    let r = ok(
+        &sb,
+        &[
+            "region",
+            "--pid",
+            &pid,
+            "--cpu-backup",
+            "--no-disk-backup",
+            "--json",
+        ],
+    )
+    .json();
+    assert_eq!(
+        (r["disk_backup"].as_bool(), r["cpu_backup"].as_bool()),
+        (Some(false), Some(true)),
+        "{r}"
+    );
 }

@@ -257,6 +257,20 @@ bool tms_get_retain_cpu_backup(void);
  * tms_get_cpu_backup's pointer is. */
 uint8_t *tms_get_cpu_backup_pointer(const uint8_t *gpu_ptr, uint64_t size);
 
+/* Keep the whole allocation holding ptr mapped, at the same physical memory, across every
+ * later pause and resume until it is freed (NCCL user-buffer registration needs that).
+ * Returns its size in bytes; 0 for an address outside every pauseable allocation, and 0 with
+ * the last error set when refused (some of it is paused, or a pause or resume is changing
+ * it). tms_keep_resident_ex returns a status instead and the size through out_size (may be
+ * NULL). */
+size_t tms_keep_resident(const void *ptr);
+int tms_keep_resident_ex(uint64_t ptr, uint64_t *out_size);
+
+/* The devices a pause or resume of tag (NULL or "": every tag) acts on, ascending: the first
+ * capacity of them go to out. Returns how many there are (more than capacity when out is too
+ * short), or -1 with the last error set. */
+int tms_affected_devices(const char *tag, int *out, int capacity);
+
 /* ---- PyTorch pluggable allocator (torch.cuda.memory.CUDAPluggableAllocator) ---------- */
 
 /* Allocate size bytes of pauseable memory on device, with the calling thread's region tag

@@ -138,9 +138,248 @@ fn cgroup_room(dir: &std::path::Path) -> Option<u64> {
     Some(max.saturating_sub(cur))
 }
 
+// ---------------------------------------------------------------------------------------------
+// Files removed when the process ends
+//
+// # Note [Removal at exit and on a termination signal]
+//
+// Files the library leaves in shared folders (disk backups, the control socket) must go when
+// their process goes, including when it is stopped by SIGTERM (how SLURM and Kubernetes stop
+// jobs) or SIGINT. They are recorded in a fixed table of slots: the signal handler may only do
+// async-signal-safe work, so it cannot take a lock or allocate; it reads the slots with atomics
+// and calls `unlinkat`. Each slot keeps the folder's fd, not a path: a relative folder and a
+// later `chdir`, or a rename of the folder, cannot misdirect the removal. Each slot also keeps
+// the pid that recorded it: a fork child inherits the table, the `atexit` handler and the
+// signal handlers, and must never remove its parent's live files.
+//
+// The signal handlers go in only once the library has started (never at load time), and only
+// for a signal whose disposition is still the default: a host that installed its own handler
+// (Python's SIGINT handler, which raises KeyboardInterrupt and may carry on) or ignores the
+// signal keeps it, and our files are then removed at exit, or by the next sweep or `tmsctl
+// clean`. A handler the host installs after ours replaces ours, and works as it would without
+// us. Ours removes the files, puts the default action back and raises the signal again, so the
+// process ends as it would have (its exit status says the signal killed it).
+
+/// Files that can be recorded at once; more are removed at free, or by the next sweep.
+const EXIT_SLOTS: usize = 4096;
+/// Longest name (or path) a slot holds, its NUL included (a socket path has 108 bytes at most).
+const EXIT_NAME: usize = 128;
+
+const FREE: u8 = 0;
+const BUSY: u8 = 1;
+const READY: u8 = 2;
+
+struct ExitSlot {
+    state: std::sync::atomic::AtomicU8,
+    /// Bumped at each recording, so a reader can tell a slot reused while it read it.
+    generation: std::sync::atomic::AtomicU32,
+    pid: std::sync::atomic::AtomicI32,
+    dirfd: std::sync::atomic::AtomicI32,
+    name: [std::sync::atomic::AtomicU8; EXIT_NAME],
+}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const EMPTY_SLOT: ExitSlot = ExitSlot {
+    state: std::sync::atomic::AtomicU8::new(FREE),
+    generation: std::sync::atomic::AtomicU32::new(0),
+    pid: std::sync::atomic::AtomicI32::new(0),
+    dirfd: std::sync::atomic::AtomicI32::new(-1),
+    name: [const { std::sync::atomic::AtomicU8::new(0) }; EXIT_NAME],
+};
+
+static EXIT_TABLE: [ExitSlot; EXIT_SLOTS] = [EMPTY_SLOT; EXIT_SLOTS];
+static AT_EXIT: std::sync::Once = std::sync::Once::new();
+static SIGNALS: std::sync::Once = std::sync::Once::new();
+
+fn getpid() -> i32 {
+    nix::unistd::getpid().as_raw()
+}
+
+/// A file removed at exit and on a termination signal, in this process only, until dropped.
+#[derive(Debug)]
+pub struct ExitRemoval {
+    slot: usize,
+}
+
+impl ExitRemoval {
+    /// Record `name` in the folder `dirfd` (`libc::AT_FDCWD` with a path). The caller keeps
+    /// `dirfd` open as long as this lives. `None` when the name is too long or every slot is
+    /// taken: the file is then not removed at exit.
+    pub fn register(dirfd: i32, name: &[u8]) -> Option<ExitRemoval> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if name.is_empty() || name.len() >= EXIT_NAME || name.contains(&0) {
+            return None;
+        }
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a function without arguments that never unwinds and only makes
+            // async-signal-safe calls.
+            unsafe { libc::atexit(remove_recorded_at_exit) };
+        });
+        let slot = EXIT_TABLE
+            .iter()
+            .position(|s| s.state.compare_exchange(FREE, BUSY, SeqCst, SeqCst).is_ok())?;
+        let s = &EXIT_TABLE[slot];
+        s.generation.fetch_add(1, SeqCst);
+        s.pid.store(getpid(), SeqCst);
+        s.dirfd.store(dirfd, SeqCst);
+        for (i, b) in s.name.iter().enumerate() {
+            b.store(name.get(i).copied().unwrap_or(0), SeqCst);
+        }
+        s.state.store(READY, SeqCst);
+        Some(ExitRemoval { slot })
+    }
+}
+
+impl Drop for ExitRemoval {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        let s = &EXIT_TABLE[self.slot];
+        s.state.store(BUSY, SeqCst);
+        s.generation.fetch_add(1, SeqCst);
+        s.state.store(FREE, SeqCst);
+    }
+}
+
+/// Remove every file this process recorded. Async-signal-safe: atomics, `getpid`, `unlinkat`.
+fn remove_recorded() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let me = getpid();
+    for s in EXIT_TABLE.iter() {
+        if s.state.load(SeqCst) != READY {
+            continue;
+        }
+        let generation = s.generation.load(SeqCst);
+        let pid = s.pid.load(SeqCst);
+        let dirfd = s.dirfd.load(SeqCst);
+        let mut name = [0u8; EXIT_NAME];
+        for (d, b) in name.iter_mut().zip(s.name.iter()) {
+            *d = b.load(SeqCst);
+        }
+        // Changed while read (freed, or reused for another file): not ours to judge now.
+        if s.state.load(SeqCst) != READY || s.generation.load(SeqCst) != generation {
+            continue;
+        }
+        if pid != me {
+            continue;
+        }
+        name[EXIT_NAME - 1] = 0;
+        // SAFETY: `name` is NUL-terminated and outlives the call; unlinkat is async-signal-safe
+        // and only reads it.
+        unsafe { libc::unlinkat(dirfd, name.as_ptr().cast(), 0) };
+    }
+}
+
+extern "C" fn remove_recorded_at_exit() {
+    remove_recorded();
+}
+
+extern "C" fn on_termination_signal(sig: libc::c_int) {
+    remove_recorded();
+    // SAFETY: sigaction, sigemptyset and raise are async-signal-safe; the struct is ours and
+    // zeroed (SIG_DFL, no flags) before use. The signal stays blocked until this handler
+    // returns, and then ends the process by its default action.
+    unsafe {
+        let mut dfl: libc::sigaction = std::mem::zeroed();
+        dfl.sa_sigaction = libc::SIG_DFL;
+        libc::sigemptyset(&mut dfl.sa_mask);
+        libc::sigaction(sig, &dfl, std::ptr::null_mut());
+        libc::raise(sig);
+    }
+}
+
+/// Remove the recorded files on SIGTERM and SIGINT (Note [Removal at exit and on a
+/// termination signal]): once, where the host left the default action in place.
+pub fn remove_files_on_termination_signals() {
+    SIGNALS.call_once(|| {
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            let _ = handle_if_default(sig);
+        }
+    });
+}
+
+/// Install the removal handler for `sig` if its disposition is the default; true if it did.
+fn handle_if_default(sig: libc::c_int) -> bool {
+    // SAFETY: sigaction with a null new action only reads the disposition into `old`; the new
+    // one is a zeroed struct given a handler that never unwinds and an empty mask.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(sig, std::ptr::null(), &mut old) != 0
+            || old.sa_sigaction != libc::SIG_DFL
+        {
+            return false;
+        }
+        let mut new: libc::sigaction = std::mem::zeroed();
+        new.sa_sigaction = on_termination_signal as extern "C" fn(libc::c_int) as usize;
+        new.sa_flags = libc::SA_RESTART | libc::SA_ONSTACK;
+        libc::sigemptyset(&mut new.sa_mask);
+        libc::sigaction(sig, &new, std::ptr::null_mut()) == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn disposition(sig: libc::c_int) -> usize {
+        // SAFETY: a null new action only reads the disposition.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            assert_eq!(libc::sigaction(sig, std::ptr::null(), &mut old), 0);
+            old.sa_sigaction
+        }
+    }
+
+    fn set_disposition(sig: libc::c_int, handler: usize) {
+        // SAFETY: a zeroed action with an empty mask and a handler that does nothing (or
+        // SIG_DFL / SIG_IGN); SIGUSR1 and SIGUSR2 are used by nothing else in these tests.
+        unsafe {
+            let mut a: libc::sigaction = std::mem::zeroed();
+            a.sa_sigaction = handler;
+            libc::sigemptyset(&mut a.sa_mask);
+            assert_eq!(libc::sigaction(sig, &a, std::ptr::null_mut()), 0);
+        }
+    }
+
+    extern "C" fn hosts_handler(_: libc::c_int) {}
+
+    #[test]
+    fn the_removal_handler_goes_only_where_the_host_left_the_default_action() {
+        let host = hosts_handler as extern "C" fn(libc::c_int) as usize;
+        let ours = on_termination_signal as extern "C" fn(libc::c_int) as usize;
+        set_disposition(libc::SIGUSR1, host);
+        assert!(!handle_if_default(libc::SIGUSR1));
+        assert_eq!(disposition(libc::SIGUSR1), host, "the host's handler stays");
+        set_disposition(libc::SIGUSR1, libc::SIG_IGN);
+        assert!(!handle_if_default(libc::SIGUSR1));
+        assert_eq!(
+            disposition(libc::SIGUSR1),
+            libc::SIG_IGN,
+            "an ignored signal stays so"
+        );
+        set_disposition(libc::SIGUSR1, libc::SIG_DFL);
+        set_disposition(libc::SIGUSR2, libc::SIG_DFL);
+        assert!(handle_if_default(libc::SIGUSR2));
+        assert_eq!(disposition(libc::SIGUSR2), ours);
+        set_disposition(libc::SIGUSR2, libc::SIG_DFL);
+    }
+
+    #[test]
+    fn exit_removals_take_and_free_slots() {
+        let a = ExitRemoval::register(libc::AT_FDCWD, b"/nonexistent/tms-a").unwrap();
+        let b = ExitRemoval::register(libc::AT_FDCWD, b"/nonexistent/tms-b").unwrap();
+        assert_ne!(a.slot, b.slot);
+        assert!(ExitRemoval::register(libc::AT_FDCWD, &[b'x'; EXIT_NAME]).is_none());
+        assert!(ExitRemoval::register(libc::AT_FDCWD, b"a\0b").is_none());
+        let slot = a.slot;
+        drop(a);
+        assert_eq!(
+            EXIT_TABLE[slot]
+                .state
+                .load(std::sync::atomic::Ordering::SeqCst),
+            FREE
+        );
+        drop(b);
+    }
 
     #[test]
     fn meminfo_is_parsed_in_bytes() {

@@ -243,6 +243,54 @@ fn resume_restores_the_saved_chunk_state() {
     assert!(read_raw(&sim, p, (4 * G) as usize) == data);
 }
 
+/// A pause that saves chunk states records them for every chunked allocation of the tag, those
+/// whose chunks are all paused already too: the next restoring resume brings back none of
+/// theirs, neither all of them (no record) nor what an older pause recorded.
+#[test]
+fn saving_chunk_states_records_allocations_with_nothing_left_to_pause() {
+    let (sim, e) = setup(64 << 20);
+    let backup = Some(BackupKind::Pinned);
+    let a = e.alloc(&chunked(4 * G, G, "kv", backup)).unwrap();
+    let b = e.alloc(&chunked(4 * G, G, "kv", backup)).unwrap();
+    let data = pattern((4 * G) as usize, 9);
+    write_raw(&sim, b, &data);
+    let save = Pick {
+        chunk_state: true,
+        ..Pick::tag(Some("kv"))
+    };
+    // An older record of a: chunk 1 paused, the others active.
+    e.pause_pick(&Pick::chunks(a, &[1])).unwrap();
+    e.pause_pick(&save).unwrap();
+    e.resume_pick(&Pick::chunks(a, &[0])).unwrap();
+    e.pause_pick(&Pick::chunks(a, &[0])).unwrap();
+    assert_eq!(states(&e, a), [false; 4]);
+    e.resume(Some("kv")).unwrap();
+    e.pause_pick(&Pick::chunks(a, &[0, 1, 2, 3])).unwrap();
+    e.pause_pick(&Pick::chunks(b, &[2])).unwrap();
+    // a has nothing left to pause; b has three chunks active.
+    e.pause_pick(&save).unwrap();
+    assert_eq!(states(&e, a), [false; 4]);
+    assert_eq!(states(&e, b), [false; 4]);
+    e.resume_pick(&save).unwrap();
+    assert_eq!(
+        states(&e, a),
+        [false; 4],
+        "a's chunks were all paused at the save"
+    );
+    assert_eq!(states(&e, b), [true, true, false, true]);
+    for c in [0u64, 1, 3] {
+        let r = (c * G) as usize..((c + 1) * G) as usize;
+        assert!(
+            read_raw(&sim, b + c * G, G as usize) == data[r],
+            "chunk {c} of b"
+        );
+    }
+    // The record was used: a restoring resume without a newer save resumes everything.
+    e.resume_pick(&save).unwrap();
+    assert_eq!(states(&e, a), [true; 4]);
+    assert_eq!(states(&e, b), [true; 4]);
+}
+
 /// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
 /// is page-locked only where it holds saved chunks (whole host chunks of them), never for chunks
 /// that were not saved; and chunks resumed without retention are unregistered before their pages

@@ -238,3 +238,149 @@ fn files_of_dead_processes_are_swept_and_live_ones_kept() {
     drop(child.stdin.take());
     child.wait().unwrap();
 }
+
+/// Pause every tag of `f` on another thread; its result, or `None` if it has not returned
+/// within 20 s (it is then blocked for good: the thread is left behind).
+fn pause_within_20s(f: Fx) -> (Option<Result<(), String>>, Option<Fx>) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = f.e.pause(None).map(|_| ()).map_err(|e| e.to_string());
+        let _ = tx.send((r, f));
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(20)) {
+        Ok((r, f)) => (Some(r), Some(f)),
+        Err(_) => (None, None),
+    }
+}
+
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+/// Issue 23, item 1: a FIFO under a backup file's name (or under a temporary name older than a
+/// minute) used to block the sweep's `open` for ever, under the operation lock. Now the sweep
+/// opens only regular files of ours, without waiting, and leaves the rest alone.
+#[test]
+fn a_fifo_or_a_link_in_the_backup_folder_never_blocks_a_pause() {
+    let f = fx();
+    let d = f.dir.path().to_path_buf();
+    let fifo = d.join("tms-backup-1-0-0.bin");
+    let old_tmp_fifo = d.join(".tms-backup-new-2-0-0.bin");
+    for p in [&fifo, &old_tmp_fifo] {
+        nix::unistd::mkfifo(p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    }
+    let old = nix::sys::time::TimeSpec::new(1, 0);
+    nix::sys::stat::utimensat(
+        nix::fcntl::AT_FDCWD,
+        &old_tmp_fifo,
+        &old,
+        &old,
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .unwrap();
+    // A link under our name to a file of ours elsewhere: neither followed nor removed.
+    let victim = tempfile::NamedTempFile::new().unwrap();
+    let link = d.join("tms-backup-3-0-0.bin");
+    std::os::unix::fs::symlink(victim.path(), &link).unwrap();
+    let (p, data) = f.alloc(2 * MIB, 0, 7);
+    let (r, f) = pause_within_20s(f);
+    let r = r.expect("the pause returned (it used to block for ever on the FIFO)");
+    r.unwrap();
+    let f = f.unwrap();
+    for kept in [&fifo, &old_tmp_fifo, &link] {
+        assert!(
+            kept.symlink_metadata().is_ok(),
+            "{} was removed",
+            kept.display()
+        );
+    }
+    assert!(victim.path().exists());
+    f.e.resume(None).unwrap();
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+}
+
+/// Issue 23, item 1: in a folder others can write to (here mode 1777, as /tmp), files go in our
+/// subfolder of mode 0700; a subfolder under that name that is a link, or another user's, is
+/// refused with a message and the pause changes nothing.
+#[test]
+fn a_folder_others_can_write_to_gets_a_private_subfolder() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let f = fx();
+    let shared = f.dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    // Planted by "another user" before we came: never opened, since it is not in our folder.
+    nix::unistd::mkfifo(
+        &shared.join("tms-backup-9-0-0.bin"),
+        nix::sys::stat::Mode::S_IRWXU,
+    )
+    .unwrap();
+    f.e.set_disk_backup_dir(Some(shared.clone())).unwrap();
+    let (p, data) = f.alloc(2 * MIB, 0, 8);
+    let (r, f) = pause_within_20s(f);
+    r.expect("the pause returned").unwrap();
+    let f = f.unwrap();
+    let uid = nix::unistd::geteuid().as_raw();
+    let sub = shared.join(disk::private_subfolder_name(uid));
+    assert_eq!(
+        names_in(&shared),
+        vec![
+            "tms-backup-9-0-0.bin".to_string(),
+            disk::private_subfolder_name(uid)
+        ]
+    );
+    let m = std::fs::symlink_metadata(&sub).unwrap();
+    assert!(m.is_dir());
+    assert_eq!((m.mode() & 0o777, m.uid()), (0o700, uid));
+    let files = names_in(&sub);
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert!(files[0].starts_with("tms-backup-"), "{files:?}");
+    f.e.resume(None).unwrap();
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    f.e.free(p).unwrap();
+    assert!(
+        names_in(&sub).is_empty(),
+        "the file went with its allocation"
+    );
+
+    // Under our subfolder's name, a link to a folder of ours: refused, nothing paused.
+    let linked = f.dir.path().join("linked");
+    std::fs::create_dir(&linked).unwrap();
+    std::fs::set_permissions(&linked, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        elsewhere.path(),
+        linked.join(disk::private_subfolder_name(uid)),
+    )
+    .unwrap();
+    f.e.set_disk_backup_dir(Some(linked.clone())).unwrap();
+    let (p, data) = f.alloc(2 * MIB, 0, 9);
+    let msg = f.e.pause(None).unwrap_err().to_string();
+    assert!(
+        msg.contains("symbolic link") && msg.contains("refused"),
+        "{msg}"
+    );
+    assert_eq!(f.e.allocations()[0].state, State::Active);
+    assert!(read_raw(&f.sim, p, data.len()) == data);
+    assert!(names_in(elsewhere.path()).is_empty());
+
+    // Another user's folder under that name (only root can make one to test with).
+    if uid == 0 {
+        let foreign = f.dir.path().join("foreign");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let theirs = foreign.join(disk::private_subfolder_name(uid));
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).unwrap();
+        f.e.set_disk_backup_dir(Some(foreign)).unwrap();
+        let msg = f.e.pause(None).unwrap_err().to_string();
+        assert!(msg.contains("belongs to uid 4242"), "{msg}");
+        assert!(names_in(&theirs).is_empty());
+    }
+}

@@ -453,7 +453,7 @@ fn step(
                 for p in m.with_tag(*tag) {
                     let a = m.allocs.get_mut(&p).unwrap();
                     let us: Vec<usize> = (0..a.active.len()).filter(|&u| a.active[u]).collect();
-                    if !us.is_empty() && *save && a.chunk > 0 {
+                    if *save && a.chunk > 0 {
                         a.kept = Some(a.active.clone());
                     }
                     sel.push((p, us));
@@ -464,12 +464,14 @@ fn step(
             let (mut n, mut bytes, mut copied) = (0, 0, 0);
             for p in m.with_tag(*tag) {
                 let a = m.allocs.get_mut(&p).unwrap();
+                // Recorded for every chunked allocation of the tag, those with nothing left to
+                // pause too: a restore brings back the state at this pause.
+                if *save && a.chunk > 0 {
+                    a.kept = Some(a.active.clone());
+                }
                 let us: Vec<usize> = (0..a.active.len()).filter(|&u| a.active[u]).collect();
                 if us.is_empty() {
                     continue;
-                }
-                if *save && a.chunk > 0 {
-                    a.kept = Some(a.active.clone());
                 }
                 let (b, c) = a.pause(&us);
                 n += 1;
@@ -496,11 +498,8 @@ fn step(
                 chunk_state: *restore,
                 ..Pick::tag(tag_name(*tag))
             };
-            let chosen: Vec<u64> = sel
-                .iter()
-                .filter(|(_, u)| !u.is_empty())
-                .map(|(p, _)| *p)
-                .collect();
+            // A record is used once, by every allocation of the tag.
+            let chosen: Vec<u64> = sel.iter().map(|(p, _)| *p).collect();
             if resume_units(m, sel, faulty, || e.resume_pick(&pick))? && *restore {
                 for p in chosen {
                     m.allocs.get_mut(&p).unwrap().kept = None;

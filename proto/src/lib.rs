@@ -58,6 +58,10 @@ pub const MAX_CHUNK_INDICES: usize = 1 << 20;
 /// record and restore chunk states (`chunk_state`) and answer [`Request::Chunks`].
 pub const FEATURE_CHUNKS: &str = "chunks";
 
+/// The feature of servers whose [`Status`] lists the pauses and resumes that control clients
+/// asked for and that have not ended ([`Status::operations`]).
+pub const FEATURE_OPERATIONS: &str = "operations";
+
 /// Longest error message a decoder produces (a message may quote part of the input).
 const MAX_MESSAGE_CHARS: usize = 240;
 
@@ -170,6 +174,10 @@ pub struct RegionUpdate {
     /// In this kind of host memory (only with a CPU backup).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend: Option<BackupBackend>,
+    /// They keep a disk backup across pause (never together with a CPU backup). Servers that
+    /// report `disk_backup` in [`RegionInfo`] take it; older ones refuse it as unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_backup: Option<bool>,
 }
 
 /// What a client asks for.
@@ -235,6 +243,10 @@ pub struct RegionInfo {
     pub cpu_backup: bool,
     /// The host memory of that backup.
     pub backend: BackupBackend,
+    /// They keep a disk backup across pause instead. Absent (false) from servers that predate
+    /// it in this reply.
+    #[serde(default)]
+    pub disk_backup: bool,
 }
 
 /// Duration and size of the last pause or resume that touched a tag.
@@ -325,6 +337,26 @@ pub struct Status {
     /// The process-wide default region, when it can be read.
     #[serde(default)]
     pub default_region: Option<RegionInfo>,
+    /// Pauses and resumes asked for over the control socket that have not ended (running, or
+    /// waiting for another to end), oldest first. Servers with [`FEATURE_OPERATIONS`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operations: Vec<Running>,
+}
+
+/// A pause or resume asked for over the control socket that has not ended.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Running {
+    /// Which operation.
+    pub op: Op,
+    /// The tag, or none for every tag (shown shortened past the server's bound, as in
+    /// [`Status::tags`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// The chunks asked for, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chunks: Option<ChunkRanges>,
+    /// Seconds since it was asked for.
+    pub seconds: f64,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -855,9 +887,13 @@ pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, String> {
             Some((a, b)) => (a.trim(), b.trim()),
             None => (part, part),
         };
+        // Digits only: `parse` would take "+1" for 1.
         let num = |x: &str| {
-            x.parse::<usize>()
-                .map_err(|_| bad(&format!("{x:?} is not an index")))
+            x.bytes()
+                .all(|b| b.is_ascii_digit())
+                .then(|| x.parse::<usize>().ok())
+                .flatten()
+                .ok_or_else(|| bad(&format!("{x:?} is not an index")))
         };
         let (a, b) = (num(a)?, num(b)?);
         if a > b {

@@ -238,6 +238,7 @@ fn replies_round_trip() {
             tag: "default".into(),
             cpu_backup: false,
             backend: BackupBackend::Pinned,
+            disk_backup: false,
         }),
         ..Default::default()
     };
@@ -402,13 +403,15 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 Just(BackupBackend::Pinned),
                 Just(BackupBackend::Mmap)
             ]),
+            prop::option::of(any::<bool>()),
         )
-            .prop_map(|(enabled, tag, cpu_backup, backend)| {
+            .prop_map(|(enabled, tag, cpu_backup, backend, disk_backup)| {
                 Request::SetRegion(RegionUpdate {
                     enabled,
                     tag,
                     cpu_backup,
                     backend,
+                    disk_backup,
                 })
             }),
     ]
@@ -534,10 +537,30 @@ fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
         ("5-2", "runs backwards"),
         ("0-1000000000", "more than 100 chunks"),
         ("-3", "is not an index"),
+        ("+1", "is not an index"),
+        ("1-+2", "is not an index"),
     ] {
         let e = parse_ranges(bad, 100).unwrap_err();
         assert!(e.contains(why), "{bad:?}: {e}");
     }
+}
+
+#[test]
+fn region_replies_of_older_servers_still_parse() {
+    // Before disk backups were reported: no `disk_backup`, read as none.
+    let r = decode_reply(
+        br#"{"reply":"region","enabled":true,"tag":"t","cpu_backup":true,"backend":"mmap"}"#,
+    )
+    .unwrap();
+    let Reply::Region(r) = r else { panic!("{r:?}") };
+    assert!(!r.disk_backup && r.cpu_backup);
+    // A client that does not touch it sends no `disk_backup`, which older servers would refuse.
+    let line = String::from_utf8(encode(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(true),
+        ..Default::default()
+    })))
+    .unwrap();
+    assert!(!line.contains("disk_backup"), "{line}");
 }
 
 #[test]

@@ -481,7 +481,7 @@ def test_pools_are_keyed_by_chunk_size(preloaded):
         ids = [id(p) for p in routed]
         assert ids[0] == ids[4] and ids[1] == ids[2], ids
         assert len({ids[0], ids[1], ids[3], ids[5]}) == 4, ids
-        keys = sorted(k for k in tms._impl._pools)
+        keys = sorted(k for k in tms._impl._mem_pools)
         print(keys)
         # cuda_graph takes the chunk size the same way.
         lib = tms._impl._binary_wrapper

@@ -155,7 +155,7 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
             cdll = tms._impl._binary_wrapper.cdll
             lib = tms._impl._binary_wrapper
             assert lib.tms_get_interesting_region() is True and lib.tms_get_current_tag() == b"outer"
-            assert lib.tms_get_enable_cpu_backup() is True and lib.tms_get_cpu_backup_backend() == b"pinned"
+            assert lib.tms_get_enable_cpu_backup() is True and lib.tms_get_cpu_backup_backend() == b""
             # DeepEP's patch, as slime and miles call it (no types declared on their side).
             original = cdll.tms_get_interesting_region()
             cdll.tms_set_interesting_region(False)
@@ -193,11 +193,14 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
         ctypes.memmove(kept, b"\\x5a" * (1 << 20), 1 << 20)
         assert cdll.tms_pause(b"") == 0, "empty tag: every tag"
         assert all(t["bytes_active"] == 0 for t in tms.stats()["tags"]), tms.stats()
-        p = lib.tms_get_cpu_backup_pointer(kept, 1 << 20)
-        assert p and ctypes.string_at(p, 16) == b"\\x5a" * 16
-        assert lib.tms_get_cpu_backup_pointer(moved, 1 << 20) is not None, "mmap backups too"
-        assert lib.tms_get_cpu_backup_pointer(opened, 1 << 20) is None, "no backup asked"
-        assert lib.tms_get_cpu_backup_pointer(12345, 16) is None
+        # Typed as the existing library's binding: uint8_t pointers in and out.
+        u8 = lambda a: ctypes.cast(ctypes.c_void_p(a), ctypes.POINTER(ctypes.c_uint8))
+        assert lib.tms_get_cpu_backup_pointer.restype is ctypes.POINTER(ctypes.c_uint8)
+        p = lib.tms_get_cpu_backup_pointer(u8(kept), 1 << 20)
+        assert p and ctypes.string_at(p, 16) == b"\\x5a" * 16 and p[0] == 0x5a
+        assert lib.tms_get_cpu_backup_pointer(u8(moved), 1 << 20), "mmap backups too"
+        assert not lib.tms_get_cpu_backup_pointer(u8(opened), 1 << 20), "no backup asked"
+        assert not lib.tms_get_cpu_backup_pointer(u8(12345), 16)
         print("NOTFOUND", lib.last_error())
         assert cdll.tms_resume(b"") == 0
         assert ctypes.string_at(kept, 16) == b"\\x5a" * 16
@@ -236,8 +239,11 @@ def test_library_file_names_beside_the_package():
         p = utils.get_binary_path_from_package(stem)
         assert p.is_file(), p
         if (root / f"{stem}.abi3.so").exists():
-            # Installed: the path AReaL and slime build by hand, a copy of the one build.
-            assert p == root / f"{stem}.abi3.so"
+            # Installed: the path AReaL and slime build by hand (with the CUDA major's suffix
+            # where torch or the runtime tells it), a copy of the one build.
+            major = utils._cuda_major()
+            suffixed = stem.endswith(("_cu12", "_cu13")) or major is None
+            assert p == root / (f"{stem}.abi3.so" if suffixed else f"{stem}_cu{major}.abi3.so")
             assert p.read_bytes() == main.read_bytes()
         else:  # a source checkout: the development build serves every name
             assert p == main
@@ -260,7 +266,7 @@ def test_preload_by_the_upstream_file_name_as_areal_and_slime_build_it(tmp_path)
     r = run_py(
         """
         from torch_memory_saver import binary_wrapper
-        assert tms.enabled
+        assert tms.available
         rc, p = cuda_malloc(3 << 20)
         assert rc == 0
         ctypes.memmove(p, b"q" * (3 << 20), 3 << 20)

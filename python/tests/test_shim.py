@@ -20,10 +20,12 @@ MIB = 1 << 20
 
 def test_import_needs_neither_torch_nor_a_gpu():
     r = run_py(
-        "import sys\nassert 'torch' not in sys.modules\nprint(tms.hook_mode, tms.enabled)\n",
+        "import sys\nassert 'torch' not in sys.modules\nprint(tms.hook_mode, tms.enabled, tms.available)\n"
+        "assert 'torch' not in sys.modules\n",
         clean_env(),
     )
-    assert r.stdout.split() == ["preload", "False"]
+    # enabled is True as in the existing library; available tells that preload mode lacks the preload.
+    assert r.stdout.split() == ["preload", "True", "False"]
 
 
 def test_preload_mode_without_preload_names_the_fix():
@@ -43,7 +45,7 @@ def test_preload_mode_without_preload_names_the_fix():
 def test_region_pause_resume_keeps_backed_up_contents(preloaded):
     r = preloaded(
         """
-        assert tms.enabled
+        assert tms.available
         n = 3 * (1 << 20) + 12345
         with tms.region(tag="kv", enable_cpu_backup=True):
             rc, kv = cuda_malloc(n)
@@ -399,21 +401,25 @@ def test_fork_child_raises_invalid_state(preloaded):
 
 
 def test_configure_subprocess_puts_libtms_first_and_restores(monkeypatch, libtms):
+    from torch_memory_saver.hooks.mode_preload import preload_library_path
+
+    lib = preload_library_path()  # installed: the upstream name (for the CUDA major); a checkout: libtms.so
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     with tms_pkg.configure_subprocess():
-        assert os.environ["LD_PRELOAD"] == libtms
+        assert os.environ["LD_PRELOAD"] == lib
         out = subprocess.run(
             [sys.executable, "-c", "import os; print(os.environ['LD_PRELOAD'])"],
             capture_output=True,
             text=True,
             env=clean_env(LD_PRELOAD=os.environ["LD_PRELOAD"]),
         ).stdout.strip()
-        assert out == libtms
+        assert out == lib
     assert "LD_PRELOAD" not in os.environ
 
+    # Another copy of the library (libtms.so) is dropped: a child holds one.
     monkeypatch.setenv("LD_PRELOAD", f"/other/lib.so:{libtms}")
     with tms_pkg.configure_subprocess():
-        assert os.environ["LD_PRELOAD"] == f"{libtms}:/other/lib.so"
+        assert os.environ["LD_PRELOAD"] == f"{lib}:/other/lib.so"
     assert os.environ["LD_PRELOAD"] == f"/other/lib.so:{libtms}"
 
     with pytest.raises(RuntimeError):
@@ -427,7 +433,7 @@ def test_a_child_started_inside_configure_subprocess_is_preloaded(libtms):
         "import torch_memory_saver as t, ctypes\n"
         "with t.configure_subprocess():\n"
         "    import subprocess, sys\n"
-        "    r = subprocess.run([sys.executable, '-c', 'from torch_memory_saver import torch_memory_saver as x; print(x.enabled)'], capture_output=True, text=True)\n"
+        "    r = subprocess.run([sys.executable, '-c', 'from torch_memory_saver import torch_memory_saver as x; print(x.available)'], capture_output=True, text=True)\n"
         "print(r.stdout.strip())\n"
     )
     r = run_py(code, clean_env())

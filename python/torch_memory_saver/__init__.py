@@ -22,13 +22,10 @@ site-packages as ``torch_memory_saver_hook_mode_{preload,torch}[_cu12|_cu13].abi
 
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import Iterator
-
 from . import binary_wrapper, entrypoint, hooks, testing_utils, utils
 from .binary_wrapper import bundled_library_path
 from .entrypoint import TorchMemorySaver
+from .hooks.mode_preload import configure_subprocess
 from .errors import (
     DriverError,
     InternalError,
@@ -66,20 +63,3 @@ torch_memory_saver = TorchMemorySaver()
 def get_binary_path() -> str:
     """Path of the libtms.so bundled with this package (what ``LD_PRELOAD`` should name)."""
     return bundled_library_path()
-
-
-@contextlib.contextmanager
-def configure_subprocess() -> Iterator[None]:
-    """Child processes started inside get libtms.so first in ``LD_PRELOAD`` (preload mode);
-    the variable is restored on exit."""
-    path = get_binary_path()
-    old = os.environ.get("LD_PRELOAD")
-    rest = [p for p in (old or "").replace(" ", ":").split(":") if p and p != path]
-    os.environ["LD_PRELOAD"] = ":".join([path, *rest])
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("LD_PRELOAD", None)
-        else:
-            os.environ["LD_PRELOAD"] = old

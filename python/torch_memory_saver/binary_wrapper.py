@@ -15,7 +15,7 @@ from typing import Optional
 
 from .errors import LibraryNotFoundError, error_for_status
 
-__all__ = ["BinaryWrapper", "bundled_library_path", "preloaded", "preloaded_path", "load"]
+__all__ = ["BinaryWrapper", "LibraryHandle", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
 _c_u64_p = ctypes.POINTER(ctypes.c_uint64)
@@ -78,7 +78,11 @@ _SIGNATURES = {
     "tms_get_chunk_layout": (ctypes.c_int, [ctypes.c_char_p, _c_size_p, _c_size_p, ctypes.c_size_t]),
     "set_memory_margin_bytes": (ctypes.c_int, [ctypes.c_uint64]),
     "tms_get_retain_cpu_backup": (ctypes.c_bool, []),
-    "tms_get_cpu_backup_pointer": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_uint64]),
+    # Typed as the existing library's binding types it.
+    "tms_get_cpu_backup_pointer": (_c_u8_p, [_c_u8_p, ctypes.c_uint64]),
+    "tms_keep_resident": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "tms_keep_resident_ex": (ctypes.c_int, [ctypes.c_uint64, _c_u64_p]),
+    "tms_affected_devices": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
 }
 
 BUFFER_TOO_SMALL = 9
@@ -106,10 +110,74 @@ def bundled_library_path() -> str:
     )
 
 
-class BinaryWrapper:
-    """The loaded C ABI, with status checking. ``cdll`` is the ``ctypes.CDLL`` itself."""
+def _mapped_libraries(prefix: str, maps: str = "/proc/self/maps") -> list:
+    """Paths of the files mapped into this process whose name starts with ``prefix``, in the
+    order the kernel lists them (each once)."""
+    found: list = []
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(None, 5)
+                if len(parts) == 6:
+                    path = parts[5].strip()
+                    if os.path.basename(path).startswith(prefix) and path not in found:
+                        found.append(path)
+    except OSError:
+        pass
+    return found
 
-    def __init__(self, cdll: ctypes.CDLL, path: Optional[str]) -> None:
+
+def cuda_runtime_function(name: str):
+    """``name`` (a CUDA runtime function) from the CUDA runtime this process has loaded: the
+    process's global symbols first, else the ``libcudart`` mapped into it (PyTorch loads its
+    own, possibly with local symbols). None where there is none. Nothing new is loaded."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except AttributeError:
+        pass
+    for path in _mapped_libraries("libcudart.so"):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LOCAL)
+            return getattr(lib, name)
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+class LibraryHandle(ctypes.CDLL):
+    """The ``ctypes.CDLL`` of libtms.so. libtms.so links no CUDA library (one build serves CUDA
+    12 and 13), so a CUDA runtime name it lacks (``cudaHostGetFlags``, ``cudaGetLastError``...)
+    is looked up in the runtime already loaded in the process, as integrations of the existing
+    library (whose file links the runtime) expect of this handle."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if not name.startswith("cuda"):
+                raise
+        func = cuda_runtime_function(name)
+        if func is None:
+            raise AttributeError(
+                f"{name}: not in {self._name or 'this process'} nor in a CUDA runtime loaded in this process"
+            )
+        setattr(self, name, func)
+        return func
+
+
+class BinaryWrapper:
+    """The loaded C ABI, with status checking. ``cdll`` is the ``ctypes.CDLL`` itself.
+
+    ``BinaryWrapper(path_binary)`` loads the file (as the existing library's class does);
+    ``BinaryWrapper(cdll, path)`` wraps a handle already loaded."""
+
+    def __init__(self, cdll: "ctypes.CDLL | str | os.PathLike", path: Optional[str] = None) -> None:
+        if isinstance(cdll, (str, bytes, os.PathLike)):
+            path = os.fsdecode(cdll)
+            try:
+                cdll = LibraryHandle(path)
+            except OSError as e:
+                raise LibraryNotFoundError(f"cannot load {path}: {e}") from e
         self.cdll = cdll
         self.path = path
         for name, (res, args) in _SIGNATURES.items():
@@ -117,6 +185,28 @@ class BinaryWrapper:
             f.restype = res
             f.argtypes = args
             setattr(self, name, f)
+
+    def set_config(
+        self,
+        *,
+        tag: str = "default",
+        interesting_region: bool = True,
+        enable_cpu_backup: bool = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: bool = False,
+    ) -> None:
+        """Set this thread's region settings through the existing library's C names (the
+        innermost region's; one is opened where none is). Raises on a refused value."""
+        self.check(self.tms_set_current_tag(tag.encode("utf-8")))
+        self.check(self.tms_set_interesting_region(int(bool(interesting_region))))
+        if enable_disk_backup:
+            self.check(self.tms_set_enable_cpu_backup(0))
+            self.check(self.tms_set_enable_disk_backup(1))
+        else:
+            self.check(self.tms_set_enable_disk_backup(0))
+            self.check(self.tms_set_enable_cpu_backup(int(bool(enable_cpu_backup))))
+        if cpu_backup_backend is not None:
+            self.check(self.tms_set_cpu_backup_backend(cpu_backup_backend.encode("utf-8")))
 
     def last_error(self) -> str:
         buf = ctypes.create_string_buffer(4096)
@@ -179,7 +269,7 @@ def preloaded() -> Optional[BinaryWrapper]:
     with _lock:
         if _preloaded is None:
             try:
-                h = ctypes.CDLL(None)
+                h = LibraryHandle(None)
                 getattr(h, "tms_region_enter")
             except (OSError, AttributeError):
                 return None
@@ -197,7 +287,7 @@ def load(path: Optional[str] = None) -> BinaryWrapper:
         lib = _loaded.get(path)
         if lib is None:
             try:
-                h = ctypes.CDLL(path)
+                h = LibraryHandle(path)
             except OSError as e:
                 raise LibraryNotFoundError(f"cannot load {path}: {e}") from e
             lib = _loaded[path] = BinaryWrapper(h, path)

@@ -14,14 +14,23 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Union
 
-from .saver import _TorchMemorySaverImpl
+from .binary_wrapper import BinaryWrapper
+from .hooks.base import HookMode, HookUtilBase
+from .saver import _TorchMemorySaverImpl, resolve_cpu_backup_backend
+from .utils import is_xpu
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = ["TorchMemorySaver", "_TorchMemorySaverImpl"]
+
+# Names of the existing library's module that integrations import from here. ``is_xpu`` is
+# looked up here at call time, so patching ``entrypoint.is_xpu`` changes what regions check.
+_TAG_DEFAULT = "default"
+CpuBackupBackend = Literal["pinned", "mmap"]
+_EXPORTED = (BinaryWrapper, HookMode, HookUtilBase, is_xpu)
 
 _init_lock = threading.RLock()
 
@@ -88,12 +97,25 @@ class TorchMemorySaver:
 
     @property
     def enabled(self) -> bool:
+        """True, with no side effect (nothing is initialised or loaded), as in the existing
+        library. Whether the library can work in this process is :attr:`available`."""
+        return True
+
+    @property
+    def available(self) -> bool:
         """True when the package can work in this process in the current hook mode: in preload
         mode, libtms.so is in ``LD_PRELOAD``; in torch mode, the library file is found. False
         means regions would raise :class:`LibraryNotFoundError` (which says how to fix it),
-        while pausing and resuming would find nothing to do."""
+        while pausing and resuming would find nothing to do. Loads nothing."""
         self._ensure_initialized()
-        return bool(getattr(self._impl, "enabled", True))
+        return bool(getattr(self._impl, "available", True))
+
+    def _cpu_backup_backend(self, enable_cpu_backup: bool, cpu_backup_backend: Optional[str]) -> Optional[str]:
+        """The host memory a region with these arguments backs up to: the given backend, else
+        ``TMS_INIT_CPU_BACKUP_BACKEND``, else ``"pinned"``; None without a CPU backup. Raises
+        ``ValueError`` (:class:`InvalidArgumentError`) for a backend without
+        ``enable_cpu_backup``, an unknown one, or ``"mmap"`` on ROCm/XPU."""
+        return resolve_cpu_backup_backend(enable_cpu_backup, cpu_backup_backend)
 
     @property
     def retain_cpu_backup(self) -> bool:
@@ -123,10 +145,11 @@ class TorchMemorySaver:
 
     def region(
         self,
-        tag: str = "default",
+        tag: str = _TAG_DEFAULT,
         enable_cpu_backup: bool = False,
-        cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Optional[bool] = None,
+        cpu_backup_backend: Optional[str] = None,
+        *,
         chunk_size: Optional[int] = None,
     ) -> contextlib.AbstractContextManager:
         """Tensors allocated inside are pauseable under ``tag``.
@@ -145,8 +168,15 @@ class TorchMemorySaver:
         ``enable_disk_backup=True`` keeps them instead in files of their own in the disk backup
         directory (``set_disk_backup_dir``, ``TMS_DISK_BACKUP_DIR``, else the system's temporary
         directory), written and read at the disk's speed; files are reused across pauses and
-        removed when the tensor's memory is freed and at exit. A CPU and a disk backup are
+        removed when the tensor's memory is freed, at exit and on SIGTERM/SIGINT (where the
+        process left their default action). A CPU and a disk backup are
         mutually exclusive.
+
+        The positional order is the existing library's (``tag``, ``enable_cpu_backup``,
+        ``enable_disk_backup``, ``cpu_backup_backend``); ``chunk_size`` is keyword-only. Bad
+        backup arguments raise :class:`InvalidArgumentError` (a ``ValueError``) in the existing
+        library's words: a backend that ``requires enable_cpu_backup``, any backend ``not
+        supported on XPU``, ``"mmap"`` ``not supported on ROCm``.
 
         ``chunk_size=N`` (bytes; 0 or None, the default: not chunked) makes each allocation an
         elastic one: one reserved address range backed by independent physical chunks of ``N``
@@ -211,10 +241,28 @@ class TorchMemorySaver:
     def set_disk_backup_dir(self, path: "Optional[str | os.PathLike]") -> None:
         """Put the files of disk backups made from now on in ``path`` (an existing directory;
         None for the default, ``TMS_DISK_BACKUP_DIR`` or else the system's temporary directory).
-        Files left there by processes that died are removed at first use; a directory in RAM
-        (tmpfs) works but takes host memory, and is logged as such."""
+        The directory is resolved when set (a relative one against the current directory then)
+        and held open, so a later ``os.chdir`` does not move the files. Where other users can
+        write to it (``/tmp``), the files go in its subfolder ``tms-backups-<uid>`` (mode 0700).
+        Files left there by processes that died are removed at first use (and by ``tmsctl
+        clean``); a directory in RAM (tmpfs) works but takes host memory, and is logged as
+        such."""
         self._ensure_initialized()
         return self._impl.set_disk_backup_dir(path)
+
+    # ---------------------------------------------------------------- residency
+
+    def keep_resident(self, tensor: "torch.Tensor") -> int:
+        """Keep the whole allocation holding ``tensor`` (a view of it does) mapped, at the same
+        physical memory, across every later :meth:`pause` and :meth:`resume` until it is freed:
+        what NCCL user-buffer registration (and CUDA graphs that captured it) need. Returns the
+        allocation's size in bytes, the same for any view and when called again; 0 for an empty
+        tensor or one outside every pauseable allocation. A paused (or partly paused) allocation
+        is refused with :class:`InvalidStateError` ("keep_resident requires an active
+        allocation"). Its memory still counts as the tag's, but a pause no longer gives it
+        back, and no backup is taken of it."""
+        self._ensure_initialized()
+        return self._impl.keep_resident(tensor)
 
     # ---------------------------------------------------------------- pause / resume
 

@@ -10,6 +10,7 @@ import logging
 import operator
 import os
 import re
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
@@ -50,15 +51,49 @@ def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
     return tag
 
 
-def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
-    if backend is None:
-        return None
-    if backend not in BACKENDS:
-        raise InvalidArgumentError(f"cpu_backup_backend must be one of {BACKENDS}, not {backend!r}")
+def _platform() -> tuple:
+    """``(xpu, rocm)``, read at call time: ``entrypoint.is_xpu`` (a module name integrations
+    patch) and the ``torch.version.hip`` of the torch in use."""
+    from . import entrypoint
+
+    torch = sys.modules.get("torch")
+    return bool(entrypoint.is_xpu()), bool(getattr(getattr(torch, "version", None), "hip", None))
+
+
+def resolve_cpu_backup_backend(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
+    """The host memory a region's CPU backups go to: ``backend`` where given (``"pinned"`` or
+    ``"mmap"``; refused without ``enable_cpu_backup``, and ``"mmap"`` on ROCm/XPU), else
+    ``TMS_INIT_CPU_BACKUP_BACKEND``, else ``"pinned"``; None without a CPU backup. Errors are
+    :class:`InvalidArgumentError` (a ``ValueError``) in the existing library's words."""
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise InvalidArgumentError(f'cpu_backup_backend must be "mmap" or "pinned", not {backend!r}')
+        if not enable_cpu_backup:
+            raise InvalidArgumentError(
+                f"cpu_backup_backend={backend!r} requires enable_cpu_backup=True (there is no backup to put in it)"
+            )
+        if backend == "mmap" and any(_platform()):
+            raise InvalidArgumentError(
+                "cpu_backup_backend='mmap' is not supported on ROCm/XPU (pageable backups need CUDA); use 'pinned'"
+            )
+        return backend
     if not enable_cpu_backup:
+        return None
+    env = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND", "").strip()
+    if not env:
+        return "pinned"
+    if env not in BACKENDS:
+        raise InvalidArgumentError(f'environment variable TMS_INIT_CPU_BACKUP_BACKEND must be "mmap" or "pinned", not {env!r}')
+    return env
+
+
+def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
+    """A region's explicit backend, checked (None where not given: the library's default)."""
+    if backend is not None and _platform()[0]:
         raise InvalidArgumentError(
-            f"cpu_backup_backend={backend!r} needs enable_cpu_backup=True (there is no backup to put in it)"
+            "cpu_backup_backend is not supported on XPU (torch_memory_saver works on CUDA devices)"
         )
+    resolve_cpu_backup_backend(enable_cpu_backup, backend)
     return backend
 
 
@@ -244,7 +279,11 @@ class _TorchMemorySaverImpl:
         self._hook_util: HookUtilBase = HookUtilBase.create(hook_mode)
         self._lib: Optional[BinaryWrapper] = None
         self._lock = threading.RLock()
-        self._pools: dict[tuple, Any] = {}
+        # Region pools keyed as the existing library's callers expect: (tag, enable_cpu_backup,
+        # enable_disk_backup, resolved backend, device), and the chunk size where chunked.
+        # Popping one drops it (its blocks go back to the device once its tensors are gone).
+        self._mem_pools: dict[tuple, Any] = {}
+        self._graph_pools: dict[tuple, Any] = {}
         self._local = threading.local()
 
     # ---------------------------------------------------------------- configuration
@@ -259,7 +298,7 @@ class _TorchMemorySaverImpl:
             if mode == self._hook_util.hook_mode:
                 return
             new = HookUtilBase.create(mode)  # refuses an unknown mode
-            if self._lib is not None or self._pools:
+            if self._lib is not None or self._mem_pools or self._graph_pools:
                 raise InvalidStateError(
                     f"hook_mode is already {self.hook_mode!r} and in use; set it before the first region or pause"
                 )
@@ -279,12 +318,37 @@ class _TorchMemorySaverImpl:
 
     @property
     def enabled(self) -> bool:
+        """True, with no side effect, as the existing library's attribute of this name is (see
+        :attr:`available`)."""
+        return True
+
+    @property
+    def available(self) -> bool:
+        """Whether the library can work in this process in the current hook mode, without
+        loading it: preloaded (preload mode), or its file found (torch mode)."""
         if self._lib is not None:
             return True
         try:
             return self._hook_util.get_path_binary() is not None
         except LibraryNotFoundError:
             return False
+
+    @property
+    def _hook_mode(self) -> str:
+        """The existing library's name of :attr:`hook_mode`."""
+        return self.hook_mode
+
+    @property
+    def _is_xpu(self) -> bool:
+        """Whether the accelerator is an Intel XPU (``entrypoint.is_xpu``, read now)."""
+        return _platform()[0]
+
+    @property
+    def _device_module(self) -> Any:
+        """``torch.xpu`` on an Intel XPU, else ``torch.cuda``."""
+        import torch
+
+        return torch.xpu if self._is_xpu else torch.cuda
 
     @property
     def retain_cpu_backup(self) -> bool:
@@ -320,6 +384,59 @@ class _TorchMemorySaverImpl:
             raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
         lib = self._library()
         lib.check(lib.tms_set_disk_backup_dir(None if path is None else os.fsencode(path)))
+
+    # ---------------------------------------------------------------- residency and devices
+
+    def keep_resident(self, tensor: Any) -> int:
+        """See ``TorchMemorySaver.keep_resident``."""
+        numel = getattr(tensor, "numel", None)
+        if not callable(numel):
+            raise TypeError(f"expected a torch.Tensor, not {type(tensor).__name__}")
+        if numel() == 0:
+            return 0
+        addr = _address(tensor)
+        lib = self._library()
+        size = ctypes.c_uint64(0)
+        lib.check(lib.tms_keep_resident_ex(addr, ctypes.byref(size)))
+        if size.value:
+            logger.info("keeping the allocation holding %#x resident (%d bytes)", addr, size.value)
+        return size.value
+
+    def _affected_devices(self, tag: Optional[str]) -> list:
+        """The devices a pause or resume of ``tag`` (every tag if None) acts on, ascending.
+        Uses only ``self._binary_wrapper.cdll`` (one call), as the existing library's does."""
+        capacity = 64
+        out = (ctypes.c_int * capacity)()
+        name = None if tag is None else (tag.encode("utf-8") if isinstance(tag, str) else tag)
+        wrapper = self._binary_wrapper
+        n = wrapper.cdll.tms_affected_devices(name, out, capacity)
+        if n < 0:
+            last = getattr(wrapper, "last_error", None)
+            raise InternalError(last() if callable(last) else "tms_affected_devices failed")
+        if n > capacity:
+            # The existing library's check, as its callers expect it (not a bare assert: it holds
+            # under python -O too).
+            raise AssertionError(f"Too many affected devices: {n} (at most {capacity})")
+        return list(out[:n])
+
+    @contextlib.contextmanager
+    def _with_region_config(
+        self,
+        tag: str = "default",
+        enable_cpu_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Any = False,
+    ) -> Iterator[None]:
+        """This thread's allocations are pauseable with these settings inside, with no pool
+        routing (the existing library's internal context, which its callers use to free tensors
+        under a tag)."""
+        tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
+        backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        lib = self._library()
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
+            yield
 
     # ---------------------------------------------------------------- regions
 
@@ -372,20 +489,25 @@ class _TorchMemorySaverImpl:
                 3,
             ) from e
 
-    def _pool(self, kind: str, tag: str, backup: Any, backend: Optional[str], device: int, chunk: int = 0) -> Any:
-        """The MemPool of (kind, tag, backup, backend, chunk size, device), made on first use, so
-        that cached blocks never cross backup settings or chunk layouts. Its allocator is the
-        hook mode's: libtms.so in torch mode; PyTorch's own (cudaMalloc, which the preloaded
-        library serves while the region's flags are on) in preload mode."""
+    def _pool(
+        self, kind: str, tag: str, cpu: bool, disk: bool, backend: Optional[str], device: int, chunk: int = 0
+    ) -> Any:
+        """The MemPool of a region (``kind="region"``, in ``_mem_pools``) or a graph capture (in
+        ``_graph_pools``) for (tag, CPU backup, disk backup, resolved backend, device, chunk
+        size), made on first use, so that cached blocks never cross backup settings or chunk
+        layouts. Its allocator is the hook mode's: libtms.so in torch mode; PyTorch's own
+        (cudaMalloc, which the preloaded library serves while the region's flags are on) in
+        preload mode."""
         import torch
 
+        key = (tag, cpu, disk, resolve_cpu_backup_backend(cpu, backend), device) + ((chunk,) if chunk else ())
+        pools = self._mem_pools if kind == "region" else self._graph_pools
         with self._lock:
-            key = (self.hook_mode, kind, tag, backup, backend, chunk, device)
-            pool = self._pools.get(key)
+            pool = pools.get(key)
             if pool is None:
                 allocator = self._hook_util.get_allocator()
                 pool = torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
-                self._pools[key] = pool
+                pools[key] = pool
             return pool
 
     @contextlib.contextmanager
@@ -427,8 +549,9 @@ class _TorchMemorySaverImpl:
         self,
         tag: str = "default",
         enable_cpu_backup: Any = False,
-        cpu_backup_backend: Optional[str] = None,
         enable_disk_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        *,
         chunk_size: Any = 0,
     ) -> Iterator[None]:
         """See ``TorchMemorySaver.region``."""
@@ -447,8 +570,7 @@ class _TorchMemorySaverImpl:
         # Each region's tensors live in a pool of their own, so PyTorch never hands a pauseable
         # block to a tensor made outside the region, nor a plain cached block to one inside it,
         # nor a block of one chunk layout to another.
-        backup = "disk" if disk else enable_cpu_backup
-        pool = self._pool("region", tag, backup, backend, torch.cuda.current_device(), chunk)
+        pool = self._pool("region", tag, enable_cpu_backup, disk, backend, torch.cuda.current_device(), chunk)
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
             with self._routed(torch, pool), self._chunk_misfits(lib, chunk):
                 yield
@@ -495,8 +617,7 @@ class _TorchMemorySaverImpl:
         lib = self._library()
         if self.hook_mode == "torch" and pool is None:
             device = torch.cuda.current_device()
-            backup = "disk" if disk else enable_cpu_backup
-            pool = self._pool("graph", tag, backup, backend, device, chunk).id
+            pool = self._pool("graph", tag, enable_cpu_backup, disk, backend, device, chunk).id
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
             _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
             try:

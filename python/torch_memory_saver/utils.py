@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -19,17 +21,72 @@ LIBRARY_STEMS = tuple(
 """The names the library is installed under beside the package (one build serves them all)."""
 
 
+def _cuda_major() -> Optional[int]:
+    """The CUDA major version the library files are chosen by: that of the PyTorch in use (an
+    imported ``torch`` first, so a test's stand-in counts), else of the CUDA runtime this
+    process can load; None on ROCm or where neither tells."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch  # noqa: F811
+        except Exception:  # no torch, or a broken one: probe the runtime instead
+            torch = None
+    version = getattr(torch, "version", None)
+    if version is not None:
+        if getattr(version, "hip", None):
+            return None
+        cuda = getattr(version, "cuda", None)
+        if cuda:
+            try:
+                return int(str(cuda).split(".")[0])
+            except ValueError:
+                return None
+    return _runtime_cuda_major()
+
+
+def _runtime_cuda_major() -> Optional[int]:
+    """``cudaRuntimeGetVersion`` of a CUDA runtime already in the process or on the loader's
+    path (12040 -> 12), else None."""
+    import ctypes
+    import ctypes.util
+
+    names = ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    found = ctypes.util.find_library("cudart")
+    if found:
+        names.insert(0, found)
+    for name in names:
+        try:
+            fn = ctypes.CDLL(name).cudaRuntimeGetVersion
+        except (OSError, AttributeError):
+            continue
+        v = ctypes.c_int(0)
+        if fn(ctypes.byref(v)) == 0 and v.value > 0:
+            return v.value // 1000
+    return None
+
+
 def get_binary_path_from_package(stem: str) -> Path:
-    """Path of the library file named ``stem`` (e.g. ``"torch_memory_saver_hook_mode_preload"``):
-    ``<site-packages>/<stem>.abi3.so`` (or another ``<stem>.*so`` there). In a source checkout,
-    where those files are not installed, the names of :data:`LIBRARY_STEMS` (and ``"libtms"``)
-    give the library :func:`torch_memory_saver.get_binary_path` uses."""
-    if not isinstance(stem, str) or not stem or "/" in stem:
+    """Path of the library file named ``stem`` (e.g. ``"torch_memory_saver_hook_mode_preload"``)
+    in site-packages, as the existing library picks it: ``<stem>_cu<major>.abi3.so`` by the CUDA
+    major version of the PyTorch in use (or of the CUDA runtime, probed), the unsuffixed
+    ``<stem>.abi3.so`` on ROCm and where that file is the one there (or another ``<stem>*.so``).
+    One build serves every name. In a source checkout, where those files are not installed, the
+    names of :data:`LIBRARY_STEMS` (and ``"libtms"``) give the library
+    :func:`torch_memory_saver.get_binary_path` uses; any other name raises
+    :class:`LibraryNotFoundError`."""
+    if not isinstance(stem, str) or not stem or "/" in stem or "\0" in stem:
         raise ValueError(f"stem must be a file name without suffix, not {stem!r}")
-    root = Path(__file__).resolve().parent.parent
-    exact = root / f"{stem}.abi3.so"
-    if exact.is_file():
-        return exact
+    # Read at call time: a test may point the module elsewhere.
+    root = Path(__file__).parent.parent
+    candidates = []
+    if not re.search(r"_cu\d+$", stem):
+        major = _cuda_major()
+        if major is not None:
+            candidates.append(root / f"{stem}_cu{major}.abi3.so")
+    candidates.append(root / f"{stem}.abi3.so")
+    for path in candidates:
+        if path.is_file():
+            return path
     found = sorted(p for p in root.glob(f"{stem}.*so") if p.is_file())
     if found:
         return found[0]

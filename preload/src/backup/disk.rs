@@ -4,18 +4,39 @@
 //! # Note [Disk backup files]
 //!
 //! - A file is made at an allocation's first disk-backed pause, in the directory set then
-//!   (`set_disk_backup_dir`, `TMS_DISK_BACKUP_DIR`, else the system's temporary directory),
+//!   (`set_disk_backup_dir`, else `TMS_DISK_BACKUP_DIR`, else the system's temporary directory),
 //!   with mode `0600`, `O_CLOEXEC`, and `O_DIRECT` where the file system allows it: backups
 //!   then neither fill the page cache nor sit in it unwritten when the pause returns (each file
 //!   is also `fdatasync`ed before its device memory is released). Its whole length is reserved
 //!   with `fallocate` up front, so a full disk fails the pause before anything is copied.
 //! - It is reused by every later pause of the allocation (disk use stays constant) and removed
-//!   when the allocation is freed, and at process exit.
+//!   when the allocation is freed, at process exit, and on SIGTERM or SIGINT where the host
+//!   left their default action (Note [Removal at exit and on a termination signal] in `os.rs`).
 //! - A process holds an exclusive `flock` on each of its files while they exist. A file in the
 //!   directory whose lock can be taken belongs to a process that died: the first process to use
 //!   the directory removes it. A live process's files are never touched (this holds across pid
 //!   namespaces, where pids mean nothing). Files are made under a temporary name and renamed
 //!   once locked, so no sweep can take a file between its creation and its lock.
+//!
+//! # Note [The disk backup folder]
+//!
+//! The directory may be one other users can write to (the system's temporary directory is the
+//! default), and there they could plant anything under the names we use: a FIFO, whose
+//! `open` blocks for ever; a symbolic link to a file of ours; a file of theirs. So:
+//!
+//! - The directory is resolved once, when set (a relative path against the current folder
+//!   then), and held open: every file operation is `openat`/`renameat`/`unlinkat` on its fd,
+//!   so a later `chdir`, or a rename or replacement of the path, changes nothing.
+//! - Files go in the directory itself only when nobody else can make entries there: it belongs
+//!   to us and neither group nor others may write to it. Otherwise (`/tmp`, a group folder, a
+//!   folder of another user, one of mode 0777 with or without the sticky bit) they go in our
+//!   subfolder `tms-backups-<uid>`, made with mode 0700 and refused unless it is a real folder
+//!   (not a link), ours, closed to group and others. Another user can then at worst make that
+//!   name first, which fails our disk-backed pauses with a message saying so.
+//! - The sweep opens only regular files of ours: each candidate is checked with `fstatat`
+//!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
+//!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
+//!   elsewhere.
 //! - Each chunk's contents carry an xxh3 checksum, computed as the chunk is written and checked
 //!   as it is read back (a few percent of a core at disk speed): a file that changed on disk
 //!   while paused (truncated, overwritten) fails the resume, which leaves the tag paused; it is
@@ -24,19 +45,23 @@
 //!   prove that no failure loses data: a pause that cannot write leaves the allocation active
 //!   with its contents, a resume that cannot read leaves it paused with its file.
 
-use std::collections::HashSet;
-use std::ffi::OsString;
-use std::fs::{File, OpenOptions};
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::ffi::{CStr, CString};
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use nix::fcntl::{Flock, FlockArg};
+use nix::errno::Errno;
+use nix::fcntl::{AtFlags, Flock, FlockArg, OFlag};
+use nix::sys::stat::{Mode, SFlag};
+use nix::unistd::UnlinkatFlags;
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::os::ExitRemoval;
 use crate::units::human;
 
 /// Prefix of finished backup files; temporary names start with a dot.
@@ -171,28 +196,177 @@ fn io_err(what: String, e: std::io::Error) -> Error {
     }
 }
 
-/// Files of this process, removed at exit if still there.
-static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
-/// Directories swept for files of dead processes already.
-static SWEPT: Mutex<Option<HashSet<PathBuf>>> = Mutex::new(None);
-static AT_EXIT: std::sync::Once = std::sync::Once::new();
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
-extern "C" fn remove_live_files() {
-    // Never unwind into libc; a lock poisoned or held by a thread that died is skipped.
-    let _ = std::panic::catch_unwind(|| {
-        if let Some(live) = LIVE.try_lock() {
-            for p in live.iter() {
-                let _ = std::fs::remove_file(p);
-            }
+fn euid() -> u32 {
+    nix::unistd::geteuid().as_raw()
+}
+
+/// The subfolder of ours made in a directory others can write to (Note [The disk backup
+/// folder]).
+pub fn private_subfolder_name(uid: u32) -> String {
+    format!("tms-backups-{uid}")
+}
+
+fn errno_io(e: Errno) -> std::io::Error {
+    std::io::Error::from(e)
+}
+
+/// A disk backup directory as chosen (`set_disk_backup_dir`, `TMS_DISK_BACKUP_DIR`, the
+/// system's temporary directory), resolved once and held open (Note [The disk backup folder]).
+#[derive(Debug)]
+pub struct BackupDir {
+    /// Its absolute path when it was resolved, for messages.
+    shown: PathBuf,
+    fd: OwnedFd,
+    /// Where the files go, once prepared.
+    files: Mutex<Option<Arc<FileDir>>>,
+}
+
+/// The folder the files are in: the chosen directory, or our private subfolder of it.
+#[derive(Debug)]
+pub struct FileDir {
+    shown: PathBuf,
+    fd: OwnedFd,
+}
+
+impl FileDir {
+    /// Its path (as resolved; for messages).
+    pub fn path(&self) -> &Path {
+        &self.shown
+    }
+}
+
+fn open_dir_at<P: ?Sized + nix::NixPath>(
+    at: impl AsFd,
+    path: &P,
+    follow: bool,
+) -> nix::Result<OwnedFd> {
+    let mut flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+    if !follow {
+        flags |= OFlag::O_NOFOLLOW;
+    }
+    nix::fcntl::openat(at, path, flags, Mode::empty())
+}
+
+impl BackupDir {
+    /// Resolve `path` (an existing directory; relative to the current folder) and hold it open.
+    pub fn open(path: &Path) -> Result<Arc<BackupDir>> {
+        let bad = |why: String| {
+            Error::InvalidArgument(format!("disk backup directory {}: {why}", path.display()))
+        };
+        if path.as_os_str().is_empty() {
+            return Err(bad("an empty path".into()));
         }
-    });
+        let shown = std::path::absolute(path).map_err(|e| bad(e.to_string()))?;
+        // The path is the user's choice: links in it are followed (only the subfolder we make
+        // in it, if any, must not be one).
+        let fd = open_dir_at(nix::fcntl::AT_FDCWD, path, true).map_err(|e| match e {
+            Errno::ENOTDIR => bad("not a directory".into()),
+            e => bad(errno_io(e).to_string()),
+        })?;
+        Ok(Arc::new(BackupDir {
+            shown,
+            fd,
+            files: Mutex::new(None),
+        }))
+    }
+
+    /// Its path as resolved.
+    pub fn path(&self) -> &Path {
+        &self.shown
+    }
+
+    /// The folder the files go in, made and checked on first use; the first use in this
+    /// process also sweeps it of the files of processes that died.
+    pub fn files(&self) -> Result<Arc<FileDir>> {
+        let mut g = self.files.lock();
+        if let Some(f) = &*g {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(self.prepare()?);
+        *g = Some(f.clone());
+        drop(g);
+        sweep_once(&f);
+        Ok(f)
+    }
+
+    fn prepare(&self) -> Result<FileDir> {
+        let me = euid();
+        let base = &self.shown;
+        let st = nix::sys::stat::fstat(&self.fd).map_err(|e| {
+            io_err(
+                format!("disk backup directory {}", base.display()),
+                e.into(),
+            )
+        })?;
+        if st.st_uid == me && st.st_mode & 0o022 == 0 {
+            // Nobody else can make, rename or remove entries here: the files go right in it.
+            let fd = open_dir_at(&self.fd, ".", true).map_err(|e| {
+                io_err(
+                    format!("disk backup directory {}", base.display()),
+                    e.into(),
+                )
+            })?;
+            return Ok(FileDir {
+                shown: base.clone(),
+                fd,
+            });
+        }
+        let name = private_subfolder_name(me);
+        let shown = base.join(&name);
+        let refuse = |why: String| {
+            Error::InvalidState(format!(
+                "disk backup directory {}: others can write to it, so backups go to its \
+                 subfolder {}, which {why}: refused (remove it, or choose a directory of yours \
+                 with set_disk_backup_dir or TMS_DISK_BACKUP_DIR)",
+                base.display(),
+                shown.display()
+            ))
+        };
+        match nix::sys::stat::mkdirat(&self.fd, name.as_str(), Mode::S_IRWXU) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(e) => return Err(io_err(format!("creating {}", shown.display()), e.into())),
+        }
+        let fd = open_dir_at(&self.fd, name.as_str(), false).map_err(|e| match e {
+            Errno::ELOOP | Errno::ENOTDIR => refuse("is a symbolic link or not a folder".into()),
+            e => io_err(format!("opening {}", shown.display()), e.into()),
+        })?;
+        let st = nix::sys::stat::fstat(&fd)
+            .map_err(|e| io_err(format!("inspecting {}", shown.display()), e.into()))?;
+        if st.st_uid != me {
+            return Err(refuse(format!("belongs to uid {}, not {me}", st.st_uid)));
+        }
+        let mode = st.st_mode & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(refuse(format!(
+                "has mode {mode:04o}: group or others have access (want 0700)"
+            )));
+        }
+        if mode != 0o700 {
+            // Ours and closed to others, but a umask such as 0777 left us without access.
+            nix::sys::stat::fchmod(&fd, Mode::S_IRWXU)
+                .map_err(|e| io_err(format!("giving {} mode 0700", shown.display()), e.into()))?;
+        }
+        Ok(FileDir { shown, fd })
+    }
+
+    /// Remove the backup files no live process holds from the folder the files go in; returns
+    /// how many.
+    pub fn sweep(&self) -> Result<usize> {
+        let f = self.files()?;
+        sweep(&f).map_err(|e| io_err(format!("sweeping {}", f.shown.display()), e))
+    }
 }
 
 /// One allocation's backup file (Note [Disk backup files]).
 pub struct DiskFile {
     file: Flock<File>,
+    dir: Arc<FileDir>,
+    name: CString,
     path: PathBuf,
+    /// Removal at exit and on a termination signal (`None`: too many files to record).
+    exit: Option<ExitRemoval>,
     len: u64,
     direct: bool,
     /// Unit of work and of checksums.
@@ -203,31 +377,41 @@ pub struct DiskFile {
 impl DiskFile {
     /// Make a file of `len` bytes (> 0) in `dir`, its space reserved, to be written in chunks of
     /// `chunk` bytes (a multiple of [`DIRECT_ALIGN`]).
-    pub fn create(dir: &Path, len: u64, chunk: u64) -> Result<Self> {
+    pub fn create(dir: &BackupDir, len: u64, chunk: u64) -> Result<Self> {
         if len == 0 || chunk == 0 || chunk % DIRECT_ALIGN != 0 {
             return Err(Error::InvalidArgument(format!(
                 "disk backup of {len} bytes in chunks of {chunk}: expected a length above 0 and \
                  a chunk that is a positive multiple of {DIRECT_ALIGN}"
             )));
         }
-        sweep_once(dir);
+        let files = dir.files()?;
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
         let stamp = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let name = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
-        let tmp = dir.join(format!("{TMP_PREFIX}{name}"));
-        let path = dir.join(format!("{PREFIX}{name}"));
+        let base = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
+        let tmp_name = format!("{TMP_PREFIX}{base}");
+        let name = format!("{PREFIX}{base}");
+        let tmp = files.shown.join(&tmp_name);
+        let path = files.shown.join(&name);
         let what = |op: &str| format!("{op} disk backup file {}", path.display());
         let direct = len % DIRECT_ALIGN == 0;
         let open = |direct: bool| -> std::io::Result<File> {
             if let Some(e) = injected(DiskOp::Create, &tmp) {
                 return Err(e);
             }
-            let mut o = OpenOptions::new();
-            o.read(true).write(true).create_new(true).mode(0o600);
-            o.custom_flags(libc::O_CLOEXEC | if direct { libc::O_DIRECT } else { 0 });
-            o.open(&tmp)
+            let mut flags = OFlag::O_RDWR
+                | OFlag::O_CREAT
+                | OFlag::O_EXCL
+                | OFlag::O_NOFOLLOW
+                | OFlag::O_CLOEXEC;
+            if direct {
+                flags |= OFlag::O_DIRECT;
+            }
+            let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+            nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode)
+                .map(File::from)
+                .map_err(errno_io)
         };
         let (file, direct) = match open(direct) {
             Ok(f) => (f, direct),
@@ -235,14 +419,14 @@ impl DiskFile {
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 tracing::info!(
                     "{} does not allow O_DIRECT; writing through the page cache",
-                    dir.display()
+                    files.shown.display()
                 );
                 (open(false).map_err(|e| io_err(what("creating"), e))?, false)
             }
             Err(e) => return Err(io_err(what("creating"), e)),
         };
         let remove_tmp = || {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
         };
         // Held as long as the file exists: the sign that its process is alive.
         let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
@@ -276,19 +460,25 @@ impl DiskFile {
                 ));
             }
         }
-        if let Err(e) = std::fs::rename(&tmp, &path) {
+        if let Err(e) = nix::fcntl::renameat(&files.fd, tmp_name.as_str(), &files.fd, name.as_str())
+        {
             remove_tmp();
-            return Err(io_err(what("naming"), e));
+            return Err(io_err(what("naming"), e.into()));
         }
-        AT_EXIT.call_once(|| {
-            // SAFETY: registering a plain extern "C" function without arguments.
-            unsafe { libc::atexit(remove_live_files) };
-        });
-        LIVE.lock().push(path.clone());
+        let exit = ExitRemoval::register(files.fd.as_raw_fd(), name.as_bytes());
+        if exit.is_none() {
+            tracing::debug!(
+                "{} is not removed at exit (too many files); it is at free, or by a later sweep",
+                path.display()
+            );
+        }
         let chunks = len.div_ceil(chunk) as usize;
         Ok(DiskFile {
             file,
+            dir: files,
+            name: CString::new(name).expect("a name of ours has no NUL"),
             path,
+            exit,
             len,
             direct,
             chunk,
@@ -418,76 +608,103 @@ impl DiskFile {
 
 impl Drop for DiskFile {
     fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::error!("removing disk backup file {}: {e}", self.path.display());
-            }
+        // Forgotten before the removal: the slot may never name a file that is gone.
+        drop(self.exit.take());
+        match nix::unistd::unlinkat(
+            &self.dir.fd,
+            self.name.as_c_str(),
+            UnlinkatFlags::NoRemoveDir,
+        ) {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(e) => tracing::error!("removing disk backup file {}: {e}", self.path.display()),
         }
-        LIVE.lock().retain(|p| p != &self.path);
     }
 }
 
-/// Remove, once per directory and process, the backup files of processes that died.
-fn sweep_once(dir: &Path) {
-    {
-        let mut swept = SWEPT.lock();
-        if !swept
-            .get_or_insert_with(HashSet::new)
-            .insert(dir.to_path_buf())
-        {
-            return;
-        }
-    }
+/// Remove the backup files of processes that died, when a folder is first used (once per
+/// `set_disk_backup_dir`: a folder's identity cannot be kept across them, as inode numbers are
+/// reused at once on tmpfs).
+fn sweep_once(dir: &FileDir) {
     match sweep(dir) {
         Ok(0) => {}
         Ok(n) => tracing::info!(
             "removed {n} disk backup files left by processes that died in {}",
-            dir.display()
+            dir.shown.display()
         ),
         Err(e) => tracing::warn!(
             "looking for stale disk backup files in {}: {e}",
-            dir.display()
+            dir.shown.display()
         ),
     }
-    warn_if_ram(dir);
+    if fd_is_ram_backed(&dir.fd) {
+        tracing::warn!(
+            "disk backups go to {}, which is in host RAM (tmpfs/ramfs): they take host memory \
+             like CPU backups do",
+            dir.shown.display()
+        );
+    }
 }
 
-/// Remove the backup files in `dir` no live process holds; returns how many.
-pub fn sweep(dir: &Path) -> std::io::Result<usize> {
-    let mut removed = 0;
-    for entry in std::fs::read_dir(dir)? {
+/// Remove the backup files in `dir` no live process holds; returns how many. Opens nothing but
+/// regular files of ours, never blocks (Note [The disk backup folder]).
+pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
+    let me = euid();
+    let listing = nix::dir::Dir::openat(
+        &dir.fd,
+        ".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(errno_io)?;
+    let mut names: Vec<(CString, bool)> = Vec::new();
+    let mut listing = listing;
+    for entry in listing.iter() {
         let Ok(entry) = entry else { continue };
-        let name: OsString = entry.file_name();
-        let bytes = name.as_bytes();
+        let name: &CStr = entry.file_name();
+        let bytes = name.to_bytes();
         let tmp = bytes.starts_with(TMP_PREFIX.as_bytes());
-        if !(bytes.starts_with(PREFIX.as_bytes()) || tmp) {
+        if tmp || bytes.starts_with(PREFIX.as_bytes()) {
+            names.push((name.to_owned(), tmp));
+        }
+    }
+    drop(listing);
+    let ours_and_regular = |st: &nix::sys::stat::FileStat| {
+        SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG && st.st_uid == me
+    };
+    let mut removed = 0;
+    for (name, tmp) in names {
+        let Ok(before) =
+            nix::sys::stat::fstatat(&dir.fd, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
+        else {
+            continue;
+        };
+        if !ours_and_regular(&before) {
             continue;
         }
-        let path = entry.path();
         if tmp {
-            let young = entry
-                .metadata()
-                .and_then(|m| m.modified())
-                .ok()
-                .and_then(|t| t.elapsed().ok())
-                .is_none_or(|age| age < TMP_GRACE);
+            let modified =
+                SystemTime::UNIX_EPOCH + Duration::from_secs(before.st_mtime.max(0) as u64);
+            let young = modified.elapsed().map_or(true, |age| age < TMP_GRACE);
             if young {
                 continue;
             }
         }
-        // Opened without following links, read-only: taking the lock proves no process holds it.
-        let Ok(f) = OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(&path)
-        else {
+        // Checked again once open: the name may have changed hands since fstatat.
+        let flags = OFlag::O_RDONLY
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_NONBLOCK
+            | OFlag::O_NOCTTY
+            | OFlag::O_CLOEXEC;
+        let Ok(fd) = nix::fcntl::openat(&dir.fd, name.as_c_str(), flags, Mode::empty()) else {
             continue;
         };
-        if !f.metadata().is_ok_and(|m| m.is_file()) {
-            continue;
+        match nix::sys::stat::fstat(&fd) {
+            Ok(st) if ours_and_regular(&st) && st.st_ino == before.st_ino => {}
+            _ => continue,
         }
-        if let Ok(locked) = Flock::lock(f, FlockArg::LockExclusiveNonblock) {
-            if std::fs::remove_file(&path).is_ok() {
+        // Taking the lock proves no process holds it.
+        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
+            if nix::unistd::unlinkat(&dir.fd, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
                 removed += 1;
             }
             drop(locked);
@@ -496,32 +713,27 @@ pub fn sweep(dir: &Path) -> std::io::Result<usize> {
     Ok(removed)
 }
 
-/// File systems whose contents are host memory (tmpfs, ramfs): allowed, but say so.
-fn warn_if_ram(dir: &Path) {
-    if is_ram_backed(dir) {
-        tracing::warn!(
-            "disk backups go to {}, which is in host RAM (tmpfs/ramfs): they take host memory \
-             like CPU backups do",
-            dir.display()
-        );
-    }
-}
-
 /// Bytes the file system of `dir` can still give an unprivileged writer.
-pub fn free_space(dir: &Path) -> Result<u64> {
-    let s = nix::sys::statvfs::statvfs(dir).map_err(|e| {
+pub fn free_space(dir: &BackupDir) -> Result<u64> {
+    let s = nix::sys::statvfs::fstatvfs(&dir.fd).map_err(|e| {
         io_err(
-            format!("disk backup directory {}", dir.display()),
+            format!("disk backup directory {}", dir.shown.display()),
             std::io::Error::from(e),
         )
     })?;
     Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
 }
 
+fn fd_is_ram_backed(fd: impl AsFd) -> bool {
+    use nix::sys::statfs::{fstatfs, FsType, TMPFS_MAGIC};
+    // ramfs has no constant in nix: its magic number from linux/magic.h.
+    let ramfs = FsType(0x8584_58f6_u32 as _);
+    fstatfs(fd).is_ok_and(|s| [TMPFS_MAGIC, ramfs].contains(&s.filesystem_type()))
+}
+
 /// True if `dir` is on tmpfs or ramfs.
 pub fn is_ram_backed(dir: &Path) -> bool {
     use nix::sys::statfs::{statfs, FsType, TMPFS_MAGIC};
-    // ramfs has no constant in nix: its magic number from linux/magic.h.
     let ramfs = FsType(0x8584_58f6_u32 as _);
     statfs(dir).is_ok_and(|s| [TMPFS_MAGIC, ramfs].contains(&s.filesystem_type()))
 }
@@ -543,7 +755,7 @@ mod tests {
     #[test]
     fn a_file_round_trips_and_goes_on_drop() {
         let d = dir("rt");
-        let f = DiskFile::create(&d, 3 * 4096, 8192).unwrap();
+        let f = DiskFile::create(&BackupDir::open(&d).unwrap(), 3 * 4096, 8192).unwrap();
         assert_eq!(
             (f.len(), f.chunks(), f.chunk_span(1)),
             (3 * 4096, 2, (8192, 4096))
@@ -565,7 +777,8 @@ mod tests {
     #[test]
     fn a_sweep_removes_only_files_nobody_holds() {
         let d = dir("sweep");
-        let live = DiskFile::create(&d, 4096, 4096).unwrap();
+        let bd = BackupDir::open(&d).unwrap();
+        let live = DiskFile::create(&bd, 4096, 4096).unwrap();
         // A dead process's file: same name pattern, no lock.
         let dead = d.join(format!("{PREFIX}999999-0-0.bin"));
         std::fs::write(&dead, b"old").unwrap();
@@ -573,7 +786,7 @@ mod tests {
         std::fs::write(&young_tmp, b"new").unwrap();
         let other = d.join("unrelated.bin");
         std::fs::write(&other, b"keep").unwrap();
-        assert_eq!(sweep(&d).unwrap(), 1);
+        assert_eq!(bd.sweep().unwrap(), 1);
         assert!(!dead.exists());
         assert!(live.path().exists(), "a live file stays");
         assert!(young_tmp.exists(), "a file being made stays");
@@ -585,7 +798,8 @@ mod tests {
     #[test]
     fn injected_faults_fire_once_at_the_nth_call() {
         let d = dir("faults");
-        let f = DiskFile::create(&d, 8192, 4096).unwrap();
+        let bd = BackupDir::open(&d).unwrap();
+        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
         arm_fault(Some(&d), DiskOp::Write, 2, libc::ENOSPC);
         let page = Box::new(Page([1u8; 4096]));
         f.write_at(&page.0, 0).unwrap();
@@ -593,7 +807,7 @@ mod tests {
         assert!(e.is_oom() && e.to_string().contains("full"), "{e}");
         f.write_at(&page.0, 4096).unwrap();
         arm_fault(Some(&d), DiskOp::Create, 1, libc::EROFS);
-        let e = DiskFile::create(&d, 4096, 4096).err().unwrap();
+        let e = DiskFile::create(&bd, 4096, 4096).err().unwrap();
         assert!(e.to_string().contains("Read-only"), "{e}");
         assert_eq!(
             std::fs::read_dir(&d).unwrap().count(),

@@ -12,12 +12,16 @@
 //! is the C ABI's `tms_pause_ex`/`tms_resume_ex` flag. `chunks` lists a chunked allocation's
 //! chunk states, one character each, so that even half a million chunks fit a reply.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use parking_lot::Mutex;
 
 use tms_proto::{
     chunk_ranges, expand_chunk_ranges, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory,
-    ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply, Request, Status, TagStatus,
-    MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
+    ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply, Request, Running, Status,
+    TagStatus, MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
 
 use crate::backup::BackupKind;
@@ -85,6 +89,48 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
     r.unwrap_or_else(|e| error_reply(&e))
 }
 
+/// The pauses and resumes asked for over the socket that have not ended, by order of arrival:
+/// `status` lists them, so that a client whose wait ran out can tell that its request still
+/// runs, and when it has ended. The process has one engine, hence one table.
+static IN_FLIGHT: Mutex<BTreeMap<u64, Asked>> = Mutex::new(BTreeMap::new());
+static NEXT_OP: AtomicU64 = AtomicU64::new(0);
+
+/// An operation of [`IN_FLIGHT`]: what was asked (the tag as replies show it), and when.
+type Asked = (Op, Option<String>, Option<ChunkRanges>, Instant);
+
+/// An entry of [`IN_FLIGHT`], removed when dropped (the operation ended, or unwound).
+struct InFlight(u64);
+
+impl InFlight {
+    fn new(op: Op, tag: Option<&str>, chunks: Option<&ChunkRanges>) -> InFlight {
+        let id = NEXT_OP.fetch_add(1, Ordering::Relaxed);
+        IN_FLIGHT.lock().insert(
+            id,
+            (op, tag.map(shown_tag), chunks.cloned(), Instant::now()),
+        );
+        InFlight(id)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        IN_FLIGHT.lock().remove(&self.0);
+    }
+}
+
+fn operations() -> Vec<Running> {
+    IN_FLIGHT
+        .lock()
+        .values()
+        .map(|(op, tag, chunks, t0)| Running {
+            op: *op,
+            tag: tag.clone(),
+            chunks: chunks.clone(),
+            seconds: finite(t0.elapsed().as_secs_f64()),
+        })
+        .collect()
+}
+
 fn op(
     host: &dyn Host,
     which: Op,
@@ -92,6 +138,7 @@ fn op(
     chunks: Option<ChunkRanges>,
     chunk_state: bool,
 ) -> Result<Reply> {
+    let _in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
     let e = host.engine();
     let run = |pick: &Pick<'_>| match which {
         Op::Pause => e.pause_pick(pick),
@@ -240,6 +287,7 @@ fn region_info(r: &RegionSettings) -> RegionInfo {
         tag: shown_tag(&r.tag),
         cpu_backup: r.cpu_backup,
         backend: backend_of(r.backend),
+        disk_backup: r.disk_backup,
     }
 }
 
@@ -259,6 +307,9 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     if let Some(c) = u.cpu_backup {
         r.cpu_backup = c;
     }
+    if let Some(d) = u.disk_backup {
+        r.disk_backup = d;
+    }
     if let Some(b) = u.backend {
         if !r.cpu_backup {
             return Err(Error::InvalidArgument(format!(
@@ -270,7 +321,17 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
             BackupBackend::Pinned => BackupKind::Pinned,
             BackupBackend::Mmap => BackupKind::Mmap,
         };
+        r.backend_named = true;
     }
+    // The check every other way of setting a region makes: a region with both would report
+    // one backup and apply the other, and every C setter of threads without a region of their
+    // own would fail on it afterwards.
+    r.check().map_err(|e| {
+        e.context(
+            "default region unchanged (turn one backup off in the same request: tmsctl region \
+             --cpu-backup --no-disk-backup, or --disk-backup --no-cpu-backup)",
+        )
+    })?;
     host.set_default_region(r.clone());
     tracing::info!("default region set by tmsctl: {r:?}");
     Ok(Reply::Region(region_info(&r)))
@@ -370,5 +431,6 @@ fn full_status(host: &dyn Host) -> Status {
             .collect(),
         tags_omitted: 0,
         default_region: host.default_region().ok().map(|r| region_info(&r)),
+        operations: operations(),
     }
 }

@@ -45,9 +45,10 @@
 //! the C ABI's calls do; two clients asking for a pause at once are served one after the other
 //! by the engine's lock, like two threads of the process.
 //!
-//! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made
-//! it; a fork child closes its copies of the listener and of every open connection (it has no
-//! server threads, and the library is disabled in it anyway).
+//! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made it,
+//! and so does SIGTERM or SIGINT where the host left their default action (Note [Removal at exit
+//! and on a termination signal] in `os.rs`); a fork child closes its copies of the listener and of
+//! every open connection (it has no server threads, and the library is disabled in it anyway).
 //!
 //! *Harm.* Any failure here is logged (seen only with `TMS_LOG`) and the process carries on:
 //! the accept thread and every connection thread run inside `catch_unwind`, a thread that
@@ -166,6 +167,12 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
     let c_path = CString::new(path.as_os_str().as_bytes())
         .map_err(|_| format!("socket path {} contains a NUL byte", path.display()))?;
     sys::install_process_handlers(c_path, listener.as_raw_fd());
+    // The atexit handler does not run when a signal ends the process: recorded for that too,
+    // for as long as the process lives.
+    let bytes = path.as_os_str().as_bytes();
+    if let Some(r) = crate::os::ExitRemoval::register(libc::AT_FDCWD, bytes) {
+        std::mem::forget(r);
+    }
     let me = Identity {
         uid,
         pid,

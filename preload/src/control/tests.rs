@@ -38,6 +38,7 @@ fn host() -> &'static TestHost {
             tag: "default".into(),
             cpu_backup: false,
             backend: BackupKind::Pinned,
+            backend_named: false,
             disk_backup: false,
             chunk: 0,
         }),
@@ -239,6 +240,7 @@ fn every_operation_over_a_connection() {
         tag: Some("weights".into()),
         cpu_backup: Some(true),
         backend: Some(BackupBackend::Mmap),
+        ..Default::default()
     })) else {
         panic!()
     };
@@ -1325,4 +1327,42 @@ fn a_chunk_list_too_long_to_send_as_indices_fits_as_ranges() {
     assert_eq!(states(&mut c, "kv"), "0000");
     done(c.ask(&resume(None)));
     assert_contents(h, ptr, &data);
+}
+
+/// `set_region` makes the check every other way of setting a region makes (a CPU and a disk
+/// backup at once are refused, the region left as it was), and replies show a disk backup.
+#[test]
+fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
+    let h = host();
+    h.region.lock().disk_backup = true;
+    let mut c = Conn::greeted(h);
+    let Reply::Region(r) = c.ask(&Request::GetRegion) else {
+        panic!()
+    };
+    assert!(r.disk_backup && !r.cpu_backup, "{r:?}");
+    let r = c.ask(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(true),
+        ..Default::default()
+    }));
+    assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
+    let Reply::Error(e) = &r else { panic!() };
+    assert!(
+        e.message
+            .contains("enable_cpu_backup and enable_disk_backup")
+            && e.message.contains("unchanged"),
+        "{e:?}"
+    );
+    let now = h.region.lock().clone();
+    assert!(now.disk_backup && !now.cpu_backup, "{now:?}");
+    // Both in one request: from disk to CPU.
+    let Reply::Region(r) = c.ask(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(true),
+        disk_backup: Some(false),
+        ..Default::default()
+    })) else {
+        panic!()
+    };
+    assert!(r.cpu_backup && !r.disk_backup, "{r:?}");
+    let now = h.region.lock().clone();
+    assert!(now.check().is_ok() && now.cpu_backup && !now.disk_backup);
 }

@@ -326,6 +326,8 @@ pub struct SimEnv {
     pub faults: FaultPlan,
     /// Host memory to pretend is available (`TMS_SIM_HOST_MEMORY`).
     pub host_memory: Option<u64>,
+    /// Delay of every device synchronization (`TMS_SIM_SYNC_DELAY_MS`).
+    pub sync_delay: Option<std::time::Duration>,
 }
 
 #[derive(Default)]
@@ -342,6 +344,9 @@ pub struct SimDriver {
     /// call blocks no other.
     holds: Mutex<Holds>,
     holds_changed: Condvar,
+    /// Added to every device synchronization: a device that takes its time (a long pause seen
+    /// from another process, such as tmsctl's).
+    sync_delay: Mutex<Option<std::time::Duration>>,
 }
 
 thread_local! {
@@ -382,6 +387,7 @@ impl SimDriver {
             inner: Mutex::new(inner),
             holds: Mutex::default(),
             holds_changed: Condvar::new(),
+            sync_delay: Mutex::new(None),
         })
     }
 
@@ -393,6 +399,7 @@ impl SimDriver {
             d.arm_fault(p, n, c);
         }
         d.set_host_memory(env.host_memory);
+        d.set_sync_delay(env.sync_delay);
         Ok(d)
     }
 
@@ -402,6 +409,18 @@ impl SimDriver {
             config: SimConfig::from_env()?,
             faults: env_parsed("TMS_SIM_FAULTS", parse_faults)?.unwrap_or_default(),
             host_memory: env_parsed("TMS_SIM_HOST_MEMORY", parse_bytes)?,
+            sync_delay: env_parsed("TMS_SIM_SYNC_DELAY_MS", |v| {
+                v.trim()
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|ms| *ms <= 3_600_000)
+                    .map(std::time::Duration::from_millis)
+                    .ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "{v:?} is not a number of milliseconds from 0 to 3600000"
+                        ))
+                    })
+            })?,
         })
     }
 
@@ -427,6 +446,11 @@ impl SimDriver {
     /// Calls waiting in [`SimDriver::hold`] now.
     pub fn held_calls(&self) -> usize {
         self.holds.lock().waiting
+    }
+
+    /// Make every device synchronization take at least `delay` longer (`None`: no delay).
+    pub fn set_sync_delay(&self, delay: Option<std::time::Duration>) {
+        *self.sync_delay.lock() = delay;
     }
 
     fn wait_if_held(&self, prim: Prim, device: Option<i32>) {
@@ -1098,6 +1122,10 @@ impl Driver for SimDriver {
 
     fn synchronize(&self, device: i32) -> Result<()> {
         self.wait_if_held(Prim::Synchronize, Some(device));
+        let delay = *self.sync_delay.lock();
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::Synchronize, || format!("device {device}"))?;
         self.check_device(Prim::Synchronize, device)?;
@@ -1237,6 +1265,7 @@ impl Driver for SimDriver {
 
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
         self.check_device(Prim::HostRegister, device)?;
+        self.wait_if_held(Prim::HostRegister, Some(device));
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::HostRegister, || {
             format!("{len} bytes of host memory at {ptr:p}")

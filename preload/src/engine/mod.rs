@@ -68,6 +68,7 @@ mod pause;
 mod pinner;
 mod pipeline;
 mod registry;
+mod resident;
 mod resume;
 pub mod segment;
 mod stats;
@@ -94,6 +95,9 @@ use segment::{Mapping, Span};
 
 /// A host buffer and byte ranges of it.
 type BufferRanges = (Arc<HostBuffer>, Vec<(u64, u64)>);
+
+/// How long handing out a retained pinned backup waits for its background page-locking.
+const PIN_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// CPU-backup policy of an allocation.
 pub type Backup = Option<BackupKind>;
@@ -164,6 +168,8 @@ pub struct AllocInfo {
     pub active_bytes: u64,
     /// False for allocations that pause and resume leave alone (see [`Engine::alloc_unpauseable`]).
     pub pauseable: bool,
+    /// Kept mapped by every pause and resume until freed (see [`Engine::keep_resident`]).
+    pub resident: bool,
 }
 
 /// Outcome of one pause or resume call.
@@ -241,6 +247,13 @@ impl<'a> Pick<'a> {
                 "{ptr:#x} is not the start of a pauseable allocation"
             ))
         })?;
+        if a.resident {
+            return Err(Error::InvalidState(format!(
+                "allocation {ptr:#x} (tag {:?}) is kept resident (keep_resident): pause and \
+                 resume leave it mapped until it is freed",
+                a.tag
+            )));
+        }
         let Some(chunks) = self.chunks else {
             return Ok(());
         };
@@ -430,8 +443,11 @@ pub struct Engine {
     /// its own, and a leaf (nothing is taken while it is held), so asking never waits for a
     /// pause.
     tags_seen: Mutex<HashSet<Box<str>>>,
-    /// Directory of new disk backup files (`None`: the system's temporary directory).
-    disk_dir: Mutex<Option<std::path::PathBuf>>,
+    /// Directory of new disk backup files (`None`: `disk_default`).
+    disk_dir: Mutex<Option<Arc<crate::backup::disk::BackupDir>>>,
+    /// The default one (`TMS_DISK_BACKUP_DIR`; `None`: the system's temporary directory, resolved
+    /// and kept here on first use).
+    disk_default: Mutex<Option<Arc<crate::backup::disk::BackupDir>>>,
     /// Backups handed out by [`Engine::acquire_cpu_backup`], by lease number.
     leases: Mutex<HashMap<u64, Arc<HostBuffer>>>,
     next_lease: AtomicU64,
@@ -510,6 +526,7 @@ impl Engine {
             pinner: Arc::default(),
             tags_seen: Mutex::default(),
             disk_dir: Mutex::default(),
+            disk_default: Mutex::default(),
             leases: Mutex::default(),
             next_lease: AtomicU64::new(1),
             broken: Mutex::new(None),
@@ -640,36 +657,44 @@ impl Engine {
         self.retain.load(Ordering::Relaxed)
     }
 
-    /// Put the files of disk backups made from now on in `dir` (`None`: the system's temporary
-    /// directory). It must be an existing directory; files made before stay where they are.
+    /// Put the files of disk backups made from now on in `dir` (`None`: back to the default, see
+    /// [`Engine::set_default_disk_backup_dir`]). It must be an existing directory; it is
+    /// resolved now (a relative path against the current folder) and held open, so a later
+    /// `chdir` or rename does not move the files (Note [The disk backup folder]). Files made
+    /// before stay where they are.
     pub fn set_disk_backup_dir(&self, dir: Option<std::path::PathBuf>) -> Result<()> {
-        if let Some(d) = &dir {
-            match std::fs::metadata(d) {
-                Ok(m) if m.is_dir() => {}
-                Ok(_) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "disk backup directory {}: not a directory",
-                        d.display()
-                    )))
-                }
-                Err(e) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "disk backup directory {}: {e}",
-                        d.display()
-                    )))
-                }
-            }
-        }
+        let dir = dir
+            .map(|d| crate::backup::disk::BackupDir::open(&d))
+            .transpose()?;
         *self.disk_dir.lock() = dir;
         Ok(())
     }
 
+    /// Make `dir` the default directory of disk backup files (`TMS_DISK_BACKUP_DIR`; `None`: the
+    /// system's temporary directory), resolved now like [`Engine::set_disk_backup_dir`]'s, and
+    /// the current one.
+    pub fn set_default_disk_backup_dir(&self, dir: Option<std::path::PathBuf>) -> Result<()> {
+        let dir = dir
+            .map(|d| crate::backup::disk::BackupDir::open(&d))
+            .transpose()?;
+        *self.disk_default.lock() = dir;
+        *self.disk_dir.lock() = None;
+        Ok(())
+    }
+
     /// Where new disk backup files go.
-    pub fn disk_backup_dir(&self) -> std::path::PathBuf {
-        self.disk_dir
-            .lock()
-            .clone()
-            .unwrap_or_else(std::env::temp_dir)
+    pub fn disk_backup_dir(&self) -> Result<Arc<crate::backup::disk::BackupDir>> {
+        if let Some(d) = self.disk_dir.lock().clone() {
+            return Ok(d);
+        }
+        let mut default = self.disk_default.lock();
+        if let Some(d) = default.clone() {
+            return Ok(d);
+        }
+        let d = crate::backup::disk::BackupDir::open(&std::env::temp_dir())
+            .map_err(|e| e.context("the system's temporary directory"))?;
+        *default = Some(d.clone());
+        Ok(d)
     }
 
     /// Refuse (with out-of-memory) allocations that would leave fewer than `bytes` free.
@@ -829,6 +854,7 @@ impl Engine {
                 kept: None,
                 stuck: Vec::new(),
                 pauseable,
+                resident: false,
             },
         );
         // Under the registry lock, so no pause can see the allocation but not its tag.
@@ -976,6 +1002,20 @@ impl Engine {
         let Some((off, host)) = self.snapshot_at(addr, len)? else {
             return Ok(None);
         };
+        if host.backend() == BackupKind::Pinned
+            && self.retain_cpu_backup()
+            && host.pinned_bytes() < host.len()
+        {
+            // A view of a retained pinned backup is page-locked memory, as the existing
+            // library's is (callers copy from it asynchronously, or ask the driver about it):
+            // let the page-locking queued for it finish first. Bounded: the pinner is ours.
+            if !self.pinner.wait_idle(PIN_WAIT) {
+                tracing::warn!(
+                    "page-locking the backup of {addr:#x} did not finish within {PIN_WAIT:?}; \
+                     handing it out pageable"
+                );
+            }
+        }
         let ptr = host.as_ptr().wrapping_add(off);
         let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
         self.leases.lock().insert(lease, host);
@@ -1010,8 +1050,17 @@ impl Engine {
     /// [`Engine::write_bytes`] as copies of at most `piece` bytes queued back to back (the
     /// benchmark measures what cutting copies costs).
     pub fn write_bytes_in(&self, addr: DevPtr, data: &[u8], piece: usize) -> Result<()> {
-        self.with_active(addr, data.len() as u64, |d, stream| {
-            transfer::write(d, addr, data, piece, stream)
+        self.with_active(addr, data.len() as u64, |d, device, stream| {
+            transfer::write(d, device, addr, data, piece, stream).into_result()
+        })
+    }
+
+    /// [`Engine::write_bytes`] through buffers of the engine's own (64 MiB at most at a time),
+    /// for callers that free their memory as soon as the call returns (the C ABI): should the
+    /// device's waits keep failing, a copy still queued uses only those (kept for good then).
+    pub fn write_bytes_staged(&self, addr: DevPtr, data: &[u8]) -> Result<()> {
+        self.with_active(addr, data.len() as u64, |d, device, stream| {
+            transfer::write_staged(d, device, addr, data, stream)
         })
     }
 
@@ -1023,8 +1072,17 @@ impl Engine {
     /// [`Engine::read_bytes`] as copies of at most `piece` bytes queued back to back.
     pub fn read_bytes_in(&self, addr: DevPtr, out: &mut [u8], piece: usize) -> Result<()> {
         let len = out.len() as u64;
-        self.with_active(addr, len, |d, stream| {
-            transfer::read(d, out, addr, piece, stream)
+        self.with_active(addr, len, |d, device, stream| {
+            transfer::read(d, device, out, addr, piece, stream).into_result()
+        })
+    }
+
+    /// [`Engine::read_bytes`] through buffers of the engine's own, as
+    /// [`Engine::write_bytes_staged`]: `out` is written only by the CPU, with complete copies.
+    pub fn read_bytes_staged(&self, addr: DevPtr, out: &mut [u8]) -> Result<()> {
+        let len = out.len() as u64;
+        self.with_active(addr, len, |d, device, stream| {
+            transfer::read_staged(d, device, out, addr, stream)
         })
     }
 
@@ -1032,7 +1090,7 @@ impl Engine {
         &self,
         addr: DevPtr,
         len: u64,
-        f: impl FnOnce(&dyn Driver, crate::driver::Stream) -> Result<()>,
+        f: impl FnOnce(&dyn Driver, i32, crate::driver::Stream) -> Result<()>,
     ) -> Result<()> {
         // Tools' copies keep pauses and resumes out while they run (not the hooks).
         let _ops = self.ops.lock();
@@ -1053,7 +1111,7 @@ impl Engine {
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, device).ctx(what)?;
         let stream = d.stream(device).ctx(what)?;
-        f(d, stream).ctx(what)
+        f(d, device, stream).ctx(what)
     }
 
     /// The one chunked allocation of `tag`; an error if it has none, or several (named).
@@ -1128,6 +1186,7 @@ impl Engine {
                 chunk: a.chunk,
                 active_bytes: a.active_bytes(),
                 pauseable: a.pauseable,
+                resident: a.resident,
             })
             .collect()
     }

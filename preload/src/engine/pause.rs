@@ -153,6 +153,17 @@ impl Engine {
     fn begin_pause(&self, pick: &Pick<'_>, cfg: &CopyConfig) -> Result<Vec<Job>> {
         let mut reg = self.reg.lock();
         pick.check(&reg)?;
+        if pick.chunk_state {
+            // Every chunked allocation the pick selects, those with no chunk left to pause
+            // included: a resume restores the state at this pause, never an older one's (nor
+            // all chunks, which it takes a missing record for). No other transaction runs (the
+            // operations lock), so none of them is in transition.
+            for (ptr, a) in reg.allocs.iter_mut() {
+                if a.chunk > 0 && pick.selects(*ptr, a) {
+                    a.kept = Some(a.handles.iter().map(Option::is_some).collect());
+                }
+            }
+        }
         Ok(reg.begin(
             State::Pausing,
             |ptr, a| {
@@ -163,9 +174,6 @@ impl Engine {
                 })
             },
             |ptr, a, segs| {
-                if pick.chunk_state && a.chunk > 0 {
-                    a.kept = Some(a.handles.iter().map(Option::is_some).collect());
-                }
                 for &s in &segs {
                     a.saved[s] = false;
                 }
@@ -275,16 +283,24 @@ impl Engine {
                 .sum();
             self.check_host_memory(backups, staging, fresh.len(), tag)?;
         }
-        let dir = self.disk_backup_dir();
-        if files > 0 {
+        let dir = if fresh.iter().any(is_disk) {
+            let dir = self.disk_backup_dir()?;
             check_disk_space(&dir, files, tag)?;
-        }
+            Some(dir)
+        } else {
+            None
+        };
         for i in fresh {
             let j = &mut jobs[i];
             let kind = j.backup.expect("filtered on a backup policy");
             let what = || format!("allocation {:#x} ({} bytes)", j.ptr, j.size);
             if kind == BackupKind::Disk {
-                let f = Arc::new(DiskFile::create(&dir, j.mapped, j.file_chunk).ctx(what)?);
+                let Some(dir) = dir.as_deref() else {
+                    return Err(Error::Internal(
+                        "a disk backup without its directory".into(),
+                    ));
+                };
+                let f = Arc::new(DiskFile::create(dir, j.mapped, j.file_chunk).ctx(what)?);
                 // Kept by the allocation from now on, and reused by every later pause.
                 self.reg.lock().marked(j.ptr).disk = Some(f.clone());
                 j.disk = Some(f);
@@ -454,7 +470,7 @@ fn gcd(a: u64, b: u64) -> u64 {
 }
 
 /// Refuse a pause whose new disk backup files the directory cannot hold.
-fn check_disk_space(dir: &std::path::Path, need: u64, tag: Option<&str>) -> Result<()> {
+fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Result<()> {
     let free = disk::free_space(dir)?;
     if need <= free {
         return Ok(());
@@ -465,7 +481,7 @@ fn check_disk_space(dir: &std::path::Path, need: u64, tag: Option<&str>) -> Resu
          TMS_DISK_BACKUP_DIR)",
         describe(tag),
         human(need),
-        dir.display(),
+        dir.path().display(),
         human(free),
     )))
 }

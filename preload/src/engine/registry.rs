@@ -43,6 +43,9 @@ pub(super) struct Allocation {
     /// released): unmapped before they are mapped again, or before the range is freed.
     pub stuck: Vec<usize>,
     pub pauseable: bool,
+    /// Kept mapped at the same physical backing by every pause and resume until freed
+    /// (`keep_resident`: memory NCCL has registered must never move).
+    pub resident: bool,
 }
 
 impl Allocation {
@@ -199,7 +202,7 @@ impl Registry {
     ) -> Vec<J> {
         let mut out = Vec::new();
         for (ptr, a) in self.allocs.iter_mut() {
-            if !a.pauseable || a.in_transition() {
+            if !a.pauseable || a.resident || a.in_transition() {
                 continue;
             }
             let Some(segs) = pick(*ptr, a).filter(|s| !s.is_empty()) else {

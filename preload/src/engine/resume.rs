@@ -186,13 +186,20 @@ impl Engine {
                 }
                 tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r));
             }
+            if pick.chunk_state {
+                // A record is used once, by the allocations that had nothing to resume too (all
+                // their recorded chunks active already, or none recorded active): a later
+                // restore never falls back on it instead of a newer pause's.
+                for (ptr, a) in reg.allocs.iter_mut() {
+                    if pick.selects(*ptr, a) {
+                        a.kept = None;
+                    }
+                }
+            }
             for j in &jobs {
                 let a = reg.marked(j.ptr);
                 a.state = a.settled();
                 tally.allocation(&j.tag);
-                if pick.chunk_state {
-                    a.kept = None;
-                }
                 // A retained backup stays a complete snapshot (of the last pause).
                 if !retain {
                     for &s in &j.segs {

@@ -510,3 +510,76 @@ fn byte_copies_in_pieces_land_in_place_and_refuse_paused_ranges() {
     let err = e.write_bytes_in(p, &data[..10], 4).unwrap_err();
     assert!(err.to_string().contains("paused"), "{err}");
 }
+
+/// A byte copy that fails (its wait, or a later piece) returns only once nothing it queued is
+/// left: the caller's memory is its own again, and no later synchronization writes into it or
+/// reads from it.
+#[test]
+fn failed_byte_copies_leave_nothing_queued_on_the_callers_memory() {
+    let (sim, e) = setup(64 * G);
+    let p = e.alloc(&req(2 * G, "t", Backup::None)).unwrap();
+    let data = pattern(2 * G as usize, 3);
+    fill(&sim, p, &data);
+    // The wait fails once.
+    sim.arm_fault(Prim::StreamSync, 1, 999);
+    let mut out = vec![0u8; data.len()];
+    let err = e.read_bytes(p, &mut out).unwrap_err();
+    assert!(err.to_string().contains("cuStreamSynchronize"), "{err}");
+    assert_eq!(sim.queued_copies(), 0, "a read left its copy queued");
+    // A later piece fails to queue, and the first wait after it fails too.
+    sim.arm_fault(Prim::CopyH2D, 2, 999);
+    sim.arm_fault(Prim::StreamSync, 1, 999);
+    let err = e.write_bytes_in(p, &data, G as usize).unwrap_err();
+    assert!(err.to_string().contains("cuMemcpyHtoDAsync"), "{err}");
+    assert_eq!(
+        sim.queued_copies(),
+        0,
+        "a write left its first piece queued"
+    );
+    assert_eq!(sim.pending_faults(), 0);
+    e.read_bytes(p, &mut out).unwrap();
+    assert!(out == data);
+}
+
+/// The staged copies (the C ABI's): even when every wait fails, what stays queued uses the
+/// engine's own buffer, never the caller's memory.
+#[test]
+fn staged_byte_copies_never_leave_the_callers_memory_queued() {
+    let (sim, e) = setup(64 * G);
+    let p = e.alloc(&req(2 * G, "t", Backup::None)).unwrap();
+    let data = pattern(2 * G as usize, 5);
+    fill(&sim, p, &data);
+    let fail_every_wait = || {
+        for prim in [Prim::StreamSync, Prim::Synchronize] {
+            for _ in 0..8 {
+                sim.arm_fault(prim, 1, 999);
+            }
+        }
+    };
+    fail_every_wait();
+    let mut out = vec![0u8; data.len()];
+    let err = e.read_bytes_staged(p, &mut out).unwrap_err();
+    assert!(err.to_string().contains("may still be queued"), "{err}");
+    sim.clear_faults();
+    // The caller reuses its memory; the queued copy runs at the next synchronization.
+    out.fill(0xAA);
+    sim.synchronize(0).unwrap();
+    assert!(
+        out.iter().all(|b| *b == 0xAA),
+        "a late copy wrote into the caller's memory"
+    );
+    // And a write: the device gets what was asked for, never what the caller wrote later.
+    let mut src = pattern(2 * G as usize, 6);
+    fail_every_wait();
+    let err = e.write_bytes_staged(p, &src).unwrap_err();
+    assert!(err.to_string().contains("may still be queued"), "{err}");
+    sim.clear_faults();
+    let asked = src.clone();
+    src.fill(0x55);
+    sim.synchronize(0).unwrap();
+    assert!(read(&sim, p, src.len()) == asked);
+    // Working waits: both copy whole.
+    e.write_bytes_staged(p, &data).unwrap();
+    e.read_bytes_staged(p, &mut out).unwrap();
+    assert!(out == data);
+}

@@ -1,46 +1,102 @@
 //! Single synchronous copies for tools and tests (`write_bytes`/`read_bytes`); backups move in
 //! the pipeline (`pipeline.rs`). Upholds the driver's copy contracts (range mapped; host memory
-//! alive until the stream is synchronized), which the callers guarantee by holding the registry
-//! lock throughout.
+//! alive until the stream is synchronized): the callers hold the operations lock throughout,
+//! so no pause unmaps the range, and no call returns while a copy it queued may still run,
+//! unless every wait failed ([`Outcome::Queued`]).
 
 use crate::driver::{DevPtr, Driver, Stream};
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// Waits tried after a copy or its wait failed, each on the stream and then on the device,
+/// before the queue is given up on. A failed wait leaves the work queued (it runs at a later
+/// synchronization, as on a GPU whose work goes on whatever the host's wait did), so the caller's
+/// memory is handed back only once a wait has succeeded.
+const SETTLE_TRIES: usize = 3;
+
+/// Largest buffer of the engine's own that a staged copy moves through at a time.
+const STAGE: usize = 64 << 20;
+
+/// How a series of copies ended.
+pub(super) enum Outcome {
+    /// All ran.
+    Done,
+    /// They failed, and a wait afterwards succeeded: nothing of them is left to run.
+    Failed(Error),
+    /// They failed and every wait since failed too: some may still be queued, using the host
+    /// memory they were given, and run at a later synchronization.
+    Queued(Error),
+}
+
+impl Outcome {
+    /// As a result, the error of [`Outcome::Queued`] saying what may still run.
+    pub(super) fn into_result(self) -> Result<()> {
+        match self {
+            Outcome::Done => Ok(()),
+            Outcome::Failed(e) => Err(e),
+            Outcome::Queued(e) => Err(e.context(format!(
+                "part of the copy may still be queued ({} waits for the stream and the device \
+                 failed after this)",
+                2 * SETTLE_TRIES
+            ))),
+        }
+    }
+}
+
+/// Wait until nothing queued on `stream` is left; false if no wait succeeded.
+fn settle(d: &dyn Driver, device: i32, stream: Stream) -> bool {
+    (0..SETTLE_TRIES).any(|_| d.stream_sync(stream).is_ok() || d.synchronize(device).is_ok())
+}
 
 /// Queue `copy(offset, n)` over `len` bytes in pieces of at most `piece` bytes, then wait for the
-/// stream, also when a piece fails to queue: nothing queued may outlive the caller's borrow.
+/// stream; after a failure, wait until nothing queued is left ([`settle`]): nothing queued may
+/// outlive the caller's borrow.
 fn in_pieces(
     d: &dyn Driver,
+    device: i32,
     stream: Stream,
     len: usize,
     piece: usize,
     mut copy: impl FnMut(usize, usize) -> Result<()>,
-) -> Result<()> {
+) -> Outcome {
     let piece = piece.max(1);
     let mut off = 0;
+    let mut failed = None;
     while off < len {
         let n = piece.min(len - off);
         if let Err(e) = copy(off, n) {
-            let _ = d.stream_sync(stream);
-            return Err(e);
+            failed = Some(e);
+            break;
         }
         off += n;
     }
-    d.stream_sync(stream)
+    let e = match failed {
+        Some(e) => e,
+        None => match d.stream_sync(stream) {
+            Ok(()) => return Outcome::Done,
+            Err(e) => e,
+        },
+    };
+    if settle(d, device, stream) {
+        Outcome::Failed(e)
+    } else {
+        Outcome::Queued(e)
+    }
 }
 
 /// Copy `data` to `dst` in copies of at most `piece` bytes queued back to back, and wait. The
-/// caller checked that the range is active and holds the lock.
+/// caller checked that the range is active and holds the operations lock.
 pub(super) fn write(
     d: &dyn Driver,
+    device: i32,
     dst: DevPtr,
     data: &[u8],
     piece: usize,
     stream: Stream,
-) -> Result<()> {
-    in_pieces(d, stream, data.len(), piece, |off, n| {
-        // SAFETY: dst..dst+data.len() lies in an active allocation (checked by the caller under
-        // the registry lock) and off+n <= data.len(); data is borrowed until in_pieces has
-        // synchronized the stream.
+) -> Outcome {
+    in_pieces(d, device, stream, data.len(), piece, |off, n| {
+        // SAFETY: dst..dst+data.len() lies in an active allocation (checked by the caller, who
+        // holds the operations lock) and off+n <= data.len(); data is borrowed until in_pieces
+        // has synchronized the stream (or, for Outcome::Queued, see the callers).
         unsafe { d.copy_h2d(dst + off as u64, data.as_ptr().add(off), n as u64, stream) }
     })
 }
@@ -48,14 +104,73 @@ pub(super) fn write(
 /// Copy from `src` into `out` in pieces, and wait. Same contract as [`write`].
 pub(super) fn read(
     d: &dyn Driver,
+    device: i32,
     out: &mut [u8],
     src: DevPtr,
     piece: usize,
     stream: Stream,
-) -> Result<()> {
+) -> Outcome {
     let (base, len) = (out.as_mut_ptr(), out.len());
-    in_pieces(d, stream, len, piece, |off, n| {
+    in_pieces(d, device, stream, len, piece, |off, n| {
         // SAFETY: as in write, with out exclusively borrowed until the synchronization.
         unsafe { d.copy_d2h(base.add(off), src + off as u64, n as u64, stream) }
     })
+}
+
+/// A buffer a copy may still use after every wait failed: never freed, so that the copy, if
+/// it ever runs, lands in memory nobody else has.
+fn abandon(buf: Vec<u8>) {
+    tracing::warn!(
+        "a copy's waits kept failing: its buffer of {} bytes is kept for good",
+        buf.len()
+    );
+    std::mem::forget(buf);
+}
+
+/// [`write`] through buffers of the engine's own: `data` is read only here, by the CPU, so
+/// even a copy left queued by waits that kept failing never touches it.
+pub(super) fn write_staged(
+    d: &dyn Driver,
+    device: i32,
+    dst: DevPtr,
+    data: &[u8],
+    stream: Stream,
+) -> Result<()> {
+    let mut buf = vec![0u8; data.len().min(STAGE)];
+    for (k, part) in data.chunks(STAGE).enumerate() {
+        let b = &mut buf[..part.len()];
+        b.copy_from_slice(part);
+        match write(d, device, dst + (k * STAGE) as u64, b, usize::MAX, stream) {
+            Outcome::Done => {}
+            Outcome::Failed(e) => return Err(e),
+            q @ Outcome::Queued(_) => {
+                abandon(buf);
+                return q.into_result();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// [`read`] through buffers of the engine's own, copied into `out` only once complete.
+pub(super) fn read_staged(
+    d: &dyn Driver,
+    device: i32,
+    out: &mut [u8],
+    src: DevPtr,
+    stream: Stream,
+) -> Result<()> {
+    let mut buf = vec![0u8; out.len().min(STAGE)];
+    for (k, part) in out.chunks_mut(STAGE).enumerate() {
+        let b = &mut buf[..part.len()];
+        match read(d, device, b, src + (k * STAGE) as u64, usize::MAX, stream) {
+            Outcome::Done => part.copy_from_slice(b),
+            Outcome::Failed(e) => return Err(e),
+            q @ Outcome::Queued(_) => {
+                abandon(buf);
+                return q.into_result();
+            }
+        }
+    }
+    Ok(())
 }

@@ -213,7 +213,7 @@ pub unsafe extern "C" fn tms_region_enter(
         // SAFETY: forwarded contract.
         let backend = unsafe { opt_str(backend, "backend") }?;
         let cur = settings::current_region()?;
-        let backend = match backend {
+        let (backend, backend_named) = match backend {
             Some(b) => {
                 let b = BackupKind::parse(b)?;
                 if cpu_backup == 0 {
@@ -222,9 +222,12 @@ pub unsafe extern "C" fn tms_region_enter(
                         b.as_str()
                     )));
                 }
-                b
+                (b, true)
             }
-            None => settings::process()?.region.backend,
+            None => {
+                let p = &settings::process()?.region;
+                (p.backend, p.backend_named)
+            }
         };
         settings::push_region(settings::RegionSettings {
             enabled: enabled != 0,
@@ -235,6 +238,7 @@ pub unsafe extern "C" fn tms_region_enter(
                 cur.cpu_backup
             },
             backend,
+            backend_named,
             // A new pauseable region asks for a disk backup with tms_set_enable_disk_backup.
             disk_backup: enabled == 0 && cur.disk_backup,
             // And a chunk size with tms_set_chunk_size.
@@ -483,7 +487,8 @@ pub unsafe extern "C" fn tms_write_bytes(addr: u64, src: *const c_void, len: u64
         };
         // SAFETY: non-null, and the caller vouches src is readable for len bytes.
         let data = unsafe { std::slice::from_raw_parts(src.cast::<u8>(), len) };
-        control::runtime()?.engine.write_bytes(addr, data)
+        // Staged: the caller may free src as soon as we return, whatever we return.
+        control::runtime()?.engine.write_bytes_staged(addr, data)
     })
 }
 
@@ -499,7 +504,7 @@ pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -
         };
         // SAFETY: non-null, and the caller vouches dst is writable for len bytes.
         let out = unsafe { std::slice::from_raw_parts_mut(dst.cast::<u8>(), len) };
-        control::runtime()?.engine.read_bytes(addr, out)
+        control::runtime()?.engine.read_bytes_staged(addr, out)
     })
 }
 

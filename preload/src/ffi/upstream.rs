@@ -14,7 +14,7 @@
 //! passes and reads an `int`) agree on.
 
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int, CStr, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
 use super::{entry, opt_str};
 use crate::backup::BackupKind;
@@ -120,8 +120,9 @@ pub extern "C" fn tms_get_enable_disk_backup() -> c_int {
     })
 }
 
-/// Directory of the files of disk backups made from now on (`TMS_DISK_BACKUP_DIR`; NULL or ""
-/// for the default, the system's temporary directory). It must be an existing directory.
+/// Directory of the files of disk backups made from now on; NULL or "" for the default
+/// (`TMS_DISK_BACKUP_DIR`, else the system's temporary directory). It must be an existing
+/// directory, and is resolved now (a relative one against the current folder).
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
@@ -145,19 +146,27 @@ pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const c_char) -> c_int {
 pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) -> c_int {
     entry(|| {
         // SAFETY: forwarded contract.
-        let backend = match unsafe { opt_str(backend, "backend") }? {
-            Some(b) => BackupKind::parse(b)?,
-            None => settings::process()?.region.backend,
+        let (backend, named) = match unsafe { opt_str(backend, "backend") }? {
+            Some(b) => (BackupKind::parse(b)?, true),
+            None => {
+                let p = &settings::process()?.region;
+                (p.backend, p.backend_named)
+            }
         };
-        settings::update_region(|r| r.backend = backend)
+        settings::update_region(|r| {
+            r.backend = backend;
+            r.backend_named = named;
+        })
     })
 }
 
-/// `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups; NULL on
-/// failure.
+/// `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups where a
+/// region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND` named it; `""` for the built-in default
+/// (pinned), as the existing library reports it; NULL on failure.
 #[no_mangle]
 pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
     catch(std::ptr::null(), || match settings::current_region() {
+        Ok(r) if !r.backend_named => c"".as_ptr(),
         Ok(r) => {
             let name: &'static CStr = match r.backend {
                 BackupKind::Mmap => c"mmap",
@@ -367,5 +376,88 @@ pub unsafe extern "C" fn tms_get_chunk_layout(
             s[i] = *len as usize;
         }
         Ok(())
+    })
+}
+
+/// The engine if the library has started in this process; none of its allocations exist
+/// otherwise, so queries about them need not start it.
+fn started_engine() -> Option<&'static crate::engine::Engine> {
+    crate::process::runtime::get_if_started().map(|rt| &rt.engine)
+}
+
+/// Keep the whole allocation holding `ptr` mapped, at the same physical memory, across every
+/// later pause and resume until it is freed (what NCCL user-buffer registration needs). Returns
+/// the allocation's size in bytes; 0 for an address outside every pauseable allocation, and 0
+/// with the last error set when it is refused (some of it is paused, or a pause or resume is
+/// changing it). [`tms_keep_resident_ex`] tells the two apart by its status.
+#[no_mangle]
+pub extern "C" fn tms_keep_resident(ptr: *const c_void) -> usize {
+    catch(0, || {
+        let r = started_engine().map_or(Ok(0), |e| e.keep_resident(ptr as u64));
+        match r {
+            Ok(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            Err(e) => {
+                set_last_error(&e);
+                0
+            }
+        }
+    })
+}
+
+/// [`tms_keep_resident`] with a status: `*out_size` (may be NULL) receives the allocation's
+/// size, 0 for an address outside every pauseable allocation.
+///
+/// # Safety
+/// `out_size` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_keep_resident_ex(ptr: u64, out_size: *mut u64) -> c_int {
+    entry(|| {
+        let n = started_engine().map_or(Ok(0), |e| e.keep_resident(ptr))?;
+        if !out_size.is_null() {
+            // SAFETY: the caller vouches that a non-NULL out_size is writable.
+            unsafe { out_size.write(n) };
+        }
+        Ok(())
+    })
+}
+
+/// The devices a pause or resume of `tag` (NULL or `""`: every tag) acts on, ascending: the
+/// first `capacity` of them go to `out`; returns how many there are (more than `capacity`
+/// when `out` is too short), or -1 with the last error set.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string; `out` is writable for `capacity` entries (it may
+/// be NULL when `capacity` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn tms_affected_devices(
+    tag: *const c_char,
+    out: *mut c_int,
+    capacity: c_int,
+) -> c_int {
+    catch(-1, || {
+        let r = (|| {
+            // SAFETY: forwarded contract.
+            let tag = unsafe { opt_str(tag, "tag") }?.filter(|t| !t.is_empty());
+            let cap = usize::try_from(capacity)
+                .map_err(|_| Error::InvalidArgument(format!("capacity {capacity} is negative")))?;
+            if cap > 0 && out.is_null() {
+                return Err(Error::InvalidArgument(format!(
+                    "out is NULL with a capacity of {cap}"
+                )));
+            }
+            let devices = match started_engine() {
+                Some(e) => e.affected_devices(tag)?,
+                None => Vec::new(),
+            };
+            for (i, d) in devices.iter().take(cap).enumerate() {
+                // SAFETY: i < cap, and the caller vouches for cap writable entries.
+                unsafe { out.add(i).write(*d) };
+            }
+            Ok(c_int::try_from(devices.len()).unwrap_or(c_int::MAX))
+        })();
+        r.unwrap_or_else(|e| {
+            set_last_error(&e);
+            -1
+        })
     })
 }

@@ -79,11 +79,14 @@ fn init() -> Result<Runtime> {
     engine.set_memory_margin(ps.memory_margin);
     engine.set_copy_config(ps.copy)?;
     engine
-        .set_disk_backup_dir(ps.disk_dir.clone())
+        .set_default_disk_backup_dir(ps.disk_dir.clone())
         .map_err(|e| e.context("environment variable TMS_DISK_BACKUP_DIR"))?;
     for (op, nth, errno) in &ps.disk_faults {
         crate::backup::disk::arm_fault(None, *op, *nth, *errno);
     }
+    // Only now, in a process that uses the library: its files in shared folders must not
+    // outlive a SIGTERM (Note [Removal at exit and on a termination signal] in os.rs).
+    crate::os::remove_files_on_termination_signals();
     tracing::info!(
         "torch-memory-saver active on the {} driver",
         engine.driver().name()

@@ -9,8 +9,8 @@
 :class:`~.base.HookUtilBase` to route allocations elsewhere.
 """
 
-from .base import HOOK_MODES, HookUtilBase
+from .base import HOOK_MODES, HookMode, HookUtilBase
 from .mode_preload import HookUtilModePreload
 from .mode_torch import HookUtilModeTorch
 
-__all__ = ["HOOK_MODES", "HookUtilBase", "HookUtilModePreload", "HookUtilModeTorch"]
+__all__ = ["HOOK_MODES", "HookMode", "HookUtilBase", "HookUtilModePreload", "HookUtilModeTorch"]

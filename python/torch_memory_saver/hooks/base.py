@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from ..binary_wrapper import BinaryWrapper
 from ..errors import InvalidArgumentError
 
-__all__ = ["HOOK_MODES", "HookUtilBase"]
+__all__ = ["HOOK_MODES", "HookMode", "HookUtilBase"]
 
 HOOK_MODES = ("preload", "torch")
+HookMode = Literal["preload", "torch"]
+"""The type of a hook mode's name (the existing library's name)."""
 
 
 class HookUtilBase:

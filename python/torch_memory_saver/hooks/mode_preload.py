@@ -2,15 +2,68 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Optional
+import re
+from typing import Any, Iterator, Optional
 
 from .. import binary_wrapper
 from ..binary_wrapper import BinaryWrapper
 from ..errors import LibraryNotFoundError, UnsupportedError
+from ..utils import change_env, get_binary_path_from_package
 from .base import HookUtilBase
 
-__all__ = ["HookUtilModePreload"]
+__all__ = ["HookUtilModePreload", "configure_subprocess"]
+
+PRELOAD_STEM = "torch_memory_saver_hook_mode_preload"
+
+# The basenames our library is installed or built under (upstream names included).
+_OUR_FILE = re.compile(r"^(torch_memory_saver_hook_mode_(preload|torch)(_cu\d+)?(\..*)?\.so|libtms(\..*)?\.so)$")
+
+
+def _is_our_library(entry: str, path: str) -> bool:
+    """Whether an ``LD_PRELOAD`` entry is (another copy of) this library: the same path or
+    file, or a file under one of its names."""
+    if entry == path or _OUR_FILE.match(os.path.basename(entry)):
+        return True
+    try:
+        return os.path.samefile(entry, path)
+    except OSError:
+        return False
+
+
+def _mapped_cudart_dir(maps_path: str = "/proc/self/maps") -> Optional[str]:
+    """The folder of the CUDA runtime (``libcudart.so*``) mapped into this process (read from
+    ``maps_path``, a ``/proc/<pid>/maps`` file), or None."""
+    found = binary_wrapper._mapped_libraries("libcudart.so", maps_path)
+    return os.path.dirname(found[0]) if found else None
+
+
+def preload_library_path() -> str:
+    """The library a child should preload: the file this process already preloads (one copy
+    per process tree), else the site-packages file under the existing library's name for the
+    CUDA version in use (``torch_memory_saver_hook_mode_preload[_cuNN].abi3.so``)."""
+    return binary_wrapper.preloaded_path() or str(get_binary_path_from_package(PRELOAD_STEM))
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """Child processes started inside get this library first in ``LD_PRELOAD`` (preload
+    mode); every other entry is kept, any other copy of this library is left out (a process
+    must hold one). Where this process has a CUDA runtime loaded, its folder goes first in
+    ``LD_LIBRARY_PATH``, so a child finds the same runtime. Both variables are restored on exit
+    (an absent one as absent)."""
+    path = preload_library_path()
+    old = os.environ.get("LD_PRELOAD")
+    rest = [p for p in re.split(r"[: ]+", old or "") if p and not _is_our_library(p, path)]
+    cudart = _mapped_cudart_dir()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(change_env("LD_PRELOAD", ":".join([path, *rest])))
+        if cudart:
+            libs = os.environ.get("LD_LIBRARY_PATH")
+            others = [d for d in (libs or "").split(":") if d and d != cudart]
+            stack.enter_context(change_env("LD_LIBRARY_PATH", ":".join([cudart, *others])))
+        yield
 
 
 def expandable_segments_setting() -> Optional[str]:

@@ -1,0 +1,277 @@
+//! `tmsctl clean`: remove what processes that died left behind: disk backup files no live
+//! process holds, and control sockets nobody listens on. The rules are the library's (Note
+//! [The disk backup folder] in `preload/src/backup/disk.rs`): only regular files of ours are
+//! opened, never following a link and never waiting; a file is stale only when its `flock` can
+//! be taken, a socket only when connecting to it is refused.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use clap::Args;
+use nix::errno::Errno;
+use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag, AT_FDCWD};
+use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+use nix::sys::stat::{fstat, fstatat, FileStat, Mode, SFlag};
+use nix::unistd::{unlinkat, UnlinkatFlags};
+use serde_json::json;
+
+use crate::client::{euid, Code, Failure, Folder};
+use crate::output::printable;
+use crate::Ctx;
+
+const PREFIX: &str = "tms-backup-";
+const TMP_PREFIX: &str = ".tms-backup-new-";
+/// A temporary file younger than this may be one a live process is making.
+const TMP_GRACE: Duration = Duration::from_secs(60);
+
+/// Arguments of `tmsctl clean`.
+#[derive(Args, Debug)]
+pub struct CleanArgs {
+    /// Disk backup folder to clean [default: $TMS_DISK_BACKUP_DIR, else the system's temporary
+    /// folder]. Where others can write to it, the files are in its subfolder
+    /// tms-backups-<uid>, as the library puts them.
+    #[arg(long, value_name = "DIR")]
+    pub disk_dir: Option<PathBuf>,
+}
+
+fn shown(p: &Path) -> String {
+    printable(&p.display().to_string()).into_owned()
+}
+
+fn dir_flags() -> OFlag {
+    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK
+}
+
+/// The folders to sweep: `base` if nobody else can make entries in it, else our subfolder of it
+/// (if there is one) and, for files of older versions, `base` itself.
+fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
+    let me = euid();
+    let fd = match openat(AT_FDCWD, base, dir_flags(), Mode::empty()) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(Failure::new(
+                Code::Failed,
+                format!(
+                    "cannot open the disk backup folder {}: {}",
+                    shown(base),
+                    e.desc()
+                ),
+            ))
+        }
+    };
+    let st = fstat(&fd).map_err(|e| {
+        Failure::new(
+            Code::Failed,
+            format!("cannot inspect {}: {}", shown(base), e.desc()),
+        )
+    })?;
+    if st.st_uid == me && st.st_mode & 0o022 == 0 {
+        return Ok(vec![(base.to_path_buf(), fd)]);
+    }
+    let name = format!("tms-backups-{me}");
+    let sub = base.join(&name);
+    let sub_fd = match openat(
+        &fd,
+        name.as_str(),
+        dir_flags() | OFlag::O_NOFOLLOW,
+        Mode::empty(),
+    ) {
+        Ok(s) => Some(s),
+        Err(Errno::ENOENT) => None,
+        Err(Errno::ELOOP | Errno::ENOTDIR) => {
+            return Err(Failure::new(
+                Code::Permission,
+                format!(
+                    "refusing {}: it is a symbolic link or not a folder",
+                    shown(&sub)
+                ),
+            ))
+        }
+        Err(e) => {
+            return Err(Failure::new(
+                Code::Failed,
+                format!("cannot open {}: {}", shown(&sub), e.desc()),
+            ))
+        }
+    };
+    let mut out = Vec::new();
+    if let Some(s) = sub_fd {
+        let st = fstat(&s).map_err(|e| {
+            Failure::new(
+                Code::Failed,
+                format!("cannot inspect {}: {}", shown(&sub), e.desc()),
+            )
+        })?;
+        if st.st_uid != me || st.st_mode & 0o077 != 0 {
+            return Err(Failure::new(
+                Code::Permission,
+                format!(
+                    "refusing {}: it must belong to uid {me} with mode 0700 (it is uid {}, mode \
+                     {:04o})",
+                    shown(&sub),
+                    st.st_uid,
+                    st.st_mode & 0o777
+                ),
+            ));
+        }
+        out.push((sub, s));
+    }
+    out.push((base.to_path_buf(), fd));
+    Ok(out)
+}
+
+fn ours_and_regular(st: &FileStat, me: u32) -> bool {
+    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG && st.st_uid == me
+}
+
+/// Remove the backup files in the folder `dir` that no live process holds; how many.
+fn sweep(dir: impl AsFd + Copy) -> nix::Result<usize> {
+    let me = euid();
+    let mut listing =
+        nix::dir::Dir::openat(dir, ".", OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())?;
+    let names: Vec<(CString, bool)> = listing
+        .iter()
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_bytes();
+            let tmp = n.starts_with(TMP_PREFIX.as_bytes());
+            (tmp || n.starts_with(PREFIX.as_bytes())).then(|| (e.file_name().to_owned(), tmp))
+        })
+        .collect();
+    drop(listing);
+    let mut removed = 0;
+    for (name, tmp) in names {
+        let Ok(before) = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
+            continue;
+        };
+        if !ours_and_regular(&before, me) {
+            continue;
+        }
+        if tmp {
+            let modified =
+                SystemTime::UNIX_EPOCH + Duration::from_secs(before.st_mtime.max(0) as u64);
+            if modified.elapsed().map_or(true, |age| age < TMP_GRACE) {
+                continue;
+            }
+        }
+        let flags = OFlag::O_RDONLY
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_NONBLOCK
+            | OFlag::O_NOCTTY
+            | OFlag::O_CLOEXEC;
+        let Ok(fd) = openat(dir, name.as_c_str(), flags, Mode::empty()) else {
+            continue;
+        };
+        match fstat(&fd) {
+            Ok(st) if ours_and_regular(&st, me) && st.st_ino == before.st_ino => {}
+            _ => continue,
+        }
+        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
+            if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
+                removed += 1;
+            }
+            drop(locked);
+        }
+    }
+    Ok(removed)
+}
+
+/// Connecting to `path` is refused: nobody listens on it.
+fn refused(path: &Path) -> bool {
+    let Ok(addr) = UnixAddr::new(path) else {
+        return false;
+    };
+    let Ok(fd) = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    use std::os::fd::AsRawFd;
+    loop {
+        match connect(fd.as_raw_fd(), &addr) {
+            Err(Errno::EINTR) => continue,
+            r => return r == Err(Errno::ECONNREFUSED),
+        }
+    }
+}
+
+/// Remove the sockets of the (vetted) socket folder that nobody listens on; how many.
+fn clean_sockets(folder: &Folder) -> usize {
+    let me = euid();
+    let mut removed = 0;
+    for s in &folder.sockets {
+        let Ok(m) = std::fs::symlink_metadata(&s.path) else {
+            continue;
+        };
+        if !m.file_type().is_socket() || m.uid() != me || !refused(&s.path) {
+            continue;
+        }
+        // Still the same file (not a new server's, bound since)?
+        let same = std::fs::symlink_metadata(&s.path)
+            .is_ok_and(|n| n.dev() == m.dev() && n.ino() == m.ino());
+        if same && std::fs::remove_file(&s.path).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
+/// `tmsctl clean`.
+pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
+    let base = a
+        .disk_dir
+        .clone()
+        .or_else(|| {
+            std::env::var_os("TMS_DISK_BACKUP_DIR")
+                .filter(|d| !d.is_empty())
+                .map(PathBuf::from)
+        })
+        .unwrap_or_else(std::env::temp_dir);
+    let mut files = 0;
+    let mut swept = Vec::new();
+    for (path, fd) in backup_folders(&base)? {
+        files += sweep(&fd).map_err(|e| {
+            Failure::new(
+                Code::Failed,
+                format!("cannot list {}: {}", shown(&path), e.desc()),
+            )
+        })?;
+        swept.push(path);
+    }
+    let folder = Folder::open(&ctx.dir)?;
+    let sockets = clean_sockets(&folder);
+    if ctx.json {
+        let j = json!({
+            "disk_folders": swept,
+            "backup_files_removed": files,
+            "socket_dir": ctx.dir,
+            "sockets_removed": sockets,
+        });
+        println!("{}", crate::output::json_line(&j));
+    } else {
+        let where_: Vec<String> = swept.iter().map(|p| shown(p)).collect();
+        println!(
+            "removed {files} disk backup file{} of processes that died ({})",
+            if files == 1 { "" } else { "s" },
+            if where_.is_empty() {
+                format!("no folder {}", shown(&base))
+            } else {
+                where_.join(", ")
+            }
+        );
+        println!(
+            "removed {sockets} control socket{} nobody listens on ({})",
+            if sockets == 1 { "" } else { "s" },
+            shown(&ctx.dir)
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,245 @@
+"""The surface the existing library's own tests and its integrations reach (issue: upstream's
+test suite passes unmodified), on the simulated device and without torch: helper modules,
+``configure_subprocess`` in ``hooks.mode_preload``, library file selection by CUDA major,
+validation in the existing library's words, ``keep_resident``, ``_affected_devices``,
+``_mem_pools``/``_with_region_config``, and CUDA runtime names through the library handle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+
+import torch_memory_saver as tms_pkg
+from torch_memory_saver import entrypoint, utils
+from torch_memory_saver.hooks import mode_preload
+
+from conftest import clean_env, run_py
+
+FAKE = "/fake/torch_memory_saver_hook_mode_preload.so"
+
+
+def test_helper_module_names():
+    from torch_memory_saver.testing_utils import empty_cache, get_and_print_gpu_memory, get_device, is_xpu
+
+    assert callable(empty_cache) and callable(get_and_print_gpu_memory)
+    assert is_xpu is utils.is_xpu and get_device() in ("cuda", "xpu")
+    from torch_memory_saver.entrypoint import (  # noqa: F401
+        _TAG_DEFAULT, BinaryWrapper, CpuBackupBackend, HookMode, HookUtilBase, is_xpu as ep_is_xpu,
+    )
+    from torch_memory_saver.hooks.base import HookMode as base_mode
+
+    assert _TAG_DEFAULT == "default" and HookMode is base_mode
+    assert tms_pkg.configure_subprocess is mode_preload.configure_subprocess
+
+
+def test_configure_subprocess_uses_its_module_globals_and_keeps_one_copy(monkeypatch):
+    monkeypatch.setattr(mode_preload, "_mapped_cudart_dir", lambda: None)
+    monkeypatch.delenv("LD_LIBRARY_PATH", raising=False)
+    with patch("torch_memory_saver.hooks.mode_preload.get_binary_path_from_package", return_value=FAKE):
+        monkeypatch.delenv("LD_PRELOAD", raising=False)
+        with mode_preload.configure_subprocess():
+            assert os.environ["LD_PRELOAD"] == FAKE and "LD_LIBRARY_PATH" not in os.environ
+        assert "LD_PRELOAD" not in os.environ
+        # Other entries stay (after ours); other copies of this library go.
+        old = "/a/libx.so /site/torch_memory_saver_hook_mode_preload_cu12.abi3.so:/b/libtms.so:/c/liby.so"
+        monkeypatch.setenv("LD_PRELOAD", old)
+        with mode_preload.configure_subprocess():
+            assert os.environ["LD_PRELOAD"] == f"{FAKE}:/a/libx.so:/c/liby.so"
+        assert os.environ["LD_PRELOAD"] == old
+    # The CUDA runtime's folder goes first in LD_LIBRARY_PATH, and is restored.
+    monkeypatch.setattr(mode_preload, "_mapped_cudart_dir", lambda: "/rt/lib")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/x:/rt/lib")
+    with patch("torch_memory_saver.hooks.mode_preload.get_binary_path_from_package", return_value=FAKE):
+        with mode_preload.configure_subprocess():
+            assert os.environ["LD_LIBRARY_PATH"] == "/rt/lib:/x"
+    assert os.environ["LD_LIBRARY_PATH"] == "/x:/rt/lib"
+
+
+def test_mapped_cudart_dir_reads_a_maps_file(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libc.so.6\n"
+        "7f02-7f03 rw-p 00000000 00:00 0\n"
+        "7f04-7f05 r-xp 00000000 08:01 2 /sp/nvidia/cu13/lib/libcudart.so.13\n"
+    )
+    assert mode_preload._mapped_cudart_dir(str(maps)) == "/sp/nvidia/cu13/lib"
+    assert mode_preload._mapped_cudart_dir(str(tmp_path / "absent")) is None
+
+
+def test_a_preloaded_process_hands_its_own_file_to_children(libtms, tmp_path):
+    r = run_py(
+        "from torch_memory_saver.hooks.mode_preload import configure_subprocess\n"
+        "with configure_subprocess():\n    print(os.environ['LD_PRELOAD'])\n",
+        clean_env(LD_PRELOAD=f"{libtms}:/nowhere/other.so", TMS_BACKEND="sim", TMS_SOCKET_DIR=str(tmp_path)),
+    )
+    assert r.stdout.strip() == f"{libtms}:/nowhere/other.so", r.stdout
+
+
+@pytest.mark.parametrize("version, name", [(dict(cuda="12.9"), "_cu12"), (dict(cuda="13.0"), "_cu13"),
+                                           (dict(hip="7.2.0"), "")])
+def test_library_file_by_cuda_major(monkeypatch, tmp_path, version, name):
+    stem = "torch_memory_saver_hook_mode_preload"
+    (tmp_path / "torch_memory_saver").mkdir()
+    for suffix in ("", "_cu12", "_cu13"):
+        (tmp_path / f"{stem}{suffix}.abi3.so").touch()
+    monkeypatch.setattr(utils, "__file__", str(tmp_path / "torch_memory_saver" / "utils.py"))
+    fake = types.SimpleNamespace(version=types.SimpleNamespace(**{"cuda": None, "hip": None, **version}))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert utils.get_binary_path_from_package(stem) == tmp_path / f"{stem}{name}.abi3.so"
+    # Only the unsuffixed file there: that one.
+    for suffix in ("_cu12", "_cu13"):
+        (tmp_path / f"{stem}{suffix}.abi3.so").unlink()
+    assert utils.get_binary_path_from_package(stem) == tmp_path / f"{stem}.abi3.so"
+
+
+def test_backup_arguments_are_refused_in_the_existing_librarys_words(monkeypatch):
+    t = entrypoint.TorchMemorySaver()
+    with pytest.raises(ValueError, match="requires enable_cpu_backup") as e:
+        with t.region(enable_cpu_backup=False, cpu_backup_backend="mmap"):
+            pass
+    assert isinstance(e.value, tms_pkg.InvalidArgumentError)
+    with pytest.raises(ValueError, match='must be "mmap" or "pinned"'):
+        t._cpu_backup_backend(True, "disk")
+    monkeypatch.delenv("TMS_INIT_CPU_BACKUP_BACKEND", raising=False)
+    assert t._cpu_backup_backend(True, None) == "pinned" and t._cpu_backup_backend(False, None) is None
+    monkeypatch.setenv("TMS_INIT_CPU_BACKUP_BACKEND", "mmap")
+    assert t._cpu_backup_backend(True, None) == "mmap" and t._cpu_backup_backend(True, "pinned") == "pinned"
+    monkeypatch.setattr(entrypoint, "is_xpu", lambda: True)  # looked up at call time
+    for backend in ("pinned", "mmap"):
+        with pytest.raises(ValueError, match="not supported on XPU"):
+            with t.region(enable_cpu_backup=True, cpu_backup_backend=backend):
+                pass
+    monkeypatch.setattr(entrypoint, "is_xpu", lambda: False)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(hip="6.2", cuda=None)))
+    with pytest.raises(ValueError, match="not supported on ROCm"):
+        with t.region(enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            pass
+
+
+def test_enabled_initialises_nothing():
+    t = entrypoint.TorchMemorySaver()
+    assert t.enabled is True and t._impl is None
+
+
+def test_affected_devices_calls_the_library_once_and_checks_the_count():
+    calls = []
+
+    def query(tag, out, capacity):
+        calls.append(tag)
+        for i in range(min(n, capacity)):
+            out[i] = i * 2
+        return n
+
+    impl = types.SimpleNamespace(_binary_wrapper=types.SimpleNamespace(cdll=types.SimpleNamespace(tms_affected_devices=query)))
+    for n in (0, 3, 64):
+        assert entrypoint._TorchMemorySaverImpl._affected_devices(impl, "w") == [i * 2 for i in range(n)]
+    n = 65
+    with pytest.raises(AssertionError, match="Too many affected devices"):
+        entrypoint._TorchMemorySaverImpl._affected_devices(impl, "w")
+    assert calls == [b"w"] * 4
+
+
+def test_keep_resident_affected_devices_and_the_backend_getter_on_the_sim(preloaded):
+    r = preloaded(
+        """
+        class T:  # what keep_resident reads of a tensor
+            def __init__(self, p, n): self.p, self.n = p, n
+            def data_ptr(self): return self.p
+            def numel(self): return self.n
+        tms._ensure_initialized()
+        lib = tms._impl._binary_wrapper
+        cdll = lib.cdll
+        assert cdll.tms_get_cpu_backup_backend() == b"mmap"  # TMS_INIT_CPU_BACKUP_BACKEND
+        with tms.region("kv", True, False, "pinned"):  # the existing library's positional order
+            assert cdll.tms_get_cpu_backup_backend() == b"pinned"
+            rc, kept = cuda_malloc(3 << 20)
+            rc2, other = cuda_malloc(2 << 20)
+        assert rc == rc2 == 0 and cdll.tms_get_cpu_backup_backend() == b"mmap"
+        with tms._impl._with_region_config(tag="raw", enable_cpu_backup=False):
+            assert cdll.tms_get_current_tag() == b"raw" and cdll.tms_get_interesting_region()
+            rc, raw = cuda_malloc(2 << 20)
+        assert tms.keep_resident(T(kept + 4096, 8)) == 3 << 20 == tms.keep_resident(T(kept, 1))
+        assert tms.keep_resident(T(kept, 0)) == 0, "an empty tensor"
+        assert cdll.tms_keep_resident(ctypes.c_void_p(raw)) == 2 << 20
+        assert cdll.tms_keep_resident(ctypes.c_void_p(12345)) == 0
+        assert tms._impl._affected_devices("kv") == [0] and tms._impl._affected_devices("raw") == []
+        assert tms._impl._affected_devices("nothing") == []
+        ctypes.memmove(kept, b"k" * 16, 16)
+        ctypes.memmove(other, b"o" * 16, 16)
+        tms.pause("kv")
+        tms.pause()
+        assert ctypes.string_at(kept, 16) == b"k" * 16, "still mapped"
+        assert tag_stats("kv")["paused_allocations"] == 1
+        try:
+            tms.keep_resident(T(other, 4))
+        except tms_pkg.InvalidStateError as e:
+            print("REFUSED", e)
+        tms.resume()
+        assert ctypes.string_at(other, 16) == b"o" * 16
+        assert cuda_free(raw) == 0 and cdll.tms_keep_resident(ctypes.c_void_p(raw)) == 0
+        print("OK")
+        """,
+        TMS_INIT_CPU_BACKUP_BACKEND="mmap",
+    )
+    assert "keep_resident requires an active allocation" in r.stdout and "OK" in r.stdout, r.stdout
+
+
+def test_region_pools_are_keyed_as_callers_expect(preloaded):
+    r = preloaded(
+        """
+        import contextlib, types
+        class MemPool:
+            def __init__(self, alloc=None): self.id = id(self)
+        @contextlib.contextmanager
+        def use_mem_pool(pool):
+            yield
+        cuda = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: 0, MemPool=MemPool,
+                                     use_mem_pool=use_mem_pool, is_current_stream_capturing=lambda: False)
+        sys.modules["torch"] = types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda="13.0", hip=None))
+        with tms.region(tag="w", enable_cpu_backup=True):
+            pass
+        with tms.region(tag="w", enable_cpu_backup=True, cpu_backup_backend="mmap"):
+            pass
+        with tms.region(tag="d", enable_disk_backup=True):
+            pass
+        with tms.region(tag="c", chunk_size=4 << 20):
+            pass
+        keys = set(tms._impl._mem_pools)
+        assert keys == {("w", True, False, "pinned", 0), ("w", True, False, "mmap", 0),
+                        ("d", False, True, None, 0), ("c", False, False, None, 0, 4 << 20)}, keys
+        assert tms._impl._mem_pools.pop(("w", True, False, "pinned", 0)) is not None
+        tms._impl._mem_pools.clear()
+        assert not tms._impl._mem_pools
+        print("OK")
+        """
+    )
+    assert "OK" in r.stdout
+
+
+def test_cuda_runtime_names_resolve_through_the_library_handle(libtms, tmp_path):
+    src = tmp_path / "rt.c"
+    src.write_text("int cudaHostGetFlags(unsigned *f, void *p) { (void)p; *f = 7; return 0; }\n")
+    rt = tmp_path / "libcudart.so.99"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(rt), str(src)], check=True)
+    r = run_py(
+        f"""
+        ctypes.CDLL({str(rt)!r}, mode=os.RTLD_LOCAL)  # loaded privately, as a runtime may be
+        from torch_memory_saver.binary_wrapper import BinaryWrapper
+        w = BinaryWrapper({libtms!r})
+        f = ctypes.c_uint(0)
+        print(w.cdll.cudaHostGetFlags(ctypes.byref(f), None), f.value)
+        try:
+            w.cdll.cudaNoSuchFunction
+        except AttributeError as e:
+            print("ERR", e)
+        """,
+        clean_env(),
+    )
+    lines = r.stdout.splitlines()
+    assert lines[0] == "0 7" and lines[1].startswith("ERR cudaNoSuchFunction"), r.stdout
