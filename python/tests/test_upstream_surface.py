@@ -243,3 +243,21 @@ def test_cuda_runtime_names_resolve_through_the_library_handle(libtms, tmp_path)
     )
     lines = r.stdout.splitlines()
     assert lines[0] == "0 7" and lines[1].startswith("ERR cudaNoSuchFunction"), r.stdout
+
+
+def test_values_that_c_would_change_are_refused(preloaded):
+    r = preloaded(
+        """
+        for bad in (2**64 + 5, -1):
+            try:
+                tms.memory_margin_bytes = bad
+            except tms_pkg.InvalidArgumentError as e:
+                print("MARGIN", e)
+        assert tms.memory_margin_bytes == 0
+        try:
+            tms.set_disk_backup_dir("/tmp\\0/elsewhere")
+        except tms_pkg.InvalidArgumentError as e:
+            print("PATH", e)
+        """
+    )
+    assert r.stdout.count("MARGIN") == 2 and "NUL byte" in r.stdout, r.stdout

@@ -373,8 +373,8 @@ class _TorchMemorySaverImpl:
     def memory_margin_bytes(self, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"memory_margin_bytes must be an int, not {type(n).__name__}")
-        if n < 0:
-            raise InvalidArgumentError(f"memory_margin_bytes must be >= 0, not {n}")
+        if n < 0 or n > _U64_MAX:
+            raise InvalidArgumentError(f"memory_margin_bytes must be from 0 to 2**64 - 1 bytes, not {n}")
         lib = self._library()
         lib.check(lib.tms_set_memory_margin(n))
 
@@ -382,8 +382,11 @@ class _TorchMemorySaverImpl:
         """See ``TorchMemorySaver.set_disk_backup_dir``."""
         if path is not None and not isinstance(path, (str, bytes, os.PathLike)):
             raise TypeError(f"path must be a str or os.PathLike, not {type(path).__name__}")
+        raw = None if path is None else os.fsencode(path)
+        if raw is not None and b"\0" in raw:
+            raise InvalidArgumentError(f"path {path!r} contains a NUL byte (a C string would cut it there)")
         lib = self._library()
-        lib.check(lib.tms_set_disk_backup_dir(None if path is None else os.fsencode(path)))
+        lib.check(lib.tms_set_disk_backup_dir(raw))
 
     # ---------------------------------------------------------------- residency and devices
 
