@@ -362,7 +362,9 @@ class TorchMemorySaver:
         ``zero_copy=True`` a view of the backup itself, valid until the next resume without
         retention or the tensor's memory is freed), or None where there is none (no backup
         enabled, or the allocation is active and its backup was released). ``x`` must be
-        contiguous and lie inside one pauseable allocation."""
+        contiguous and lie inside one pauseable allocation. With ``retain_cpu_backup`` on, a
+        ``zero_copy`` view of a pinned backup is page-locked memory: the call waits for the
+        background page-locking of that backup to finish."""
         self._ensure_initialized()
         if zero_copy:
             return self._impl.get_cpu_backup(x, zero_copy=True)

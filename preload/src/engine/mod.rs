@@ -997,7 +997,8 @@ impl Engine {
     /// Hand out the host backup covering `[addr, addr+len)` (a complete snapshot, see
     /// [`Engine::copy_cpu_backup`]), or `None`. Until [`Engine::release_cpu_backup`] the bytes
     /// stay mapped and unchanged: a pause writes a new buffer instead, and a resume without
-    /// retention or a free leaves this one to the lease.
+    /// retention or a free leaves this one to the lease. A retained pinned backup is handed out
+    /// once its background page-locking has finished (bounded by `PIN_WAIT`).
     pub fn acquire_cpu_backup(&self, addr: DevPtr, len: u64) -> Result<Option<BackupLease>> {
         let Some((off, host)) = self.snapshot_at(addr, len)? else {
             return Ok(None);

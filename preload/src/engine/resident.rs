@@ -36,7 +36,10 @@ impl Engine {
                 }
             )));
         }
-        let a = reg.marked(start);
+        let a = reg
+            .allocs
+            .get_mut(&start)
+            .expect("found above under the same lock");
         a.resident = true;
         tracing::debug!(
             "keep_resident {start:#x} ({} bytes, tag {:?})",
