@@ -1932,3 +1932,49 @@ fn region_shows_a_disk_backup_and_refuses_a_second_backup() {
         "{r}"
     );
 }
+
+/// A server that reads the request and closes without a reply is reported at once as such
+/// (exit 1), not as a timeout after the whole `--timeout`, and not as "still running".
+#[test]
+fn a_server_that_closes_without_replying_is_not_a_timeout() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let listener = UnixListener::bind(dir.join(our_name(me))).expect("bind");
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { break };
+            let Ok(read) = conn.try_clone() else { continue };
+            let mut lines = BufReader::new(read).lines();
+            let Some(Ok(_hello)) = lines.next() else {
+                continue;
+            };
+            let hello = format!(
+                "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{me},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
+            );
+            if conn.write_all(hello.as_bytes()).is_err() {
+                continue;
+            }
+            // Read the request whole, then hang up.
+            let _request = lines.next();
+        }
+    });
+    for args in [
+        &["pause", "--tag", "kv", "--timeout", "60"][..],
+        &["status", "--timeout", "60"][..],
+    ] {
+        let t0 = Instant::now();
+        let r = ctl(&sb, args);
+        let line = r.failed(1).to_string();
+        assert!(
+            line.contains("closed the connection without replying"),
+            "{args:?}: {line}"
+        );
+        assert!(!line.contains("still running"), "{args:?}: {line}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{args:?}: took {:?}, as if it waited for the timeout",
+            t0.elapsed()
+        );
+    }
+}
