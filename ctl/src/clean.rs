@@ -255,7 +255,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
             "socket_dir": ctx.dir,
             "sockets_removed": sockets,
         });
-        println!("{}", crate::output::json_line(&j));
+        crate::output::print_json(j);
     } else {
         let where_: Vec<String> = swept.iter().map(|p| shown(p)).collect();
         println!(

@@ -68,6 +68,21 @@ pub enum Code {
     Running = 7,
 }
 
+impl Code {
+    /// Its name in `--json` errors (an interface too: scripts match on it).
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::Failed => "failed",
+            Code::Usage => "usage",
+            Code::NoProcess => "no_process",
+            Code::Permission => "permission",
+            Code::Timeout => "timeout",
+            Code::UnknownTag => "unknown_tag",
+            Code::Running => "running",
+        }
+    }
+}
+
 /// A failure with its exit code and a one-line reason.
 #[derive(Debug)]
 pub struct Failure {
@@ -407,7 +422,7 @@ impl Folder {
 /// What one attempt to connect gave.
 enum Attempt {
     /// A connection that passed the checks and the hello.
-    Ready(Client),
+    Ready(Box<Client>),
     /// The server had no room for it (its reason).
     Busy(String),
 }
@@ -415,6 +430,11 @@ enum Attempt {
 /// A connection that has passed the checks and the hello.
 pub struct Client {
     pid: u32,
+    /// The socket it is connected to (a progress display opens a second connection).
+    sock: Socket,
+    /// The wait for the last reply was bounded by the time without progress (see
+    /// [`Client::ask_while`]).
+    by_progress: bool,
     /// The process is of our pid namespace: whether it still lives can be asked.
     here: bool,
     /// The last request went out whole and its reply did not come in time.
@@ -510,7 +530,7 @@ impl Client {
         };
         loop {
             match Client::attempt(sock, deadline, timeout) {
-                Ok(Attempt::Ready(c)) => return Ok(c),
+                Ok(Attempt::Ready(c)) => return Ok(*c),
                 Ok(Attempt::Busy(why)) => busy = Some(why),
                 Err(f) => {
                     return Err(match (&busy, f.code) {
@@ -568,6 +588,8 @@ impl Client {
         vet_server(sock, me, cred.uid(), cred.pid(), None).map_err(refuse)?;
         let mut c = Client {
             pid,
+            sock: sock.clone(),
+            by_progress: false,
             here: sock.here(),
             unanswered: false,
             stream,
@@ -614,12 +636,24 @@ impl Client {
             }
             other => return Err(c.unexpected(&other)),
         }
-        Ok(Attempt::Ready(c))
+        Ok(Attempt::Ready(Box::new(c)))
     }
 
     /// The process on the other end.
     pub fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// The socket this connection is on.
+    pub fn socket(&self) -> &Socket {
+        &self.sock
+    }
+
+    /// Give the next request `timeout` from now (a connection's requests share the one wait
+    /// set when it was made; one that polls for long needs a fresh one for each).
+    pub fn rearm(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+        self.deadline = Instant::now() + timeout;
     }
 
     fn unexpected(&self, r: &Reply) -> Failure {
@@ -660,13 +694,24 @@ impl Client {
         if f.code != Code::Timeout || !self.unanswered {
             return f;
         }
+        let waited = if self.by_progress {
+            format!(
+                "no reply came and nothing moved for {:.1} s (--timeout counts the time without \
+                 progress)",
+                self.timeout.as_secs_f64()
+            )
+        } else {
+            format!(
+                "no reply came within {:.1} s (--timeout)",
+                self.timeout.as_secs_f64()
+            )
+        };
         Failure::new(
             Code::Running,
             format!(
-                "process {pid}: {what} was sent, and no reply came within {:.1} s (--timeout): \
-                 sent; still running in the process (or waiting there for another pause or \
-                 resume to end); `tmsctl status --pid {pid}` lists it until it has ended",
-                self.timeout.as_secs_f64(),
+                "process {pid}: {what} was sent, and {waited}: sent; still running in the \
+                 process (or waiting there for another pause or resume to end); `tmsctl status \
+                 --pid {pid}` lists it until it has ended",
                 pid = self.pid,
             ),
         )
@@ -674,6 +719,17 @@ impl Client {
 
     /// Send `req` and read one reply; error replies come back as `Ok(Reply::Error(..))`.
     fn exchange(&mut self, req: &Request) -> Result<Reply> {
+        self.exchange_while(req, None)
+    }
+
+    /// [`Client::exchange`], where `moved` (if given) tells when the process last made
+    /// progress: the wait then ends only once `--timeout` has passed since then.
+    fn exchange_while(
+        &mut self,
+        req: &Request,
+        moved: Option<&dyn Fn() -> Instant>,
+    ) -> Result<Reply> {
+        self.by_progress = moved.is_some();
         let left = remaining(self.deadline, self.timeout, self.pid)?;
         self.stream
             .set_write_timeout(Some(left))
@@ -704,6 +760,9 @@ impl Client {
                     ))
                 }
                 None => {}
+            }
+            if let Some(m) = moved {
+                self.deadline = self.deadline.max(m() + self.timeout);
             }
             let left = remaining(self.deadline, self.timeout, self.pid).inspect_err(|_| {
                 self.unanswered = sent.is_ok();
@@ -747,7 +806,17 @@ impl Client {
 
     /// Send `req`; an error reply becomes a [`Failure`] with its exit code.
     pub fn ask(&mut self, req: &Request) -> Result<Reply> {
-        match self.exchange(req)? {
+        self.ask_while(req, None)
+    }
+
+    /// [`Client::ask`], waiting for the reply until `--timeout` has passed without progress:
+    /// `moved` says when the process last moved (bytes copied, a phase changed).
+    pub fn ask_while(
+        &mut self,
+        req: &Request,
+        moved: Option<&dyn Fn() -> Instant>,
+    ) -> Result<Reply> {
+        match self.exchange_while(req, moved)? {
             Reply::Error(e) => Err(Failure::new(
                 code_of(e.kind),
                 format!("process {}: {}", self.pid, printable(&e.message)),

@@ -5,7 +5,8 @@
 //! The child is this executable again (`tmsctl __demo-child`). It reaches the library the way
 //! any preloaded program's code would, by symbol (`dlsym`): `tms_init`, `tms_region_enter`,
 //! `tms_torch_malloc`, `tms_write_bytes`, ... It talks to the parent in lines on stdout
-//! (`READY {json}`, `ERROR <stage> <message>`, `VERIFY ok`, ...) and takes commands on stdin
+//! (`STARTED <backend>` once allocated, `READY {json}` once the pattern is written, `ERROR
+//! <stage> <message>`, `VERIFY ok`, ...) and takes commands on stdin
 //! (`verify [OFFSET LENGTH]`, `malloc SIZE`, `fork`, `exit`); the tests drive it the same way.
 //! With `--chunk SIZE` its allocation is a chunked one (`tms_set_chunk_size`), whose chunks
 //! pause and resume on their own.
@@ -338,6 +339,8 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
         fail("alloc", e);
     }
     let ptr = p as u64;
+    // Before the pattern, which takes seconds for gigabytes: the parent shows which device.
+    say(&format!("STARTED {backend}"));
     if let Err(e) = write_pattern(&api, ptr, a.size, a.seed) {
         fail("write", e);
     }
@@ -670,6 +673,69 @@ struct Row {
     done: Option<OpDone>,
 }
 
+/// The demo's table, a row at a time: fixed widths, so that each row can be printed as soon
+/// as its step is done and the columns still line up.
+struct Table<'a> {
+    tag: &'a str,
+    /// Device memory free at the previous row.
+    prev: Option<u64>,
+}
+
+impl<'a> Table<'a> {
+    fn header() -> String {
+        format!(
+            "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  time",
+            "step", "device free", "change", "active", "paused", "host backup"
+        )
+    }
+
+    fn new(tag: &'a str) -> Self {
+        Table { tag, prev: None }
+    }
+
+    fn row(&mut self, r: &Row) -> String {
+        let t = tag_of(&r.status, self.tag);
+        let free = free_of(&r.status);
+        let change = match (self.prev, free) {
+            (Some(p), Some(f)) => human_delta(p, f),
+            _ => "-".into(),
+        };
+        self.prev = free;
+        let time = match &r.done {
+            Some(d) => {
+                let moved = if d.copied_bytes > 0 {
+                    d.copied_bytes
+                } else {
+                    d.bytes
+                };
+                let rate = if d.seconds > 0.0 {
+                    moved as f64 / d.seconds / (1u64 << 30) as f64
+                } else {
+                    0.0
+                };
+                format!("{:.3} s, {rate:.1} GiB/s", d.seconds)
+            }
+            None => "-".into(),
+        };
+        format!(
+            "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  {time}",
+            r.step,
+            free.map_or("?".into(), human),
+            change,
+            human(t.map_or(0, |t| t.bytes_active)),
+            human(t.map_or(0, |t| t.bytes_paused)),
+            human(t.map_or(0, |t| t.host_backup_bytes)),
+        )
+    }
+}
+
+/// Print `text` on stdout now (a pipe would hold it back until the end otherwise).
+fn say_now(text: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}");
+    let _ = out.flush();
+}
+
 fn free_of(s: &Status) -> Option<u64> {
     s.devices
         .iter()
@@ -688,11 +754,51 @@ fn status(c: &mut Client) -> client::Result<Status> {
     })
 }
 
-fn op(c: &mut Client, req: Request) -> client::Result<OpDone> {
-    c.ask_for(&req, |r| match r {
-        Reply::Done(d) => Some(d),
+/// A pause or resume, its progress shown as `tmsctl pause` shows it (on a terminal), and its
+/// wait bounded by the time without progress where the library reports it.
+fn op(
+    c: &mut Client,
+    req: Request,
+    timeout: Duration,
+    show: crate::progress::Show,
+) -> client::Result<OpDone> {
+    let watch = match &req {
+        Request::Pause { tag, .. } | Request::Resume { tag, .. }
+            if c.hello.has(tms_proto::FEATURE_PROGRESS) =>
+        {
+            Some(crate::progress::Watch::start(
+                c.socket(),
+                timeout,
+                crate::progress::Asked {
+                    pid: c.pid(),
+                    with_pid: false,
+                    op: if matches!(req, Request::Pause { .. }) {
+                        tms_proto::Op::Pause
+                    } else {
+                        tms_proto::Op::Resume
+                    },
+                    tag: tag.clone(),
+                    chunks: None,
+                },
+                show,
+            ))
+        }
         _ => None,
-    })
+    };
+    let moved = watch.as_ref().map(|w| move || w.last_moved());
+    let r = c.ask_while(&req, moved.as_ref().map(|m| m as &dyn Fn() -> Instant));
+    drop(watch);
+    match r? {
+        Reply::Done(d) => Ok(d),
+        other => Err(Failure::new(
+            Code::Failed,
+            format!(
+                "process {}: unexpected reply {}",
+                c.pid(),
+                printable(&format!("{other:?}"))
+            ),
+        )),
+    }
 }
 
 /// The device the demo asks for and why, in words: `--backend`, else `$TMS_BACKEND` as the
@@ -737,7 +843,9 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         "cuda"
     };
     let mut child = DemoChild::spawn(&lib, first, a.size, &a.tag, &ctx.dir)?;
-    let ready = match child.expect("READY", ctx.timeout) {
+    // The child says which device it runs on once its library has started, then writes its
+    // pattern (seconds, for gigabytes) and says READY: the first lines are printed at once.
+    let started = match child.expect("STARTED", ctx.timeout) {
         Ok(r) => r,
         Err((stage, msg)) if stage == "init" && choice == DemoBackend::Cuda => {
             return Err(Failure::new(
@@ -756,16 +864,33 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             fallback = Some(msg);
             child = DemoChild::spawn(&lib, "sim", a.size, &a.tag, &ctx.dir)?;
             child
-                .expect("READY", ctx.timeout)
+                .expect("STARTED", ctx.timeout)
                 .map_err(|(s, m)| Failure::new(Code::Failed, format!("demo child ({s}): {m}")))?
         }
         Err((stage, msg)) => {
             return Err(Failure::new(Code::Failed, format!("demo child ({stage}): {msg}")).into())
         }
     };
+    let pid = child.pid();
+    let driver_note = match (&fallback, started.as_str()) {
+        (Some(why), _) => format!(
+            "sim (the simulated device: {because}, and CUDA could not start: {})",
+            printable(why)
+        ),
+        (None, "sim") => format!("sim (the simulated device: {because})"),
+        (None, b) => format!("{} ({because})", printable(b)),
+    };
+    if !ctx.json {
+        say_now(&format!(
+            "tmsctl demo: child {pid} with LD_PRELOAD={}\ndriver {driver_note}",
+            printable(&lib.display().to_string()),
+        ));
+    }
+    let ready = child
+        .expect("READY", ctx.timeout)
+        .map_err(|(s, m)| Failure::new(Code::Failed, format!("demo child ({s}): {m}")))?;
     let ready: Value = serde_json::from_str(&ready).unwrap_or(Value::Null);
     let backend = ready["backend"].as_str().unwrap_or("?").to_string();
-    let pid = child.pid();
     let socket = ready["socket"].as_str().map(str::to_string);
     if socket.is_none() {
         return Err(Failure::new(
@@ -781,11 +906,33 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     let sock = Folder::open(&ctx.dir)?.find(pid)?;
     let mut c = Client::connect(&sock, ctx.timeout)?;
     let tag = Some(a.tag.clone());
-    let mut rows = vec![Row {
-        step: "allocated",
-        status: status(&mut c)?,
-        done: None,
-    }];
+    // Each row is printed as soon as its step is done (the widths are fixed, so the columns
+    // line up without knowing the later rows).
+    let mut table = Table::new(&a.tag);
+    if !ctx.json {
+        say_now(&format!(
+            "{} pauseable with CPU backup (pinned), tag {}, control socket {}\n\n{}",
+            human(a.size),
+            crate::output::quoted(&a.tag),
+            printable(socket.as_deref().unwrap_or("?")),
+            Table::header()
+        ));
+    }
+    let show = crate::progress::Show::pick(false, false);
+    let mut rows = Vec::new();
+    let mut step = |c: &mut Client, step: &'static str, done: Option<OpDone>| {
+        let r = Row {
+            step,
+            status: status(c)?,
+            done,
+        };
+        if !ctx.json {
+            say_now(&table.row(&r));
+        }
+        rows.push(r);
+        client::Result::Ok(())
+    };
+    step(&mut c, "allocated", None)?;
     let d = op(
         &mut c,
         Request::Pause {
@@ -793,12 +940,10 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             chunks: None,
             chunk_state: false,
         },
+        ctx.timeout,
+        show,
     )?;
-    rows.push(Row {
-        step: "paused",
-        status: status(&mut c)?,
-        done: Some(d),
-    });
+    step(&mut c, "paused", Some(d))?;
     let d = op(
         &mut c,
         Request::Resume {
@@ -806,12 +951,10 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             chunks: None,
             chunk_state: false,
         },
+        ctx.timeout,
+        show,
     )?;
-    rows.push(Row {
-        step: "resumed",
-        status: status(&mut c)?,
-        done: Some(d),
-    });
+    step(&mut c, "resumed", Some(d))?;
     drop(c);
     child.send("verify")?;
     let verdict = match child.expect("VERIFY", ctx.timeout) {
@@ -854,14 +997,6 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         problems.push(format!("pattern after resume: {verdict}"));
     }
     let ok = problems.is_empty();
-    let driver_note = match (&fallback, backend.as_str()) {
-        (Some(why), _) => format!(
-            "sim (the simulated device: {because}, and CUDA could not start: {})",
-            printable(why)
-        ),
-        (None, "sim") => format!("sim (the simulated device: {because})"),
-        (None, b) => format!("{} ({because})", printable(b)),
-    };
 
     if ctx.json {
         let steps: Vec<Value> = rows
@@ -879,81 +1014,44 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
                 })
             })
             .collect();
-        println!(
-            "{}",
-            crate::output::json_line(&json!({
-                "ok": ok,
-                "backend": backend,
-                "backend_choice": choice.name(),
-                "backend_because": because,
-                "fallback_reason": fallback,
-                "child_pid": pid,
-                "lib": lib,
-                "socket": socket,
-                "tag": a.tag,
-                "size": a.size,
-                "mapped": mapped,
-                "given_back_bytes": given_back,
-                "steps": steps,
-                "pattern": verdict,
-                "problems": problems,
-            }))
-        );
-    } else {
-        println!(
-            "tmsctl demo: child {pid} with LD_PRELOAD={}\n\
-             driver {driver_note}\n\
-             {} pauseable with CPU backup (pinned), tag {}, control socket {}\n",
-            printable(&lib.display().to_string()),
-            human(a.size),
-            crate::output::quoted(&a.tag),
-            printable(socket.as_deref().unwrap_or("?"))
-        );
-        println!(
-            "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  time",
-            "step", "device free", "change", "active", "paused", "host backup"
-        );
-        let mut prev: Option<u64> = None;
-        for r in &rows {
-            let t = tag_of(&r.status, &a.tag);
-            let free = free_of(&r.status);
-            let change = match (prev, free) {
-                (Some(p), Some(f)) => human_delta(p, f),
-                _ => "-".into(),
-            };
-            prev = free;
-            let time = match &r.done {
-                Some(d) => {
-                    let moved = if d.copied_bytes > 0 {
-                        d.copied_bytes
-                    } else {
-                        d.bytes
-                    };
-                    let rate = if d.seconds > 0.0 {
-                        moved as f64 / d.seconds / (1u64 << 30) as f64
-                    } else {
-                        0.0
-                    };
-                    format!("{:.3} s, {rate:.1} GiB/s", d.seconds)
-                }
-                None => "-".into(),
-            };
-            println!(
-                "{:<10} {:>13} {:>13} {:>12} {:>12} {:>12}  {time}",
-                r.step,
-                free.map_or("?".into(), human),
-                change,
-                human(t.map_or(0, |t| t.bytes_active)),
-                human(t.map_or(0, |t| t.bytes_paused)),
-                human(t.map_or(0, |t| t.host_backup_bytes)),
-            );
+        let mut report = json!({
+            "ok": ok,
+            "backend": backend,
+            "backend_choice": choice.name(),
+            "backend_because": because,
+            "fallback_reason": fallback,
+            "child_pid": pid,
+            "lib": lib,
+            "socket": socket,
+            "tag": a.tag,
+            "size": a.size,
+            "mapped": mapped,
+            "given_back_bytes": given_back,
+            "steps": steps,
+            "pattern": verdict,
+            "problems": problems,
+        });
+        // The failure returned below is told here, in the one document of the command.
+        if !ok {
+            report["error"] = crate::error_json(Code::Failed, &failure_message(&problems));
         }
+        crate::output::print_json(report);
+    } else {
         println!();
         println!(
             "memory given back on pause : {} of {} mapped",
             human(given_back),
             human(mapped)
         );
+        for (r, when) in rows.iter().skip(1).zip(["pause", "resume"]) {
+            if let Some(d) = r.done.as_ref().filter(|d| d.copied_bytes > 0) {
+                println!(
+                    "{:<27}: {}",
+                    format!("contents on {when}"),
+                    crate::output::copies(d).trim_start_matches(", ")
+                );
+            }
+        }
         println!(
             "pattern after resume       : {}",
             if verdict == "ok" {
@@ -972,10 +1070,10 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     if ok {
         Ok(())
     } else {
-        Err(Failure::new(
-            Code::Failed,
-            format!("demo failed: {}", problems.join("; ")),
-        )
-        .into())
+        Err(Failure::new(Code::Failed, failure_message(&problems)).into())
     }
+}
+
+fn failure_message(problems: &[String]) -> String {
+    format!("demo failed: {}", problems.join("; "))
 }

@@ -1,9 +1,11 @@
 //! `tmsctl`: drive processes running Torch Memory Saver through their control sockets.
 
+mod atomic;
 mod clean;
 mod client;
 mod demo;
 mod output;
+mod progress;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,7 +15,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tms_proto::{
     chunk_ranges, format_ranges, BackupBackend, ChunkStatus, Op, RegionInfo, RegionUpdate, Reply,
-    Request, Status, FEATURE_CHUNKS, MAX_CHUNK_INDICES,
+    Request, Status, FEATURE_CHUNKS, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
 };
 
 use client::{Client, Code, Failure, Folder, Socket};
@@ -31,13 +33,19 @@ Exit codes:
      was not sent whole (nothing was asked)
   6  pause/resume --tag T (with or without --chunks): no allocation of the process ever had
      tag T (nothing changed)
-  7  pause/resume: sent, and not answered within --timeout: still running in the process (or
-     waiting there for another pause or resume); it ends there on its own, and `tmsctl status`
-     lists it (\"in progress\") until it has ended
+  7  pause/resume: sent, and not answered within --timeout (with a process that reports
+     progress: nothing moved for --timeout): still running in the process (or waiting there
+     for another pause or resume); it ends there on its own, and `tmsctl status` lists it
+     (\"in progress\") until it has ended
 
 With --all every process is tried in turn: the exit code is the first failure's (1 to 5, 7),
 else 6 if a process did not know the tag, else 0.
-Errors are one line on stderr each, starting with \"tmsctl: \".";
+Errors are one line on stderr each, starting with \"tmsctl: \". With --json the error is on
+stdout too, as the command's one JSON document: {\"schema\": 1, \"error\": {\"exit_code\": 5,
+\"name\": \"timeout\", \"message\": \"...\"}}, with \"pid\" when it is about one process (with --all
+each process that failed is such an object in the array). Names: 1 failed, 2 usage,
+3 no_process, 4 permission, 5 timeout, 7 running; for 6 the reply is printed as on success,
+with \"unknown_tag\": true.";
 
 const LONG_ABOUT: &str = "\
 Drive processes that run Torch Memory Saver (libtms.so) from outside: list them, show their
@@ -73,11 +81,16 @@ struct Cli {
 
 #[derive(Args, Debug)]
 struct Global {
-    /// Print JSON instead of text.
+    /// Print JSON instead of text: one document on stdout, an object with "schema": 1 (for
+    /// `list` and --all an array of such objects, one per process), or on failure the error
+    /// as such an object (see the exit codes below).
     #[arg(long, global = true)]
     json: bool,
-    /// Seconds to wait for each process's answer (a pause with CPU backup of much memory
-    /// takes a while).
+    /// Seconds to wait for each process's answer. For pause and resume, with a process whose
+    /// library reports progress, the seconds without progress instead: the wait goes on for as
+    /// long as the operation (or the one it waits behind) copies bytes or changes phase, so a
+    /// pause of hundreds of GiB to disk is never cut short, and ends once nothing has moved
+    /// for this long (exit code 7: still running); with an older library, the whole wait.
     #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout)]
     timeout: Duration,
     /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms,
@@ -107,6 +120,32 @@ struct Select {
     /// Every process with a control socket (of tmsctl's pid namespace), in turn.
     #[arg(long, conflicts_with = "pid")]
     all: bool,
+}
+
+/// Every process or none.
+#[derive(Args, Debug, Clone, Copy)]
+struct Atomic {
+    /// Every process or none: act on the processes in turn, and if one fails, undo the
+    /// operation on those that succeeded (a pause by resuming what it paused, from the backups it
+    /// wrote; a resume by pausing again what it resumed), so that every process ends as before.
+    /// The exit code is the failure's; the output says what was undone, and what could not be
+    /// undone exactly (a resume of a tag that was partly active before). Meant for --all.
+    #[arg(long)]
+    atomic: bool,
+}
+
+/// Whether pause and resume show their progress.
+#[derive(Args, Debug, Clone, Copy)]
+struct ShowProgress {
+    /// Show progress on stderr while it runs (bytes copied of the total, where to, rate, time
+    /// left), also when stderr is not a terminal (a line about every second there; on a
+    /// terminal, the default, one line rewritten in place). Needs a process whose library
+    /// reports progress.
+    #[arg(long, overrides_with = "no_progress")]
+    progress: bool,
+    /// Show no progress, even on a terminal.
+    #[arg(long)]
+    no_progress: bool,
 }
 
 /// Chunk indices from the command line (`8-15,20`): sorted, each once.
@@ -155,10 +194,14 @@ enum Cmd {
         /// already are left alone. `tmsctl chunks --tag TAG` shows them.
         #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
         chunks: Option<ChunkList>,
-        /// First record which chunks of each chunked allocation are active, so that `resume
-        /// --restore-chunk-state` brings back only those.
+        /// First record which allocations (and chunks of chunked ones) are active, so that
+        /// `resume --restore-chunk-state` brings back only those.
         #[arg(long, conflicts_with = "chunks")]
         save_chunk_state: bool,
+        #[command(flatten)]
+        show: ShowProgress,
+        #[command(flatten)]
+        atomic: Atomic,
     },
     /// Resume: map memory back at the same addresses and restore CPU backups (of a tag, every
     /// tag, or some chunks of a tag's chunked allocation). Out of memory leaves what was to be
@@ -180,6 +223,10 @@ enum Cmd {
         /// recorded active (every chunk of an allocation without such a record).
         #[arg(long, conflicts_with = "chunks")]
         restore_chunk_state: bool,
+        #[command(flatten)]
+        show: ShowProgress,
+        #[command(flatten)]
+        atomic: Atomic,
     },
     /// Show the chunks of a tag's chunked allocation (the tag must have exactly one): chunk
     /// size and count, and which are active and which paused, as ranges that --chunks takes.
@@ -242,6 +289,29 @@ enum Cmd {
     /// it says which it used and why).
     #[command(after_help = EXIT_CODES)]
     Demo(demo::DemoArgs),
+    /// Print the completion script of a shell for tmsctl on stdout, made from tmsctl's own
+    /// command-line definition (bash: `tmsctl completions bash >
+    /// ~/.local/share/bash-completion/completions/tmsctl`; zsh: as `_tmsctl` in a folder of
+    /// $fpath; fish: `~/.config/fish/completions/tmsctl.fish`).
+    #[command(after_help = EXIT_CODES)]
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Print a manual page (roff) on stdout, made from tmsctl's own command-line definition:
+    /// tmsctl(1), or tmsctl-COMMAND(1) for a command (`tmsctl man pause | man -l -`); or write
+    /// them all into a folder (--out-dir).
+    #[command(after_help = EXIT_CODES)]
+    Man {
+        /// The command whose page to print [default: the page of tmsctl itself].
+        #[arg(value_name = "COMMAND", value_parser = parse_man_page)]
+        command: Option<String>,
+        /// Write every page into DIR instead (made if missing): tmsctl.1, and tmsctl-COMMAND.1
+        /// for each command.
+        #[arg(long, value_name = "DIR", conflicts_with = "command")]
+        out_dir: Option<PathBuf>,
+    },
     /// The demo's child process (run by `tmsctl demo`, with libtms.so preloaded).
     #[command(name = "__demo-child", hide = true)]
     DemoChild(demo::ChildArgs),
@@ -266,7 +336,7 @@ impl Outcome {
     }
 }
 
-/// An error already reported on stderr: only the exit code remains.
+/// An error already reported (on stderr, and with --json on stdout): only the exit code remains.
 #[derive(Debug)]
 struct Reported(Code);
 
@@ -312,7 +382,8 @@ impl Ctx {
     }
 
     /// Run `f` against each selected process; print what each answered; report failures on
-    /// stderr, one line each. The exit code is the first failure's, else
+    /// stderr, one line each, and with --json in the document too (the one of the process, or
+    /// its item in the array of --all). The exit code is the first failure's, else
     /// [`Code::UnknownTag`] if a process did not know the tag, else success.
     fn fan_out(
         &self,
@@ -332,7 +403,7 @@ impl Ctx {
                         if many {
                             items.push(o.json);
                         } else {
-                            println!("{}", output::json_line(&o.json));
+                            output::print_json(o.json);
                         }
                     } else if o.unknown_tag.is_none() {
                         let text = output::printable_lines(o.text.trim_end_matches('\n'));
@@ -345,15 +416,18 @@ impl Ctx {
                 }
                 Err(e) => {
                     eprintln!("tmsctl: {}", one_line(&e.message));
+                    let j = json_error(e.code, &e.message, Some(sock.pid()));
                     if many {
-                        items.push(json!({"pid": sock.pid(), "error": {"exit_code": e.code as u8, "message": e.message}}));
+                        items.push(j);
+                    } else if self.json {
+                        output::print_json(j);
                     }
                     first.get_or_insert(e.code);
                 }
             }
         }
         if self.json && many {
-            println!("{}", output::json_line(&Value::Array(items)));
+            output::print_json(Value::Array(items));
         }
         match (first, unknown_tag) {
             (Some(c), _) => Err(Reported(c).into()),
@@ -361,6 +435,21 @@ impl Ctx {
             (None, false) => Ok(()),
         }
     }
+}
+
+/// What `--json` prints for a failure: the `error` member of [`json_error`].
+fn error_json(code: Code, message: &str) -> Value {
+    json!({"exit_code": code as u8, "name": code.name(), "message": message})
+}
+
+/// What `--json` prints for a failure, about process `pid` if given (its schema version is
+/// added when it is printed, as to every document).
+fn json_error(code: Code, message: &str, pid: Option<u32>) -> Value {
+    let mut j = json!({"error": error_json(code, message)});
+    if let Some(p) = pid {
+        j["pid"] = json!(p);
+    }
+    j
 }
 
 /// `s` on one line (white space collapsed) and [printable](output::printable).
@@ -419,7 +508,7 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
                 j
             })
             .collect();
-        println!("{}", output::json_line(&Value::Array(items)));
+        output::print_json(Value::Array(items));
         return Ok(());
     }
     if rows.is_empty() {
@@ -477,69 +566,132 @@ fn needs_chunks(c: &Client) -> client::Result<()> {
     ))
 }
 
-fn op(ctx: &Ctx, sel: &Select, req: Request) -> anyhow::Result<()> {
-    let (asked, chunk_state, chunks) = match &req {
+/// Which operation a pause or resume request asks for, of what.
+fn asked(req: &Request) -> Option<(Op, Option<String>, Option<tms_proto::ChunkRanges>, bool)> {
+    match req {
         Request::Pause {
             tag,
             chunks,
             chunk_state,
-        }
-        | Request::Resume {
+        } => Some((Op::Pause, tag.clone(), chunks.clone(), *chunk_state)),
+        Request::Resume {
             tag,
             chunks,
             chunk_state,
-        } => (tag.clone(), *chunk_state, chunks.is_some()),
-        _ => (None, false, false),
-    };
-    let (which, sent_chunks) = match &req {
-        Request::Pause { chunks, .. } => (Op::Pause, chunks.clone()),
-        Request::Resume { chunks, .. } => (Op::Resume, chunks.clone()),
-        _ => return Err(anyhow::anyhow!("op() takes a pause or a resume")),
-    };
-    let what = format!(
+        } => Some((Op::Resume, tag.clone(), chunks.clone(), *chunk_state)),
+        _ => None,
+    }
+}
+
+/// "the pause of tag \"kv\"", "the resume of chunks 0-3 of tag \"kv\"", ...
+fn op_words(which: Op, asked: Option<&str>, chunks: Option<&tms_proto::ChunkRanges>) -> String {
+    format!(
         "the {} of {}",
         match which {
             Op::Pause => "pause",
             Op::Resume => "resume",
         },
-        match &sent_chunks {
+        match chunks {
             Some(c) => format!(
                 "chunks {} of tag {}",
                 output::ranges(c),
-                output::quoted(asked.as_deref().unwrap_or_default())
+                output::quoted(asked.unwrap_or_default())
             ),
-            None => asked
-                .as_deref()
-                .map_or("every tag".to_string(), |t| format!(
-                    "tag {}",
-                    output::quoted(t)
-                )),
+            None => asked.map_or("every tag".to_string(), |t| format!(
+                "tag {}",
+                output::quoted(t)
+            )),
         }
-    );
-    ctx.fan_out(sel, |c| {
-        if chunks || chunk_state {
-            needs_chunks(c)?;
-        }
-        let d = c
-            .ask_for(&req, |r| match r {
-                Reply::Done(d) => Some(d),
-                _ => None,
-            })
-            .map_err(|f| c.still_running(f, &what))?;
-        // Printed as the process's word on what was done: it must be about what was asked.
-        if d.op != which || d.tag != asked || d.chunks != sent_chunks {
+    )
+}
+
+/// Send one pause or resume to `c` and wait for its result, watching its progress where the
+/// process reports it (shown as `show` says; the wait lasts as long as the operation moves).
+fn run_one(
+    ctx: &Ctx,
+    with_pid: bool,
+    show: progress::Show,
+    c: &mut Client,
+    req: &Request,
+) -> client::Result<tms_proto::OpDone> {
+    let Some((which, asked, sent_chunks, chunk_state)) = asked(req) else {
+        return Err(Failure::new(
+            Code::Failed,
+            "run_one takes a pause or a resume",
+        ));
+    };
+    if sent_chunks.is_some() || chunk_state {
+        needs_chunks(c)?;
+    }
+    let what = op_words(which, asked.as_deref(), sent_chunks.as_ref());
+    // With a process that reports progress, a second connection watches it: for the
+    // display, and so that the wait lasts as long as the operation moves.
+    let watch = c.hello.has(FEATURE_PROGRESS).then(|| {
+        progress::Watch::start(
+            c.socket(),
+            ctx.timeout,
+            progress::Asked {
+                pid: c.pid(),
+                with_pid,
+                op: which,
+                tag: asked.clone(),
+                chunks: sent_chunks.clone(),
+            },
+            show,
+        )
+    });
+    let moved = watch.as_ref().map(|w| move || w.last_moved());
+    let reply = c.ask_while(req, moved.as_ref().map(|m| m as &dyn Fn() -> Instant));
+    if let Some(w) = watch {
+        w.finish();
+    }
+    let d = match reply {
+        Ok(Reply::Done(d)) => d,
+        Ok(r) => {
             return Err(Failure::new(
                 Code::Failed,
                 format!(
-                    "process {}: a reply about another operation than {what}: {}",
+                    "process {}: unexpected reply {}",
                     c.pid(),
-                    output::printable(&format!(
-                        "op {:?}, tag {:?}, chunks {:?}",
-                        d.op, d.tag, d.chunks
-                    ))
+                    output::printable(&format!("{r:?}"))
                 ),
-            ));
+            ))
         }
+        Err(f) => return Err(c.still_running(f, &what)),
+    };
+    // Printed as the process's word on what was done: it must be about what was asked.
+    if d.op != which || d.tag != asked || d.chunks != sent_chunks {
+        return Err(Failure::new(
+            Code::Failed,
+            format!(
+                "process {}: a reply about another operation than {what}: {}",
+                c.pid(),
+                output::printable(&format!(
+                    "op {:?}, tag {:?}, chunks {:?}",
+                    d.op, d.tag, d.chunks
+                ))
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+fn op(
+    ctx: &Ctx,
+    sel: &Select,
+    req: Request,
+    show: ShowProgress,
+    atomic: bool,
+) -> anyhow::Result<()> {
+    let show = progress::Show::pick(show.progress, show.no_progress);
+    if atomic {
+        return atomic::run(ctx, sel, &req, show);
+    }
+    let Some((_, asked, _, chunk_state)) = asked(&req) else {
+        return Err(anyhow::anyhow!("op() takes a pause or a resume"));
+    };
+    ctx.fan_out(sel, |c| {
+        let d = run_one(ctx, sel.all, show, c, &req)?;
         Ok(Outcome {
             json: with_pid(c.pid(), &d),
             text: output::done(c.pid(), &d, chunk_state),
@@ -632,6 +784,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tag,
             chunks,
             save_chunk_state,
+            show,
+            atomic,
         } => op(
             &ctx,
             &sel,
@@ -640,12 +794,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chunks: chunks.map(|c| chunk_ranges(&c.0)),
                 chunk_state: save_chunk_state,
             },
+            show,
+            atomic.atomic,
         ),
         Cmd::Resume {
             sel,
             tag,
             chunks,
             restore_chunk_state,
+            show,
+            atomic,
         } => op(
             &ctx,
             &sel,
@@ -654,6 +812,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chunks: chunks.map(|c| chunk_ranges(&c.0)),
                 chunk_state: restore_chunk_state,
             },
+            show,
+            atomic.atomic,
         ),
         Cmd::Chunks { sel, tag } => chunks(&ctx, &sel, tag),
         Cmd::Region {
@@ -694,8 +854,156 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }),
         Cmd::Clean(a) => clean::run(&ctx, &a),
         Cmd::Demo(a) => demo::run(&ctx, &a),
+        Cmd::Completions { shell } => {
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut completion_command(), "tmsctl", &mut script);
+            write_stdout(&script)
+        }
+        Cmd::Man {
+            command,
+            out_dir: None,
+        } => write_stdout(&man_page(command.as_deref())?),
+        Cmd::Man {
+            out_dir: Some(dir), ..
+        } => write_man_pages(&dir),
         Cmd::DemoChild(a) => demo::child(&a),
     }
+}
+
+/// tmsctl's command line as its manual pages describe it: the commands a user can run, and no
+/// `help` command (clap adds one; each page already says what `--help` does).
+fn man_command() -> clap::Command {
+    let mut cmd = <Cli as clap::CommandFactory>::command().disable_help_subcommand(true);
+    cmd.build();
+    cmd
+}
+
+/// tmsctl's command line as the completion scripts offer it: without the hidden commands, which
+/// clap_complete would offer too (and `Command` cannot remove a subcommand, so the root is made
+/// again from the same arguments and the visible commands).
+fn completion_command() -> clap::Command {
+    let full = <Cli as clap::CommandFactory>::command();
+    let mut cmd = clap::Command::new("tmsctl").version(env!("CARGO_PKG_VERSION"));
+    for a in full.get_arguments() {
+        cmd = cmd.arg(a.clone());
+    }
+    for c in full.get_subcommands().filter(|c| !c.is_hide_set()) {
+        cmd = cmd.subcommand(c.clone());
+    }
+    cmd
+}
+
+/// The names `tmsctl man` takes: each command that `tmsctl --help` lists.
+fn man_page_names() -> Vec<String> {
+    man_command()
+        .get_subcommands()
+        .filter(|c| !c.is_hide_set())
+        .map(|c| c.get_name().to_string())
+        .collect()
+}
+
+fn parse_man_page(s: &str) -> Result<String, String> {
+    let names = man_page_names();
+    if names.iter().any(|n| n == s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!(
+            "no command {s:?} [possible values: {}]",
+            names.join(", ")
+        ))
+    }
+}
+
+/// tmsctl's manual pages: its own, then one per command (`tmsctl-pause`), each with its file
+/// name (`tmsctl-pause.1`).
+fn man_pages() -> Vec<clap_mangen::Man> {
+    let root = man_command();
+    let mut cmds = vec![root.clone()];
+    cmds.extend(root.get_subcommands().filter(|c| !c.is_hide_set()).cloned());
+    cmds.into_iter()
+        .map(|c| {
+            // The commands' pages say whose version they describe too (by default they name the
+            // command alone).
+            clap_mangen::Man::new(c).source(concat!("tmsctl ", env!("CARGO_PKG_VERSION")))
+        })
+        .collect()
+}
+
+fn render(page: &clap_mangen::Man) -> anyhow::Result<Vec<u8>> {
+    let mut roff = Vec::new();
+    page.render(&mut roff)?;
+    Ok(with_exit_status(&String::from_utf8(roff)?).into_bytes())
+}
+
+/// `page` with its section EXTRA (what clap_mangen makes of the text after the help: the exit
+/// codes, run together into one paragraph) made the usual EXIT STATUS, its lines kept.
+fn with_exit_status(page: &str) -> String {
+    use clap_mangen::roff::{roman, Roff};
+    let Some(start) = page.find("\n.SH EXTRA\n").map(|i| i + 1) else {
+        return page.to_string();
+    };
+    let end = page[start + 1..]
+        .find("\n.SH ")
+        .map_or(page.len(), |i| start + 1 + i + 1);
+    let mut section = Roff::new();
+    section.control("SH", ["EXIT STATUS"]).control("nf", []);
+    for line in EXIT_CODES
+        .lines()
+        .skip_while(|l| l.starts_with("Exit codes"))
+    {
+        section.text([roman(line)]);
+    }
+    section.control("fi", []);
+    // Each rendering starts with the same preamble, which the page has already.
+    let preamble = Roff::new().render();
+    let section = section.render();
+    let section = section.strip_prefix(&preamble).unwrap_or(&section);
+    format!("{}{section}{}", &page[..start], &page[end..])
+}
+
+/// The manual page (roff) of tmsctl, or of one of its commands (`tmsctl-pause(1)`).
+fn man_page(command: Option<&str>) -> anyhow::Result<Vec<u8>> {
+    let file = match command {
+        None => "tmsctl.1".to_string(),
+        Some(name) => format!("tmsctl-{name}.1"),
+    };
+    let pages = man_pages();
+    let page = pages
+        .iter()
+        .find(|p| p.get_filename() == file)
+        .ok_or_else(|| Failure::new(Code::Usage, format!("no manual page {file}")))?;
+    render(page)
+}
+
+fn write_man_pages(dir: &std::path::Path) -> anyhow::Result<()> {
+    let shown = output::printable(&dir.display().to_string()).into_owned();
+    std::fs::create_dir_all(dir).map_err(|e| anyhow::anyhow!("cannot make {shown}: {e}"))?;
+    for page in man_pages() {
+        let path = dir.join(page.get_filename());
+        std::fs::write(&path, render(&page)?).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot write {}: {e}",
+                output::printable(&path.display().to_string())
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(bytes)
+        .and_then(|()| out.flush())
+        .map_err(|e| anyhow::anyhow!("writing to stdout: {e}"))
+}
+
+/// `--json` on the command line (before any `--`), for errors found before it was parsed.
+fn json_asked() -> bool {
+    std::env::args_os()
+        .skip(1)
+        .take_while(|a| a != "--")
+        .any(|a| a == "--json")
 }
 
 /// A command-line error in one line, as every other error: clap's first line (and its tip, if
@@ -776,10 +1084,15 @@ fn main() -> ExitCode {
                 let _ = e.print();
                 return ExitCode::SUCCESS;
             }
-            eprintln!("tmsctl: {}", usage_line(&e));
+            let line = usage_line(&e);
+            eprintln!("tmsctl: {line}");
+            if json_asked() {
+                output::print_json(json_error(Code::Usage, &line, None));
+            }
             return ExitCode::from(Code::Usage as u8);
         }
     };
+    let json = cli.global.json;
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -787,8 +1100,17 @@ fn main() -> ExitCode {
                 return ExitCode::from(*c as u8);
             }
             let code = e.downcast_ref::<Failure>().map_or(Code::Failed, |f| f.code);
-            let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-            eprintln!("tmsctl: {}", one_line(&msg.join(": ")));
+            let msg = e
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ");
+            eprintln!("tmsctl: {}", one_line(&msg));
+            // A command that printed its document already told the failure there (the demo's
+            // report): stdout keeps one document.
+            if json && !output::json_printed() {
+                output::print_json(json_error(code, &msg, None));
+            }
             ExitCode::from(code as u8)
         }
     }

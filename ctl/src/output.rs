@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde_json::Value;
 use tms_proto::{format_ranges, ChunkStatus, OpDone, OpTiming, RegionInfo, Status};
@@ -86,6 +87,39 @@ pub fn json_line(v: &Value) -> String {
     o
 }
 
+/// Version of the shape of what `--json` prints, in every object it prints as `"schema"`. Raised
+/// only when a field changes meaning or goes away; new fields come without it.
+pub const SCHEMA: u64 = 1;
+
+static JSON_PRINTED: AtomicBool = AtomicBool::new(false);
+
+/// `v` with [`SCHEMA`]: in it if it is an object, else in each object it holds if an array
+/// (the arrays stay arrays: readers of the earlier output index them).
+pub fn versioned(mut v: Value) -> Value {
+    let stamp = |o: &mut Value| {
+        if let Value::Object(m) = o {
+            m.insert("schema".into(), SCHEMA.into());
+        }
+    };
+    match &mut v {
+        Value::Array(items) => items.iter_mut().for_each(stamp),
+        o => stamp(o),
+    }
+    v
+}
+
+/// Print `v`, [versioned], as the one JSON line of the command on stdout.
+pub fn print_json(v: Value) {
+    JSON_PRINTED.store(true, Ordering::Relaxed);
+    println!("{}", json_line(&versioned(v)));
+}
+
+/// Whether [`print_json`] printed already: a failure after that is told in the document printed
+/// (or on stderr only), never as a second document.
+pub fn json_printed() -> bool {
+    JSON_PRINTED.load(Ordering::Relaxed)
+}
+
 /// A region in words.
 pub fn region(r: &RegionInfo) -> String {
     let backup = match (r.cpu_backup, r.disk_backup) {
@@ -143,20 +177,22 @@ pub fn status(s: &Status, command: &str) -> String {
         let _ = writeln!(o, "default region: {}", region(r));
     }
     for r in &s.operations {
-        let what = match (&r.tag, &r.chunks) {
-            (Some(t), Some(c)) => format!("chunks {} of tag {}", ranges(c), quoted(t)),
-            (Some(t), None) => format!("tag {}", quoted(t)),
-            (None, _) => "every tag".to_string(),
-        };
+        let what = crate::progress::what(r.tag.as_deref(), r.chunks.as_ref());
         let verb = match r.op {
             tms_proto::Op::Pause => "pause",
             tms_proto::Op::Resume => "resume",
         };
-        let _ = writeln!(
-            o,
-            "in progress: {verb} of {what}, asked {:.1} s ago",
-            r.seconds
-        );
+        let _ = write!(o, "in progress: {verb} of {what}");
+        if r.in_process {
+            let _ = write!(o, " (started in the process), {:.1} s ago", r.seconds);
+        } else {
+            let _ = write!(o, ", asked {:.1} s ago", r.seconds);
+        }
+        if r.phase.is_some() {
+            let rate = r.gib_per_s.map(|g| g * (1u64 << 30) as f64);
+            let _ = write!(o, ": {}", crate::progress::state(r, rate));
+        }
+        o.push('\n');
     }
     if s.tags.is_empty() {
         let _ = writeln!(o, "no pauseable allocations");
@@ -234,19 +270,9 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
         Some(t) => format!("tag {}", quoted(t)),
         None => "every tag".to_string(),
     };
-    let (verb, noun, copy, state) = match d.op {
-        tms_proto::Op::Pause => (
-            "paused",
-            "released",
-            "copied to host",
-            " (chunk states saved)",
-        ),
-        tms_proto::Op::Resume => (
-            "resumed",
-            "re-taken",
-            "restored from host",
-            " (the chunks saved active)",
-        ),
+    let (verb, noun, state) = match d.op {
+        tms_proto::Op::Pause => ("paused", "released", " (chunk states saved)"),
+        tms_proto::Op::Resume => ("resumed", "re-taken", " (the chunks saved active)"),
     };
     let what = match &d.chunks {
         Some(c) => format!("chunks {} of {tag}", ranges(c)),
@@ -272,11 +298,41 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
             human(d.bytes)
         )
     };
-    if d.copied_bytes > 0 {
-        let _ = write!(s, ", {} {copy}", human(d.copied_bytes));
-    }
+    s.push_str(&copies(d));
     let _ = write!(s, ", in {:.3} s", d.seconds);
     s
+}
+
+/// Where a pause's or resume's copies went or came from, as words after a comma (`, 2.00 GiB
+/// written to disk`); nothing when nothing was copied.
+pub fn copies(d: &OpDone) -> String {
+    use crate::progress::moved_words;
+    use tms_proto::Backing;
+    if d.copied_bytes == 0 {
+        return String::new();
+    }
+    let Some(disk) = d.disk_copied_bytes else {
+        // An older server does not say where to.
+        return format!(
+            ", {} {}",
+            human(d.copied_bytes),
+            moved_words(d.op, None, None)
+        );
+    };
+    let disk = disk.min(d.copied_bytes);
+    let host = d.copied_bytes - disk;
+    let mut o = String::new();
+    for (bytes, kind) in [(host, Backing::Host), (disk, Backing::Disk)] {
+        if bytes > 0 {
+            let _ = write!(
+                o,
+                ", {} {}",
+                human(bytes),
+                moved_words(d.op, Some(kind), None)
+            );
+        }
+    }
+    o
 }
 
 /// The chunks of a chunked allocation, for people.
@@ -351,6 +407,46 @@ mod tests {
     }
 
     #[test]
+    fn operations_in_progress_show_how_far_they_have_got() {
+        const G: u64 = 1 << 30;
+        let mut s = Status::default();
+        let mut r = tms_proto::Running::new(tms_proto::Op::Pause, Some("kv".into()), None, 7.0);
+        s.operations.push(r.clone());
+        // An older server: no progress.
+        assert!(
+            status(&s, "x").contains("in progress: pause of tag \"kv\", asked 7.0 s ago\n"),
+            "{}",
+            status(&s, "x")
+        );
+        r.phase = Some(tms_proto::Phase::WritingToDisk);
+        r.bytes_done = Some(12 * G);
+        r.bytes_total = Some(64 * G);
+        r.backing = Some(tms_proto::Backing::Disk);
+        r.gib_per_s = Some(1.0);
+        let api = tms_proto::Running {
+            in_process: true,
+            phase: Some(tms_proto::Phase::Synchronizing),
+            ..tms_proto::Running::new(tms_proto::Op::Resume, None, None, 2.0)
+        };
+        s.operations = vec![r, api];
+        let text = status(&s, "x");
+        assert!(
+            text.contains(
+                "in progress: pause of tag \"kv\", asked 7.0 s ago: 12.0 of 64.0 GiB written \
+                 to disk, 1.0 GiB/s, about 52 s left\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "in progress: resume of every tag (started in the process), 2.0 s ago: waiting \
+                 for the work queued on the device (2 s)\n"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
     fn partial_allocations_get_a_column_where_there_are_some() {
         let kv = tms_proto::TagStatus {
             tag: "kv".into(),
@@ -388,14 +484,35 @@ mod tests {
             allocations: 1,
             bytes: 18 << 20,
             copied_bytes: 18 << 20,
+            disk_copied_bytes: Some(0),
             seconds: 0.5,
             unknown_tag: false,
         };
         assert_eq!(
             done(7, &d, false),
             "pid 7: paused chunks 8-15,20 of tag \"kv\": 18.00 MiB of device memory released, \
-             18.00 MiB copied to host, in 0.500 s"
+             18.00 MiB copied to host memory, in 0.500 s"
         );
+        // Words that match where the bytes went: a file, both, or (an older server) unknown.
+        let to_disk = OpDone {
+            disk_copied_bytes: Some(18 << 20),
+            ..d.clone()
+        };
+        assert!(done(7, &to_disk, false).ends_with(", 18.00 MiB written to disk, in 0.500 s"));
+        let both = OpDone {
+            disk_copied_bytes: Some(16 << 20),
+            op: tms_proto::Op::Resume,
+            ..d.clone()
+        };
+        assert_eq!(
+            copies(&both),
+            ", 2.00 MiB copied from host memory, 16.00 MiB read from disk"
+        );
+        let older = OpDone {
+            disk_copied_bytes: None,
+            ..d.clone()
+        };
+        assert!(done(7, &older, false).ends_with(", 18.00 MiB saved, in 0.500 s"));
         d.allocations = 0;
         assert_eq!(
             done(7, &d, false),
@@ -444,5 +561,20 @@ mod tests {
         assert!(!j.chars().any(hazardous), "{j}");
         let back: Value = serde_json::from_str(&j).unwrap();
         assert_eq!(back["tag"], evil, "still the same JSON");
+    }
+
+    #[test]
+    fn json_output_carries_the_schema_version() {
+        use serde_json::json;
+        assert_eq!(
+            versioned(json!({"pid": 7})),
+            json!({"pid": 7, "schema": SCHEMA})
+        );
+        assert_eq!(
+            versioned(json!([{"pid": 7}, {"pid": 8, "error": {}}])),
+            json!([{"pid": 7, "schema": SCHEMA}, {"pid": 8, "error": {}, "schema": SCHEMA}]),
+            "an array stays an array"
+        );
+        assert_eq!(versioned(json!([])), json!([]));
     }
 }

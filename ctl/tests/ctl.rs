@@ -1978,3 +1978,504 @@ fn a_server_that_closes_without_replying_is_not_a_timeout() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// --json: every document carries the schema version; failures are a document too.
+
+/// The one document a failed `--json` command printed on stdout, after checking its exit code
+/// and its line on stderr (still printed).
+fn json_failure(r: &Ran, code: i32) -> Value {
+    r.failed(code);
+    assert_eq!(r.stdout.lines().count(), 1, "one line\n{}", r.dump());
+    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    assert_eq!(j["schema"], 1, "{j}");
+    assert_eq!(j["error"]["exit_code"], code, "{j}");
+    assert!(j["error"]["message"].is_string(), "{j}");
+    j
+}
+
+#[test]
+fn json_failures_are_a_document_on_stdout() {
+    let sb = sandbox();
+    // The command as a whole: nothing to talk to.
+    let j = json_failure(&ctl(&sb, &["status", "--json"]), 3);
+    assert_eq!(j["error"]["name"], "no_process", "{j}");
+    assert!(j.get("pid").is_none(), "{j}");
+    assert!(
+        j["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no process")),
+        "{j}"
+    );
+    let j = json_failure(&ctl(&sb, &["pause", "--all", "--json"]), 3);
+    assert_eq!(j["error"]["name"], "no_process", "{j}");
+    // A bad command line, wherever --json is on it.
+    for args in [
+        &["--json", "frobnicate"][..],
+        &["--json"],
+        &["pause", "--chunks", "1", "--json"],
+        &["status", "--json", "--timeout", "0"],
+        &["region", "--enable", "--disable", "--json"],
+    ] {
+        let r = ctl(&sb, args);
+        let j = json_failure(&r, 2);
+        assert_eq!(j["error"]["name"], "usage", "{args:?}: {j}");
+        assert!(
+            j["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("--help")),
+            "{args:?}: {j}"
+        );
+    }
+    // Without --json, stdout stays empty.
+    for args in [&["frobnicate"][..], &["status"]] {
+        let r = ctl(&sb, args);
+        assert_ne!(r.code, 0, "{}", r.dump());
+        assert_eq!(r.stdout, "", "{}", r.dump());
+    }
+    // The demo fails before it has a report: the failure is the document.
+    let r = ctl(
+        &sb,
+        &[
+            "demo",
+            "--lib",
+            "/nonexistent/libtms.so",
+            "--size",
+            "4MiB",
+            "--json",
+        ],
+    );
+    let j = json_failure(&r, 1);
+    assert_eq!(j["error"]["name"], "failed", "{j}");
+
+    // One process that does not answer: a timeout, with its pid.
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let path = dir.join(our_name(me));
+    let listener = UnixListener::bind(&path).expect("bind");
+    let held = std::thread::spawn(move || {
+        let conns: Vec<UnixStream> = listener.incoming().take(1).flatten().collect();
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(conns);
+    });
+    let r = ctl(
+        &sb,
+        &[
+            "status",
+            "--pid",
+            &me.to_string(),
+            "--timeout",
+            "0.5",
+            "--json",
+        ],
+    );
+    let j = json_failure(&r, 5);
+    assert_eq!(j["error"]["name"], "timeout", "{j}");
+    assert_eq!(j["pid"], me, "{j}");
+    held.join().expect("join");
+    std::fs::remove_file(&path).expect("rm");
+}
+
+#[test]
+fn json_documents_carry_the_schema_version() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let _fake = Fake::start(dir, &our_name(me), me, honest(me));
+    let disk_dir = sb.tmp.path().to_str().expect("utf-8").to_string();
+    for args in [
+        &["status", "--json"][..],
+        &["ping", "--json"],
+        &["pause", "--tag", "kv", "--json"],
+        &["resume", "--json"],
+        &["clean", "--disk-dir", &disk_dir, "--json"],
+    ] {
+        let j = ok(&sb, args).json();
+        assert_eq!(j["schema"], 1, "{args:?}: {j}");
+    }
+    // The fields of before are all still there.
+    let s = ok(&sb, &["status", "--json"]).json();
+    assert_eq!(s["pid"], me, "{s}");
+    assert_eq!(tag(&s, "kv")["bytes_active"], 8 << 20, "{s}");
+    // Arrays stay arrays: each object in them carries it.
+    let l = ok(&sb, &["list", "--json"]).json();
+    assert_eq!(l.as_array().map(Vec::len), Some(1), "{l}");
+    assert_eq!(l[0]["schema"], 1, "{l}");
+    assert_eq!(l[0]["pid"], me, "{l}");
+    // A tag the process never had (exit 6): the reply, as on success.
+    let r = ctl(&sb, &["pause", "--tag", "kvv", "--json"]);
+    r.failed(6);
+    let j: Value = serde_json::from_str(&r.stdout).expect("json");
+    assert_eq!(
+        (&j["schema"], &j["unknown_tag"]),
+        (&1.into(), &true.into()),
+        "{j}"
+    );
+
+    // --all with a process that cannot be asked (a stale socket of a live process): the array,
+    // that process's failure in it.
+    let victim = Victim::start();
+    drop(UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind"));
+    let r = ctl(&sb, &["status", "--all", "--json"]);
+    assert_eq!(r.code, 3, "{}", r.dump());
+    let items: Value = serde_json::from_str(&r.stdout).expect("json");
+    let items = items.as_array().expect("an array");
+    assert_eq!(items.len(), 2, "{items:?}");
+    let good = items.iter().find(|i| i["pid"] == me).expect("ours");
+    assert_eq!(
+        (&good["schema"], good.get("error")),
+        (&1.into(), None),
+        "{good}"
+    );
+    let bad = items
+        .iter()
+        .find(|i| i["pid"] == victim.pid())
+        .expect("the victim's");
+    assert_eq!(bad["schema"], 1, "{bad}");
+    assert_eq!(bad["error"]["exit_code"], 3, "{bad}");
+    assert_eq!(bad["error"]["name"], "no_process", "{bad}");
+    assert!(
+        bad["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("stale")),
+        "{bad}"
+    );
+}
+
+/// A disk-backed process on a slow device (a 4 MiB/s link: 2 s for its 8 MiB each way): `pause
+/// --progress` prints progress lines on stderr while it runs (not a terminal: a line about
+/// every second) in the words of what happens, `status` shows the running operation with its
+/// bytes, and `--timeout 1` does not cut an operation that makes progress.
+#[test]
+fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
+    let sb = sandbox();
+    let dir = sb.tmp.path().join("disk");
+    std::fs::create_dir(&dir).unwrap();
+    let d = dir.to_str().unwrap().to_string();
+    let mut p = Proc::start_with(
+        &sb,
+        &[
+            ("TMS_DISK_BACKUP_DIR", &d),
+            ("TMS_SIM_BANDWIDTH", "4MiB"),
+            // Copies in pieces of 1/16 s: progress many times within the timeout.
+            ("TMS_STAGING_SLOT", "256KiB"),
+        ],
+        |c| {
+            c.arg("--disk");
+        },
+    );
+    let pid = p.pid.to_string();
+    let t = Instant::now();
+    let r = ctl(
+        &sb,
+        &[
+            "pause",
+            "--pid",
+            &pid,
+            "--tag",
+            "demo",
+            "--progress",
+            "--timeout",
+            "1",
+        ],
+    );
+    assert_eq!(r.code, 0, "{}", r.dump());
+    assert!(
+        t.elapsed() > Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        r.stdout.contains("8.00 MiB written to disk, in "),
+        "{}",
+        r.dump()
+    );
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert!(!lines.is_empty(), "progress lines\n{}", r.dump());
+    for l in &lines {
+        assert!(l.starts_with("pause of tag \"demo\": "), "{}", r.dump());
+    }
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("8.0 MiB written to disk") && l.contains("/s, about ")),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        !r.stderr.contains('\r') && !r.stderr.contains('\u{1b}'),
+        "{}",
+        r.dump()
+    );
+
+    // While a resume runs (shown by nobody), status has it with its progress.
+    let bg = {
+        let mut cmd = clean(Command::new(tmsctl()), &sb);
+        cmd.args(["resume", "--pid", &pid, "--tag", "demo", "--timeout", "1"]);
+        cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        cmd.spawn().expect("tmsctl resume")
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let op = loop {
+        let s = status(&sb, p.pid);
+        let op = s["operations"].as_array().and_then(|o| {
+            o.iter()
+                .find(|o| o["bytes_done"].as_u64().is_some_and(|b| b > 0 && b < SIZE))
+                .cloned()
+        });
+        if let Some(op) = op {
+            break op;
+        }
+        assert!(Instant::now() < deadline, "no progress seen: {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(op["op"], "resume", "{op}");
+    assert_eq!(op["tag"], "demo", "{op}");
+    assert_eq!(op["phase"], "reading_from_disk", "{op}");
+    assert_eq!(op["backing"], "disk", "{op}");
+    assert_eq!(op["bytes_total"].as_u64(), Some(SIZE), "{op}");
+    let text = ok(&sb, &["status", "--pid", &pid]).stdout;
+    assert!(
+        text.contains("in progress: resume of tag \"demo\", asked ")
+            && (text.contains("8.0 MiB read from disk") || !text.contains("in progress")),
+        "{text}"
+    );
+    let out = bg.wait_with_output().expect("tmsctl resume");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("8.00 MiB read from disk"), "{stdout}");
+    assert_eq!(stderr, "", "no progress shown: stderr is not a terminal");
+    p.verify();
+
+    // --no-progress: nothing on stderr, and the wait still outlasts --timeout.
+    let r = ctl(
+        &sb,
+        &[
+            "pause",
+            "--pid",
+            &pid,
+            "--tag",
+            "demo",
+            "--no-progress",
+            "--timeout",
+            "1",
+        ],
+    );
+    assert_eq!((r.code, r.stderr.as_str()), (0, ""), "{}", r.dump());
+    ok(
+        &sb,
+        &["resume", "--pid", &pid, "--tag", "demo", "--timeout", "1"],
+    );
+    p.verify();
+}
+
+/// A server that predates progress reports: tmsctl asks nothing more of it (no status polled
+/// on a second connection, no progress shown) and --timeout bounds the whole wait, as before.
+#[test]
+fn a_server_without_progress_reports_is_waited_for_as_before() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let plain = honest(me);
+    let slow: Answer = Arc::new(move |req: &Value| {
+        if req["op"] == "pause" {
+            std::thread::sleep(Duration::from_millis(2500));
+        }
+        plain(req)
+    });
+    let fake = Fake::start(dir, &our_name(me), me, slow);
+    let t = Instant::now();
+    let line = ctl(
+        &sb,
+        &["pause", "--tag", "kv", "--progress", "--timeout", "1"],
+    )
+    .failed(7)
+    .to_string();
+    assert!(
+        t.elapsed() < Duration::from_millis(2400),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(line.contains("no reply came within 1.0 s"), "{line}");
+    // The pause is logged once answered.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while fake.ops().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(fake.ops(), ["pause"], "no status polled");
+}
+
+/// `tmsctl demo` prints each row of its table as soon as its step is done (a slow device: 4 s
+/// per pause or resume of its 16 MiB), with the columns lined up.
+#[test]
+fn the_demo_prints_each_row_as_it_happens() {
+    let sb = sandbox();
+    let mut cmd = clean(Command::new(tmsctl()), &sb);
+    cmd.args(["demo", "--backend", "sim", "--size", "16MiB"])
+        .env("TMS_SIM_BANDWIDTH", "4MiB")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let t0 = Instant::now();
+    let mut child = cmd.spawn().expect("tmsctl demo");
+    let out = child.stdout.take().expect("stdout");
+    let mut lines: Vec<(Duration, String)> = Vec::new();
+    for l in BufReader::new(out).lines() {
+        lines.push((t0.elapsed(), l.expect("a line")));
+    }
+    let st = child.wait().expect("wait");
+    let end = t0.elapsed();
+    let all: Vec<&str> = lines.iter().map(|l| l.1.as_str()).collect();
+    assert!(st.success(), "{all:#?}");
+    let at = |step: &str| {
+        lines
+            .iter()
+            .find(|l| l.1.starts_with(step))
+            .unwrap_or_else(|| panic!("no row {step}: {all:#?}"))
+    };
+    let (head, allocated, paused, resumed) =
+        (at("step "), at("allocated "), at("paused "), at("resumed "));
+    // Each row came when its step was done, seconds before the next and before the end.
+    assert!(
+        paused.0 > allocated.0 + Duration::from_secs(2),
+        "{lines:#?}"
+    );
+    assert!(resumed.0 > paused.0 + Duration::from_secs(2), "{lines:#?}");
+    assert!(
+        end > resumed.0 + Duration::from_secs(2),
+        "the check comes after: {lines:#?}"
+    );
+    assert!(
+        lines[0].0 + Duration::from_secs(2) < allocated.0,
+        "{lines:#?}"
+    );
+    // Lined up: every column ends where the header's does.
+    for row in [allocated, paused, resumed] {
+        let cut = head.1.find("  time").expect("time column") + 2;
+        assert_eq!(&row.1[cut - 2..cut], "  ", "{all:#?}");
+        assert!(!row.1[..cut].ends_with("   "), "{all:#?}");
+    }
+    assert!(
+        all.contains(&"contents on pause          : 16.00 MiB copied to host memory"),
+        "{all:#?}"
+    );
+    assert_eq!(all.last(), Some(&"demo OK"));
+}
+
+/// Three processes, the last (highest pid, asked last) made to fail; `--atomic` must bring the
+/// first two back to where they were.
+fn three_with_a_faulty_last(sb: &Sandbox, faults: &str) -> Vec<Proc> {
+    let a = Proc::start(sb, &[]);
+    let b = Proc::start(sb, &[]);
+    let c = Proc::start(sb, &[("TMS_SIM_FAULTS", faults)]);
+    assert!(
+        a.pid < b.pid && b.pid < c.pid,
+        "pids not increasing: {} {} {}",
+        a.pid,
+        b.pid,
+        c.pid
+    );
+    vec![a, b, c]
+}
+
+fn demo_bytes_active(sb: &Sandbox, p: &Proc) -> u64 {
+    tag(&status(sb, p.pid), "demo")["bytes_active"]
+        .as_u64()
+        .expect("bytes_active")
+}
+
+/// `pause --all --atomic`: the third process's pause fails at its first copy (before anything
+/// changed there); the two that
+/// paused are resumed again from their backups, every process ends active with its pattern, and
+/// the output says so. Without --atomic the same failure leaves the first two paused.
+#[test]
+fn atomic_pause_is_undone_everywhere_when_one_process_fails() {
+    let sb = sandbox();
+    let mut ps = three_with_a_faulty_last(&sb, "copy_d2h:1,copy_d2h:2");
+    let r = ctl(
+        &sb,
+        &["pause", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    assert_eq!(r.code, 1, "{}", r.dump());
+    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    assert_eq!(j["ok"], false, "{j}");
+    assert_eq!(j["every_process_as_before"], true, "{j}");
+    assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
+    let items = j["processes"].as_array().expect("processes");
+    for p in &ps[..2] {
+        let item = items
+            .iter()
+            .find(|i| i["pid"] == p.pid)
+            .unwrap_or_else(|| panic!("pid {} in {j}", p.pid));
+        assert_eq!(item["done"]["op"], "pause", "{item}");
+        assert_eq!(item["undo"]["op"], "resume", "{item}");
+        assert_eq!(item["undo"]["bytes"], SIZE, "{item}");
+    }
+    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    assert!(
+        summary.contains("failed on process")
+            && summary.contains("undone on 2 processes: every process is as before"),
+        "{}",
+        r.dump()
+    );
+    for p in ps.iter_mut() {
+        assert_eq!(demo_bytes_active(&sb, p), SIZE, "pid {}", p.pid);
+        p.verify();
+    }
+    // Without --atomic the first two stay paused.
+    let r = ctl(&sb, &["pause", "--all", "--tag", "demo"]);
+    assert_eq!(r.code, 1, "{}", r.dump());
+    assert_eq!(demo_bytes_active(&sb, &ps[0]), 0);
+}
+
+/// `resume --all --atomic`: the third process cannot resume (out of memory at its create); the
+/// two that resumed are paused again, so every process ends paused with its backup; the next
+/// atomic resume succeeds everywhere with the patterns intact.
+#[test]
+fn atomic_resume_is_undone_everywhere_when_one_process_runs_out_of_memory() {
+    let sb = sandbox();
+    let mut ps = three_with_a_faulty_last(&sb, "create:2:oom");
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    let r = ctl(&sb, &["resume", "--all", "--atomic", "--tag", "demo"]);
+    assert_eq!(r.code, 1, "{}", r.dump());
+    assert!(
+        r.stderr.contains("out of memory") || r.stderr.contains("OUT_OF_MEMORY"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        r.stderr
+            .contains("undone on 2 processes: every process is as before"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        r.stdout.matches(": undone: paused tag").count(),
+        2,
+        "{}",
+        r.dump()
+    );
+    assert!(
+        r.stdout.contains("nothing to undo (nothing had changed)"),
+        "{}",
+        r.dump()
+    );
+    for p in &ps {
+        assert_eq!(demo_bytes_active(&sb, p), 0, "pid {}", p.pid);
+    }
+    let r = ok(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    let j = r.json();
+    assert_eq!(
+        (j["ok"].as_bool(), j["processes"].as_array().map(Vec::len)),
+        (Some(true), Some(3)),
+        "{j}"
+    );
+    for p in ps.iter_mut() {
+        assert_eq!(demo_bytes_active(&sb, p), SIZE, "pid {}", p.pid);
+        p.verify();
+    }
+}

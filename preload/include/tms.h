@@ -28,7 +28,8 @@
  *
  * Environment (read once, at first use): TMS_INIT_ENABLE, TMS_INIT_TAG,
  * TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND (pinned|mmap),
- * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|sim), TMS_LOG;
+ * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|sim), TMS_LOG,
+ * TMS_LOG_FORMAT (text|json);
  * for the simulated device: TMS_SIM_CAPACITY, TMS_SIM_DEVICES, TMS_SIM_GRANULARITY,
  * TMS_SIM_FAULTS.
  */
@@ -122,9 +123,9 @@ int tms_pause(const char *tag);
  * once memory is free. */
 int tms_resume(const char *tag);
 
-/* tms_pause / tms_resume for chunked allocations: save_chunk_state records which chunks of
- * each chunked allocation are active before pausing; restore_chunk_state resumes only those
- * (all chunks of an allocation with nothing recorded). */
+/* tms_pause / tms_resume with a saved state: save_chunk_state records which allocations of
+ * the tag, and which chunks of chunked ones, are active before pausing; restore_chunk_state
+ * resumes only those (all of an allocation with nothing recorded). */
 int tms_pause_ex(const char *tag, int save_chunk_state);
 int tms_resume_ex(const char *tag, int restore_chunk_state);
 
@@ -185,6 +186,33 @@ int tms_copy_cpu_backup(uint64_t addr, uint64_t len, void *dst, int *found);
 /* Statistics as JSON: {"backend":..,"retain_cpu_backup":..,"memory_margin_bytes":..,
  * "tags":[{"tag":..,"allocations":..,"bytes_active":..,"bytes_paused":..,..},..]}. */
 int tms_stats_json(char *buf, size_t cap, size_t *out_len);
+
+/* Progress of the pause or resume running in the process, whoever started it (any thread, or
+ * tmsctl through the control socket). Pauses and resumes run one at a time. */
+typedef struct tms_progress {
+    int32_t active;       /* 1 while a pause or resume runs; 0 when none does (all else 0) */
+    int32_t op;           /* 1: a pause, 2: a resume */
+    uint64_t bytes_total; /* bytes it copies to or from backups in all (0: nothing to copy;
+                             known once its backups are prepared) */
+    uint64_t bytes_done;  /* of those, copied so far */
+    double seconds;       /* since it started (after waiting for another one to end) */
+    double copy_seconds;  /* since its first bytes were copied (0 before): the rate so far is
+                             bytes_done / copy_seconds */
+    uint64_t thread_id;   /* the OS thread id (gettid) of the thread running it: a watcher
+                             tells its own thread's call from another thread's */
+    uint32_t backing;     /* where the copies go or come from: bit 0 host memory (CPU
+                             backups), bit 1 disk files */
+    uint32_t reserved;    /* 0 */
+    char phase[32];       /* what it does now, NUL-terminated: "preparing", "synchronizing"
+                             (waiting for the device's queued work), "mapping",
+                             "copying_to_host", "writing_to_disk", "reading_from_disk",
+                             "copying_to_device", "releasing" */
+} tms_progress;
+
+/* Write the progress into *out, of which the caller has size bytes (pass
+ * sizeof(tms_progress); less is TMS_ERR_INVALID_ARGUMENT). Never starts the library and never
+ * waits for the operation: a thread may poll it while another thread's tms_pause runs. */
+int tms_get_progress(tms_progress *out, size_t size);
 
 /* Copy len bytes from host memory src into the active pauseable allocation at addr (the range
  * must lie inside one allocation). For tools, demos and tests; real workloads write with

@@ -291,6 +291,41 @@ fn saving_chunk_states_records_allocations_with_nothing_left_to_pause() {
     assert_eq!(states(&e, b), [true; 4]);
 }
 
+/// The saved state covers allocations that are not chunked too: one paused before the saving
+/// pause stays paused through the restoring resume, one active then comes back with its
+/// contents. (A job-wide pause undoes itself this way, leaving what was paused before alone.)
+#[test]
+fn saved_state_covers_whole_allocations() {
+    let (sim, e) = setup(64 << 20);
+    let whole = |size| chunked(size, 0, "w", Some(BackupKind::Pinned));
+    let before = e.alloc(&whole(G)).unwrap();
+    let active = e.alloc(&whole(2 * G)).unwrap();
+    let data = pattern((2 * G) as usize, 5);
+    write_raw(&sim, active, &data);
+    e.pause_pick(&Pick {
+        alloc: Some(before),
+        ..Pick::tag(Some("w"))
+    })
+    .unwrap();
+    let save = Pick {
+        chunk_state: true,
+        ..Pick::tag(Some("w"))
+    };
+    let r = e.pause_pick(&save).unwrap();
+    assert_eq!((r.allocations, r.bytes), (1, 2 * G));
+    let r = e.resume_pick(&save).unwrap();
+    assert_eq!(
+        (r.allocations, r.bytes),
+        (1, 2 * G),
+        "only what was active at the save"
+    );
+    assert_eq!(sim.live_bytes(0), 2 * G);
+    assert!(read_raw(&sim, active, (2 * G) as usize) == data);
+    // The record was used: a plain resume brings back the other one.
+    let r = e.resume(Some("w")).unwrap();
+    assert_eq!((r.allocations, r.bytes), (1, G));
+}
+
 /// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
 /// is page-locked only where it holds saved chunks (whole host chunks of them), never for chunks
 /// that were not saved; and chunks resumed without retention are unregistered before their pages

@@ -453,7 +453,7 @@ fn step(
                 for p in m.with_tag(*tag) {
                     let a = m.allocs.get_mut(&p).unwrap();
                     let us: Vec<usize> = (0..a.active.len()).filter(|&u| a.active[u]).collect();
-                    if *save && a.chunk > 0 {
+                    if *save {
                         a.kept = Some(a.active.clone());
                     }
                     sel.push((p, us));
@@ -464,9 +464,9 @@ fn step(
             let (mut n, mut bytes, mut copied) = (0, 0, 0);
             for p in m.with_tag(*tag) {
                 let a = m.allocs.get_mut(&p).unwrap();
-                // Recorded for every chunked allocation of the tag, those with nothing left to
-                // pause too: a restore brings back the state at this pause.
-                if *save && a.chunk > 0 {
+                // Recorded for every allocation of the tag (a whole one as its units), those
+                // with nothing left to pause too: a restore brings back the state at this pause.
+                if *save {
                     a.kept = Some(a.active.clone());
                 }
                 let us: Vec<usize> = (0..a.active.len()).filter(|&u| a.active[u]).collect();

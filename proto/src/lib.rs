@@ -62,6 +62,13 @@ pub const FEATURE_CHUNKS: &str = "chunks";
 /// asked for and that have not ended ([`Status::operations`]).
 pub const FEATURE_OPERATIONS: &str = "operations";
 
+/// The feature of servers that report the progress of pauses and resumes: each entry of
+/// [`Status::operations`] says what it is doing and how many bytes it has moved
+/// ([`Running::phase`], [`Running::bytes_done`], ...), the list includes the operations
+/// started inside the process through its API ([`Running::in_process`]), and
+/// [`OpDone::disk_copied_bytes`] says which part of the copy went to or came from disk.
+pub const FEATURE_PROGRESS: &str = "progress";
+
 /// Longest error message a decoder produces (a message may quote part of the input).
 const MAX_MESSAGE_CHARS: usize = 240;
 
@@ -339,11 +346,77 @@ pub struct Status {
     pub default_region: Option<RegionInfo>,
     /// Pauses and resumes asked for over the control socket that have not ended (running, or
     /// waiting for another to end), oldest first. Servers with [`FEATURE_OPERATIONS`].
+    /// Servers with [`FEATURE_PROGRESS`] list the one started inside the process through its
+    /// API too (last), and give each its progress.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub operations: Vec<Running>,
 }
 
-/// A pause or resume asked for over the control socket that has not ended.
+/// What a running pause or resume is doing ([`Running::phase`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Phase {
+    /// Asked for, waiting for another pause or resume of the process to end.
+    Waiting,
+    /// Choosing its allocations, checking host memory or disk space, making backups.
+    Preparing,
+    /// Waiting for the work queued on the device to finish (a pause).
+    Synchronizing,
+    /// Mapping device memory again (a resume), before or between copies.
+    Mapping,
+    /// Copying device memory to host backups (a pause).
+    CopyingToHost,
+    /// Writing device memory to disk backup files (a pause).
+    WritingToDisk,
+    /// Reading disk backup files back (a resume).
+    ReadingFromDisk,
+    /// Copying host backups back to the device (a resume).
+    CopyingToDevice,
+    /// Giving memory back: the device memory of what is saved (a pause), the host backups
+    /// (a resume without retention).
+    Releasing,
+    /// A phase this side does not know (sent by a newer peer).
+    #[serde(other)]
+    Unknown,
+}
+
+impl Phase {
+    /// The wire name (`"writing_to_disk"`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Waiting => "waiting",
+            Phase::Preparing => "preparing",
+            Phase::Synchronizing => "synchronizing",
+            Phase::Mapping => "mapping",
+            Phase::CopyingToHost => "copying_to_host",
+            Phase::WritingToDisk => "writing_to_disk",
+            Phase::ReadingFromDisk => "reading_from_disk",
+            Phase::CopyingToDevice => "copying_to_device",
+            Phase::Releasing => "releasing",
+            Phase::Unknown => "unknown",
+        }
+    }
+}
+
+/// Where the contents a pause or resume copies go or come from ([`Running::backing`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum Backing {
+    /// Host memory (CPU backups).
+    Host,
+    /// Disk backup files.
+    Disk,
+    /// Some of each (a pause or resume of several tags).
+    HostAndDisk,
+    /// A kind this side does not know (sent by a newer peer).
+    #[serde(other)]
+    Unknown,
+}
+
+/// A pause or resume that has not ended: asked for over the control socket, or (servers with
+/// [`FEATURE_PROGRESS`]) started inside the process through its API.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Running {
     /// Which operation.
@@ -355,8 +428,50 @@ pub struct Running {
     /// The chunks asked for, if any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chunks: Option<ChunkRanges>,
-    /// Seconds since it was asked for.
+    /// Seconds since it was asked for (since it started, for one started in the process).
     pub seconds: f64,
+    /// Started inside the process through its API (Python, C), not over the socket. Absent
+    /// (false) otherwise, and from servers that predate [`FEATURE_PROGRESS`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub in_process: bool,
+    /// What it is doing now. Servers with [`FEATURE_PROGRESS`]; absent from older ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// Bytes it is to copy to or from backups in all (0: nothing to copy), known once it has
+    /// prepared (absent while it waits for another operation). Servers with
+    /// [`FEATURE_PROGRESS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
+    /// Of those, bytes copied so far. Servers with [`FEATURE_PROGRESS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_done: Option<u64>,
+    /// Where the copies go or come from; absent when nothing is copied. Servers with
+    /// [`FEATURE_PROGRESS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backing: Option<Backing>,
+    /// Copy rate so far, `bytes_done` over the time since its first copy, in GiB/s. Servers
+    /// with [`FEATURE_PROGRESS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gib_per_s: Option<f64>,
+}
+
+impl Running {
+    /// A pause or resume of `tag` with no progress known (what servers that predate
+    /// [`FEATURE_PROGRESS`] report).
+    pub fn new(op: Op, tag: Option<String>, chunks: Option<ChunkRanges>, seconds: f64) -> Running {
+        Running {
+            op,
+            tag,
+            chunks,
+            seconds,
+            in_process: false,
+            phase: None,
+            bytes_total: None,
+            bytes_done: None,
+            backing: None,
+            gib_per_s: None,
+        }
+    }
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -405,8 +520,13 @@ pub struct OpDone {
     pub allocations: u64,
     /// Device bytes released (pause) or re-taken (resume).
     pub bytes: u64,
-    /// Bytes copied to or from host backups.
+    /// Bytes copied to or from backups (host memory or disk files).
     pub copied_bytes: u64,
+    /// Of `copied_bytes`, those written to or read from disk backup files (the rest went to or
+    /// came from host memory). Absent from servers that predate [`FEATURE_PROGRESS`], which
+    /// do not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_copied_bytes: Option<u64>,
     /// Wall time of the call.
     pub seconds: f64,
     /// A tag was given that no allocation of the process has: nothing could change (a typo,

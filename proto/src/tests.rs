@@ -256,6 +256,7 @@ fn replies_round_trip() {
             allocations: 1,
             bytes: 2 << 20,
             copied_bytes: 0,
+            disk_copied_bytes: Some(0),
             seconds: 0.25,
             unknown_tag: false,
         }),
@@ -722,4 +723,82 @@ fn chunk_status_states() {
     let line = encode(&Reply::Chunks(big.clone()));
     assert!(line.len() < (512 << 10) + 200, "{}", line.len());
     assert_eq!(decode_reply(&line), Ok(Reply::Chunks(big)));
+}
+
+#[test]
+fn progress_of_running_operations_round_trips_and_older_servers_still_decode() {
+    let mut r = Running::new(Op::Pause, Some("kv".into()), None, 3.5);
+    // What servers that predate progress send: no new field on the wire.
+    let line = String::from_utf8(encode(&r)).unwrap();
+    assert_eq!(line, "{\"op\":\"pause\",\"tag\":\"kv\",\"seconds\":3.5}\n");
+    r.phase = Some(Phase::WritingToDisk);
+    r.bytes_total = Some(64 << 30);
+    r.bytes_done = Some(12 << 30);
+    r.backing = Some(Backing::Disk);
+    r.gib_per_s = Some(1.6);
+    let waiting = Running {
+        in_process: false,
+        phase: Some(Phase::Waiting),
+        ..Running::new(Op::Resume, None, Some(vec![[0, 3]]), 0.5)
+    };
+    let api = Running {
+        in_process: true,
+        phase: Some(Phase::CopyingToDevice),
+        bytes_total: Some(8),
+        bytes_done: Some(2),
+        backing: Some(Backing::HostAndDisk),
+        ..Running::new(Op::Resume, None, None, 1.0)
+    };
+    let status = Status {
+        operations: vec![r.clone(), waiting, api],
+        ..Default::default()
+    };
+    let line = encode(&Reply::Status(Box::new(status.clone())));
+    let text = String::from_utf8(line.clone()).unwrap();
+    assert!(
+        text.contains(
+            "\"phase\":\"writing_to_disk\",\"bytes_total\":68719476736,\
+             \"bytes_done\":12884901888,\"backing\":\"disk\",\"gib_per_s\":1.6"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("\"in_process\":true"), "{text}");
+    assert!(text.contains("\"backing\":\"host_and_disk\""), "{text}");
+    assert_eq!(decode_reply(&line), Ok(Reply::Status(Box::new(status))));
+    // An operation of a server that predates progress: none of it, and nothing else changes.
+    let Ok(Reply::Status(s)) = decode_reply(
+        b"{\"reply\":\"status\",\"pid\":9,\"backend\":\"sim\",\"retain_cpu_backup\":false,\
+          \"memory_margin_bytes\":0,\"devices\":[],\"tags\":[],\
+          \"operations\":[{\"op\":\"pause\",\"tag\":\"kv\",\"seconds\":1.2}]}",
+    ) else {
+        panic!()
+    };
+    assert_eq!(
+        s.operations,
+        vec![Running::new(Op::Pause, Some("kv".into()), None, 1.2)]
+    );
+    // A phase or a backing a newer server adds reads as unknown, not as an error.
+    let Ok(Reply::Status(s)) = decode_reply(
+        b"{\"reply\":\"status\",\"pid\":9,\"backend\":\"sim\",\"retain_cpu_backup\":false,\
+          \"memory_margin_bytes\":0,\"devices\":[],\"tags\":[],\"operations\":[{\"op\":\"pause\",\
+          \"seconds\":1.2,\"phase\":\"defragmenting\",\"backing\":\"tape\"}]}",
+    ) else {
+        panic!()
+    };
+    assert_eq!(s.operations[0].phase, Some(Phase::Unknown));
+    assert_eq!(s.operations[0].backing, Some(Backing::Unknown));
+    assert_eq!(Phase::ReadingFromDisk.as_str(), "reading_from_disk");
+    // A done of an older server does not say where the copies went.
+    let Ok(Reply::Done(d)) = decode_reply(
+        b"{\"reply\":\"done\",\"op\":\"pause\",\"allocations\":1,\"bytes\":2,\
+          \"copied_bytes\":2,\"seconds\":0.5}",
+    ) else {
+        panic!()
+    };
+    assert_eq!(d.disk_copied_bytes, None);
+    let hello = Hello {
+        features: vec![FEATURE_PROGRESS.into()],
+        ..hello()
+    };
+    assert!(hello.has(FEATURE_PROGRESS) && !hello.has(FEATURE_CHUNKS));
 }

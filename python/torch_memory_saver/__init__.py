@@ -16,13 +16,14 @@ package needs neither a GPU nor torch; ``pause``, ``resume`` and ``stats`` work 
 Modules integrations use: ``entrypoint`` (``TorchMemorySaver``, the class of the instance, whose
 ``_impl`` does the work), ``binary_wrapper`` (the ctypes binding; ``_impl._binary_wrapper.cdll``),
 ``hooks`` (the hook modes), ``utils`` (``get_binary_path_from_package``, ``change_env``,
-``is_xpu``) and ``testing_utils``. An installed package also holds the library beside itself in
+``is_xpu``) and ``testing_utils``. ``distributed`` pauses and resumes every rank of a
+``torch.distributed`` group or none. An installed package also holds the library beside itself in
 site-packages as ``torch_memory_saver_hook_mode_{preload,torch}[_cu12|_cu13].abi3.so``.
 """
 
 from __future__ import annotations
 
-from . import binary_wrapper, entrypoint, hooks, testing_utils, utils
+from . import binary_wrapper, distributed, entrypoint, hooks, testing_utils, utils
 from .binary_wrapper import bundled_library_path
 from .entrypoint import TorchMemorySaver
 from .hooks.mode_preload import configure_subprocess
@@ -38,7 +39,12 @@ from .errors import (
     UnsupportedError,
 )
 
-__version__ = "0.1.0"
+from importlib import metadata as _metadata
+
+try:  # the installed distribution's, which the build took from Cargo.toml
+    __version__ = _metadata.version("torch_memory_saver")
+except _metadata.PackageNotFoundError:  # a source checkout on sys.path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "TorchMemorySaver",

@@ -15,11 +15,31 @@ from typing import Optional
 
 from .errors import LibraryNotFoundError, error_for_status
 
-__all__ = ["BinaryWrapper", "LibraryHandle", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
+__all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
 _c_u64_p = ctypes.POINTER(ctypes.c_uint64)
 _c_u8_p = ctypes.POINTER(ctypes.c_uint8)
+
+
+class Progress(ctypes.Structure):
+    """``tms_progress`` of tms.h: the pause or resume running in the process (``active``), how
+    many bytes it has copied of its total, what it does (``phase``), and which OS thread runs it
+    (``thread_id``, comparable with ``threading.get_native_id()``)."""
+
+    _fields_ = [
+        ("active", ctypes.c_int32),
+        ("op", ctypes.c_int32),
+        ("bytes_total", ctypes.c_uint64),
+        ("bytes_done", ctypes.c_uint64),
+        ("seconds", ctypes.c_double),
+        ("copy_seconds", ctypes.c_double),
+        ("thread_id", ctypes.c_uint64),
+        ("backing", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("phase", ctypes.c_char * 32),
+    ]
+
 
 # name -> (restype, argtypes)
 _SIGNATURES = {
@@ -56,6 +76,7 @@ _SIGNATURES = {
         [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)],
     ),
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
+    "tms_get_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
     # The existing library's names (booleans travel as int 0/1; see tms.h).
     "tms_set_interesting_region": (ctypes.c_int, [ctypes.c_int]),
     "tms_get_interesting_region": (ctypes.c_bool, []),
@@ -217,6 +238,12 @@ class BinaryWrapper:
         """Raise the matching exception for a failed status."""
         if status != 0:
             raise error_for_status(status, self.last_error())
+
+    def progress(self) -> Optional[Progress]:
+        """The pause or resume running in the process, or None when none runs."""
+        p = Progress()
+        self.check(self.tms_get_progress(ctypes.byref(p), ctypes.sizeof(p)))
+        return p if p.active else None
 
     def call_string(self, fn) -> str:
         """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed."""

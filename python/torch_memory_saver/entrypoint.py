@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union
 
 from .binary_wrapper import BinaryWrapper
 from .hooks.base import HookMode, HookUtilBase
@@ -266,26 +266,51 @@ class TorchMemorySaver:
 
     # ---------------------------------------------------------------- pause / resume
 
-    def pause(self, tag: Optional[str] = None, save_chunk_state: Optional[bool] = None) -> None:
+    def pause(
+        self,
+        tag: Optional[str] = None,
+        save_chunk_state: Optional[bool] = None,
+        *,
+        progress: Optional[Callable[[int, int, str], Any]] = None,
+    ) -> None:
         """Give back the device memory of ``tag`` (every tag if None or ``""``), backing up
         contents where the region asked for it. Pausing what is paused does nothing; the
         paused chunks of a chunked allocation stay as they are, the active ones are paused.
 
-        ``save_chunk_state=True`` first records which chunks of each chunked allocation are
-        active, for ``resume(tag, restore_chunk_state=True)``."""
-        self._ensure_initialized()
-        return self._impl.pause(tag=tag, **_given(save_chunk_state=save_chunk_state))
+        ``save_chunk_state=True`` first records which allocations of the tag, and which chunks
+        of chunked ones, are active, for ``resume(tag, restore_chunk_state=True)``.
 
-    def resume(self, tag: Optional[str] = None, restore_chunk_state: Optional[bool] = None) -> None:
+        ``progress(done, total, phase)``, if given, is called from a helper thread about every
+        half second while the pause runs: bytes copied to backups so far and in all, and what it
+        does (``"writing_to_disk"``, ``"copying_to_host"``, ``"synchronizing"``, ...; ``"waiting"``
+        while another pause or resume runs first); then once more from the calling thread with
+        ``(total, total, "done")`` when it has succeeded (``total`` as last seen: 0 for a pause
+        too short to be seen). An exception it raises is logged and it is not called
+        again; the pause goes on. A pause that lasts more than 2 s is also logged at INFO every
+        5 s (the ``torch_memory_saver`` logger)."""
+        self._ensure_initialized()
+        return self._impl.pause(tag=tag, **_given(save_chunk_state=save_chunk_state, progress=progress))
+
+    def resume(
+        self,
+        tag: Optional[str] = None,
+        restore_chunk_state: Optional[bool] = None,
+        *,
+        progress: Optional[Callable[[int, int, str], Any]] = None,
+    ) -> None:
         """Take device memory back for ``tag`` (every tag if None or ``""``), at the same
         addresses, and restore backups. On out of memory raises :class:`OutOfMemoryError` and
         the tag stays paused with its backups: free memory and call again.
 
-        Every chunk of a chunked allocation is resumed, unless ``restore_chunk_state=True``:
-        then only the chunks that were active when ``pause(tag, save_chunk_state=True)`` ran
-        (every chunk of an allocation with nothing recorded)."""
+        Every paused allocation and chunk of the tag is resumed, unless
+        ``restore_chunk_state=True``: then only the allocations and chunks that were active when
+        ``pause(tag, save_chunk_state=True)`` ran (all of an allocation with nothing recorded).
+
+        ``progress(done, total, phase)`` as for :meth:`pause` (phases ``"reading_from_disk"``,
+        ``"copying_to_device"``, ``"mapping"``, ...); a resume that lasts more than 2 s is
+        logged at INFO every 5 s."""
         self._ensure_initialized()
-        return self._impl.resume(tag=tag, **_given(restore_chunk_state=restore_chunk_state))
+        return self._impl.resume(tag=tag, **_given(restore_chunk_state=restore_chunk_state, progress=progress))
 
     # ---------------------------------------------------------------- chunked allocations
 

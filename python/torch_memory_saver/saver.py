@@ -256,6 +256,112 @@ class _Route:
                 _routing.leave(torch)
 
 
+def _human(n: int) -> str:
+    """``1.50 GiB``-style bytes, as the library and tmsctl write them."""
+    v, unit = float(n), "B"
+    for u in ("KiB", "MiB", "GiB", "TiB"):
+        if v < 1024:
+            break
+        v, unit = v / 1024, u
+    return f"{n} B" if unit == "B" else f"{v:.2f} {unit}"
+
+
+# What the bytes of a phase went through, in words (as tmsctl shows them).
+_MOVED = {
+    "copying_to_host": "copied to host memory",
+    "writing_to_disk": "written to disk",
+    "reading_from_disk": "read from disk",
+    "copying_to_device": "copied from host memory",
+}
+
+
+class _Watch:
+    """Progress of one pause or resume of this thread, while the C call runs (ctypes lets the
+    GIL go for it, so a helper thread can poll ``tms_get_progress``).
+
+    ``progress(done, total, phase)`` is called from the helper thread about every
+    ``PROGRESS_EVERY`` seconds while the operation runs, and once more from the calling thread
+    with phase ``"done"`` after it has succeeded. ``phase`` is the library's (``"preparing"``,
+    ``"synchronizing"``, ``"copying_to_host"``, ``"writing_to_disk"``, ``"reading_from_disk"``,
+    ``"copying_to_device"``, ``"mapping"``, ``"releasing"``), or ``"waiting"`` while another
+    pause or resume runs first. Operations that last longer than ``LOG_AFTER`` seconds are
+    logged at INFO every ``LOG_EVERY`` seconds. No helper thread is started when nobody would
+    see what it finds (no callback, INFO not enabled)."""
+
+    PROGRESS_EVERY = 0.5
+    LOG_AFTER = 2.0
+    LOG_EVERY = 5.0
+
+    def __init__(self, lib: BinaryWrapper, what: str, progress: Any) -> None:
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be a callable (done, total, phase), not {type(progress).__name__}")
+        self.lib = lib
+        self.what = what
+        self.progress = progress
+        self.total = 0
+        self.failed = False
+        self.stop = threading.Event()
+        self.thread: Optional[threading.Thread] = None
+        self.me = threading.get_native_id()
+
+    def __enter__(self) -> "_Watch":
+        if self.progress is not None or logger.isEnabledFor(logging.INFO):
+            self.thread = threading.Thread(target=self._run, name="torch_memory_saver-progress", daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join()
+        if exc_type is None and self.progress is not None:
+            self._call(self.total, self.total, "done")
+
+    def _call(self, done: int, total: int, phase: str) -> None:
+        if self.failed:
+            return
+        try:
+            self.progress(done, total, phase)
+        except Exception:
+            # A broken callback must not fail the pause; said once, then left alone.
+            self.failed = True
+            logger.exception("the progress callback of the %s raised; it is not called again", self.what)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        next_log = t0 + self.LOG_AFTER
+        while not self.stop.wait(self.PROGRESS_EVERY):
+            try:
+                p = self.lib.progress()
+            except TorchMemorySaverError:
+                return
+            if p is None:
+                continue  # not started yet, or ended
+            mine = p.thread_id == self.me
+            phase = p.phase.decode("ascii", "replace") if mine else "waiting"
+            done, total = (p.bytes_done, p.bytes_total) if mine else (0, 0)
+            if mine:
+                self.total = total
+            if self.progress is not None:
+                self._call(done, total, phase)
+            now = time.monotonic()
+            if now >= next_log and logger.isEnabledFor(logging.INFO):
+                next_log = now + self.LOG_EVERY
+                logger.info("%s: %s (%.0f s)", self.what, self._words(p, mine, phase), now - t0)
+
+    @staticmethod
+    def _words(p: Any, mine: bool, phase: str) -> str:
+        if not mine:
+            return "waiting for another pause or resume to end"
+        moved = _MOVED.get(phase)
+        if moved is None or not p.bytes_total:
+            return phase.replace("_", " ")
+        s = f"{_human(p.bytes_done)} of {_human(p.bytes_total)} {moved}"
+        if p.copy_seconds > 0:
+            s += f", {_human(int(p.bytes_done / p.copy_seconds))}/s"
+        return s
+
+
 class _Lease:
     """One leased CPU backup (``tms_acquire_cpu_backup``), released with the last view of it."""
 
@@ -633,32 +739,36 @@ class _TorchMemorySaverImpl:
 
     # ---------------------------------------------------------------- pause / resume
 
-    def pause(self, tag: Optional[str] = None, save_chunk_state: Any = False) -> None:
+    def pause(self, tag: Optional[str] = None, save_chunk_state: Any = False, *, progress: Any = None) -> None:
         """Give back the device memory of ``tag`` (every tag if None), backing up contents where
         the region asked for it. Pausing what is paused does nothing. See
-        ``TorchMemorySaver.pause`` for ``save_chunk_state``."""
+        ``TorchMemorySaver.pause`` for ``save_chunk_state`` and ``progress``."""
         tag = _check_tag(tag, optional=True)
         lib = self._library()
+        what = "all tags" if tag is None else f"tag {tag!r}"
         t0 = time.perf_counter()
-        if save_chunk_state:
-            lib.check(lib.tms_pause_ex(_enc(tag), 1))
-        else:
-            lib.check(lib.tms_pause(_enc(tag)))
-        logger.info("paused %s in %.3f s", "all tags" if tag is None else f"tag {tag!r}", time.perf_counter() - t0)
+        with _Watch(lib, f"pause of {what}", progress):
+            if save_chunk_state:
+                lib.check(lib.tms_pause_ex(_enc(tag), 1))
+            else:
+                lib.check(lib.tms_pause(_enc(tag)))
+        logger.info("paused %s in %.3f s", what, time.perf_counter() - t0)
 
-    def resume(self, tag: Optional[str] = None, restore_chunk_state: Any = False) -> None:
+    def resume(self, tag: Optional[str] = None, restore_chunk_state: Any = False, *, progress: Any = None) -> None:
         """Take device memory back for ``tag`` (every tag if None), at the same addresses, and
         restore backups. On out of memory raises :class:`OutOfMemoryError` and the tag stays
         paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
-        for ``restore_chunk_state``."""
+        for ``restore_chunk_state`` and ``progress``."""
         tag = _check_tag(tag, optional=True)
         lib = self._library()
+        what = "all tags" if tag is None else f"tag {tag!r}"
         t0 = time.perf_counter()
-        if restore_chunk_state:
-            lib.check(lib.tms_resume_ex(_enc(tag), 1))
-        else:
-            lib.check(lib.tms_resume(_enc(tag)))
-        logger.info("resumed %s in %.3f s", "all tags" if tag is None else f"tag {tag!r}", time.perf_counter() - t0)
+        with _Watch(lib, f"resume of {what}", progress):
+            if restore_chunk_state:
+                lib.check(lib.tms_resume_ex(_enc(tag), 1))
+            else:
+                lib.check(lib.tms_resume(_enc(tag)))
+        logger.info("resumed %s in %.3f s", what, time.perf_counter() - t0)
 
     # ---------------------------------------------------------------- chunked allocations
 

@@ -62,6 +62,8 @@ pub fn libtms() -> PathBuf {
 pub struct Run {
     /// What was run, for messages.
     pub what: String,
+    /// Its pid.
+    pub pid: u32,
     /// Its exit status.
     pub status: ExitStatus,
     /// Its standard output.
@@ -184,6 +186,7 @@ pub fn run(mut cmd: Command) -> Run {
     let mut child = cmd
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {what}: {e}"));
+    let pid = child.id();
     let mut out = child.stdout.take().expect("piped");
     let mut err = child.stderr.take().expect("piped");
     let out_t = std::thread::spawn(move || {
@@ -212,6 +215,7 @@ pub fn run(mut cmd: Command) -> Run {
     let stderr = String::from_utf8_lossy(&err_t.join().expect("stderr reader")).into_owned();
     Run {
         what,
+        pid,
         status,
         stdout,
         stderr,

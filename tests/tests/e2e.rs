@@ -293,6 +293,99 @@ fn a_malformed_log_filter_is_named_and_nothing_else_changes() {
     );
 }
 
+/// Every log line names the process (its pid) and, once it has allocated, the device its
+/// memory is on: the lines of eight ranks on one stream can be told apart.
+#[test]
+fn log_lines_name_the_pid_and_the_device() {
+    let r = run_e2e("basic", &[("TMS_LOG", "debug")]);
+    r.assert_passed("basic");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert!(lines.len() > 3, "{}", r.dump());
+    let pid = format!(" pid={}", r.pid);
+    for l in &lines {
+        assert!(
+            l.contains(&format!("{pid}: ")) || l.contains(&format!("{pid} device=0: ")),
+            "{l}\n{}",
+            r.dump()
+        );
+    }
+    assert!(
+        lines[0].contains(&format!("{pid}: torch-memory-saver active")),
+        "no device is known before the first allocation\n{}",
+        r.dump()
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains(&format!("{pid} device=0: alloc "))),
+        "{}",
+        r.dump()
+    );
+}
+
+#[test]
+fn json_log_lines_are_objects_naming_the_pid_and_the_device() {
+    let r = run_e2e("basic", &[("TMS_LOG", "debug"), ("TMS_LOG_FORMAT", "json")]);
+    r.assert_passed("basic");
+    let lines: Vec<Value> = r
+        .stderr
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}\n{}", r.dump())))
+        .collect();
+    assert!(lines.len() > 3, "{}", r.dump());
+    for l in &lines {
+        assert_eq!(l["pid"], r.pid, "{l}");
+        for key in ["timestamp", "level", "target", "message"] {
+            assert!(l[key].is_string(), "{key}: {l}");
+        }
+        assert!(l["fields"].is_object(), "{l}");
+    }
+    assert_eq!(lines[0]["level"], "INFO", "{}", lines[0]);
+    assert_eq!(lines[0]["device"], Value::Null, "{}", lines[0]);
+    let alloc = lines
+        .iter()
+        .find(|l| {
+            l["message"]
+                .as_str()
+                .is_some_and(|m| m.starts_with("alloc "))
+        })
+        .unwrap_or_else(|| panic!("no alloc line\n{}", r.dump()));
+    assert_eq!(alloc["level"], "DEBUG", "{alloc}");
+    assert_eq!(alloc["device"], 0, "{alloc}");
+    assert!(
+        alloc["target"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("tms::engine")),
+        "{alloc}"
+    );
+}
+
+#[test]
+fn a_malformed_log_format_is_named_and_the_lines_stay_text() {
+    let r = run_e2e("basic", &[("TMS_LOG", "info"), ("TMS_LOG_FORMAT", "xml")]);
+    r.assert_passed("basic");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(
+        lines.first().copied(),
+        Some(
+            "torch-memory-saver: environment variable TMS_LOG_FORMAT: \"xml\" is not a log \
+             format (expected text or json); logging stays text"
+        ),
+        "{}",
+        r.dump()
+    );
+    assert!(lines.len() > 1, "{}", r.dump());
+    for l in &lines[1..] {
+        assert!(
+            l.contains(&format!(" pid={}", r.pid)) && !l.starts_with('{'),
+            "{l}\n{}",
+            r.dump()
+        );
+    }
+    // Without TMS_LOG there is no line for it to shape: not even read.
+    assert_quiet(&run_e2e("basic", &[("TMS_LOG_FORMAT", "xml")]));
+}
+
 #[test]
 fn a_device_that_cannot_start_fails_region_allocations_cleanly() {
     // No CUDA device can be used: no driver here, or none visible where there is one.

@@ -229,3 +229,67 @@ fn header_links_against_libtms_and_the_answers_match() {
     );
     assert_eq!(r.stderr, "", "{}", r.dump());
 }
+
+const PROGRESS_PROG: &str = r#"
+#include "tms.h"
+#include <stddef.h>
+#include <stdio.h>
+
+int main(void) {
+    tms_progress p;
+    p.active = 7;
+    int rc = tms_get_progress(&p, sizeof p);
+    printf("size %zu phase-at %zu thread-at %zu\n", sizeof(tms_progress),
+           offsetof(tms_progress, phase), offsetof(tms_progress, thread_id));
+    printf("idle %d %d %d %s\n", rc, p.active, p.op, p.phase);
+    printf("short %d\n", tms_get_progress(&p, 8));
+    printf("null %d\n", tms_get_progress(NULL, sizeof p));
+    return 0;
+}
+"#;
+
+/// `tms_progress` has the layout the library writes (no padding, 88 bytes), and
+/// `tms_get_progress` reports nothing running, refusing a struct too short or none.
+#[test]
+fn the_progress_struct_matches_the_library() {
+    let so = libtms();
+    let lib_dir = so.parent().expect("libtms.so has a folder");
+    let dir = temp_dir("tms-header-progress-");
+    let src = dir.path().join("progress.c");
+    let exe = dir.path().join("progress");
+    std::fs::write(&src, PROGRESS_PROG).expect("write progress.c");
+    let include = header_path();
+    let include = include.parent().expect("include dir");
+    let out = Command::new("cc")
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg(format!("-I{}", include.display()))
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg("-ltms")
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .output()
+        .expect("run cc");
+    assert!(
+        out.status.success(),
+        "building against tms_progress failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut cmd = Command::new(&exe);
+    tms_tests::scrub_env(&mut cmd);
+    cmd.env("TMS_BACKEND", "sim");
+    let r = run(cmd);
+    assert!(r.status.success(), "{}", r.dump());
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "size 88 phase-at 56 thread-at 40",
+            "idle 0 0 0 ",
+            "short 3",
+            "null 3",
+        ],
+        "{}",
+        r.dump()
+    );
+}

@@ -19,13 +19,13 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use tms_proto::{
-    chunk_ranges, expand_chunk_ranges, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory,
-    ErrorKind, Op, OpDone, OpTiming, RegionInfo, RegionUpdate, Reply, Request, Running, Status,
-    TagStatus, MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
+    chunk_ranges, expand_chunk_ranges, Backing, BackupBackend, ChunkRanges, ChunkStatus,
+    DeviceMemory, ErrorKind, Op, OpDone, OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request,
+    Running, Status, TagStatus, MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
 
 use crate::backup::BackupKind;
-use crate::engine::{Engine, OpReport, OpStats, Pick, Stats};
+use crate::engine::{self, Engine, OpReport, OpStats, Pick, Progress, Stats};
 use crate::error::{status, Error, Result};
 use crate::process::settings::RegionSettings;
 
@@ -91,7 +91,9 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
 
 /// The pauses and resumes asked for over the socket that have not ended, by order of arrival:
 /// `status` lists them, so that a client whose wait ran out can tell that its request still
-/// runs, and when it has ended. The process has one engine, hence one table.
+/// runs, and when it has ended. The process has one engine, hence one table. Each request's
+/// number labels its engine operation ([`Pick::label`]), which is how `status` tells the
+/// engine's progress report of a request from that of an operation started in the process.
 static IN_FLIGHT: Mutex<BTreeMap<u64, Asked>> = Mutex::new(BTreeMap::new());
 static NEXT_OP: AtomicU64 = AtomicU64::new(0);
 
@@ -102,6 +104,7 @@ type Asked = (Op, Option<String>, Option<ChunkRanges>, Instant);
 struct InFlight(u64);
 
 impl InFlight {
+    /// Record a request; its number labels the engine operation.
     fn new(op: Op, tag: Option<&str>, chunks: Option<&ChunkRanges>) -> InFlight {
         let id = NEXT_OP.fetch_add(1, Ordering::Relaxed);
         IN_FLIGHT.lock().insert(
@@ -118,17 +121,69 @@ impl Drop for InFlight {
     }
 }
 
-fn operations() -> Vec<Running> {
-    IN_FLIGHT
+/// The pauses and resumes that have not ended, with their progress: those asked over the
+/// socket (running, or waiting for another operation), oldest first, then the one started in
+/// the process through its API, if that is the one running.
+fn operations(engine: &Engine) -> Vec<Running> {
+    let running = engine.progress();
+    let mut out: Vec<Running> = IN_FLIGHT
         .lock()
-        .values()
-        .map(|(op, tag, chunks, t0)| Running {
-            op: *op,
-            tag: tag.clone(),
-            chunks: chunks.clone(),
-            seconds: finite(t0.elapsed().as_secs_f64()),
+        .iter()
+        .map(|(id, (op, tag, chunks, t0))| {
+            let mut r = Running::new(
+                *op,
+                tag.clone(),
+                chunks.clone(),
+                finite(t0.elapsed().as_secs_f64()),
+            );
+            match running.as_ref().filter(|p| p.label == Some(*id)) {
+                Some(p) => with_progress(&mut r, p),
+                // Not started yet (or ending): behind another operation, most of the time.
+                None => r.phase = Some(Phase::Waiting),
+            }
+            r
         })
-        .collect()
+        .collect();
+    if let Some(p) = running.filter(|p| p.label.is_none()) {
+        let op = match p.which {
+            engine::Which::Pause => Op::Pause,
+            engine::Which::Resume => Op::Resume,
+        };
+        let mut r = Running::new(
+            op,
+            p.tag.as_deref().map(shown_tag),
+            p.chunks.clone(),
+            finite(p.seconds),
+        );
+        r.in_process = true;
+        with_progress(&mut r, &p);
+        out.push(r);
+    }
+    out
+}
+
+/// `r` with the engine's progress report `p` of it.
+fn with_progress(r: &mut Running, p: &Progress) {
+    use engine::Phase as E;
+    r.phase = Some(match p.phase {
+        E::Preparing => Phase::Preparing,
+        E::Synchronizing => Phase::Synchronizing,
+        E::Mapping => Phase::Mapping,
+        E::CopyingToHost => Phase::CopyingToHost,
+        E::WritingToDisk => Phase::WritingToDisk,
+        E::ReadingFromDisk => Phase::ReadingFromDisk,
+        E::CopyingToDevice => Phase::CopyingToDevice,
+        E::Releasing => Phase::Releasing,
+    });
+    r.bytes_total = Some(p.bytes_total);
+    r.bytes_done = Some(p.bytes_done.min(p.bytes_total));
+    r.backing = match (p.backing.host, p.backing.disk) {
+        (true, true) => Some(Backing::HostAndDisk),
+        (true, false) => Some(Backing::Host),
+        (false, true) => Some(Backing::Disk),
+        (false, false) => None,
+    };
+    r.gib_per_s = (p.copy_seconds > 0.0).then(|| finite(p.rate() / (1u64 << 30) as f64));
 }
 
 fn op(
@@ -138,11 +193,17 @@ fn op(
     chunks: Option<ChunkRanges>,
     chunk_state: bool,
 ) -> Result<Reply> {
-    let _in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
+    let in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
     let e = host.engine();
-    let run = |pick: &Pick<'_>| match which {
-        Op::Pause => e.pause_pick(pick),
-        Op::Resume => e.resume_pick(pick),
+    let run = |pick: &Pick<'_>| {
+        let pick = Pick {
+            label: Some(in_flight.0),
+            ..*pick
+        };
+        match which {
+            Op::Pause => e.pause_pick(&pick),
+            Op::Resume => e.resume_pick(&pick),
+        }
     };
     let done = |r: OpReport, chunks: Option<ChunkRanges>, unknown_tag: bool| {
         Reply::Done(OpDone {
@@ -152,6 +213,7 @@ fn op(
             allocations: r.allocations as u64,
             bytes: r.bytes,
             copied_bytes: r.copied,
+            disk_copied_bytes: Some(r.disk_copied),
             seconds: finite(r.seconds),
             unknown_tag,
         })
@@ -431,6 +493,6 @@ fn full_status(host: &dyn Host) -> Status {
             .collect(),
         tags_omitted: 0,
         default_region: host.default_region().ok().map(|r| region_info(&r)),
-        operations: operations(),
+        operations: operations(engine),
     }
 }

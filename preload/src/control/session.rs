@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use tms_proto::{
     decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, Reply, Request,
-    FEATURE_CHUNKS, FEATURE_OPERATIONS, MAX_LINE_BYTES, PROTOCOL_VERSION,
+    FEATURE_CHUNKS, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
 
 use super::auth::{authenticate, AuthenticatedClient};
@@ -336,7 +336,11 @@ impl<'a> Session<'a> {
                     pid: self.me.pid,
                     software: concat!("libtms ", env!("CARGO_PKG_VERSION")).to_string(),
                     backend: Some(self.me.backend.clone()),
-                    features: vec![FEATURE_CHUNKS.to_string(), FEATURE_OPERATIONS.to_string()],
+                    features: vec![
+                        FEATURE_CHUNKS.to_string(),
+                        FEATURE_OPERATIONS.to_string(),
+                        FEATURE_PROGRESS.to_string(),
+                    ],
                 })
             }
             Request::Hello(h) => Reply::error(

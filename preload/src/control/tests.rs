@@ -30,7 +30,10 @@ struct TestHost {
 }
 
 fn host() -> &'static TestHost {
-    let d = SimDriver::new(SimConfig::default()).unwrap();
+    host_over(SimDriver::new(SimConfig::default()).unwrap())
+}
+
+fn host_over(d: SimDriver) -> &'static TestHost {
     Box::leak(Box::new(TestHost {
         engine: Engine::new(Arc::new(d)),
         region: Mutex::new(RegionSettings {
@@ -1365,4 +1368,127 @@ fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
     assert!(r.cpu_backup && !r.disk_backup, "{r:?}");
     let now = h.region.lock().clone();
     assert!(now.check().is_ok() && now.cpu_backup && !now.disk_backup);
+}
+
+/// The operations `status` lists for tag `tag` (other tests' requests share the table).
+fn running_of(c: &mut Conn, tag: &str) -> Vec<tms_proto::Running> {
+    match c.ask(&Request::Status) {
+        Reply::Status(s) => s
+            .operations
+            .into_iter()
+            .filter(|r| r.tag.as_deref() == Some(tag))
+            .collect(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A pause over the socket and one started in the process, both slow (a device link of 32
+/// MiB/s): `status` shows each while it runs with its phase and bytes, the one started in the
+/// process marked so, and a request queued behind it as waiting; the reply says how much went
+/// to disk.
+#[test]
+fn status_shows_the_progress_of_pauses_and_resumes_whoever_started_them() {
+    let sim = SimDriver::new(SimConfig::default()).unwrap();
+    sim.set_bandwidth(Some(32 << 20));
+    let h = host_over(sim);
+    let size: u64 = 16 << 20;
+    for tag in ["prog-a", "prog-b"] {
+        h.engine
+            .alloc(&AllocRequest {
+                size,
+                device: 0,
+                tag: tag.into(),
+                backup: Some(BackupKind::Pinned),
+                chunk: 0,
+            })
+            .unwrap();
+    }
+    let mut watcher = Conn::open(
+        h,
+        Limits {
+            max_requests: 10_000,
+            ..limits()
+        },
+    );
+    match watcher.ask(&Request::Hello(hello(PROTOCOL_VERSION))) {
+        Reply::Hello(hi) => assert!(hi.has(tms_proto::FEATURE_PROGRESS), "{hi:?}"),
+        other => panic!("{other:?}"),
+    }
+    let poll = |c: &mut Conn, tag: &str, finished: &dyn Fn() -> bool| {
+        let mut seen = Vec::new();
+        while !finished() {
+            seen.extend(running_of(c, tag));
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        seen
+    };
+
+    // Over the socket.
+    let t = std::thread::spawn(move || {
+        let mut c = Conn::greeted(h);
+        done(c.ask(&pause(Some("prog-a".into()))))
+    });
+    let seen = poll(&mut watcher, "prog-a", &|| t.is_finished());
+    let d = t.join().unwrap();
+    assert_eq!(
+        (d.copied_bytes, d.disk_copied_bytes),
+        (size, Some(0)),
+        "{d:?}"
+    );
+    let copying: Vec<_> = seen
+        .iter()
+        .filter(|r| r.bytes_done.is_some_and(|b| b > 0 && b < size))
+        .collect();
+    assert!(copying.len() >= 3, "{seen:?}");
+    for r in &copying {
+        assert_eq!(r.op, Op::Pause);
+        assert!(!r.in_process, "{r:?}");
+        assert_eq!(r.phase, Some(tms_proto::Phase::CopyingToHost), "{r:?}");
+        assert_eq!(r.bytes_total, Some(size), "{r:?}");
+        assert_eq!(r.backing, Some(tms_proto::Backing::Host), "{r:?}");
+        assert!(r.gib_per_s.is_some_and(|g| g > 0.0), "{r:?}");
+    }
+    assert!(running_of(&mut watcher, "prog-a").is_empty(), "ended");
+
+    // In the process, with a request over the socket queued behind it.
+    let t = std::thread::spawn(move || h.engine.pause(Some("prog-b")).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while running_of(&mut watcher, "prog-b").is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "the pause in the process never showed"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let queued = std::thread::spawn(move || {
+        let mut c = Conn::greeted(h);
+        done(c.ask(&resume(Some("prog-a".into()))))
+    });
+    let waiting = loop {
+        let w = running_of(&mut watcher, "prog-a");
+        if !w.is_empty() || t.is_finished() {
+            break w;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(waiting.len(), 1, "{waiting:?}");
+    assert_eq!(
+        (waiting[0].op, waiting[0].phase, waiting[0].bytes_done),
+        (Op::Resume, Some(tms_proto::Phase::Waiting), None),
+        "{waiting:?}"
+    );
+    let seen = poll(&mut watcher, "prog-b", &|| t.is_finished());
+    let r = t.join().unwrap();
+    assert_eq!((r.copied, r.disk_copied), (size, 0));
+    let copying: Vec<_> = seen
+        .iter()
+        .filter(|r| r.bytes_done.is_some_and(|b| b > 0 && b < size))
+        .collect();
+    assert!(copying.len() >= 3, "{seen:?}");
+    for r in &copying {
+        assert!(r.in_process, "{r:?}");
+        assert_eq!(r.phase, Some(tms_proto::Phase::CopyingToHost), "{r:?}");
+    }
+    let d = queued.join().unwrap();
+    assert_eq!((d.op, d.copied_bytes), (Op::Resume, size));
 }

@@ -328,6 +328,8 @@ pub struct SimEnv {
     pub host_memory: Option<u64>,
     /// Delay of every device synchronization (`TMS_SIM_SYNC_DELAY_MS`).
     pub sync_delay: Option<std::time::Duration>,
+    /// Bytes per second of the host-device link (`TMS_SIM_BANDWIDTH`).
+    pub bandwidth: Option<u64>,
 }
 
 #[derive(Default)]
@@ -347,6 +349,10 @@ pub struct SimDriver {
     /// Added to every device synchronization: a device that takes its time (a long pause seen
     /// from another process, such as tmsctl's).
     sync_delay: Mutex<Option<std::time::Duration>>,
+    /// The link's bytes per second (`None`: as fast as the host copies), and when it is free
+    /// again: copies share it, so several workers do not add up to more (see
+    /// [`SimDriver::set_bandwidth`]).
+    link: Mutex<(Option<u64>, std::time::Instant)>,
 }
 
 thread_local! {
@@ -388,6 +394,7 @@ impl SimDriver {
             holds: Mutex::default(),
             holds_changed: Condvar::new(),
             sync_delay: Mutex::new(None),
+            link: Mutex::new((None, std::time::Instant::now())),
         })
     }
 
@@ -400,6 +407,7 @@ impl SimDriver {
         }
         d.set_host_memory(env.host_memory);
         d.set_sync_delay(env.sync_delay);
+        d.set_bandwidth(env.bandwidth);
         Ok(d)
     }
 
@@ -420,6 +428,12 @@ impl SimDriver {
                             "{v:?} is not a number of milliseconds from 0 to 3600000"
                         ))
                     })
+            })?,
+            bandwidth: env_parsed("TMS_SIM_BANDWIDTH", |v| match parse_bytes(v)? {
+                0 => Err(Error::InvalidArgument(format!(
+                    "{v:?}: the link's bytes per second must be above 0"
+                ))),
+                b => Ok(b),
             })?,
         })
     }
@@ -451,6 +465,29 @@ impl SimDriver {
     /// Make every device synchronization take at least `delay` longer (`None`: no delay).
     pub fn set_sync_delay(&self, delay: Option<std::time::Duration>) {
         *self.sync_delay.lock() = delay;
+    }
+
+    /// Make copies between host and device take time, as over a link of `bytes_per_s` (`None`:
+    /// as fast as the host copies): a pause or resume long enough to be watched. Copies share
+    /// the link, each one queued after those already on it; the time is spent when the copy is
+    /// issued, outside every lock of the driver, so other calls go on meanwhile.
+    pub fn set_bandwidth(&self, bytes_per_s: Option<u64>) {
+        *self.link.lock() = (bytes_per_s.filter(|b| *b > 0), std::time::Instant::now());
+    }
+
+    /// Wait for `len` bytes' turn on the link, if it has a bandwidth.
+    fn use_link(&self, len: u64) {
+        let until = {
+            let mut link = self.link.lock();
+            let Some(bw) = link.0 else {
+                return;
+            };
+            let start = link.1.max(std::time::Instant::now());
+            let until = start + std::time::Duration::from_secs_f64(len as f64 / bw as f64);
+            link.1 = until;
+            until
+        };
+        std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
     }
 
     fn wait_if_held(&self, prim: Prim, device: Option<i32>) {
@@ -1228,6 +1265,7 @@ impl Driver for SimDriver {
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
+        self.use_link(len);
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::CopyD2H, || {
             format!("{len} bytes from {src:#x}")
@@ -1242,6 +1280,7 @@ impl Driver for SimDriver {
     }
 
     unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()> {
+        self.use_link(len);
         let mut g = self.inner.lock();
         self.enter(&mut g, Prim::CopyH2D, || format!("{len} bytes to {dst:#x}"))?;
         let q = Queued {

@@ -67,6 +67,7 @@
 mod pause;
 mod pinner;
 mod pipeline;
+mod progress;
 mod registry;
 mod resident;
 mod resume;
@@ -75,12 +76,13 @@ mod stats;
 mod transfer;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex};
 
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
+pub use progress::{Backing, Phase, Progress, Which};
 pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
 
@@ -185,6 +187,37 @@ pub struct OpReport {
     pub seconds: f64,
     /// Part of `seconds` spent giving host backups back (a resume without retention).
     pub release_seconds: f64,
+    /// Of `copied`, the bytes written to or read from disk backup files (the rest went to or
+    /// came from host memory).
+    pub disk_copied: u64,
+}
+
+impl OpReport {
+    /// Where the copied bytes went or came from, in words for log messages: `" (2.00 GiB
+    /// written to disk)"` for a pause, `""` when nothing was copied.
+    fn copies(&self, pause: bool) -> String {
+        let host = self.copied - self.disk_copied.min(self.copied);
+        let mut parts = Vec::new();
+        if host > 0 {
+            parts.push(format!(
+                "{} copied {} host memory",
+                human(host),
+                if pause { "to" } else { "from" }
+            ));
+        }
+        if self.disk_copied > 0 {
+            parts.push(format!(
+                "{} {} disk",
+                human(self.disk_copied),
+                if pause { "written to" } else { "read from" }
+            ));
+        }
+        if parts.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", parts.join(", "))
+        }
+    }
 }
 
 /// A host backup handed out by [`Engine::acquire_cpu_backup`]: the address of the bytes asked
@@ -206,9 +239,13 @@ pub struct Pick<'a> {
     pub alloc: Option<DevPtr>,
     /// Only these chunks of it (a chunked allocation; sorted, each once).
     pub chunks: Option<&'a [usize]>,
-    /// Pause: record which chunks of each chunked allocation were active. Resume: bring back
-    /// only the chunks so recorded (all, where nothing was recorded).
+    /// Pause: record which chunks of each allocation were active (a whole allocation: whether
+    /// it was). Resume: bring back only what was so recorded (all, where nothing was recorded).
     pub chunk_state: bool,
+    /// A number the caller gives the operation, reported with its progress
+    /// ([`Engine::progress`]) so that the caller can tell its own operation from another's
+    /// (the control server's request number).
+    pub label: Option<u64>,
 }
 
 impl<'a> Pick<'a> {
@@ -367,9 +404,9 @@ struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, tag: &Arc<str>, bytes: u64, copied: u64) {
+    fn add(&mut self, tag: &Arc<str>, bytes: u64, copied: u64, on_disk: bool) {
         self.allocation(tag);
-        self.bytes(tag, bytes, copied);
+        self.bytes(tag, bytes, copied, on_disk);
     }
 
     fn allocation(&mut self, tag: &Arc<str>) {
@@ -379,11 +416,15 @@ impl Tally {
         }
     }
 
-    fn bytes(&mut self, tag: &Arc<str>, bytes: u64, copied: u64) {
+    /// `copied` of `bytes` went to or came from a backup, a file if `on_disk`.
+    fn bytes(&mut self, tag: &Arc<str>, bytes: u64, copied: u64, on_disk: bool) {
         let t = self.per_tag.entry(tag.clone()).or_default();
         for r in [t, &mut self.report] {
             r.bytes += bytes;
             r.copied += copied;
+            if on_disk {
+                r.disk_copied += copied;
+            }
         }
     }
 }
@@ -451,11 +492,22 @@ pub struct Engine {
     /// Backups handed out by [`Engine::acquire_cpu_backup`], by lease number.
     leases: Mutex<HashMap<u64, Arc<HostBuffer>>>,
     next_lease: AtomicU64,
+    /// The running pause or resume, for those who watch it ([`Engine::progress`]).
+    progress: progress::Tracker,
     /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
     /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
     /// with this message instead of acting on it.
     broken: Mutex<Option<String>>,
+    /// The one device allocations were asked on so far ([`NO_DEVICE`] before the first,
+    /// [`SEVERAL_DEVICES`] once a second shows up): what log lines name, read without a lock
+    /// since a line may be written with any of the engine's held.
+    device: AtomicI32,
 }
+
+/// `Engine::device` before any allocation.
+const NO_DEVICE: i32 = -1;
+/// `Engine::device` once allocations were asked on two devices.
+const SEVERAL_DEVICES: i32 = -2;
 
 /// Marks the engine broken if a panic unwinds through the operation it guards.
 struct BreakOnUnwind<'a> {
@@ -529,8 +581,38 @@ impl Engine {
             disk_default: Mutex::default(),
             leases: Mutex::default(),
             next_lease: AtomicU64::new(1),
+            progress: progress::Tracker::default(),
             broken: Mutex::new(None),
+            device: AtomicI32::new(NO_DEVICE),
         }
+    }
+
+    /// The device of every allocation asked for so far, when that is one device.
+    pub fn sole_device(&self) -> Option<i32> {
+        let d = self.device.load(Ordering::Relaxed);
+        (d >= 0).then_some(d)
+    }
+
+    fn note_device(&self, device: i32) {
+        let seen = self.device.load(Ordering::Relaxed);
+        if seen == device || seen == SEVERAL_DEVICES {
+            return;
+        }
+        if let Err(other) =
+            self.device
+                .compare_exchange(NO_DEVICE, device, Ordering::Relaxed, Ordering::Relaxed)
+        {
+            if other != device {
+                self.device.store(SEVERAL_DEVICES, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The pause or resume running now, whoever started it, and how far it has got; `None`
+    /// when none runs. Cheap, and never waits for the operation: a status or a progress
+    /// display may ask as often as it likes.
+    pub fn progress(&self) -> Option<Progress> {
+        self.progress.snapshot()
     }
 
     /// Refuse to act after a panic unwound through a pause or resume.
@@ -780,6 +862,7 @@ impl Engine {
             );
         }
         self.check_device(req.device).ctx(what)?;
+        self.note_device(req.device);
         let g = self.granularity(req.device).ctx(what)?;
         let mapped = req
             .size

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pipeline::{self, Dir, Item, Ring, Target};
+use super::progress::{Backing, Counters, Phase, Start, Which};
 use super::segment::{self, Span};
 use super::{
     by_device, check_tag, describe, device_work, first_error, per_device, Backup, BufferRanges,
@@ -46,6 +47,19 @@ impl Job {
 
     fn backed_up(&self) -> bool {
         self.host.is_some() || self.disk.is_some()
+    }
+
+    /// Its backup is a file (a host buffer is preferred where it has both, as by the copies).
+    fn on_disk(&self) -> bool {
+        self.host.is_none() && self.disk.is_some()
+    }
+
+    /// Bytes the copy pipeline moves for this job.
+    fn pipeline_bytes(&self) -> u64 {
+        self.runs
+            .iter()
+            .map(|(span, _)| Item::over(self.ptr, span, self.target()).copy_bytes())
+            .sum()
     }
 
     fn device(&self) -> i32 {
@@ -110,16 +124,40 @@ impl Engine {
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut ops = self.ops.lock();
+        let tracked = self.progress.begin(Start {
+            which: Which::Pause,
+            tag,
+            chunks: pick.chunks,
+            label: pick.label,
+        });
         let mut jobs = self.begin_pause(pick, &cfg)?;
+        if let (None, Some(j)) = (tag, jobs.first().filter(|_| pick.alloc.is_some())) {
+            tracked.set_tag(&j.tag);
+        }
         // Whatever happens from here (an error, a panic), no allocation stays Pausing.
         let _settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Pausing);
         let mut retired = vec![(0, 0); jobs.len()];
         let result = self
             .prepare_backups(&mut jobs, &cfg, &ops.rings, tag)
-            .and_then(|()| self.pause_devices(&jobs, &mut ops.rings, &cfg, &mut retired));
+            .and_then(|()| {
+                tracked.prepared(
+                    jobs.iter().map(Job::pipeline_bytes).sum(),
+                    Backing {
+                        host: jobs.iter().any(|j| j.host.is_some()),
+                        disk: jobs.iter().any(Job::on_disk),
+                    },
+                );
+                self.pause_devices(
+                    &jobs,
+                    &mut ops.rings,
+                    &cfg,
+                    &mut retired,
+                    tracked.counters(),
+                )
+            });
         let mut tally = Tally::default();
         for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
-            tally.add(&j.tag, *bytes, *copied);
+            tally.add(&j.tag, *bytes, *copied, j.on_disk());
         }
         let Tally {
             mut report,
@@ -139,9 +177,10 @@ impl Engine {
         self.record_history(per_tag, report, |h| &mut h.last_pause);
         result.ctx(|| format!("pause of {}", pick.describe()))?;
         tracing::info!(
-            "paused {} ({} allocations) in {:.3}s",
+            "paused {} ({} allocations){} in {:.3}s",
             human(report.bytes),
             report.allocations,
+            report.copies(true),
             report.seconds
         );
         Ok(report)
@@ -154,12 +193,13 @@ impl Engine {
         let mut reg = self.reg.lock();
         pick.check(&reg)?;
         if pick.chunk_state {
-            // Every chunked allocation the pick selects, those with no chunk left to pause
-            // included: a resume restores the state at this pause, never an older one's (nor
-            // all chunks, which it takes a missing record for). No other transaction runs (the
-            // operations lock), so none of them is in transition.
+            // Every allocation the pick selects, those with nothing left to pause included
+            // (chunked or not: a whole allocation is one record of its segments): a resume
+            // restores the state at this pause, never an older one's (nor everything, which it
+            // takes a missing record for). No other transaction runs (the operations lock), so
+            // none of them is in transition.
             for (ptr, a) in reg.allocs.iter_mut() {
-                if a.chunk > 0 && pick.selects(*ptr, a) {
+                if pick.selects(*ptr, a) {
                     a.kept = Some(a.handles.iter().map(Option::is_some).collect());
                 }
             }
@@ -361,6 +401,7 @@ impl Engine {
         rings: &mut BTreeMap<i32, Ring>,
         cfg: &CopyConfig,
         retired: &mut [(u64, u64)],
+        progress: &Counters,
     ) -> Result<()> {
         let mut groups = by_device(jobs.iter().map(Job::device));
         for list in groups.values_mut() {
@@ -370,7 +411,7 @@ impl Engine {
         let work = device_work(&groups, rings);
         let results = per_device(work, |(device, list, ring)| {
             let mut done = vec![(0, 0); list.len()];
-            let r = self.pause_device(device, jobs, list, ring, cfg, &mut done);
+            let r = self.pause_device(device, jobs, list, ring, cfg, &mut done, progress);
             (list.clone(), done, r)
         });
         first_error(results.into_iter().map(|(list, done, r)| {
@@ -381,6 +422,7 @@ impl Engine {
         }))
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn pause_device(
         &self,
         device: i32,
@@ -389,9 +431,11 @@ impl Engine {
         ring: &mut Ring,
         cfg: &CopyConfig,
         done: &mut [(u64, u64)],
+        progress: &Counters,
     ) -> Result<()> {
         let d = &*self.driver;
         let _scope = DeviceScope::enter(d, device)?;
+        progress.phase(Phase::Synchronizing);
         d.synchronize(device)
             .ctx(|| format!("synchronizing device {device}"))?;
         // One item per run: (index in `list`, run).
@@ -415,10 +459,16 @@ impl Engine {
             cfg,
             ring,
             &items,
+            progress,
             |_, _| Ok(()),
             |p| {
                 let (k, r) = parts[p];
                 left[k] -= 1;
+                if progress.copied_all() {
+                    // What is left is unmapping and releasing (of runs without a backup, or
+                    // saved already); until then the copies are what takes the time.
+                    progress.phase(Phase::Releasing);
+                }
                 self.retire(&jobs[list[k]], r, left[k] == 0, &mut done[k])
             },
         )

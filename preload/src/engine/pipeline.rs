@@ -48,6 +48,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::progress::{Counters, Phase};
 use crate::backup::{BackupKind, DiskFile, HostBuffer, HostLayout};
 use crate::driver::{DevPtr, DeviceScope, Driver, Event, Stream};
 use crate::error::{Error, Result};
@@ -194,6 +195,11 @@ impl<'a> Item<'a> {
         }
     }
 
+    /// Bytes the workers copy for this item.
+    pub(super) fn copy_bytes(&self) -> u64 {
+        self.units().iter().map(|u| u.2).sum()
+    }
+
     /// The parts of the target's chunks inside the range: `(chunk, offset, length)`.
     fn units(&self) -> Vec<(usize, u64, u64)> {
         let Some(t) = self.target else {
@@ -284,6 +290,8 @@ struct Shared<'a> {
     /// issued: logged with the phases at debug level, to see where an operation's time goes.
     t0: Instant,
     first_copy_ns: AtomicU64,
+    /// The operation's progress: bytes copied, and what kind of copy runs.
+    progress: &'a Counters,
 }
 
 impl Shared<'_> {
@@ -353,6 +361,7 @@ impl Shared<'_> {
 /// items with nothing to copy; the pause unmaps here). The first error, of a copy or of either
 /// callback, stops the preparing and the hand-out of work; copies complete by then are still
 /// reported, unless `on_done` itself failed. Returns the first error, once every worker is idle.
+/// The workers count the bytes they copy in `progress`.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn run(
     driver: &Arc<dyn Driver>,
@@ -361,6 +370,7 @@ pub(super) fn run(
     cfg: &CopyConfig,
     ring: &mut Ring,
     items: &[Item<'_>],
+    progress: &Counters,
     mut prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
     mut on_done: impl FnMut(usize) -> Result<()>,
 ) -> Result<()> {
@@ -394,6 +404,7 @@ pub(super) fn run(
         error: Mutex::new(None),
         t0: Instant::now(),
         first_copy_ns: AtomicU64::new(0),
+        progress,
     };
     let mut prepared_s = 0.0;
     let (tx, rx) = mpsc::channel::<usize>();
@@ -571,6 +582,12 @@ fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> R
         if !sh.wait_ready(i, off + len) {
             break;
         }
+        sh.progress.phase(match (sh.dir, target) {
+            (Dir::Save, Target::Host(_)) => Phase::CopyingToHost,
+            (Dir::Save, Target::Disk(_)) => Phase::WritingToDisk,
+            (Dir::Restore, Target::Host(_)) => Phase::CopyingToDevice,
+            (Dir::Restore, Target::Disk(_)) => Phase::ReadingFromDisk,
+        });
         let r = match target {
             Target::Host(host) => chunk(sh, it.dev, host, k, (off, len), lanes),
             Target::Disk(file) => disk_chunk(sh, it.dev, file, k, (off, len), lanes),
@@ -625,7 +642,9 @@ fn chunk(
                 Dir::Restore => d.copy_h2d(dev, host, len, s),
             }
         })?;
-        return d.event_sync(lanes.events[0]);
+        d.event_sync(lanes.events[0])?;
+        sh.progress.moved(len);
+        return Ok(());
     }
     staged(sh, &mut Side::Mem(host), dev, len, lanes)
 }
@@ -792,5 +811,6 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, side: &mut Side<
         // is inside this worker's chunk.
         unsafe { side.store(slot.as_ptr(), off, n) }?;
     }
+    sh.progress.moved(n);
     Ok(())
 }

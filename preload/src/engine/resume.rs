@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::pipeline::{self, Dir, Item, Target};
+use super::progress::{Backing, Phase, Start, Which};
 use super::segment::{self, Mapping, Span};
 use super::{
     by_device, check_tag, device_work, first_error, per_device, BufferRanges, Engine, OpReport,
@@ -40,6 +41,18 @@ impl Job {
 
     fn device(&self) -> i32 {
         self.runs[0].0.device
+    }
+
+    /// Its backup is a file (a host buffer is preferred where it has both, as by the copies).
+    fn on_disk(&self) -> bool {
+        self.host.is_none() && self.disk.is_some()
+    }
+
+    /// Bytes the copy pipeline moves for this job.
+    fn pipeline_bytes(&self) -> u64 {
+        (0..self.runs.len())
+            .map(|r| Item::over(self.ptr, &self.runs[r].0, self.target(r)).copy_bytes())
+            .sum()
     }
 
     /// Bytes copied back into run `r`.
@@ -94,7 +107,25 @@ impl Engine {
         let t0 = Instant::now();
         let cfg = self.copy_config();
         let mut ops = self.ops.lock();
+        let tracked = self.progress.begin(Start {
+            which: Which::Resume,
+            tag,
+            chunks: pick.chunks,
+            label: pick.label,
+        });
         let jobs = self.begin_resume(pick)?;
+        if let (None, Some(j)) = (tag, jobs.first().filter(|_| pick.alloc.is_some())) {
+            tracked.set_tag(&j.tag);
+        }
+        let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
+        tracked.prepared(
+            jobs.iter().map(Job::pipeline_bytes).sum(),
+            Backing {
+                host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
+                disk: jobs.iter().filter(copying).any(Job::on_disk),
+            },
+        );
+        let progress = tracked.counters();
         let settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Resuming);
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
@@ -107,6 +138,7 @@ impl Engine {
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
         let groups = by_device(jobs.iter().map(Job::device));
+        progress.phase(Phase::Mapping);
         // Per device, in parallel: map each run of segments, and copy its backup back while the
         // next one is mapped. All or nothing: on any failure the mappings made are dropped,
         // which undoes them, and the allocations stay paused with their backups.
@@ -132,13 +164,14 @@ impl Engine {
                         &cfg,
                         ring,
                         &items,
-                        |p, progress| {
+                        progress,
+                        |p, mapped| {
                             let (i, r) = parts[p];
                             let j = &jobs[i];
                             let span = j.runs[r].0;
                             let off = span.ptr - j.ptr;
                             let mut m = Mapping::new(d, span);
-                            let res = m.map_all(&|b| progress(off + b));
+                            let res = m.map_all(&|b| mapped(off + b));
                             // Kept even when incomplete: workers may be copying into the
                             // segments made, so they are undone only after the pipeline stops.
                             made.push((i, r, m));
@@ -184,7 +217,7 @@ impl Engine {
                 for (k, h) in m.commit().into_iter().enumerate() {
                     a.handles[first + k] = Some(h);
                 }
-                tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r));
+                tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
             }
             if pick.chunk_state {
                 // A record is used once, by the allocations that had nothing to resume too (all
@@ -237,6 +270,9 @@ impl Engine {
         drop(ops);
         // Giving host memory back takes as long as filling it did: in parallel, and without
         // holding up anyone else.
+        if !released.is_empty() {
+            progress.phase(Phase::Releasing);
+        }
         let t1 = Instant::now();
         release_parallel(released, cfg.threads);
         for (h, ranges) in drop_pages {
@@ -253,9 +289,10 @@ impl Engine {
         report.seconds = t0.elapsed().as_secs_f64();
         self.record_history(per_tag, report, |h| &mut h.last_resume);
         tracing::info!(
-            "resumed {} ({} allocations) in {:.3}s ({:.3}s releasing host memory)",
+            "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
             human(report.bytes),
             report.allocations,
+            report.copies(false),
             report.seconds,
             report.release_seconds
         );

@@ -583,3 +583,31 @@ fn staged_byte_copies_never_leave_the_callers_memory_queued() {
     e.read_bytes_staged(p, &mut out).unwrap();
     assert!(out == data);
 }
+
+#[test]
+fn the_sole_device_is_known_until_a_second_one_is_used() {
+    let (_sim, e) = setup(64 << 20);
+    assert_eq!(e.sole_device(), None, "nothing allocated yet");
+    let bad = AllocRequest {
+        device: 7,
+        ..req(G, "x", None)
+    };
+    assert!(e.alloc(&bad).is_err());
+    assert_eq!(
+        e.sole_device(),
+        None,
+        "a device that does not exist is not noted"
+    );
+    let a = e.alloc(&req(G, "a", None)).unwrap();
+    assert_eq!(e.sole_device(), Some(0));
+    e.free(a).unwrap();
+    assert_eq!(e.sole_device(), Some(0), "it stays the process's device");
+    let on_1 = AllocRequest {
+        device: 1,
+        ..req(G, "b", None)
+    };
+    e.alloc(&on_1).unwrap();
+    assert_eq!(e.sole_device(), None, "two devices: none names the process");
+    e.alloc(&req(G, "c", None)).unwrap();
+    assert_eq!(e.sole_device(), None, "for good");
+}

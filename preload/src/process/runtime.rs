@@ -32,30 +32,10 @@ pub fn forked() -> bool {
     FORKED.load(Ordering::Relaxed)
 }
 
-/// Log to stderr as `TMS_LOG` (a tracing filter) asks; nothing when it is unset. The tools
-/// built on the engine call it too.
+/// Log to stderr as `TMS_LOG` (a tracing filter) and `TMS_LOG_FORMAT` ask; nothing when
+/// `TMS_LOG` is unset. The tools built on the engine call it too.
 pub fn init_logging() {
-    let filter = match std::env::var("TMS_LOG") {
-        Ok(f) => f,
-        Err(std::env::VarError::NotPresent) => return,
-        Err(std::env::VarError::NotUnicode(_)) => {
-            eprintln!("torch-memory-saver: environment variable TMS_LOG is not valid UTF-8; logging stays off");
-            return;
-        }
-    };
-    match tracing_subscriber::EnvFilter::builder().parse(&filter) {
-        Ok(f) => {
-            let _ = tracing_subscriber::fmt()
-                .with_env_filter(f)
-                .with_writer(std::io::stderr)
-                .with_target(false)
-                .try_init();
-        }
-        // Said in one line naming the variable, as for every TMS_* setting.
-        Err(e) => eprintln!(
-            "torch-memory-saver: environment variable TMS_LOG: {filter:?} is not a log filter ({e}); logging stays off"
-        ),
-    }
+    super::logging::init();
 }
 
 /// Open the driver `choice` names (auto = cuda).

@@ -15,6 +15,8 @@
 //! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
 //! - `TMS_PIN=background|inline|never`: when pinned backups are page-locked (default background).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
+//! - `TMS_LOG_FORMAT=text|json`: the shape of those lines (default text); every line names the
+//!   pid that wrote it and, where its pauseable memory is on one device, that device.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;

@@ -1,0 +1,329 @@
+//! `tmsctl pause|resume --atomic`: every process or none, over the processes' own control
+//! sockets (one node; across nodes, `torch_memory_saver.distributed` does the same over
+//! torch.distributed).
+//!
+//! The processes are asked in turn; at the first failure the rest are not asked, and each
+//! process that changed is brought back to where it was:
+//!
+//! - a whole-tag pause is sent with `chunk_state` (the process records which allocations and
+//!   chunks were active), and undone by a resume that restores that record: what was paused
+//!   before stays paused, and the contents come back from the backups the pause wrote. A process
+//!   whose own pause failed part-way is undone the same way, if its active bytes changed (a
+//!   pause that failed before starting may have recorded nothing, and a restore without a record
+//!   would resume everything);
+//! - a whole-tag resume is undone by pausing the tag, which is exact only where nothing of the
+//!   tag was active before: elsewhere the undo is skipped and said so (nothing is lost: the tag
+//!   stays resumed). A resume that fails undoes itself in the process (it is all or nothing);
+//! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
+//!   changed (read before and after with `chunks`).
+
+use serde_json::json;
+use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request};
+
+use crate::client::{self, Client, Code, Failure, Folder, Socket};
+use crate::{
+    asked, json_error, needs_chunks, one_line, op_words, output, progress, run_one, status_of,
+    with_pid, Ctx, Reported, Select,
+};
+
+/// How one process's operation is undone, decided before it acts.
+enum Undo {
+    /// Resume restoring the state the pause recorded; `before` is the tag's active bytes
+    /// before the pause (a failed pause that changed nothing is left alone).
+    Restore { before: u64 },
+    /// Pause the tag again (a resume of a tag wholly paused before).
+    PauseAgain,
+    /// Cannot be undone exactly; why.
+    Skip(String),
+    /// The opposite operation on the chunks whose state changed from these.
+    Chunks(Vec<bool>),
+}
+
+/// What became of one process.
+struct Done {
+    sock: Socket,
+    done: OpDone,
+    undo: Undo,
+}
+
+fn active_bytes(c: &mut Client, tag: Option<&str>) -> client::Result<u64> {
+    let s = status_of(c)?;
+    Ok(s.tags
+        .iter()
+        .filter(|t| tag.is_none_or(|x| x == t.tag))
+        .map(|t| t.bytes_active)
+        .sum())
+}
+
+fn chunk_states(c: &mut Client, tag: &str) -> client::Result<Vec<bool>> {
+    let s: ChunkStatus = c.ask_for(
+        &Request::Chunks {
+            tag: tag.to_string(),
+        },
+        |r| match r {
+            Reply::Chunks(s) => Some(s),
+            _ => None,
+        },
+    )?;
+    Ok(s.states.bytes().map(|b| b == b'1').collect())
+}
+
+/// The request to send (a whole-tag pause records its state) and how it would be undone.
+fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
+    let Some((which, tag, chunks, _)) = asked(req) else {
+        return Err(Failure::new(
+            Code::Failed,
+            "--atomic takes a pause or a resume",
+        ));
+    };
+    needs_chunks(c)?;
+    if chunks.is_some() {
+        let tag = tag.as_deref().unwrap_or_default();
+        return Ok((req.clone(), Undo::Chunks(chunk_states(c, tag)?)));
+    }
+    match which {
+        Op::Pause => {
+            let before = active_bytes(c, tag.as_deref())?;
+            Ok((
+                Request::Pause {
+                    tag,
+                    chunks: None,
+                    chunk_state: true,
+                },
+                Undo::Restore { before },
+            ))
+        }
+        Op::Resume => {
+            let s = status_of(c)?;
+            let partly: Vec<String> = s
+                .tags
+                .iter()
+                .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
+                .filter(|t| t.active_allocations > 0 || t.partial_allocations > 0)
+                .map(|t| output::quoted(&t.tag))
+                .collect();
+            let undo = if partly.is_empty() {
+                Undo::PauseAgain
+            } else {
+                Undo::Skip(format!(
+                    "not undone: {} had active memory before the resume, which a pause would \
+                     take too; left resumed",
+                    partly.join(", ")
+                ))
+            };
+            Ok((req.clone(), undo))
+        }
+    }
+}
+
+/// Undo on the process of `sock`; the undo's own result, or why there was nothing to do.
+fn undo(
+    ctx: &Ctx,
+    show: progress::Show,
+    sock: &Socket,
+    req: &Request,
+    how: &Undo,
+    failed_here: bool,
+) -> client::Result<Option<OpDone>> {
+    let Some((which, tag, _, _)) = asked(req) else {
+        return Err(Failure::new(
+            Code::Failed,
+            "--atomic takes a pause or a resume",
+        ));
+    };
+    let mut c = Client::connect(sock, ctx.timeout)?;
+    let back = match how {
+        Undo::Skip(_) => return Ok(None),
+        Undo::Restore { before } => {
+            if failed_here && active_bytes(&mut c, tag.as_deref())? == *before {
+                return Ok(None);
+            }
+            Request::Resume {
+                tag,
+                chunks: None,
+                chunk_state: true,
+            }
+        }
+        // A resume that fails undoes itself in the process (all or nothing).
+        Undo::PauseAgain if failed_here => return Ok(None),
+        Undo::PauseAgain => Request::Pause {
+            tag,
+            chunks: None,
+            chunk_state: false,
+        },
+        Undo::Chunks(before) => {
+            let name = tag.clone().unwrap_or_default();
+            let now = chunk_states(&mut c, &name)?;
+            let changed: Vec<usize> = before
+                .iter()
+                .zip(&now)
+                .enumerate()
+                .filter(|(_, (b, n))| b != n)
+                .map(|(i, _)| i)
+                .collect();
+            if changed.is_empty() {
+                return Ok(None);
+            }
+            let chunks = Some(chunk_ranges(&changed));
+            match which {
+                Op::Pause => Request::Resume {
+                    tag,
+                    chunks,
+                    chunk_state: false,
+                },
+                Op::Resume => Request::Pause {
+                    tag,
+                    chunks,
+                    chunk_state: false,
+                },
+            }
+        }
+    };
+    run_one(ctx, true, show, &mut c, &back).map(Some)
+}
+
+/// The undo's result line without its "pid P: " (the line it goes on has it).
+fn undone_words(pid: u32, u: &OpDone) -> String {
+    let line = output::done(pid, u, false);
+    let prefix = format!("pid {pid}: ");
+    line.strip_prefix(&prefix)
+        .map_or(line.clone(), str::to_string)
+}
+
+pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyhow::Result<()> {
+    let (which, tag, chunks, _) =
+        asked(req).ok_or_else(|| anyhow::anyhow!("--atomic takes a pause or a resume"))?;
+    let what = op_words(which, tag.as_deref(), chunks.as_ref());
+    let folder = Folder::open(&ctx.dir)?;
+    let targets = ctx.targets(&folder, sel)?;
+    let mut done: Vec<Done> = Vec::new();
+    let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
+    let mut not_asked: Vec<u32> = Vec::new();
+    for sock in targets {
+        if failure.is_some() {
+            not_asked.push(sock.pid());
+            continue;
+        }
+        let mut prepared = None;
+        let r = Client::connect(&sock, ctx.timeout).and_then(|mut c| {
+            let (send, how) = prepare(&mut c, req)?;
+            prepared = Some(how);
+            run_one(ctx, true, show, &mut c, &send)
+        });
+        match r {
+            Ok(d) => match prepared {
+                Some(undo) => done.push(Done {
+                    sock,
+                    done: d,
+                    undo,
+                }),
+                None => {
+                    let f = Failure::new(Code::Failed, "acted without a plan to undo");
+                    failure = Some((sock, f, None));
+                }
+            },
+            Err(f) => failure = Some((sock, f, prepared)),
+        }
+    }
+    let Some((failed_sock, f, failed_undo)) = failure else {
+        // Every process did it: print as without --atomic.
+        let mut items = Vec::new();
+        for d in &done {
+            if ctx.json {
+                items.push(with_pid(d.sock.pid(), &d.done));
+            } else {
+                println!(
+                    "{}",
+                    output::printable_lines(&output::done(d.sock.pid(), &d.done, false))
+                );
+            }
+        }
+        if ctx.json {
+            output::print_json(json!({"atomic": true, "ok": true, "processes": items}));
+        }
+        return Ok(());
+    };
+    eprintln!("tmsctl: {}", one_line(&f.message));
+    // Undo, the process that failed included where it changed.
+    let mut items = Vec::new();
+    let mut undone = Vec::new();
+    let mut kept: Vec<String> = Vec::new();
+    let mut undo_rows: Vec<(&Socket, Option<&OpDone>, &Undo, bool)> = done
+        .iter()
+        .map(|d| (&d.sock, Some(&d.done), &d.undo, false))
+        .collect();
+    if let Some(u) = &failed_undo {
+        undo_rows.push((&failed_sock, None, u, true));
+    }
+    for (sock, d, how, failed_here) in undo_rows {
+        let pid = sock.pid();
+        let result = undo(ctx, show, sock, req, how, failed_here);
+        let (undo_json, line) = match (&result, how) {
+            (Ok(Some(u)), _) => {
+                undone.push(pid);
+                (
+                    with_pid(pid, u),
+                    format!("undone: {}", undone_words(pid, u)),
+                )
+            }
+            (Ok(None), Undo::Skip(why)) => {
+                kept.push(format!("process {pid}: {why}"));
+                (json!({"skipped": why}), why.clone())
+            }
+            (Ok(None), _) => (
+                json!({"skipped": "nothing had changed"}),
+                "nothing to undo (nothing had changed)".to_string(),
+            ),
+            (Err(e), _) => {
+                kept.push(format!("process {pid}: the undo failed: {}", e.message));
+                (
+                    json_error(e.code, &e.message, Some(pid)),
+                    format!("the undo failed: {}", e.message),
+                )
+            }
+        };
+        if ctx.json {
+            let mut item = json!({"pid": pid, "undo": undo_json});
+            if let Some(d) = d {
+                item["done"] = with_pid(pid, d);
+            } else {
+                item["failed"] = json_error(f.code, &f.message, Some(pid));
+            }
+            items.push(item);
+        } else {
+            if let Some(d) = d {
+                println!("{}", output::printable_lines(&output::done(pid, d, false)));
+            }
+            println!("{}", output::printable_lines(&format!("pid {pid}: {line}")));
+        }
+    }
+    let mut summary = format!("--atomic: {what} failed on process {}", failed_sock.pid());
+    if !not_asked.is_empty() {
+        let p: Vec<String> = not_asked.iter().map(u32::to_string).collect();
+        summary.push_str(&format!("; not asked: {}", p.join(", ")));
+    }
+    if kept.is_empty() {
+        summary.push_str(&format!(
+            "; undone on {} process{}: every process is as before",
+            undone.len(),
+            if undone.len() == 1 { "" } else { "es" }
+        ));
+    } else {
+        summary.push_str(&format!(
+            "; NOT every process is as before: {}",
+            kept.join("; ")
+        ));
+    }
+    eprintln!("tmsctl: {}", one_line(&summary));
+    if ctx.json {
+        output::print_json(json!({
+            "atomic": true,
+            "ok": false,
+            "failed": json_error(f.code, &f.message, Some(failed_sock.pid())),
+            "processes": items,
+            "not_asked": not_asked,
+            "every_process_as_before": kept.is_empty(),
+        }));
+    }
+    Err(Reported(f.code).into())
+}

@@ -1,0 +1,547 @@
+//! Progress of a pause or resume while tmsctl waits for its reply.
+//!
+//! The request's connection carries one reply per request, the final one, so a second
+//! connection polls the process's `status` (servers with [`tms_proto::FEATURE_PROGRESS`]), twice
+//! a second once the wait has lasted half a second (a quick pause costs the process nothing).
+//! What it sees serves two ends:
+//!
+//! - the timeout rule of pause and resume: the wait goes on while the process's pauses and
+//!   resumes move (bytes copied, a phase changed, one ended or started: the one asked for, or
+//!   the one it waits behind), and ends once `--timeout` has passed with nothing moving
+//!   ([`Watch::last_moved`], which [`crate::client::Client::ask_while`] reads). A pause of
+//!   hundreds of GiB to disk thus takes as long as it takes, while a stuck one (a device that
+//!   never finishes its queued work) is still reported after `--timeout`;
+//! - a progress line on stderr ([`Show`]): on a terminal one line rewritten in place, else
+//!   (when asked for) a line about every second.
+//!
+//! The server closes a connection after 10 s of waiting for requests in all, so the poller
+//! opens a new one every few seconds. The poller's thread is never waited for: a status that
+//! takes long (a process under load) must not delay the result; nothing is printed once
+//! [`Watch::finish`] has run, since printing and finishing take the same lock.
+
+use std::collections::VecDeque;
+use std::io::{IsTerminal, Write};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tms_proto::{Backing, ChunkRanges, Op, Phase, Reply, Request, Running};
+
+use crate::client::{Client, Socket};
+use crate::output::{quoted, ranges};
+
+/// How progress is shown.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Show {
+    /// Not at all (it is still watched, for the timeout rule).
+    Off,
+    /// One line on stderr, rewritten in place (a terminal).
+    Line,
+    /// A line on stderr about every second (asked for with `--progress`, not a terminal).
+    Lines,
+}
+
+impl Show {
+    /// `--progress` (`on`) and `--no-progress` (`off`): by default, on a terminal only.
+    pub fn pick(on: bool, off: bool) -> Show {
+        let tty = std::io::stderr().is_terminal();
+        match (on, off, tty) {
+            (_, true, _) | (false, false, false) => Show::Off,
+            (_, false, true) => Show::Line,
+            (true, false, false) => Show::Lines,
+        }
+    }
+}
+
+/// The wait before the first poll, and between polls.
+const POLL: Duration = Duration::from_millis(500);
+/// Between two lines, without a terminal.
+const LINES_EVERY: Duration = Duration::from_millis(1000);
+/// A polling connection is replaced after this long (the server closes one that has waited
+/// 10 s for requests in all).
+const CONNECTION_AGE: Duration = Duration::from_secs(6);
+/// The longest a poll waits for its status.
+const POLL_TIMEOUT: Duration = Duration::from_secs(5);
+/// The span of the rate shown (the recent rate, not the average since the start).
+const RATE_WINDOW: Duration = Duration::from_secs(5);
+
+/// The operation watched, as the process lists it.
+#[derive(Clone, Debug)]
+pub struct Asked {
+    /// The process.
+    pub pid: u32,
+    /// Its lines start with the pid (several processes are acted on in turn).
+    pub with_pid: bool,
+    /// Pause or resume.
+    pub op: Op,
+    /// Its tag (every tag if `None`).
+    pub tag: Option<String>,
+    /// Its chunks, if it names some.
+    pub chunks: Option<ChunkRanges>,
+}
+
+struct State {
+    stopped: bool,
+    moved: Instant,
+    /// A line is on the terminal (to be taken off at the end).
+    shown: bool,
+    last_line: Option<Instant>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    wake: Condvar,
+    show: Show,
+}
+
+impl Shared {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sleep `d`, or until stopped; true once stopped.
+    fn sleep(&self, d: Duration) -> bool {
+        let g = self.state();
+        let (g, _) = self
+            .wake
+            .wait_timeout_while(g, d, |s| !s.stopped)
+            .unwrap_or_else(|p| p.into_inner());
+        g.stopped
+    }
+
+    /// Show `line`, unless the watch has finished.
+    fn print(&self, line: &str) {
+        let mut g = self.state();
+        if g.stopped || self.show == Show::Off {
+            return;
+        }
+        let mut err = std::io::stderr().lock();
+        match self.show {
+            Show::Line => {
+                let _ = write!(err, "\r{}\x1b[K", fit(line, width()));
+                g.shown = true;
+            }
+            Show::Lines => {
+                let now = Instant::now();
+                if g.last_line
+                    .is_some_and(|t| now - t < LINES_EVERY - POLL / 2)
+                {
+                    return;
+                }
+                g.last_line = Some(now);
+                let _ = writeln!(err, "{line}");
+            }
+            Show::Off => {}
+        }
+        let _ = err.flush();
+    }
+}
+
+/// A running watch of one pause or resume.
+pub struct Watch {
+    shared: Arc<Shared>,
+}
+
+impl Watch {
+    /// Start watching `asked` on the process of `sock` (a server with progress reports).
+    pub fn start(sock: &Socket, timeout: Duration, asked: Asked, show: Show) -> Watch {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                stopped: false,
+                moved: Instant::now(),
+                shown: false,
+                last_line: None,
+            }),
+            wake: Condvar::new(),
+            show,
+        });
+        let sh = shared.clone();
+        let sock = sock.clone();
+        // Without a thread there is no progress, and the wait is as without a server that
+        // reports it.
+        let _ = std::thread::Builder::new()
+            .name("tmsctl-progress".into())
+            .spawn(move || poll(&sh, &sock, timeout, &asked));
+        Watch { shared }
+    }
+
+    /// When the process's pauses and resumes last moved (the start of the watch, before
+    /// anything was seen).
+    pub fn last_moved(&self) -> Instant {
+        self.shared.state().moved
+    }
+
+    /// Stop watching, and take the progress line off the terminal.
+    pub fn finish(self) {
+        drop(self);
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut g = self.shared.state();
+        g.stopped = true;
+        if g.shown {
+            let mut err = std::io::stderr().lock();
+            let _ = write!(err, "\r\x1b[K");
+            let _ = err.flush();
+            g.shown = false;
+        }
+        self.shared.wake.notify_all();
+    }
+}
+
+/// What a status says about the process's pauses and resumes that move: their kinds, phases
+/// and bytes. A change between two polls is progress.
+type Seen = Vec<(Op, Option<Phase>, Option<u64>, bool)>;
+
+fn poll(sh: &Shared, sock: &Socket, timeout: Duration, asked: &Asked) {
+    let mut conn: Option<(Client, Instant)> = None;
+    let mut failures = 0;
+    let mut prev: Option<Seen> = None;
+    let mut rate = Rate::default();
+    while !sh.sleep(POLL) {
+        let t = timeout.min(POLL_TIMEOUT);
+        if conn
+            .as_ref()
+            .is_some_and(|(_, at)| at.elapsed() > CONNECTION_AGE)
+        {
+            conn = None;
+        }
+        if conn.is_none() {
+            conn = Client::connect(sock, t).ok().map(|c| (c, Instant::now()));
+        }
+        let status = conn.as_mut().and_then(|(c, _)| {
+            c.rearm(t);
+            match c.ask(&Request::Status) {
+                Ok(Reply::Status(s)) => Some(s),
+                _ => None,
+            }
+        });
+        let Some(s) = status else {
+            conn = None;
+            failures += 1;
+            if failures >= 3 {
+                // The process is gone or will not answer: the reply's wait says why.
+                return;
+            }
+            continue;
+        };
+        failures = 0;
+        let now = Instant::now();
+        let seen: Seen = s
+            .operations
+            .iter()
+            .filter(|r| r.phase.is_some())
+            .map(|r| (r.op, r.phase, r.bytes_done, r.in_process))
+            .collect();
+        let moved = match &prev {
+            Some(p) => *p != seen,
+            None => seen.iter().any(|o| o.2.is_some_and(|b| b > 0)),
+        };
+        if moved {
+            sh.state().moved = now;
+        }
+        prev = Some(seen);
+        if let Some(r) = mine(&s.operations, asked) {
+            if let Some(b) = r.bytes_done {
+                rate.add(now, b);
+            }
+            sh.print(&line(asked, r, rate.per_s().or(r.gib_per_s.map(gib))));
+        }
+    }
+}
+
+fn gib(g: f64) -> f64 {
+    g * (1u64 << 30) as f64
+}
+
+/// The entry of `ops` that is the operation asked for: of its kind, tag and chunks, and asked
+/// over the socket; the one running where there are several.
+fn mine<'a>(ops: &'a [Running], a: &Asked) -> Option<&'a Running> {
+    let same =
+        |r: &&Running| !r.in_process && r.op == a.op && r.tag == a.tag && r.chunks == a.chunks;
+    ops.iter()
+        .filter(same)
+        .find(|r| r.bytes_done.is_some())
+        .or_else(|| ops.iter().find(same))
+}
+
+/// Bytes per second over the last few seconds of samples.
+#[derive(Default)]
+struct Rate {
+    samples: VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    fn add(&mut self, t: Instant, done: u64) {
+        if self.samples.back().is_some_and(|s| done < s.1) {
+            // Another operation's bytes (ours had not started): start over.
+            self.samples.clear();
+        }
+        self.samples.push_back((t, done));
+        while self.samples.front().is_some_and(|s| t - s.0 > RATE_WINDOW) {
+            self.samples.pop_front();
+        }
+    }
+
+    fn per_s(&self) -> Option<f64> {
+        let (a, b) = (self.samples.front()?, self.samples.back()?);
+        let span = (b.0 - a.0).as_secs_f64();
+        (span >= 0.9 && b.1 > a.1).then(|| (b.1 - a.1) as f64 / span)
+    }
+}
+
+/// The words for bytes moved by `op` to or from `backing` (else as its phase says).
+pub fn moved_words(op: Op, backing: Option<Backing>, phase: Option<Phase>) -> &'static str {
+    match (op, backing, phase) {
+        (Op::Pause, Some(Backing::Host), _) | (Op::Pause, _, Some(Phase::CopyingToHost)) => {
+            "copied to host memory"
+        }
+        (Op::Pause, Some(Backing::Disk), _) | (Op::Pause, _, Some(Phase::WritingToDisk)) => {
+            "written to disk"
+        }
+        (Op::Pause, Some(Backing::HostAndDisk), _) => "saved to host memory and disk",
+        (Op::Pause, _, _) => "saved",
+        (Op::Resume, Some(Backing::Host), _) | (Op::Resume, _, Some(Phase::CopyingToDevice)) => {
+            "copied from host memory"
+        }
+        (Op::Resume, Some(Backing::Disk), _) | (Op::Resume, _, Some(Phase::ReadingFromDisk)) => {
+            "read from disk"
+        }
+        (Op::Resume, Some(Backing::HostAndDisk), _) => "restored from host memory and disk",
+        (Op::Resume, _, _) => "restored",
+    }
+}
+
+/// Bytes with one decimal, and their unit: `("12.0", "GiB")`; short, for a line that must fit
+/// a terminal's width.
+fn short(bytes: u64) -> (String, &'static str) {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < UNITS.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        (bytes.to_string(), UNITS[0])
+    } else {
+        (format!("{v:.1}"), UNITS[i])
+    }
+}
+
+/// `12.0 of 64.0 GiB` (one unit where both have it), else `512.0 MiB of 64.0 GiB`.
+fn amounts(done: u64, total: u64) -> String {
+    let ((d, du), (t, tu)) = (short(done), short(total));
+    if du == tu {
+        format!("{d} of {t} {tu}")
+    } else {
+        format!("{d} {du} of {t} {tu}")
+    }
+}
+
+/// A duration for people: `33 s`, `12 min`, `1.5 h`.
+fn span(s: f64) -> String {
+    if s < 90.0 {
+        format!("{:.0} s", s.max(0.0))
+    } else if s < 90.0 * 60.0 {
+        format!("{:.0} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+/// What the operation asked for is, for people: `tag "kv"`, `chunks 8-15 of tag "kv"`.
+pub fn what(tag: Option<&str>, chunks: Option<&ChunkRanges>) -> String {
+    match (tag, chunks) {
+        (Some(t), Some(c)) => format!("chunks {} of tag {}", ranges(c), quoted(t)),
+        (Some(t), None) => format!("tag {}", quoted(t)),
+        (None, _) => "every tag".to_string(),
+    }
+}
+
+/// How far `r` has got, in words (`12.0 of 64.0 GiB written to disk, 1.6 GiB/s, about 33 s
+/// left`); `rate` in bytes per second, where known.
+pub fn state(r: &Running, rate: Option<f64>) -> String {
+    let secs = r.seconds;
+    let (done, total) = (r.bytes_done.unwrap_or(0), r.bytes_total.unwrap_or(0));
+    let words = moved_words(r.op, r.backing, r.phase);
+    let copied = || {
+        let mut s = format!("{} {words}", amounts(done, total));
+        if let Some(v) = rate.filter(|v| *v > 0.0 && v.is_finite()) {
+            let (n, unit) = short(v as u64);
+            s.push_str(&format!(", {n} {unit}/s"));
+            if total > done {
+                // Rounded up: "about 0 s left" would read as done.
+                let left = ((total - done) as f64 / v).ceil();
+                s.push_str(&format!(", about {} left", span(left)));
+            }
+        }
+        s
+    };
+    match r.phase {
+        None => format!("running ({})", span(secs)),
+        Some(Phase::Waiting) => {
+            format!(
+                "waiting for another pause or resume to end ({})",
+                span(secs)
+            )
+        }
+        Some(Phase::Preparing) => format!("preparing ({})", span(secs)),
+        Some(Phase::Synchronizing) => {
+            format!("waiting for the work queued on the device ({})", span(secs))
+        }
+        Some(Phase::Mapping) if done == 0 => format!("mapping device memory ({})", span(secs)),
+        Some(Phase::Releasing) if total > 0 => {
+            let (n, unit) = short(total);
+            format!("{n} {unit} {words}; giving memory back")
+        }
+        Some(Phase::Releasing) => format!("giving memory back ({})", span(secs)),
+        Some(Phase::Unknown) => format!("{} ({})", copied(), span(secs)),
+        Some(_) if total == 0 => format!("running ({})", span(secs)),
+        Some(_) => copied(),
+    }
+}
+
+/// The progress line of `r`, the operation `a` asked for.
+fn line(a: &Asked, r: &Running, rate: Option<f64>) -> String {
+    let verb = match a.op {
+        Op::Pause => "pause",
+        Op::Resume => "resume",
+    };
+    format!(
+        "{}{verb} of {}: {}",
+        if a.with_pid {
+            format!("pid {}: ", a.pid)
+        } else {
+            String::new()
+        },
+        what(a.tag.as_deref(), a.chunks.as_ref()),
+        state(r, rate)
+    )
+}
+
+/// The terminal's width (`$COLUMNS`, else 80).
+fn width() -> usize {
+    std::env::var("COLUMNS")
+        .ok()
+        .and_then(|c| c.trim().parse::<usize>().ok())
+        .filter(|w| *w >= 20)
+        .unwrap_or(80)
+}
+
+/// `s` cut to fit a line of `width` columns (one left free, so the cursor never wraps).
+fn fit(s: &str, width: usize) -> String {
+    let max = width.saturating_sub(1);
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut t: String = s.chars().take(max.saturating_sub(1)).collect();
+    t.push('\u{2026}');
+    t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running(op: Op, phase: Phase, done: u64, total: u64, backing: Backing) -> Running {
+        Running {
+            phase: Some(phase),
+            bytes_done: Some(done),
+            bytes_total: Some(total),
+            backing: Some(backing),
+            ..Running::new(op, Some("kv".into()), None, 7.0)
+        }
+    }
+
+    #[test]
+    fn progress_in_words() {
+        const G: u64 = 1 << 30;
+        let mut a = Asked {
+            pid: 7,
+            with_pid: false,
+            op: Op::Pause,
+            tag: Some("kv".into()),
+            chunks: None,
+        };
+        let r = running(
+            Op::Pause,
+            Phase::WritingToDisk,
+            12 * G,
+            64 * G,
+            Backing::Disk,
+        );
+        let l = line(&a, &r, Some(1.6 * G as f64));
+        assert_eq!(
+            l,
+            "pause of tag \"kv\": 12.0 of 64.0 GiB written to disk, 1.6 GiB/s, about 33 s left"
+        );
+        assert!(l.chars().count() < 80, "fits a terminal");
+        a.with_pid = true;
+        assert!(line(&a, &r, None).starts_with("pid 7: pause of tag \"kv\": 12.0 of 64.0 GiB"));
+        let r = running(Op::Pause, Phase::CopyingToHost, G / 2, 4 * G, Backing::Host);
+        assert_eq!(
+            state(&r, None),
+            "512.0 MiB of 4.0 GiB copied to host memory"
+        );
+        let r = running(Op::Resume, Phase::ReadingFromDisk, G, 4 * G, Backing::Disk);
+        assert!(state(&r, Some(G as f64)).starts_with("1.0 of 4.0 GiB read from disk, 1.0 GiB/s"));
+        let r = running(Op::Resume, Phase::CopyingToDevice, 0, G, Backing::Host);
+        assert!(state(&r, None).ends_with("0 B of 1.0 GiB copied from host memory"));
+        let r = running(Op::Pause, Phase::Releasing, G, G, Backing::Disk);
+        assert_eq!(
+            state(&r, None),
+            "1.0 GiB written to disk; giving memory back"
+        );
+        let w = Running {
+            phase: Some(Phase::Waiting),
+            ..Running::new(Op::Resume, None, None, 3.0)
+        };
+        assert_eq!(
+            state(&w, None),
+            "waiting for another pause or resume to end (3 s)"
+        );
+        assert_eq!(span(3000.0), "50 min");
+        assert_eq!(span(3.0 * 3600.0), "3.0 h");
+        assert_eq!(fit("abcdef", 5), "abc\u{2026}");
+        assert_eq!(fit("abc", 5), "abc");
+    }
+
+    #[test]
+    fn the_operation_asked_for_is_told_from_others() {
+        let a = Asked {
+            pid: 7,
+            with_pid: false,
+            op: Op::Pause,
+            tag: Some("kv".into()),
+            chunks: None,
+        };
+        let waiting = Running {
+            phase: Some(Phase::Waiting),
+            ..Running::new(Op::Pause, Some("kv".into()), None, 1.0)
+        };
+        let other = running(Op::Pause, Phase::CopyingToHost, 1, 2, Backing::Host);
+        let api = Running {
+            in_process: true,
+            ..other.clone()
+        };
+        let ops = vec![api.clone(), waiting.clone(), other.clone()];
+        assert_eq!(mine(&ops, &a), Some(&other), "the running one");
+        assert_eq!(mine(&[api.clone(), waiting.clone()], &a), Some(&waiting));
+        assert_eq!(mine(&[api], &a), None, "not one asked over the socket");
+    }
+
+    #[test]
+    fn the_rate_is_that_of_the_last_seconds() {
+        let t = Instant::now();
+        let mut r = Rate::default();
+        r.add(t, 0);
+        assert_eq!(r.per_s(), None);
+        r.add(t + Duration::from_secs(1), 100);
+        assert_eq!(r.per_s(), Some(100.0));
+        r.add(t + Duration::from_secs(10), 2100);
+        r.add(t + Duration::from_secs(11), 2300);
+        assert_eq!(r.per_s(), Some(200.0), "the old samples are gone");
+    }
+}

@@ -1,0 +1,256 @@
+"""The job-wide layer (torch_memory_saver.distributed) without torch: several processes, each
+preloaded on its own simulated device, agree through a file-based gather that stands in for
+torch.distributed's all_gather_object (the layer's only use of it). Faults are injected on one
+rank: out of memory on resume, a full disk on pause, a rank that dies before agreeing, a bad
+chunk index. Every rank must end in the same state as the others and report the same error.
+The same scenarios run over real torch.distributed (gloo) in test_gpu_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+from conftest import PRELUDE, clean_env
+
+RANK_CODE = """
+import time
+from torch_memory_saver import distributed as tmsd
+RANK = int(os.environ["RANK"]); WORLD = int(os.environ["WORLD"]); DIR = os.environ["GATHER_DIR"]
+MIB = 1 << 20
+rounds = [0]
+
+def gather(mine):
+    # Each round: write ours, wait for everyone's (a dead rank never writes: a timeout).
+    rounds[0] += 1
+    d = os.path.join(DIR, f"round{rounds[0]}")
+    os.makedirs(d, exist_ok=True)
+    tmp = os.path.join(d, f".{RANK}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(mine, f)
+    os.rename(tmp, os.path.join(d, f"{RANK}.json"))
+    deadline = time.time() + float(os.environ.get("GATHER_TIMEOUT", "20"))
+    while True:
+        names = [os.path.join(d, f"{r}.json") for r in range(WORLD)]
+        missing = [r for r, n in enumerate(names) if not os.path.exists(n)]
+        if not missing:
+            out = []
+            for n in names:
+                with open(n) as f:
+                    out.append(json.load(f))
+            return out
+        if time.time() > deadline:
+            raise TimeoutError(f"ranks {missing} did not answer")
+        time.sleep(0.01)
+
+def alloc(tag, n, seed, chunk=0, **kw):
+    with tms.region(tag=tag, chunk_size=chunk, **kw):
+        rc, p = cuda_malloc(n)
+    assert rc == 0, rc
+    data = bytes((seed * 7 + i * 13) & 0xFF for i in range(256)) * (n // 256)
+    ctypes.memmove(p, data, n)
+    return p, data
+
+def intact(p, data):
+    return ctypes.string_at(p, len(data)) == data
+
+def report(**kw):
+    s = tag_stats(kw.pop("tag"))
+    kw.update(active=s["active_allocations"], paused=s["paused_allocations"])
+    print("RESULT " + json.dumps(kw), flush=True)
+
+def attempt(f, *a):
+    try:
+        out = f(*a, gather, RANK)
+        return {"ok": True, "line": str(out), "total": out.total_bytes, "ranks": len(out.ranks)}
+    except tmsd.DistributedError as e:
+        return {"ok": False, "msg": str(e), "failed": sorted(e.failed)}
+"""
+
+
+def run_ranks(tmp_path, libtms, world: int, body: str, per_rank_env=None, timeout: int = 120) -> list:
+    """Start `world` ranks running `body` at once; return each rank's RESULT dicts (in order)."""
+    gdir = tmp_path / "gather"
+    gdir.mkdir()
+    procs = []
+    for r in range(world):
+        env = clean_env(
+            LD_PRELOAD=libtms,
+            TMS_BACKEND="sim",
+            TMS_SIM_CAPACITY="256MiB",
+            TMS_SOCKET_DIR=str(tmp_path / "sock"),
+            RANK=str(r),
+            WORLD=str(world),
+            GATHER_DIR=str(gdir),
+        )
+        env.update((per_rank_env or {}).get(r, {}))
+        src = PRELUDE + RANK_CODE + textwrap.dedent(body)
+        procs.append(subprocess.Popen([sys.executable, "-c", src], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=timeout)
+        results.append(
+            {
+                "rc": p.returncode,
+                "results": [json.loads(line[7:]) for line in out.splitlines() if line.startswith("RESULT ")],
+                "err": err[-3000:],
+            }
+        )
+    return results
+
+
+def test_every_rank_pauses_and_resumes_with_one_outcome(tmp_path, libtms):
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        3,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", **a)
+        b = attempt(tmsd._resume_tag, "w")
+        report(tag="w", step="resume", intact=intact(p, data), **b)
+        """,
+    )
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+        pause, resume = r["results"]
+        assert pause["ok"] and pause["ranks"] == 3 and pause["total"] == 3 * 8 << 20, pause
+        assert "pause of tag 'w' on 3 ranks: 0.02 GiB released" in pause["line"], pause
+        assert (pause["active"], pause["paused"]) == (0, 1), pause
+        assert resume["ok"] and resume["intact"] and (resume["active"], resume["paused"]) == (1, 0), resume
+
+
+def test_resume_out_of_memory_on_one_rank_leaves_every_rank_paused(tmp_path, libtms):
+    # Rank 1's device fills while "w" is paused (another tag takes the room): its resume runs
+    # out of memory, the others undo theirs, every rank raises naming rank 1; once the memory
+    # is free a second job-wide resume brings every rank back intact.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        3,
+        """
+        p, data = alloc("w", 96 * MIB, RANK, enable_cpu_backup=True)
+        a = attempt(tmsd._pause_tag, "w")
+        hog = None
+        if RANK == 1:
+            hog, _ = alloc("hog", 200 * MIB, 9)
+        b = attempt(tmsd._resume_tag, "w")
+        report(tag="w", step="resume", **b)
+        if hog is not None:
+            assert cuda_free(hog) == 0
+        c = attempt(tmsd._resume_tag, "w")
+        report(tag="w", step="again", intact=intact(p, data), **c)
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        first, again = r["results"]
+        assert not first["ok"] and first["failed"] == [1], first
+        assert "rank 1" in first["msg"] and "OutOfMemoryError" in first["msg"], first
+        assert "every rank undid it" in first["msg"], first
+        assert (first["active"], first["paused"]) == (0, 1), (rank, first)
+        assert again["ok"] and again["intact"] and (again["active"], again["paused"]) == (1, 0), (rank, again)
+
+
+def test_a_full_disk_on_one_rank_undoes_the_pause_everywhere(tmp_path, libtms):
+    # Rank 2's disk fills at its second write: its pause stops part-way; every rank resumes
+    # what it paused, so every rank ends active with its contents, and the error names rank 2.
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        3,
+        f"""
+        tms.set_disk_backup_dir({str(disk)!r})
+        bufs = [alloc("w", 16 * MIB, RANK * 4 + i, enable_disk_backup=True) for i in range(3)]
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", intact=all(intact(p, d) for p, d in bufs), **a)
+        """,
+        per_rank_env={2: {"TMS_DISK_FAULTS": "write:2:ENOSPC", "TMS_DISK_BACKUP_CHUNK_MB": "4"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [2], (rank, p)
+        assert "rank 2" in p["msg"] and "every rank undid it" in p["msg"], (rank, p)
+        assert p["intact"] and (p["active"], p["paused"]) == (3, 0), (rank, p)
+
+
+def test_a_pause_undo_leaves_what_was_paused_before_alone(tmp_path, libtms):
+    # One allocation of the tag was paused before the job-wide pause; a failure elsewhere
+    # undoes the pause, which brings back only what that pause paused.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        old, _ = alloc("w", 4 * MIB, 1, enable_cpu_backup=True)
+        tms.pause("w")
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)  # made active in a paused tag
+        if RANK == 1:
+            # Fails before pausing anything, as a pause refused for host memory does.
+            def failing(*a, **k):
+                raise tms_pkg.OutOfMemoryError("injected: host memory is short")
+            tms.pause = failing
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", intact=intact(p, data), **a)
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1], (rank, p)
+        assert p["intact"], (rank, p)
+        # The 8 MiB allocation is active again, the older one still paused.
+        assert (p["active"], p["paused"]) == (1, 1), (rank, p)
+
+
+def test_a_rank_that_dies_before_agreeing_makes_the_others_undo(tmp_path, libtms):
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        3,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        if RANK == 2:
+            tms.pause("w")
+            os._exit(3)  # dies after acting, before agreeing
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", intact=intact(p, data), **a)
+        """,
+        per_rank_env={r: {"GATHER_TIMEOUT": "3"} for r in range(3)},
+    )
+    assert res[2]["rc"] == 3
+    for r in res[:2]:
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and "the group failed before the ranks could agree" in p["msg"], p
+        assert "ranks [2] did not answer" in p["msg"] and "undid its own pause (done)" in p["msg"], p
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), p
+
+
+def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, libtms):
+    # Rank 0 asks for a chunk its allocation lacks: it fails before changing anything; rank 1
+    # paused chunks 1-2 (chunk 3 was paused before) and must resume exactly 1-2.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("kv", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        tms.pause_chunks("kv", [3])
+        idx = [1, 2, 7] if RANK == 0 else [1, 2]
+        a = attempt(lambda g, r: tmsd._chunk_op(True, "kv", lambda: tms.pause_chunks("kv", idx), "chunks", "pause_chunks", g, r))
+        report(tag="kv", step="chunks", states=tms.get_chunk_states("kv"),
+               intact=ctypes.string_at(p, 6 * MIB) == data[: 6 * MIB], **a)
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (c,) = r["results"]
+        assert not c["ok"] and c["failed"] == [0], (rank, c)
+        assert c["states"] == [True, True, True, False], (rank, c)
+        assert c["intact"], (rank, c)

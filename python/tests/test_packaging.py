@@ -1,0 +1,111 @@
+"""One version everywhere, the Cargo workspace's ([workspace.package] in Cargo.toml): the
+installed package's ``__version__`` and metadata, tmsctl, the wheel and the sdist. Also what the
+wheel and the sdist must hold to be published (the license, the whole workspace). No torch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tarfile
+import zipfile
+from email.parser import HeaderParser
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+import torch_memory_saver as tms_pkg
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_toml(text: str) -> dict:
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        tomllib = pytest.importorskip("tomli")
+    return tomllib.loads(text)
+
+
+@pytest.fixture(scope="module")
+def cargo_toml() -> dict:
+    path = ROOT / "Cargo.toml"
+    if not path.is_file():
+        pytest.skip("needs the source tree's Cargo.toml")
+    return load_toml(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def cargo_version(cargo_toml) -> str:
+    return cargo_toml["workspace"]["package"]["version"]
+
+
+def installed() -> metadata.Distribution:
+    """The installed distribution, if the package imported is the one it installed (a source tree
+    on sys.path may hold a build's egg-info, which describes no installed files)."""
+    try:
+        dist = metadata.distribution("torch_memory_saver")
+    except metadata.PackageNotFoundError:
+        pytest.skip("needs the installed package (scripts/test installs its wheel)")
+    init = Path(tms_pkg.__file__).resolve()
+    if not any(Path(dist.locate_file(f)).resolve() == init for f in dist.files or ()):
+        pytest.skip("the package imported is not the one installed (scripts/test installs its wheel)")
+    return dist
+
+
+def test_installed_version_is_the_cargo_version(cargo_version):
+    dist = installed()
+    assert tms_pkg.__version__ == dist.version
+    assert Version(tms_pkg.__version__) == Version(cargo_version)
+
+
+def test_installed_tmsctl_reports_the_cargo_version(cargo_version):
+    dist = installed()
+    tmsctl = [dist.locate_file(f) for f in dist.files or () if f.name == "tmsctl"]
+    assert tmsctl, "the distribution installs tmsctl"
+    out = subprocess.run([str(tmsctl[0]), "--version"], capture_output=True, text=True, timeout=30, check=True)
+    assert out.stdout.split() == ["tmsctl", cargo_version]
+
+
+@pytest.mark.skipif(not os.environ.get("TMS_TEST_WHEEL"), reason="TMS_TEST_WHEEL names the wheel to check")
+def test_wheel_metadata(cargo_version):
+    z = zipfile.ZipFile(os.environ["TMS_TEST_WHEEL"])
+    info = next(n.split("/")[0] for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+    meta = HeaderParser().parsestr(z.read(f"{info}/METADATA").decode())
+    assert meta["Name"] == "torch_memory_saver"
+    assert Version(meta["Version"]) == Version(cargo_version)
+    assert info == f"torch_memory_saver-{meta['Version']}.dist-info"
+    assert meta["License-Expression"] == "Apache-2.0"
+    assert meta["License-File"] == "LICENSE"
+    license_text = z.read(f"{info}/licenses/LICENSE").decode()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    if (ROOT / "LICENSE").is_file():
+        assert license_text == (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert meta["Requires-Python"] == ">=3.9"
+    classifiers = meta.get_all("Classifier")
+    for c in ("Environment :: GPU :: NVIDIA CUDA :: 12", "Environment :: GPU :: NVIDIA CUDA :: 13",
+              "Operating System :: POSIX :: Linux"):
+        assert c in classifiers
+
+
+@pytest.mark.skipif(not os.environ.get("TMS_TEST_SDIST"), reason="TMS_TEST_SDIST names the sdist to check")
+def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
+    with tarfile.open(os.environ["TMS_TEST_SDIST"]) as tar:
+        names = tar.getnames()
+        top = names[0].split("/")[0]
+        files = {n[len(top) + 1:] for n in names if n.startswith(top + "/")}
+        pkg_info = HeaderParser().parsestr(tar.extractfile(f"{top}/PKG-INFO").read().decode())
+        sdist_cargo = load_toml(tar.extractfile(f"{top}/Cargo.toml").read().decode())
+    assert top == f"torch_memory_saver-{pkg_info['Version']}"
+    assert Version(pkg_info["Version"]) == Version(cargo_version)
+    assert sdist_cargo["workspace"]["package"]["version"] == cargo_version
+    needed = {"Cargo.toml", "Cargo.lock", "LICENSE", "README.md", "pyproject.toml", "setup.py",
+              "python/torch_memory_saver/__init__.py", "python/torch_memory_saver/py.typed"}
+    needed |= {f"{member}/Cargo.toml" for member in cargo_toml["workspace"]["members"]}
+    assert needed <= files, sorted(needed - files)
+    for member in cargo_toml["workspace"]["members"]:
+        assert any(f.startswith(f"{member}/src/") and f.endswith(".rs") for f in files), member
+    stray = [f for f in files if f.split("/")[0] in ("target", "dist", "build", ".upstream", ".git")
+             or f.endswith((".so", ".whl", ".pyc"))]
+    assert not stray, stray

@@ -1,0 +1,101 @@
+"""Progress of long pauses and resumes through the Python package, on a slow simulated device
+(preloaded, no torch): the callback sees the bytes move while the C call runs, in the phase of
+what happens, then "done"; long operations are logged; the C query reports nothing when nothing
+runs; the positional arguments of before still work."""
+
+from __future__ import annotations
+
+import textwrap
+
+# 16 MiB over a 4 MiB/s link in pieces of 256 KiB: 4 s each way, progress many times a second.
+SLOW = {"TMS_SIM_BANDWIDTH": "4MiB", "TMS_STAGING_SLOT": "256KiB"}
+
+WATCH = """
+import logging, threading
+records = []
+class Keep(logging.Handler):
+    def emit(self, r):
+        records.append(r.getMessage())
+log = logging.getLogger("torch_memory_saver")
+log.addHandler(Keep())
+log.setLevel(logging.INFO)
+calls = []
+main = threading.get_ident()
+def progress(done, total, phase):
+    # From a helper thread while the C call runs; the last one ("done") from the caller.
+    assert (threading.get_ident() == main) == (phase == "done"), phase
+    calls.append((done, total, phase))
+def moving(phase):
+    return [c for c in calls if c[2] == phase and 0 < c[0] < c[1]]
+"""
+
+
+def test_a_long_pause_to_disk_and_its_resume_report_progress(preloaded, tmp_path):
+    d = tmp_path / "backups"
+    d.mkdir()
+    r = preloaded(
+        WATCH
+        + textwrap.dedent(
+            f"""
+        tms.set_disk_backup_dir({str(d)!r})
+        n = 16 << 20
+        with tms.region(tag="opt", enable_disk_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        data = os.urandom(n)
+        ctypes.memmove(p, data, n)
+        lib = tms._impl._binary_wrapper
+        assert lib.progress() is None, "nothing runs"
+        tms.pause("opt", progress=progress)
+        mid = moving("writing_to_disk")
+        assert len(mid) >= 3, calls
+        assert all(c[1] == n for c in mid), calls
+        assert [c[0] for c in calls] == sorted(c[0] for c in calls), "the bytes only go up"
+        assert calls[-1] == (n, n, "done"), calls
+        assert any("pause of tag 'opt'" in m and "written to disk" in m for m in records), records
+        assert lib.progress() is None
+        calls.clear()
+        tms.resume("opt", progress=progress)
+        assert len(moving("reading_from_disk")) >= 3, calls
+        assert calls[-1] == (n, n, "done"), calls
+        assert ctypes.string_at(p, n) == data
+        print("ok")
+        """
+        ),
+        **SLOW,
+    )
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_host_backups_and_a_callback_that_raises(preloaded):
+    r = preloaded(
+        WATCH
+        + textwrap.dedent(
+            """
+        n = 16 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        ctypes.memset(p, 7, n)
+        # Positional arguments as before, and the keyword on the facade.
+        tms.pause("kv", False, progress=progress)
+        assert len(moving("copying_to_host")) >= 3, calls
+        calls.clear()
+        def broken(done, total, phase):
+            calls.append(phase)
+            raise RuntimeError("boom")
+        tms.resume("kv", progress=broken)
+        assert calls == [calls[0]], "called once, then left alone: " + repr(calls)
+        assert any("progress callback" in m for m in records), records
+        assert ctypes.string_at(p, 16) == b"\\x07" * 16
+        try:
+            tms.pause("kv", progress=42)
+            raise SystemExit("should raise")
+        except TypeError as e:
+            assert "callable" in str(e), e
+        print("ok")
+        """
+        ),
+        **SLOW,
+    )
+    assert r.stdout.strip() == "ok", r.stderr

@@ -1,0 +1,397 @@
+"""Job-wide pause and resume: every rank or none, over ``torch.distributed``.
+
+Each rank calls the same function with the same arguments, as with any collective::
+
+    import torch_memory_saver.distributed as tms_dist
+
+    out = tms_dist.pause("kv_cache")            # every rank of the default group
+    print(out)                                  # one line: bytes per rank and in all, slowest rank
+    tms_dist.resume("kv_cache", group=tp_group)
+
+Every rank acts on its own process, then the outcome is agreed over the group (one
+``all_gather_object`` on the group's backend, gloo or nccl). If every rank succeeded, each gets
+the same :class:`Outcome`. If any rank failed, every rank undoes what the call changed on it (a
+pause is undone by resuming what it paused, the failed rank's partial pause included; a resume by
+pausing what it resumed), the ranks agree once more on how the undo went, and every rank raises
+the same :class:`DistributedError` naming the failed ranks and their messages. So the job is never
+left half paused: every rank ends where it started, or the error says which rank could not undo
+and why.
+
+- Backups are never lost by the undo: undoing a pause resumes from the backups the pause just
+  wrote; undoing a resume pauses again, writing backups where the region keeps them.
+- A pause records which allocations and chunks were active (as ``pause(tag,
+  save_chunk_state=True)`` does) and its undo brings back only those, so an allocation that was
+  paused before the call stays paused. The record replaces one an earlier
+  ``pause(save_chunk_state=True)`` of the same allocations made.
+- A resume of a tag that was partly active before the call cannot be undone exactly (pausing the
+  tag would also pause what was active before). Such a rank skips its undo and the error says so
+  (``undo`` of that rank is ``"skipped: ..."``); its tag stays resumed, nothing lost.
+- Timeouts are the group's (``init_process_group(timeout=...)``). If the collective itself fails
+  (a rank died, a timeout), no rank can know the others' outcomes: each surviving rank undoes its
+  own action and raises :class:`DistributedError` with the group's error as ``__cause__``. What
+  happens to a rank that dies mid-operation is the operating system's: its device memory goes
+  back to the driver, its disk backup files are left for ``tmsctl clean``.
+
+Everything here needs ``torch.distributed`` only for the collective; the rest is the package's
+own API on each rank.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, List, Optional
+
+from .errors import InvalidStateError, TorchMemorySaverError
+
+__all__ = [
+    "pause",
+    "resume",
+    "pause_chunks",
+    "resume_chunks",
+    "pause_range",
+    "resume_range",
+    "Outcome",
+    "RankOutcome",
+    "DistributedError",
+]
+
+# One rank's outcome in, every rank's outcomes (in group rank order) out.
+Gather = Callable[[dict], List[dict]]
+
+
+@dataclass
+class RankOutcome:
+    """What one rank did. ``bytes`` is device memory released (pause) or taken back (resume);
+    ``undo`` is None where no undo was needed, else ``"done"``, ``"skipped: why"`` or
+    ``"failed: message"``."""
+
+    rank: int
+    host: str
+    pid: int
+    ok: bool
+    bytes: int
+    seconds: float
+    error: Optional[str] = None
+    message: Optional[str] = None
+    undo: Optional[str] = None
+
+
+@dataclass
+class Outcome:
+    """Every rank's outcome of one job-wide operation, the same on every rank. ``result`` is
+    this rank's own return value where the operation has one (the chunk ``range`` of
+    ``pause_range``/``resume_range``)."""
+
+    op: str
+    what: str
+    ranks: List[RankOutcome]
+    result: Any = field(default=None, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.ranks)
+
+    @property
+    def failed(self) -> List[RankOutcome]:
+        return [r for r in self.ranks if not r.ok]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.bytes for r in self.ranks)
+
+    @property
+    def slowest(self) -> RankOutcome:
+        return max(self.ranks, key=lambda r: r.seconds)
+
+    def __str__(self) -> str:
+        verb = "released" if self.op.startswith("pause") else "taken back"
+        n = len(self.ranks)
+        s = self.slowest
+        return (
+            f"{self.op} of {self.what} on {n} rank{'s' if n != 1 else ''}: {_gib(self.total_bytes)} {verb} "
+            f"in all ({_gib(self.total_bytes // max(n, 1))} per rank on average), slowest rank {s.rank} "
+            f"in {s.seconds:.3f} s"
+        )
+
+
+class DistributedError(TorchMemorySaverError):
+    """A job-wide operation failed on some rank (or the group itself failed). Raised on every
+    rank with the same message. ``outcome`` holds every rank's :class:`RankOutcome`, the undo's
+    included (None when the group failed before the ranks could agree); ``failed`` maps each
+    failed rank to its message."""
+
+    def __init__(self, message: str, outcome: Optional[Outcome]) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+    @property
+    def failed(self) -> dict:
+        if self.outcome is None:
+            return {}
+        return {r.rank: f"{r.error}: {r.message}" for r in self.outcome.failed}
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _saver() -> Any:
+    from . import torch_memory_saver
+
+    return torch_memory_saver
+
+
+def _torch_group(group: Any) -> "tuple[Gather, int]":
+    """The gather over ``group`` (the default group if None) and this process's global rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidStateError(
+            "torch_memory_saver.distributed needs torch.distributed initialised "
+            "(torch.distributed.init_process_group) in every rank"
+        )
+
+    def gather(mine: dict) -> List[dict]:
+        out: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, mine, group=group)
+        return out
+
+    return gather, dist.get_rank()
+
+
+def _active_bytes(tags: Optional[str]) -> int:
+    """Device bytes mapped for ``tags`` (every tag if None)."""
+    stats = _saver().stats()["tags"]
+    return sum(t["bytes_active"] for t in stats if tags is None or t["tag"] == tags)
+
+
+def _describe_undo(undo: Callable[[], Optional[str]]) -> str:
+    try:
+        return undo() or "done"
+    except Exception as e:  # an undo that fails is reported, never raised over the agreement
+        return f"failed: {type(e).__name__}: {e}"
+
+
+def _agree(
+    op: str,
+    what: str,
+    act: Callable[[], Any],
+    undo: Callable[[], Optional[str]],
+    measure: Callable[[], int],
+    gather: Gather,
+    rank: int,
+) -> Outcome:
+    """Act here, agree over the group, undo everywhere if any rank failed. ``undo`` returns None
+    (or a ``"skipped: why"`` note) or raises."""
+    try:
+        before = measure()
+    except Exception:  # the action below fails too, and says why through the agreement
+        before = 0
+    t0 = time.perf_counter()
+    err: Optional[BaseException] = None
+    result = None
+    try:
+        result = act()
+    except Exception as e:  # reported to every rank; raised below as DistributedError
+        err = e
+    seconds = time.perf_counter() - t0
+    try:
+        after = measure()
+    except Exception:  # a failed stats read must not take the agreement down
+        after = before
+    changed = before - after if op.startswith("pause") else after - before
+    mine = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "ok": err is None,
+        "bytes": max(changed, 0),
+        "seconds": seconds,
+        "error": None if err is None else type(err).__name__,
+        "message": None if err is None else str(err),
+    }
+    try:
+        everyone = gather(mine)
+    except Exception as e:
+        note = _describe_undo(undo)
+        raise DistributedError(
+            f"{op} of {what}: the group failed before the ranks could agree ({type(e).__name__}: {e}); "
+            f"rank {rank} {'failed itself (' + mine['error'] + ': ' + str(mine['message']) + '), ' if err else ''}"
+            f"undid its own {op} ({note}), as every surviving rank does",
+            None,
+        ) from e
+    outcome = Outcome(op, what, [RankOutcome(**d) for d in everyone], result)
+    if outcome.ok:
+        return outcome
+    mine["undo"] = _describe_undo(undo)
+    try:
+        everyone = gather(mine)
+    except Exception as e:
+        raise DistributedError(
+            f"{op} of {what} failed on rank(s) {', '.join(str(r.rank) for r in outcome.failed)}, and the "
+            f"group failed while the ranks undid it ({type(e).__name__}: {e}); rank {rank}'s undo: {mine['undo']}",
+            outcome,
+        ) from e
+    outcome = Outcome(op, what, [RankOutcome(**d) for d in everyone], result)
+    failed = "; ".join(f"rank {r.rank} ({r.host}, pid {r.pid}): {r.error}: {r.message}" for r in outcome.failed)
+    undone = [r for r in outcome.ranks if r.undo == "done"]
+    not_undone = [r for r in outcome.ranks if r.undo != "done"]
+    tail = (
+        f"every rank undid it ({len(undone)} of {len(outcome.ranks)}), so every rank is as before the call"
+        if not not_undone
+        else "not every rank could undo it: "
+        + "; ".join(f"rank {r.rank}: {r.undo}" for r in not_undone)
+        + f"; the other {len(undone)} rank(s) are as before the call"
+    )
+    raise DistributedError(f"{op} of {what} failed on {len(outcome.failed)} rank(s): {failed}. {tail}", outcome) from err
+
+
+def _what_tag(tag: Optional[str]) -> str:
+    return "every tag" if tag is None else f"tag {tag!r}"
+
+
+def _norm_tag(tag: Optional[str]) -> Optional[str]:
+    # "" means every tag, as in pause("") and resume("").
+    return None if tag == "" else tag
+
+
+def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
+    tms = _saver()
+    tag = _norm_tag(tag)
+    here: dict = {}
+
+    def act() -> None:
+        here["before"] = _active_bytes(tag)
+        here["failed"] = True
+        tms.pause(tag, save_chunk_state=True)
+        here["failed"] = False
+
+    def undo() -> None:
+        # A pause that failed having changed nothing may have recorded nothing either, and a
+        # restoring resume without a record resumes everything: leave such a rank alone.
+        if "before" not in here or (here["failed"] and _active_bytes(tag) == here["before"]):
+            return
+        tms.resume(tag, restore_chunk_state=True)
+
+    return _agree("pause", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
+
+
+def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
+    tms = _saver()
+    tag = _norm_tag(tag)
+    partly: List[str] = []
+
+    def act() -> None:
+        # A resume is undone by pausing the tag, which is exact only if nothing of it was active.
+        partly.extend(
+            t["tag"]
+            for t in tms.stats()["tags"]
+            if (tag is None or t["tag"] == tag) and (t["active_allocations"] or t.get("partial_allocations", 0))
+        )
+        tms.resume(tag)
+
+    def undo() -> Optional[str]:
+        if partly:
+            return (
+                f"skipped: {', '.join(repr(t) for t in partly)} had active memory before the resume, which "
+                "a pause would take too; left resumed"
+            )
+        tms.pause(tag)
+        return None
+
+    return _agree("resume", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
+
+
+def _chunk_op(
+    pause_: bool, target: Any, act: Callable[[], Any], what: str, op: str, gather: Gather, rank: int
+) -> Outcome:
+    tms = _saver()
+    before: List[bool] = []
+
+    def act_here() -> Any:
+        # Inside the action, so that a bad target fails this rank through the agreement
+        # instead of leaving the others waiting in it.
+        before.extend(tms.get_chunk_states(target))
+        return act()
+
+    def undo() -> None:
+        if not before:
+            return  # failed before changing anything
+        now = tms.get_chunk_states(target)
+        changed = [i for i, (b, n) in enumerate(zip(before, now)) if b != n]
+        if changed:
+            (tms.resume_chunks if pause_ else tms.pause_chunks)(target, changed)
+
+    return _agree(op, what, act_here, undo, lambda: _active_bytes(None), gather, rank)
+
+
+def _target(tag_or_tensor: Any) -> str:
+    if isinstance(tag_or_tensor, str):
+        return f"tag {tag_or_tensor!r}"
+    return f"the allocation at {int(tag_or_tensor.data_ptr()):#x}"
+
+
+def pause(tag: Optional[str] = None, group: Any = None) -> Outcome:
+    """Pause ``tag`` (every tag if None) on every rank of ``group`` (the default group if None),
+    or on none: see the module's documentation. Returns every rank's :class:`Outcome`; raises
+    :class:`DistributedError` on every rank if any rank failed."""
+    return _pause_tag(tag, *_torch_group(group))
+
+
+def resume(tag: Optional[str] = None, group: Any = None) -> Outcome:
+    """Resume ``tag`` (every tag if None) on every rank of ``group``, or on none."""
+    return _resume_tag(tag, *_torch_group(group))
+
+
+def pause_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
+    """``pause_chunks`` on every rank of ``group``, or on none."""
+    idx = list(indices)
+    return _chunk_op(
+        True,
+        tag_or_tensor,
+        lambda: _saver().pause_chunks(tag_or_tensor, idx),
+        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        "pause_chunks",
+        *_torch_group(group),
+    )
+
+
+def resume_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
+    """``resume_chunks`` on every rank of ``group``, or on none."""
+    idx = list(indices)
+    return _chunk_op(
+        False,
+        tag_or_tensor,
+        lambda: _saver().resume_chunks(tag_or_tensor, idx),
+        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        "resume_chunks",
+        *_torch_group(group),
+    )
+
+
+def pause_range(tensor: Any, start: int, end: int, group: Any = None) -> Outcome:
+    """``pause_range`` on every rank of ``group``, or on none; ``Outcome.result`` is this rank's
+    chunk ``range``."""
+    return _chunk_op(
+        True,
+        tensor,
+        lambda: _saver().pause_range(tensor, start, end),
+        f"bytes [{start}, {end}) of {_target(tensor)}",
+        "pause_range",
+        *_torch_group(group),
+    )
+
+
+def resume_range(tensor: Any, start: int, end: int, group: Any = None) -> Outcome:
+    """``resume_range`` on every rank of ``group``, or on none."""
+    return _chunk_op(
+        False,
+        tensor,
+        lambda: _saver().resume_range(tensor, start, end),
+        f"bytes [{start}, {end}) of {_target(tensor)}",
+        "resume_range",
+        *_torch_group(group),
+    )
