@@ -17,7 +17,7 @@ C. A killed peer: a process pausing or resuming a tag with a disk backup (driven
 Prints one line per fault tried and a count per campaign; the last line is the summary; exits
 non-zero if any invariant did not hold.
 
-    python3 scripts/gpu/fault_campaign.py [--rounds N] [--modes preload,torch]
+    python3 scripts/gpu/fault_campaign.py [--rounds N] [--modes preload,torch]   (FC_ROUNDS=N too)
 """
 
 from __future__ import annotations
@@ -463,7 +463,7 @@ def campaign_c(t: Tally, mode: str, lib: str, ctl: str, rounds: int, rng: random
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=int(os.environ.get("FC_ROUNDS", "8")))
     ap.add_argument("--modes", default="preload,torch")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("FC_SEED", "0")) or int(time.time()))
     a = ap.parse_args()
