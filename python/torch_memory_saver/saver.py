@@ -207,6 +207,37 @@ class _Routing:
         self.lock = threading.Lock()
         self.active = 0
         self.retired: list = []
+        # PyTorch lets one thread at a time route to a pool ("beginAllocateToPool: already
+        # recording to mempool_id"), so a region entered by a second thread while the first is
+        # inside it gets a sibling pool of the same kind. busy: id(pool) -> the thread routing
+        # to it; siblings: id(pool) -> (the pool, its siblings), kept while the pool lives
+        # (only pools that ever needed one are listed, so a dropped pool still goes).
+        self.busy: dict = {}
+        self.siblings: dict = {}
+
+    def claim(self, pool: Any, make: Any) -> Any:
+        """A pool of ``pool``'s kind that no other thread routes to now (``pool`` itself when
+        free; else a sibling, made with ``make()`` where all are busy), marked as this
+        thread's."""
+        me = threading.get_ident()
+        with self.lock:
+            if self.busy.get(id(pool), me) == me or make is None:
+                self.busy[id(pool)] = me
+                return pool
+            _, sibs = self.siblings.setdefault(id(pool), (pool, []))
+            for sib in sibs:
+                if self.busy.get(id(sib), me) == me:
+                    self.busy[id(sib)] = me
+                    return sib
+        sib = make()
+        with self.lock:
+            sibs.append(sib)
+            self.busy[id(sib)] = me
+        return sib
+
+    def release(self, pool: Any) -> None:
+        with self.lock:
+            self.busy.pop(id(pool), None)
 
     def enter(self) -> None:
         with self.lock:
@@ -237,22 +268,31 @@ class _Route:
     """One pool this thread's allocations are routed to, and the ``use_mem_pool`` context that
     does it while the route is the innermost one (None while a nested route suspends it)."""
 
-    def __init__(self, pool: Any) -> None:
+    def __init__(self, pool: Any, make: Any = None) -> None:
         self.pool = pool
+        self.make = make
         self.ctx: Any = None
+        self.using: Any = None
 
     def start(self, torch: Any) -> None:
-        ctx = torch.cuda.use_mem_pool(self.pool)
-        ctx.__enter__()
-        self.ctx = ctx
+        using = _routing.claim(self.pool, self.make)
+        try:
+            ctx = torch.cuda.use_mem_pool(using)
+            ctx.__enter__()
+        except BaseException:
+            _routing.release(using)
+            raise
+        self.ctx, self.using = ctx, using
         _routing.enter()
 
     def stop(self, torch: Any) -> None:
         ctx, self.ctx = self.ctx, None
+        using, self.using = self.using, None
         if ctx is not None:
             try:
                 ctx.__exit__(None, None, None)
             finally:
+                _routing.release(using)
                 _routing.leave(torch)
 
 
@@ -614,23 +654,29 @@ class _TorchMemorySaverImpl:
         with self._lock:
             pool = pools.get(key)
             if pool is None:
-                allocator = self._hook_util.get_allocator()
-                pool = torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
+                pool = self._new_pool(torch)
                 pools[key] = pool
             return pool
 
+    def _new_pool(self, torch: Any) -> Any:
+        """A MemPool whose allocator is the hook mode's."""
+        allocator = self._hook_util.get_allocator()
+        return torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
+
     @contextlib.contextmanager
-    def _routed(self, torch: Any, pool: Any = None) -> Iterator[None]:
+    def _routed(self, torch: Any, pool: Any = None, make: Any = None) -> Iterator[None]:
         """Route this thread's allocations to ``pool`` inside the block. Routes nest: the
         innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
         which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``).
         ``pool=None``: a pool of PyTorch's own allocator for this block alone, dropped on exit
-        before the enclosing route restarts, so that its cache can go back to the device."""
+        before the enclosing route restarts, so that its cache can go back to the device.
+        ``make()`` makes a sibling of ``pool`` for a thread that finds ``pool`` routed to by
+        another thread (PyTorch routes one thread at a time to a pool)."""
         stack = getattr(self._local, "routes", None)
         if stack is None:
             stack = self._local.routes = []
         retire = pool is None
-        route = _Route(torch.cuda.MemPool() if retire else pool)
+        route = _Route(torch.cuda.MemPool() if retire else pool, make)
         del pool
         outer = stack[-1] if stack else None
         if outer is not None:
@@ -681,7 +727,7 @@ class _TorchMemorySaverImpl:
         # nor a block of one chunk layout to another.
         pool = self._pool("region", tag, enable_cpu_backup, disk, backend, torch.cuda.current_device(), chunk)
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
-            with self._routed(torch, pool), self._chunk_misfits(lib, chunk):
+            with self._routed(torch, pool, lambda: self._new_pool(torch)), self._chunk_misfits(lib, chunk):
                 yield
 
     @contextlib.contextmanager

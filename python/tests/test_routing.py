@@ -1,0 +1,97 @@
+"""Routing allocations to a region's pool from several threads at once, with a stand-in for
+torch that enforces what PyTorch does: one thread at a time may route to a pool
+("beginAllocateToPool: already recording to mempool_id"). A region entered by a second thread
+while the first is inside it must get a sibling pool of the same kind, not PyTorch's error
+(seen on an H200 with real threads before the fix)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from torch_memory_saver import saver
+
+
+class FakeTorch:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.recording: dict = {}
+        self.made = 0
+        outer = self
+
+        class Cuda:
+            @staticmethod
+            @contextlib.contextmanager
+            def use_mem_pool(pool):
+                with outer.lock:
+                    if id(pool) in outer.recording:
+                        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                    outer.recording[id(pool)] = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    with outer.lock:
+                        del outer.recording[id(pool)]
+
+            @staticmethod
+            def is_current_stream_capturing():
+                return False
+
+            @staticmethod
+            def MemPool():
+                return object()
+
+        self.cuda = Cuda
+
+    def new_pool(self):
+        with self.lock:
+            self.made += 1
+        return object()
+
+
+def test_threads_in_the_same_region_get_pools_of_their_own():
+    impl = saver._TorchMemorySaverImpl("torch")
+    torch = FakeTorch()
+    pool = object()
+    inside = threading.Barrier(4)
+    used, errors = [], []
+
+    def one():
+        try:
+            with impl._routed(torch, pool, torch.new_pool):
+                with torch.lock:
+                    used.append(next(p for p, t in torch.recording.items() if t == threading.get_ident()))
+                inside.wait(timeout=10)  # all four inside at once
+        except Exception as e:  # collected: a failure of any thread fails the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(set(used)) == 4 and id(pool) in used, used
+    assert torch.made == 3
+    # Once they have left, the pool and its siblings are free again: four more threads reuse
+    # them and make none.
+    used.clear()
+    inside = threading.Barrier(4)
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(set(used)) == 4 and torch.made == 3, (errors, used, torch.made)
+    assert not saver._routing.busy, saver._routing.busy
+
+
+def test_one_thread_nests_routes_to_the_same_pool():
+    impl = saver._TorchMemorySaverImpl("torch")
+    torch = FakeTorch()
+    pool = object()
+    with impl._routed(torch, pool, torch.new_pool):
+        with impl._routed(torch, pool, torch.new_pool):
+            assert list(torch.recording) == [id(pool)]
+        assert list(torch.recording) == [id(pool)]
+    assert torch.made == 0 and not torch.recording
