@@ -28,6 +28,22 @@ def tag_stats(name):
 """
 
 
+# Snippet helpers for the sim (after PRELUDE): a pauseable allocation filled with a pattern of
+# its seed, and whether it still holds it.
+SIM_ALLOC = """
+def alloc(tag, n, seed, chunk=0, **kw):
+    with tms.region(tag=tag, chunk_size=chunk, **kw):
+        rc, p = cuda_malloc(n)
+    assert rc == 0, rc
+    data = bytes((seed * 7 + i * 13) & 0xFF for i in range(256)) * (n // 256)
+    ctypes.memmove(p, data, n)
+    return p, data
+
+def intact(p, data):
+    return ctypes.string_at(p, len(data)) == data
+"""
+
+
 def clean_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TMS_", "PYTORCH_")) and k != "LD_PRELOAD"}
     env.update(extra)

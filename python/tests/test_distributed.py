@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import PRELUDE, clean_env
+from conftest import PRELUDE, SIM_ALLOC, clean_env
 
 RANK_CODE = """
 import time
@@ -44,17 +44,6 @@ def gather(mine):
             raise TimeoutError(f"ranks {missing} did not answer")
         time.sleep(0.01)
 
-def alloc(tag, n, seed, chunk=0, **kw):
-    with tms.region(tag=tag, chunk_size=chunk, **kw):
-        rc, p = cuda_malloc(n)
-    assert rc == 0, rc
-    data = bytes((seed * 7 + i * 13) & 0xFF for i in range(256)) * (n // 256)
-    ctypes.memmove(p, data, n)
-    return p, data
-
-def intact(p, data):
-    return ctypes.string_at(p, len(data)) == data
-
 def report(**kw):
     s = tag_stats(kw.pop("tag"))
     kw.update(active=s["active_allocations"], paused=s["paused_allocations"])
@@ -85,7 +74,7 @@ def run_ranks(tmp_path, libtms, world: int, body: str, per_rank_env=None, timeou
             GATHER_DIR=str(gdir),
         )
         env.update((per_rank_env or {}).get(r, {}))
-        src = PRELUDE + RANK_CODE + textwrap.dedent(body)
+        src = PRELUDE + SIM_ALLOC + RANK_CODE + textwrap.dedent(body)
         procs.append(subprocess.Popen([sys.executable, "-c", src], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for r, p in enumerate(procs):

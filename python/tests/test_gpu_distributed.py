@@ -23,7 +23,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 import torch_memory_saver as tms_pkg  # noqa: E402
 
-from conftest import PRELUDE, clean_env  # noqa: E402
+from conftest import PRELUDE, SIM_ALLOC, clean_env  # noqa: E402
 
 RANK = """
 import datetime, time
@@ -54,20 +54,6 @@ def wait_for(name):
     while not os.path.exists(path):
         time.sleep(0.05)
 """
-
-SIM_ALLOC = """
-def alloc(tag, n, seed, **kw):
-    with tms.region(tag=tag, **kw):
-        rc, p = cuda_malloc(n)
-    assert rc == 0, rc
-    data = bytes((seed * 7 + i * 13) & 0xFF for i in range(256)) * (n // 256)
-    ctypes.memmove(p, data, n)
-    return p, data
-
-def intact(p, data):
-    return ctypes.string_at(p, len(data)) == data
-"""
-
 
 def start_ranks(tmp_path, world, body, backend="gloo", sim=True, per_rank_env=None, mode="preload"):
     (tmp_path / "sync").mkdir(exist_ok=True)

@@ -17,27 +17,9 @@
 #   TMS_BIN_DIR=dir CTL_CHECK_GIB=8 scripts/gpu/ctl_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-BIN=${TMS_BIN_DIR:-target/release}
 GIB=${CTL_CHECK_GIB:-20}
-export PYTHONUNBUFFERED=1
-
-pass=0
-fail=0
-ok() { echo "PASS $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1${2:+: $2}"; fail=$((fail + 1)); }
-finish() {
-  echo
-  echo "$pass passed, $fail failed"
-  [ "$fail" -eq 0 ] && exit 0
-  exit 1
-}
-
-LIB=$(readlink -f "$BIN/libtms.so" 2>/dev/null || true)
-CTL=$(readlink -f "$BIN/tmsctl" 2>/dev/null || true)
-if [ -z "$LIB" ] || [ ! -f "$LIB" ] || [ -z "$CTL" ] || [ ! -x "$CTL" ]; then
-  bad artefacts "need $BIN/libtms.so and $BIN/tmsctl (cargo build --release, then bring them along)"
-  finish
-fi
+# shellcheck source=scripts/gpu/checks.sh
+. scripts/gpu/checks.sh
 ok artefacts
 
 WORK=$(mktemp -d /tmp/tms-ctl-check.XXXXXX)

@@ -10,27 +10,9 @@
 #   TMS_BIN_DIR=dir DISK_GIB=16 DISK_DIR=/var/tmp scripts/gpu/disk_progress.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-BIN=${TMS_BIN_DIR:-target/release}
 GIB=${DISK_GIB:-64}
-export PYTHONUNBUFFERED=1
-
-pass=0
-fail=0
-ok() { echo "PASS $1"; pass=$((pass + 1)); }
-bad() { echo "FAIL $1${2:+: $2}"; fail=$((fail + 1)); }
-finish() {
-  echo
-  echo "$pass passed, $fail failed"
-  [ "$fail" -eq 0 ] && exit 0
-  exit 1
-}
-
-LIB=$(readlink -f "$BIN/libtms.so" 2>/dev/null || true)
-CTL=$(readlink -f "$BIN/tmsctl" 2>/dev/null || true)
-if [ -z "$LIB" ] || [ ! -f "$LIB" ] || [ -z "$CTL" ] || [ ! -x "$CTL" ]; then
-  bad artefacts "need $BIN/libtms.so and $BIN/tmsctl"
-  finish
-fi
+# shellcheck source=scripts/gpu/checks.sh
+. scripts/gpu/checks.sh
 
 WORK=$(mktemp -d /tmp/tms-disk-progress.XXXXXX)
 mkdir -m 700 "$WORK/sockets"
