@@ -16,6 +16,8 @@
 //! - [`os`]: host memory as the system gives it (mappings, what is available).
 //! - [`error`], [`units`], [`threads`]: used by all of the above.
 
+#![deny(clippy::undocumented_unsafe_blocks, unsafe_op_in_unsafe_fn)]
+
 pub mod backup;
 pub mod control;
 pub mod driver;

@@ -1,6 +1,7 @@
 //! Requests to the engine: each operation calls the same engine methods as the C ABI and the
-//! Python shim, so it takes the same registry lock and the same pause/resume path (which
-//! synchronises each device concerned before unmapping anything).
+//! Python shim, so it takes the same engine locks (the operations lock for a pause or resume,
+//! the registry lock briefly for status) and the same pause/resume path (which synchronises
+//! each device concerned before unmapping anything).
 //!
 //! Replies stay within the client's limit ([`MAX_REPLY_BYTES`]) whatever the process holds: a
 //! tag longer than [`MAX_SHOWN_TAG_BYTES`] is shown shortened ([`shown_tag`]), and a status

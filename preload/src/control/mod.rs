@@ -41,9 +41,10 @@
 //! flood of connections: such a client could signal the process anyway.)
 //!
 //! *The engine.* The threads touch the host's threads only through the engine: `status` takes
-//! the registry lock briefly, and `pause`/`resume` take it for the whole operation, exactly as
-//! the C ABI's calls do; two clients asking for a pause at once are served one after the other
-//! by the engine's lock, like two threads of the process.
+//! the registry lock briefly, and `pause`/`resume` take the operations lock for the whole
+//! operation (and the registry lock only briefly, never across a driver call), exactly as the C
+//! ABI's calls do; two clients asking for a pause at once are served one after the other by the
+//! operations lock, like two threads of the process (engine Note [Locks]).
 //!
 //! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made it,
 //! and so does SIGTERM or SIGINT where the host left their default action (Note [Removal at exit

@@ -120,16 +120,16 @@ impl CudaDriver {
             "initialising the CUDA driver".into()
         })?;
         let mut version = 0;
-        // SAFETY: writes one int.
         cu(
             "cuDriverGetVersion",
+            // SAFETY: the symbol was checked above; &mut version is a valid int to write.
             unsafe { sys::cuDriverGetVersion(&mut version) },
             String::new,
         )?;
         let mut n = 0;
-        // SAFETY: writes one int.
         cu(
             "cuDeviceGetCount",
+            // SAFETY: cuInit succeeded above; &mut n is a valid int to write.
             unsafe { sys::cuDeviceGetCount(&mut n) },
             String::new,
         )?;
@@ -167,16 +167,17 @@ impl CudaDriver {
             return Ok(*c as sys::CUcontext);
         }
         let mut dev: sys::CUdevice = 0;
-        // SAFETY: writes one device handle for a valid ordinal.
         cu(
             "cuDeviceGet",
+            // SAFETY: check_device made the ordinal valid; &mut dev is a valid handle to write.
             unsafe { sys::cuDeviceGet(&mut dev, device) },
             || format!("device {device}"),
         )?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: retains the primary context of a valid device; kept for the process lifetime.
         cu(
             "cuDevicePrimaryCtxRetain",
+            // SAFETY: dev came from cuDeviceGet; &mut ctx is a valid pointer to write. The
+            // retain is never released, so the context outlives every use of it here.
             unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
             || format!("device {device}"),
         )?;
@@ -197,9 +198,10 @@ impl Driver for CudaDriver {
 
     fn current_device(&self) -> Result<i32> {
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one pointer.
         cu(
             "cuCtxGetCurrent",
+            // SAFETY: &mut ctx is a valid pointer to write; the call only reads this thread's
+            // current context (null when there is none).
             unsafe { sys::cuCtxGetCurrent(&mut ctx) },
             String::new,
         )?;
@@ -207,9 +209,9 @@ impl Driver for CudaDriver {
             return Ok(0);
         }
         let mut dev: sys::CUdevice = 0;
-        // SAFETY: a context is current; writes one int.
         cu(
             "cuCtxGetDevice",
+            // SAFETY: a context is current (ctx is not null); &mut dev is a valid int to write.
             unsafe { sys::cuCtxGetDevice(&mut dev) },
             String::new,
         )?;
@@ -219,16 +221,18 @@ impl Driver for CudaDriver {
     fn push_device(&self, device: i32) -> Result<DeviceToken> {
         let ctx = self.primary_context(device)?;
         let mut prev: sys::CUcontext = std::ptr::null_mut();
-        // SAFETY: writes one pointer.
         cu(
             "cuCtxGetCurrent",
+            // SAFETY: &mut prev is a valid pointer to write; the call only reads this thread's
+            // current context (null when there is none).
             unsafe { sys::cuCtxGetCurrent(&mut prev) },
             String::new,
         )?;
         if prev != ctx {
-            // SAFETY: ctx is a retained primary context.
             cu(
                 "cuCtxSetCurrent",
+                // SAFETY: ctx is a primary context retained for the process lifetime, so it is
+                // alive; pop_device puts the previous context back.
                 unsafe { sys::cuCtxSetCurrent(ctx) },
                 || format!("device {device}"),
             )?;
@@ -275,9 +279,10 @@ impl Driver for CudaDriver {
         self.check_device(device)?;
         let prop = alloc_prop(device);
         let mut g = 0usize;
-        // SAFETY: prop is a valid property struct; writes one size.
         cu(
             "cuMemGetAllocationGranularity",
+            // SAFETY: prop is a fully initialised property struct for a valid device (checked);
+            // &mut g is a valid size to write.
             unsafe {
                 sys::cuMemGetAllocationGranularity(
                     &mut g,
@@ -293,9 +298,10 @@ impl Driver for CudaDriver {
     fn mem_info(&self, device: i32) -> Result<MemInfo> {
         let _scope = super::DeviceScope::enter(self, device)?;
         let (mut free, mut total) = (0usize, 0usize);
-        // SAFETY: a context of the device is current; writes two sizes.
         cu(
             "cuMemGetInfo",
+            // SAFETY: _scope made the device's primary context current; both are valid sizes to
+            // write.
             unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) },
             || format!("device {device}"),
         )?;
@@ -307,9 +313,10 @@ impl Driver for CudaDriver {
 
     fn reserve(&self, device: i32, size: u64) -> Result<DevPtr> {
         let mut p: sys::CUdeviceptr = 0;
-        // SAFETY: writes one address; alignment 0 means the granularity.
         cu(
             "cuMemAddressReserve",
+            // SAFETY: &mut p is a valid address to write; alignment 0 means the granularity and
+            // address 0 means no placement hint. Reserving touches no existing memory.
             unsafe { sys::cuMemAddressReserve(&mut p, size as usize, 0, 0, 0) },
             || format!("device {device}, {size} bytes"),
         )?;
@@ -317,9 +324,10 @@ impl Driver for CudaDriver {
     }
 
     fn free_range(&self, ptr: DevPtr, size: u64) -> Result<()> {
-        // SAFETY: the engine passes a range it reserved and has unmapped.
         cu(
             "cuMemAddressFree",
+            // SAFETY: the trait's contract: ptr..ptr+size came from reserve() and nothing is
+            // mapped in it, so no live memory is given up.
             unsafe { sys::cuMemAddressFree(ptr, size as usize) },
             || format!("ptr {ptr:#x}, {size} bytes"),
         )
@@ -329,9 +337,10 @@ impl Driver for CudaDriver {
         self.check_device(device)?;
         let prop = alloc_prop(device);
         let mut h: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: prop is valid; writes one handle.
         cu(
             "cuMemCreate",
+            // SAFETY: prop is a fully initialised property struct for a valid device (checked);
+            // &mut h is a valid handle to write; flags must be 0.
             unsafe { sys::cuMemCreate(&mut h, size as usize, &prop, 0) },
             || format!("device {device}, {size} bytes"),
         )?;
@@ -339,27 +348,30 @@ impl Driver for CudaDriver {
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {
-        // SAFETY: the engine releases each handle it created exactly once.
         cu(
             "cuMemRelease",
+            // SAFETY: the handle came from create() and the engine releases each handle exactly
+            // once; memory still mapped stays until it is unmapped, so no mapping dangles.
             unsafe { sys::cuMemRelease(handle.0) },
             || format!("handle {:#x}", handle.0),
         )
     }
 
     fn map(&self, ptr: DevPtr, size: u64, handle: PhysHandle) -> Result<()> {
-        // SAFETY: the range is reserved and unmapped; the handle is live and at least size bytes.
         cu(
             "cuMemMap",
+            // SAFETY: the trait's contract: the range is reserved and unmapped and the handle is
+            // live and at least size bytes, so the mapping covers no memory anything else uses.
             unsafe { sys::cuMemMap(ptr, size as usize, 0, handle.0, 0) },
             || format!("ptr {ptr:#x}, {size} bytes"),
         )
     }
 
     fn unmap(&self, ptr: DevPtr, size: u64) -> Result<()> {
-        // SAFETY: the range was mapped by map(); the engine synchronized the device first.
         cu(
             "cuMemUnmap",
+            // SAFETY: the trait's contract: the range was mapped by map() and no work still
+            // uses it (the engine synchronizes the device first).
             unsafe { sys::cuMemUnmap(ptr, size as usize) },
             || format!("ptr {ptr:#x}, {size} bytes"),
         )
@@ -370,9 +382,10 @@ impl Driver for CudaDriver {
             location: location(device),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
-        // SAFETY: the range is mapped; one descriptor is passed.
         cu(
             "cuMemSetAccess",
+            // SAFETY: the range is mapped (the trait's contract); &desc points to the one
+            // descriptor the count of 1 says.
             unsafe { sys::cuMemSetAccess(ptr, size as usize, &desc, 1) },
             || format!("device {device}, ptr {ptr:#x}, {size} bytes"),
         )
@@ -380,9 +393,9 @@ impl Driver for CudaDriver {
 
     fn synchronize(&self, device: i32) -> Result<()> {
         let _scope = super::DeviceScope::enter(self, device)?;
-        // SAFETY: the device's primary context is current.
         cu(
             "cuCtxSynchronize",
+            // SAFETY: _scope made the device's primary context current; the call only waits.
             unsafe { sys::cuCtxSynchronize() },
             || format!("device {device}"),
         )
@@ -395,10 +408,11 @@ impl Driver for CudaDriver {
         }
         let _scope = super::DeviceScope::enter(self, device)?;
         let mut s: sys::CUstream = std::ptr::null_mut();
-        // SAFETY: the device's context is current; a non-blocking stream does not serialise with
-        // the legacy default stream that PyTorch's work may use.
         cu(
             "cuStreamCreate",
+            // SAFETY: _scope made the device's context current; &mut s is a valid handle to
+            // write. Flag 1 (non-blocking) keeps the stream from serialising with the legacy
+            // default stream that PyTorch's work may use.
             unsafe { sys::cuStreamCreate(&mut s, 1) },
             || format!("device {device}"),
         )?;
@@ -407,9 +421,10 @@ impl Driver for CudaDriver {
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
-        // SAFETY: the stream came from stream() and is never destroyed.
         cu(
             "cuStreamSynchronize",
+            // SAFETY: the stream came from stream() and is never destroyed, so the handle is
+            // alive.
             unsafe { sys::cuStreamSynchronize(stream.0 as sys::CUstream) },
             || format!("engine stream {:#x}", stream.0),
         )
@@ -418,9 +433,10 @@ impl Driver for CudaDriver {
     fn event_create(&self, device: i32) -> Result<Event> {
         let _scope = super::DeviceScope::enter(self, device)?;
         let mut e: sys::CUevent = std::ptr::null_mut();
-        // SAFETY: the device's context is current; writes one handle. 2 = CU_EVENT_DISABLE_TIMING.
         cu(
             "cuEventCreate",
+            // SAFETY: _scope made the device's context current; &mut e is a valid handle to
+            // write. 2 = CU_EVENT_DISABLE_TIMING.
             unsafe { sys::cuEventCreate(&mut e, 2) },
             || format!("device {device}"),
         )?;
@@ -428,18 +444,20 @@ impl Driver for CudaDriver {
     }
 
     fn event_record(&self, event: Event, stream: Stream) -> Result<()> {
-        // SAFETY: both handles came from this driver and are alive.
         cu(
             "cuEventRecord",
+            // SAFETY: the event came from event_create and is not destroyed yet (the caller's
+            // duty); the stream came from stream() and is never destroyed.
             unsafe { sys::cuEventRecord(event.0 as sys::CUevent, stream.0 as sys::CUstream) },
             || format!("event {:#x} on stream {:#x}", event.0, stream.0),
         )
     }
 
     fn event_sync(&self, event: Event) -> Result<()> {
-        // SAFETY: the event came from event_create and is alive.
         cu(
             "cuEventSynchronize",
+            // SAFETY: the event came from event_create and is not destroyed yet (the caller's
+            // duty); the call only waits.
             unsafe { sys::cuEventSynchronize(event.0 as sys::CUevent) },
             || format!("event {:#x}", event.0),
         )
@@ -454,9 +472,11 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
-        // SAFETY: the caller upholds the trait's contract on both ranges.
         cu(
             "cuMemcpyDtoHAsync",
+            // SAFETY: this fn's contract: src..src+len is mapped and accessible, and
+            // dst..dst+len is writable host memory that stays alive and untouched until the
+            // stream (from stream(), never destroyed) is synchronized.
             unsafe {
                 sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len as usize, stream.0 as sys::CUstream)
             },
@@ -465,9 +485,11 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()> {
-        // SAFETY: the caller upholds the trait's contract on both ranges.
         cu(
             "cuMemcpyHtoDAsync",
+            // SAFETY: this fn's contract: dst..dst+len is mapped and accessible, and
+            // src..src+len is readable host memory that stays alive and unchanged until the
+            // stream (from stream(), never destroyed) is synchronized.
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len as usize, stream.0 as sys::CUstream)
             },
@@ -478,10 +500,11 @@ impl Driver for CudaDriver {
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
         // cuMemHostRegister needs a current context: the one of the device backed up.
         let _scope = super::DeviceScope::enter(self, device)?;
-        // SAFETY: the caller upholds the trait's contract; PORTABLE (1) makes the range pinned
-        // for every context.
         cu(
             "cuMemHostRegister",
+            // SAFETY: this fn's contract: the range is page-aligned host memory mapped
+            // read/write, registered nowhere else, and stays mapped until host_unregister;
+            // _scope made a context current. PORTABLE (1) pins it for every context.
             unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len as usize, 1) },
             || format!("{len} bytes of host memory at {ptr:p}"),
         )
@@ -489,9 +512,10 @@ impl Driver for CudaDriver {
 
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
         let _scope = super::DeviceScope::enter(self, device)?;
-        // SAFETY: the caller passes the start of a registered range no copy uses any more.
         cu(
             "cuMemHostUnregister",
+            // SAFETY: this fn's contract: ptr starts a registered range and no queued copy uses
+            // it any more; _scope made a context current.
             unsafe { sys::cuMemHostUnregister(ptr.cast()) },
             || format!("host memory at {ptr:p}"),
         )

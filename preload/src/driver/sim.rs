@@ -1510,8 +1510,10 @@ mod tests {
         let (a, b) = ([1u8; 16], [2u8; 16]);
         let s = d.stream(0).unwrap();
         let (e1, e2) = (d.event_create(0).unwrap(), d.event_create(0).unwrap());
-        d.event_sync(e1).unwrap(); // never recorded: nothing to wait for
-                                   // SAFETY: mapped range; a and b outlive the copies, run below.
+        // Never recorded: nothing to wait for.
+        d.event_sync(e1).unwrap();
+        // SAFETY: mapped() made va..va+32 mapped and accessible; a and b live until the end of
+        // the test, after the event waits below have run both copies.
         unsafe {
             d.copy_h2d(va, a.as_ptr(), 16, s).unwrap();
             d.event_record(e1, s).unwrap();
@@ -1520,7 +1522,8 @@ mod tests {
         }
         d.event_sync(e1).unwrap();
         assert_eq!(d.queued_copies(), 1, "the copy after the first mark waits");
-        // SAFETY: the range is mapped read/write.
+        // SAFETY: the simulated device's addresses are host mappings, and mapped() made this
+        // range readable and writable; no copy is running while the test thread reads.
         assert_eq!(unsafe { *(va as *const u8) }, 1);
         d.arm_fault(Prim::EventSync, 1, 999);
         assert!(d.event_sync(e2).is_err());
@@ -1528,8 +1531,8 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { *((va + 16) as *const u8) }, 0, "not run yet");
         d.event_sync(e2).unwrap();
-        // SAFETY: as above.
         assert_eq!(
+            // SAFETY: as above.
             unsafe { *((va + 16) as *const u8) },
             2,
             "run by the next wait"

@@ -64,6 +64,57 @@
 //! host buffer may be copied in parts of its chunks. A pause can record which chunks were active
 //! (`Pick::chunk_state`) for a resume to bring back only those.
 
+//! # Note [Locks]
+//!
+//! Every lock of the library (all `parking_lot` unless said), what it guards, who takes it,
+//! what may be taken while it is held, and what is never done under it. Lock order: `ops` before
+//! `reg`; every other lock is a leaf (nothing else is taken while it is held), except where said.
+//!
+//! - `Engine::ops` (the operations lock): serializes pauses, resumes (`pause.rs`, `resume.rs`)
+//!   and the tools' copies (`with_active`), and owns the staging slots (`Ops::rings`;
+//!   `staging_bytes` reads them). Held for a whole transaction, across driver calls, copies,
+//!   file I/O and device synchronizations. Under it: `reg` (briefly), `progress`'s lock,
+//!   `disk_dir`/`disk_default`, a `BackupDir`'s `files`, the pipeline's locks. The hooks
+//!   (`alloc`, `free`, `owns`) and `stats` never take it. Never taken while holding `reg`. A
+//!   pause or resume enters the pinner's quiet state before taking it.
+//! - `Engine::reg` (the registry lock, with the `settled` condvar): the index of allocations
+//!   (`registry.rs`). Taken briefly by everyone: the hooks, transactions to mark and settle
+//!   allocations, `Settle`, `stats`, `free` (which waits on `settled` for an allocation in
+//!   transition). Under it: `tags_seen` only. Never held across a driver call, a copy, file I/O
+//!   or a wait other than `settled`'s, and never while taking `ops`: a thread the device's work
+//!   waits for may be in `cudaFree` while a pause synchronizes the device.
+//! - `Engine::tags_seen`, `copy`, `leases`, `broken`, `disk_dir`, `disk_default`: leaves, each
+//!   guarding its field. `disk_default` is held while the system's temporary directory is opened
+//!   (a non-blocking open). A buffer leaving `leases` is dropped after the lock is let go.
+//! - `Tracker::current` (`progress.rs`): the running operation; set and cleared by the
+//!   transaction (under `ops`), read by `progress` watchers. A leaf; never taken with `reg`.
+//! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
+//!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
+//!   those fields or wait on them; page-locking runs outside it. A leaf.
+//! - The copy pipeline's `gate` (with `wake`), `error`, and each worker's lane of staging slots
+//!   (`pipeline.rs`), and the job slots of `per_device`: each lives for one pipeline or one
+//!   call, under `ops`. `gate` and `error` are leaves held for a store or a wait; a lane is held
+//!   by its one worker for the whole run, and a job slot by the thread that runs its job, driver
+//!   calls and copies included (nobody else ever wants them).
+//! - `BackupDir::files` (`backup/disk.rs`): the prepared folder of disk backups; held while it
+//!   is made and checked on first use (file system calls that cannot block: Note [The disk backup
+//!   folder]), not while sweeping. `FAULTS`: armed file faults (testing aid), a leaf.
+//! - `flock` on each disk backup file: exclusive, taken without waiting when the file is made
+//!   and held until the file is removed; the sweep takes others' files' locks without waiting
+//!   to learn that their process died (Note [Disk backup files]). Never waited for.
+//! - `control`: `conns::Table::inner` (the connections served) and `dispatch::IN_FLIGHT` (the
+//!   socket's operations not ended) are leaves held for a few field changes, never across I/O
+//!   or an engine call.
+//! - `settings::DEFAULT_REGION` (an `RwLock`): the process-wide default region; read by the
+//!   hooks, written by `set_default_region`. A leaf.
+//! - The simulated driver (`driver/sim.rs`): `inner` (all simulated state; held for each
+//!   primitive, so the engine's locks are always taken before it), `holds` with `holds_changed`
+//!   (held primitives wait on it, before taking `inner`), `sync_delay` and `link` (leaves; the
+//!   simulated time is slept with no lock held).
+//! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA
+//!   driver's contexts and streams, the interposed symbols) are set once and never waited on
+//!   after that.
+
 mod pause;
 mod pinner;
 mod pipeline;

@@ -706,7 +706,9 @@ impl Side<'_> {
     /// this worker's chunk.
     unsafe fn load(&mut self, slot: *mut u8, off: u64, n: u64) -> Result<()> {
         match self {
-            // SAFETY: as the caller promises.
+            // SAFETY: this fn's contract: host+off..+n lies inside this worker's chunk of the
+            // backup and the slot is this worker's idle slot of at least n bytes, so both ranges
+            // are valid, nobody else touches them meanwhile, and they do not overlap.
             Side::Mem(host) => unsafe {
                 std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
                 Ok(())
@@ -727,13 +729,15 @@ impl Side<'_> {
     /// As for [`Side::load`].
     unsafe fn store(&mut self, slot: *const u8, off: u64, n: u64) -> Result<()> {
         match self {
-            // SAFETY: as the caller promises.
+            // SAFETY: as in load: both ranges are this worker's alone (its idle slot, its chunk
+            // of the backup), at least n bytes, and do not overlap.
             Side::Mem(host) => unsafe {
                 std::ptr::copy_nonoverlapping(slot, host.add(off as usize), n as usize);
                 Ok(())
             },
             Side::File { file, base, hash } => {
-                // SAFETY: as above.
+                // SAFETY: the slot is this worker's alone, its DMA complete, n bytes long at
+                // least; nothing writes it while the slice lives.
                 let buf = unsafe { std::slice::from_raw_parts(slot, n as usize) };
                 hash.update(buf);
                 file.write_at(buf, *base + off)

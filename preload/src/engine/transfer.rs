@@ -1,8 +1,9 @@
 //! Single synchronous copies for tools and tests (`write_bytes`/`read_bytes`); backups move in
 //! the pipeline (`pipeline.rs`). Upholds the driver's copy contracts (range mapped; host memory
-//! alive until the stream is synchronized): the callers hold the operations lock throughout,
-//! so no pause unmaps the range, and no call returns while a copy it queued may still run,
-//! unless every wait failed ([`Outcome::Queued`]).
+//! alive until the stream is synchronized): the callers hold the operations lock throughout
+//! (the registry lock only while checking that the range is active), so no pause unmaps the
+//! range, and no call returns while a copy it queued may still run, unless every wait failed
+//! ([`Outcome::Queued`]).
 
 use crate::driver::{DevPtr, Driver, Stream};
 use crate::error::{Error, Result};

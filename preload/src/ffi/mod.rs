@@ -49,7 +49,8 @@ unsafe fn opt_str<'a>(p: *const c_char, what: &str) -> Result<Option<&'a str>> {
     if p.is_null() {
         Ok(None)
     } else {
-        // SAFETY: forwarded contract.
+        // SAFETY: `p` is not NULL here, and the caller promises a NUL-terminated string
+        // valid for this call: arg_str's contract.
         unsafe { arg_str(p, what) }.map(Some)
     }
 }
@@ -180,7 +181,8 @@ pub extern "C" fn tms_error_count() -> u64 {
 pub unsafe extern "C" fn tms_init(buf: *mut c_char, cap: usize, out_len: *mut usize) -> c_int {
     catch(status::INTERNAL, || {
         let r = control::runtime().and_then(|rt| {
-            // SAFETY: forwarded contract.
+            // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
+            // callers' promise), as write_out needs.
             unsafe { write_out(rt.engine.driver().name(), buf, cap, out_len) }
         });
         write_status(r)
@@ -208,9 +210,11 @@ pub unsafe extern "C" fn tms_region_enter(
     backend: *const c_char,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as opt_str needs.
         let tag = unsafe { opt_str(tag, "tag") }?;
-        // SAFETY: forwarded contract.
+        // SAFETY: `backend` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as opt_str needs.
         let backend = unsafe { opt_str(backend, "backend") }?;
         let cur = settings::current_region()?;
         let (backend, backend_named) = match backend {
@@ -274,7 +278,8 @@ pub unsafe extern "C" fn tms_region_current(
                 "depth": settings::region_depth(),
             })
             .to_string();
-            // SAFETY: forwarded contract.
+            // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
+            // callers' promise), as write_out needs.
             unsafe { write_out(&j, buf, cap, out_len) }
         });
         write_status(r)
@@ -287,7 +292,8 @@ pub unsafe extern "C" fn tms_region_current(
 /// # Safety
 /// As [`arg_str`].
 unsafe fn tag_or_all<'a>(p: *const c_char) -> Result<Option<&'a str>> {
-    // SAFETY: forwarded contract.
+    // SAFETY: `p` is NULL or a NUL-terminated string valid for this call (our
+    // callers' promise), as opt_str needs.
     Ok(unsafe { opt_str(p, "tag") }?.filter(|t| !t.is_empty()))
 }
 
@@ -298,7 +304,8 @@ unsafe fn tag_or_all<'a>(p: *const c_char) -> Result<Option<&'a str>> {
 #[no_mangle]
 pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
         control::runtime()?.engine.pause(tag).map(|_| ())
     })
@@ -312,7 +319,8 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
         control::runtime()?.engine.resume(tag).map(|_| ())
     })
@@ -466,7 +474,8 @@ pub unsafe extern "C" fn tms_stats_json(
         let r = control::runtime().and_then(|rt| {
             let j = serde_json::to_string(&rt.engine.stats())
                 .map_err(|e| Error::InvalidState(format!("serialising stats: {e}")))?;
-            // SAFETY: forwarded contract.
+            // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
+            // callers' promise), as write_out needs.
             unsafe { write_out(&j, buf, cap, out_len) }
         });
         write_status(r)
@@ -618,7 +627,8 @@ pub unsafe extern "C" fn tms_control_socket(
             let p = control::socket_path()
                 .map_err(|m| Error::Unsupported(format!("no control socket: {m}")))?;
             let s = p.to_string_lossy();
-            // SAFETY: forwarded contract.
+            // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
+            // callers' promise), as write_out needs.
             unsafe { write_out(&s, buf, cap, out_len) }
         });
         write_status(r)
@@ -683,7 +693,8 @@ unsafe fn put_all(outs: &[(*mut u64, u64)]) {
 /// `tag` is NULL or a NUL-terminated string.
 unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bool) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
         let p = Pick {
             chunk_state: chunk_state != 0,
@@ -701,7 +712,8 @@ unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bo
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_pause_ex(tag: *const c_char, save_chunk_state: c_int) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+    // callers' promise), as tag_with_chunk_state needs.
     unsafe { tag_with_chunk_state(tag, save_chunk_state, true) }
 }
 
@@ -713,7 +725,8 @@ pub unsafe extern "C" fn tms_pause_ex(tag: *const c_char, save_chunk_state: c_in
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_resume_ex(tag: *const c_char, restore_chunk_state: c_int) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+    // callers' promise), as tag_with_chunk_state needs.
     unsafe { tag_with_chunk_state(tag, restore_chunk_state, false) }
 }
 
@@ -736,7 +749,8 @@ pub unsafe extern "C" fn tms_chunks_of(
             (chunk, i.chunk),
             (count, i.active.len() as u64),
         ];
-        // SAFETY: forwarded contract.
+        // SAFETY: start, chunk and count are each NULL or writable (our callers' promise), as
+        // put_all needs.
         unsafe { put_all(&outs) };
         Ok(())
     })
@@ -769,7 +783,7 @@ pub unsafe extern "C" fn tms_chunk_states_at(addr: u64, out: *mut u8, n: u64) ->
 #[no_mangle]
 pub unsafe extern "C" fn tms_chunks_at(addr: u64, pause: c_int, idx: *const u64, n: u64) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `idx` is readable for `n` entries (our callers' promise), as indices needs.
         let v = unsafe { indices(idx, n) }?;
         let start = control::runtime()?.engine.chunk_info(addr)?.addr;
         transact(pause != 0, &Pick::chunks(start, &v))
@@ -796,7 +810,8 @@ pub unsafe extern "C" fn tms_range(
             (first, idx.first().map_or(0, |&i| i as u64)),
             (count, idx.len() as u64),
         ];
-        // SAFETY: forwarded contract.
+        // SAFETY: first and count are each NULL or writable (our callers' promise), as put_all
+        // needs.
         unsafe { put_all(&outs) };
         if idx.is_empty() {
             return Ok(());

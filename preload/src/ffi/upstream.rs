@@ -58,7 +58,8 @@ pub extern "C" fn tms_get_interesting_region() -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn tms_set_current_tag(tag: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as opt_str needs.
         let tag = unsafe { opt_str(tag, "tag") }?
             .ok_or_else(|| Error::InvalidArgument("tag is NULL".into()))?;
         if tag.is_empty() {
@@ -129,7 +130,8 @@ pub extern "C" fn tms_get_enable_disk_backup() -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `dir` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as opt_str needs.
         let dir = unsafe { opt_str(dir, "dir") }?.filter(|d| !d.is_empty());
         control::runtime()?
             .engine
@@ -145,7 +147,8 @@ pub unsafe extern "C" fn tms_set_disk_backup_dir(dir: *const c_char) -> c_int {
 #[no_mangle]
 pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `backend` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as opt_str needs.
         let (backend, named) = match unsafe { opt_str(backend, "backend") }? {
             Some(b) => (BackupKind::parse(b)?, true),
             None => {
@@ -249,9 +252,10 @@ pub extern "C" fn tms_get_chunk_size() -> usize {
 /// `idx` is readable for `n` entries; `tag` is a NUL-terminated string.
 unsafe fn tag_chunks(tag: *const c_char, idx: *const usize, n: usize, pause: bool) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as arg_str needs.
         let tag = unsafe { super::arg_str(tag, "tag") }?;
-        // SAFETY: forwarded contract.
+        // SAFETY: `idx` is readable for `n` entries (our callers' promise), as indices needs.
         let idx = unsafe { super::indices(idx, n as u64) }?;
         let start = control::runtime()?.engine.chunked(tag)?;
         super::transact(pause, &crate::engine::Pick::chunks(start, &idx))
@@ -269,7 +273,8 @@ pub unsafe extern "C" fn tms_pause_chunks(
     idx: *const usize,
     n: usize,
 ) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `tag` is NUL-terminated and `idx` readable for `n` entries (our callers'
+    // promise), as tag_chunks needs.
     unsafe { tag_chunks(tag, idx, n, true) }
 }
 
@@ -284,7 +289,8 @@ pub unsafe extern "C" fn tms_resume_chunks(
     idx: *const usize,
     n: usize,
 ) -> c_int {
-    // SAFETY: forwarded contract.
+    // SAFETY: `tag` is NUL-terminated and `idx` readable for `n` entries (our callers'
+    // promise), as tag_chunks needs.
     unsafe { tag_chunks(tag, idx, n, false) }
 }
 
@@ -293,7 +299,8 @@ pub unsafe extern "C" fn tms_resume_chunks(
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
 unsafe fn tag_info(tag: *const c_char) -> Result<crate::engine::ChunkInfo> {
-    // SAFETY: forwarded contract.
+    // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+    // callers' promise), as arg_str needs.
     let tag = unsafe { super::arg_str(tag, "tag") }?;
     let e = &control::runtime()?.engine;
     e.chunk_info(e.chunked(tag)?)
@@ -307,7 +314,8 @@ unsafe fn tag_info(tag: *const c_char) -> Result<crate::engine::ChunkInfo> {
 #[no_mangle]
 pub unsafe extern "C" fn tms_get_num_chunks_for_tag(tag: *const c_char) -> usize {
     catch(0, || {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as tag_info needs.
         match unsafe { tag_info(tag) } {
             Ok(i) => i.active.len(),
             Err(e) => {
@@ -327,7 +335,8 @@ pub unsafe extern "C" fn tms_get_num_chunks_for_tag(tag: *const c_char) -> usize
 pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, n: usize) -> c_int {
     catch(0, || {
         let r = (|| {
-            // SAFETY: forwarded contract.
+            // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+            // callers' promise), as tag_info needs.
             let info = unsafe { tag_info(tag) }?;
             super::room(n, info.active.len(), "the state array")?;
             let n = super::buffer_len(out.is_null(), n as u64, "the state array")?.unwrap_or(0);
@@ -355,7 +364,8 @@ pub unsafe extern "C" fn tms_get_chunk_layout(
     n: usize,
 ) -> c_int {
     entry(|| {
-        // SAFETY: forwarded contract.
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+        // callers' promise), as tag_info needs.
         let info = unsafe { tag_info(tag) }?;
         super::room(n, info.layout.len(), "the layout arrays")?;
         let k = super::buffer_len(
@@ -436,7 +446,8 @@ pub unsafe extern "C" fn tms_affected_devices(
 ) -> c_int {
     catch(-1, || {
         let r = (|| {
-            // SAFETY: forwarded contract.
+            // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
+            // callers' promise), as opt_str needs.
             let tag = unsafe { opt_str(tag, "tag") }?.filter(|t| !t.is_empty());
             let cap = usize::try_from(capacity)
                 .map_err(|_| Error::InvalidArgument(format!("capacity {capacity} is negative")))?;
