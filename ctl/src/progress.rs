@@ -316,17 +316,9 @@ pub fn moved_words(op: Op, backing: Option<Backing>, phase: Option<Phase>) -> &'
 /// Bytes with one decimal, and their unit: `("12.0", "GiB")`; short, for a line that must fit
 /// a terminal's width.
 fn short(bytes: u64) -> (String, &'static str) {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut i = 0;
-    while v >= 1024.0 && i + 1 < UNITS.len() {
-        v /= 1024.0;
-        i += 1;
-    }
-    if i == 0 {
-        (bytes.to_string(), UNITS[0])
-    } else {
-        (format!("{v:.1}"), UNITS[i])
+    match tms_proto::scaled_bytes(bytes) {
+        (_, "B") => (bytes.to_string(), "B"),
+        (v, unit) => (format!("{v:.1}"), unit),
     }
 }
 

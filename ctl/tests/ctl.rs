@@ -1013,6 +1013,18 @@ fn private_dir(sb: &Sandbox) -> &Path {
 
 type Answer = Arc<dyn Fn(&Value) -> String + Send + Sync>;
 
+/// Read a client's hello on `conn` and answer it as process `pid`; the request lines that follow,
+/// or `None` when the client went away first.
+fn greet(conn: &mut UnixStream, pid: u32) -> Option<std::io::Lines<BufReader<UnixStream>>> {
+    let mut lines = BufReader::new(conn.try_clone().ok()?).lines();
+    lines.next()?.ok()?;
+    let hello = format!(
+        "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{pid},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
+    );
+    conn.write_all(hello.as_bytes()).ok()?;
+    Some(lines)
+}
+
 /// A server of the test's own (in this process, so the kernel reports this process's pid and
 /// uid for it), listening on `dir/file`: it answers the hello with `hello_pid` and every
 /// request with `answer(request)`, and records the requests.
@@ -1042,17 +1054,9 @@ impl Fake {
                     );
                     continue;
                 }
-                let Ok(read) = conn.try_clone() else { continue };
-                let mut lines = BufReader::new(read).lines();
-                let Some(Ok(_hello)) = lines.next() else {
+                let Some(lines) = greet(&mut conn, hello_pid) else {
                     continue;
                 };
-                let hello = format!(
-                    "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{hello_pid},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
-                );
-                if conn.write_all(hello.as_bytes()).is_err() {
-                    continue;
-                }
                 for line in lines {
                     let Ok(line) = line else { break };
                     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
@@ -1944,17 +1948,9 @@ fn a_server_that_closes_without_replying_is_not_a_timeout() {
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { break };
-            let Ok(read) = conn.try_clone() else { continue };
-            let mut lines = BufReader::new(read).lines();
-            let Some(Ok(_hello)) = lines.next() else {
+            let Some(mut lines) = greet(&mut conn, me) else {
                 continue;
             };
-            let hello = format!(
-                "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{me},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
-            );
-            if conn.write_all(hello.as_bytes()).is_err() {
-                continue;
-            }
             // Read the request whole, then hang up.
             let _request = lines.next();
         }

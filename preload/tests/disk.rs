@@ -10,8 +10,8 @@ use std::sync::Arc;
 use common::{pattern, read_raw, write_raw};
 use tms::backup::disk::{self, DiskOp};
 use tms::backup::BackupKind;
-use tms::driver::sim::{SimConfig, SimDriver};
-use tms::engine::{AllocRequest, CopyConfig, Engine, State};
+use tms::driver::sim::SimDriver;
+use tms::engine::{AllocRequest, Engine, State};
 
 const MIB: u64 = 1 << 20;
 
@@ -22,25 +22,7 @@ struct Fx {
 }
 
 fn fx() -> Fx {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 2,
-            capacity: 256 << 20,
-            granularity: 2 << 20,
-        })
-        .unwrap(),
-    );
-    let e = Engine::new(sim.clone());
-    let mut cfg = CopyConfig {
-        threads: 3,
-        ..CopyConfig::default()
-    };
-    cfg.slot = 256 << 10;
-    cfg.disk_chunk = MIB;
-    e.set_copy_config(cfg).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
+    let (sim, e, dir) = common::disk_engine(2, 3);
     Fx { sim, e, dir }
 }
 

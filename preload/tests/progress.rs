@@ -10,33 +10,15 @@ use std::time::{Duration, Instant};
 
 use common::{pattern, read_raw, write_raw};
 use tms::backup::BackupKind;
-use tms::driver::sim::{SimConfig, SimDriver};
-use tms::engine::{AllocRequest, CopyConfig, Engine, Phase, Pick, Progress, Which};
+use tms::driver::sim::SimDriver;
+use tms::engine::{AllocRequest, Engine, Phase, Pick, Progress, Which};
 
 const MIB: u64 = 1 << 20;
 const SIZE: u64 = 16 * MIB;
 
 fn engine(bandwidth: u64) -> (Arc<SimDriver>, Engine, tempfile::TempDir) {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 1,
-            capacity: 256 << 20,
-            granularity: 2 << 20,
-        })
-        .unwrap(),
-    );
+    let (sim, e, dir) = common::disk_engine(1, 2);
     sim.set_bandwidth(Some(bandwidth));
-    let e = Engine::new(sim.clone());
-    let mut cfg = CopyConfig {
-        threads: 2,
-        ..CopyConfig::default()
-    };
-    cfg.slot = 256 << 10;
-    cfg.disk_chunk = MIB;
-    e.set_copy_config(cfg).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
     (sim, e, dir)
 }
 

@@ -955,8 +955,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     n.checked_mul(1u64 << shift).ok_or_else(bad)
 }
 
-/// `1.50 GiB`-style rendering of a byte count, shared by the library's messages and tmsctl.
-pub fn human_bytes(bytes: u64) -> String {
+/// A byte count in the largest binary unit that leaves at least 1 (up to TiB): `(1.5, "GiB")`.
+/// Under 1 KiB the unit is `"B"` and the value the count itself.
+pub fn scaled_bytes(bytes: u64) -> (f64, &'static str) {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = bytes as f64;
     let mut i = 0;
@@ -964,10 +965,14 @@ pub fn human_bytes(bytes: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[i])
+    (v, UNITS[i])
+}
+
+/// `1.50 GiB`-style rendering of a byte count, shared by the library's messages and tmsctl.
+pub fn human_bytes(bytes: u64) -> String {
+    match scaled_bytes(bytes) {
+        (_, "B") => format!("{bytes} B"),
+        (v, unit) => format!("{v:.2} {unit}"),
     }
 }
 

@@ -164,14 +164,15 @@ int main(void) {
 }
 "#;
 
-#[test]
-fn header_links_against_libtms_and_the_answers_match() {
+/// Build the C program `prog` against tms.h and `-ltms` (warnings are errors) and run it on the
+/// simulated device; it must exit 0.
+fn build_and_run(name: &str, prog: &str) -> tms_tests::Run {
     let so = libtms();
     let lib_dir = so.parent().expect("libtms.so has a folder");
     let dir = temp_dir("tms-header-");
-    let src = dir.path().join("link.c");
-    let exe = dir.path().join("link");
-    std::fs::write(&src, LINK_PROG).expect("write link.c");
+    let src = dir.path().join(format!("{name}.c"));
+    let exe = dir.path().join(name);
+    std::fs::write(&src, prog).expect("write the C program");
     let include = header_path();
     let include = include.parent().expect("include dir");
     let out = Command::new("cc")
@@ -186,7 +187,7 @@ fn header_links_against_libtms_and_the_answers_match() {
         .expect("run cc");
     assert!(
         out.status.success(),
-        "building a program against tms.h and -ltms failed:\n{}",
+        "building {name}.c against tms.h and -ltms failed:\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
     let mut cmd = Command::new(&exe);
@@ -194,6 +195,12 @@ fn header_links_against_libtms_and_the_answers_match() {
     cmd.env("TMS_BACKEND", "sim");
     let r = run(cmd);
     assert!(r.status.success(), "{}", r.dump());
+    r
+}
+
+#[test]
+fn header_links_against_libtms_and_the_answers_match() {
+    let r = build_and_run("link", LINK_PROG);
     let lines: Vec<&str> = r.stdout.lines().collect();
     let mut expected: Vec<String> = (0..=9)
         .map(|c| format!("{c} {}", tms::error::status::name(c)))
@@ -252,34 +259,7 @@ int main(void) {
 /// `tms_get_progress` reports nothing running, refusing a struct too short or none.
 #[test]
 fn the_progress_struct_matches_the_library() {
-    let so = libtms();
-    let lib_dir = so.parent().expect("libtms.so has a folder");
-    let dir = temp_dir("tms-header-progress-");
-    let src = dir.path().join("progress.c");
-    let exe = dir.path().join("progress");
-    std::fs::write(&src, PROGRESS_PROG).expect("write progress.c");
-    let include = header_path();
-    let include = include.parent().expect("include dir");
-    let out = Command::new("cc")
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-o"])
-        .arg(&exe)
-        .arg(&src)
-        .arg(format!("-I{}", include.display()))
-        .arg(format!("-L{}", lib_dir.display()))
-        .arg("-ltms")
-        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
-        .output()
-        .expect("run cc");
-    assert!(
-        out.status.success(),
-        "building against tms_progress failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let mut cmd = Command::new(&exe);
-    tms_tests::scrub_env(&mut cmd);
-    cmd.env("TMS_BACKEND", "sim");
-    let r = run(cmd);
-    assert!(r.status.success(), "{}", r.dump());
+    let r = build_and_run("progress", PROGRESS_PROG);
     let lines: Vec<&str> = r.stdout.lines().collect();
     assert_eq!(
         lines,

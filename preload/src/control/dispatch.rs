@@ -163,10 +163,11 @@ fn operations(engine: &Engine) -> Vec<Running> {
     out
 }
 
-/// `r` with the engine's progress report `p` of it.
-fn with_progress(r: &mut Running, p: &Progress) {
+/// The wire's name for an engine phase (the engine knows no wire types; the C ABI gives the
+/// engine's own names, which a test keeps equal to these).
+fn wire_phase(p: engine::Phase) -> Phase {
     use engine::Phase as E;
-    r.phase = Some(match p.phase {
+    match p {
         E::Preparing => Phase::Preparing,
         E::Synchronizing => Phase::Synchronizing,
         E::Mapping => Phase::Mapping,
@@ -175,7 +176,12 @@ fn with_progress(r: &mut Running, p: &Progress) {
         E::ReadingFromDisk => Phase::ReadingFromDisk,
         E::CopyingToDevice => Phase::CopyingToDevice,
         E::Releasing => Phase::Releasing,
-    });
+    }
+}
+
+/// `r` with the engine's progress report `p` of it.
+fn with_progress(r: &mut Running, p: &Progress) {
+    r.phase = Some(wire_phase(p.phase));
     r.bytes_total = Some(p.bytes_total);
     r.bytes_done = Some(p.bytes_done.min(p.bytes_total));
     r.backing = match (p.backing.host, p.backing.disk) {
@@ -495,5 +501,16 @@ fn full_status(host: &dyn Host) -> Status {
         tags_omitted: 0,
         default_region: host.default_region().ok().map(|r| region_info(&r)),
         operations: operations(engine),
+    }
+}
+
+#[cfg(test)]
+mod phase_tests {
+    /// tmsctl and `tms_get_progress` (the Python callback) name a phase alike.
+    #[test]
+    fn the_wire_and_the_c_abi_name_every_phase_alike() {
+        for p in crate::engine::Phase::ALL {
+            assert_eq!(super::wire_phase(p).as_str(), p.as_str(), "{p:?}");
+        }
     }
 }

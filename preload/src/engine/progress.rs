@@ -48,7 +48,8 @@ pub enum Phase {
 }
 
 impl Phase {
-    const ALL: [Phase; 8] = [
+    /// Every phase, in the order of their numbers.
+    pub const ALL: [Phase; 8] = [
         Phase::Preparing,
         Phase::Synchronizing,
         Phase::Mapping,

@@ -4,7 +4,36 @@
 
 #![allow(dead_code)]
 
-use tms::driver::sim::SimDriver;
+use std::sync::Arc;
+
+use tms::driver::sim::{SimConfig, SimDriver};
+use tms::engine::{CopyConfig, Engine};
+
+/// An engine on a simulated device (`devices` of 256 MiB, 2 MiB granularity) with `threads`
+/// copy workers, small staging slots (256 KiB) and disk chunks (1 MiB), so that little data
+/// spans many pieces, and a disk backup folder of its own (kept while the folder lives).
+pub fn disk_engine(devices: i32, threads: usize) -> (Arc<SimDriver>, Engine, tempfile::TempDir) {
+    let sim = Arc::new(
+        SimDriver::new(SimConfig {
+            devices,
+            capacity: 256 << 20,
+            granularity: 2 << 20,
+        })
+        .unwrap(),
+    );
+    let e = Engine::new(sim.clone());
+    let mut cfg = CopyConfig {
+        threads,
+        ..CopyConfig::default()
+    };
+    cfg.slot = 256 << 10;
+    cfg.disk_chunk = 1 << 20;
+    e.set_copy_config(cfg).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+        .unwrap();
+    (sim, e, dir)
+}
 
 /// `len` pseudo-random bytes (xorshift64) from `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
