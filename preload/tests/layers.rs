@@ -4,7 +4,8 @@
 //! name (in `use` lines and paths, comments and literals excepted; a name the crate root
 //! re-exports counts as the module it comes from) must be an edge of [`ALLOWED`], and
 //! [`ALLOWED`] itself must have no cycle. A new top-level module fails here until it is given
-//! its place in the table.
+//! its place in the table. Inside `engine/`, the files name each other directly and form no
+//! cycle (see `engine_violations`).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -365,6 +366,127 @@ fn the_check_sees_upward_edges_cycles_and_unplaced_modules() {
         "src/hooks/interpose.rs:7: `hooks` uses `crate::Thing` (module `ffi`)",
         "src/ffi/mod.rs:1: `ffi` uses `crate::hooks`",
         "module cycle: ffi -> hooks -> ffi",
+    ];
+    for e in expect {
+        assert!(bad.iter().any(|b| b.contains(e)), "{e:?} not in {bad:#?}");
+    }
+    assert_eq!(bad.len(), expect.len(), "{bad:#?}");
+}
+
+/// Inside `engine/`: `mod.rs` only declares the files and re-exports (it defines nothing), every
+/// file names its siblings directly (`super::pick::Pick`, never an item through the facade:
+/// `super::Pick`), and the files' `super::<file>` edges have no cycle. `files` are (path under
+/// `engine/`, source).
+fn engine_violations(files: &[(String, String)]) -> Vec<String> {
+    let mut bad = Vec::new();
+    let Some((_, facade)) = files.iter().find(|(p, _)| p == "mod.rs") else {
+        return vec!["engine/mod.rs is missing".into()];
+    };
+    let facade = code_only(facade);
+    let mut modules = BTreeSet::new();
+    for (n, line) in facade.lines().enumerate() {
+        let l = line.trim();
+        let decl = l
+            .strip_prefix("pub mod ")
+            .or_else(|| l.strip_prefix("mod "))
+            .and_then(|r| r.strip_suffix(';'));
+        if let Some(m) = decl {
+            modules.insert(m.trim().to_string());
+        } else if !(l.is_empty() || l.starts_with("pub use ") || l.starts_with("#[cfg(test)]")) {
+            bad.push(format!(
+                "src/engine/mod.rs:{}: the facade only declares and re-exports: `{l}`",
+                n + 1
+            ));
+        }
+    }
+    let mut graph = Graph::new();
+    for (path, src) in files
+        .iter()
+        .filter(|(p, _)| p != "mod.rs" && p != "tests.rs")
+    {
+        let from = path.trim_end_matches(".rs").to_string();
+        graph.entry(from.clone()).or_default();
+        let code = code_only(src);
+        // A file's own inline test module (its end) names the file as `super`.
+        let own = code.lines().take_while(|l| l.trim() != "#[cfg(test)]");
+        for (n, line) in own.enumerate() {
+            for (i, _) in line.match_indices("super::") {
+                let before = line[..i].chars().next_back();
+                if before.is_some_and(|c| is_ident(c) || c == ':') {
+                    continue; // `super::super::`, `crate::x::super::` and the like
+                }
+                let name: String = line[i + 7..].chars().take_while(|&c| is_ident(c)).collect();
+                let grouped = line[i + 7..].starts_with('{') || line[i + 7..].starts_with('*');
+                if grouped || !modules.contains(&name) {
+                    let what = if grouped {
+                        line[i + 7..].trim()
+                    } else {
+                        name.as_str()
+                    };
+                    bad.push(format!(
+                        "src/engine/{path}:{}: `super::{what}` goes through the facade; name \
+                         the file that defines it",
+                        n + 1
+                    ));
+                } else if name != from {
+                    graph.entry(from.clone()).or_default().insert(name);
+                }
+            }
+        }
+    }
+    while let Some(c) = find_cycle(&graph) {
+        bad.push(format!("engine file cycle: {}", c.join(" -> ")));
+        if let Some(to) = graph.get_mut(&c[c.len() - 2]) {
+            to.remove(&c[c.len() - 1]);
+        }
+    }
+    bad
+}
+
+#[test]
+fn engine_files_name_each_other_directly_without_cycles() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/engine");
+    let mut paths = Vec::new();
+    rs_files(&dir, &mut paths);
+    let files: Vec<(String, String)> = paths
+        .iter()
+        .map(|p| {
+            let rel = p.strip_prefix(&dir).unwrap().to_string_lossy().into_owned();
+            (rel, std::fs::read_to_string(p).unwrap())
+        })
+        .collect();
+    assert!(files.len() > 10, "{} files", files.len());
+    let bad = engine_violations(&files);
+    assert!(bad.is_empty(), "engine layout broken:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn the_engine_check_sees_facade_items_imports_through_it_and_cycles() {
+    let f = |p: &str, t: &str| (p.to_string(), t.to_string());
+    let files = [
+        f(
+            "mod.rs",
+            "//! docs\nmod a;\nmod b;\npub mod c;\npub use a::Thing;\n#[cfg(test)]\nmod tests;\n\
+             fn helper() {}",
+        ),
+        f(
+            "a.rs",
+            "use super::b::X;\n// super::Nope in a comment\nfn f() {}",
+        ),
+        f("b.rs", "use super::c::Y;\nuse super::{a, c};\n"),
+        f(
+            "c.rs",
+            "use super::a::Thing;\nfn g() -> super::Thing { todo!() }\n#[cfg(test)]\n\
+             mod tests {\n    use super::*;\n}",
+        ),
+        f("tests.rs", "use super::*;"),
+    ];
+    let bad = engine_violations(&files);
+    let expect = [
+        "src/engine/mod.rs:8: the facade only declares and re-exports: `fn helper() {}`",
+        "src/engine/b.rs:2: `super::{a, c};` goes through the facade",
+        "src/engine/c.rs:2: `super::Thing` goes through the facade",
+        "engine file cycle: a -> b -> c -> a",
     ];
     for e in expect {
         assert!(bad.iter().any(|b| b.contains(e)), "{e:?} not in {bad:#?}");

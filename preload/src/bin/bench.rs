@@ -24,17 +24,21 @@
 #[path = "bench_disk.rs"]
 mod disk;
 
+#[path = "bench_machine.rs"]
+mod machine;
+
 #[path = "common.rs"]
 #[allow(dead_code)]
 mod common;
 
 use common::{gib_per_s, req, s};
+use machine::{bare_vmm, limits, Limits};
 
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tms::backup::{BackupKind, HostBuffer, HostLayout};
+use tms::backup::BackupKind;
 use tms::driver::{DevPtr, Driver};
 use tms::engine::{AllocRequest, OpReport, Pick, PinMode};
 use tms::process::settings::copy_config_from_env;
@@ -96,16 +100,6 @@ impl Table {
         self.add_vs(what, bytes, r.seconds, limit);
         Ok(r)
     }
-}
-
-/// The machine's limits, measured first. Rates in GiB/s.
-#[derive(Default)]
-struct Limits {
-    h2d: f64,
-    d2h: f64,
-    fill: f64,
-    vmm_map_s: f64,
-    vmm_unmap_s: f64,
 }
 
 struct Opts {
@@ -432,282 +426,6 @@ chunked, pinned backup: half of {n} chunks of {}",
         s(e.free(p))?;
     }
     Ok(())
-}
-
-/// Seconds for the bare calls of device 0 over the reserved `(address, bytes)` pieces:
-/// create+map+access of them all, then unmap+release of them all; and how long the first
-/// create+map+access took.
-fn bare_vmm(d: &dyn Driver, pieces: &[(DevPtr, u64)]) -> Result<(f64, f64, f64), String> {
-    let t0 = Instant::now();
-    let mut handles = Vec::new();
-    let mut first = 0.0;
-    for &(p, len) in pieces {
-        let h = s(d.create(0, len))?;
-        s(d.map(p, len, h))?;
-        s(d.set_access(0, p, len))?;
-        handles.push(h);
-        if handles.len() == 1 {
-            first = t0.elapsed().as_secs_f64();
-        }
-    }
-    let map_s = t0.elapsed().as_secs_f64();
-    let t0 = Instant::now();
-    for (&(p, len), h) in pieces.iter().zip(&handles) {
-        s(d.unmap(p, len))?;
-        s(d.release(*h))?;
-    }
-    Ok((map_s, t0.elapsed().as_secs_f64(), first))
-}
-
-/// Run `f(i, chunk)` over `buf` cut into `threads` pieces, in parallel.
-fn par_chunks(buf: &mut [u8], threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
-    let per = buf.len().div_ceil(threads.max(1)).max(1);
-    let f = &f;
-    std::thread::scope(|sc| {
-        for (i, c) in buf.chunks_mut(per).enumerate() {
-            sc.spawn(move || f(i, c));
-        }
-    });
-}
-
-fn limits(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<Limits, String> {
-    let d = &**driver;
-    let total = o.total;
-    let threads = host_threads();
-    let chunk = e.copy_config().layout.chunk;
-    let small = HostLayout {
-        chunk: total.next_multiple_of(4096),
-        hugepages: false,
-    };
-    let mut lim = Limits::default();
-    let dev = s(e.alloc(&req(total, "limits", None)))?;
-
-    // Page-locking fresh memory in one call: what allocating pinned memory costs.
-    let t0 = Instant::now();
-    let mut pinned = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Pinned,
-        total,
-        small,
-    ))?;
-    s(pinned.pin_all())?;
-    t.add(
-        "page-lock fresh memory, one call",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    common::fill_pattern(pinned.as_mut_slice(), 1);
-    let t0 = Instant::now();
-    s(e.write_bytes(dev, pinned.as_slice()))?;
-    lim.h2d = t.add(
-        "copy H2D from pinned memory (one copy)",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    let t0 = Instant::now();
-    s(e.read_bytes(dev, pinned.as_mut_slice()))?;
-    lim.d2h = t.add(
-        "copy D2H to pinned memory (one copy)",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    let t0 = Instant::now();
-    drop(pinned);
-    t.add(
-        "unregister and free pinned memory, one call",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-
-    // Pageable copies: the driver's own staging path.
-    let mut pageable = vec![0u8; total as usize];
-    par_chunks(&mut pageable, threads, |i, c| {
-        common::fill_pattern(c, i as u64)
-    });
-    let t0 = Instant::now();
-    s(e.write_bytes(dev, &pageable))?;
-    t.add(
-        "copy H2D from pageable memory (driver)",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    let t0 = Instant::now();
-    s(e.read_bytes(dev, &mut pageable))?;
-    t.add(
-        "copy D2H to pageable memory (driver)",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-
-    // The host: a parallel memcpy between touched buffers.
-    let mut other = vec![0u8; total as usize];
-    par_chunks(&mut other, threads, |_, c| c.fill(1));
-    let t0 = Instant::now();
-    let per = pageable.len().div_ceil(threads);
-    std::thread::scope(|sc| {
-        for (dst, src) in other.chunks_mut(per).zip(pageable.chunks(per)) {
-            sc.spawn(move || dst.copy_from_slice(src));
-        }
-    });
-    t.add(
-        format!("host memcpy, touched memory ({threads} threads)"),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    drop(other);
-    let t0 = Instant::now();
-    drop(pageable);
-    t.add(
-        "free touched pageable memory (munmap)",
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-
-    // Fresh memory: how fast the host hands out new pages.
-    let t0 = Instant::now();
-    let mut fresh = vec![0u8; total as usize];
-    par_chunks(&mut fresh, threads, |i, c| {
-        common::fill_pattern(c, i as u64)
-    });
-    lim.fill = t.add(
-        format!("parallel fill of fresh memory, small pages ({threads} thr)"),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    drop(fresh);
-    let huge = HostLayout {
-        chunk: small.chunk,
-        hugepages: true,
-    };
-    let t0 = Instant::now();
-    let mut fresh = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Mmap,
-        total,
-        huge,
-    ))?;
-    par_chunks(fresh.as_mut_slice(), threads, |i, c| {
-        common::fill_pattern(c, i as u64)
-    });
-    t.add(
-        format!("parallel fill of fresh memory, huge pages ({threads} thr)"),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    // Page-locking touched memory in parallel chunks, then releasing it the same way.
-    let layout = HostLayout { chunk, ..huge };
-    let touched = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Pinned,
-        total,
-        layout,
-    ))?;
-    let t0 = Instant::now();
-    pin_parallel(&touched, threads)?;
-    t.add(
-        format!(
-            "page-lock fresh memory, {} chunks ({threads} thr)",
-            human(chunk)
-        ),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    // Memory laid out as a backup (huge pages, page-locked chunk by chunk), copied in one
-    // chunk-sized copy after another on one stream: the pipeline's best case.
-    let mut touched = touched;
-    let piece = chunk as usize;
-    let t0 = Instant::now();
-    s(e.write_bytes_in(dev, touched.as_slice(), piece))?;
-    t.add(
-        format!("copy H2D, backup layout, {} copies queued", human(chunk)),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    let t0 = Instant::now();
-    s(e.read_bytes_in(dev, touched.as_mut_slice(), piece))?;
-    t.add(
-        format!("copy D2H, backup layout, {} copies queued", human(chunk)),
-        total,
-        t0.elapsed().as_secs_f64(),
-    );
-    let t0 = Instant::now();
-    tms::backup::release_parallel(vec![Arc::new(touched), Arc::new(fresh)], threads);
-    t.add(
-        format!(
-            "release 2 x that memory, {} chunks ({threads} thr)",
-            human(chunk)
-        ),
-        2 * total,
-        t0.elapsed().as_secs_f64(),
-    );
-    s(e.free(dev))?;
-
-    // Bare VMM calls for COUNT allocations of TOTAL/COUNT.
-    let piece = total / o.count;
-    let g = s(d.granularity(0))?;
-    let mapped = piece.div_ceil(g) * g;
-    let mut ranges = Vec::new();
-    for _ in 0..o.count {
-        ranges.push(s(d.reserve(0, mapped))?);
-    }
-    let pieces: Vec<(DevPtr, u64)> = ranges.iter().map(|p| (*p, mapped)).collect();
-    (lim.vmm_map_s, lim.vmm_unmap_s, _) = bare_vmm(d, &pieces)?;
-    for p in &ranges {
-        s(d.free_range(*p, mapped))?;
-    }
-    let what = format!("{} x {}", o.count, human(mapped));
-    t.add(
-        format!("bare create+map+access, {what}"),
-        o.count * mapped,
-        lim.vmm_map_s,
-    );
-    t.add(
-        format!("bare unmap+release, {what}"),
-        o.count * mapped,
-        lim.vmm_unmap_s,
-    );
-
-    // The same calls for one allocation of TOTAL in the engine's segments: what a resume of it
-    // must do before (and, overlapped, while) copying.
-    let seg = e.segment_bytes().max(g);
-    let mapped = o.total.div_ceil(g) * g;
-    let base = s(d.reserve(0, mapped))?;
-    let pieces: Vec<(DevPtr, u64)> = tms::engine::segments(mapped, seg)
-        .map(|(off, len)| (base + off, len))
-        .collect();
-    let (map_s, unmap_s, first) = bare_vmm(d, &pieces)?;
-    s(d.free_range(base, mapped))?;
-    let what = format!("1 x {} in {} segments", human(mapped), pieces.len());
-    t.add(format!("bare create+map+access, {what}"), mapped, map_s);
-    println!("    (the first segment took {first:.4} s)");
-    t.add(format!("bare unmap+release, {what}"), mapped, unmap_s);
-    Ok(lim)
-}
-
-fn pin_parallel(buf: &HostBuffer, threads: usize) -> Result<(), String> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let err = std::sync::Mutex::new(None);
-    std::thread::scope(|sc| {
-        for _ in 0..threads.min(buf.chunks()) {
-            sc.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= buf.chunks() {
-                    break;
-                }
-                if let Err(e) = buf.pin(i) {
-                    *err.lock().unwrap() = Some(e.to_string());
-                    break;
-                }
-            });
-        }
-    });
-    match err.into_inner().unwrap() {
-        Some(e) => Err(e),
-        None => Ok(()),
-    }
 }
 
 /// Fill `[ptr, ptr+size)` with the pattern of `seed` (or compare it with that pattern), through

@@ -1,16 +1,19 @@
-//! The pause transaction (Note [Pause and resume as transactions] in `mod.rs`).
+//! The pause transaction (Note [Pause and resume as transactions] in `mod.rs`; what it holds:
+//! Note [Transactions] in `txn.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item, Ring, Target};
-use super::progress::{Backing, Counters, Phase, Start, Which};
+use super::base::Engine;
+use super::devices::{by_device, device_work, first_error, per_device};
+use super::pick::{describe, Pick};
+use super::pipeline::{self, CopyConfig, Dir, Item, Ring, Target};
+use super::progress::{Backing, Counters, Phase, Which};
+use super::registry::Registry;
+use super::report::{OpReport, Tally};
 use super::segment::{self, Span};
-use super::{
-    by_device, check_tag, describe, device_work, first_error, per_device, Backup, BufferRanges,
-    CopyConfig, Engine, OpReport, Pick, Settle, State, Tally,
-};
+use super::txn::{Marked, Slots, Txn};
+use super::types::{Backup, BufferRanges, State};
 use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
@@ -103,6 +106,16 @@ impl Job {
     }
 }
 
+impl Marked for Job {
+    fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    fn tag(&self) -> &Arc<str> {
+        &self.tag
+    }
+}
+
 /// Of the host memory that is available, this share is left free (page cache, other
 /// processes' growth): a pause may fill the rest.
 const HOST_HEADROOM_DIVISOR: u64 = 16;
@@ -115,31 +128,14 @@ impl Engine {
 
     /// Pause what `pick` names: the mapped segments (chunks) of the allocations it selects.
     pub fn pause_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        let tag = pick.tag;
-        check_tag(tag)?;
-        self.check_sound()?;
-        let _unwind = self.guard("pause", tag);
-        self.note_unknown_tag("pause", tag);
-        let _quiet = self.pinner.quiet();
-        let t0 = Instant::now();
-        let cfg = self.copy_config();
-        let mut ops = self.ops.lock();
-        let tracked = self.progress.begin(Start {
-            which: Which::Pause,
-            tag,
-            chunks: pick.chunks,
-            label: pick.label,
-        });
-        let mut jobs = self.begin_pause(pick, &cfg)?;
-        if let (None, Some(j)) = (tag, jobs.first().filter(|_| pick.alloc.is_some())) {
-            tracked.set_tag(&j.tag);
-        }
-        // Whatever happens from here (an error, a panic), no allocation stays Pausing.
-        let _settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Pausing);
+        let mut tx = Txn::begin(self, Which::Pause, pick)?;
+        let cfg = tx.cfg;
+        let mut jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
         let mut retired = vec![(0, 0); jobs.len()];
         let result = self
-            .prepare_backups(&mut jobs, &cfg, &ops.rings, tag)
+            .prepare_backups(&mut jobs, &cfg, tx.rings(), pick.tag)
             .and_then(|()| {
+                let (rings, tracked) = tx.work();
                 tracked.prepared(
                     jobs.iter().map(Job::pipeline_bytes).sum(),
                     Backing {
@@ -147,23 +143,12 @@ impl Engine {
                         disk: jobs.iter().any(Job::on_disk),
                     },
                 );
-                self.pause_devices(
-                    &jobs,
-                    &mut ops.rings,
-                    &cfg,
-                    &mut retired,
-                    tracked.counters(),
-                )
+                self.pause_devices(&jobs, rings, &cfg, &mut retired, tracked.counters())
             });
         let mut tally = Tally::default();
         for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             tally.add(&j.tag, *bytes, *copied, j.on_disk());
         }
-        let Tally {
-            mut report,
-            per_tag,
-        } = tally;
-        report.seconds = t0.elapsed().as_secs_f64();
         self.pin_later(
             &cfg,
             jobs.iter()
@@ -172,9 +157,8 @@ impl Engine {
                 .filter_map(|(j, _)| Some((j.ptr, j.host.as_ref()?))),
         );
         drop(jobs);
-        self.drop_unused_rings(&mut ops.rings);
-        drop(ops);
-        self.record_history(per_tag, report, |h| &mut h.last_pause);
+        let (end, _) = tx.close(Slots::KeepIfUsed);
+        let report = end.report(tally, 0.0, |h| &mut h.last_pause);
         result.ctx(|| format!("pause of {}", pick.describe()))?;
         tracing::info!(
             "paused {} ({} allocations){} in {:.3}s",
@@ -184,99 +168,6 @@ impl Engine {
             report.seconds
         );
         Ok(report)
-    }
-
-    /// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
-    /// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
-    /// a snapshot someone still looks at is never overwritten.
-    fn begin_pause(&self, pick: &Pick<'_>, cfg: &CopyConfig) -> Result<Vec<Job>> {
-        let mut reg = self.reg.lock();
-        pick.check(&reg)?;
-        if pick.chunk_state {
-            // Every allocation the pick selects, those with nothing left to pause included
-            // (chunked or not: a whole allocation is one record of its segments): a resume
-            // restores the state at this pause, never an older one's (nor everything, which it
-            // takes a missing record for). No other transaction runs (the operations lock), so
-            // none of them is in transition.
-            for (ptr, a) in reg.allocs.iter_mut() {
-                if pick.selects(*ptr, a) {
-                    a.kept = Some(a.handles.iter().map(Option::is_some).collect());
-                }
-            }
-        }
-        Ok(reg.begin(
-            State::Pausing,
-            |ptr, a| {
-                pick.selects(ptr, a).then(|| {
-                    (0..a.handles.len())
-                        .filter(|&s| a.handles[s].is_some() && pick.wants(s))
-                        .collect()
-                })
-            },
-            |ptr, a, segs| {
-                for &s in &segs {
-                    a.saved[s] = false;
-                }
-                let reuse = a.backup.is_some_and(|b| {
-                    a.host.as_ref().is_some_and(|h| {
-                        h.backend() == b && h.len() == a.size && Arc::strong_count(h) == 1
-                    })
-                });
-                let mut carry = None;
-                if !reuse {
-                    if let Some(old) = a.host.take() {
-                        // Paused segments have their contents only there: carried over.
-                        let span = a.span(ptr);
-                        let ranges: Vec<(u64, u64)> = (0..a.handles.len())
-                            .filter(|&s| a.handles[s].is_none() && a.saved[s])
-                            .map(|s| {
-                                let sub = span.sub(s, 1);
-                                (sub.ptr - ptr, sub.backed(ptr, a.size))
-                            })
-                            .collect();
-                        // Active segments' retained contents are not carried: no longer saved.
-                        for s in 0..a.saved.len() {
-                            a.saved[s] &= a.handles[s].is_none();
-                        }
-                        carry = (!ranges.is_empty()).then_some((old, ranges));
-                    }
-                }
-                if a.backup != Some(BackupKind::Disk) {
-                    a.disk = None;
-                }
-                let span = a.span(ptr);
-                let runs = segment::runs(&segs)
-                    .into_iter()
-                    .map(|(first, n)| {
-                        let hs = a.handles[first..first + n]
-                            .iter()
-                            .map(|h| h.expect("picked mapped segments"))
-                            .collect();
-                        (span.sub(first, n), hs)
-                    })
-                    .collect();
-                let file_chunk = match (cfg.disk_chunk, a.chunk) {
-                    (0, 0) => cfg.layout.chunk,
-                    (0, c) => gcd(cfg.layout.chunk, c),
-                    (d, 0) => d,
-                    (d, c) => gcd(d, c),
-                };
-                Job {
-                    ptr,
-                    size: a.size,
-                    mapped: a.mapped,
-                    tag: a.tag.clone(),
-                    backup: a.backup,
-                    runs,
-                    segs,
-                    chunked: a.chunk > 0,
-                    host: a.host.clone(),
-                    disk: a.disk.clone(),
-                    file_chunk,
-                    carry,
-                }
-            },
-        ))
     }
 
     /// Give every job with a backup policy a host buffer or a file, after checking that the
@@ -534,4 +425,95 @@ fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Resu
         dir.path().display(),
         human(free),
     )))
+}
+
+/// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
+/// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
+/// a snapshot someone still looks at is never overwritten.
+fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job> {
+    if pick.chunk_state {
+        // Every allocation the pick selects, those with nothing left to pause included
+        // (chunked or not: a whole allocation is one record of its segments): a resume
+        // restores the state at this pause, never an older one's (nor everything, which it
+        // takes a missing record for). No other transaction runs (the operations lock), so
+        // none of them is in transition.
+        for (ptr, a) in reg.allocs.iter_mut() {
+            if pick.selects(*ptr, a) {
+                a.kept = Some(a.handles.iter().map(Option::is_some).collect());
+            }
+        }
+    }
+    reg.begin(
+        State::Pausing,
+        |ptr, a| {
+            pick.selects(ptr, a).then(|| {
+                (0..a.handles.len())
+                    .filter(|&s| a.handles[s].is_some() && pick.wants(s))
+                    .collect()
+            })
+        },
+        |ptr, a, segs| {
+            for &s in &segs {
+                a.saved[s] = false;
+            }
+            let reuse = a.backup.is_some_and(|b| {
+                a.host.as_ref().is_some_and(|h| {
+                    h.backend() == b && h.len() == a.size && Arc::strong_count(h) == 1
+                })
+            });
+            let mut carry = None;
+            if !reuse {
+                if let Some(old) = a.host.take() {
+                    // Paused segments have their contents only there: carried over.
+                    let span = a.span(ptr);
+                    let ranges: Vec<(u64, u64)> = (0..a.handles.len())
+                        .filter(|&s| a.handles[s].is_none() && a.saved[s])
+                        .map(|s| {
+                            let sub = span.sub(s, 1);
+                            (sub.ptr - ptr, sub.backed(ptr, a.size))
+                        })
+                        .collect();
+                    // Active segments' retained contents are not carried: no longer saved.
+                    for s in 0..a.saved.len() {
+                        a.saved[s] &= a.handles[s].is_none();
+                    }
+                    carry = (!ranges.is_empty()).then_some((old, ranges));
+                }
+            }
+            if a.backup != Some(BackupKind::Disk) {
+                a.disk = None;
+            }
+            let span = a.span(ptr);
+            let runs = segment::runs(&segs)
+                .into_iter()
+                .map(|(first, n)| {
+                    let hs = a.handles[first..first + n]
+                        .iter()
+                        .map(|h| h.expect("picked mapped segments"))
+                        .collect();
+                    (span.sub(first, n), hs)
+                })
+                .collect();
+            let file_chunk = match (cfg.disk_chunk, a.chunk) {
+                (0, 0) => cfg.layout.chunk,
+                (0, c) => gcd(cfg.layout.chunk, c),
+                (d, 0) => d,
+                (d, c) => gcd(d, c),
+            };
+            Job {
+                ptr,
+                size: a.size,
+                mapped: a.mapped,
+                tag: a.tag.clone(),
+                backup: a.backup,
+                runs,
+                segs,
+                chunked: a.chunk > 0,
+                host: a.host.clone(),
+                disk: a.disk.clone(),
+                file_chunk,
+                carry,
+            }
+        },
+    )
 }

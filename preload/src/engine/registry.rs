@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use super::segment::{clipped, segments, Seg, Span};
-use super::{stats, Backup, State};
+use super::stats;
+use super::types::{Backup, State};
 use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};

@@ -5,7 +5,8 @@
 //! them is undefined. `keep_resident` marks the whole allocation holding an address so that
 //! pause and resume skip it (it stays mapped, on the same handles) until it is freed.
 
-use super::{check_tag, Engine};
+use super::base::Engine;
+use super::pick::check_tag;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 

@@ -1,16 +1,20 @@
-//! The resume transaction (Note [Pause and resume as transactions] in `mod.rs`).
+//! The resume transaction (Note [Pause and resume as transactions] in `mod.rs`; what it holds:
+//! Note [Transactions] in `txn.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item, Target};
-use super::progress::{Backing, Phase, Start, Which};
+use super::base::Engine;
+use super::devices::{by_device, device_work, first_error, per_device};
+use super::pick::Pick;
+use super::pipeline::{self, CopyConfig, Dir, Item, Ring, Target};
+use super::progress::{Backing, Counters, Phase, Which};
+use super::registry::Registry;
+use super::report::{OpReport, Tally};
 use super::segment::{self, Mapping, Span};
-use super::{
-    by_device, check_tag, device_work, first_error, per_device, BufferRanges, Engine, OpReport,
-    Pick, Settle, State, Tally,
-};
+use super::txn::{Marked, Slots, Txn};
+use super::types::{BufferRanges, State};
 use crate::backup::{release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
@@ -66,6 +70,29 @@ impl Job {
     }
 }
 
+impl Marked for Job {
+    fn ptr(&self) -> DevPtr {
+        self.ptr
+    }
+
+    fn tag(&self) -> &Arc<str> {
+        &self.tag
+    }
+}
+
+/// The mappings a resume made: (job, run, mapping).
+type Made<'d> = Vec<(usize, usize, Mapping<'d>)>;
+
+/// What a resume's commit leaves to give back once the locks are let go.
+#[derive(Default)]
+struct Leftovers {
+    /// Host backups no longer needed (no retention).
+    released: Vec<Arc<HostBuffer>>,
+    /// Host memory of chunks resumed without retention, in buffers their paused neighbours
+    /// still need: given back once nothing else holds the buffer.
+    drop_pages: Vec<BufferRanges>,
+}
+
 /// What stays paused after a failed resume, for its message.
 fn stays(jobs: &[Job]) -> String {
     let chunked: Vec<String> = jobs
@@ -98,35 +125,17 @@ impl Engine {
     /// Resume what `pick` names: the paused segments (chunks) of the allocations it selects, at
     /// the same addresses.
     pub fn resume_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        let tag = pick.tag;
-        check_tag(tag)?;
-        self.check_sound()?;
-        let _unwind = self.guard("resume", tag);
-        self.note_unknown_tag("resume", tag);
-        let _quiet = self.pinner.quiet();
-        let t0 = Instant::now();
-        let cfg = self.copy_config();
-        let mut ops = self.ops.lock();
-        let tracked = self.progress.begin(Start {
-            which: Which::Resume,
-            tag,
-            chunks: pick.chunks,
-            label: pick.label,
-        });
-        let jobs = self.begin_resume(pick)?;
-        if let (None, Some(j)) = (tag, jobs.first().filter(|_| pick.alloc.is_some())) {
-            tracked.set_tag(&j.tag);
-        }
+        let mut tx = Txn::begin(self, Which::Resume, pick)?;
+        let cfg = tx.cfg;
+        let jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
-        tracked.prepared(
+        tx.tracked().prepared(
             jobs.iter().map(Job::pipeline_bytes).sum(),
             Backing {
                 host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
                 disk: jobs.iter().filter(copying).any(Job::on_disk),
             },
         );
-        let progress = tracked.counters();
-        let settle = Settle::new(self, jobs.iter().map(|j| j.ptr), State::Resuming);
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
             .iter()
@@ -134,125 +143,21 @@ impl Engine {
             .filter_map(|j| j.disk.as_ref())
             .try_for_each(|f| f.check_present());
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
-            drop(settle);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let groups = by_device(jobs.iter().map(Job::device));
-        progress.phase(Phase::Mapping);
-        // Per device, in parallel: map each run of segments, and copy its backup back while the
-        // next one is mapped. All or nothing: on any failure the mappings made are dropped,
-        // which undoes them, and the allocations stay paused with their backups.
-        let d = &*self.driver;
-        let mut made: Vec<(usize, usize, Mapping<'_>)> = Vec::new();
-        let result = {
-            let work = device_work(&groups, &mut ops.rings);
-            let results = per_device(work, |(device, list, ring)| {
-                let parts: Vec<(usize, usize)> = list
-                    .iter()
-                    .flat_map(|&i| (0..jobs[i].runs.len()).map(move |r| (i, r)))
-                    .collect();
-                let items: Vec<Item<'_>> = parts
-                    .iter()
-                    .map(|&(i, r)| Item::over(jobs[i].ptr, &jobs[i].runs[r].0, jobs[i].target(r)))
-                    .collect();
-                let mut made = Vec::with_capacity(parts.len());
-                let r = DeviceScope::enter(d, device).and_then(|_scope| {
-                    pipeline::run(
-                        &self.driver,
-                        device,
-                        Dir::Restore,
-                        &cfg,
-                        ring,
-                        &items,
-                        progress,
-                        |p, mapped| {
-                            let (i, r) = parts[p];
-                            let j = &jobs[i];
-                            let span = j.runs[r].0;
-                            let off = span.ptr - j.ptr;
-                            let mut m = Mapping::new(d, span);
-                            let res = m.map_all(&|b| mapped(off + b));
-                            // Kept even when incomplete: workers may be copying into the
-                            // segments made, so they are undone only after the pipeline stops.
-                            made.push((i, r, m));
-                            res.ctx(|| {
-                                format!(
-                                    "allocation {:#x} ({} bytes, tag {:?})",
-                                    j.ptr, j.size, j.tag
-                                )
-                            })
-                        },
-                        |_| Ok(()),
-                    )
-                });
-                (made, r)
-            });
-            first_error(results.into_iter().map(|(m, r)| {
-                made.extend(m);
-                r
-            }))
-        };
+        let (rings, tracked) = tx.work();
+        let progress = tracked.counters();
+        let (made, result) = self.restore_devices(&jobs, rings, &cfg, progress);
         if let Err(e) = result {
             let stuck = self.undo(&jobs, made);
-            drop(settle);
             return Err(e.context(format!(
                 "resume of {} (undone: {}{stuck})",
                 pick.describe(),
                 stays(&jobs)
             )));
         }
-        // Commit.
         let retain = self.retain_cpu_backup();
-        let mut tally = Tally::default();
-        let mut released = Vec::new();
-        // Host memory of chunks resumed without retention, in buffers their paused neighbours
-        // still need: given back once nothing else holds the buffer.
-        let mut drop_pages: Vec<BufferRanges> = Vec::new();
-        {
-            let mut reg = self.reg.lock();
-            for (i, r, m) in made {
-                let j = &jobs[i];
-                let a = reg.marked(j.ptr);
-                let first = j.runs[r].0.first_segment(j.ptr);
-                for (k, h) in m.commit().into_iter().enumerate() {
-                    a.handles[first + k] = Some(h);
-                }
-                tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
-            }
-            if pick.chunk_state {
-                // A record is used once, by the allocations that had nothing to resume too (all
-                // their recorded chunks active already, or none recorded active): a later
-                // restore never falls back on it instead of a newer pause's.
-                for (ptr, a) in reg.allocs.iter_mut() {
-                    if pick.selects(*ptr, a) {
-                        a.kept = None;
-                    }
-                }
-            }
-            for j in &jobs {
-                let a = reg.marked(j.ptr);
-                a.state = a.settled();
-                tally.allocation(&j.tag);
-                // A retained backup stays a complete snapshot (of the last pause).
-                if !retain {
-                    for &s in &j.segs {
-                        a.saved[s] = false;
-                    }
-                    // Paused chunks still need it.
-                    if a.state == State::Active {
-                        released.extend(a.host.take());
-                    } else if let Some(h) = &a.host {
-                        let ranges = j.runs.iter().map(|(s, _)| (s.ptr - j.ptr, s.mapped));
-                        drop_pages.push((h.clone(), ranges.collect()));
-                    }
-                }
-            }
-        }
-        let Tally {
-            mut report,
-            per_tag,
-        } = tally;
-        drop(settle);
+        let (tally, leftovers) = self.commit(&jobs, made, pick, retain);
         if retain {
             self.pin_later(
                 &cfg,
@@ -262,32 +167,19 @@ impl Engine {
         // The copies' references go first, so that the release below sees which buffers only
         // it holds.
         drop(jobs);
-        let rings = if retain {
-            BTreeMap::new()
+        let (end, rings) = tx.close(if retain {
+            Slots::KeepIfUsed
         } else {
-            std::mem::take(&mut ops.rings)
-        };
-        drop(ops);
+            Slots::Take
+        });
         // Giving host memory back takes as long as filling it did: in parallel, and without
         // holding up anyone else.
-        if !released.is_empty() {
-            progress.phase(Phase::Releasing);
+        if !leftovers.released.is_empty() {
+            end.tracked().counters().phase(Phase::Releasing);
         }
         let t1 = Instant::now();
-        release_parallel(released, cfg.threads);
-        for (h, ranges) in drop_pages {
-            // The registry's reference and this one: no lease or reader from before the resume
-            // (later ones only read chunks the backup holds, never these).
-            if Arc::strong_count(&h) == 2 {
-                for (off, len) in ranges {
-                    h.drop_pages(off, len);
-                }
-            }
-        }
-        drop(rings);
-        report.release_seconds = t1.elapsed().as_secs_f64();
-        report.seconds = t0.elapsed().as_secs_f64();
-        self.record_history(per_tag, report, |h| &mut h.last_resume);
+        give_back(leftovers, rings, cfg.threads);
+        let report = end.report(tally, t1.elapsed().as_secs_f64(), |h| &mut h.last_resume);
         tracing::info!(
             "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
             human(report.bytes),
@@ -297,6 +189,124 @@ impl Engine {
             report.release_seconds
         );
         Ok(report)
+    }
+
+    /// Per device, in parallel: map each run of segments, and copy its backup back while the
+    /// next one is mapped. All or nothing: on any failure the caller undoes the mappings made
+    /// (returned even then), and the allocations stay paused with their backups.
+    fn restore_devices<'d>(
+        &'d self,
+        jobs: &[Job],
+        rings: &mut BTreeMap<i32, Ring>,
+        cfg: &CopyConfig,
+        progress: &Counters,
+    ) -> (Made<'d>, Result<()>) {
+        let groups = by_device(jobs.iter().map(Job::device));
+        progress.phase(Phase::Mapping);
+        let d = &*self.driver;
+        let work = device_work(&groups, rings);
+        let results = per_device(work, |(device, list, ring)| {
+            let parts: Vec<(usize, usize)> = list
+                .iter()
+                .flat_map(|&i| (0..jobs[i].runs.len()).map(move |r| (i, r)))
+                .collect();
+            let items: Vec<Item<'_>> = parts
+                .iter()
+                .map(|&(i, r)| Item::over(jobs[i].ptr, &jobs[i].runs[r].0, jobs[i].target(r)))
+                .collect();
+            let mut made = Vec::with_capacity(parts.len());
+            let r = DeviceScope::enter(d, device).and_then(|_scope| {
+                pipeline::run(
+                    &self.driver,
+                    device,
+                    Dir::Restore,
+                    cfg,
+                    ring,
+                    &items,
+                    progress,
+                    |p, mapped| {
+                        let (i, r) = parts[p];
+                        let j = &jobs[i];
+                        let span = j.runs[r].0;
+                        let off = span.ptr - j.ptr;
+                        let mut m = Mapping::new(d, span);
+                        let res = m.map_all(&|b| mapped(off + b));
+                        // Kept even when incomplete: workers may be copying into the
+                        // segments made, so they are undone only after the pipeline stops.
+                        made.push((i, r, m));
+                        res.ctx(|| {
+                            format!(
+                                "allocation {:#x} ({} bytes, tag {:?})",
+                                j.ptr, j.size, j.tag
+                            )
+                        })
+                    },
+                    |_| Ok(()),
+                )
+            });
+            (made, r)
+        });
+        let mut made = Vec::new();
+        let result = first_error(results.into_iter().map(|(m, r)| {
+            made.extend(m);
+            r
+        }));
+        (made, result)
+    }
+
+    /// Record every allocation resumed Active (or Partial) with its new handles, in one step
+    /// under the registry lock; without retention its backup is no longer a snapshot, and
+    /// what is to be given back is returned.
+    fn commit(
+        &self,
+        jobs: &[Job],
+        made: Made<'_>,
+        pick: &Pick<'_>,
+        retain: bool,
+    ) -> (Tally, Leftovers) {
+        let mut tally = Tally::default();
+        let mut left = Leftovers::default();
+        let mut reg = self.reg.lock();
+        for (i, r, m) in made {
+            let j = &jobs[i];
+            let a = reg.marked(j.ptr);
+            let first = j.runs[r].0.first_segment(j.ptr);
+            for (k, h) in m.commit().into_iter().enumerate() {
+                a.handles[first + k] = Some(h);
+            }
+            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
+        }
+        if pick.chunk_state {
+            // A record is used once, by the allocations that had nothing to resume too (all
+            // their recorded chunks active already, or none recorded active): a later restore
+            // never falls back on it instead of a newer pause's.
+            for (ptr, a) in reg.allocs.iter_mut() {
+                if pick.selects(*ptr, a) {
+                    a.kept = None;
+                }
+            }
+        }
+        for j in jobs {
+            let a = reg.marked(j.ptr);
+            a.state = a.settled();
+            tally.allocation(&j.tag);
+            // A retained backup stays a complete snapshot (of the last pause).
+            if !retain {
+                for &s in &j.segs {
+                    a.saved[s] = false;
+                }
+                // Paused chunks still need it.
+                if a.state == State::Active {
+                    left.released.extend(a.host.take());
+                } else if let Some(h) = &a.host {
+                    let ranges = j.runs.iter().map(|(s, _)| (s.ptr - j.ptr, s.mapped));
+                    left.drop_pages.push((h.clone(), ranges.collect()));
+                }
+            }
+        }
+        drop(reg);
+        self.settled.notify_all();
+        (tally, left)
     }
 
     /// Unmap and release what a failed resume made. A segment that cannot be unmapped stays
@@ -342,52 +352,66 @@ impl Engine {
         }
         Ok(())
     }
+}
 
-    /// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
-    fn begin_resume(&self, pick: &Pick<'_>) -> Result<Vec<Job>> {
-        let mut reg = self.reg.lock();
-        pick.check(&reg)?;
-        Ok(reg.begin(
-            State::Resuming,
-            |ptr, a| {
-                pick.selects(ptr, a).then(|| {
-                    let kept = a.kept.as_ref().filter(|_| pick.chunk_state);
-                    (0..a.handles.len())
-                        .filter(|&s| {
-                            a.handles[s].is_none() && pick.wants(s) && kept.is_none_or(|k| k[s])
-                        })
-                        .collect()
-                })
-            },
-            |ptr, a, segs| {
-                let span = a.span(ptr);
-                let mut runs: Vec<(Span, bool)> = Vec::new();
-                for (first, n) in segment::runs(&segs) {
-                    // Split where the backup starts or stops holding the contents.
-                    let mut k = first;
-                    while k < first + n {
-                        let saved = a.saved[k];
-                        let mut e = k + 1;
-                        while e < first + n && a.saved[e] == saved {
-                            e += 1;
-                        }
-                        runs.push((span.sub(k, e - k), saved));
-                        k = e;
+/// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
+fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
+    reg.begin(
+        State::Resuming,
+        |ptr, a| {
+            pick.selects(ptr, a).then(|| {
+                let kept = a.kept.as_ref().filter(|_| pick.chunk_state);
+                (0..a.handles.len())
+                    .filter(|&s| {
+                        a.handles[s].is_none() && pick.wants(s) && kept.is_none_or(|k| k[s])
+                    })
+                    .collect()
+            })
+        },
+        |ptr, a, segs| {
+            let span = a.span(ptr);
+            let mut runs: Vec<(Span, bool)> = Vec::new();
+            for (first, n) in segment::runs(&segs) {
+                // Split where the backup starts or stops holding the contents.
+                let mut k = first;
+                while k < first + n {
+                    let saved = a.saved[k];
+                    let mut e = k + 1;
+                    while e < first + n && a.saved[e] == saved {
+                        e += 1;
                     }
+                    runs.push((span.sub(k, e - k), saved));
+                    k = e;
                 }
-                let any_saved = runs.iter().any(|r| r.1);
-                Job {
-                    ptr,
-                    size: a.size,
-                    tag: a.tag.clone(),
-                    runs,
-                    segs,
-                    chunked: a.chunk > 0,
-                    stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
-                    host: a.host.clone().filter(|_| any_saved),
-                    disk: a.disk.clone().filter(|_| any_saved),
-                }
-            },
-        ))
+            }
+            let any_saved = runs.iter().any(|r| r.1);
+            Job {
+                ptr,
+                size: a.size,
+                tag: a.tag.clone(),
+                runs,
+                segs,
+                chunked: a.chunk > 0,
+                stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
+                host: a.host.clone().filter(|_| any_saved),
+                disk: a.disk.clone().filter(|_| any_saved),
+            }
+        },
+    )
+}
+
+/// Give host memory back after a resume without retention, in parallel: the backups no longer
+/// needed, the pages of resumed chunks, and the staging slots.
+fn give_back(left: Leftovers, rings: BTreeMap<i32, Ring>, threads: usize) {
+    release_parallel(left.released, threads);
+    for (h, ranges) in left.drop_pages {
+        // The registry's reference and this one: no lease or reader from before the resume
+        // (later ones only read chunks the backup holds, never these).
+        if Arc::strong_count(&h) == 2 {
+            for (off, len) in ranges {
+                h.drop_pages(off, len);
+            }
+        }
     }
+    drop(rings);
 }

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
-use super::OpReport;
+use super::report::OpReport;
 use crate::units::human;
 
 #[derive(Default)]

@@ -1,7 +1,12 @@
 //! Engine unit tests on the simulated device.
 
+use std::sync::Arc;
+
 use super::*;
+use crate::backup::BackupKind;
 use crate::driver::sim::{Prim, SimConfig, SimDriver};
+use crate::driver::{DevPtr, Driver};
+use crate::error::Error;
 
 const G: u64 = 2 << 20;
 

@@ -1,0 +1,234 @@
+//! Allocating and freeing pauseable memory (the hooks' side of the engine).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use super::base::Engine;
+use super::registry::Allocation;
+use super::segment::{self, Mapping, Span};
+use super::types::{AllocRequest, State};
+use crate::driver::{DevPtr, DeviceScope};
+use crate::error::{Error, Result, ResultExt};
+use crate::units::human;
+
+impl Engine {
+    /// Allocate pauseable device memory; returns its address.
+    pub fn alloc(&self, req: &AllocRequest) -> Result<DevPtr> {
+        self.alloc_impl(req, true)
+    }
+
+    /// Allocate device memory that pause and resume leave alone: for allocations made inside
+    /// `disable()` when the allocator itself is this library (PyTorch's pluggable-allocator pools).
+    pub fn alloc_unpauseable(&self, req: &AllocRequest) -> Result<DevPtr> {
+        self.alloc_impl(
+            &AllocRequest {
+                backup: None,
+                chunk: 0,
+                ..req.clone()
+            },
+            false,
+        )
+    }
+
+    pub(super) fn alloc_impl(&self, req: &AllocRequest, pauseable: bool) -> Result<DevPtr> {
+        self.check_sound()?;
+        let what = || {
+            format!(
+                "allocating {} ({} bytes) on device {} for tag {:?}",
+                human(req.size),
+                req.size,
+                req.device,
+                req.tag
+            )
+        };
+        if req.size == 0 {
+            return Err(
+                Error::InvalidArgument("a pauseable allocation of 0 bytes".into()).context(what()),
+            );
+        }
+        self.check_device(req.device).ctx(what)?;
+        self.note_device(req.device);
+        let g = self.granularity(req.device).ctx(what)?;
+        let mapped = req
+            .size
+            .checked_next_multiple_of(g)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "size overflows when rounded up to the granularity {g}"
+                ))
+            })
+            .ctx(what)?;
+        if req.chunk > 0 && (req.chunk % g != 0 || req.size % req.chunk != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "chunk size {} bytes: the size ({} bytes) must be a multiple of it, and it a \
+                 multiple of the device's granularity ({g} bytes)",
+                req.chunk, req.size
+            ))
+            .context(what()));
+        }
+        let margin = self.memory_margin();
+        if margin > 0 {
+            let info = self.driver.mem_info(req.device).ctx(what)?;
+            if info.free < mapped.saturating_add(margin) {
+                return Err(Error::OutOfMemory(format!(
+                    "{} would leave {} free, below the memory margin of {}",
+                    what(),
+                    human(info.free.saturating_sub(mapped)),
+                    human(margin)
+                )));
+            }
+        }
+        // The driver's work runs without the registry lock: other threads' hooks go on.
+        let d = &*self.driver;
+        let _scope = DeviceScope::enter(d, req.device).ctx(what)?;
+        let ptr = d.reserve(req.device, mapped).ctx(what)?;
+        let segment = match req.chunk {
+            0 => self.segment.load(Ordering::Relaxed).max(g),
+            c => c,
+        };
+        let mut m = Mapping::new(
+            d,
+            Span {
+                device: req.device,
+                ptr,
+                mapped,
+                segment,
+            },
+        );
+        if let Err(e) = m.map_all(&|_| {}) {
+            drop(m);
+            if let Err(e2) = d.free_range(ptr, mapped) {
+                tracing::error!("undoing a failed allocation: {e2}");
+            }
+            return Err(e.context(what()));
+        }
+        let mut reg = self.reg.lock();
+        reg.backed += usize::from(req.backup.is_some());
+        reg.allocs.insert(
+            ptr,
+            Allocation {
+                size: req.size,
+                mapped,
+                device: req.device,
+                tag: Arc::from(req.tag.as_str()),
+                backup: req.backup,
+                segment,
+                chunk: req.chunk,
+                state: State::Active,
+                handles: m.commit().into_iter().map(Some).collect(),
+                host: None,
+                disk: None,
+                saved: vec![false; mapped.div_ceil(segment) as usize],
+                kept: None,
+                stuck: Vec::new(),
+                pauseable,
+                resident: false,
+            },
+        );
+        // Under the registry lock, so no pause can see the allocation but not its tag.
+        self.remember_tag(&req.tag);
+        drop(reg);
+        tracing::debug!("alloc {ptr:#x} {} tag {:?}", req.size, req.tag);
+        Ok(ptr)
+    }
+
+    pub(super) fn remember_tag(&self, tag: &str) {
+        let mut seen = self.tags_seen.lock();
+        if !seen.contains(tag) {
+            seen.insert(tag.into());
+        }
+    }
+
+    /// True if some allocation of this engine (pauseable or not, alive or freed since) ever had
+    /// `tag`. A pause or resume of a tag never seen changes nothing: a typo, perhaps.
+    pub fn tag_known(&self, tag: &str) -> bool {
+        self.tags_seen.lock().contains(tag)
+    }
+
+    /// Log at debug level a pause or resume of a tag no allocation ever had (it is a quiet
+    /// success, like one of a tag whose allocations are all freed).
+    pub(super) fn note_unknown_tag(&self, what: &str, tag: Option<&str>) {
+        if let Some(t) = tag.filter(|t| !self.tag_known(t)) {
+            tracing::debug!("{what} of tag {t:?}: no allocation ever had this tag; nothing to do");
+        }
+    }
+
+    /// True if `ptr` is the start of a pauseable allocation.
+    pub fn owns(&self, ptr: DevPtr) -> bool {
+        self.reg.lock().allocs.contains_key(&ptr)
+    }
+
+    /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours. Waits
+    /// while a pause or resume is changing this very allocation, never for other work.
+    pub fn free(&self, ptr: DevPtr) -> Result<bool> {
+        let mut a = {
+            let mut reg = self.reg.lock();
+            loop {
+                match reg.allocs.get(&ptr) {
+                    None => return Ok(false),
+                    Some(a) if a.in_transition() => self.settled.wait(&mut reg),
+                    Some(_) => break,
+                }
+            }
+            reg.allocs.remove(&ptr).expect("found above")
+        };
+        // From here the allocation is out of the registry (no pause can select it) while its
+        // address range stays reserved (nothing else can be placed there).
+        let what = || {
+            format!(
+                "freeing {ptr:#x} ({} bytes, device {}, tag {:?})",
+                a.size, a.device, a.tag
+            )
+        };
+        let d = &*self.driver;
+        let segs = a.mapped_segs(ptr);
+        let mut stuck = std::mem::take(&mut a.stuck);
+        let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
+            // Left mapped by a failed resume: the range cannot be freed while they are.
+            while let Some(&s) = stuck.last() {
+                let seg = a.span(ptr).sub(s, 1);
+                d.unmap(seg.ptr, seg.mapped)?;
+                stuck.pop();
+            }
+            if !segs.is_empty() {
+                // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
+                d.synchronize(a.device)?;
+                segment::unmap_all(d, a.device, &segs)?;
+            }
+            Ok(scope)
+        });
+        let _scope = match unmapped {
+            Ok(s) => s,
+            Err(e) => {
+                let e = e.context(what());
+                let mut a = a;
+                a.stuck = stuck;
+                self.reg.lock().allocs.insert(ptr, a);
+                return Err(e);
+            }
+        };
+        // Gone for the caller from here on.
+        if a.backup.is_some() {
+            let last = {
+                let mut reg = self.reg.lock();
+                reg.backed -= 1;
+                reg.backed == 0
+            };
+            // A pause or resume running now drops them itself when it ends.
+            if let Some(mut ops) = self.ops.try_lock().filter(|_| last) {
+                self.drop_unused_rings(&mut ops.rings);
+            }
+        }
+        if !segs.is_empty() {
+            if let Err(e) = segment::release_all(d, &segs) {
+                // Unmapped already: the allocation is gone for the caller; only the handle leaks.
+                tracing::error!("{}: {e}", what());
+                let _ = d.free_range(ptr, a.mapped);
+                return Err(e.context(what()));
+            }
+        }
+        d.free_range(ptr, a.mapped).ctx(what)?;
+        tracing::debug!("free {ptr:#x}");
+        Ok(true)
+    }
+}

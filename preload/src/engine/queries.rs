@@ -1,0 +1,125 @@
+//! Questions about allocations and operations: progress, chunks, the allocation list, stats.
+//! None of them waits for a pause or resume.
+
+use super::base::Engine;
+use super::pick::check_tag;
+use super::progress::Progress;
+use super::segment::segments;
+use super::stats::{self, Stats};
+use super::types::{AllocInfo, ChunkInfo};
+use crate::backup::{DiskFile, HostBuffer};
+use crate::driver::DevPtr;
+use crate::error::{Error, Result};
+
+impl Engine {
+    /// The pause or resume running now, whoever started it, and how far it has got; `None`
+    /// when none runs. Cheap, and never waits for the operation: a status or a progress
+    /// display may ask as often as it likes.
+    pub fn progress(&self) -> Option<Progress> {
+        self.progress.snapshot()
+    }
+
+    /// Wait until the background pinner has page-locked what it was given (false on timeout).
+    /// Only benchmarks and tests need this: copies never wait for it.
+    pub fn wait_for_background_pinning(&self, timeout: std::time::Duration) -> bool {
+        self.pinner.wait_idle(timeout)
+    }
+
+    /// The one chunked allocation of `tag`; an error if it has none, or several (named).
+    pub fn chunked(&self, tag: &str) -> Result<DevPtr> {
+        check_tag(Some(tag))?;
+        let reg = self.reg.lock();
+        let found: Vec<(DevPtr, u64)> = reg
+            .allocs
+            .iter()
+            .filter(|(_, a)| a.pauseable && a.chunk > 0 && &*a.tag == tag)
+            .map(|(p, a)| (*p, a.size))
+            .collect();
+        match found[..] {
+            [(p, _)] => Ok(p),
+            [] => Err(Error::NotFound(format!(
+                "tag {tag:?} has no chunked allocation (allocate in a region with a chunk size)"
+            ))),
+            _ => Err(Error::InvalidArgument(format!(
+                "tag {tag:?} has {} chunked allocations ({}); name one by its address (or, from Python, its tensor)",
+                found.len(),
+                found
+                    .iter()
+                    .map(|(p, n)| format!("{p:#x}, {n} bytes"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            ))),
+        }
+    }
+
+    /// The chunked allocation holding `[addr, addr+len)`, and the chunks wholly inside that
+    /// range (rounded inward: a chunk only partly inside is left out).
+    pub fn chunks_in(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, Vec<usize>)> {
+        let reg = self.reg.lock();
+        let (start, a) = reg.chunked_containing(addr, len.max(1))?;
+        let off = addr - start;
+        let first = off.div_ceil(a.chunk);
+        let end = (off + len) / a.chunk;
+        Ok((start, (first..end.max(first)).map(|c| c as usize).collect()))
+    }
+
+    /// Layout and states of the chunked allocation at `addr` (its start or any address in it).
+    pub fn chunk_info(&self, addr: DevPtr) -> Result<ChunkInfo> {
+        let reg = self.reg.lock();
+        let (start, a) = reg.chunked_containing(addr, 1)?;
+        Ok(ChunkInfo {
+            addr: start,
+            tag: a.tag.to_string(),
+            chunk: a.chunk,
+            layout: segments(a.mapped, a.segment).collect(),
+            active: a.handles.iter().map(Option::is_some).collect(),
+        })
+    }
+
+    /// Every allocation, in address order.
+    pub fn allocations(&self) -> Vec<AllocInfo> {
+        let reg = self.reg.lock();
+        reg.allocs
+            .iter()
+            .map(|(p, a)| AllocInfo {
+                addr: *p,
+                size: a.size,
+                mapped: a.mapped,
+                device: a.device,
+                tag: a.tag.to_string(),
+                backup: a.backup,
+                state: a.state,
+                host_bytes: a.host_bytes(),
+                host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                disk_bytes: a.disk.as_deref().map_or(0, DiskFile::len),
+                host_valid: a.fully_saved(),
+                handles: a.handles.iter().flatten().count(),
+                chunk: a.chunk,
+                active_bytes: a.active_bytes(),
+                pauseable: a.pauseable,
+                resident: a.resident,
+            })
+            .collect()
+    }
+
+    /// Per-tag statistics.
+    pub fn stats(&self) -> Stats {
+        let reg = self.reg.lock();
+        let mut s = stats::collect(
+            reg.allocs.values().map(|a| stats::Row {
+                tag: &a.tag,
+                size: a.size,
+                mapped: a.mapped,
+                active: a.active_bytes(),
+                host: a.host_bytes(),
+                host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                disk: a.disk.as_deref().map_or(0, DiskFile::len),
+            }),
+            &reg.history,
+        );
+        s.backend = self.driver.name().to_string();
+        s.retain_cpu_backup = self.retain_cpu_backup();
+        s.memory_margin_bytes = self.memory_margin();
+        s
+    }
+}
