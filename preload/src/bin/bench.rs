@@ -391,7 +391,7 @@ chunked, pinned backup: half of {n} chunks of {}",
         t.timed(
             format!("{tag}: pause half, fresh host memory"),
             bytes,
-            vs("fresh fill", lim.fill),
+            lim.cold_pause(),
             || e.pause_pick(&pick),
         )?;
         t.timed(
@@ -509,7 +509,7 @@ fn backup_scenario(
     t.timed(
         format!("{tag}: pause without retention (fresh memory)"),
         bytes,
-        vs("fresh fill", lim.fill),
+        lim.cold_pause(),
         || e.pause(Some(&tag)),
     )?;
     let r = t.timed(
@@ -534,7 +534,7 @@ fn backup_scenario(
         format!("{tag}: first pause (fresh host memory)"),
         bytes,
         r.seconds,
-        vs("fresh fill", lim.fill),
+        lim.cold_pause(),
     );
     t.timed(
         format!("{tag}: resume #1 right after, retained"),

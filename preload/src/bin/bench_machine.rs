@@ -1,6 +1,9 @@
 //! The machine's own limits for `tms-bench`, measured in the same run as the scenarios: the
 //! host<->device link (pinned and pageable), how fast the host supplies, copies and page-locks
-//! fresh memory, and the bare VMM calls.
+//! fresh memory, and the bare VMM calls. The host-fill limit is what a first pause into fresh
+//! host memory is held to: fresh memory laid out as the library lays out a backup (its page
+//! size choice), faulted in and filled by memcpy from a cached source, by 1 to N threads; the
+//! best rate is the limit.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -18,9 +21,76 @@ use super::{host_threads, Opts, Table};
 pub(crate) struct Limits {
     pub(crate) h2d: f64,
     pub(crate) d2h: f64,
+    /// The host-fill limit (the sweep's best), and its thread count.
     pub(crate) fill: f64,
+    pub(crate) fill_threads: usize,
     pub(crate) vmm_map_s: f64,
     pub(crate) vmm_unmap_s: f64,
+}
+
+impl Limits {
+    /// What a pause into fresh host memory is held to: the host-fill limit, or the link where
+    /// that is lower.
+    pub(crate) fn cold_pause(&self) -> Option<(&'static str, f64)> {
+        if self.d2h > 0.0 && self.d2h < self.fill {
+            Some(("pinned D2H (link)", self.d2h))
+        } else {
+            (self.fill > 0.0).then_some(("host fill limit", self.fill))
+        }
+    }
+}
+
+/// Thread counts of the host-fill sweep: powers of two up to twice the cores (at most 64).
+fn fill_threads() -> Vec<usize> {
+    let most = (2 * host_threads()).clamp(1, 64);
+    std::iter::successors(Some(1usize), |n| Some(n * 2))
+        .take_while(|&n| n <= most)
+        .collect()
+}
+
+/// The host-fill sweep: fresh memory in the library's backup layout (`layout`), mapped,
+/// faulted in and filled by `memcpy` from a 1 MiB source each thread keeps in its cache, by
+/// each thread count of [`fill_threads`]; the buffer's release is not timed. Returns the best
+/// rate and its thread count.
+fn host_fill_sweep(
+    driver: &Arc<dyn Driver>,
+    total: u64,
+    layout: HostLayout,
+    t: &mut Table,
+) -> Result<(f64, usize), String> {
+    let pages = if layout.hugepages { "huge" } else { "small" };
+    let mut best = (0.0, 0);
+    for n in fill_threads() {
+        let t0 = Instant::now();
+        let mut fresh = s(HostBuffer::new(
+            driver.clone(),
+            0,
+            BackupKind::Mmap,
+            total,
+            layout,
+        ))?;
+        par_chunks(fresh.as_mut_slice(), n, |i, c| {
+            let mut src = vec![0u8; 1 << 20];
+            common::fill_pattern(&mut src, i as u64);
+            for piece in c.chunks_mut(src.len()) {
+                piece.copy_from_slice(&src[..piece.len()]);
+            }
+        });
+        let rate = t.add(
+            format!("host fill limit: fresh memory, {pages} pages, memcpy ({n} thr)"),
+            total,
+            t0.elapsed().as_secs_f64(),
+        );
+        if rate > best.0 {
+            best = (rate, n);
+        }
+        drop(fresh);
+    }
+    println!(
+        "  host fill limit: {:.2} GiB/s with {} threads",
+        best.0, best.1
+    );
+    Ok(best)
 }
 
 /// Seconds for the bare calls of device 0 over the reserved `(address, bytes)` pieces:
@@ -77,6 +147,7 @@ pub(crate) fn limits(
         hugepages: false,
     };
     let mut lim = Limits::default();
+    (lim.fill, lim.fill_threads) = host_fill_sweep(driver, total, e.copy_config().layout, t)?;
     let dev = s(e.alloc(&req(total, "limits", None)))?;
 
     // Page-locking fresh memory in one call: what allocating pinned memory costs.
@@ -167,7 +238,7 @@ pub(crate) fn limits(
     par_chunks(&mut fresh, threads, |i, c| {
         common::fill_pattern(c, i as u64)
     });
-    lim.fill = t.add(
+    t.add(
         format!("parallel fill of fresh memory, small pages ({threads} thr)"),
         total,
         t0.elapsed().as_secs_f64(),
