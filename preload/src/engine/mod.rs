@@ -331,12 +331,12 @@ impl<'a> Pick<'a> {
             return Ok(());
         };
         let a = reg.allocs.get(&ptr).ok_or_else(|| {
-            Error::NotFound(format!(
+            Error::not_found(format!(
                 "{ptr:#x} is not the start of a pauseable allocation"
             ))
         })?;
         if a.resident {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "allocation {ptr:#x} (tag {:?}) is kept resident (keep_resident): pause and \
                  resume leave it mapped until it is freed",
                 a.tag
@@ -346,20 +346,20 @@ impl<'a> Pick<'a> {
             return Ok(());
         };
         if a.chunk == 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "allocation {ptr:#x} (tag {:?}) is not chunked: it pauses and resumes whole \
                  (allocate it in a region with a chunk size)",
                 a.tag
             )));
         }
         if !chunks.windows(2).all(|w| w[0] < w[1]) {
-            return Err(Error::InvalidArgument(
-                "chunk indices must be sorted and each given once".into(),
+            return Err(Error::invalid_argument(
+                "chunk indices must be sorted and each given once",
             ));
         }
         let n = a.handles.len();
         if let Some(bad) = chunks.iter().find(|&&c| c >= n) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk {bad} of allocation {ptr:#x} (tag {:?}): it has {n} chunks (0 to {})",
                 a.tag,
                 n - 1
@@ -498,8 +498,8 @@ fn first_error(results: impl IntoIterator<Item = Result<()>>) -> Result<()> {
 /// Refuse `Some("")`: no tag (`None`) is how every tag is named.
 fn check_tag(tag: Option<&str>) -> Result<()> {
     if tag == Some("") {
-        return Err(Error::InvalidArgument(
-            "tag must not be empty (no tag means every tag)".into(),
+        return Err(Error::invalid_argument(
+            "tag must not be empty (no tag means every tag)",
         ));
     }
     Ok(())
@@ -669,7 +669,7 @@ impl Engine {
     /// Refuse to act after a panic unwound through a pause or resume.
     fn check_sound(&self) -> Result<()> {
         match &*self.broken.lock() {
-            Some(m) => Err(Error::InvalidState(m.clone())),
+            Some(m) => Err(Error::invalid_state(m.clone())),
             None => Ok(()),
         }
     }
@@ -745,7 +745,7 @@ impl Engine {
     /// segments to exercise the multi-segment paths.
     pub fn set_segment_bytes(&self, bytes: u64) -> Result<()> {
         if !bytes.is_power_of_two() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "segment size {bytes}: expected a power of two"
             )));
         }
@@ -846,7 +846,7 @@ impl Engine {
         }
         let g = self.driver.granularity(device)?;
         if g == 0 || !g.is_power_of_two() {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "device {device} reports granularity {g}"
             )));
         }
@@ -859,7 +859,7 @@ impl Engine {
         let device = self.driver.current_device()?;
         let g = self.granularity(device)?;
         if chunk == 0 || chunk % g != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk size {chunk} bytes: expected a positive multiple of device {device}'s \
                  granularity ({g} bytes)"
             )));
@@ -870,7 +870,7 @@ impl Engine {
     fn check_device(&self, device: i32) -> Result<()> {
         let n = self.driver.device_count()?;
         if device < 0 || device >= n {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "device {device} does not exist ({} has {n})",
                 self.driver.name()
             )));
@@ -909,7 +909,7 @@ impl Engine {
         };
         if req.size == 0 {
             return Err(
-                Error::InvalidArgument("a pauseable allocation of 0 bytes".into()).context(what()),
+                Error::invalid_argument("a pauseable allocation of 0 bytes").context(what())
             );
         }
         self.check_device(req.device).ctx(what)?;
@@ -919,13 +919,13 @@ impl Engine {
             .size
             .checked_next_multiple_of(g)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!(
+                Error::invalid_argument(format!(
                     "size overflows when rounded up to the granularity {g}"
                 ))
             })
             .ctx(what)?;
         if req.chunk > 0 && (req.chunk % g != 0 || req.size % req.chunk != 0) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk size {} bytes: the size ({} bytes) must be a multiple of it, and it a \
                  multiple of the device's granularity ({g} bytes)",
                 req.chunk, req.size
@@ -936,7 +936,7 @@ impl Engine {
         if margin > 0 {
             let info = self.driver.mem_info(req.device).ctx(what)?;
             if info.free < mapped.saturating_add(margin) {
-                return Err(Error::OutOfMemory(format!(
+                return Err(Error::out_of_memory(format!(
                     "{} would leave {} free, below the memory margin of {}",
                     what(),
                     human(info.free.saturating_sub(mapped)),
@@ -1165,7 +1165,7 @@ impl Engine {
                 drop(h);
                 Ok(())
             }
-            None => Err(Error::NotFound(format!(
+            None => Err(Error::not_found(format!(
                 "CPU backup lease {lease} is not held (released already?)"
             ))),
         }
@@ -1235,7 +1235,7 @@ impl Engine {
             let (start, a) = reg.containing(addr, len)?;
             let r = a.segs_of(addr - start, len);
             if a.in_transition() || a.handles[r].iter().any(Option::is_none) {
-                return Err(Error::InvalidState(format!(
+                return Err(Error::invalid_state(format!(
                     "{} is paused (tag {:?})",
                     what(),
                     a.tag
@@ -1261,10 +1261,10 @@ impl Engine {
             .collect();
         match found[..] {
             [(p, _)] => Ok(p),
-            [] => Err(Error::NotFound(format!(
+            [] => Err(Error::not_found(format!(
                 "tag {tag:?} has no chunked allocation (allocate in a region with a chunk size)"
             ))),
-            _ => Err(Error::InvalidArgument(format!(
+            _ => Err(Error::invalid_argument(format!(
                 "tag {tag:?} has {} chunked allocations ({}); name one by its address (or, from Python, its tensor)",
                 found.len(),
                 found
