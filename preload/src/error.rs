@@ -343,6 +343,13 @@ impl Display for Error {
     }
 }
 
+/// A value that does not parse (a byte count, chunk ranges) is an invalid argument.
+impl From<tms_proto::ParseError> for Error {
+    fn from(e: tms_proto::ParseError) -> Self {
+        Error::invalid_argument(e.to_string())
+    }
+}
+
 impl std::error::Error for Error {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         self.source.as_ref().map(|e| e as _)

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of 1024;
 /// `KiB`/`KB`/`k` spellings accepted).
 pub fn parse_bytes(s: &str) -> Result<u64> {
-    tms_proto::parse_bytes(s).map_err(Error::invalid_argument)
+    Ok(tms_proto::parse_bytes(s)?)
 }
 
 /// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).

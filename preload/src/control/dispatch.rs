@@ -271,7 +271,7 @@ fn chunk_indices(tag: Option<&str>, ranges: &[[u64; 2]], chunk_state: bool) -> R
                 .to_string(),
         );
     }
-    let idx = expand_chunk_ranges(ranges, MAX_CHUNK_INDICES).map_err(Error::invalid_argument)?;
+    let idx = expand_chunk_ranges(ranges, MAX_CHUNK_INDICES)?;
     if idx.is_empty() {
         return bad("an empty chunk list: name at least one chunk".to_string());
     }

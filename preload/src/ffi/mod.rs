@@ -368,7 +368,7 @@ pub unsafe extern "C" fn tms_control_socket(
     entry(|| {
         control::runtime().and_then(|_| {
             let p = control::socket_path()
-                .map_err(|m| Error::unsupported(format!("no control socket: {m}")))?;
+                .map_err(|why| Error::unsupported(format!("no control socket: {why}")))?;
             let s = p.to_string_lossy();
             // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
             // callers' promise), as write_out needs.
