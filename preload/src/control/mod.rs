@@ -158,8 +158,7 @@ fn ensure_started(rt: &'static Runtime) {
         return;
     }
     START.call_once(|| {
-        let r = catch_unwind(AssertUnwindSafe(|| start(rt)))
-            .unwrap_or_else(|_| Err(NoSocket::Panicked));
+        let r = catch_unwind(AssertUnwindSafe(|| start(rt))).unwrap_or(Err(NoSocket::Panicked));
         match &r {
             Ok(p) => tracing::info!("control socket {}", p.display()),
             Err(e @ NoSocket::Disabled) => tracing::debug!("control socket: {e}"),
