@@ -112,7 +112,7 @@ impl fmt::Display for NoSocket {
             }
             NoSocket::Disabled => f.write_str("disabled by TMS_CONTROL=0"),
             NoSocket::Panicked => f.write_str("starting the control server panicked (a bug)"),
-            NoSocket::Failed(e) => e.fmt(f),
+            NoSocket::Failed(e) => fmt::Display::fmt(e, f),
         }
     }
 }
