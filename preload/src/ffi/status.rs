@@ -52,7 +52,8 @@ pub extern "C" fn tms_version() -> *const c_char {
 /// Symbolic name of a status code, a static NUL-terminated string (from [`status::TABLE`]).
 #[no_mangle]
 pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
-    catch(status::UNKNOWN.as_ptr(), || status::c_name(code).as_ptr())
+    let internal = status::c_name(status::INTERNAL).as_ptr();
+    catch(internal, || status::c_name(code).as_ptr())
 }
 
 /// Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
