@@ -31,7 +31,7 @@ use crate::output::{human, human_delta, parse_bytes, printable};
 use crate::Ctx;
 
 fn parse_size(s: &str) -> Result<u64, String> {
-    let v = parse_bytes(s)?;
+    let v = parse_bytes(s).map_err(|e| e.to_string())?;
     if v == 0 {
         return Err("the size must be above 0".into());
     }
@@ -268,8 +268,9 @@ fn verify_range<'a>(
     let Some(off) = words.next() else {
         return Ok((0, size));
     };
-    let off = parse_bytes(off)?;
-    let len = parse_bytes(words.next().ok_or("verify OFFSET LENGTH: no length")?)?;
+    let off = parse_bytes(off).map_err(|e| e.to_string())?;
+    let len = words.next().ok_or("verify OFFSET LENGTH: no length")?;
+    let len = parse_bytes(len).map_err(|e| e.to_string())?;
     match off.checked_add(len) {
         Some(end) if end <= size => Ok((off, end)),
         _ => Err(format!("{off}+{len} is outside the {size} bytes allocated")),

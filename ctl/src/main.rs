@@ -153,7 +153,9 @@ struct ShowProgress {
 struct ChunkList(Vec<usize>);
 
 fn parse_chunk_list(s: &str) -> Result<ChunkList, String> {
-    tms_proto::parse_ranges(s, MAX_CHUNK_INDICES).map(ChunkList)
+    tms_proto::parse_ranges(s, MAX_CHUNK_INDICES)
+        .map(ChunkList)
+        .map_err(|e| e.to_string())
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]

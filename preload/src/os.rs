@@ -55,14 +55,14 @@ pub(crate) fn mmap_anonymous(len: u64) -> Result<*mut u8> {
     if p == libc::MAP_FAILED {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() == Some(libc::ENOMEM) {
-            return Err(Error::OutOfMemory(format!(
+            return Err(Error::out_of_memory(format!(
                 "mmap of {len} bytes of host memory: {err}"
             )));
         }
-        return Err(Error::Io {
-            context: format!("mmap of {len} bytes of host memory"),
-            source: err,
-        });
+        return Err(Error::io(
+            format!("mmap of {len} bytes of host memory"),
+            err,
+        ));
     }
     Ok(p.cast())
 }

@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of 1024;
 /// `KiB`/`KB`/`k` spellings accepted).
 pub fn parse_bytes(s: &str) -> Result<u64> {
-    tms_proto::parse_bytes(s).map_err(Error::InvalidArgument)
+    Ok(tms_proto::parse_bytes(s)?)
 }
 
 /// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).
@@ -13,7 +13,7 @@ pub fn parse_flag(s: &str) -> Result<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
         "0" | "false" | "no" | "off" | "" => Ok(false),
-        _ => Err(Error::InvalidArgument(format!(
+        _ => Err(Error::invalid_argument(format!(
             "{s:?} is not a flag (use 1 or 0)"
         ))),
     }
@@ -24,7 +24,7 @@ pub fn env_parsed<T>(name: &str, parse: impl FnOnce(&str) -> Result<T>) -> Resul
     match std::env::var(name) {
         Ok(v) => var_parsed(name, Some(&v), parse),
         Err(std::env::VarError::NotPresent) => Ok(None),
-        Err(std::env::VarError::NotUnicode(_)) => Err(Error::InvalidArgument(format!(
+        Err(std::env::VarError::NotUnicode(_)) => Err(Error::invalid_argument(format!(
             "environment variable {name} is not valid UTF-8"
         ))),
     }

@@ -41,6 +41,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+mod parse;
+pub use parse::{ListFault, ParseError};
+
 /// Protocol version; a client and server agree on it in the hello exchange.
 pub const PROTOCOL_VERSION: u32 = 1;
 
@@ -121,22 +124,23 @@ pub fn chunk_ranges(idx: &[usize]) -> ChunkRanges {
 
 /// The chunk indices of `ranges`, sorted, each once (ranges may overlap or come in any order).
 /// At most `limit` indices in all, counted before duplicates go.
-pub fn expand_chunk_ranges(ranges: &[[u64; 2]], limit: usize) -> Result<Vec<usize>, String> {
+pub fn expand_chunk_ranges(ranges: &[[u64; 2]], limit: usize) -> Result<Vec<usize>, ParseError> {
     let mut total: u64 = 0;
     for &[a, b] in ranges {
         if a > b {
-            return Err(format!("chunk range {a}-{b} runs backwards"));
+            return Err(ParseError::RangeBackwards { first: a, last: b });
         }
         total = total.saturating_add((b - a).saturating_add(1));
         if total > limit as u64 {
-            return Err(format!("more than {limit} chunks asked for"));
+            return Err(ParseError::TooManyChunks { limit });
         }
     }
     let mut out = Vec::with_capacity(total as usize);
+    let index =
+        |chunk: u64| usize::try_from(chunk).map_err(|_| ParseError::ChunkOutOfRange { chunk });
     for &[a, b] in ranges {
         // Bounded by `limit` above; indices past usize cannot be chunks of anything.
-        let a = usize::try_from(a).map_err(|_| format!("chunk {a} is out of range"))?;
-        let b = usize::try_from(b).map_err(|_| format!("chunk {b} is out of range"))?;
+        let (a, b) = (index(a)?, index(b)?);
         out.extend(a..=b);
     }
     out.sort_unstable();
@@ -938,11 +942,11 @@ pub fn pid_of_socket_file(name: &str) -> Option<u32> {
 
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of
 /// 1024; `KiB`/`KB`/`k` spellings accepted). Shared by the library's settings and tmsctl.
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+pub fn parse_bytes(s: &str) -> Result<u64, ParseError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let bad = || format!("{s:?} is not a byte size (examples: 1048576, 512MiB, 8GiB)");
+    let bad = || ParseError::ByteSize { text: s.into() };
     let n: u64 = num.parse().map_err(|_| bad())?;
     let shift = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 0,
@@ -1001,12 +1005,15 @@ pub fn format_ranges(idx: &[usize]) -> String {
 
 /// Parse chunk indices: comma-separated indices and inclusive ranges (`"8-15,20"`), returned
 /// sorted, each once. At most `limit` indices, so that a typo cannot ask for billions.
-pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, String> {
-    let bad = |why: &str| format!("chunk list {s:?}: {why} (expected e.g. 8-15,20)");
+pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, ParseError> {
+    let bad = |fault: ListFault| ParseError::ChunkList {
+        text: s.into(),
+        fault,
+    };
     let mut out = Vec::new();
     for part in s.split(',').map(str::trim) {
         if part.is_empty() {
-            return Err(bad("empty item"));
+            return Err(bad(ListFault::EmptyItem));
         }
         let (a, b) = match part.split_once('-') {
             Some((a, b)) => (a.trim(), b.trim()),
@@ -1018,14 +1025,14 @@ pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, String> {
                 .all(|b| b.is_ascii_digit())
                 .then(|| x.parse::<usize>().ok())
                 .flatten()
-                .ok_or_else(|| bad(&format!("{x:?} is not an index")))
+                .ok_or_else(|| bad(ListFault::NotAnIndex { item: x.into() }))
         };
         let (a, b) = (num(a)?, num(b)?);
         if a > b {
-            return Err(bad(&format!("range {a}-{b} runs backwards")));
+            return Err(bad(ListFault::Backwards { first: a, last: b }));
         }
         if b - a >= limit || out.len() + (b - a + 1) > limit {
-            return Err(bad(&format!("more than {limit} chunks")));
+            return Err(bad(ListFault::TooMany { limit }));
         }
         out.extend(a..=b);
     }

@@ -61,6 +61,8 @@ class LibraryNotFoundError(TorchMemorySaverError):
     """libtms.so could not be found or loaded."""
 
 
+# Each status of the library's one table (status::TABLE in preload/src/error.rs), which
+# tests/tests/header.rs checks this against.
 _BY_STATUS = {
     1: OutOfMemoryError,
     2: DriverError,

@@ -74,6 +74,81 @@ fn header_status_codes_match_the_library() {
     }
 }
 
+/// Each `#define TMS_*` status of tms.h with the one-line comment above it.
+fn documented_statuses(header: &str) -> Vec<(String, i64, String)> {
+    let lines: Vec<&str> = header.lines().collect();
+    let defs = integer_defines(header, "TMS_");
+    defs.into_iter()
+        .map(|(name, value)| {
+            let at = lines
+                .iter()
+                .position(|l| {
+                    let mut w = l.split_whitespace();
+                    w.next() == Some("#define") && w.next() == Some(name.as_str())
+                })
+                .unwrap_or_else(|| panic!("tms.h: no line defines {name}"));
+            let above = at.checked_sub(1).map_or("", |i| lines[i].trim());
+            let meaning = above
+                .strip_prefix("/* ")
+                .and_then(|c| c.strip_suffix(" */"))
+                .unwrap_or_else(|| panic!("tms.h: {name} lacks a one-line comment above it"));
+            (name, value, meaning.to_string())
+        })
+        .collect()
+}
+
+/// tms.h's status codes are the library's table: the same codes, names and comments, in order.
+#[test]
+fn header_status_codes_and_comments_are_the_status_table() {
+    let want: Vec<(String, i64, String)> = tms::error::status::TABLE
+        .iter()
+        .map(|s| {
+            (
+                s.name().to_string(),
+                i64::from(s.code),
+                s.meaning.to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(documented_statuses(&header()), want);
+}
+
+/// `_BY_STATUS` of the Python package's errors.py: each code and the class it raises.
+fn python_statuses(src: &str) -> Vec<(i32, String)> {
+    let start = src
+        .find("_BY_STATUS = {")
+        .expect("errors.py has _BY_STATUS");
+    let body = &src[start..];
+    let body = &body[..body.find('}').expect("_BY_STATUS ends")];
+    body.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let (code, class) = l.trim().trim_end_matches(',').split_once(':')?;
+            Some((code.trim().parse().ok()?, class.trim().to_string()))
+        })
+        .collect()
+}
+
+/// The Python exceptions are the table's: every error code raises the class the table names,
+/// and each such class is defined in errors.py (python/tests/test_status_codes.py checks the
+/// same classes against tms.h from the Python side).
+#[test]
+fn python_exceptions_follow_the_status_table() {
+    let p = tms_tests::workspace_root().join("python/torch_memory_saver/errors.py");
+    let src = std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()));
+    let want: Vec<(i32, String)> = tms::error::status::TABLE
+        .iter()
+        .filter_map(|s| Some((s.code, s.python?.to_string())))
+        .collect();
+    assert_eq!(python_statuses(&src), want);
+    for (_, class) in &want {
+        assert!(
+            src.contains(&format!("\nclass {class}(")),
+            "errors.py does not define {class}"
+        );
+    }
+}
+
 fn syntax_check(compiler: &str, args: &[&str]) {
     let out = Command::new(compiler)
         .args(["-fsyntax-only", "-Wall", "-Wextra", "-Werror"])

@@ -132,7 +132,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
     let mut out = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let bad = |why: &str| {
-            Error::InvalidArgument(format!(
+            Error::invalid_argument(format!(
                 "disk fault {item:?}: {why} (expected op:nth[:errno], e.g. write:3:ENOSPC)"
             ))
         };
@@ -188,12 +188,9 @@ fn injected(op: DiskOp, path: &Path) -> Option<std::io::Error> {
 
 fn io_err(what: String, e: std::io::Error) -> Error {
     if e.raw_os_error() == Some(libc::ENOSPC) {
-        return Error::OutOfMemory(format!("{what}: {e} (the disk backup directory is full)"));
+        return Error::out_of_memory(format!("{what}: {e} (the disk backup directory is full)"));
     }
-    Error::Io {
-        context: what,
-        source: e,
-    }
+    Error::io(what, e)
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -253,7 +250,7 @@ impl BackupDir {
     /// Resolve `path` (an existing directory; relative to the current folder) and hold it open.
     pub fn open(path: &Path) -> Result<Arc<BackupDir>> {
         let bad = |why: String| {
-            Error::InvalidArgument(format!("disk backup directory {}: {why}", path.display()))
+            Error::invalid_argument(format!("disk backup directory {}: {why}", path.display()))
         };
         if path.as_os_str().is_empty() {
             return Err(bad("an empty path".into()));
@@ -316,7 +313,7 @@ impl BackupDir {
         let name = private_subfolder_name(me);
         let shown = base.join(&name);
         let refuse = |why: String| {
-            Error::InvalidState(format!(
+            Error::invalid_state(format!(
                 "disk backup directory {}: others can write to it, so backups go to its \
                  subfolder {}, which {why}: refused (remove it, or choose a directory of yours \
                  with set_disk_backup_dir or TMS_DISK_BACKUP_DIR)",
@@ -379,7 +376,7 @@ impl DiskFile {
     /// `chunk` bytes (a multiple of [`DIRECT_ALIGN`]).
     pub fn create(dir: &BackupDir, len: u64, chunk: u64) -> Result<Self> {
         if len == 0 || chunk == 0 || chunk % DIRECT_ALIGN != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "disk backup of {len} bytes in chunks of {chunk}: expected a length above 0 and \
                  a chunk that is a positive multiple of {DIRECT_ALIGN}"
             )));
@@ -549,7 +546,7 @@ impl DiskFile {
                 self.path.display()
             );
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                return Error::InvalidState(format!(
+                return Error::invalid_state(format!(
                     "{what}: the file is shorter than the backup it holds (it changed on disk \
                      while paused): not restored"
                 ));
@@ -579,7 +576,7 @@ impl DiskFile {
             return Ok(());
         }
         let (off, len) = self.chunk_span(i);
-        Err(Error::InvalidState(format!(
+        Err(Error::invalid_state(format!(
             "disk backup file {}: bytes {off}..{} changed on disk while paused (checksum \
              {sum:#018x}, written {want:#018x}): not restored; the allocation stays paused",
             self.path.display(),
@@ -594,7 +591,7 @@ impl DiskFile {
             .metadata()
             .map_err(|e| io_err(format!("checking {}", self.path.display()), e))?;
         if meta.len() < self.len {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "disk backup file {} is {} bytes, not {}: it changed on disk while paused; not \
                  restored, the allocation stays paused",
                 self.path.display(),

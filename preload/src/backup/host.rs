@@ -81,16 +81,16 @@ impl HostBuffer {
     ) -> Result<Self> {
         let page = page_size();
         if len == 0 {
-            return Err(Error::InvalidArgument("host buffer of 0 bytes".into()));
+            return Err(Error::invalid_argument("host buffer of 0 bytes"));
         }
         if layout.chunk == 0 || layout.chunk % page != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "host chunk size {} is not a positive multiple of the page size {page}",
                 layout.chunk
             )));
         }
         let map_len = len.checked_next_multiple_of(page).ok_or_else(|| {
-            Error::InvalidArgument(format!("host buffer of {len} bytes overflows"))
+            Error::invalid_argument(format!("host buffer of {len} bytes overflows"))
         })?;
         let ptr = if layout.hugepages && map_len >= HUGE_PAGE {
             mmap_huge(map_len)?

@@ -29,12 +29,11 @@ impl BackupKind {
         match s {
             "pinned" => Ok(BackupKind::Pinned),
             "mmap" => Ok(BackupKind::Mmap),
-            "disk" => Err(Error::InvalidArgument(
+            "disk" => Err(Error::invalid_argument(
                 "\"disk\" is not a CPU backup backend: ask for a disk backup with \
-                 enable_disk_backup=True (TMS_INIT_ENABLE_DISK_BACKUP=1) instead"
-                    .into(),
+                 enable_disk_backup=True (TMS_INIT_ENABLE_DISK_BACKUP=1) instead",
             )),
-            other => Err(Error::InvalidArgument(format!(
+            other => Err(Error::invalid_argument(format!(
                 "unknown CPU backup backend {other:?}: expected \"pinned\" or \"mmap\""
             ))),
         }

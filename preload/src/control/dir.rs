@@ -1,6 +1,7 @@
 //! The socket folder and the socket file: created private whatever the umask, checked before
 //! use, cleaned of the sockets nobody listens on any more.
 
+use std::fmt;
 use std::fs;
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt};
@@ -9,32 +10,42 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use super::sys::{self, Probe};
+use crate::error::{Error, Result};
 
 /// Create `dir` (and any missing parent) with mode 0700 whatever the umask, then check it is a
 /// real folder (not a symlink), owned by `uid`, that nobody else can enter or list. A folder
 /// of ours that nobody else can enter but that we cannot use either (made under a umask such
 /// as 0777 by an earlier version) is given mode 0700 again rather than refused for ever.
-pub fn prepare(dir: &Path, uid: u32) -> Result<(), String> {
+pub fn prepare(dir: &Path, uid: u32) -> Result<()> {
     let shown = dir.display();
+    let inspect_err = |e| Error::io(format!("cannot inspect the socket folder {shown}"), e);
     match fs::symlink_metadata(dir) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => create_private(dir)
-            .map_err(|e| format!("cannot create the socket folder {shown}: {e}"))?,
-        Err(e) => return Err(format!("cannot inspect the socket folder {shown}: {e}")),
+            .map_err(|e| Error::io(format!("cannot create the socket folder {shown}"), e))?,
+        Err(e) => return Err(inspect_err(e)),
     }
-    let inspect = || {
-        fs::symlink_metadata(dir)
-            .map_err(|e| format!("cannot inspect the socket folder {shown}: {e}"))
-    };
+    let inspect = || fs::symlink_metadata(dir).map_err(inspect_err);
     let mut m = inspect()?;
     let mode = m.permissions().mode() & 0o777;
     if m.is_dir() && m.uid() == uid && mode & 0o077 == 0 && mode != 0o700 {
-        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
-            .map_err(|e| format!("cannot give the socket folder {shown} mode 0700: {e}"))?;
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|e| {
+            Error::io(
+                format!("cannot give the socket folder {shown} mode 0700"),
+                e,
+            )
+        })?;
         tracing::debug!("socket folder {shown}: mode {mode:04o} set to 0700");
         m = inspect()?;
     }
-    verify(&m, uid).map_err(|why| format!("refusing the socket folder {shown}: {why}"))
+    // The refusal is the OS-level cause: a folder others could enter is as unusable as one the
+    // system refuses.
+    verify(&m, uid).map_err(|why| {
+        Error::io(
+            format!("refusing the socket folder {shown}"),
+            io::Error::new(io::ErrorKind::PermissionDenied, why),
+        )
+    })
 }
 
 /// Create `dir` and its missing parents, each with mode 0700 set explicitly after `mkdir`: the
@@ -62,27 +73,72 @@ fn create_private(dir: &Path) -> io::Result<()> {
     }
     Ok(())
 }
+/// Why [`verify`] refuses a socket folder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// A symbolic link (which could point anywhere).
+    Symlink,
+    /// Not a folder at all.
+    NotAFolder,
+    /// Owned by another user.
+    Owner {
+        /// Its owner.
+        uid: u32,
+        /// Ours.
+        ours: u32,
+    },
+    /// Group or others have access.
+    Open {
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The owner cannot use it.
+    Unusable {
+        /// Its permission bits.
+        mode: u32,
+    },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            Refusal::Symlink => f.write_str("it is a symbolic link"),
+            Refusal::NotAFolder => f.write_str("it is not a folder"),
+            Refusal::Owner { uid, ours } => write!(f, "it belongs to uid {uid}, not {ours}"),
+            Refusal::Open { mode } => write!(
+                f,
+                "its mode is {mode:04o}: group or others have access (want 0700)"
+            ),
+            Refusal::Unusable { mode } => write!(
+                f,
+                "its mode is {mode:04o}: the owner cannot use it (want 0700)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Refusal {}
+
 /// The rule [`prepare`] applies to the folder's metadata (from `lstat`).
-pub fn verify(m: &fs::Metadata, uid: u32) -> Result<(), String> {
+pub fn verify(m: &fs::Metadata, uid: u32) -> std::result::Result<(), Refusal> {
     if m.file_type().is_symlink() {
-        return Err("it is a symbolic link".into());
+        return Err(Refusal::Symlink);
     }
     if !m.is_dir() {
-        return Err("it is not a folder".into());
+        return Err(Refusal::NotAFolder);
     }
     if m.uid() != uid {
-        return Err(format!("it belongs to uid {}, not {uid}", m.uid()));
+        return Err(Refusal::Owner {
+            uid: m.uid(),
+            ours: uid,
+        });
     }
     let mode = m.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
-        return Err(format!(
-            "its mode is {mode:04o}: group or others have access (want 0700)"
-        ));
+        return Err(Refusal::Open { mode });
     }
     if mode & 0o700 != 0o700 {
-        return Err(format!(
-            "its mode is {mode:04o}: the owner cannot use it (want 0700)"
-        ));
+        return Err(Refusal::Unusable { mode });
     }
     Ok(())
 }
@@ -92,7 +148,7 @@ pub fn verify(m: &fs::Metadata, uid: u32) -> Result<(), String> {
 /// renamed into place, so no client ever sees it with a wider mode. A socket of the same name
 /// can only be left over from this pid of this pid namespace before an `exec` (another live
 /// process has another name), so it is replaced.
-pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf), String> {
+pub fn bind(dir: &Path, pid: u32) -> Result<(UnixListener, PathBuf)> {
     bind_as(dir, &tms_proto::socket_file_name(pid))
 }
 
@@ -102,23 +158,25 @@ fn temporary_name(name: &str) -> String {
 }
 
 /// [`bind`] under the file name `name`.
-pub fn bind_as(dir: &Path, name: &str) -> Result<(UnixListener, PathBuf), String> {
+pub fn bind_as(dir: &Path, name: &str) -> Result<(UnixListener, PathBuf)> {
     let path = dir.join(name);
     let tmp = dir.join(temporary_name(name));
     match fs::remove_file(&tmp) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("cannot remove {}: {e}", tmp.display())),
+        Err(e) => return Err(Error::io(format!("cannot remove {}", tmp.display()), e)),
     }
-    let listener =
-        UnixListener::bind(&tmp).map_err(|e| format!("cannot listen on {}: {e}", tmp.display()))?;
+    let listener = UnixListener::bind(&tmp)
+        .map_err(|e| Error::io(format!("cannot listen on {}", tmp.display()), e))?;
     // Explicitly, whatever the umask gave the new file (a socket's mode can only be set
     // through its path: fchmod on the socket's fd does not reach the file).
     let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(0o600))
-        .map_err(|e| format!("cannot restrict {}: {e}", tmp.display()))
+        .map_err(|e| Error::io(format!("cannot restrict {}", tmp.display()), e))
         .and_then(|_| {
-            fs::rename(&tmp, &path)
-                .map_err(|e| format!("cannot rename {} to {}: {e}", tmp.display(), path.display()))
+            fs::rename(&tmp, &path).map_err(|e| {
+                let what = format!("cannot rename {} to {}", tmp.display(), path.display());
+                Error::io(what, e)
+            })
         });
     if let Err(e) = placed {
         let _ = fs::remove_file(&tmp);
@@ -227,23 +285,34 @@ mod tests {
             .create(&open)
             .unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
-        let e = prepare(&open, sys::euid()).unwrap_err();
+        let e = prepare(&open, sys::euid()).unwrap_err().to_string();
         assert!(e.contains("0755") && e.contains("refusing"), "{e}");
+        assert_eq!(
+            e,
+            format!(
+                "refusing the socket folder {}: its mode is 0755: group or others have access \
+                 (want 0700)",
+                open.display()
+            )
+        );
 
-        let e = prepare(&open, sys::euid().wrapping_add(1)).unwrap_err();
+        let e = prepare(&open, sys::euid().wrapping_add(1))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("belongs to uid"), "{e}");
 
         let link = base.join("link");
         let private = base.join("private");
         fs::DirBuilder::new().mode(0o700).create(&private).unwrap();
         std::os::unix::fs::symlink(&private, &link).unwrap();
-        let e = prepare(&link, sys::euid()).unwrap_err();
+        let e = prepare(&link, sys::euid()).unwrap_err().to_string();
         assert!(e.contains("symbolic link"), "{e}");
 
         let file = base.join("file");
         fs::write(&file, b"").unwrap();
         assert!(prepare(&file, sys::euid())
             .unwrap_err()
+            .to_string()
             .contains("not a folder"));
         fs::remove_dir_all(&base).unwrap();
     }
@@ -267,7 +336,10 @@ mod tests {
         // A folder whose socket path would not fit in sun_path: an error, not a panic.
         let long = d.join("x".repeat(120));
         prepare(&long, sys::euid()).unwrap();
-        assert!(bind(&long, me).unwrap_err().contains("cannot listen"));
+        assert!(bind(&long, me)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot listen"));
 
         // Binding again (same pid, as after exec) replaces the old socket.
         let (_l2, again) = bind(&d, me).unwrap();

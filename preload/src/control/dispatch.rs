@@ -255,7 +255,7 @@ fn op(
 /// refused without a tag, with `chunk_state`, when empty or more than [`MAX_CHUNK_INDICES`].
 /// Whether the allocation has them is the engine's to say (it names any it lacks).
 fn chunk_indices(tag: Option<&str>, ranges: &[[u64; 2]], chunk_state: bool) -> Result<Vec<usize>> {
-    let bad = |m: String| Err(Error::InvalidArgument(m));
+    let bad = |m: String| Err(Error::invalid_argument(m));
     let Some(t) = tag else {
         return bad(
             "chunks need a tag: they are chunks of the tag's chunked allocation".to_string(),
@@ -271,7 +271,7 @@ fn chunk_indices(tag: Option<&str>, ranges: &[[u64; 2]], chunk_state: bool) -> R
                 .to_string(),
         );
     }
-    let idx = expand_chunk_ranges(ranges, MAX_CHUNK_INDICES).map_err(Error::InvalidArgument)?;
+    let idx = expand_chunk_ranges(ranges, MAX_CHUNK_INDICES)?;
     if idx.is_empty() {
         return bad("an empty chunk list: name at least one chunk".to_string());
     }
@@ -285,7 +285,7 @@ fn chunks_of(host: &dyn Host, tag: &str) -> Result<Reply> {
         if tag.is_empty() || e.tag_known(tag) {
             err
         } else {
-            Error::NotFound(format!(
+            Error::not_found(format!(
                 "no allocation of this process ever had tag {:?}",
                 shown_tag(tag)
             ))
@@ -295,7 +295,7 @@ fn chunks_of(host: &dyn Host, tag: &str) -> Result<Reply> {
     // One byte a chunk: a reply about more chunks than fit could not be read.
     let room = MAX_REPLY_BYTES.saturating_sub(MAX_SHOWN_TAG_BYTES * 6 + 4096);
     if info.active.len() > room {
-        return Err(Error::Unsupported(format!(
+        return Err(Error::unsupported(format!(
             "allocation {ptr:#x} (tag {:?}) has {} chunks, more than a reply can list ({room})",
             shown_tag(tag),
             info.active.len()
@@ -364,9 +364,7 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     let mut r = host.default_region()?;
     if let Some(t) = u.tag {
         if t.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a region's tag must not be empty".into(),
-            ));
+            return Err(Error::invalid_argument("a region's tag must not be empty"));
         }
         r.tag = t;
     }
@@ -381,7 +379,7 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     }
     if let Some(b) = u.backend {
         if !r.cpu_backup {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "CPU backup backend {:?} given without enabling CPU backup",
                 b.as_str()
             )));

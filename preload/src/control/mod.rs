@@ -67,6 +67,7 @@ pub mod session;
 mod sys;
 
 use std::ffi::CString;
+use std::fmt;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -78,7 +79,7 @@ use std::time::Duration;
 use tms_proto::encode;
 
 use crate::engine::Engine;
-use crate::error::Result;
+use crate::error::{Error, ErrorKind, Result};
 use crate::process::runtime::{self, Runtime};
 use crate::process::settings::{self, RegionSettings};
 use crate::units::{env_parsed, parse_flag};
@@ -88,7 +89,39 @@ use dispatch::Host;
 use session::{busy_reply, serve_connection, Identity, Limits};
 
 static START: Once = Once::new();
-static STATE: OnceLock<std::result::Result<PathBuf, String>> = OnceLock::new();
+static STATE: OnceLock<std::result::Result<PathBuf, NoSocket>> = OnceLock::new();
+
+/// Why this process has no control socket.
+#[derive(Debug)]
+pub enum NoSocket {
+    /// The server has not started, because the library has not.
+    NotStarted,
+    /// Turned off (`TMS_CONTROL=0`).
+    Disabled,
+    /// Starting it panicked (a bug).
+    Panicked,
+    /// Starting it failed: a malformed `TMS_CONTROL`, a refused folder, no socket or thread.
+    Failed(Error),
+}
+
+impl fmt::Display for NoSocket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NoSocket::NotStarted => {
+                f.write_str("the control server has not started (the library has not started)")
+            }
+            NoSocket::Disabled => f.write_str("disabled by TMS_CONTROL=0"),
+            NoSocket::Panicked => f.write_str("starting the control server panicked (a bug)"),
+            NoSocket::Failed(e) => fmt::Display::fmt(e, f),
+        }
+    }
+}
+
+impl From<Error> for NoSocket {
+    fn from(e: Error) -> Self {
+        NoSocket::Failed(e)
+    }
+}
 
 /// The process's [`Host`]: the one runtime's engine and the settings module.
 struct ProcessHost {
@@ -125,11 +158,10 @@ fn ensure_started(rt: &'static Runtime) {
         return;
     }
     START.call_once(|| {
-        let r = catch_unwind(AssertUnwindSafe(|| start(rt)))
-            .unwrap_or_else(|_| Err("starting the control server panicked (a bug)".into()));
+        let r = catch_unwind(AssertUnwindSafe(|| start(rt))).unwrap_or(Err(NoSocket::Panicked));
         match &r {
             Ok(p) => tracing::info!("control socket {}", p.display()),
-            Err(e) if e.starts_with("disabled") => tracing::debug!("control socket: {e}"),
+            Err(e @ NoSocket::Disabled) => tracing::debug!("control socket: {e}"),
             Err(e) => tracing::error!("no control socket: {e}"),
         }
         let _ = STATE.set(r);
@@ -137,36 +169,41 @@ fn ensure_started(rt: &'static Runtime) {
 }
 
 /// The socket's path, or why there is none (not started yet, disabled, or it failed).
-pub fn socket_path() -> std::result::Result<PathBuf, String> {
+pub fn socket_path() -> std::result::Result<&'static Path, &'static NoSocket> {
+    static NOT_STARTED: NoSocket = NoSocket::NotStarted;
     match STATE.get() {
-        Some(r) => r.clone(),
-        None => Err("the control server has not started (the library has not started)".into()),
+        Some(r) => r.as_deref(),
+        None => Err(&NOT_STARTED),
     }
 }
 
-fn enabled() -> std::result::Result<(), String> {
-    match env_parsed("TMS_CONTROL", parse_flag) {
-        Ok(None | Some(true)) => Ok(()),
-        Ok(Some(false)) => Err("disabled by TMS_CONTROL=0".into()),
-        Err(e) => Err(e.to_string()),
+fn enabled() -> std::result::Result<(), NoSocket> {
+    match env_parsed("TMS_CONTROL", parse_flag)? {
+        None | Some(true) => Ok(()),
+        Some(false) => Err(NoSocket::Disabled),
     }
 }
 
-fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
-    if let Err(e) = enabled() {
-        if !e.starts_with("disabled") {
+fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
+    match enabled() {
+        Ok(()) => {}
+        Err(NoSocket::Disabled) => return Err(NoSocket::Disabled),
+        Err(e) => {
             // A malformed setting is reported in one line, like every other TMS_* variable.
             eprintln!("torch-memory-saver: {e}; the control socket stays off");
+            return Err(e);
         }
-        return Err(e);
     }
     let uid = sys::euid();
     let pid = std::process::id();
     let folder = tms_proto::socket_dir_from_env(uid);
     dir::prepare(&folder, uid)?;
     let (listener, path) = dir::bind(&folder, pid)?;
-    let c_path = CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| format!("socket path {} contains a NUL byte", path.display()))?;
+    // The system would refuse such a path too (EINVAL): an OS-level failure.
+    let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        let why = format!("socket path {} contains a NUL byte", path.display());
+        Error::new(ErrorKind::Io, why)
+    })?;
     sys::install_process_handlers(c_path, listener.as_raw_fd());
     // The atexit handler does not run when a signal ends the process: recorded for that too,
     // for as long as the process lives.
@@ -190,7 +227,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, String> {
         Err(e) => {
             sys::forget_listener();
             let _ = std::fs::remove_file(&path);
-            Err(format!("cannot start the control thread: {e}"))
+            Err(Error::io("cannot start the control thread", e).into())
         }
     }
 }

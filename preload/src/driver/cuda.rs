@@ -101,8 +101,8 @@ impl CudaDriver {
     pub fn load() -> Result<Self> {
         // SAFETY: probing only dlopens candidate library names.
         if !unsafe { sys::is_culib_present() } {
-            return Err(Error::Unsupported(
-                "no CUDA driver library (libcuda.so.1) could be opened; set TMS_BACKEND=sim to use the simulated device".into(),
+            return Err(Error::unsupported(
+                "no CUDA driver library (libcuda.so.1) could be opened; set TMS_BACKEND=sim to use the simulated device",
             ));
         }
         // SAFETY: the library is present (just probed), so culib() finds it and does not panic.
@@ -110,7 +110,7 @@ impl CudaDriver {
         for name in SYMBOLS {
             // SAFETY: we only look the symbol up; it is not called through this pointer.
             if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
-                return Err(Error::Unsupported(format!(
+                return Err(Error::unsupported(format!(
                     "the CUDA driver lacks {name}; a driver for CUDA 12.0 or newer is needed"
                 )));
             }
@@ -134,9 +134,7 @@ impl CudaDriver {
             String::new,
         )?;
         if n <= 0 {
-            return Err(Error::Unsupported(
-                "the CUDA driver reports no device".into(),
-            ));
+            return Err(Error::unsupported("the CUDA driver reports no device"));
         }
         Ok(CudaDriver {
             devices: n,
@@ -153,7 +151,7 @@ impl CudaDriver {
 
     fn check_device(&self, device: i32) -> Result<usize> {
         if device < 0 || device >= self.devices {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "device {device} does not exist (this machine has {})",
                 self.devices
             )));

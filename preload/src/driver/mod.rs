@@ -161,8 +161,9 @@ pub fn cuda_error_name(code: i32) -> &'static str {
     }
 }
 
-/// Turn a driver status into a `Result`: out-of-memory becomes [`Error::OutOfMemory`](crate::Error::OutOfMemory),
-/// anything else [`Error::Driver`](crate::Error::Driver).
+/// Turn a driver status into a `Result`: out-of-memory becomes an error of kind
+/// [`ErrorKind::OutOfMemory`](crate::error::ErrorKind::OutOfMemory), anything else
+/// [`ErrorKind::Driver`](crate::error::ErrorKind::Driver).
 pub(crate) fn check(
     call: &'static str,
     code: i32,
@@ -172,15 +173,10 @@ pub(crate) fn check(
     use crate::error::Error;
     match code {
         0 => Ok(()),
-        2 => Err(Error::OutOfMemory(format!(
+        2 => Err(Error::out_of_memory(format!(
             "{call} returned {name}: {}",
             context()
         ))),
-        _ => Err(Error::Driver {
-            call,
-            code,
-            name: name.to_string(),
-            context: context(),
-        }),
+        _ => Err(Error::driver(call, code, name, context())),
     }
 }

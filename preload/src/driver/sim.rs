@@ -172,7 +172,7 @@ impl SimConfig {
                 .ok()
                 .filter(|n| (1..=64).contains(n))
                 .ok_or_else(|| {
-                    Error::InvalidArgument(format!("{s:?} is not a device count from 1 to 64"))
+                    Error::invalid_argument(format!("{s:?} is not a device count from 1 to 64"))
                 })
         })? {
             c.devices = n;
@@ -195,7 +195,7 @@ impl SimConfig {
             || self.granularity % page != 0
             || !self.granularity.is_power_of_two()
         {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "sim granularity {} must be a power of two and a multiple of the page size {page}",
                 self.granularity
             )));
@@ -218,7 +218,7 @@ pub fn parse_faults(s: &str) -> Result<FaultPlan> {
     let mut out = Vec::new();
     for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
         let bad = |why: &str| {
-            Error::InvalidArgument(format!(
+            Error::invalid_argument(format!(
                 "fault {item:?}: {why} (format prim:nth[:code], prims: {})",
                 Prim::ALL.map(Prim::name).join(", ")
             ))
@@ -361,17 +361,12 @@ thread_local! {
 
 fn driver_err(prim: Prim, code: i32, context: String) -> Error {
     if code == 2 {
-        Error::OutOfMemory(format!(
+        Error::out_of_memory(format!(
             "{} returned CUDA_ERROR_OUT_OF_MEMORY: {context}",
             prim.call()
         ))
     } else {
-        Error::Driver {
-            call: prim.call(),
-            code,
-            name: cuda_error_name(code).to_string(),
-            context,
-        }
+        Error::driver(prim.call(), code, cuda_error_name(code), context)
     }
 }
 
@@ -424,13 +419,13 @@ impl SimDriver {
                     .filter(|ms| *ms <= 3_600_000)
                     .map(std::time::Duration::from_millis)
                     .ok_or_else(|| {
-                        Error::InvalidArgument(format!(
+                        Error::invalid_argument(format!(
                             "{v:?} is not a number of milliseconds from 0 to 3600000"
                         ))
                     })
             })?,
             bandwidth: env_parsed("TMS_SIM_BANDWIDTH", |v| match parse_bytes(v)? {
-                0 => Err(Error::InvalidArgument(format!(
+                0 => Err(Error::invalid_argument(format!(
                     "{v:?}: the link's bytes per second must be above 0"
                 ))),
                 b => Ok(b),

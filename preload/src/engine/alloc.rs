@@ -43,7 +43,7 @@ impl Engine {
         };
         if req.size == 0 {
             return Err(
-                Error::InvalidArgument("a pauseable allocation of 0 bytes".into()).context(what()),
+                Error::invalid_argument("a pauseable allocation of 0 bytes").context(what())
             );
         }
         self.check_device(req.device).ctx(what)?;
@@ -53,13 +53,13 @@ impl Engine {
             .size
             .checked_next_multiple_of(g)
             .ok_or_else(|| {
-                Error::InvalidArgument(format!(
+                Error::invalid_argument(format!(
                     "size overflows when rounded up to the granularity {g}"
                 ))
             })
             .ctx(what)?;
         if req.chunk > 0 && (req.chunk % g != 0 || req.size % req.chunk != 0) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk size {} bytes: the size ({} bytes) must be a multiple of it, and it a \
                  multiple of the device's granularity ({g} bytes)",
                 req.chunk, req.size
@@ -70,7 +70,7 @@ impl Engine {
         if margin > 0 {
             let info = self.driver.mem_info(req.device).ctx(what)?;
             if info.free < mapped.saturating_add(margin) {
-                return Err(Error::OutOfMemory(format!(
+                return Err(Error::out_of_memory(format!(
                     "{} would leave {} free, below the memory margin of {}",
                     what(),
                     human(info.free.saturating_sub(mapped)),

@@ -112,7 +112,7 @@ impl Engine {
     /// Refuse to act after a panic unwound through a pause or resume.
     pub(super) fn check_sound(&self) -> Result<()> {
         match &*self.broken.lock() {
-            Some(m) => Err(Error::InvalidState(m.clone())),
+            Some(m) => Err(Error::invalid_state(m.clone())),
             None => Ok(()),
         }
     }

@@ -85,7 +85,7 @@ impl Engine {
                 drop(h);
                 Ok(())
             }
-            None => Err(Error::NotFound(format!(
+            None => Err(Error::not_found(format!(
                 "CPU backup lease {lease} is not held (released already?)"
             ))),
         }

@@ -227,9 +227,7 @@ impl Engine {
             let what = || format!("allocation {:#x} ({} bytes)", j.ptr, j.size);
             if kind == BackupKind::Disk {
                 let Some(dir) = dir.as_deref() else {
-                    return Err(Error::Internal(
-                        "a disk backup without its directory".into(),
-                    ));
+                    return Err(Error::internal("a disk backup without its directory"));
                 };
                 let f = Arc::new(DiskFile::create(dir, j.mapped, j.file_chunk).ctx(what)?);
                 // Kept by the allocation from now on, and reused by every later pause.
@@ -268,7 +266,7 @@ impl Engine {
         if need <= usable {
             return Ok(());
         }
-        Err(Error::OutOfMemory(format!(
+        Err(Error::out_of_memory(format!(
             "a pause of {} needs {} of host memory for {count} new CPU backups ({} bytes) and \
              staging ({} bytes), but only {} is available ({}; a 1/{HOST_HEADROOM_DIVISOR} share \
              of it is kept free, leaving {}); nothing was paused: free host memory, pause fewer \
@@ -416,7 +414,7 @@ fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Resu
     if need <= free {
         return Ok(());
     }
-    Err(Error::OutOfMemory(format!(
+    Err(Error::out_of_memory(format!(
         "a pause of {} needs {} for new disk backup files in {}, which has {} free; nothing was \
          paused: free space there or choose another directory (set_disk_backup_dir, \
          TMS_DISK_BACKUP_DIR)",

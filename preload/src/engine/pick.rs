@@ -54,12 +54,12 @@ impl<'a> Pick<'a> {
             return Ok(());
         };
         let a = reg.allocs.get(&ptr).ok_or_else(|| {
-            Error::NotFound(format!(
+            Error::not_found(format!(
                 "{ptr:#x} is not the start of a pauseable allocation"
             ))
         })?;
         if a.resident {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "allocation {ptr:#x} (tag {:?}) is kept resident (keep_resident): pause and \
                  resume leave it mapped until it is freed",
                 a.tag
@@ -69,20 +69,20 @@ impl<'a> Pick<'a> {
             return Ok(());
         };
         if a.chunk == 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "allocation {ptr:#x} (tag {:?}) is not chunked: it pauses and resumes whole \
                  (allocate it in a region with a chunk size)",
                 a.tag
             )));
         }
         if !chunks.windows(2).all(|w| w[0] < w[1]) {
-            return Err(Error::InvalidArgument(
-                "chunk indices must be sorted and each given once".into(),
+            return Err(Error::invalid_argument(
+                "chunk indices must be sorted and each given once",
             ));
         }
         let n = a.handles.len();
         if let Some(bad) = chunks.iter().find(|&&c| c >= n) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk {bad} of allocation {ptr:#x} (tag {:?}): it has {n} chunks (0 to {})",
                 a.tag,
                 n - 1
@@ -106,8 +106,8 @@ impl<'a> Pick<'a> {
 /// Refuse `Some("")`: no tag (`None`) is how every tag is named.
 pub(super) fn check_tag(tag: Option<&str>) -> Result<()> {
     if tag == Some("") {
-        return Err(Error::InvalidArgument(
-            "tag must not be empty (no tag means every tag)".into(),
+        return Err(Error::invalid_argument(
+            "tag must not be empty (no tag means every tag)",
         ));
     }
     Ok(())

@@ -76,7 +76,7 @@ impl PinMode {
             "background" => Ok(PinMode::Background),
             "inline" => Ok(PinMode::Inline),
             "never" => Ok(PinMode::Never),
-            other => Err(Error::InvalidArgument(format!(
+            other => Err(Error::invalid_argument(format!(
                 "unknown pin mode {other:?}: expected background, inline or never"
             ))),
         }
@@ -118,27 +118,27 @@ impl CopyConfig {
     /// Refuse settings the pipeline cannot work with.
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_WORKERS).contains(&self.threads) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "{} copy threads: expected 1 to {MAX_WORKERS}",
                 self.threads
             )));
         }
         let page = crate::os::page_size();
         if self.layout.chunk == 0 || self.layout.chunk % page != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
                 self.layout.chunk
             )));
         }
         if self.disk_chunk % crate::backup::disk::DIRECT_ALIGN != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "disk backup chunk of {} bytes: expected a multiple of {}",
                 self.disk_chunk,
                 crate::backup::disk::DIRECT_ALIGN
             )));
         }
         if self.slot == 0 || self.slot % page != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "staging slot of {} bytes: expected a positive multiple of the page size {page}",
                 self.slot
             )));
@@ -517,9 +517,8 @@ struct StopOnUnwind<'a, 'b>(&'a Shared<'b>);
 impl Drop for StopOnUnwind<'_, '_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
-            self.0.fail(Error::Internal(
-                "the copy pipeline's coordinator panicked".into(),
-            ));
+            self.0
+                .fail(Error::internal("the copy pipeline's coordinator panicked"));
         }
     }
 }
@@ -529,7 +528,7 @@ impl Drop for StopOnUnwind<'_, '_> {
 fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = catch_unwind(AssertUnwindSafe(|| worker_inner(sh, slots, done)));
     if let Err(p) = res {
-        sh.fail(Error::Internal(format!(
+        sh.fail(Error::internal(format!(
             "a copy worker panicked (a bug): {}",
             crate::error::panic_message(&*p)
         )));
@@ -662,7 +661,7 @@ fn disk_chunk(
 ) -> Result<()> {
     let (off, len) = file.chunk_span(k);
     if part != (off, len) {
-        return Err(Error::Internal(format!(
+        return Err(Error::internal(format!(
             "a copy of bytes {}+{} cuts disk backup chunk {k} ({off}+{len})",
             part.0, part.1
         )));

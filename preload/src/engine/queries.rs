@@ -37,10 +37,10 @@ impl Engine {
             .collect();
         match found[..] {
             [(p, _)] => Ok(p),
-            [] => Err(Error::NotFound(format!(
+            [] => Err(Error::not_found(format!(
                 "tag {tag:?} has no chunked allocation (allocate in a region with a chunk size)"
             ))),
-            _ => Err(Error::InvalidArgument(format!(
+            _ => Err(Error::invalid_argument(format!(
                 "tag {tag:?} has {} chunked allocations ({}); name one by its address (or, from Python, its tensor)",
                 found.len(),
                 found

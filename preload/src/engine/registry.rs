@@ -163,7 +163,7 @@ impl Registry {
     /// The allocation holding `[addr, addr+len)` within its asked size.
     pub fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
         let not_found = || {
-            Error::NotFound(format!(
+            Error::not_found(format!(
                 "range {addr:#x}+{len} does not lie inside one pauseable allocation"
             ))
         };
@@ -184,7 +184,7 @@ impl Registry {
     pub fn chunked_containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
         let (start, a) = self.containing(addr, len)?;
         if a.chunk == 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
                 a.tag
             )));

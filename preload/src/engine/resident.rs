@@ -25,7 +25,7 @@ impl Engine {
             return Ok(a.size);
         }
         if a.in_transition() || a.handles.iter().any(Option::is_none) {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "keep_resident requires an active allocation: allocation {start:#x} ({} bytes, \
                  tag {:?}) holding {addr:#x} is {} (resume it first)",
                 a.size,

@@ -14,7 +14,7 @@ impl Engine {
     /// segments to exercise the multi-segment paths.
     pub fn set_segment_bytes(&self, bytes: u64) -> Result<()> {
         if !bytes.is_power_of_two() {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "segment size {bytes}: expected a power of two"
             )));
         }
@@ -110,7 +110,7 @@ impl Engine {
         }
         let g = self.driver.granularity(device)?;
         if g == 0 || !g.is_power_of_two() {
-            return Err(Error::InvalidState(format!(
+            return Err(Error::invalid_state(format!(
                 "device {device} reports granularity {g}"
             )));
         }
@@ -123,7 +123,7 @@ impl Engine {
         let device = self.driver.current_device()?;
         let g = self.granularity(device)?;
         if chunk == 0 || chunk % g != 0 {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "chunk size {chunk} bytes: expected a positive multiple of device {device}'s \
                  granularity ({g} bytes)"
             )));
@@ -134,7 +134,7 @@ impl Engine {
     pub(super) fn check_device(&self, device: i32) -> Result<()> {
         let n = self.driver.device_count()?;
         if device < 0 || device >= n {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "device {device} does not exist ({} has {n})",
                 self.driver.name()
             )));

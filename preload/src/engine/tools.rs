@@ -66,7 +66,7 @@ impl Engine {
             let (start, a) = reg.containing(addr, len)?;
             let r = a.segs_of(addr - start, len);
             if a.in_transition() || a.handles[r].iter().any(Option::is_none) {
-                return Err(Error::InvalidState(format!(
+                return Err(Error::invalid_state(format!(
                     "{} is paused (tag {:?})",
                     what(),
                     a.tag

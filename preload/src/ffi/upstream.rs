@@ -16,7 +16,9 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
-use super::{entry, opt_str};
+use super::args::{arg_str, buffer_len, indices, opt_str, room};
+use super::chunks::transact;
+use super::status::entry;
 use crate::backup::BackupKind;
 use crate::control;
 use crate::error::{Error, Result};
@@ -61,11 +63,9 @@ pub unsafe extern "C" fn tms_set_current_tag(tag: *const c_char) -> c_int {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as opt_str needs.
         let tag = unsafe { opt_str(tag, "tag") }?
-            .ok_or_else(|| Error::InvalidArgument("tag is NULL".into()))?;
+            .ok_or_else(|| Error::invalid_argument("tag is NULL"))?;
         if tag.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a region's tag must not be empty".into(),
-            ));
+            return Err(Error::invalid_argument("a region's tag must not be empty"));
         }
         settings::update_region(|r| r.tag = tag.to_string())
     })
@@ -254,11 +254,11 @@ unsafe fn tag_chunks(tag: *const c_char, idx: *const usize, n: usize, pause: boo
     entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as arg_str needs.
-        let tag = unsafe { super::arg_str(tag, "tag") }?;
+        let tag = unsafe { arg_str(tag, "tag") }?;
         // SAFETY: `idx` is readable for `n` entries (our callers' promise), as indices needs.
-        let idx = unsafe { super::indices(idx, n as u64) }?;
+        let idx = unsafe { indices(idx, n as u64) }?;
         let start = control::runtime()?.engine.chunked(tag)?;
-        super::transact(pause, &crate::engine::Pick::chunks(start, &idx))
+        transact(pause, &crate::engine::Pick::chunks(start, &idx))
     })
 }
 
@@ -301,7 +301,7 @@ pub unsafe extern "C" fn tms_resume_chunks(
 unsafe fn tag_info(tag: *const c_char) -> Result<crate::engine::ChunkInfo> {
     // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
     // callers' promise), as arg_str needs.
-    let tag = unsafe { super::arg_str(tag, "tag") }?;
+    let tag = unsafe { arg_str(tag, "tag") }?;
     let e = &control::runtime()?.engine;
     e.chunk_info(e.chunked(tag)?)
 }
@@ -338,8 +338,8 @@ pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, 
             // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
             // callers' promise), as tag_info needs.
             let info = unsafe { tag_info(tag) }?;
-            super::room(n, info.active.len(), "the state array")?;
-            let n = super::buffer_len(out.is_null(), n as u64, "the state array")?.unwrap_or(0);
+            room(n, info.active.len(), "the state array")?;
+            let n = buffer_len(out.is_null(), n as u64, "the state array")?.unwrap_or(0);
             // SAFETY: the caller vouches for n writable bytes; buffer_len checked the pointer.
             let out = unsafe { std::slice::from_raw_parts_mut(out, n) };
             for (o, a) in out.iter_mut().zip(&info.active) {
@@ -367,8 +367,8 @@ pub unsafe extern "C" fn tms_get_chunk_layout(
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_info needs.
         let info = unsafe { tag_info(tag) }?;
-        super::room(n, info.layout.len(), "the layout arrays")?;
-        let k = super::buffer_len(
+        room(n, info.layout.len(), "the layout arrays")?;
+        let k = buffer_len(
             offsets.is_null() || sizes.is_null(),
             n as u64,
             "offsets or sizes",
@@ -450,9 +450,9 @@ pub unsafe extern "C" fn tms_affected_devices(
             // callers' promise), as opt_str needs.
             let tag = unsafe { opt_str(tag, "tag") }?.filter(|t| !t.is_empty());
             let cap = usize::try_from(capacity)
-                .map_err(|_| Error::InvalidArgument(format!("capacity {capacity} is negative")))?;
+                .map_err(|_| Error::invalid_argument(format!("capacity {capacity} is negative")))?;
             if cap > 0 && out.is_null() {
-                return Err(Error::InvalidArgument(format!(
+                return Err(Error::invalid_argument(format!(
                     "out is NULL with a capacity of {cap}"
                 )));
             }

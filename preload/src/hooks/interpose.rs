@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use crate::control;
 use crate::engine::AllocRequest;
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 use crate::process::boundary::{catch, set_last_error};
 use crate::process::{runtime, settings};
 
@@ -115,8 +115,8 @@ fn real_malloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
     static SLOT: OnceLock<usize> = OnceLock::new();
     let p = next_symbol(c"cudaMalloc", &SLOT);
     if p == 0 {
-        set_last_error(&Error::Unsupported(
-            "no CUDA runtime below torch-memory-saver provides cudaMalloc".into(),
+        set_last_error(&Error::unsupported(
+            "no CUDA runtime below torch-memory-saver provides cudaMalloc",
         ));
         return CUDA_ERROR_INITIALIZATION;
     }
@@ -128,8 +128,8 @@ fn real_free(ptr: *mut c_void) -> c_int {
     static SLOT: OnceLock<usize> = OnceLock::new();
     let p = next_symbol(c"cudaFree", &SLOT);
     if p == 0 {
-        set_last_error(&Error::Unsupported(
-            "no CUDA runtime below torch-memory-saver provides cudaFree".into(),
+        set_last_error(&Error::unsupported(
+            "no CUDA runtime below torch-memory-saver provides cudaFree",
         ));
         return CUDA_ERROR_INITIALIZATION;
     }
@@ -180,7 +180,7 @@ fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int,
     match made {
         Ok(p) => Ok(p as *mut c_void),
         Err(e) if e.is_oom() => Err((CUDA_ERROR_MEMORY_ALLOCATION, e)),
-        Err(e @ Error::InvalidArgument(_)) => Err((CUDA_ERROR_INVALID_VALUE, e)),
+        Err(e) if *e.kind() == ErrorKind::InvalidArgument => Err((CUDA_ERROR_INVALID_VALUE, e)),
         Err(e) => {
             tracing::error!("{e}");
             Err((CUDA_ERROR_UNKNOWN, e))
@@ -277,7 +277,7 @@ pub extern "C" fn tms_torch_malloc(
         };
         if size <= 0 {
             if size < 0 {
-                set_last_error(&Error::InvalidArgument(format!(
+                set_last_error(&Error::invalid_argument(format!(
                     "allocation of {size} bytes"
                 )));
             }

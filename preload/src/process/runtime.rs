@@ -78,9 +78,8 @@ fn init() -> Result<Runtime> {
 /// Entry points call the control layer's `runtime()` instead, which also starts the server.
 pub fn get() -> Result<&'static Runtime> {
     if forked() {
-        return Err(Error::InvalidState(
-            "torch-memory-saver is disabled in this process: it was forked from one that used it"
-                .into(),
+        return Err(Error::invalid_state(
+            "torch-memory-saver is disabled in this process: it was forked from one that used it",
         ));
     }
     RUNTIME

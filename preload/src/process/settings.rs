@@ -46,7 +46,7 @@ impl BackendChoice {
             "" | "auto" => Ok(BackendChoice::Auto),
             "cuda" => Ok(BackendChoice::Cuda),
             "sim" => Ok(BackendChoice::Sim),
-            other => Err(Error::InvalidArgument(format!(
+            other => Err(Error::invalid_argument(format!(
                 "unknown backend {other:?}: expected auto, cuda or sim"
             ))),
         }
@@ -86,7 +86,7 @@ impl RegionSettings {
     /// Refuse a CPU and a disk backup at once.
     pub fn check(&self) -> Result<()> {
         if self.cpu_backup && self.disk_backup {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "region {:?}: enable_cpu_backup and enable_disk_backup are mutually exclusive \
                  (a paused allocation keeps its contents in one place)",
                 self.tag
@@ -130,7 +130,7 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
         |s| {
             s.trim()
                 .parse::<usize>()
-                .map_err(|_| Error::InvalidArgument(format!("{s:?} is not a number of threads")))
+                .map_err(|_| Error::invalid_argument(format!("{s:?} is not a number of threads")))
         },
     )? {
         c.threads = n;
@@ -167,7 +167,7 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
                 .parse::<u64>()
                 .ok()
                 .and_then(|mb| mb.checked_mul(1 << 20))
-                .ok_or_else(|| Error::InvalidArgument(format!("{s:?} is not a number of MiB")))
+                .ok_or_else(|| Error::invalid_argument(format!("{s:?} is not a number of MiB")))
         },
     )? {
         c.disk_chunk = mb;
@@ -184,8 +184,8 @@ impl ProcessSettings {
         let backend = named.unwrap_or(BackupKind::Pinned);
         let tag = match env_parsed("TMS_INIT_TAG", |t| Ok(t.to_string()))? {
             Some(t) if t.is_empty() => {
-                return Err(Error::InvalidArgument(
-                    "environment variable TMS_INIT_TAG is empty".into(),
+                return Err(Error::invalid_argument(
+                    "environment variable TMS_INIT_TAG is empty",
                 ))
             }
             Some(t) => t,
@@ -250,10 +250,7 @@ impl From<&Error> for StickyError {
 impl StickyError {
     /// Back into an error of the same status.
     pub fn to_error(&self) -> Error {
-        Error::Sticky {
-            status: self.status,
-            message: self.message.clone(),
-        }
+        Error::sticky(self.status, self.message.clone())
     }
 }
 
@@ -313,22 +310,20 @@ pub fn in_region() -> Result<bool> {
 /// Enter a region (or, with `enabled = false`, a non-pauseable scope) on this thread.
 pub fn push_region(r: RegionSettings) -> Result<()> {
     if r.tag.is_empty() {
-        return Err(Error::InvalidArgument(
-            "a region's tag must not be empty".into(),
-        ));
+        return Err(Error::invalid_argument("a region's tag must not be empty"));
     }
     STACK
         .try_with(|s| s.borrow_mut().push(r))
-        .map_err(|_| Error::InvalidState("thread is exiting".into()))
+        .map_err(|_| Error::invalid_state("thread is exiting"))
 }
 
 /// Leave the innermost region of this thread.
 pub fn pop_region() -> Result<RegionSettings> {
     STACK
         .try_with(|s| s.borrow_mut().pop())
-        .map_err(|_| Error::InvalidState("thread is exiting".into()))?
+        .map_err(|_| Error::invalid_state("thread is exiting"))?
         .ok_or_else(|| {
-            Error::InvalidState("region exit without a matching region enter on this thread".into())
+            Error::invalid_state("region exit without a matching region enter on this thread")
         })
 }
 
@@ -348,7 +343,7 @@ pub fn update_region(f: impl FnOnce(&mut RegionSettings)) -> Result<()> {
                 None => s.push(new),
             }
         })
-        .map_err(|_| Error::InvalidState("thread is exiting".into()))
+        .map_err(|_| Error::invalid_state("thread is exiting"))
 }
 
 /// Depth of this thread's region stack.

@@ -1,0 +1,315 @@
+//! Requests and replies over one connection: every operation, pipelining, the hello, bad
+//! input, time limits, disconnects, the request limit, and `set_region`'s checks.
+
+use super::*;
+
+#[test]
+fn every_operation_over_a_connection() {
+    let h = host();
+    let ptr = h
+        .engine
+        .alloc(&AllocRequest {
+            size: 3 << 20,
+            device: 0,
+            tag: "kv".into(),
+            backup: Some(BackupKind::Mmap),
+            chunk: 0,
+        })
+        .unwrap();
+    h.engine.write_bytes(ptr, b"contents").unwrap();
+    let mut c = Conn::greeted(h);
+    assert_eq!(
+        c.ask(&Request::Ping),
+        Reply::Pong {
+            pid: std::process::id()
+        }
+    );
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!(s.backend, "sim");
+    assert_eq!(s.tags.len(), 1);
+    assert_eq!(s.bytes_active(), 4 << 20);
+    assert_eq!(s.devices.len(), 1);
+    let free_before = s.devices[0].free_bytes;
+
+    let Reply::Done(d) = c.ask(&pause(Some("kv".into()))) else {
+        panic!()
+    };
+    assert_eq!((d.op, d.allocations, d.bytes), (Op::Pause, 1, 4 << 20));
+    assert_eq!(d.copied_bytes, 3 << 20);
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!((s.bytes_active(), s.bytes_paused()), (0, 4 << 20));
+    assert_eq!(s.devices[0].free_bytes, free_before + (4 << 20));
+    assert!(s.tags[0].last_pause.is_some());
+
+    // Pausing again is a no-op; resuming every tag brings it back.
+    let Reply::Done(d) = c.ask(&pause(None)) else {
+        panic!()
+    };
+    assert_eq!(d.allocations, 0);
+    let Reply::Done(d) = c.ask(&resume(None)) else {
+        panic!()
+    };
+    assert_eq!((d.op, d.allocations), (Op::Resume, 1));
+    let mut back = [0u8; 8];
+    h.engine.read_bytes(ptr, &mut back).unwrap();
+    assert_eq!(&back, b"contents");
+
+    // The default region.
+    let Reply::Region(r) = c.ask(&Request::GetRegion) else {
+        panic!()
+    };
+    assert!(!r.enabled);
+    let Reply::Region(r) = c.ask(&Request::SetRegion(RegionUpdate {
+        enabled: Some(true),
+        tag: Some("weights".into()),
+        cpu_backup: Some(true),
+        backend: Some(BackupBackend::Mmap),
+        ..Default::default()
+    })) else {
+        panic!()
+    };
+    assert!(r.enabled && r.cpu_backup && r.tag == "weights");
+    assert_eq!(r.backend, BackupBackend::Mmap);
+    assert_eq!(h.region.lock().backend, BackupKind::Mmap);
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    assert_eq!(s.default_region.unwrap().tag, "weights");
+
+    // Failed operations are replied to and the connection stays open.
+    let r = c.ask(&pause(Some(String::new())));
+    assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
+    let r = c.ask(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(false),
+        backend: Some(BackupBackend::Pinned),
+        ..Default::default()
+    }));
+    assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
+    assert_eq!(
+        h.region.lock().tag,
+        "weights",
+        "a refused update changes nothing"
+    );
+    let r = c.ask(&Request::SetRegion(RegionUpdate {
+        tag: Some(String::new()),
+        ..Default::default()
+    }));
+    assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
+    assert!(matches!(c.ask(&Request::Ping), Reply::Pong { .. }));
+
+    // A second hello is a protocol error: reply, then close.
+    let r = c.ask(&Request::Hello(hello(PROTOCOL_VERSION)));
+    assert_eq!(error_kind(&r), ErrorKind::BadRequest);
+    c.assert_closed();
+}
+
+#[test]
+fn pipelined_requests_are_answered_in_order() {
+    let h = host();
+    let mut c = Conn::open(h, limits());
+    let mut all = encode(&Request::Hello(hello(PROTOCOL_VERSION)));
+    for _ in 0..5 {
+        all.extend(encode(&Request::Ping));
+    }
+    all.extend(encode(&Request::GetRegion));
+    c.send_raw(&all);
+    assert!(matches!(c.read_reply(), Reply::Hello(_)));
+    for _ in 0..5 {
+        assert!(matches!(c.read_reply(), Reply::Pong { .. }));
+    }
+    assert!(matches!(c.read_reply(), Reply::Region(_)));
+    drop(c.stream.shutdown(std::net::Shutdown::Write));
+    c.assert_closed();
+}
+
+#[test]
+fn hello_is_required_and_versioned() {
+    let h = host();
+    let mut c = Conn::open(h, limits());
+    assert_eq!(
+        error_kind(&c.ask(&Request::Status)),
+        ErrorKind::HelloRequired
+    );
+    c.assert_closed();
+
+    let mut c = Conn::open(h, limits());
+    let r = c.ask(&Request::Hello(hello(PROTOCOL_VERSION + 1)));
+    assert_eq!(error_kind(&r), ErrorKind::VersionMismatch);
+    let Reply::Error(e) = r else { panic!() };
+    assert!(e.message.contains("tmsctl"), "{}", e.message);
+    c.assert_closed();
+}
+
+#[test]
+fn garbage_gets_an_error_reply_and_a_close() {
+    let h = host();
+    for bad in [
+        &b"garbage\n"[..],
+        b"\n",
+        b"{\"op\":\"format_disk\"}\n",
+        b"{\"op\":\"pause\",\"tga\":\"kv\"}\n",
+        b"\xff\xfe\x00\x01\n",
+        b"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\n",
+    ] {
+        // Before and after the hello.
+        let mut c = Conn::open(h, limits());
+        c.send_raw(bad);
+        assert_eq!(
+            error_kind(&c.read_reply()),
+            ErrorKind::BadRequest,
+            "{bad:?}"
+        );
+        c.assert_closed();
+        let mut c = Conn::greeted(h);
+        c.send_raw(bad);
+        assert_eq!(
+            error_kind(&c.read_reply()),
+            ErrorKind::BadRequest,
+            "{bad:?}"
+        );
+        c.assert_closed();
+    }
+}
+
+#[test]
+fn oversized_lines_are_refused_without_reading_them_all() {
+    let h = host();
+    let mut c = Conn::greeted(h);
+    // More than the limit, no newline: the server answers as soon as the limit is passed.
+    let big = vec![b'x'; MAX_LINE_BYTES + 1];
+    c.send_raw(&big);
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::LineTooLong);
+    c.assert_closed();
+}
+
+#[test]
+fn half_lines_slow_clients_and_silence_time_out() {
+    let h = host();
+    // Half a line, then the client closes its side.
+    let mut c = Conn::greeted(h);
+    c.send_raw(b"{\"op\":\"sta");
+    c.stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let r = c.read_reply();
+    assert_eq!(error_kind(&r), ErrorKind::BadRequest);
+    c.assert_closed();
+
+    // Half a line, then nothing: a timeout within the limit.
+    let mut c = Conn::greeted(h);
+    let t = Instant::now();
+    c.send_raw(b"{\"op\":\"sta");
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::Timeout);
+    assert!(t.elapsed() < Duration::from_secs(3));
+    c.assert_closed();
+
+    // A client dribbling a byte at a time still has to finish within the limit.
+    let mut c = Conn::greeted(h);
+    let t = Instant::now();
+    for b in b"{\"op\":\"status\"}" {
+        // 16 bytes at 40 ms each would take 640 ms: the server gives up at 300 ms (and our
+        // writes start failing once it has closed).
+        if c.stream.write_all(&[*b]).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(40));
+    }
+    assert!(
+        t.elapsed() >= Duration::from_millis(280),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::Timeout);
+    c.assert_closed();
+
+    // Saying nothing at all, not even hello.
+    let mut c = Conn::open(h, limits());
+    assert_eq!(error_kind(&c.read_reply()), ErrorKind::Timeout);
+    c.assert_closed();
+}
+
+#[test]
+fn abrupt_disconnects_end_the_session_quietly() {
+    let h = host();
+    // Ask and vanish before the reply.
+    let mut c = Conn::greeted(h);
+    c.send_raw(&encode(&Request::Status));
+    let Conn {
+        stream,
+        reader,
+        server,
+    } = c;
+    drop(stream);
+    drop(reader);
+    server.unwrap().join().unwrap();
+    // Vanish before the hello.
+    let c = Conn::open(h, limits());
+    let Conn {
+        stream,
+        reader,
+        server,
+    } = c;
+    drop(stream);
+    drop(reader);
+    server.unwrap().join().unwrap();
+}
+
+#[test]
+fn the_request_limit_ends_a_connection() {
+    let h = host();
+    let mut c = Conn::open(
+        h,
+        Limits {
+            max_requests: 3,
+            ..limits()
+        },
+    );
+    assert!(matches!(
+        c.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
+        Reply::Hello(_)
+    ));
+    for _ in 0..3 {
+        assert!(matches!(c.ask(&Request::Ping), Reply::Pong { .. }));
+    }
+    c.assert_closed();
+}
+
+/// `set_region` makes the check every other way of setting a region makes (a CPU and a disk
+/// backup at once are refused, the region left as it was), and replies show a disk backup.
+#[test]
+fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
+    let h = host();
+    h.region.lock().disk_backup = true;
+    let mut c = Conn::greeted(h);
+    let Reply::Region(r) = c.ask(&Request::GetRegion) else {
+        panic!()
+    };
+    assert!(r.disk_backup && !r.cpu_backup, "{r:?}");
+    let r = c.ask(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(true),
+        ..Default::default()
+    }));
+    assert_eq!(error_kind(&r), ErrorKind::InvalidArgument);
+    let Reply::Error(e) = &r else { panic!() };
+    assert!(
+        e.message
+            .contains("enable_cpu_backup and enable_disk_backup")
+            && e.message.contains("unchanged"),
+        "{e:?}"
+    );
+    let now = h.region.lock().clone();
+    assert!(now.disk_backup && !now.cpu_backup, "{now:?}");
+    // Both in one request: from disk to CPU.
+    let Reply::Region(r) = c.ask(&Request::SetRegion(RegionUpdate {
+        cpu_backup: Some(true),
+        disk_backup: Some(false),
+        ..Default::default()
+    })) else {
+        panic!()
+    };
+    assert!(r.cpu_backup && !r.disk_backup, "{r:?}");
+    let now = h.region.lock().clone();
+    assert!(now.check().is_ok() && now.cpu_backup && !now.disk_backup);
+}

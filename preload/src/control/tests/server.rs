@@ -1,0 +1,320 @@
+//! The server over a real socket: the accept loop, idle and slow clients, a full server,
+//! concurrent clients, stale sockets, and a private folder and socket whatever the umask.
+
+use super::*;
+
+#[test]
+fn the_accept_loop_serves_one_client_after_another() {
+    let h = host();
+    let base = std::env::temp_dir().join(format!("tms-serve-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    dir::prepare(&base, sys::euid()).unwrap();
+    let (listener, path) = dir::bind(&base, 4_000_001).unwrap();
+    std::thread::spawn(move || serve(&listener, h, limits(), me()));
+
+    // A silent client holds the thread only until its timeout.
+    let _silent = UnixStream::connect(&path).unwrap();
+    let t = Instant::now();
+    for _ in 0..3 {
+        let s = UnixStream::connect(&path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut r = BufReader::new(s.try_clone().unwrap());
+        let mut w = s;
+        w.write_all(&encode(&Request::Hello(hello(PROTOCOL_VERSION))))
+            .unwrap();
+        w.write_all(&encode(&Request::Ping)).unwrap();
+        let mut l = String::new();
+        r.read_line(&mut l).unwrap();
+        assert!(
+            matches!(decode_reply(l.as_bytes()), Ok(Reply::Hello(_))),
+            "{l}"
+        );
+        l.clear();
+        r.read_line(&mut l).unwrap();
+        assert!(
+            matches!(decode_reply(l.as_bytes()), Ok(Reply::Pong { .. })),
+            "{l}"
+        );
+    }
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn idle_connections_and_a_slow_client_never_delay_a_newcomer() {
+    // The production limits: 2 s per request line, 64 connections at once.
+    let h = host();
+    let (base, path) = server_in(h, "flood", "4000100.1.sock", Limits::default());
+
+    // A slow client: a ping every 1.5 s, each within the 2 s allowed (on a single server
+    // thread it held every other client off for as long as it went on).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let slow = {
+        let (path, stop) = (path.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut c = Client::greeted(&path);
+            let mut pongs = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1500));
+                match c.ask(&Request::Ping) {
+                    Some(Reply::Pong { .. }) => pongs += 1,
+                    _ => break,
+                }
+            }
+            pongs
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100));
+    // 200 connections that say nothing (on a single thread: 2 s each, 400 s in all).
+    let idle: Vec<UnixStream> = (0..200)
+        .map(|_| UnixStream::connect(&path).unwrap())
+        .collect();
+
+    // Newcomers over the next 4 s (while the idle ones are open, as they time out, after):
+    // each is answered at once.
+    let mut worst = Duration::ZERO;
+    for _ in 0..8 {
+        worst = worst.max(fresh_ping(&path));
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let pongs = slow.join().unwrap();
+    assert!(
+        worst < Duration::from_secs(1),
+        "a newcomer waited {worst:?}"
+    );
+    // The slow client itself was served all along: the idle ones (no hello) gave way first.
+    assert!(pongs >= 2, "{pongs} pongs");
+    drop(idle);
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_full_server_answers_busy_and_idle_connections_make_room() {
+    let h = host();
+    let l = Limits {
+        max_connections: 2,
+        request_timeout: Duration::from_secs(5),
+        write_timeout: Duration::from_secs(5),
+        ..limits()
+    };
+    let (base, path) = server_in(h, "cap", "4000101.1.sock", l);
+
+    // Two connections serving requests that take long (get_region waits for the gate).
+    let gate = h.gate.lock();
+    let mut a = Client::greeted(&path);
+    let mut b = Client::greeted(&path);
+    a.w.write_all(&encode(&Request::GetRegion)).unwrap();
+    b.w.write_all(&encode(&Request::GetRegion)).unwrap();
+    let t = Instant::now();
+    while h.at_gate.load(std::sync::atomic::Ordering::SeqCst) < 2 {
+        assert!(t.elapsed() < Duration::from_secs(5));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    // A third is refused at once with `busy`, and closed.
+    let t = Instant::now();
+    let mut c = Client::connect(&path);
+    let r = c.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy);
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(ErrorKind::Busy.closes_connection());
+    c.assert_closed();
+
+    // Both requests complete; a and b wait again, a longer (b has just had a ping served).
+    drop(gate);
+    assert!(matches!(a.reply(), Some(Reply::Region(_))));
+    assert!(matches!(b.reply(), Some(Reply::Region(_))));
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(matches!(b.ask(&Request::Ping), Some(Reply::Pong { .. })));
+
+    // A newcomer that has not said hello yet (e) makes room by closing the idle connection
+    // that waited longest (a), which gets `busy`; b is still served.
+    let mut e = Client::connect(&path);
+    let r = a.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy, "{r:?}");
+    a.assert_closed();
+
+    // Now b (greeted) and e (not yet): the next newcomer closes e, the one without a hello,
+    // although b has waited longer.
+    let t = Instant::now();
+    let took = fresh_ping(&path);
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    let r = e.reply().expect("a busy reply");
+    assert_eq!(error_kind(&r), ErrorKind::Busy);
+    e.assert_closed();
+    assert!(matches!(b.ask(&Request::Ping), Some(Reply::Pong { .. })));
+    assert!(t.elapsed() < Duration::from_secs(2));
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_drip_feeding_client_is_closed_after_its_waiting_time() {
+    let h = host();
+    let mut c = Conn::open(
+        h,
+        Limits {
+            max_idle_total: Duration::from_millis(700),
+            ..limits()
+        },
+    );
+    assert!(matches!(
+        c.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
+        Reply::Hello(_)
+    ));
+    // Each ping comes within the 300 ms per request, but they add up.
+    let t = Instant::now();
+    let mut pongs = 0;
+    let last = loop {
+        std::thread::sleep(Duration::from_millis(200));
+        // The server may have given up already: its reply is there to read all the same.
+        let _ = c.stream.write_all(&encode(&Request::Ping));
+        match c.read_reply() {
+            Reply::Pong { .. } => pongs += 1,
+            other => break other,
+        }
+        assert!(pongs < 10, "still open after {pongs} pings");
+    };
+    assert_eq!(error_kind(&last), ErrorKind::Timeout);
+    let Reply::Error(e) = last else { panic!() };
+    assert!(e.message.contains("in all"), "{}", e.message);
+    assert!((2..=4).contains(&pongs), "{pongs} pongs");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    c.assert_closed();
+}
+
+#[test]
+fn concurrent_pauses_from_several_clients_are_safe() {
+    let h = host();
+    let mut ptrs = Vec::new();
+    for i in 0..4u8 {
+        let p = h
+            .engine
+            .alloc(&AllocRequest {
+                size: 1 << 20,
+                device: 0,
+                tag: "kv".into(),
+                backup: Some(BackupKind::Mmap),
+                chunk: 0,
+            })
+            .unwrap();
+        h.engine.write_bytes(p, &[i; 64]).unwrap();
+        ptrs.push(p);
+    }
+    let (base, path) = server_in(h, "concurrent", "4000102.1.sock", limits());
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::greeted(&path);
+                for _ in 0..5 {
+                    for r in [pause(Some("kv".into())), resume(None)] {
+                        let reply = c.ask(&r);
+                        assert!(matches!(reply, Some(Reply::Done(_))), "{reply:?}");
+                    }
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.join().unwrap();
+    }
+    let s = h.engine.stats();
+    assert_eq!(s.tags.len(), 1);
+    assert_eq!(s.tags[0].active_allocations, 4);
+    for (i, p) in ptrs.iter().enumerate() {
+        let mut back = [0u8; 64];
+        h.engine.read_bytes(*p, &mut back).unwrap();
+        assert_eq!(back, [i as u8; 64]);
+    }
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_starting_server_removes_only_sockets_nobody_listens_on() {
+    let h = host();
+    let base = std::env::temp_dir().join(format!("tms-srv-{}-stale", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    dir::prepare(&base, sys::euid()).unwrap();
+    // A live server of another pid namespace sharing the folder: the pid in its name does not
+    // exist in ours (kill(pid, 0) said "dead" and its socket was removed).
+    let (_live, live) = dir::bind_as(&base, "2147483000.4026530000.sock").unwrap();
+    // Nobody listens on this one, though its pid (1) exists here: it goes.
+    let (l, dead) = dir::bind_as(&base, "1.4026530001.sock").unwrap();
+    drop(l);
+    let (_, path) = start_in(h, &base, "4000103.1.sock", limits());
+    // Served once the cleaning is over (it runs first on the server thread).
+    assert!(fresh_ping(&path) < Duration::from_secs(2));
+    assert!(live.exists(), "a live listener's socket was removed");
+    assert!(!dead.exists(), "a socket nobody listens on was kept");
+    assert!(path.exists());
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+#[test]
+fn a_restrictive_umask_still_gives_a_usable_private_folder_and_socket() {
+    in_child("control::tests::server::restrictive_umask_child");
+}
+
+/// The work of the test above; does nothing unless run as its child.
+#[test]
+fn restrictive_umask_child() {
+    use nix::sys::stat::{umask, Mode};
+    if std::env::var_os("TMS_TEST_CHILD").is_none() {
+        return;
+    }
+    let h = host();
+    for mask in [0o777, 0o077, 0o277, 0o577, 0o700] {
+        let base = std::env::temp_dir().join(format!("tms-umask-{}-{mask:o}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let folder = base.join("a/b");
+        let old = umask(Mode::from_bits_truncate(mask));
+        let r = dir::prepare(&folder, sys::euid())
+            .map(|()| start_in(h, &folder, "4000104.1.sock", limits()));
+        umask(old);
+        let (_, path) = r.unwrap_or_else(|e| panic!("umask {mask:04o}: {e}"));
+        for d in [&base, &base.join("a"), &folder] {
+            let m = std::fs::symlink_metadata(d).unwrap().permissions().mode() & 0o777;
+            assert_eq!(m, 0o700, "umask {mask:04o}: {}", d.display());
+        }
+        let m = std::fs::symlink_metadata(&path)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(m, 0o600, "umask {mask:04o}: the socket");
+        assert!(fresh_ping(&path) < Duration::from_secs(2));
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}
+
+/// Why there is no socket, in the words the log and `tms_control_socket` have always used.
+#[test]
+fn no_socket_reasons_keep_their_words() {
+    let failed: NoSocket = Error::io(
+        "cannot start the control thread",
+        std::io::Error::from_raw_os_error(libc::EAGAIN),
+    )
+    .into();
+    let cases = [
+        (
+            NoSocket::NotStarted,
+            "the control server has not started (the library has not started)".to_string(),
+        ),
+        (NoSocket::Disabled, "disabled by TMS_CONTROL=0".to_string()),
+        (
+            NoSocket::Panicked,
+            "starting the control server panicked (a bug)".to_string(),
+        ),
+        (
+            failed,
+            format!(
+                "cannot start the control thread: {}",
+                std::io::Error::from_raw_os_error(libc::EAGAIN)
+            ),
+        ),
+    ];
+    for (why, want) in cases {
+        assert_eq!(why.to_string(), want);
+    }
+}

@@ -1,0 +1,87 @@
+//! The status plumbing of the C ABI: every entry point's status code and the calling thread's
+//! last error ([`entry`]), text written into a caller's buffer ([`write_out`]), and the entry
+//! points that report on them (version, status names, last error, error count).
+
+use std::ffi::{c_char, c_int};
+
+use crate::error::{status, Error, Result};
+use crate::process::boundary::{catch, set_last_error, with_last_error};
+
+/// Run a fallible entry point: `Ok` is `TMS_OK`, an error its status with the message recorded.
+pub(super) fn entry(f: impl FnOnce() -> Result<()>) -> c_int {
+    catch(status::INTERNAL, || match f() {
+        Ok(()) => status::OK,
+        Err(e) => {
+            set_last_error(&e);
+            e.status()
+        }
+    })
+}
+
+/// Write `s` (with a NUL) into `buf` of `cap` bytes; `BUFFER_TOO_SMALL` when it does not fit.
+///
+/// # Safety
+/// `buf` is NULL or writable for `cap` bytes; `out_len` is NULL or writable.
+pub(super) unsafe fn write_out(
+    s: &str,
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<()> {
+    if !out_len.is_null() {
+        // SAFETY: caller vouches for out_len.
+        unsafe { *out_len = s.len() };
+    }
+    if buf.is_null() || cap < s.len() + 1 {
+        return Err(Error::buffer_too_small(cap, s.len() + 1));
+    }
+    // SAFETY: buf has room for s and the NUL (checked).
+    unsafe {
+        std::ptr::copy_nonoverlapping(s.as_ptr(), buf.cast::<u8>(), s.len());
+        *buf.add(s.len()) = 0;
+    }
+    Ok(())
+}
+
+/// Library version, a static NUL-terminated string.
+#[no_mangle]
+pub extern "C" fn tms_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// Symbolic name of a status code, a static NUL-terminated string (from [`status::TABLE`]).
+#[no_mangle]
+pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
+    let internal = status::c_name(status::INTERNAL).as_ptr();
+    catch(internal, || status::c_name(code).as_ptr())
+}
+
+/// Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
+/// NUL-terminated when `cap > 0`); returns the full message length.
+///
+/// # Safety
+/// `buf` is NULL or writable for `cap` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
+    catch(0, || {
+        with_last_error(|bytes| {
+            if !buf.is_null() && cap > 0 {
+                let n = bytes.len().min(cap - 1);
+                // SAFETY: buf is writable for cap > n bytes (caller's contract).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
+                    *buf.add(n) = 0;
+                }
+            }
+            bytes.len()
+        })
+        .unwrap_or(0)
+    })
+}
+
+/// How many errors this thread has recorded (each failure, also one inside a hook, counts one):
+/// compare before and after a call to learn whether it failed in the library.
+#[no_mangle]
+pub extern "C" fn tms_error_count() -> u64 {
+    catch(0, crate::process::boundary::error_count)
+}
