@@ -119,6 +119,7 @@ mod pause;
 mod pinner;
 mod pipeline;
 mod progress;
+mod ready;
 mod registry;
 mod resident;
 mod resume;

@@ -4,14 +4,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item, Ring, Target};
+use super::pipeline::{Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Start, Which};
 use super::segment::{self, Span};
 use super::{
     by_device, check_tag, describe, device_work, first_error, per_device, Backup, BufferRanges,
     CopyConfig, Engine, OpReport, Pick, Settle, State, Tally,
 };
-use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
+use crate::backup::{backing_of, disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
@@ -42,7 +42,7 @@ struct Job {
 
 impl Job {
     fn target(&self) -> Option<Target<'_>> {
-        Target::of(&self.host, &self.disk)
+        backing_of(&self.host, &self.disk)
     }
 
     fn backed_up(&self) -> bool {
@@ -452,14 +452,16 @@ impl Engine {
             })
             .collect();
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
-        pipeline::run(
-            &self.driver,
+        let pipeline = Pipeline {
+            driver: &self.driver,
             device,
-            Dir::Save,
+            dir: Dir::Save,
             cfg,
             ring,
-            &items,
+            items: &items,
             progress,
+        };
+        pipeline.run(
             |_, _| Ok(()),
             |p| {
                 let (k, r) = parts[p];

@@ -1,5 +1,5 @@
-//! The copy pipeline: moves backups between device allocations and host buffers with several
-//! workers per device.
+//! The copy pipeline: moves backups between device allocations and their backings (host
+//! buffers, disk files) with several workers per device.
 //!
 //! # Note [The copy pipeline]
 //!
@@ -7,15 +7,19 @@
 //! thread copies pageable memory at a fraction of that, and page-locking fresh memory costs
 //! more than filling it. So:
 //!
-//! - The work is cut into *chunks* (the host buffer's unit, 64 MiB by default), handed out to
-//!   `threads` workers in allocation order. Each worker has two *lanes*: an event of its own on
-//!   the device's one engine stream, and a small page-locked *staging slot* per lane (the
+//! - The work is cut into *units*: the parts of each item's backing chunks inside the item (the
+//!   host buffer's chunk, 64 MiB by default; a disk file's chunk), handed out to `threads`
+//!   workers in allocation order ([`Queue`]). Each worker has two *lanes*: an event of its own
+//!   on the device's one engine stream, and a small page-locked *staging slot* per lane (the
 //!   device's [`Ring`]). One stream keeps the link busy; more would each cost device memory.
-//! - A chunk whose host memory is page-locked is copied straight by DMA. One that is not (mmap
-//!   backups; pinned backups before they are page-locked) goes through the worker's slots: the
-//!   DMA fills one slot while the worker copies the other out with the CPU (to host), or the
-//!   worker fills one slot while the DMA drains the other (to device). With many workers the CPU
-//!   copies and the page faults of fresh memory run in parallel, and the link stays busy.
+//! - What a unit's backup is and how it moves is the backing's to say (`backup/backing.rs`): a
+//!   page-locked host chunk is copied straight by DMA; anything else (mmap backups; pinned
+//!   backups before they are page-locked; disk files, whose format, alignment and per-chunk
+//!   checksums are `backup/disk_file.rs`'s) goes through the worker's slots, piece by piece
+//!   through the backing's `UnitIo`: the DMA fills one slot while the worker moves the other
+//!   out with the CPU (to host memory or a file), or the worker fills one slot while the DMA
+//!   drains the other (to device). With many workers the CPU copies, the file I/O and the page
+//!   faults of fresh memory run in parallel, and the link stays busy.
 //! - Page-locking fresh memory runs at a few GiB/s and does not scale with threads (measured on
 //!   an H200 host: 3 GiB/s in one call, 4 GiB/s from 16 threads), far below the link, while
 //!   filling fresh memory through the slots runs at 25 GiB/s. So a first pause always goes
@@ -23,14 +27,15 @@
 //!   background thread (`pinner.rs`, [`PinMode::Background`]); later cycles copy them straight.
 //! - The coordinator prepares items in order while the workers copy what is prepared already: a
 //!   resume maps allocation i+1 (or the next segment of a large allocation) while what is
-//!   mapped is being copied. Each allocation whose chunks
-//!   are all copied is reported to the coordinator at once, so a pause unmaps and releases it
-//!   while the copies of later allocations run.
+//!   mapped is being copied. It publishes what is prepared, and the workers wait for it, through
+//!   [`Ready`] (`ready.rs`, model-checked with loom). Each allocation whose units are all
+//!   copied is reported to the coordinator at once, so a pause unmaps and releases it while the
+//!   copies of later allocations run.
 //! - A failure stops the hand-out; every worker waits for what its lanes still have queued
 //!   before it returns, so no DMA touches a buffer after the call. The caller learns which
 //!   allocations completed, and the engine keeps the registry true (engine Note [Pause and
 //!   resume as transactions]).
-//! - A chunk counts as copied only once the wait for its own lane's event succeeded: the driver
+//! - A unit counts as copied only once the wait for its own lane's event succeeded: the driver
 //!   contract is that such a wait covers every copy queued before the event (the simulated
 //!   device keeps it even when another worker's wait failed).
 //! - Threads may not be had (a pids limit): a worker that cannot be started is not started,
@@ -42,17 +47,19 @@
 //! Devices run in parallel, each with its own coordinator thread and workers.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::Mutex;
 
 use super::progress::{Counters, Phase};
-use crate::backup::{BackupKind, DiskFile, HostBuffer, HostLayout};
+use super::ready::Ready;
+use crate::backup::{BackupKind, Backing, DiskFile, HostBuffer, HostLayout, UnitIo};
 use crate::driver::{DevPtr, DeviceScope, Driver, Event, Stream};
 use crate::error::{Error, Result};
-use xxhash_rust::xxh3::Xxh3;
+
+pub(super) use crate::backup::Dir;
 
 /// When pinned backups are page-locked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -130,13 +137,8 @@ impl CopyConfig {
                 self.layout.chunk
             )));
         }
-        if self.disk_chunk % crate::backup::disk::DIRECT_ALIGN != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "disk backup chunk of {} bytes: expected a multiple of {}",
-                self.disk_chunk,
-                crate::backup::disk::DIRECT_ALIGN
-            )));
-        }
+        // The file format's rule (its alignment), which the disk backing owns.
+        DiskFile::check_chunk_setting(self.disk_chunk)?;
         if self.slot == 0 || self.slot % page != 0 {
             return Err(Error::InvalidArgument(format!(
                 "staging slot of {} bytes: expected a positive multiple of the page size {page}",
@@ -158,16 +160,22 @@ impl Ring {
     pub(super) fn bytes(&self) -> u64 {
         self.slots.iter().flatten().map(HostBuffer::len).sum()
     }
+
+    /// The slots of `workers` workers, two each, made on first need. Each pair sits behind a
+    /// lock, so that a worker whose thread could not be had leaves its pair for the
+    /// coordinator (see [`Pipeline::run`]).
+    fn lanes(&mut self, workers: usize) -> Vec<Mutex<&mut [Option<HostBuffer>]>> {
+        if self.slots.len() < 2 * workers {
+            self.slots.resize_with(2 * workers, || None);
+        }
+        self.slots.chunks_mut(2).take(workers).map(Mutex::new).collect()
+    }
 }
 
-/// Which way a pipeline copies.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Dir {
-    /// Device to host (pause).
-    Save,
-    /// Host to device (resume).
-    Restore,
-}
+/// What an item copies to or from. Items hold their backing as a trait object: the workers
+/// call it per unit and per staging-slot piece, never per byte (`backup/backing.rs` says why
+/// that dispatch is dynamic).
+pub(super) type Target<'a> = &'a dyn Backing;
 
 /// One range of an allocation in a pipelined operation: the allocation's address, the range
 /// (bytes `off..off + len` of it), and the backup to copy that range of to or from it (none:
@@ -224,74 +232,116 @@ impl<'a> Item<'a> {
     }
 }
 
-/// Where an item's contents go or come from.
-#[derive(Clone, Copy)]
-pub(super) enum Target<'a> {
-    /// Host memory: copied straight where page-locked, else through the staging slots.
-    Host(&'a HostBuffer),
-    /// A file: always through the staging slots, checksummed per chunk.
-    Disk(&'a DiskFile),
+/// One pipelined operation on one device: [`Pipeline::run`] copies `items` in direction `dir`
+/// with the device's staging `ring`, counting the bytes it copies in `progress`.
+pub(super) struct Pipeline<'a, 'i> {
+    pub driver: &'a Arc<dyn Driver>,
+    pub device: i32,
+    pub dir: Dir,
+    pub cfg: &'a CopyConfig,
+    pub ring: &'a mut Ring,
+    pub items: &'a [Item<'i>],
+    pub progress: &'a Counters,
 }
 
-impl<'a> Target<'a> {
-    /// The backup an allocation has, if any: its host buffer, else its file.
-    pub(super) fn of(
-        host: &'a Option<Arc<HostBuffer>>,
-        disk: &'a Option<Arc<DiskFile>>,
-    ) -> Option<Self> {
-        match (host, disk) {
-            (Some(h), _) => Some(Target::Host(h)),
-            (None, Some(f)) => Some(Target::Disk(f)),
-            (None, None) => None,
-        }
-    }
-
-    fn chunks(&self) -> usize {
-        match self {
-            Target::Host(h) => h.chunks(),
-            Target::Disk(f) => f.chunks(),
-        }
-    }
-
-    fn chunk_span(&self, k: usize) -> (u64, u64) {
-        match self {
-            Target::Host(h) => h.chunk_span(k),
-            Target::Disk(f) => f.chunk_span(k),
-        }
-    }
-
-    fn len(&self) -> u64 {
-        match self {
-            Target::Host(h) => h.len(),
-            Target::Disk(f) => f.len(),
+impl Pipeline<'_, '_> {
+    /// Run the pipeline. On this thread (the coordinator), in item order: `prepare(i,
+    /// progress)` (the resume maps the item's range here, calling `progress(end)` as the
+    /// allocation's bytes up to offset `end` become usable), after which the workers may copy
+    /// item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for items with
+    /// nothing to copy; the pause unmaps here). The first error, of a copy or of either
+    /// callback, stops the preparing and the hand-out of work; copies complete by then are
+    /// still reported, unless `on_done` itself failed. Returns the first error, once every
+    /// worker is idle.
+    pub(super) fn run(
+        self,
+        mut prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
+        on_done: impl FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        let queue = Queue::new(self.items);
+        let workers = self.cfg.threads.clamp(1, MAX_WORKERS).min(queue.units.len());
+        let lanes = self.ring.lanes(workers);
+        let sh = Shared {
+            driver: self.driver,
+            device: self.device,
+            dir: self.dir,
+            cfg: self.cfg,
+            queue,
+            ready: Ready::new(),
+            timing: Timing::new(self.progress),
+            error: Mutex::new(None),
+        };
+        let mut prepared_s = 0.0;
+        let (tx, rx) = mpsc::channel::<usize>();
+        std::thread::scope(|s| {
+            let started = lanes
+                .iter()
+                .map_while(|slots| {
+                    let (sh, tx) = (&sh, tx.clone());
+                    crate::threads::spawn_scoped(s, "tms-copy", move || {
+                        worker(sh, &mut slots.lock(), tx)
+                    })
+                })
+                .count();
+            // No worker at all: this thread copies, once everything is prepared.
+            let inline = (started == 0 && !lanes.is_empty()).then(|| tx.clone());
+            drop(tx);
+            // A panic on this thread (in `prepare` or `on_done`) must not leave the workers
+            // waiting for items that will never be prepared: they stop, and the scope can end.
+            let _stop = StopOnUnwind(&sh);
+            let mut done = Completions {
+                sh: &sh,
+                on_done,
+                stopped: false,
+            };
+            for i in 0..sh.queue.items.len() {
+                if sh.ready.stopped() {
+                    break;
+                }
+                if let Err(e) = prepare(i, &|bytes| sh.ready.publish_partial(bytes)) {
+                    sh.fail(e);
+                    break;
+                }
+                sh.ready.publish(i + 1);
+                if sh.queue.nothing_to_copy(i) {
+                    done.report(i);
+                }
+                rx.try_iter().for_each(|j| done.report(j));
+            }
+            prepared_s = sh.timing.t0.elapsed().as_secs_f64();
+            if let (Some(tx), Some(slots)) = (inline, lanes.first()) {
+                worker(&sh, &mut slots.lock(), tx);
+            }
+            rx.iter().for_each(|j| done.report(j));
+        });
+        tracing::debug!(
+            "copy pipeline ({:?}, device {}): {} items, {} chunks, {workers} workers; \
+             prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s",
+            sh.dir,
+            sh.device,
+            sh.queue.items.len(),
+            sh.queue.units.len(),
+            sh.timing.first_copy_s(),
+            sh.timing.t0.elapsed().as_secs_f64()
+        );
+        match sh.error.into_inner() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 }
 
+/// What a pipeline's threads share: the operation, its work, how far it is prepared, its timing
+/// and its first error.
 struct Shared<'a> {
     driver: &'a Arc<dyn Driver>,
     device: i32,
     dir: Dir,
     cfg: &'a CopyConfig,
-    items: &'a [Item<'a>],
-    /// Work: (item, target chunk, offset, length).
-    units: Vec<(usize, usize, u64, u64)>,
-    next: AtomicUsize,
-    remaining: Vec<AtomicUsize>,
-    /// Items prepared by the coordinator so far: workers copy only those, and the first
-    /// `partial` bytes of the one being prepared.
-    ready: AtomicUsize,
-    partial: AtomicU64,
-    gate: Mutex<()>,
-    wake: Condvar,
-    abort: AtomicBool,
+    queue: Queue<'a>,
+    ready: Ready,
+    timing: Timing<'a>,
     error: Mutex<Option<Error>>,
-    /// When the pipeline started, and (ns after that, 0 = not yet) when the first copy was
-    /// issued: logged with the phases at debug level, to see where an operation's time goes.
-    t0: Instant,
-    first_copy_ns: AtomicU64,
-    /// The operation's progress: bytes copied, and what kind of copy runs.
-    progress: &'a Counters,
 }
 
 impl Shared<'_> {
@@ -299,6 +349,7 @@ impl Shared<'_> {
         &**self.driver
     }
 
+    /// Record the first error and stop the work (later ones are only logged).
     fn fail(&self, e: Error) {
         {
             let mut first = self.error.lock();
@@ -307,207 +358,140 @@ impl Shared<'_> {
                 Some(_) => tracing::error!("copy pipeline, after an earlier failure: {e}"),
             }
         }
-        self.abort.store(true, Ordering::Release);
-        let _g = self.gate.lock();
-        self.wake.notify_all();
-    }
-
-    /// Item `ready - 1` is prepared in full.
-    fn publish(&self, ready: usize) {
-        self.partial.store(0, Ordering::Release);
-        self.ready.store(ready, Ordering::Release);
-        let _g = self.gate.lock();
-        self.wake.notify_all();
-    }
-
-    /// The first `bytes` of item `ready` are prepared.
-    fn publish_partial(&self, bytes: u64) {
-        self.partial.store(bytes, Ordering::Release);
-        let _g = self.gate.lock();
-        self.wake.notify_all();
-    }
-
-    /// Wait until bytes `..end` of item `i` are prepared; false if the work was stopped first.
-    fn wait_ready(&self, i: usize, end: u64) -> bool {
-        let go = || {
-            if self.abort.load(Ordering::Acquire) {
-                return Some(false);
-            }
-            let ready = self.ready.load(Ordering::Acquire);
-            if ready > i || (ready == i && self.partial.load(Ordering::Acquire) >= end) {
-                Some(true)
-            } else {
-                None
-            }
-        };
-        if let Some(v) = go() {
-            return v;
-        }
-        let mut g = self.gate.lock();
-        loop {
-            if let Some(v) = go() {
-                return v;
-            }
-            self.wake.wait(&mut g);
-        }
+        self.ready.stop();
     }
 }
 
-/// Run the pipeline over `items` on `device`, in direction `dir`. On this thread (the
-/// coordinator), in item order: `prepare(i, progress)` (the resume maps the item's range here,
-/// calling `progress(end)` as the allocation's bytes up to offset `end` become usable), after
-/// which the workers may copy
-/// item `i`; `on_done(i)` as soon as item `i` is fully copied (at once for
-/// items with nothing to copy; the pause unmaps here). The first error, of a copy or of either
-/// callback, stops the preparing and the hand-out of work; copies complete by then are still
-/// reported, unless `on_done` itself failed. Returns the first error, once every worker is idle.
-/// The workers count the bytes they copy in `progress`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run(
-    driver: &Arc<dyn Driver>,
-    device: i32,
-    dir: Dir,
-    cfg: &CopyConfig,
-    ring: &mut Ring,
-    items: &[Item<'_>],
-    progress: &Counters,
-    mut prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
-    mut on_done: impl FnMut(usize) -> Result<()>,
-) -> Result<()> {
-    let per_item: Vec<Vec<(usize, u64, u64)>> = items.iter().map(Item::units).collect();
-    let remaining = per_item.iter().map(|u| AtomicUsize::new(u.len())).collect();
-    // Items with nothing to copy are done once prepared.
-    let empty: Vec<bool> = per_item.iter().map(Vec::is_empty).collect();
-    let units: Vec<(usize, usize, u64, u64)> = per_item
-        .into_iter()
-        .enumerate()
-        .flat_map(|(i, u)| u.into_iter().map(move |(k, o, n)| (i, k, o, n)))
-        .collect();
-    let workers = cfg.threads.clamp(1, MAX_WORKERS).min(units.len());
-    if ring.slots.len() < 2 * workers {
-        ring.slots.resize_with(2 * workers, || None);
-    }
-    let sh = Shared {
-        driver,
-        device,
-        dir,
-        cfg,
-        items,
-        remaining,
-        units,
-        next: AtomicUsize::new(0),
-        ready: AtomicUsize::new(0),
-        partial: AtomicU64::new(0),
-        gate: Mutex::new(()),
-        wake: Condvar::new(),
-        abort: AtomicBool::new(false),
-        error: Mutex::new(None),
-        t0: Instant::now(),
-        first_copy_ns: AtomicU64::new(0),
-        progress,
-    };
-    let mut prepared_s = 0.0;
-    let (tx, rx) = mpsc::channel::<usize>();
-    // A worker's slots sit behind a lock, so that a worker whose thread could not be had leaves
-    // them for this thread (see below).
-    let lanes: Vec<Mutex<&mut [Option<HostBuffer>]>> = ring
-        .slots
-        .chunks_mut(2)
-        .take(workers)
-        .map(Mutex::new)
-        .collect();
-    std::thread::scope(|s| {
-        let mut started = 0;
-        for slots in &lanes {
-            let tx = tx.clone();
-            let sh = &sh;
-            if crate::threads::spawn_scoped(s, "tms-copy", move || {
-                worker(sh, &mut slots.lock(), tx)
+/// One unit of work: bytes `off..off + len` (inside chunk `chunk` of the backing) of item
+/// `item`.
+#[derive(Clone, Copy)]
+struct Unit {
+    item: usize,
+    chunk: usize,
+    off: u64,
+    len: u64,
+}
+
+/// The work: every item's units in item order, each handed out once.
+struct Queue<'a> {
+    items: &'a [Item<'a>],
+    units: Vec<Unit>,
+    next: AtomicUsize,
+    /// Per item, its units not yet copied.
+    remaining: Vec<AtomicUsize>,
+    /// Per item, whether it has no units at all (done once prepared).
+    empty: Vec<bool>,
+}
+
+impl<'a> Queue<'a> {
+    fn new(items: &'a [Item<'a>]) -> Self {
+        let per_item: Vec<Vec<(usize, u64, u64)>> = items.iter().map(Item::units).collect();
+        let remaining = per_item.iter().map(|u| AtomicUsize::new(u.len())).collect();
+        let empty = per_item.iter().map(Vec::is_empty).collect();
+        let units = per_item
+            .into_iter()
+            .enumerate()
+            .flat_map(|(item, u)| {
+                u.into_iter().map(move |(chunk, off, len)| Unit {
+                    item,
+                    chunk,
+                    off,
+                    len,
+                })
             })
-            .is_none()
-            {
-                break;
-            }
-            started += 1;
+            .collect();
+        Queue {
+            items,
+            units,
+            next: AtomicUsize::new(0),
+            remaining,
+            empty,
         }
-        // No worker at all: this thread copies, once everything is prepared.
-        let inline = (started == 0 && !lanes.is_empty()).then(|| tx.clone());
-        drop(tx);
-        // A panic on this thread (in `prepare` or `on_done`) must not leave the workers
-        // waiting for items that will never be prepared: they stop, and the scope can end.
-        let _stop = StopOnUnwind(&sh);
-        // Completed copies are acted on also after a worker failed (what is complete is
-        // complete), but not after `on_done` itself failed.
-        let mut stopped = false;
-        let mut done = |j: usize, stopped: &mut bool| {
-            if !*stopped {
-                if let Err(e) = on_done(j) {
-                    *stopped = true;
-                    sh.fail(e);
-                }
-            }
-        };
-        for (i, &nothing) in empty.iter().enumerate() {
-            if sh.abort.load(Ordering::Acquire) {
-                break;
-            }
-            if let Err(e) = prepare(i, &|bytes| sh.publish_partial(bytes)) {
-                sh.fail(e);
-                break;
-            }
-            sh.publish(i + 1);
-            if nothing {
-                done(i, &mut stopped);
-            }
-            while let Ok(j) = rx.try_recv() {
-                done(j, &mut stopped);
-            }
-        }
-        prepared_s = sh.t0.elapsed().as_secs_f64();
-        if let (Some(tx), Some(slots)) = (inline, lanes.first()) {
-            worker(&sh, &mut slots.lock(), tx);
-        }
-        for j in rx {
-            done(j, &mut stopped);
-        }
-    });
-    tracing::debug!(
-        "copy pipeline ({:?}, device {device}): {} items, {} chunks, {workers} workers; \
-         prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s",
-        dir,
-        items.len(),
-        sh.units.len(),
-        sh.first_copy_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-        sh.t0.elapsed().as_secs_f64()
-    );
-    match sh.error.into_inner() {
-        Some(e) => Err(e),
-        None => Ok(()),
+    }
+
+    /// The next unit, if any is left.
+    fn take(&self) -> Option<Unit> {
+        // Relaxed: only the index is shared; the units were made before the workers started.
+        self.units
+            .get(self.next.fetch_add(1, Ordering::Relaxed))
+            .copied()
+    }
+
+    /// Item `i` has nothing to copy: it is done once prepared.
+    fn nothing_to_copy(&self, i: usize) -> bool {
+        self.empty[i]
+    }
+
+    /// A unit of item `i` is copied; true if it was the item's last.
+    fn copied(&self, i: usize) -> bool {
+        // AcqRel: the worker that copies an item's last unit has seen every other unit of it
+        // complete (each worker's decrement releases its copy), so what it reports is whole.
+        self.remaining[i].fetch_sub(1, Ordering::AcqRel) == 1
     }
 }
 
-/// A worker's two lanes on the device's stream: an event each (to wait for the lane's own copy
-/// only), a staging slot each (made on first need), and what each lane has queued and not yet
-/// waited for.
-struct Lanes<'s> {
-    stream: Stream,
-    events: [Event; 2],
-    slots: &'s mut [Option<HostBuffer>],
-    queued: [Option<(u64, u64)>; 2],
+/// When the pipeline started and when its first copy was issued (logged with the phases at
+/// debug level, to see where an operation's time goes), and the operation's progress: bytes
+/// copied, and what kind of copy runs.
+struct Timing<'a> {
+    t0: Instant,
+    /// Nanoseconds after `t0` (0: not yet).
+    first_copy_ns: AtomicU64,
+    progress: &'a Counters,
 }
 
-impl Lanes<'_> {
-    /// Queue the copy `f` on the stream for lane `l`, and mark it with the lane's event.
-    fn issue(&self, sh: &Shared<'_>, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
-        let d = sh.d();
-        f(self.stream)?;
-        if sh.first_copy_ns.load(Ordering::Relaxed) == 0 {
-            let ns = (sh.t0.elapsed().as_nanos() as u64).max(1);
-            let _ = sh
+impl<'a> Timing<'a> {
+    fn new(progress: &'a Counters) -> Self {
+        Timing {
+            t0: Instant::now(),
+            first_copy_ns: AtomicU64::new(0),
+            progress,
+        }
+    }
+
+    /// A copy was just issued.
+    fn issued(&self) {
+        // Relaxed: a statistic only; the first writer wins.
+        if self.first_copy_ns.load(Ordering::Relaxed) == 0 {
+            let ns = (self.t0.elapsed().as_nanos() as u64).max(1);
+            let _ = self
                 .first_copy_ns
                 .compare_exchange(0, ns, Ordering::Relaxed, Ordering::Relaxed);
         }
-        d.event_record(self.events[l], self.stream)
+    }
+
+    fn first_copy_s(&self) -> f64 {
+        self.first_copy_ns.load(Ordering::Relaxed) as f64 * 1e-9
+    }
+
+    /// A unit to or from a backup of `kind` is being copied.
+    fn copying(&self, dir: Dir, kind: BackupKind) {
+        self.progress.phase(match (dir, kind.is_host()) {
+            (Dir::Save, true) => Phase::CopyingToHost,
+            (Dir::Save, false) => Phase::WritingToDisk,
+            (Dir::Restore, true) => Phase::CopyingToDevice,
+            (Dir::Restore, false) => Phase::ReadingFromDisk,
+        });
+    }
+}
+
+/// The coordinator's reports of completed items: acted on also after a worker failed (what is
+/// complete is complete), but not after `on_done` itself failed.
+struct Completions<'s, 'a, F> {
+    sh: &'s Shared<'a>,
+    on_done: F,
+    stopped: bool,
+}
+
+impl<F: FnMut(usize) -> Result<()>> Completions<'_, '_, F> {
+    fn report(&mut self, j: usize) {
+        if self.stopped {
+            return;
+        }
+        if let Err(e) = (self.on_done)(j) {
+            self.stopped = true;
+            self.sh.fail(e);
+        }
     }
 }
 
@@ -524,8 +508,34 @@ impl Drop for StopOnUnwind<'_, '_> {
     }
 }
 
-/// A worker: copies chunks until there are none left or the work stops. A panic inside it (a
-/// bug) fails the operation like an error: its chunk is not counted as copied.
+/// A worker's two lanes on the device's stream: an event each (to wait for the lane's own copy
+/// only), a staging slot each (made on first need), and what each lane has queued and not yet
+/// waited for.
+struct Lanes<'s> {
+    stream: Stream,
+    events: [Event; 2],
+    slots: &'s mut [Option<HostBuffer>],
+    queued: [Option<(u64, u64)>; 2],
+}
+
+impl Lanes<'_> {
+    /// Queue the copy `f` on the stream for lane `l`, and mark it with the lane's event.
+    fn issue(&self, sh: &Shared<'_>, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
+        f(self.stream)?;
+        sh.timing.issued();
+        sh.d().event_record(self.events[l], self.stream)
+    }
+
+    /// Lane `l`'s staging slot (made by [`staged`] before any use).
+    fn slot(&mut self, l: usize) -> Result<&mut HostBuffer> {
+        self.slots[l]
+            .as_mut()
+            .ok_or_else(|| Error::Internal("a staging slot used before it was made".into()))
+    }
+}
+
+/// A worker: copies units until there are none left or the work stops. A panic inside it (a
+/// bug) fails the operation like an error: its unit is not counted as copied.
 fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = catch_unwind(AssertUnwindSafe(|| worker_inner(sh, slots, done)));
     if let Err(p) = res {
@@ -571,184 +581,81 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
 }
 
 fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> Result<()> {
-    while !sh.abort.load(Ordering::Relaxed) {
-        let Some(&(i, k, off, len)) = sh.units.get(sh.next.fetch_add(1, Ordering::Relaxed)) else {
+    while !sh.ready.stopped() {
+        let Some(u) = sh.queue.take() else {
             break;
         };
-        let it = &sh.items[i];
+        let it = &sh.queue.items[u.item];
         let Some(target) = it.target else {
             break; // units are made for items with a target only
         };
-        if !sh.wait_ready(i, off + len) {
+        if !sh.ready.wait(u.item, u.off + u.len) {
             break;
         }
-        sh.progress.phase(match (sh.dir, target) {
-            (Dir::Save, Target::Host(_)) => Phase::CopyingToHost,
-            (Dir::Save, Target::Disk(_)) => Phase::WritingToDisk,
-            (Dir::Restore, Target::Host(_)) => Phase::CopyingToDevice,
-            (Dir::Restore, Target::Disk(_)) => Phase::ReadingFromDisk,
-        });
-        let r = match target {
-            Target::Host(host) => chunk(sh, it.dev, host, k, (off, len), lanes),
-            Target::Disk(file) => disk_chunk(sh, it.dev, file, k, (off, len), lanes),
-        };
-        r.map_err(|e| {
+        sh.timing.copying(sh.dir, target.kind());
+        copy_unit(sh, it.dev, target, u, lanes).map_err(|e| {
             e.context(format!(
-                "{} chunk {k} of {} bytes at {:#x} (device {})",
+                "{} chunk {} of {} bytes at {:#x} (device {})",
                 match sh.dir {
                     Dir::Save => "saving",
                     Dir::Restore => "restoring",
                 },
+                u.chunk,
                 target.len(),
                 it.dev,
                 sh.device
             ))
         })?;
-        if sh.remaining[i].fetch_sub(1, Ordering::AcqRel) == 1 {
+        if sh.queue.copied(u.item) {
             // The coordinator may have stopped listening after a failure; nothing to do then.
-            let _ = done.send(i);
+            let _ = done.send(u.item);
         }
     }
     Ok(())
 }
 
-/// Copy bytes `off..off + len` (inside chunk `k`) of `host` to or from `dev`: straight if the
-/// chunk is page-locked (or is made so now, in [`PinMode::Inline`]), else through the worker's
-/// staging slots.
-fn chunk(
+/// Copy unit `u` between the allocation at `dev` and its backing: straight if the backing
+/// offers the unit's host memory page-locked, else through the worker's staging slots.
+fn copy_unit(
     sh: &Shared<'_>,
     dev: DevPtr,
-    buf: &HostBuffer,
-    k: usize,
-    (off, len): (u64, u64),
+    target: &dyn Backing,
+    u: Unit,
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
     let d = sh.d();
-    // SAFETY: off < buf.len(), inside the buffer's mapping.
-    let host = unsafe { buf.base().add(off as usize) };
-    let dev = dev + off;
-    if !buf.is_pinned(k) && buf.backend() == BackupKind::Pinned && sh.cfg.pin == PinMode::Inline {
-        buf.pin(k)?;
-    }
-    if buf.is_pinned(k) {
+    let dev = dev + u.off;
+    let pin_now = sh.cfg.pin == PinMode::Inline;
+    if let Some(host) = target.direct(u.chunk, u.off, pin_now)? {
         // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
-        // whole operation; host..host+len is this worker's chunk of a live, page-locked buffer
+        // whole operation; host..host+len is this worker's unit of a live, page-locked buffer
         // that nothing else touches until the operation ends (a page-locked chunk stays so until
         // the buffer is released, which the engine's transactions exclude). The stream is waited for
         // below (or, on error, by the worker before it returns).
         lanes.issue(sh, 0, |s| unsafe {
             match sh.dir {
-                Dir::Save => d.copy_d2h(host, dev, len, s),
-                Dir::Restore => d.copy_h2d(dev, host, len, s),
+                Dir::Save => d.copy_d2h(host, dev, u.len, s),
+                Dir::Restore => d.copy_h2d(dev, host, u.len, s),
             }
         })?;
         d.event_sync(lanes.events[0])?;
-        sh.progress.moved(len);
+        sh.timing.progress.moved(u.len);
         return Ok(());
     }
-    staged(sh, &mut Side::Mem(host), dev, len, lanes)
-}
-
-/// Copy chunk `k` of a disk backup through the worker's staging slots, checksumming it: the sum
-/// is recorded when saving and checked when restoring (Note [Disk backup files]). Always a whole
-/// chunk: the file's chunks divide the allocation's (engine Note [Chunked allocations]).
-fn disk_chunk(
-    sh: &Shared<'_>,
-    dev: DevPtr,
-    file: &DiskFile,
-    k: usize,
-    part: (u64, u64),
-    lanes: &mut Lanes<'_>,
-) -> Result<()> {
-    let (off, len) = file.chunk_span(k);
-    if part != (off, len) {
-        return Err(Error::Internal(format!(
-            "a copy of bytes {}+{} cuts disk backup chunk {k} ({off}+{len})",
-            part.0, part.1
-        )));
-    }
-    let mut side = Side::File {
-        file,
-        base: off,
-        hash: Box::new(Xxh3::new()),
-    };
-    staged(sh, &mut side, dev + off, len, lanes)?;
-    let Side::File { hash, .. } = side else {
-        return Ok(());
-    };
-    match sh.dir {
-        Dir::Save => {
-            file.set_sum(k, hash.digest());
-            Ok(())
-        }
-        Dir::Restore => file.check_sum(k, hash.digest()),
+    // SAFETY: the queue hands each unit out once, to this worker, and units do not overlap; the
+    // engine's transaction keeps every other user off the backup until the pipeline ends.
+    unsafe {
+        target.staged(sh.dir, u.chunk, u.off, u.len, &mut |io| {
+            staged(sh, io, dev, u.len, lanes)
+        })
     }
 }
 
-/// The far side of a staged copy of one chunk: host memory, or a file with the chunk's running
-/// checksum. Pieces pass in order, so the checksum streams.
-enum Side<'a> {
-    /// The chunk's first byte in host memory.
-    Mem(*mut u8),
-    File {
-        file: &'a DiskFile,
-        /// The chunk's offset in the file.
-        base: u64,
-        hash: Box<Xxh3>,
-    },
-}
-
-impl Side<'_> {
-    /// Restoring: put bytes `off..off+n` of the chunk into the slot.
-    ///
-    /// # Safety
-    /// `slot` is this worker's idle slot of at least `n` bytes; for `Mem`, the range is inside
-    /// this worker's chunk.
-    unsafe fn load(&mut self, slot: *mut u8, off: u64, n: u64) -> Result<()> {
-        match self {
-            // SAFETY: this fn's contract: host+off..+n lies inside this worker's chunk of the
-            // backup and the slot is this worker's idle slot of at least n bytes, so both ranges
-            // are valid, nobody else touches them meanwhile, and they do not overlap.
-            Side::Mem(host) => unsafe {
-                std::ptr::copy_nonoverlapping(host.add(off as usize), slot, n as usize);
-                Ok(())
-            },
-            Side::File { file, base, hash } => {
-                // SAFETY: the slot is this worker's alone and idle, n bytes long at least.
-                let buf = unsafe { std::slice::from_raw_parts_mut(slot, n as usize) };
-                file.read_at(buf, *base + off)?;
-                hash.update(buf);
-                Ok(())
-            }
-        }
-    }
-
-    /// Saving: take bytes `off..off+n` of the chunk from the slot, whose DMA is complete.
-    ///
-    /// # Safety
-    /// As for [`Side::load`].
-    unsafe fn store(&mut self, slot: *const u8, off: u64, n: u64) -> Result<()> {
-        match self {
-            // SAFETY: as in load: both ranges are this worker's alone (its idle slot, its chunk
-            // of the backup), at least n bytes, and do not overlap.
-            Side::Mem(host) => unsafe {
-                std::ptr::copy_nonoverlapping(slot, host.add(off as usize), n as usize);
-                Ok(())
-            },
-            Side::File { file, base, hash } => {
-                // SAFETY: the slot is this worker's alone, its DMA complete, n bytes long at
-                // least; nothing writes it while the slice lives.
-                let buf = unsafe { std::slice::from_raw_parts(slot, n as usize) };
-                hash.update(buf);
-                file.write_at(buf, *base + off)
-            }
-        }
-    }
-}
-
+/// Copy `len` bytes between `dev` and the backing's side of a unit (`io`) through the worker's
+/// two staging slots, alternating lanes so that a DMA and a CPU copy overlap.
 fn staged(
     sh: &Shared<'_>,
-    side: &mut Side<'_>,
+    io: &mut dyn UnitIo,
     dev: DevPtr,
     len: u64,
     lanes: &mut Lanes<'_>,
@@ -773,21 +680,20 @@ fn staged(
             *slot = Some(s);
         }
     }
-    let slot_ptr =
-        |lanes: &Lanes<'_>, l: usize| lanes.slots[l].as_ref().expect("made above").base();
     let mut off = 0;
     let mut l = 0;
     while off < len {
         let n = slot_len.min(len - off);
-        drain_lane(sh, lanes, l, side)?;
-        let slot = slot_ptr(lanes, l);
+        drain_lane(sh, lanes, l, io)?;
+        // Idle: drain_lane waited for its lane.
+        let slot = lanes.slot(l)?;
         if sh.dir == Dir::Restore {
-            // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle
-            // (drain_lane waited for its lane); the range is inside this worker's chunk.
-            unsafe { side.load(slot, off, n) }?;
+            io.load(off, &mut slot.as_mut_slice()[..n as usize])?;
         }
-        // SAFETY: as above; the device range is mapped for the whole operation. The lane is
-        // waited for before the slot is touched again.
+        let slot = slot.base();
+        // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle; the
+        // device range is mapped for the whole operation. The lane is waited for before the
+        // slot is touched again.
         lanes.issue(sh, l, |s| unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(slot, dev + off, n, s),
@@ -799,22 +705,26 @@ fn staged(
         l ^= 1;
     }
     // The older lane first, then the newer.
-    drain_lane(sh, lanes, l, side)?;
-    drain_lane(sh, lanes, l ^ 1, side)
+    drain_lane(sh, lanes, l, io)?;
+    drain_lane(sh, lanes, l ^ 1, io)
 }
 
-/// Wait for lane `l`'s queued copy, and when saving, move it from the slot to the far side.
-fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, side: &mut Side<'_>) -> Result<()> {
+/// Wait for lane `l`'s queued copy, and when saving, hand it from the slot to the backing.
+fn drain_lane(
+    sh: &Shared<'_>,
+    lanes: &mut Lanes<'_>,
+    l: usize,
+    io: &mut dyn UnitIo,
+) -> Result<()> {
     let Some((off, n)) = lanes.queued[l].take() else {
         return Ok(());
     };
     sh.d().event_sync(lanes.events[l])?;
     if sh.dir == Dir::Save {
-        let slot = lanes.slots[l].as_ref().expect("queued lanes have a slot");
-        // SAFETY: the DMA into the slot is complete (the lane was just synchronized); the range
-        // is inside this worker's chunk.
-        unsafe { side.store(slot.as_ptr(), off, n) }?;
+        // The DMA into the slot is complete: the lane was just synchronized.
+        let slot = lanes.slot(l)?;
+        io.store(off, &slot.as_slice()[..n as usize])?;
     }
-    sh.progress.moved(n);
+    sh.timing.progress.moved(n);
     Ok(())
 }

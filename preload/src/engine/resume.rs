@@ -4,14 +4,14 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::pipeline::{self, Dir, Item, Target};
+use super::pipeline::{Dir, Item, Pipeline, Target};
 use super::progress::{Backing, Phase, Start, Which};
 use super::segment::{self, Mapping, Span};
 use super::{
     by_device, check_tag, device_work, first_error, per_device, BufferRanges, Engine, OpReport,
     Pick, Settle, State, Tally,
 };
-use crate::backup::{release_parallel, DiskFile, HostBuffer};
+use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
@@ -36,7 +36,7 @@ struct Job {
 
 impl Job {
     fn target(&self, r: usize) -> Option<Target<'_>> {
-        Target::of(&self.host, &self.disk).filter(|_| self.runs[r].1)
+        backing_of(&self.host, &self.disk).filter(|_| self.runs[r].1)
     }
 
     fn device(&self) -> i32 {
@@ -157,14 +157,16 @@ impl Engine {
                     .collect();
                 let mut made = Vec::with_capacity(parts.len());
                 let r = DeviceScope::enter(d, device).and_then(|_scope| {
-                    pipeline::run(
-                        &self.driver,
+                    let pipeline = Pipeline {
+                        driver: &self.driver,
                         device,
-                        Dir::Restore,
-                        &cfg,
+                        dir: Dir::Restore,
+                        cfg: &cfg,
                         ring,
-                        &items,
+                        items: &items,
                         progress,
+                    };
+                    pipeline.run(
                         |p, mapped| {
                             let (i, r) = parts[p];
                             let j = &jobs[i];
