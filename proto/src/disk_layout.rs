@@ -129,7 +129,10 @@ mod tests {
         }
         assert!(Entry::Tmp.may_be_stale(file, me, old, me));
         assert!(!Entry::Tmp.may_be_stale(file, me, now(), me), "being made");
-        assert!(!Entry::Tmp.may_be_stale(file, me, now() + 3600, me), "from the future");
+        assert!(
+            !Entry::Tmp.may_be_stale(file, me, now() + 3600, me),
+            "from the future"
+        );
     }
 
     #[test]

@@ -441,7 +441,9 @@ impl Backing for HostBuffer {
             self.pin(k)?;
         }
         // SAFETY: off < len, inside our mapping.
-        Ok(self.is_pinned(k).then(|| unsafe { self.ptr.add(off as usize) }))
+        Ok(self
+            .is_pinned(k)
+            .then(|| unsafe { self.ptr.add(off as usize) }))
     }
 
     unsafe fn staged(
