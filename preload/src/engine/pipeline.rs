@@ -390,6 +390,11 @@ impl<'a> Timing<'a> {
         }
     }
 
+    /// `bytes` more were copied.
+    fn moved(&self, bytes: u64) {
+        self.progress.moved(bytes);
+    }
+
     fn first_copy_s(&self) -> f64 {
         self.first_copy_ns.load(Ordering::Relaxed) as f64 * 1e-9
     }

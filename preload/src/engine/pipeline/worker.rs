@@ -158,11 +158,11 @@ fn copy_unit(
     let dev = dev + u.off;
     let pin_now = sh.cfg.pin == PinMode::Inline;
     if let Some(host) = target.direct(u.chunk, u.off, pin_now)? {
-        // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for the
-        // whole operation; host..host+len is this worker's unit of a live, page-locked buffer
-        // that nothing else touches until the operation ends (a page-locked chunk stays so until
-        // the buffer is released, which the engine's transactions exclude). The stream is waited for
-        // below (or, on error, by the worker before it returns).
+        // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for
+        // the whole operation; host..host+len is this worker's unit of a live, page-locked
+        // buffer that nothing else touches until the operation ends (a page-locked chunk stays
+        // so until the buffer is released, which the engine's transactions exclude). The stream
+        // is waited for below (or, on error, by the worker before it returns).
         lanes.issue(sh, 0, |s| unsafe {
             match sh.dir {
                 Dir::Save => d.copy_d2h(host, dev, u.len, s),
@@ -170,7 +170,7 @@ fn copy_unit(
             }
         })?;
         d.event_sync(lanes.events[0])?;
-        sh.timing.progress.moved(u.len);
+        sh.timing.moved(u.len);
         return Ok(());
     }
     // SAFETY: the queue hands each unit out once, to this worker, and units do not overlap; the
@@ -251,6 +251,6 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, io: &mut dyn Uni
         let slot = lanes.slot(l)?;
         io.store(off, &slot.as_slice()[..n as usize])?;
     }
-    sh.timing.progress.moved(n);
+    sh.timing.moved(n);
     Ok(())
 }
