@@ -1,32 +1,28 @@
 //! `tmsctl clean`: remove what processes that died left behind: disk backup files no live
 //! process holds, and control sockets nobody listens on. The rules are the library's (Note
-//! [The disk backup folder] in `preload/src/backup/disk.rs`): only regular files of ours are
-//! opened, never following a link and never waiting; a file is stale only when its `flock` can
-//! be taken, a socket only when connecting to it is refused.
+//! [The disk backup folder] in `preload/src/backup/disk_folder.rs`, with the names and
+//! staleness rules shared in `tms_proto::disk_layout`): only regular files of ours are opened,
+//! never following a link and never waiting; a file is stale only when its `flock` can be
+//! taken, a socket only when connecting to it is refused.
 
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::time::{Duration, SystemTime};
 
 use clap::Args;
 use nix::errno::Errno;
 use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag, AT_FDCWD};
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
-use nix::sys::stat::{fstat, fstatat, FileStat, Mode, SFlag};
+use nix::sys::stat::{fstat, fstatat, Mode};
 use nix::unistd::{unlinkat, UnlinkatFlags};
 use serde_json::json;
+use tms_proto::disk_layout::{self, Entry};
 
 use crate::client::{euid, Code, Failure, Folder};
 use crate::output::printable;
 use crate::Ctx;
-
-const PREFIX: &str = "tms-backup-";
-const TMP_PREFIX: &str = ".tms-backup-new-";
-/// A temporary file younger than this may be one a live process is making.
-const TMP_GRACE: Duration = Duration::from_secs(60);
 
 /// Arguments of `tmsctl clean`.
 #[derive(Args, Debug)]
@@ -70,10 +66,10 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
             format!("cannot inspect {}: {}", shown(base), e.desc()),
         )
     })?;
-    if st.st_uid == me && st.st_mode & 0o022 == 0 {
+    if disk_layout::files_go_in_directory(st.st_uid, st.st_mode, me) {
         return Ok(vec![(base.to_path_buf(), fd)]);
     }
-    let name = format!("tms-backups-{me}");
+    let name = disk_layout::private_subfolder_name(me);
     let sub = base.join(&name);
     let sub_fd = match openat(
         &fd,
@@ -107,7 +103,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 format!("cannot inspect {}: {}", shown(&sub), e.desc()),
             )
         })?;
-        if st.st_uid != me || st.st_mode & 0o077 != 0 {
+        if !disk_layout::subfolder_is_private(st.st_uid, st.st_mode, me) {
             return Err(Failure::new(
                 Code::Permission,
                 format!(
@@ -125,39 +121,24 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     Ok(out)
 }
 
-fn ours_and_regular(st: &FileStat, me: u32) -> bool {
-    SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG && st.st_uid == me
-}
-
 /// Remove the backup files in the folder `dir` that no live process holds; how many.
 fn sweep(dir: impl AsFd + Copy) -> nix::Result<usize> {
     let me = euid();
     let mut listing =
         nix::dir::Dir::openat(dir, ".", OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())?;
-    let names: Vec<(CString, bool)> = listing
+    let names: Vec<(CString, Entry)> = listing
         .iter()
         .flatten()
-        .filter_map(|e| {
-            let n = e.file_name().to_bytes();
-            let tmp = n.starts_with(TMP_PREFIX.as_bytes());
-            (tmp || n.starts_with(PREFIX.as_bytes())).then(|| (e.file_name().to_owned(), tmp))
-        })
+        .filter_map(|e| Entry::of(e.file_name().to_bytes()).map(|k| (e.file_name().to_owned(), k)))
         .collect();
     drop(listing);
     let mut removed = 0;
-    for (name, tmp) in names {
+    for (name, kind) in names {
         let Ok(before) = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
             continue;
         };
-        if !ours_and_regular(&before, me) {
+        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
             continue;
-        }
-        if tmp {
-            let modified =
-                SystemTime::UNIX_EPOCH + Duration::from_secs(before.st_mtime.max(0) as u64);
-            if modified.elapsed().map_or(true, |age| age < TMP_GRACE) {
-                continue;
-            }
         }
         let flags = OFlag::O_RDONLY
             | OFlag::O_NOFOLLOW
@@ -168,7 +149,9 @@ fn sweep(dir: impl AsFd + Copy) -> nix::Result<usize> {
             continue;
         };
         match fstat(&fd) {
-            Ok(st) if ours_and_regular(&st, me) && st.st_ino == before.st_ino => {}
+            Ok(st)
+                if disk_layout::is_regular_file_of(st.st_mode, st.st_uid, me)
+                    && st.st_ino == before.st_ino => {}
             _ => continue,
         }
         if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {

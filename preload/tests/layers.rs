@@ -373,37 +373,57 @@ fn the_check_sees_upward_edges_cycles_and_unplaced_modules() {
     assert_eq!(bad.len(), expect.len(), "{bad:#?}");
 }
 
-/// Inside `engine/`: `mod.rs` only declares the files and re-exports (it defines nothing), every
-/// file names its siblings directly (`super::pick::Pick`, never an item through the facade:
-/// `super::Pick`), and the files' `super::<file>` edges have no cycle. `files` are (path under
-/// `engine/`, source).
-fn engine_violations(files: &[(String, String)]) -> Vec<String> {
-    let mut bad = Vec::new();
-    let Some((_, facade)) = files.iter().find(|(p, _)| p == "mod.rs") else {
-        return vec!["engine/mod.rs is missing".into()];
-    };
-    let facade = code_only(facade);
+/// The modules a parent file declares (`mod x;`, `pub mod x;`), and its other code lines
+/// (line number, text) apart from re-exports and `#[cfg(test)]`.
+fn declarations(src: &str) -> (BTreeSet<String>, Vec<(usize, String)>) {
     let mut modules = BTreeSet::new();
-    for (n, line) in facade.lines().enumerate() {
+    let mut other = Vec::new();
+    for (n, line) in code_only(src).lines().enumerate() {
         let l = line.trim();
         let decl = l
             .strip_prefix("pub mod ")
+            .or_else(|| l.strip_prefix("pub(super) mod "))
             .or_else(|| l.strip_prefix("mod "))
             .and_then(|r| r.strip_suffix(';'));
         if let Some(m) = decl {
             modules.insert(m.trim().to_string());
         } else if !(l.is_empty() || l.starts_with("pub use ") || l.starts_with("#[cfg(test)]")) {
-            bad.push(format!(
-                "src/engine/mod.rs:{}: the facade only declares and re-exports: `{l}`",
-                n + 1
-            ));
+            other.push((n + 1, l.to_string()));
         }
+    }
+    (modules, other)
+}
+
+/// Inside `engine/`: `mod.rs` only declares the files and re-exports (it defines nothing);
+/// every file names its siblings directly (`super::pick::Pick`, never an item through its
+/// parent: `super::Pick`), in `engine/` and in its subfolders alike (`pipeline/worker.rs` names
+/// `super::shared::Shared`, not an item of `pipeline.rs`); and the files' `super::<file>` edges
+/// have no cycle. `files` are (path under `engine/`, source).
+fn engine_violations(files: &[(String, String)]) -> Vec<String> {
+    let mut bad = Vec::new();
+    let Some((_, facade)) = files.iter().find(|(p, _)| p == "mod.rs") else {
+        return vec!["engine/mod.rs is missing".into()];
+    };
+    for (n, l) in declarations(facade).1 {
+        bad.push(format!(
+            "src/engine/mod.rs:{n}: the facade only declares and re-exports: `{l}`"
+        ));
     }
     let mut graph = Graph::new();
     for (path, src) in files
         .iter()
         .filter(|(p, _)| p != "mod.rs" && p != "tests.rs")
     {
+        // The folder's parent file: `mod.rs` for `engine/`, `x.rs` for `engine/x/`.
+        let (folder, parent) = match path.rsplit_once('/') {
+            Some((dir, _)) => (format!("{dir}/"), format!("{dir}.rs")),
+            None => (String::new(), "mod.rs".to_string()),
+        };
+        let Some((_, parent_src)) = files.iter().find(|(p, _)| *p == parent) else {
+            bad.push(format!("src/engine/{path}: no {parent} declares it"));
+            continue;
+        };
+        let modules = declarations(parent_src).0;
         let from = path.trim_end_matches(".rs").to_string();
         graph.entry(from.clone()).or_default();
         let code = code_only(src);
@@ -424,12 +444,15 @@ fn engine_violations(files: &[(String, String)]) -> Vec<String> {
                         name.as_str()
                     };
                     bad.push(format!(
-                        "src/engine/{path}:{}: `super::{what}` goes through the facade; name \
-                         the file that defines it",
+                        "src/engine/{path}:{}: `super::{what}` goes through {parent}; name the \
+                         file that defines it",
                         n + 1
                     ));
-                } else if name != from {
-                    graph.entry(from.clone()).or_default().insert(name);
+                } else {
+                    let to = format!("{folder}{name}");
+                    if to != from {
+                        graph.entry(from.clone()).or_default().insert(to);
+                    }
                 }
             }
         }
@@ -471,7 +494,7 @@ fn the_engine_check_sees_facade_items_imports_through_it_and_cycles() {
         ),
         f(
             "a.rs",
-            "use super::b::X;\n// super::Nope in a comment\nfn f() {}",
+            "mod x;\nmod y;\nuse super::b::X;\n// super::Nope in a comment\nfn f() {}",
         ),
         f("b.rs", "use super::c::Y;\nuse super::{a, c};\n"),
         f(
@@ -480,12 +503,17 @@ fn the_engine_check_sees_facade_items_imports_through_it_and_cycles() {
              mod tests {\n    use super::*;\n}",
         ),
         f("tests.rs", "use super::*;"),
+        f("a/x.rs", "use super::y::Z;\nuse super::Item;"),
+        f("a/y.rs", "pub struct Z;"),
+        f("d/z.rs", "fn orphan() {}"),
     ];
     let bad = engine_violations(&files);
     let expect = [
         "src/engine/mod.rs:8: the facade only declares and re-exports: `fn helper() {}`",
-        "src/engine/b.rs:2: `super::{a, c};` goes through the facade",
-        "src/engine/c.rs:2: `super::Thing` goes through the facade",
+        "src/engine/b.rs:2: `super::{a, c};` goes through mod.rs",
+        "src/engine/c.rs:2: `super::Thing` goes through mod.rs",
+        "src/engine/a/x.rs:2: `super::Item` goes through a.rs",
+        "src/engine/d/z.rs: no d.rs declares it",
         "engine file cycle: a -> b -> c -> a",
     ];
     for e in expect {

@@ -1,7 +1,8 @@
 //! Wire types of the Torch Memory Saver control protocol: line-delimited JSON over a Unix
 //! socket. This crate holds the types, the limits, the framing and the naming convention of
-//! the socket files; no I/O policy (timeouts, permissions and threads belong to the server in
-//! `libtms.so` and to `tmsctl`).
+//! the socket files, and the layout of the disk backup folder ([`disk_layout`]), which the
+//! library and `tmsctl` share; no I/O policy (timeouts, permissions and threads belong to the
+//! server in `libtms.so` and to `tmsctl`).
 //!
 //! # The exchange
 //!
@@ -41,6 +42,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+pub mod disk_layout;
 mod parse;
 pub use parse::{ListFault, ParseError};
 

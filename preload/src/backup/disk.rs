@@ -1,22 +1,7 @@
-//! Disk backups: each allocation's contents in a file of its own, written and read by the copy
-//! pipeline through its page-locked staging slots (engine Note [The copy pipeline]).
-//!
-//! # Note [Disk backup files]
-//!
-//! - A file is made at an allocation's first disk-backed pause, in the directory set then
-//!   (`set_disk_backup_dir`, else `TMS_DISK_BACKUP_DIR`, else the system's temporary directory),
-//!   with mode `0600`, `O_CLOEXEC`, and `O_DIRECT` where the file system allows it: backups
-//!   then neither fill the page cache nor sit in it unwritten when the pause returns (each file
-//!   is also `fdatasync`ed before its device memory is released). Its whole length is reserved
-//!   with `fallocate` up front, so a full disk fails the pause before anything is copied.
-//! - It is reused by every later pause of the allocation (disk use stays constant) and removed
-//!   when the allocation is freed, at process exit, and on SIGTERM or SIGINT where the host
-//!   left their default action (Note [Removal at exit and on a termination signal] in `os.rs`).
-//! - A process holds an exclusive `flock` on each of its files while they exist. A file in the
-//!   directory whose lock can be taken belongs to a process that died: the first process to use
-//!   the directory removes it. A live process's files are never touched (this holds across pid
-//!   namespaces, where pids mean nothing). Files are made under a temporary name and renamed
-//!   once locked, so no sweep can take a file between its creation and its lock.
+//! Disk backups: each allocation's contents in a file of its own (`disk_file.rs`, Note [Disk
+//! backup files]) in the disk backup folder, which this module prepares and sweeps. File
+//! operations can be made to fail for the tests (`disk_faults.rs`). The names and staleness
+//! rules of the folder's entries are shared with `tmsctl clean` (`tms_proto::disk_layout`).
 //!
 //! # Note [The disk backup folder]
 //!
@@ -36,176 +21,41 @@
 //! - The sweep opens only regular files of ours: each candidate is checked with `fstatat`
 //!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
 //!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
-//!   elsewhere.
-//! - Each chunk's contents carry an xxh3 checksum, computed as the chunk is written and checked
-//!   as it is read back (a few percent of a core at disk speed): a file that changed on disk
-//!   while paused (truncated, overwritten) fails the resume, which leaves the tag paused; it is
-//!   never silently restored.
-//! - Every file operation can be made to fail ([`arm_fault`], `TMS_DISK_FAULTS`), so the tests
-//!   prove that no failure loses data: a pause that cannot write leaves the allocation active
-//!   with its contents, a resume that cannot read leaves it paused with its file.
+//!   elsewhere. `tmsctl clean` sweeps the same way, by the same rules.
+//! - The files' contents are checksummed per chunk, so a file changed while paused is never
+//!   silently restored (Note [Disk backup files]).
 
 use std::ffi::{CStr, CString};
 use std::fs::File;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::fs::FileExt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, Flock, FlockArg, OFlag};
-use nix::sys::stat::{Mode, SFlag};
+use nix::sys::stat::Mode;
 use nix::unistd::UnlinkatFlags;
 use parking_lot::Mutex;
+use tms_proto::disk_layout::{self, Entry};
 
 use crate::error::{Error, Result};
-use crate::os::ExitRemoval;
-use crate::units::human;
 
-/// Prefix of finished backup files; temporary names start with a dot.
-const PREFIX: &str = "tms-backup-";
-const TMP_PREFIX: &str = ".tms-backup-new-";
-/// A temporary file older than this whose lock is free was left by a process that died while
-/// making it.
-const TMP_GRACE: Duration = Duration::from_secs(60);
-/// `O_DIRECT` transfers are aligned to this (the largest logical block size in common use).
-pub const DIRECT_ALIGN: u64 = 4096;
+pub use super::disk_faults::{arm_fault, clear_faults, parse_faults, pending_faults, DiskOp};
+pub use super::disk_file::{DiskFile, DIRECT_ALIGN};
+pub use tms_proto::disk_layout::private_subfolder_name;
 
-/// A file operation, for fault injection.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DiskOp {
-    /// Creating (opening) the file.
-    Create,
-    /// Reserving its length (`fallocate`).
-    Allocate,
-    /// A write.
-    Write,
-    /// A read.
-    Read,
-    /// `fdatasync`.
-    Sync,
-}
-
-struct Fault {
-    /// Files under this directory only (`None`: any).
-    dir: Option<PathBuf>,
-    op: DiskOp,
-    remaining: u64,
-    errno: i32,
-}
-
-static FAULTS: Mutex<Vec<Fault>> = Mutex::new(Vec::new());
-
-/// Make the `nth` call (1 = the next) of `op` from now on, on files under `dir` (any file if
-/// `None`), fail with `errno`.
-pub fn arm_fault(dir: Option<&Path>, op: DiskOp, nth: u64, errno: i32) {
-    FAULTS.lock().push(Fault {
-        dir: dir.map(Path::to_path_buf),
-        op,
-        remaining: nth.max(1),
-        errno,
-    });
-}
-
-/// Disarm every file fault not yet fired for `dir` (every one if `None`).
-pub fn clear_faults(dir: Option<&Path>) {
-    FAULTS
-        .lock()
-        .retain(|f| dir.is_some_and(|d| f.dir.as_deref() != Some(d)));
-}
-
-/// File faults armed for `dir` (every one if `None`) and not yet fired.
-pub fn pending_faults(dir: Option<&Path>) -> usize {
-    FAULTS
-        .lock()
-        .iter()
-        .filter(|f| dir.is_none() || f.dir.as_deref() == dir)
-        .count()
-}
-
-/// Parse a file fault plan: `op:nth[:errno]` items separated by commas (`op` one of create,
-/// allocate, write, read, sync; `errno` a number or ENOSPC, EIO, EROFS, ENOENT, EACCES; default
-/// EIO), e.g. `write:3:ENOSPC,sync:1`.
-pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
-    let mut out = Vec::new();
-    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
-        let bad = |why: &str| {
-            Error::invalid_argument(format!(
-                "disk fault {item:?}: {why} (expected op:nth[:errno], e.g. write:3:ENOSPC)"
-            ))
-        };
-        let mut parts = item.split(':');
-        let op = match parts.next() {
-            Some("create") => DiskOp::Create,
-            Some("allocate") => DiskOp::Allocate,
-            Some("write") => DiskOp::Write,
-            Some("read") => DiskOp::Read,
-            Some("sync") => DiskOp::Sync,
-            _ => return Err(bad("unknown operation")),
-        };
-        let nth = parts
-            .next()
-            .and_then(|n| n.parse::<u64>().ok())
-            .filter(|n| *n > 0)
-            .ok_or_else(|| bad("nth must be a positive number"))?;
-        let errno = match parts.next() {
-            None => libc::EIO,
-            Some("ENOSPC") => libc::ENOSPC,
-            Some("EIO") => libc::EIO,
-            Some("EROFS") => libc::EROFS,
-            Some("ENOENT") => libc::ENOENT,
-            Some("EACCES") => libc::EACCES,
-            Some(n) => n
-                .parse::<i32>()
-                .ok()
-                .filter(|n| *n > 0)
-                .ok_or_else(|| bad("unknown errno"))?,
-        };
-        if parts.next().is_some() {
-            return Err(bad("too many fields"));
-        }
-        out.push((op, nth, errno));
-    }
-    Ok(out)
-}
-
-/// An injected failure of `op` on `path`, if one is due.
-fn injected(op: DiskOp, path: &Path) -> Option<std::io::Error> {
-    let mut f = FAULTS.lock();
-    let i = f.iter_mut().position(|x| {
-        if x.op == op && x.dir.as_deref().is_none_or(|d| path.starts_with(d)) {
-            x.remaining -= 1;
-            x.remaining == 0
-        } else {
-            false
-        }
-    })?;
-    let e = f.remove(i);
-    Some(std::io::Error::from_raw_os_error(e.errno))
-}
-
-fn io_err(what: String, e: std::io::Error) -> Error {
+pub(super) fn io_err(what: String, e: std::io::Error) -> Error {
     if e.raw_os_error() == Some(libc::ENOSPC) {
         return Error::out_of_memory(format!("{what}: {e} (the disk backup directory is full)"));
     }
     Error::io(what, e)
 }
 
-static SEQ: AtomicU64 = AtomicU64::new(0);
-
 fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
 }
 
-/// The subfolder of ours made in a directory others can write to (Note [The disk backup
-/// folder]).
-pub fn private_subfolder_name(uid: u32) -> String {
-    format!("tms-backups-{uid}")
-}
-
-fn errno_io(e: Errno) -> std::io::Error {
+pub(super) fn errno_io(e: Errno) -> std::io::Error {
     std::io::Error::from(e)
 }
 
@@ -223,8 +73,8 @@ pub struct BackupDir {
 /// The folder the files are in: the chosen directory, or our private subfolder of it.
 #[derive(Debug)]
 pub struct FileDir {
-    shown: PathBuf,
-    fd: OwnedFd,
+    pub(super) shown: PathBuf,
+    pub(super) fd: OwnedFd,
 }
 
 impl FileDir {
@@ -297,7 +147,7 @@ impl BackupDir {
                 e.into(),
             )
         })?;
-        if st.st_uid == me && st.st_mode & 0o022 == 0 {
+        if disk_layout::files_go_in_directory(st.st_uid, st.st_mode, me) {
             // Nobody else can make, rename or remove entries here: the files go right in it.
             let fd = open_dir_at(&self.fd, ".", true).map_err(|e| {
                 io_err(
@@ -331,14 +181,13 @@ impl BackupDir {
         })?;
         let st = nix::sys::stat::fstat(&fd)
             .map_err(|e| io_err(format!("inspecting {}", shown.display()), e.into()))?;
-        if st.st_uid != me {
-            return Err(refuse(format!("belongs to uid {}, not {me}", st.st_uid)));
-        }
         let mode = st.st_mode & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(refuse(format!(
-                "has mode {mode:04o}: group or others have access (want 0700)"
-            )));
+        if !disk_layout::subfolder_is_private(st.st_uid, mode, me) {
+            return Err(refuse(if st.st_uid != me {
+                format!("belongs to uid {}, not {me}", st.st_uid)
+            } else {
+                format!("has mode {mode:04o}: group or others have access (want 0700)")
+            }));
         }
         if mode != 0o700 {
             // Ours and closed to others, but a umask such as 0777 left us without access.
@@ -353,268 +202,6 @@ impl BackupDir {
     pub fn sweep(&self) -> Result<usize> {
         let f = self.files()?;
         sweep(&f).map_err(|e| io_err(format!("sweeping {}", f.shown.display()), e))
-    }
-}
-
-/// One allocation's backup file (Note [Disk backup files]).
-pub struct DiskFile {
-    file: Flock<File>,
-    dir: Arc<FileDir>,
-    name: CString,
-    path: PathBuf,
-    /// Removal at exit and on a termination signal (`None`: too many files to record).
-    exit: Option<ExitRemoval>,
-    len: u64,
-    direct: bool,
-    /// Unit of work and of checksums.
-    chunk: u64,
-    sums: Box<[AtomicU64]>,
-}
-
-impl DiskFile {
-    /// Make a file of `len` bytes (> 0) in `dir`, its space reserved, to be written in chunks of
-    /// `chunk` bytes (a multiple of [`DIRECT_ALIGN`]).
-    pub fn create(dir: &BackupDir, len: u64, chunk: u64) -> Result<Self> {
-        if len == 0 || chunk == 0 || chunk % DIRECT_ALIGN != 0 {
-            return Err(Error::invalid_argument(format!(
-                "disk backup of {len} bytes in chunks of {chunk}: expected a length above 0 and \
-                 a chunk that is a positive multiple of {DIRECT_ALIGN}"
-            )));
-        }
-        let files = dir.files()?;
-        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let stamp = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let base = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
-        let tmp_name = format!("{TMP_PREFIX}{base}");
-        let name = format!("{PREFIX}{base}");
-        let tmp = files.shown.join(&tmp_name);
-        let path = files.shown.join(&name);
-        let what = |op: &str| format!("{op} disk backup file {}", path.display());
-        let direct = len % DIRECT_ALIGN == 0;
-        let open = |direct: bool| -> std::io::Result<File> {
-            if let Some(e) = injected(DiskOp::Create, &tmp) {
-                return Err(e);
-            }
-            let mut flags = OFlag::O_RDWR
-                | OFlag::O_CREAT
-                | OFlag::O_EXCL
-                | OFlag::O_NOFOLLOW
-                | OFlag::O_CLOEXEC;
-            if direct {
-                flags |= OFlag::O_DIRECT;
-            }
-            let mode = Mode::S_IRUSR | Mode::S_IWUSR;
-            nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode)
-                .map(File::from)
-                .map_err(errno_io)
-        };
-        let (file, direct) = match open(direct) {
-            Ok(f) => (f, direct),
-            // File systems without O_DIRECT (tmpfs, some FUSE) refuse it at open.
-            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
-                tracing::info!(
-                    "{} does not allow O_DIRECT; writing through the page cache",
-                    files.shown.display()
-                );
-                (open(false).map_err(|e| io_err(what("creating"), e))?, false)
-            }
-            Err(e) => return Err(io_err(what("creating"), e)),
-        };
-        let remove_tmp = || {
-            let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
-        };
-        // Held as long as the file exists: the sign that its process is alive.
-        let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
-            Ok(f) => f,
-            Err((_, e)) => {
-                remove_tmp();
-                return Err(io_err(what("locking"), std::io::Error::from(e)));
-            }
-        };
-        let allocated = match injected(DiskOp::Allocate, &tmp) {
-            Some(e) => Err(e),
-            None => {
-                nix::fcntl::fallocate(&*file, nix::fcntl::FallocateFlags::empty(), 0, len as i64)
-                    .map_err(std::io::Error::from)
-            }
-        };
-        match allocated {
-            Ok(()) => {}
-            // Not every file system reserves space; set the length and find out when writing.
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
-                if let Err(e) = file.set_len(len) {
-                    remove_tmp();
-                    return Err(io_err(what("sizing"), e));
-                }
-            }
-            Err(e) => {
-                remove_tmp();
-                return Err(io_err(
-                    format!("{} ({} needed)", what("reserving space for"), human(len)),
-                    e,
-                ));
-            }
-        }
-        if let Err(e) = nix::fcntl::renameat(&files.fd, tmp_name.as_str(), &files.fd, name.as_str())
-        {
-            remove_tmp();
-            return Err(io_err(what("naming"), e.into()));
-        }
-        let exit = ExitRemoval::register(files.fd.as_raw_fd(), name.as_bytes());
-        if exit.is_none() {
-            tracing::debug!(
-                "{} is not removed at exit (too many files); it is at free, or by a later sweep",
-                path.display()
-            );
-        }
-        let chunks = len.div_ceil(chunk) as usize;
-        Ok(DiskFile {
-            file,
-            dir: files,
-            name: CString::new(name).expect("a name of ours has no NUL"),
-            path,
-            exit,
-            len,
-            direct,
-            chunk,
-            sums: (0..chunks).map(|_| AtomicU64::new(0)).collect(),
-        })
-    }
-
-    /// Where the file is.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// Bytes in the file.
-    pub fn len(&self) -> u64 {
-        self.len
-    }
-
-    /// Never: files have a length above 0.
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
-    /// Written with `O_DIRECT`.
-    pub fn direct(&self) -> bool {
-        self.direct
-    }
-
-    /// Number of chunks.
-    pub fn chunks(&self) -> usize {
-        self.sums.len()
-    }
-
-    /// Offset and length of chunk `i`.
-    pub fn chunk_span(&self, i: usize) -> (u64, u64) {
-        let off = i as u64 * self.chunk;
-        (off, self.chunk.min(self.len - off))
-    }
-
-    /// Write `buf` at `off` in full. With [`DiskFile::direct`], `buf`, `off` and the length are
-    /// multiples of [`DIRECT_ALIGN`] (the pipeline's staging slots and chunks are).
-    pub fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
-        let r = match injected(DiskOp::Write, &self.path) {
-            Some(e) => Err(e),
-            None => self.file.write_all_at(buf, off),
-        };
-        r.map_err(|e| {
-            io_err(
-                format!(
-                    "writing {} bytes at {off} of {}",
-                    buf.len(),
-                    self.path.display()
-                ),
-                e,
-            )
-        })
-    }
-
-    /// Read `buf.len()` bytes at `off`; a file cut short is an error.
-    pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
-        let r = match injected(DiskOp::Read, &self.path) {
-            Some(e) => Err(e),
-            None => self.file.read_exact_at(buf, off),
-        };
-        r.map_err(|e| {
-            let what = format!(
-                "reading {} bytes at {off} of {}",
-                buf.len(),
-                self.path.display()
-            );
-            if e.kind() == std::io::ErrorKind::UnexpectedEof {
-                return Error::invalid_state(format!(
-                    "{what}: the file is shorter than the backup it holds (it changed on disk \
-                     while paused): not restored"
-                ));
-            }
-            io_err(what, e)
-        })
-    }
-
-    /// Make what was written durable.
-    pub fn sync(&self) -> Result<()> {
-        let r = match injected(DiskOp::Sync, &self.path) {
-            Some(e) => Err(e),
-            None => self.file.sync_data(),
-        };
-        r.map_err(|e| io_err(format!("syncing {}", self.path.display()), e))
-    }
-
-    /// Record chunk `i`'s checksum after writing it.
-    pub fn set_sum(&self, i: usize, sum: u64) {
-        self.sums[i].store(sum, Ordering::Release);
-    }
-
-    /// Check chunk `i`'s checksum after reading it.
-    pub fn check_sum(&self, i: usize, sum: u64) -> Result<()> {
-        let want = self.sums[i].load(Ordering::Acquire);
-        if sum == want {
-            return Ok(());
-        }
-        let (off, len) = self.chunk_span(i);
-        Err(Error::invalid_state(format!(
-            "disk backup file {}: bytes {off}..{} changed on disk while paused (checksum \
-             {sum:#018x}, written {want:#018x}): not restored; the allocation stays paused",
-            self.path.display(),
-            off + len
-        )))
-    }
-
-    /// Before reading: the file is still there at its length.
-    pub fn check_present(&self) -> Result<()> {
-        let meta = self
-            .file
-            .metadata()
-            .map_err(|e| io_err(format!("checking {}", self.path.display()), e))?;
-        if meta.len() < self.len {
-            return Err(Error::invalid_state(format!(
-                "disk backup file {} is {} bytes, not {}: it changed on disk while paused; not \
-                 restored, the allocation stays paused",
-                self.path.display(),
-                meta.len(),
-                self.len
-            )));
-        }
-        Ok(())
-    }
-}
-
-impl Drop for DiskFile {
-    fn drop(&mut self) {
-        // Forgotten before the removal: the slot may never name a file that is gone.
-        drop(self.exit.take());
-        match nix::unistd::unlinkat(
-            &self.dir.fd,
-            self.name.as_c_str(),
-            UnlinkatFlags::NoRemoveDir,
-        ) {
-            Ok(()) | Err(Errno::ENOENT) => {}
-            Err(e) => tracing::error!("removing disk backup file {}: {e}", self.path.display()),
-        }
     }
 }
 
@@ -653,38 +240,26 @@ pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
         Mode::empty(),
     )
     .map_err(errno_io)?;
-    let mut names: Vec<(CString, bool)> = Vec::new();
+    let mut names: Vec<(CString, Entry)> = Vec::new();
     let mut listing = listing;
     for entry in listing.iter() {
         let Ok(entry) = entry else { continue };
         let name: &CStr = entry.file_name();
-        let bytes = name.to_bytes();
-        let tmp = bytes.starts_with(TMP_PREFIX.as_bytes());
-        if tmp || bytes.starts_with(PREFIX.as_bytes()) {
-            names.push((name.to_owned(), tmp));
+        if let Some(kind) = Entry::of(name.to_bytes()) {
+            names.push((name.to_owned(), kind));
         }
     }
     drop(listing);
-    let ours_and_regular = |st: &nix::sys::stat::FileStat| {
-        SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFREG && st.st_uid == me
-    };
     let mut removed = 0;
-    for (name, tmp) in names {
+    for (name, kind) in names {
         let Ok(before) =
             nix::sys::stat::fstatat(&dir.fd, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
         else {
             continue;
         };
-        if !ours_and_regular(&before) {
+        // A regular file of ours (not a link, a FIFO, a file of theirs), and not one being made.
+        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
             continue;
-        }
-        if tmp {
-            let modified =
-                SystemTime::UNIX_EPOCH + Duration::from_secs(before.st_mtime.max(0) as u64);
-            let young = modified.elapsed().map_or(true, |age| age < TMP_GRACE);
-            if young {
-                continue;
-            }
         }
         // Checked again once open: the name may have changed hands since fstatat.
         let flags = OFlag::O_RDONLY
@@ -696,7 +271,9 @@ pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
             continue;
         };
         match nix::sys::stat::fstat(&fd) {
-            Ok(st) if ours_and_regular(&st) && st.st_ino == before.st_ino => {}
+            Ok(st)
+                if disk_layout::is_regular_file_of(st.st_mode, st.st_uid, me)
+                    && st.st_ino == before.st_ino => {}
             _ => continue,
         }
         // Taking the lock proves no process holds it.
@@ -734,13 +311,11 @@ pub fn is_ram_backed(dir: &Path) -> bool {
     let ramfs = FsType(0x8584_58f6_u32 as _);
     statfs(dir).is_ok_and(|s| [TMPFS_MAGIC, ramfs].contains(&s.filesystem_type()))
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A page-aligned buffer, as `O_DIRECT` needs (the pipeline's staging slots are).
-    #[repr(align(4096))]
-    struct Page([u8; 4096]);
+    use tms_proto::disk_layout::{file_name, tmp_name};
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("tms-disk-{name}-{}", std::process::id()));
@@ -750,36 +325,14 @@ mod tests {
     }
 
     #[test]
-    fn a_file_round_trips_and_goes_on_drop() {
-        let d = dir("rt");
-        let f = DiskFile::create(&BackupDir::open(&d).unwrap(), 3 * 4096, 8192).unwrap();
-        assert_eq!(
-            (f.len(), f.chunks(), f.chunk_span(1)),
-            (3 * 4096, 2, (8192, 4096))
-        );
-        use std::os::unix::fs::PermissionsExt;
-        let mode = std::fs::metadata(f.path()).unwrap().permissions().mode() & 0o777;
-        assert_eq!(mode, 0o600);
-        let data = Box::new(Page([7u8; 4096]));
-        f.write_at(&data.0, 4096).unwrap();
-        let mut back = Box::new(Page([0u8; 4096]));
-        f.read_at(&mut back.0, 4096).unwrap();
-        assert_eq!(back.0, data.0);
-        let p = f.path().to_path_buf();
-        drop(f);
-        assert!(!p.exists());
-        std::fs::remove_dir_all(&d).unwrap();
-    }
-
-    #[test]
     fn a_sweep_removes_only_files_nobody_holds() {
         let d = dir("sweep");
         let bd = BackupDir::open(&d).unwrap();
         let live = DiskFile::create(&bd, 4096, 4096).unwrap();
         // A dead process's file: same name pattern, no lock.
-        let dead = d.join(format!("{PREFIX}999999-0-0.bin"));
+        let dead = d.join(file_name("999999-0-0.bin"));
         std::fs::write(&dead, b"old").unwrap();
-        let young_tmp = d.join(format!("{TMP_PREFIX}1-0-0.bin"));
+        let young_tmp = d.join(tmp_name("1-0-0.bin"));
         std::fs::write(&young_tmp, b"new").unwrap();
         let other = d.join("unrelated.bin");
         std::fs::write(&other, b"keep").unwrap();
@@ -789,29 +342,6 @@ mod tests {
         assert!(young_tmp.exists(), "a file being made stays");
         assert!(other.exists());
         drop(live);
-        std::fs::remove_dir_all(&d).unwrap();
-    }
-
-    #[test]
-    fn injected_faults_fire_once_at_the_nth_call() {
-        let d = dir("faults");
-        let bd = BackupDir::open(&d).unwrap();
-        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
-        arm_fault(Some(&d), DiskOp::Write, 2, libc::ENOSPC);
-        let page = Box::new(Page([1u8; 4096]));
-        f.write_at(&page.0, 0).unwrap();
-        let e = f.write_at(&page.0, 4096).unwrap_err();
-        assert!(e.is_oom() && e.to_string().contains("full"), "{e}");
-        f.write_at(&page.0, 4096).unwrap();
-        arm_fault(Some(&d), DiskOp::Create, 1, libc::EROFS);
-        let e = DiskFile::create(&bd, 4096, 4096).err().unwrap();
-        assert!(e.to_string().contains("Read-only"), "{e}");
-        assert_eq!(
-            std::fs::read_dir(&d).unwrap().count(),
-            1,
-            "no file left behind"
-        );
-        drop(f);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
@@ -833,20 +363,6 @@ mod tests {
                 let ram = t == "tmpfs" || t == "ramfs";
                 assert_eq!(is_ram_backed(Path::new(p)), ram, "{p} is {t}");
             }
-        }
-    }
-
-    #[test]
-    fn fault_plans_parse_and_bad_ones_are_refused() {
-        assert_eq!(
-            parse_faults("write:3:ENOSPC, sync:1").unwrap(),
-            vec![
-                (DiskOp::Write, 3, libc::ENOSPC),
-                (DiskOp::Sync, 1, libc::EIO)
-            ]
-        );
-        for bad in ["fly:1", "write:0", "write:x", "read:1:EWHAT", "read:1:5:6"] {
-            assert!(parse_faults(bad).is_err(), "{bad}");
         }
     }
 }

@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use super::backing::{Backing, Dir, UnitIo};
 use super::BackupKind;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
@@ -408,4 +409,104 @@ pub fn release_parallel(mut bufs: Vec<Arc<HostBuffer>>, threads: usize) {
         work();
     });
     drop(bufs);
+}
+
+impl Backing for HostBuffer {
+    fn kind(&self) -> BackupKind {
+        self.backend
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn chunks(&self) -> usize {
+        HostBuffer::chunks(self)
+    }
+
+    fn chunk_span(&self, k: usize) -> (u64, u64) {
+        HostBuffer::chunk_span(self, k)
+    }
+
+    /// Straight where the chunk is page-locked (in `pin_now`, a pinned backup's chunk is
+    /// page-locked first, on the copy's critical path).
+    fn direct(&self, k: usize, off: u64, pin_now: bool) -> Result<Option<*mut u8>> {
+        if off >= self.len {
+            return Err(Error::internal(format!(
+                "a copy at byte {off} of a host buffer of {} bytes",
+                self.len
+            )));
+        }
+        if pin_now && self.backend == BackupKind::Pinned && !self.is_pinned(k) {
+            self.pin(k)?;
+        }
+        // SAFETY: off < len, inside our mapping.
+        Ok(self
+            .is_pinned(k)
+            .then(|| unsafe { self.ptr.add(off as usize) }))
+    }
+
+    unsafe fn staged(
+        &self,
+        _dir: Dir,
+        _k: usize,
+        off: u64,
+        len: u64,
+        pieces: &mut dyn FnMut(&mut dyn UnitIo) -> Result<()>,
+    ) -> Result<()> {
+        if off.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::internal(format!(
+                "a copy of bytes {off}+{len} of a host buffer of {} bytes",
+                self.len
+            )));
+        }
+        // SAFETY: off + len <= len, inside our mapping.
+        let start = unsafe { self.ptr.add(off as usize) };
+        pieces(&mut HostUnit { start, len })
+    }
+}
+
+/// Bytes `start..start + len` of a host buffer, which one copy worker has to itself for the
+/// whole unit (the contract of [`Backing::staged`]).
+struct HostUnit {
+    start: *mut u8,
+    len: u64,
+}
+
+impl HostUnit {
+    fn check(&self, at: u64, n: usize) -> Result<()> {
+        match at.checked_add(n as u64) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::internal(format!(
+                "a piece of {n} bytes at {at} of a unit of {} bytes",
+                self.len
+            ))),
+        }
+    }
+}
+
+impl UnitIo for HostUnit {
+    fn load(&mut self, at: u64, slot: &mut [u8]) -> Result<()> {
+        self.check(at, slot.len())?;
+        // SAFETY: at..at + slot.len() lies inside the unit (checked), which this worker has to
+        // itself (Backing::staged's contract); the slot is a buffer of the worker's own, so the
+        // ranges do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.start.add(at as usize),
+                slot.as_mut_ptr(),
+                slot.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn store(&mut self, at: u64, slot: &[u8]) -> Result<()> {
+        self.check(at, slot.len())?;
+        // SAFETY: as in load.
+        unsafe {
+            std::ptr::copy_nonoverlapping(slot.as_ptr(), self.start.add(at as usize), slot.len())
+        };
+        Ok(())
+    }
 }

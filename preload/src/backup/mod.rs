@@ -1,9 +1,14 @@
 //! Where paused contents wait: host memory (page-locked or pageable) or a file on disk. The
-//! device driver only page-locks host memory for it; the engine chooses and moves the data.
+//! device driver only page-locks host memory for it; the engine chooses and moves the data,
+//! through what each kind of backup says of itself ([`Backing`]).
 
+pub mod backing;
 pub mod disk;
+mod disk_faults;
+mod disk_file;
 pub mod host;
 
+pub use backing::{backing_of, Backing, Dir, UnitIo};
 pub use disk::DiskFile;
 pub use host::{release_parallel, HostBuffer, HostLayout};
 

@@ -93,11 +93,12 @@
 //! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
-//! - The copy pipeline's `gate` (with `wake`), `error`, and each worker's lane of staging slots
-//!   (`pipeline.rs`), and the job slots of `per_device`: each lives for one pipeline or one
-//!   call, under `ops`. `gate` and `error` are leaves held for a store or a wait; a lane is held
-//!   by its one worker for the whole run, and a job slot by the thread that runs its job, driver
-//!   calls and copies included (nobody else ever wants them).
+//! - The copy pipeline's `Ready::gate` (with `wake`; `std`'s, for loom: `pipeline/ready.rs`),
+//!   `error` (`pipeline.rs`) and each worker's lane of staging slots (`pipeline/worker.rs`), and
+//!   the job slots of `per_device`: each lives for one pipeline or one call, under `ops`. `gate`
+//!   and `error` are leaves held for a store or a wait; a lane is held by its one worker for the
+//!   whole run, and a job slot by the thread that runs its job, driver calls and copies included
+//!   (nobody else ever wants them).
 //! - `BackupDir::files` (`backup/disk.rs`): the prepared folder of disk backups; held while it
 //!   is made and checked on first use (file system calls that cannot block: Note [The disk backup
 //!   folder]), not while sweeping. `FAULTS`: armed file faults (testing aid), a leaf.

@@ -7,14 +7,14 @@ use std::sync::Arc;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pick::{describe, Pick};
-use super::pipeline::{self, CopyConfig, Dir, Item, Ring, Target};
+use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
 use super::registry::Registry;
 use super::report::{OpReport, Tally};
 use super::segment::{self, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
-use crate::backup::{disk, BackupKind, DiskFile, HostBuffer};
+use crate::backup::{backing_of, disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
@@ -45,7 +45,7 @@ struct Job {
 
 impl Job {
     fn target(&self) -> Option<Target<'_>> {
-        Target::of(&self.host, &self.disk)
+        backing_of(&self.host, &self.disk)
     }
 
     fn backed_up(&self) -> bool {
@@ -341,14 +341,16 @@ impl Engine {
             })
             .collect();
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
-        pipeline::run(
-            &self.driver,
+        Pipeline {
+            driver: &self.driver,
             device,
-            Dir::Save,
+            dir: Dir::Save,
             cfg,
             ring,
-            &items,
+            items: &items,
             progress,
+        }
+        .run(
             |_, _| Ok(()),
             |p| {
                 let (k, r) = parts[p];

@@ -8,14 +8,14 @@ use std::time::Instant;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pick::Pick;
-use super::pipeline::{self, CopyConfig, Dir, Item, Ring, Target};
+use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
 use super::registry::Registry;
 use super::report::{OpReport, Tally};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
-use crate::backup::{release_parallel, DiskFile, HostBuffer};
+use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
@@ -40,7 +40,7 @@ struct Job {
 
 impl Job {
     fn target(&self, r: usize) -> Option<Target<'_>> {
-        Target::of(&self.host, &self.disk).filter(|_| self.runs[r].1)
+        backing_of(&self.host, &self.disk).filter(|_| self.runs[r].1)
     }
 
     fn device(&self) -> i32 {
@@ -216,14 +216,16 @@ impl Engine {
                 .collect();
             let mut made = Vec::with_capacity(parts.len());
             let r = DeviceScope::enter(d, device).and_then(|_scope| {
-                pipeline::run(
-                    &self.driver,
+                Pipeline {
+                    driver: &self.driver,
                     device,
-                    Dir::Restore,
+                    dir: Dir::Restore,
                     cfg,
                     ring,
-                    &items,
+                    items: &items,
                     progress,
+                }
+                .run(
                     |p, mapped| {
                         let (i, r) = parts[p];
                         let j = &jobs[i];

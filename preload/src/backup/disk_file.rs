@@ -1,0 +1,475 @@
+//! One allocation's disk backup file: its format (chunks, `O_DIRECT` alignment, a checksum per
+//! chunk) and how the copy pipeline moves it through its staging slots ([`Backing`]).
+//!
+//! # Note [Disk backup files]
+//!
+//! - A file is made at an allocation's first disk-backed pause, in the directory set then
+//!   (`set_disk_backup_dir`, else `TMS_DISK_BACKUP_DIR`, else the system's temporary directory;
+//!   the folder's rules are Note [The disk backup folder] in `disk.rs`), with mode `0600`,
+//!   `O_CLOEXEC`, and `O_DIRECT` where the file system allows it: backups then neither fill the
+//!   page cache nor sit in it unwritten when the pause returns (each file is also `fdatasync`ed
+//!   before its device memory is released). Its whole length is reserved with `fallocate` up
+//!   front, so a full disk fails the pause before anything is copied.
+//! - It is reused by every later pause of the allocation (disk use stays constant) and removed
+//!   when the allocation is freed, at process exit, and on SIGTERM or SIGINT where the host
+//!   left their default action (Note [Removal at exit and on a termination signal] in `os.rs`).
+//! - A process holds an exclusive `flock` on each of its files while they exist. A file in the
+//!   directory whose lock can be taken belongs to a process that died: the first process to use
+//!   the directory removes it. A live process's files are never touched (this holds across pid
+//!   namespaces, where pids mean nothing). Files are made under a temporary name and renamed
+//!   once locked, so no sweep can take a file between its creation and its lock (the names are
+//!   `tms_proto::disk_layout`'s, which `tmsctl clean` shares).
+//! - The file is cut in chunks of one size (a multiple of [`DIRECT_ALIGN`]) but the last, which
+//!   divide the allocation's (engine Note [Chunked allocations]); the pipeline copies a file
+//!   chunk whole, through the worker's page-locked staging slots, each slot-sized piece one
+//!   `pwrite`/`pread`. Each chunk's contents carry an xxh3 checksum, computed here as the pieces
+//!   pass ([`Backing::staged`]) when the chunk is written and checked as it is read back (a few
+//!   percent of a core at disk speed): a file that changed on disk while paused (truncated,
+//!   overwritten) fails the resume, which leaves the tag paused; it is never silently restored.
+//! - Every file operation can be made to fail (`disk_faults.rs`, `TMS_DISK_FAULTS`), so the
+//!   tests prove that no failure loses data: a pause that cannot write leaves the allocation
+//!   active with its contents, a resume that cannot read leaves it paused with its file.
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg, OFlag};
+use nix::sys::stat::Mode;
+use nix::unistd::UnlinkatFlags;
+use tms_proto::disk_layout;
+use xxhash_rust::xxh3::Xxh3;
+
+use super::backing::{Backing, Dir, UnitIo};
+use super::disk::{errno_io, io_err, BackupDir, FileDir};
+use super::disk_faults::{injected, DiskOp};
+use super::BackupKind;
+use crate::error::{Error, Result};
+use crate::os::ExitRemoval;
+use crate::units::human;
+
+/// `O_DIRECT` transfers are aligned to this (the largest logical block size in common use).
+pub const DIRECT_ALIGN: u64 = 4096;
+
+/// Makes each file's name unique within the process.
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// One allocation's backup file (Note [Disk backup files]).
+pub struct DiskFile {
+    file: Flock<File>,
+    dir: Arc<FileDir>,
+    name: CString,
+    path: PathBuf,
+    /// Removal at exit and on a termination signal (`None`: too many files to record).
+    exit: Option<ExitRemoval>,
+    len: u64,
+    direct: bool,
+    /// Unit of work and of checksums.
+    chunk: u64,
+    sums: Box<[AtomicU64]>,
+}
+
+impl DiskFile {
+    /// Make a file of `len` bytes (> 0) in `dir`, its space reserved, to be written in chunks of
+    /// `chunk` bytes (a multiple of [`DIRECT_ALIGN`]).
+    pub fn create(dir: &BackupDir, len: u64, chunk: u64) -> Result<Self> {
+        if len == 0 || chunk == 0 || chunk % DIRECT_ALIGN != 0 {
+            return Err(Error::invalid_argument(format!(
+                "disk backup of {len} bytes in chunks of {chunk}: expected a length above 0 and \
+                 a chunk that is a positive multiple of {DIRECT_ALIGN}"
+            )));
+        }
+        let files = dir.files()?;
+        let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+        let stamp = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let base = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
+        let tmp_name = disk_layout::tmp_name(&base);
+        let name = disk_layout::file_name(&base);
+        let tmp = files.shown.join(&tmp_name);
+        let path = files.shown.join(&name);
+        let what = |op: &str| format!("{op} disk backup file {}", path.display());
+        let direct = len % DIRECT_ALIGN == 0;
+        let open = |direct: bool| -> std::io::Result<File> {
+            if let Some(e) = injected(DiskOp::Create, &tmp) {
+                return Err(e);
+            }
+            let mut flags = OFlag::O_RDWR
+                | OFlag::O_CREAT
+                | OFlag::O_EXCL
+                | OFlag::O_NOFOLLOW
+                | OFlag::O_CLOEXEC;
+            if direct {
+                flags |= OFlag::O_DIRECT;
+            }
+            let mode = Mode::S_IRUSR | Mode::S_IWUSR;
+            nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode)
+                .map(File::from)
+                .map_err(errno_io)
+        };
+        let (file, direct) = match open(direct) {
+            Ok(f) => (f, direct),
+            // File systems without O_DIRECT (tmpfs, some FUSE) refuse it at open.
+            Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                tracing::info!(
+                    "{} does not allow O_DIRECT; writing through the page cache",
+                    files.shown.display()
+                );
+                (open(false).map_err(|e| io_err(what("creating"), e))?, false)
+            }
+            Err(e) => return Err(io_err(what("creating"), e)),
+        };
+        let remove_tmp = || {
+            let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
+        };
+        // Held as long as the file exists: the sign that its process is alive.
+        let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(f) => f,
+            Err((_, e)) => {
+                remove_tmp();
+                return Err(io_err(what("locking"), std::io::Error::from(e)));
+            }
+        };
+        let allocated = match injected(DiskOp::Allocate, &tmp) {
+            Some(e) => Err(e),
+            None => {
+                nix::fcntl::fallocate(&*file, nix::fcntl::FallocateFlags::empty(), 0, len as i64)
+                    .map_err(std::io::Error::from)
+            }
+        };
+        match allocated {
+            Ok(()) => {}
+            // Not every file system reserves space; set the length and find out when writing.
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+                if let Err(e) = file.set_len(len) {
+                    remove_tmp();
+                    return Err(io_err(what("sizing"), e));
+                }
+            }
+            Err(e) => {
+                remove_tmp();
+                return Err(io_err(
+                    format!("{} ({} needed)", what("reserving space for"), human(len)),
+                    e,
+                ));
+            }
+        }
+        if let Err(e) = nix::fcntl::renameat(&files.fd, tmp_name.as_str(), &files.fd, name.as_str())
+        {
+            remove_tmp();
+            return Err(io_err(what("naming"), e.into()));
+        }
+        let exit = ExitRemoval::register(files.fd.as_raw_fd(), name.as_bytes());
+        if exit.is_none() {
+            tracing::debug!(
+                "{} is not removed at exit (too many files); it is at free, or by a later sweep",
+                path.display()
+            );
+        }
+        let chunks = len.div_ceil(chunk) as usize;
+        Ok(DiskFile {
+            file,
+            dir: files,
+            name: CString::new(name).expect("a name of ours has no NUL"),
+            path,
+            exit,
+            len,
+            direct,
+            chunk,
+            sums: (0..chunks).map(|_| AtomicU64::new(0)).collect(),
+        })
+    }
+
+    /// Where the file is.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes in the file.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Never: files have a length above 0.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Written with `O_DIRECT`.
+    pub fn direct(&self) -> bool {
+        self.direct
+    }
+
+    /// Number of chunks.
+    pub fn chunks(&self) -> usize {
+        self.sums.len()
+    }
+
+    /// Offset and length of chunk `i`.
+    pub fn chunk_span(&self, i: usize) -> (u64, u64) {
+        let off = i as u64 * self.chunk;
+        (off, self.chunk.min(self.len - off))
+    }
+
+    /// Write `buf` at `off` in full. With [`DiskFile::direct`], `buf`, `off` and the length are
+    /// multiples of [`DIRECT_ALIGN`] (the pipeline's staging slots and chunks are).
+    pub fn write_at(&self, buf: &[u8], off: u64) -> Result<()> {
+        let r = match injected(DiskOp::Write, &self.path) {
+            Some(e) => Err(e),
+            None => self.file.write_all_at(buf, off),
+        };
+        r.map_err(|e| {
+            io_err(
+                format!(
+                    "writing {} bytes at {off} of {}",
+                    buf.len(),
+                    self.path.display()
+                ),
+                e,
+            )
+        })
+    }
+
+    /// Read `buf.len()` bytes at `off`; a file cut short is an error.
+    pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
+        let r = match injected(DiskOp::Read, &self.path) {
+            Some(e) => Err(e),
+            None => self.file.read_exact_at(buf, off),
+        };
+        r.map_err(|e| {
+            let what = format!(
+                "reading {} bytes at {off} of {}",
+                buf.len(),
+                self.path.display()
+            );
+            if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                return Error::invalid_state(format!(
+                    "{what}: the file is shorter than the backup it holds (it changed on disk \
+                     while paused): not restored"
+                ));
+            }
+            io_err(what, e)
+        })
+    }
+
+    /// Make what was written durable.
+    pub fn sync(&self) -> Result<()> {
+        let r = match injected(DiskOp::Sync, &self.path) {
+            Some(e) => Err(e),
+            None => self.file.sync_data(),
+        };
+        r.map_err(|e| io_err(format!("syncing {}", self.path.display()), e))
+    }
+
+    /// Record chunk `i`'s checksum after writing it.
+    fn set_sum(&self, i: usize, sum: u64) {
+        self.sums[i].store(sum, Ordering::Release);
+    }
+
+    /// Check chunk `i`'s checksum after reading it.
+    fn check_sum(&self, i: usize, sum: u64) -> Result<()> {
+        let want = self.sums[i].load(Ordering::Acquire);
+        if sum == want {
+            return Ok(());
+        }
+        let (off, len) = self.chunk_span(i);
+        Err(Error::invalid_state(format!(
+            "disk backup file {}: bytes {off}..{} changed on disk while paused (checksum \
+             {sum:#018x}, written {want:#018x}): not restored; the allocation stays paused",
+            self.path.display(),
+            off + len
+        )))
+    }
+
+    /// Before reading: the file is still there at its length.
+    pub fn check_present(&self) -> Result<()> {
+        let meta = self
+            .file
+            .metadata()
+            .map_err(|e| io_err(format!("checking {}", self.path.display()), e))?;
+        if meta.len() < self.len {
+            return Err(Error::invalid_state(format!(
+                "disk backup file {} is {} bytes, not {}: it changed on disk while paused; not \
+                 restored, the allocation stays paused",
+                self.path.display(),
+                meta.len(),
+                self.len
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for DiskFile {
+    fn drop(&mut self) {
+        // Forgotten before the removal: the slot may never name a file that is gone.
+        drop(self.exit.take());
+        match nix::unistd::unlinkat(
+            &self.dir.fd,
+            self.name.as_c_str(),
+            UnlinkatFlags::NoRemoveDir,
+        ) {
+            Ok(()) | Err(Errno::ENOENT) => {}
+            Err(e) => tracing::error!("removing disk backup file {}: {e}", self.path.display()),
+        }
+    }
+}
+
+impl DiskFile {
+    /// Refuse a chunk size setting for disk backups (`CopyConfig::disk_chunk`) that files
+    /// cannot be cut in: 0 (the host chunk) or a multiple of [`DIRECT_ALIGN`].
+    pub fn check_chunk_setting(bytes: u64) -> Result<()> {
+        if bytes % DIRECT_ALIGN != 0 {
+            return Err(Error::invalid_argument(format!(
+                "disk backup chunk of {bytes} bytes: expected a multiple of {DIRECT_ALIGN}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Backing for DiskFile {
+    fn kind(&self) -> BackupKind {
+        BackupKind::Disk
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    fn chunks(&self) -> usize {
+        DiskFile::chunks(self)
+    }
+
+    fn chunk_span(&self, k: usize) -> (u64, u64) {
+        DiskFile::chunk_span(self, k)
+    }
+
+    /// Never: a file is always copied through the staging slots.
+    fn direct(&self, _k: usize, _off: u64, _pin_now: bool) -> Result<Option<*mut u8>> {
+        Ok(None)
+    }
+
+    /// Always a whole chunk, checksummed as its pieces pass: the sum is recorded when saving
+    /// and checked when restoring (Note [Disk backup files]).
+    unsafe fn staged(
+        &self,
+        dir: Dir,
+        k: usize,
+        off: u64,
+        len: u64,
+        pieces: &mut dyn FnMut(&mut dyn UnitIo) -> Result<()>,
+    ) -> Result<()> {
+        let span = self.chunk_span(k);
+        if (off, len) != span {
+            return Err(Error::internal(format!(
+                "a copy of bytes {off}+{len} cuts disk backup chunk {k} ({}+{})",
+                span.0, span.1
+            )));
+        }
+        let mut unit = FileUnit {
+            file: self,
+            base: off,
+            hash: Xxh3::new(),
+        };
+        pieces(&mut unit)?;
+        let sum = unit.hash.digest();
+        match dir {
+            Dir::Save => {
+                self.set_sum(k, sum);
+                Ok(())
+            }
+            Dir::Restore => self.check_sum(k, sum),
+        }
+    }
+}
+
+/// One chunk of a file being copied, with its running checksum.
+struct FileUnit<'a> {
+    file: &'a DiskFile,
+    /// The chunk's offset in the file.
+    base: u64,
+    hash: Xxh3,
+}
+
+impl UnitIo for FileUnit<'_> {
+    fn load(&mut self, at: u64, slot: &mut [u8]) -> Result<()> {
+        self.file.read_at(slot, self.base + at)?;
+        self.hash.update(slot);
+        Ok(())
+    }
+
+    fn store(&mut self, at: u64, slot: &[u8]) -> Result<()> {
+        self.hash.update(slot);
+        self.file.write_at(slot, self.base + at)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::disk_faults::arm_fault;
+    use super::*;
+
+    /// A page-aligned buffer, as `O_DIRECT` needs (the pipeline's staging slots are).
+    #[repr(align(4096))]
+    struct Page([u8; 4096]);
+
+    fn dir(name: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("tms-disk-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    #[test]
+    fn a_file_round_trips_and_goes_on_drop() {
+        let d = dir("rt");
+        let f = DiskFile::create(&BackupDir::open(&d).unwrap(), 3 * 4096, 8192).unwrap();
+        assert_eq!(
+            (f.len(), f.chunks(), f.chunk_span(1)),
+            (3 * 4096, 2, (8192, 4096))
+        );
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(f.path()).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let data = Box::new(Page([7u8; 4096]));
+        f.write_at(&data.0, 4096).unwrap();
+        let mut back = Box::new(Page([0u8; 4096]));
+        f.read_at(&mut back.0, 4096).unwrap();
+        assert_eq!(back.0, data.0);
+        let p = f.path().to_path_buf();
+        drop(f);
+        assert!(!p.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn injected_faults_fire_once_at_the_nth_call() {
+        let d = dir("faults");
+        let bd = BackupDir::open(&d).unwrap();
+        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
+        arm_fault(Some(&d), DiskOp::Write, 2, libc::ENOSPC);
+        let page = Box::new(Page([1u8; 4096]));
+        f.write_at(&page.0, 0).unwrap();
+        let e = f.write_at(&page.0, 4096).unwrap_err();
+        assert!(e.is_oom() && e.to_string().contains("full"), "{e}");
+        f.write_at(&page.0, 4096).unwrap();
+        arm_fault(Some(&d), DiskOp::Create, 1, libc::EROFS);
+        let e = DiskFile::create(&bd, 4096, 4096).err().unwrap();
+        assert!(e.to_string().contains("Read-only"), "{e}");
+        assert_eq!(
+            std::fs::read_dir(&d).unwrap().count(),
+            1,
+            "no file left behind"
+        );
+        drop(f);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+}

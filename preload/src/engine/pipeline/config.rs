@@ -1,0 +1,93 @@
+//! How backups are copied: the copy pipeline's settings (Note [The copy pipeline] in
+//! `pipeline.rs`).
+
+use crate::backup::{DiskFile, HostLayout};
+use crate::error::{Error, Result};
+
+/// When pinned backups are page-locked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PinMode {
+    /// After a pause or resume that retains them, on a background thread: the pause itself runs
+    /// at the speed of fresh memory, through the staging slots; later cycles find the memory
+    /// page-locked (chunks not yet done go through the slots meanwhile). Without retention
+    /// nothing is page-locked: the buffer would be released at the next resume anyway.
+    Background,
+    /// By the copy worker, right before the first copy into a chunk, during the first pause
+    /// (page-locking is then on that pause's critical path).
+    Inline,
+    /// Never: pinned backups behave as mmap ones and always go through the staging slots.
+    Never,
+}
+
+impl PinMode {
+    /// Parse `background`, `inline` or `never`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s.trim() {
+            "background" => Ok(PinMode::Background),
+            "inline" => Ok(PinMode::Inline),
+            "never" => Ok(PinMode::Never),
+            other => Err(Error::invalid_argument(format!(
+                "unknown pin mode {other:?}: expected background, inline or never"
+            ))),
+        }
+    }
+}
+
+/// How backups are copied (Note [The copy pipeline]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyConfig {
+    /// Copy workers per device (1 to [`MAX_WORKERS`]).
+    pub threads: usize,
+    /// Host buffer layout: the chunk is the unit of work and of page-locking.
+    pub layout: HostLayout,
+    /// Bytes of one staging slot (two per worker).
+    pub slot: u64,
+    /// When pinned backups are page-locked.
+    pub pin: PinMode,
+    /// Unit of work and of checksums of disk backups, in bytes (0: `layout.chunk`).
+    pub disk_chunk: u64,
+}
+
+/// Most workers per device.
+pub const MAX_WORKERS: usize = 64;
+
+impl Default for CopyConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        CopyConfig {
+            threads: cores.clamp(1, 16),
+            layout: HostLayout::default(),
+            slot: 4 << 20,
+            pin: PinMode::Background,
+            disk_chunk: 0,
+        }
+    }
+}
+
+impl CopyConfig {
+    /// Refuse settings the pipeline cannot work with.
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=MAX_WORKERS).contains(&self.threads) {
+            return Err(Error::invalid_argument(format!(
+                "{} copy threads: expected 1 to {MAX_WORKERS}",
+                self.threads
+            )));
+        }
+        let page = crate::os::page_size();
+        if self.layout.chunk == 0 || self.layout.chunk % page != 0 {
+            return Err(Error::invalid_argument(format!(
+                "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
+                self.layout.chunk
+            )));
+        }
+        // The file format's rule (its alignment), which the disk backing owns.
+        DiskFile::check_chunk_setting(self.disk_chunk)?;
+        if self.slot == 0 || self.slot % page != 0 {
+            return Err(Error::invalid_argument(format!(
+                "staging slot of {} bytes: expected a positive multiple of the page size {page}",
+                self.slot
+            )));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! The layout of a disk backup folder, as the library makes it and `tmsctl clean` sweeps it:
+//! the names of the files, where they go, and which of them are stale. The I/O that applies
+//! these rules stays with each side (it opens only regular files of ours, never following a
+//! link and never waiting: Note [The disk backup folder] in `preload/src/backup/disk_folder.rs`).
+
+use std::time::{Duration, SystemTime};
+
+/// Prefix of finished backup files.
+pub const FILE_PREFIX: &str = "tms-backup-";
+
+/// Prefix of a backup file being made: created under this name, locked, then renamed (so no
+/// sweep can take a file between its creation and its lock). A dot hides it from listings.
+pub const TMP_PREFIX: &str = ".tms-backup-new-";
+
+/// A temporary file older than this whose lock is free was left by a process that died while
+/// making it; a younger one may be one a live process is making.
+pub const TMP_GRACE: Duration = Duration::from_secs(60);
+
+/// The file's type bits of `st_mode`, and those of a regular file (POSIX values, as Linux has
+/// them).
+const S_IFMT: u32 = 0o170_000;
+const S_IFREG: u32 = 0o100_000;
+
+/// The name of a finished backup file whose unique part is `unique`.
+pub fn file_name(unique: &str) -> String {
+    format!("{FILE_PREFIX}{unique}")
+}
+
+/// The name a backup file has while it is made.
+pub fn tmp_name(unique: &str) -> String {
+    format!("{TMP_PREFIX}{unique}")
+}
+
+/// The subfolder of ours made in a directory others can write to: `tms-backups-<uid>`.
+pub fn private_subfolder_name(uid: u32) -> String {
+    format!("tms-backups-{uid}")
+}
+
+/// The files go in the chosen directory itself, owned by `owner` with mode `mode`, only when
+/// nobody else can make, rename or remove entries there: it is `me`'s and neither group nor
+/// others may write to it. Otherwise they go in [`private_subfolder_name`].
+pub fn files_go_in_directory(owner: u32, mode: u32, me: u32) -> bool {
+    owner == me && mode & 0o022 == 0
+}
+
+/// Our subfolder, owned by `owner` with mode `mode`, is acceptable: `me`'s, closed to group and
+/// others.
+pub fn subfolder_is_private(owner: u32, mode: u32, me: u32) -> bool {
+    owner == me && mode & 0o077 == 0
+}
+
+/// An entry of a disk backup folder, as the sweep sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// A finished backup file (stale once its lock can be taken).
+    File,
+    /// One being made (stale once older than [`TMP_GRACE`] and its lock can be taken).
+    Tmp,
+}
+
+impl Entry {
+    /// What the name `name` is, if it is one of ours.
+    pub fn of(name: &[u8]) -> Option<Entry> {
+        if name.starts_with(TMP_PREFIX.as_bytes()) {
+            Some(Entry::Tmp)
+        } else if name.starts_with(FILE_PREFIX.as_bytes()) {
+            Some(Entry::File)
+        } else {
+            None
+        }
+    }
+
+    /// The entry may be removed (if its lock can be taken), given its `st_mode`, owner and
+    /// modification time (`st_mtime`, seconds since the epoch) as `fstatat` gives them without
+    /// following a link: a regular file of `me`'s, and not a temporary file young enough to be
+    /// in the making (one whose age cannot be told counts as young).
+    pub fn may_be_stale(self, mode: u32, owner: u32, mtime: i64, me: u32) -> bool {
+        if !is_regular_file_of(mode, owner, me) {
+            return false;
+        }
+        match self {
+            Entry::File => true,
+            Entry::Tmp => {
+                let modified = SystemTime::UNIX_EPOCH + Duration::from_secs(mtime.max(0) as u64);
+                modified.elapsed().is_ok_and(|age| age >= TMP_GRACE)
+            }
+        }
+    }
+}
+
+/// A file of `st_mode` `mode` owned by `owner` is a regular file of `me`'s: the only kind the
+/// sweep opens (checked again on the open file, as the name may change hands meanwhile).
+pub fn is_regular_file_of(mode: u32, owner: u32, me: u32) -> bool {
+    mode & S_IFMT == S_IFREG && owner == me
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn now() -> i64 {
+        SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap()
+            .as_secs() as i64
+    }
+
+    #[test]
+    fn names_are_recognised_by_their_prefix() {
+        assert_eq!(file_name("1-a-0.bin"), "tms-backup-1-a-0.bin");
+        assert_eq!(tmp_name("1-a-0.bin"), ".tms-backup-new-1-a-0.bin");
+        assert_eq!(Entry::of(file_name("x").as_bytes()), Some(Entry::File));
+        assert_eq!(Entry::of(tmp_name("x").as_bytes()), Some(Entry::Tmp));
+        for other in ["tms-backups-1000", "unrelated.bin", ".tms-backup", ""] {
+            assert_eq!(Entry::of(other.as_bytes()), None, "{other}");
+        }
+        assert_eq!(private_subfolder_name(1000), "tms-backups-1000");
+    }
+
+    #[test]
+    fn only_regular_files_of_ours_and_old_temporary_ones_may_be_stale() {
+        let file = 0o100_600;
+        let (me, other) = (1000, 1001);
+        let old = now() - 2 * TMP_GRACE.as_secs() as i64;
+        assert!(Entry::File.may_be_stale(file, me, now(), me));
+        assert!(!Entry::File.may_be_stale(file, other, old, me), "not ours");
+        for kind in [0o010_600, 0o120_777, 0o040_700, 0o140_600] {
+            assert!(!Entry::File.may_be_stale(kind, me, old, me), "{kind:o}");
+        }
+        assert!(Entry::Tmp.may_be_stale(file, me, old, me));
+        assert!(!Entry::Tmp.may_be_stale(file, me, now(), me), "being made");
+        assert!(
+            !Entry::Tmp.may_be_stale(file, me, now() + 3600, me),
+            "from the future"
+        );
+    }
+
+    #[test]
+    fn where_the_files_go() {
+        let me = 1000;
+        assert!(files_go_in_directory(me, 0o700, me));
+        assert!(files_go_in_directory(me, 0o755, me));
+        assert!(!files_go_in_directory(me, 0o775, me), "group may write");
+        assert!(!files_go_in_directory(me, 0o1777, me), "others may write");
+        assert!(!files_go_in_directory(0, 0o755, me), "not ours");
+        assert!(subfolder_is_private(me, 0o700, me));
+        assert!(!subfolder_is_private(me, 0o750, me));
+        assert!(!subfolder_is_private(0, 0o700, me));
+    }
+}
