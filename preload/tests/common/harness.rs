@@ -78,8 +78,9 @@ fn cuda() -> Arc<CudaDriver> {
 /// See [`SLACK_VAR`].
 pub fn cuda_slack() -> u64 {
     match std::env::var(SLACK_VAR) {
-        Ok(v) => tms::units::parse_bytes(&v)
-            .unwrap_or_else(|e| stop(&format!("{SLACK_VAR}={v:?}: {e}"))),
+        Ok(v) => {
+            tms::units::parse_bytes(&v).unwrap_or_else(|e| stop(&format!("{SLACK_VAR}={v:?}: {e}")))
+        }
         Err(_) => DEFAULT_CUDA_SLACK,
     }
 }
@@ -133,6 +134,24 @@ macro_rules! engine_test {
 }
 #[allow(unused_imports)]
 pub(crate) use engine_test;
+
+/// Run `cases` cases of `strategy` through `test` (a property test inside a harness test, which
+/// makes a fresh [`Harness::again`] per case), failing with the minimal failing input.
+pub fn run_proptest<S: proptest::strategy::Strategy>(
+    cases: u32,
+    strategy: S,
+    test: impl Fn(S::Value) -> proptest::test_runner::TestCaseResult,
+) {
+    let config = proptest::test_runner::Config {
+        cases,
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    if let Err(e) = runner.run(&strategy, test) {
+        panic!("{e}");
+    }
+}
 
 /// CUDA: the driver, and each device's free memory when the harness was made.
 struct Gpu {
@@ -286,7 +305,10 @@ impl Harness {
 
     /// The disk backup folder of a setup that asked for one.
     pub fn dir(&self) -> &Path {
-        self.dir.as_ref().expect("the setup has no disk folder").path()
+        self.dir
+            .as_ref()
+            .expect("the setup has no disk folder")
+            .path()
     }
 
     /// Write `data` to active device memory at `addr` (on the sim straight into its memory,
@@ -344,15 +366,28 @@ impl Harness {
     }
 
     /// `device` holds `want` bytes: exactly on the sim, within [`cuda_slack`] on CUDA.
-    pub fn assert_live_bytes(&self, device: i32, want: u64, ctx: &str) {
+    pub fn check_live_bytes(&self, device: i32, want: u64) -> Result<(), String> {
         match (&self.sim, &self.gpu) {
-            (Some(sim), _) => assert_eq!(sim.live_bytes(device), want, "{ctx}"),
-            (None, Some(gpu)) => {
-                if let Err(m) = gpu.check_used(device, want) {
+            (Some(sim), _) => match sim.live_bytes(device) {
+                got if got == want => Ok(()),
+                got => Err(format!(
+                    "device {device} holds {got} bytes, expected {want}"
+                )),
+            },
+            (None, Some(gpu)) => gpu.check_used(device, want),
+            (None, None) => unreachable!(),
+        }
+    }
+
+    /// [`Harness::check_live_bytes`]; on the sim an `assert_eq!` of the live bytes.
+    pub fn assert_live_bytes(&self, device: i32, want: u64, ctx: &str) {
+        match &self.sim {
+            Some(sim) => assert_eq!(sim.live_bytes(device), want, "{ctx}"),
+            None => {
+                if let Err(m) = self.check_live_bytes(device, want) {
                     panic!("{ctx}: {m}");
                 }
             }
-            (None, None) => unreachable!(),
         }
     }
 
@@ -472,7 +507,10 @@ impl Ended {
 
     /// The disk folder of the setup (the engine's files were to go with it).
     pub fn dir(&self) -> &Path {
-        self.dir.as_ref().expect("the setup has no disk folder").path()
+        self.dir
+            .as_ref()
+            .expect("the setup has no disk folder")
+            .path()
     }
 
     /// Files left in the disk folder.

@@ -13,7 +13,7 @@ pub mod setup;
 #[allow(unused_imports)]
 pub(crate) use harness::engine_test;
 #[allow(unused_imports)]
-pub use harness::Harness;
+pub use harness::{run_proptest, Harness};
 #[allow(unused_imports)]
 pub use invariants::{assert_invariants, check_invariants, Expect, Leaks};
 #[allow(unused_imports)]
