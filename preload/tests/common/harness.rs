@@ -106,6 +106,7 @@ pub fn run_sim_only(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
 /// `engine_test! { fn name(h) [setup] { body } }`: a `#[test]` running `body` with `h`, a
 /// [`Harness`] of `setup` (an expression; [`Setup::default`] if left out) on the driver
 /// `TMS_TEST_DRIVER` picks. `sim_only fn` instead: on the sim only.
+#[allow(unused_macros)]
 macro_rules! engine_test {
     ($(#[$attr:meta])* fn $name:ident($h:ident) $([$setup:expr])? $body:block) => {
         $(#[$attr])*

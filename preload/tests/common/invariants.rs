@@ -41,7 +41,8 @@ impl Leaks {
         }
     }
 
-    fn bytes_on(&self, device: i32) -> Option<u64> {
+    /// Leaked device bytes on `device` (`None`: not known).
+    pub fn bytes_on(&self, device: i32) -> Option<u64> {
         self.bytes
             .as_ref()
             .map(|b| b.get(&device).copied().unwrap_or(0))
