@@ -69,7 +69,8 @@ fn cuda() -> Arc<CudaDriver> {
     CUDA.get_or_init(|| match CudaDriver::load() {
         Ok(d) => Arc::new(d),
         Err(e) => stop(&format!(
-            "{DRIVER_VAR}=cuda, but the CUDA driver cannot be used: {e}"
+            "{DRIVER_VAR}=cuda, but the CUDA driver cannot be used: {e} (these tests run on the \
+             simulated device with {DRIVER_VAR} unset)"
         )),
     })
     .clone()
