@@ -31,7 +31,7 @@ pub const DRIVER_VAR: &str = "TMS_TEST_DRIVER";
 /// Bytes by which device memory measured on CUDA may differ from what the registry implies
 /// (driver bookkeeping such as page tables); default [`DEFAULT_CUDA_SLACK`].
 pub const SLACK_VAR: &str = "TMS_TEST_CUDA_SLACK";
-pub const DEFAULT_CUDA_SLACK: u64 = 1 << 20;
+pub const DEFAULT_CUDA_SLACK: u64 = 2 << 20;
 /// Exit status of a test binary whose `TMS_TEST_DRIVER` cannot be served.
 pub const UNSERVED: i32 = 2;
 
