@@ -41,7 +41,7 @@ engine_test! {
         h.write(p, &old);
         e.pause(Some("kv")).unwrap();
         e.resume_pick(&Pick::chunks(p, &[0])).unwrap();
-        assert_eq!(states(&e, p), [true, false, false, false]);
+        assert_eq!(states(e, p), [true, false, false, false]);
         let lease = e
             .acquire_cpu_backup(p, 4 * g)
             .unwrap()
@@ -138,7 +138,7 @@ engine_test! {
         let data = pattern((6 * g) as usize, 3);
         h.write(p, &data);
         e.pause_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
-        assert_eq!(states(&e, p), [true, false, false, false, true, false]);
+        assert_eq!(states(e, p), [true, false, false, false, true, false]);
         let hog = e.alloc(&chunked(4 * g, 0, "hog", None)).unwrap();
         let err = e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap_err();
         let m = err.to_string();
@@ -147,7 +147,7 @@ engine_test! {
             m.contains(&format!("chunks 1-3,5 of allocation {p:#x}")),
             "{m}"
         );
-        assert_eq!(states(&e, p), [true, false, false, false, true, false]);
+        assert_eq!(states(e, p), [true, false, false, false, true, false]);
         assert_eq!(
             sim.live_bytes(0),
             6 * g,
@@ -217,9 +217,9 @@ engine_test! {
             ..Pick::tag(Some("kv"))
         };
         e.pause_pick(&save).unwrap();
-        assert_eq!(states(&e, p), [false; 4]);
+        assert_eq!(states(e, p), [false; 4]);
         e.resume_pick(&save).unwrap();
-        assert_eq!(states(&e, p), [true, false, true, true]);
+        assert_eq!(states(e, p), [true, false, true, true]);
         for c in [0u64, 2, 3] {
             let r = (c * g) as usize..((c + 1) * g) as usize;
             assert!(
@@ -252,21 +252,21 @@ engine_test! {
         e.pause_pick(&save).unwrap();
         e.resume_pick(&Pick::chunks(a, &[0])).unwrap();
         e.pause_pick(&Pick::chunks(a, &[0])).unwrap();
-        assert_eq!(states(&e, a), [false; 4]);
+        assert_eq!(states(e, a), [false; 4]);
         e.resume(Some("kv")).unwrap();
         e.pause_pick(&Pick::chunks(a, &[0, 1, 2, 3])).unwrap();
         e.pause_pick(&Pick::chunks(b, &[2])).unwrap();
         // a has nothing left to pause; b has three chunks active.
         e.pause_pick(&save).unwrap();
-        assert_eq!(states(&e, a), [false; 4]);
-        assert_eq!(states(&e, b), [false; 4]);
+        assert_eq!(states(e, a), [false; 4]);
+        assert_eq!(states(e, b), [false; 4]);
         e.resume_pick(&save).unwrap();
         assert_eq!(
-            states(&e, a),
+            states(e, a),
             [false; 4],
             "a's chunks were all paused at the save"
         );
-        assert_eq!(states(&e, b), [true, true, false, true]);
+        assert_eq!(states(e, b), [true, true, false, true]);
         for c in [0u64, 1, 3] {
             let r = (c * g) as usize..((c + 1) * g) as usize;
             assert!(
@@ -276,8 +276,8 @@ engine_test! {
         }
         // The record was used: a restoring resume without a newer save resumes everything.
         e.resume_pick(&save).unwrap();
-        assert_eq!(states(&e, a), [true; 4]);
-        assert_eq!(states(&e, b), [true; 4]);
+        assert_eq!(states(e, a), [true; 4]);
+        assert_eq!(states(e, b), [true; 4]);
     }
 }
 
@@ -337,7 +337,7 @@ engine_test! {
         // Chunks 1 and 3: host chunks (1 MiB) 2-3 and 6-7.
         e.pause_pick(&Pick::chunks(p, &[1, 3])).unwrap();
         e.resume_pick(&Pick::chunks(p, &[1, 3])).unwrap();
-        assert_eq!(pinned(&e), 2 * g, "the saved half is page-locked");
+        assert_eq!(pinned(e), 2 * g, "the saved half is page-locked");
         let base = e
             .cpu_backup_ptr(p + g, g)
             .unwrap()
@@ -366,7 +366,7 @@ engine_test! {
             }
         }
         e.pause(Some("kv")).unwrap();
-        assert_eq!(pinned(&e), 4 * g, "a whole backup is page-locked whole");
+        assert_eq!(pinned(e), 4 * g, "a whole backup is page-locked whole");
         // Without retention, resumed chunks are unregistered and given back; the others stay.
         e.set_retain_cpu_backup(false);
         e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();

@@ -127,11 +127,11 @@ engine_test! {
     sim_only fn pause_gives_device_memory_and_resident_pages_back(h) [on_sim(2 * MIB)] {
         let _s = serial();
         let (sim, e) = (h.simulated(), &h.e);
-        let p = alloc(&e, BIG, "big", None);
+        let p = alloc(e, BIG, "big", None);
         // A neighbour that stays: pausing one tag touches only it.
-        let q = alloc(&e, 3 * MIB + 1, "stay", None);
-        fill_stream(&sim, p, BIG, 1);
-        fill_stream(&sim, q, 3 * MIB + 1, 2);
+        let q = alloc(e, 3 * MIB + 1, "stay", None);
+        fill_stream(sim, p, BIG, 1);
+        fill_stream(sim, q, 3 * MIB + 1, 2);
         let live = sim.live_bytes(0);
         assert_eq!(live, BIG + 4 * MIB);
         let before = rss();
@@ -153,7 +153,7 @@ engine_test! {
             mib(after),
             mib(BIG)
         );
-        check_stream(&sim, q, 3 * MIB + 1, 2, "the neighbour");
+        check_stream(sim, q, 3 * MIB + 1, 2, "the neighbour");
 
         e.resume(Some("big")).unwrap();
         assert_eq!(sim.live_bytes(0), live);
@@ -166,8 +166,8 @@ engine_test! {
     sim_only fn mmap_backup_is_given_back_after_a_non_retaining_resume(h) [on_sim(2 * MIB)] {
         let _s = serial();
         let (sim, e) = (h.simulated(), &h.e);
-        let p = alloc(&e, BIG, "big", Some(BackupKind::Mmap));
-        fill_stream(&sim, p, BIG, 3);
+        let p = alloc(e, BIG, "big", Some(BackupKind::Mmap));
+        fill_stream(sim, p, BIG, 3);
         let base = rss();
         let near = |x: u64| x.abs_diff(base) <= BIG / 10;
 
@@ -190,7 +190,7 @@ engine_test! {
         // Retaining resume: device pages come back and the backup stays.
         e.set_retain_cpu_backup(true);
         e.resume(None).unwrap();
-        check_stream(&sim, p, BIG, 3, "after a retaining resume");
+        check_stream(sim, p, BIG, 3, "after a retaining resume");
         let retained = rss();
         assert!(
             retained >= base + BIG * 9 / 10,
@@ -202,10 +202,10 @@ engine_test! {
 
         // Non-retaining resume: the backup is unmapped, the resident set returns to the base.
         e.set_retain_cpu_backup(false);
-        fill_stream(&sim, p, BIG, 4);
+        fill_stream(sim, p, BIG, 4);
         e.pause(None).unwrap();
         e.resume(None).unwrap();
-        check_stream(&sim, p, BIG, 4, "after a non-retaining resume");
+        check_stream(sim, p, BIG, 4, "after a non-retaining resume");
         let back = rss();
         assert_eq!(e.allocations()[0].host_bytes, 0);
         assert_eq!(

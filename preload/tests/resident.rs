@@ -49,8 +49,8 @@ engine_test! {
         let used = h.live_bytes(0);
         for tag in [Some("mixed"), None, Some("mixed")] {
             e.pause(tag).unwrap();
-            assert_eq!(state(&e, kept), State::Active);
-            assert_eq!(state(&e, other), State::Paused);
+            assert_eq!(state(e, kept), State::Active);
+            assert_eq!(state(e, other), State::Paused);
             h.assert_live_bytes(0, used - g, "only the other allocation gave memory back");
             assert_eq!(
                 h.read(kept, size as usize),
@@ -74,7 +74,7 @@ engine_test! {
         assert_eq!(e.keep_resident(kept).unwrap(), 0);
         let again = e.alloc(&req(size, 0, "mixed", None, 0)).unwrap();
         e.pause(Some("mixed")).unwrap();
-        assert_eq!(state(&e, again), State::Paused);
+        assert_eq!(state(e, again), State::Paused);
         e.resume(None).unwrap();
     }
 }
