@@ -98,7 +98,11 @@ pub fn run(setup: Setup, body: impl FnOnce(Harness)) {
 /// Run `body` on the sim; skipped under CUDA (see [`engine_test!`]).
 pub fn run_sim_only(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
     if Kind::current() == Kind::Cuda {
-        eprintln!("{name}: skipped on CUDA (it needs the simulated device's hooks)");
+        // Past the output capture: the GPU run's log tells what did not run there.
+        let _ = writeln!(
+            std::io::stderr(),
+            "{name}: skipped on CUDA (it needs the simulated device's hooks)"
+        );
         return;
     }
     body(Harness::on_sim(&setup));
