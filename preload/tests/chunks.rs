@@ -130,7 +130,9 @@ engine_test! {
 engine_test! {
     /// Out of memory part-way through a resume of chunks: every one of them stays paused with its
     /// backup, the error says which, and a retry once memory is free restores them all.
-    sim_only fn a_failed_resume_of_chunks_names_them_and_a_retry_restores(h) [chunks(8 * (2 << 20))] {
+    sim_only fn a_failed_resume_of_chunks_names_them_and_a_retry_restores(h)
+        [chunks(8 * (2 << 20))]
+    {
         let (sim, e, g) = (h.simulated(), &h.e, h.g());
         let p = e
             .alloc(&chunked(6 * g, g, "kv", Some(BackupKind::Pinned)))
@@ -319,9 +321,9 @@ engine_test! {
 
 engine_test! {
     /// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
-    /// is page-locked only where it holds saved chunks (whole host chunks of them), never for chunks
-    /// that were not saved; and chunks resumed without retention are unregistered before their pages
-    /// are given back.
+    /// is page-locked only where it holds saved chunks (whole host chunks of them), never for
+    /// chunks that were not saved; and chunks resumed without retention are unregistered before
+    /// their pages are given back.
     fn background_page_locking_covers_only_saved_chunks(h) [chunks(64 << 20)] {
         let (e, g) = (&h.e, h.g());
         e.set_retain_cpu_backup(true);
@@ -444,7 +446,8 @@ engine_test! {
             chunk: 1 << 20,
             hugepages: false,
         };
-        let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 4 << 20, layout).unwrap();
+        let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 4 << 20, layout)
+            .unwrap();
         assert_eq!(b.chunks_within(&[(1 << 20, 2 << 20)]), vec![1, 2]);
         assert_eq!(
             b.chunks_within(&[(1 << 19, 2 << 20)]),

@@ -1,6 +1,7 @@
-//! Disk backups, on the simulated device or a GPU (`common::harness`): contents round-trip bit-identical through files that
-//! are reused across cycles and removed on free; files of dead processes are swept, live ones
-//! never; a file changed on disk while paused is refused; nothing is lost when the disk fails.
+//! Disk backups, on the simulated device or a GPU (`common::harness`): contents round-trip
+//! bit-identical through files that are reused across cycles and removed on free; files of dead
+//! processes are swept, live ones never; a file changed on disk while paused is refused; nothing
+//! is lost when the disk fails.
 
 mod common;
 
@@ -82,7 +83,9 @@ engine_test! {
 }
 
 engine_test! {
-    fn a_file_changed_while_paused_is_refused_and_the_tag_stays_paused(h) [Setup::disk_engine(2, 3)] {
+    fn a_file_changed_while_paused_is_refused_and_the_tag_stays_paused(h)
+        [Setup::disk_engine(2, 3)]
+    {
         let f = Fx { h };
         let (p, data) = f.alloc(4 * MIB, 0, 3);
         f.h.e.pause(None).unwrap();
@@ -156,7 +159,9 @@ engine_test! {
 }
 
 engine_test! {
-    fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves(h) [Setup::disk_engine(2, 3)] {
+    fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves(h)
+        [Setup::disk_engine(2, 3)]
+    {
         let f = Fx { h };
         let (p, data) = f.alloc(4 * MIB, 0, 5);
         let gone = f.h.dir().join("vanished");

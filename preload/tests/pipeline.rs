@@ -499,7 +499,8 @@ engine_test! {
             any::<bool>(),
             prop_oneof![Just(1u64), Just(3), Just(1 << 20)],
         );
-        run_proptest(h.pick(48, 16), strategy, |(sizes, threads, chunk_pages, slot_pages, pin, mmap, retain, segment_granules)| {
+        let cases = h.pick(48, 16);
+        run_proptest(cases, strategy, |(sizes, threads, chunk_pages, slot_pages, pin, mmap, retain, segments)| {
             let h = h.again();
             let e = &h.e;
             e.set_copy_config(CopyConfig {
@@ -510,12 +511,15 @@ engine_test! {
                 disk_chunk: chunk_pages * 4096,
             }).unwrap();
             e.set_retain_cpu_backup(retain);
-            e.set_segment_bytes((segment_granules * h.g()).next_power_of_two()).unwrap();
+            e.set_segment_bytes((segments * h.g()).next_power_of_two()).unwrap();
             let backend = if mmap { BackupKind::Mmap } else { BackupKind::Pinned };
             let mut v = Vec::new();
             for (k, size) in sizes.iter().enumerate() {
                 let device = h.device((k % 2) as i32);
-                let addr = e.alloc(&AllocRequest { size: *size, device, tag: "t".into(), backup: Some(backend), chunk: 0 }).unwrap();
+                let tag = "t".into();
+                let addr = e
+                    .alloc(&AllocRequest { size: *size, device, tag, backup: Some(backend), chunk: 0 })
+                    .unwrap();
                 v.push((addr, *size));
             }
             for cycle in 0..3u64 {
@@ -525,7 +529,8 @@ engine_test! {
                 e.pause(None).unwrap();
                 e.resume(None).unwrap();
                 for (k, (addr, size)) in v.iter().enumerate() {
-                    prop_assert!(h.read(*addr, *size as usize) == pattern(*size as usize, cycle * 100 + k as u64));
+                    let want = pattern(*size as usize, cycle * 100 + k as u64);
+                    prop_assert!(h.read(*addr, *size as usize) == want);
                 }
             }
             if let Some(sim) = h.sim() {

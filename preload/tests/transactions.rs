@@ -75,7 +75,8 @@ engine_test! {
             thread::spawn(move || e.pause(Some("kv")))
         };
         wait_until("the pause reaches the device", || sim.held_calls() == 1);
-        let states: BTreeMap<u64, State> = e.allocations().iter().map(|a| (a.addr, a.state)).collect();
+        let states: BTreeMap<u64, State> =
+            e.allocations().iter().map(|a| (a.addr, a.state)).collect();
         assert_eq!(states[&kv], State::Pausing);
         assert_eq!(states[&other], State::Active);
 
@@ -218,7 +219,9 @@ engine_test! {
 engine_test! {
     /// The simulated device keeps its memory in host RAM: more than the host has is refused at
     /// allocation, as device memory beyond the capacity is, instead of being killed once written.
-    sim_only fn the_sim_refuses_device_memory_the_host_cannot_hold(h) [Setup::default().capacity(4 << 40)] {
+    sim_only fn the_sim_refuses_device_memory_the_host_cannot_hold(h)
+        [Setup::default().capacity(4 << 40)]
+    {
         let (sim, e) = (h.simulated(), &h.e);
         sim.set_host_memory(Some(64 << 30));
         let err = e.alloc(&req(1 << 40, 0, "huge", None)).unwrap_err();
@@ -375,7 +378,9 @@ engine_test! {
     /// one (a failing cuMemUnmap, twice), the registry still says paused with its backup, the error
     /// says what stays mapped, and the next resume unmaps it first and restores every byte; a free
     /// of an allocation left so also unmaps it, leaving no mapping behind.
-    sim_only fn a_mapping_a_failed_resume_cannot_undo_is_unmapped_by_the_next_call(h) [tx(1, 2).capacity(5 * G)] {
+    sim_only fn a_mapping_a_failed_resume_cannot_undo_is_unmapped_by_the_next_call(h)
+        [tx(1, 2).capacity(5 * G)]
+    {
         for free_it in [false, true] {
             let h = h.again();
             let (sim, e) = (h.simulated(), &h.e);
