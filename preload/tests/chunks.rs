@@ -4,33 +4,13 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use common::{pattern, read_raw, write_raw};
+use common::{engine_test, pattern, Setup};
 use tms::backup::BackupKind;
-use tms::driver::sim::{SimConfig, SimDriver};
-use tms::engine::{AllocRequest, CopyConfig, Engine, Pick, State};
+use tms::engine::{AllocRequest, Engine, Pick, State};
 
-const G: u64 = 2 << 20;
-
-fn setup(capacity: u64) -> (Arc<SimDriver>, Engine) {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 1,
-            capacity,
-            granularity: G,
-        })
-        .unwrap(),
-    );
-    let e = Engine::new(sim.clone());
-    let mut cfg = CopyConfig {
-        threads: 3,
-        ..CopyConfig::default()
-    };
-    cfg.layout.chunk = 1 << 20;
-    cfg.slot = 256 << 10;
-    e.set_copy_config(cfg).unwrap();
-    (sim, e)
+/// One device of `capacity` bytes, three copy workers, small host chunks and staging slots.
+fn chunks(capacity: u64) -> Setup {
+    Setup::default().capacity(capacity).small_pieces(3)
 }
 
 fn chunked(size: u64, chunk: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
@@ -47,351 +27,372 @@ fn states(e: &Engine, p: u64) -> Vec<bool> {
     e.chunk_info(p).unwrap().active
 }
 
-/// A pause of chunk 0 while a reader holds the backup (a lease) must not write into the
-/// reader's buffer; the new buffer must still hold the other chunks' saved contents, which
-/// exist nowhere else while they are paused.
-#[test]
-fn a_leased_backup_is_carried_into_the_next_pause() {
-    let (sim, e) = setup(64 << 20);
-    e.set_retain_cpu_backup(true);
-    let p = e
-        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Mmap)))
-        .unwrap();
-    let old = pattern((4 * G) as usize, 1);
-    write_raw(&sim, p, &old);
-    e.pause(Some("kv")).unwrap();
-    e.resume_pick(&Pick::chunks(p, &[0])).unwrap();
-    assert_eq!(states(&e, p), [true, false, false, false]);
-    let lease = e
-        .acquire_cpu_backup(p, 4 * G)
-        .unwrap()
-        .expect("a complete snapshot");
-    let new0 = pattern(G as usize, 2);
-    write_raw(&sim, p, &new0);
-    e.pause_pick(&Pick::chunks(p, &[0])).unwrap();
-    // The lease still reads the old contents of chunk 0.
-    // SAFETY: the lease keeps the buffer mapped and unchanged until it is released.
-    let leased = unsafe { std::slice::from_raw_parts(lease.ptr, (4 * G) as usize) };
-    assert!(leased == &old[..], "the leased snapshot changed");
-    e.resume(Some("kv")).unwrap();
-    assert!(read_raw(&sim, p, G as usize) == new0, "chunk 0");
-    assert!(
-        read_raw(&sim, p + G, (3 * G) as usize) == old[G as usize..],
-        "chunks 1-3 carried over"
-    );
-    e.release_cpu_backup(lease.lease).unwrap();
-}
-
-#[test]
-fn bad_chunk_requests_are_refused_with_the_numbers() {
-    let (_sim, e) = setup(64 << 20);
-    let msg = |r: tms::Result<u64>| r.unwrap_err().to_string();
-    let m = msg(e.alloc(&chunked(3 * G, 2 * G, "kv", None)));
-    assert!(
-        m.contains(&format!("chunk size {}", 2 * G)) && m.contains(&(3 * G).to_string()),
-        "{m}"
-    );
-    let m = msg(e.alloc(&chunked(3 * G, 4096, "kv", None)));
-    assert!(m.contains("granularity") && m.contains("4096"), "{m}");
-    let e1 = e.alloc(&chunked(4 * G, G, "kv", None)).unwrap();
-    let m = e
-        .pause_pick(&Pick::chunks(e1, &[1, 4]))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        m.contains("chunk 4") && m.contains("it has 4 chunks"),
-        "{m}"
-    );
-    let m = e
-        .pause_pick(&Pick::chunks(e1, &[2, 1]))
-        .unwrap_err()
-        .to_string();
-    assert!(m.contains("sorted"), "{m}");
-    let plain = e.alloc(&chunked(G, 0, "w", None)).unwrap();
-    let m = e
-        .pause_pick(&Pick::chunks(plain, &[0]))
-        .unwrap_err()
-        .to_string();
-    assert!(m.contains("is not chunked"), "{m}");
-    assert!(e
-        .chunk_info(plain)
-        .unwrap_err()
-        .to_string()
-        .contains("not chunked"));
-    let m = e.chunked("w").unwrap_err().to_string();
-    assert!(m.contains("no chunked allocation"), "{m}");
-    let e2 = e.alloc(&chunked(2 * G, G, "kv", None)).unwrap();
-    let m = e.chunked("kv").unwrap_err().to_string();
-    assert!(
-        m.contains("2 chunked allocations")
-            && m.contains(&format!("{e1:#x}"))
-            && m.contains(&format!("{e2:#x}")),
-        "{m}"
-    );
-    // Nothing was paused by any of it.
-    assert!(e.allocations().iter().all(|a| a.state == State::Active));
-}
-
-#[test]
-fn ranges_round_inward_to_whole_chunks() {
-    let (_sim, e) = setup(64 << 20);
-    let p = e.alloc(&chunked(8 * G, G, "kv", None)).unwrap();
-    let (start, idx) = e.chunks_in(p + 1, 3 * G).unwrap();
-    assert_eq!((start, idx), (p, vec![1, 2]));
-    assert_eq!(e.chunks_in(p + G, 2 * G).unwrap().1, vec![1, 2]);
-    assert_eq!(e.chunks_in(p + 1, G).unwrap().1, Vec::<usize>::new());
-    assert_eq!(e.chunks_in(p, 8 * G).unwrap().1, (0..8).collect::<Vec<_>>());
-    assert!(e.chunks_in(p, 8 * G + 1).is_err(), "beyond the allocation");
-}
-
-/// Out of memory part-way through a resume of chunks: every one of them stays paused with its
-/// backup, the error says which, and a retry once memory is free restores them all.
-#[test]
-fn a_failed_resume_of_chunks_names_them_and_a_retry_restores() {
-    let (sim, e) = setup(8 * G);
-    let p = e
-        .alloc(&chunked(6 * G, G, "kv", Some(BackupKind::Pinned)))
-        .unwrap();
-    let data = pattern((6 * G) as usize, 3);
-    write_raw(&sim, p, &data);
-    e.pause_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
-    assert_eq!(states(&e, p), [true, false, false, false, true, false]);
-    let hog = e.alloc(&chunked(4 * G, 0, "hog", None)).unwrap();
-    let err = e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap_err();
-    let m = err.to_string();
-    assert!(err.is_oom(), "{m}");
-    assert!(
-        m.contains(&format!("chunks 1-3,5 of allocation {p:#x}")),
-        "{m}"
-    );
-    assert_eq!(states(&e, p), [true, false, false, false, true, false]);
-    assert_eq!(
-        sim.live_bytes(0),
-        6 * G,
-        "nothing of the failed resume stays mapped"
-    );
-    e.free(hog).unwrap();
-    e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
-    assert!(read_raw(&sim, p, (6 * G) as usize) == data);
-}
-
-#[test]
-fn statistics_count_partial_allocations_by_their_chunks() {
-    let (sim, e) = setup(64 << 20);
-    let p = e.alloc(&chunked(4 * G, G, "kv", None)).unwrap();
-    e.alloc(&chunked(G, 0, "kv", None)).unwrap();
-    e.pause_pick(&Pick::chunks(p, &[0, 3])).unwrap();
-    let t = &e.stats().tags[0];
-    assert_eq!(
-        (
-            t.allocations,
-            t.active_allocations,
-            t.partial_allocations,
-            t.paused_allocations
-        ),
-        (2, 1, 1, 0)
-    );
-    assert_eq!((t.bytes_active, t.bytes_paused), (3 * G, 2 * G));
-    assert_eq!(sim.live_bytes(0), 3 * G);
-    let info = e.allocations().into_iter().find(|a| a.addr == p).unwrap();
-    assert_eq!(
-        (info.state, info.active_bytes, info.handles),
-        (State::Partial, 2 * G, 2)
-    );
-    // A whole-tag pause takes the rest; chunk calls on paused chunks are skipped.
-    let r = e.pause(Some("kv")).unwrap();
-    assert_eq!((r.allocations, r.bytes), (2, 3 * G));
-    let r = e.pause_pick(&Pick::chunks(p, &[0, 1])).unwrap();
-    assert_eq!(r.allocations, 0);
-    assert_eq!(sim.live_bytes(0), 0);
-    // Freeing a partial allocation releases its mapped chunks and its range.
-    e.resume_pick(&Pick::chunks(p, &[2])).unwrap();
-    assert!(e.free(p).unwrap());
-    assert_eq!((sim.live_bytes(0), sim.live_handles()), (0, 0));
-}
-
-/// Save and restore chunk state: the chunks active at the pause come back, the others stay
-/// paused (and a plain resume afterwards brings back the rest).
-#[test]
-fn resume_restores_the_saved_chunk_state() {
-    let (sim, e) = setup(64 << 20);
-    let p = e
-        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Disk)))
-        .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
-    let data = pattern((4 * G) as usize, 4);
-    write_raw(&sim, p, &data);
-    e.pause_pick(&Pick::chunks(p, &[1])).unwrap();
-    let save = Pick {
-        chunk_state: true,
-        ..Pick::tag(Some("kv"))
-    };
-    e.pause_pick(&save).unwrap();
-    assert_eq!(states(&e, p), [false; 4]);
-    e.resume_pick(&save).unwrap();
-    assert_eq!(states(&e, p), [true, false, true, true]);
-    for c in [0u64, 2, 3] {
-        let r = (c * G) as usize..((c + 1) * G) as usize;
+engine_test! {
+    /// A pause of chunk 0 while a reader holds the backup (a lease) must not write into the
+    /// reader's buffer; the new buffer must still hold the other chunks' saved contents, which
+    /// exist nowhere else while they are paused.
+    fn a_leased_backup_is_carried_into_the_next_pause(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        e.set_retain_cpu_backup(true);
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let old = pattern((4 * g) as usize, 1);
+        h.write(p, &old);
+        e.pause(Some("kv")).unwrap();
+        e.resume_pick(&Pick::chunks(p, &[0])).unwrap();
+        assert_eq!(states(e, p), [true, false, false, false]);
+        let lease = e
+            .acquire_cpu_backup(p, 4 * g)
+            .unwrap()
+            .expect("a complete snapshot");
+        let new0 = pattern(g as usize, 2);
+        h.write(p, &new0);
+        e.pause_pick(&Pick::chunks(p, &[0])).unwrap();
+        // The lease still reads the old contents of chunk 0.
+        // SAFETY: the lease keeps the buffer mapped and unchanged until it is released.
+        let leased = unsafe { std::slice::from_raw_parts(lease.ptr, (4 * g) as usize) };
+        assert!(leased == &old[..], "the leased snapshot changed");
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, g as usize) == new0, "chunk 0");
         assert!(
-            read_raw(&sim, p + c * G, G as usize) == data[r],
-            "chunk {c}"
+            h.read(p + g, (3 * g) as usize) == old[g as usize..],
+            "chunks 1-3 carried over"
         );
+        e.release_cpu_backup(lease.lease).unwrap();
     }
-    e.resume(Some("kv")).unwrap();
-    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
 }
 
-/// A pause that saves chunk states records them for every chunked allocation of the tag, those
-/// whose chunks are all paused already too: the next restoring resume brings back none of
-/// theirs, neither all of them (no record) nor what an older pause recorded.
-#[test]
-fn saving_chunk_states_records_allocations_with_nothing_left_to_pause() {
-    let (sim, e) = setup(64 << 20);
-    let backup = Some(BackupKind::Pinned);
-    let a = e.alloc(&chunked(4 * G, G, "kv", backup)).unwrap();
-    let b = e.alloc(&chunked(4 * G, G, "kv", backup)).unwrap();
-    let data = pattern((4 * G) as usize, 9);
-    write_raw(&sim, b, &data);
-    let save = Pick {
-        chunk_state: true,
-        ..Pick::tag(Some("kv"))
-    };
-    // An older record of a: chunk 1 paused, the others active.
-    e.pause_pick(&Pick::chunks(a, &[1])).unwrap();
-    e.pause_pick(&save).unwrap();
-    e.resume_pick(&Pick::chunks(a, &[0])).unwrap();
-    e.pause_pick(&Pick::chunks(a, &[0])).unwrap();
-    assert_eq!(states(&e, a), [false; 4]);
-    e.resume(Some("kv")).unwrap();
-    e.pause_pick(&Pick::chunks(a, &[0, 1, 2, 3])).unwrap();
-    e.pause_pick(&Pick::chunks(b, &[2])).unwrap();
-    // a has nothing left to pause; b has three chunks active.
-    e.pause_pick(&save).unwrap();
-    assert_eq!(states(&e, a), [false; 4]);
-    assert_eq!(states(&e, b), [false; 4]);
-    e.resume_pick(&save).unwrap();
-    assert_eq!(
-        states(&e, a),
-        [false; 4],
-        "a's chunks were all paused at the save"
-    );
-    assert_eq!(states(&e, b), [true, true, false, true]);
-    for c in [0u64, 1, 3] {
-        let r = (c * G) as usize..((c + 1) * G) as usize;
+engine_test! {
+    fn bad_chunk_requests_are_refused_with_the_numbers(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let msg = |r: tms::Result<u64>| r.unwrap_err().to_string();
+        let m = msg(e.alloc(&chunked(3 * g, 2 * g, "kv", None)));
         assert!(
-            read_raw(&sim, b + c * G, G as usize) == data[r],
-            "chunk {c} of b"
+            m.contains(&format!("chunk size {}", 2 * g)) && m.contains(&(3 * g).to_string()),
+            "{m}"
         );
-    }
-    // The record was used: a restoring resume without a newer save resumes everything.
-    e.resume_pick(&save).unwrap();
-    assert_eq!(states(&e, a), [true; 4]);
-    assert_eq!(states(&e, b), [true; 4]);
-}
-
-/// The saved state covers allocations that are not chunked too: one paused before the saving
-/// pause stays paused through the restoring resume, one active then comes back with its
-/// contents. (A job-wide pause undoes itself this way, leaving what was paused before alone.)
-#[test]
-fn saved_state_covers_whole_allocations() {
-    let (sim, e) = setup(64 << 20);
-    let whole = |size| chunked(size, 0, "w", Some(BackupKind::Pinned));
-    let before = e.alloc(&whole(G)).unwrap();
-    let active = e.alloc(&whole(2 * G)).unwrap();
-    let data = pattern((2 * G) as usize, 5);
-    write_raw(&sim, active, &data);
-    e.pause_pick(&Pick {
-        alloc: Some(before),
-        ..Pick::tag(Some("w"))
-    })
-    .unwrap();
-    let save = Pick {
-        chunk_state: true,
-        ..Pick::tag(Some("w"))
-    };
-    let r = e.pause_pick(&save).unwrap();
-    assert_eq!((r.allocations, r.bytes), (1, 2 * G));
-    let r = e.resume_pick(&save).unwrap();
-    assert_eq!(
-        (r.allocations, r.bytes),
-        (1, 2 * G),
-        "only what was active at the save"
-    );
-    assert_eq!(sim.live_bytes(0), 2 * G);
-    assert!(read_raw(&sim, active, (2 * G) as usize) == data);
-    // The record was used: a plain resume brings back the other one.
-    let r = e.resume(Some("w")).unwrap();
-    assert_eq!((r.allocations, r.bytes), (1, G));
-}
-
-/// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
-/// is page-locked only where it holds saved chunks (whole host chunks of them), never for chunks
-/// that were not saved; and chunks resumed without retention are unregistered before their pages
-/// are given back.
-#[test]
-fn background_page_locking_covers_only_saved_chunks() {
-    let (sim, e) = setup(64 << 20);
-    e.set_retain_cpu_backup(true);
-    let p = e
-        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Pinned)))
-        .unwrap();
-    let data = pattern((4 * G) as usize, 5);
-    write_raw(&sim, p, &data);
-    let pinned = |e: &Engine| {
-        assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(20)));
-        e.allocations()[0].host_pinned_bytes
-    };
-    // Chunks 1 and 3: host chunks (1 MiB) 2-3 and 6-7.
-    e.pause_pick(&Pick::chunks(p, &[1, 3])).unwrap();
-    e.resume_pick(&Pick::chunks(p, &[1, 3])).unwrap();
-    assert_eq!(pinned(&e), 2 * G, "the saved half is page-locked");
-    let base = e
-        .cpu_backup_ptr(p + G, G)
-        .unwrap()
-        .expect("chunk 1 is saved") as usize;
-    let base = base - G as usize;
-    let registered = sim.host_registrations();
-    for c in [1, 3] {
-        let at = base + c * G as usize;
+        let m = msg(e.alloc(&chunked(3 * g, 4096, "kv", None)));
+        assert!(m.contains("granularity") && m.contains("4096"), "{m}");
+        let e1 = e.alloc(&chunked(4 * g, g, "kv", None)).unwrap();
+        let m = e
+            .pause_pick(&Pick::chunks(e1, &[1, 4]))
+            .unwrap_err()
+            .to_string();
         assert!(
-            registered
+            m.contains("chunk 4") && m.contains("it has 4 chunks"),
+            "{m}"
+        );
+        let m = e
+            .pause_pick(&Pick::chunks(e1, &[2, 1]))
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("sorted"), "{m}");
+        let plain = e.alloc(&chunked(g, 0, "w", None)).unwrap();
+        let m = e
+            .pause_pick(&Pick::chunks(plain, &[0]))
+            .unwrap_err()
+            .to_string();
+        assert!(m.contains("is not chunked"), "{m}");
+        assert!(e
+            .chunk_info(plain)
+            .unwrap_err()
+            .to_string()
+            .contains("not chunked"));
+        let m = e.chunked("w").unwrap_err().to_string();
+        assert!(m.contains("no chunked allocation"), "{m}");
+        let e2 = e.alloc(&chunked(2 * g, g, "kv", None)).unwrap();
+        let m = e.chunked("kv").unwrap_err().to_string();
+        assert!(
+            m.contains("2 chunked allocations")
+                && m.contains(&format!("{e1:#x}"))
+                && m.contains(&format!("{e2:#x}")),
+            "{m}"
+        );
+        // Nothing was paused by any of it.
+        assert!(e.allocations().iter().all(|a| a.state == State::Active));
+    }
+}
+
+engine_test! {
+    fn ranges_round_inward_to_whole_chunks(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e.alloc(&chunked(8 * g, g, "kv", None)).unwrap();
+        let (start, idx) = e.chunks_in(p + 1, 3 * g).unwrap();
+        assert_eq!((start, idx), (p, vec![1, 2]));
+        assert_eq!(e.chunks_in(p + g, 2 * g).unwrap().1, vec![1, 2]);
+        assert_eq!(e.chunks_in(p + 1, g).unwrap().1, Vec::<usize>::new());
+        assert_eq!(e.chunks_in(p, 8 * g).unwrap().1, (0..8).collect::<Vec<_>>());
+        assert!(e.chunks_in(p, 8 * g + 1).is_err(), "beyond the allocation");
+    }
+}
+
+engine_test! {
+    /// Out of memory part-way through a resume of chunks: every one of them stays paused with its
+    /// backup, the error says which, and a retry once memory is free restores them all.
+    sim_only fn a_failed_resume_of_chunks_names_them_and_a_retry_restores(h)
+        [chunks(8 * (2 << 20))]
+    {
+        let (sim, e, g) = (h.simulated(), &h.e, h.g());
+        let p = e
+            .alloc(&chunked(6 * g, g, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let data = pattern((6 * g) as usize, 3);
+        h.write(p, &data);
+        e.pause_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
+        assert_eq!(states(e, p), [true, false, false, false, true, false]);
+        let hog = e.alloc(&chunked(4 * g, 0, "hog", None)).unwrap();
+        let err = e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap_err();
+        let m = err.to_string();
+        assert!(err.is_oom(), "{m}");
+        assert!(
+            m.contains(&format!("chunks 1-3,5 of allocation {p:#x}")),
+            "{m}"
+        );
+        assert_eq!(states(e, p), [true, false, false, false, true, false]);
+        assert_eq!(
+            sim.live_bytes(0),
+            6 * g,
+            "nothing of the failed resume stays mapped"
+        );
+        e.free(hog).unwrap();
+        e.resume_pick(&Pick::chunks(p, &[1, 2, 3, 5])).unwrap();
+        assert!(h.read(p, (6 * g) as usize) == data);
+    }
+}
+
+engine_test! {
+    fn statistics_count_partial_allocations_by_their_chunks(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e.alloc(&chunked(4 * g, g, "kv", None)).unwrap();
+        e.alloc(&chunked(g, 0, "kv", None)).unwrap();
+        e.pause_pick(&Pick::chunks(p, &[0, 3])).unwrap();
+        let t = &e.stats().tags[0];
+        assert_eq!(
+            (
+                t.allocations,
+                t.active_allocations,
+                t.partial_allocations,
+                t.paused_allocations
+            ),
+            (2, 1, 1, 0)
+        );
+        assert_eq!((t.bytes_active, t.bytes_paused), (3 * g, 2 * g));
+        h.assert_live_bytes(0, 3 * g, "three chunks mapped");
+        let info = e.allocations().into_iter().find(|a| a.addr == p).unwrap();
+        assert_eq!(
+            (info.state, info.active_bytes, info.handles),
+            (State::Partial, 2 * g, 2)
+        );
+        // A whole-tag pause takes the rest; chunk calls on paused chunks are skipped.
+        let r = e.pause(Some("kv")).unwrap();
+        assert_eq!((r.allocations, r.bytes), (2, 3 * g));
+        let r = e.pause_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+        assert_eq!(r.allocations, 0);
+        h.assert_live_bytes(0, 0, "all paused");
+        // Freeing a partial allocation releases its mapped chunks and its range.
+        e.resume_pick(&Pick::chunks(p, &[2])).unwrap();
+        assert!(e.free(p).unwrap());
+        h.assert_live_bytes(0, 0, "freed");
+        if let Some(sim) = h.sim() {
+            assert_eq!((sim.live_bytes(0), sim.live_handles()), (0, 0));
+        }
+    }
+}
+
+engine_test! {
+    /// Save and restore chunk state: the chunks active at the pause come back, the others stay
+    /// paused (and a plain resume afterwards brings back the rest).
+    fn resume_restores_the_saved_chunk_state(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Disk)))
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 4);
+        h.write(p, &data);
+        e.pause_pick(&Pick::chunks(p, &[1])).unwrap();
+        let save = Pick {
+            chunk_state: true,
+            ..Pick::tag(Some("kv"))
+        };
+        e.pause_pick(&save).unwrap();
+        assert_eq!(states(e, p), [false; 4]);
+        e.resume_pick(&save).unwrap();
+        assert_eq!(states(e, p), [true, false, true, true]);
+        for c in [0u64, 2, 3] {
+            let r = (c * g) as usize..((c + 1) * g) as usize;
+            assert!(
+                h.read(p + c * g, g as usize) == data[r],
+                "chunk {c}"
+            );
+        }
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, (4 * g) as usize) == data);
+    }
+}
+
+engine_test! {
+    /// A pause that saves chunk states records them for every chunked allocation of the tag, those
+    /// whose chunks are all paused already too: the next restoring resume brings back none of
+    /// theirs, neither all of them (no record) nor what an older pause recorded.
+    fn saving_chunk_states_records_allocations_with_nothing_left_to_pause(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let backup = Some(BackupKind::Pinned);
+        let a = e.alloc(&chunked(4 * g, g, "kv", backup)).unwrap();
+        let b = e.alloc(&chunked(4 * g, g, "kv", backup)).unwrap();
+        let data = pattern((4 * g) as usize, 9);
+        h.write(b, &data);
+        let save = Pick {
+            chunk_state: true,
+            ..Pick::tag(Some("kv"))
+        };
+        // An older record of a: chunk 1 paused, the others active.
+        e.pause_pick(&Pick::chunks(a, &[1])).unwrap();
+        e.pause_pick(&save).unwrap();
+        e.resume_pick(&Pick::chunks(a, &[0])).unwrap();
+        e.pause_pick(&Pick::chunks(a, &[0])).unwrap();
+        assert_eq!(states(e, a), [false; 4]);
+        e.resume(Some("kv")).unwrap();
+        e.pause_pick(&Pick::chunks(a, &[0, 1, 2, 3])).unwrap();
+        e.pause_pick(&Pick::chunks(b, &[2])).unwrap();
+        // a has nothing left to pause; b has three chunks active.
+        e.pause_pick(&save).unwrap();
+        assert_eq!(states(e, a), [false; 4]);
+        assert_eq!(states(e, b), [false; 4]);
+        e.resume_pick(&save).unwrap();
+        assert_eq!(
+            states(e, a),
+            [false; 4],
+            "a's chunks were all paused at the save"
+        );
+        assert_eq!(states(e, b), [true, true, false, true]);
+        for c in [0u64, 1, 3] {
+            let r = (c * g) as usize..((c + 1) * g) as usize;
+            assert!(
+                h.read(b + c * g, g as usize) == data[r],
+                "chunk {c} of b"
+            );
+        }
+        // The record was used: a restoring resume without a newer save resumes everything.
+        e.resume_pick(&save).unwrap();
+        assert_eq!(states(e, a), [true; 4]);
+        assert_eq!(states(e, b), [true; 4]);
+    }
+}
+
+engine_test! {
+    /// The saved state covers allocations that are not chunked too: one paused before the saving
+    /// pause stays paused through the restoring resume, one active then comes back with its
+    /// contents. (A job-wide pause undoes itself this way, leaving what was paused before alone.)
+    fn saved_state_covers_whole_allocations(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let whole = |size| chunked(size, 0, "w", Some(BackupKind::Pinned));
+        let before = e.alloc(&whole(g)).unwrap();
+        let active = e.alloc(&whole(2 * g)).unwrap();
+        let data = pattern((2 * g) as usize, 5);
+        h.write(active, &data);
+        e.pause_pick(&Pick {
+            alloc: Some(before),
+            ..Pick::tag(Some("w"))
+        })
+        .unwrap();
+        let save = Pick {
+            chunk_state: true,
+            ..Pick::tag(Some("w"))
+        };
+        let r = e.pause_pick(&save).unwrap();
+        assert_eq!((r.allocations, r.bytes), (1, 2 * g));
+        let r = e.resume_pick(&save).unwrap();
+        assert_eq!(
+            (r.allocations, r.bytes),
+            (1, 2 * g),
+            "only what was active at the save"
+        );
+        h.assert_live_bytes(0, 2 * g, "the active one");
+        assert!(h.read(active, (2 * g) as usize) == data);
+        // The record was used: a plain resume brings back the other one.
+        let r = e.resume(Some("w")).unwrap();
+        assert_eq!((r.allocations, r.bytes), (1, g));
+    }
+}
+
+engine_test! {
+    /// Page-locking in the background touches every page of a buffer: a chunked allocation's backup
+    /// is page-locked only where it holds saved chunks (whole host chunks of them), never for
+    /// chunks that were not saved; and chunks resumed without retention are unregistered before
+    /// their pages are given back.
+    fn background_page_locking_covers_only_saved_chunks(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        e.set_retain_cpu_backup(true);
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 5);
+        h.write(p, &data);
+        let pinned = |e: &Engine| {
+            assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(20)));
+            e.allocations()[0].host_pinned_bytes
+        };
+        // Chunks 1 and 3: host chunks (1 MiB) 2-3 and 6-7.
+        e.pause_pick(&Pick::chunks(p, &[1, 3])).unwrap();
+        e.resume_pick(&Pick::chunks(p, &[1, 3])).unwrap();
+        assert_eq!(pinned(e), 2 * g, "the saved half is page-locked");
+        let base = e
+            .cpu_backup_ptr(p + g, g)
+            .unwrap()
+            .expect("chunk 1 is saved") as usize;
+        let base = base - g as usize;
+        if let Some(sim) = h.sim() {
+            // The sim can tell which host ranges are page-locked.
+            let registered = sim.host_registrations();
+            for c in [1, 3] {
+                let at = base + c * g as usize;
+                assert!(
+                    registered
+                        .iter()
+                        .any(|&(s, l)| s <= at && at < s + l as usize),
+                    "chunk {c} registered"
+                );
+            }
+            for c in [0, 2] {
+                let (lo, hi) = (base + c * g as usize, base + (c + 1) * g as usize);
+                assert!(
+                    !registered
+                        .iter()
+                        .any(|&(s, l)| s < hi && lo < s + l as usize),
+                    "chunk {c} was never saved, so it is not registered"
+                );
+            }
+        }
+        e.pause(Some("kv")).unwrap();
+        assert_eq!(pinned(e), 4 * g, "a whole backup is page-locked whole");
+        // Without retention, resumed chunks are unregistered and given back; the others stay.
+        e.set_retain_cpu_backup(false);
+        e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+        assert_eq!(e.allocations()[0].host_pinned_bytes, 2 * g);
+        assert_eq!(
+            resident(base as *const u8, (2 * g) as usize),
+            0,
+            "chunks 0-1 given back"
+        );
+        if let Some(sim) = h.sim() {
+            assert!(sim
+                .host_registrations()
                 .iter()
-                .any(|&(s, l)| s <= at && at < s + l as usize),
-            "chunk {c} registered"
-        );
+                .all(|&(s, _)| s >= base + 2 * g as usize));
+        }
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, (4 * g) as usize) == data);
+        if let Some(sim) = h.sim() {
+            assert!(
+                sim.host_registrations().is_empty(),
+                "all unregistered with the buffer"
+            );
+        }
     }
-    for c in [0, 2] {
-        let (lo, hi) = (base + c * G as usize, base + (c + 1) * G as usize);
-        assert!(
-            !registered
-                .iter()
-                .any(|&(s, l)| s < hi && lo < s + l as usize),
-            "chunk {c} was never saved, so it is not registered"
-        );
-    }
-    e.pause(Some("kv")).unwrap();
-    assert_eq!(pinned(&e), 4 * G, "a whole backup is page-locked whole");
-    // Without retention, resumed chunks are unregistered and given back; the others stay.
-    e.set_retain_cpu_backup(false);
-    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
-    assert_eq!(e.allocations()[0].host_pinned_bytes, 2 * G);
-    assert_eq!(
-        resident(base as *const u8, (2 * G) as usize),
-        0,
-        "chunks 0-1 given back"
-    );
-    assert!(sim
-        .host_registrations()
-        .iter()
-        .all(|&(s, _)| s >= base + 2 * G as usize));
-    e.resume(Some("kv")).unwrap();
-    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
-    assert!(
-        sim.host_registrations().is_empty(),
-        "all unregistered with the buffer"
-    );
 }
 
 /// Pages of `[p, p+len)` resident in host memory.
@@ -405,67 +406,71 @@ fn resident(p: *const u8, len: usize) -> usize {
     v.iter().filter(|b| **b & 1 == 1).count()
 }
 
-/// Chunks resumed without retention give their part of the backup's host memory back, although
-/// the buffer stays for the chunks still paused.
-#[test]
-fn resumed_chunks_give_their_host_memory_back() {
-    let (sim, e) = setup(64 << 20);
-    let p = e
-        .alloc(&chunked(4 * G, G, "kv", Some(BackupKind::Mmap)))
-        .unwrap();
-    let data = pattern((4 * G) as usize, 6);
-    write_raw(&sim, p, &data);
-    e.pause(Some("kv")).unwrap();
-    let base = e.cpu_backup_ptr(p, 4 * G).unwrap().expect("a snapshot");
-    assert_eq!(resident(base, (4 * G) as usize), (4 * G / 4096) as usize);
-    e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
-    assert_eq!(resident(base, (2 * G) as usize), 0, "chunks 0-1 given back");
-    assert_eq!(
-        resident(base.wrapping_add((2 * G) as usize), (2 * G) as usize),
-        (2 * G / 4096) as usize,
-        "chunks 2-3 kept"
-    );
-    assert_eq!(e.allocations()[0].host_bytes, 2 * G);
-    assert_eq!(
-        e.cpu_backup_ptr(p, G).unwrap(),
-        None,
-        "no snapshot of chunk 0 any more"
-    );
-    e.resume(Some("kv")).unwrap();
-    assert!(read_raw(&sim, p, (4 * G) as usize) == data);
+engine_test! {
+    /// Chunks resumed without retention give their part of the backup's host memory back, although
+    /// the buffer stays for the chunks still paused.
+    fn resumed_chunks_give_their_host_memory_back(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 6);
+        h.write(p, &data);
+        e.pause(Some("kv")).unwrap();
+        let base = e.cpu_backup_ptr(p, 4 * g).unwrap().expect("a snapshot");
+        assert_eq!(resident(base, (4 * g) as usize), (4 * g / 4096) as usize);
+        e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+        assert_eq!(resident(base, (2 * g) as usize), 0, "chunks 0-1 given back");
+        assert_eq!(
+            resident(base.wrapping_add((2 * g) as usize), (2 * g) as usize),
+            (2 * g / 4096) as usize,
+            "chunks 2-3 kept"
+        );
+        assert_eq!(e.allocations()[0].host_bytes, 2 * g);
+        assert_eq!(
+            e.cpu_backup_ptr(p, g).unwrap(),
+            None,
+            "no snapshot of chunk 0 any more"
+        );
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, (4 * g) as usize) == data);
+    }
 }
 
-/// A page-locking queued for later is dropped when the chunk's pages are given back meanwhile
-/// (it would bring them back as zeroes and pin them); one still wanted goes ahead.
-#[test]
-fn given_back_chunks_are_not_page_locked_later() {
-    use tms::backup::{HostBuffer, HostLayout};
-    let (sim, _e) = setup(64 << 20);
-    let layout = HostLayout {
-        chunk: 1 << 20,
-        hugepages: false,
-    };
-    let h = HostBuffer::new(sim.clone(), 0, BackupKind::Pinned, 4 << 20, layout).unwrap();
-    assert_eq!(h.chunks_within(&[(1 << 20, 2 << 20)]), vec![1, 2]);
-    assert_eq!(
-        h.chunks_within(&[(1 << 19, 2 << 20)]),
-        vec![1],
-        "whole chunks only"
-    );
-    h.want(&[0, 1, 2]);
-    h.drop_pages(0, 2 << 20);
-    for i in 0..4 {
-        h.pin_wanted(i).unwrap();
+engine_test! {
+    /// A page-locking queued for later is dropped when the chunk's pages are given back meanwhile
+    /// (it would bring them back as zeroes and pin them); one still wanted goes ahead.
+    fn given_back_chunks_are_not_page_locked_later(h) [chunks(64 << 20)] {
+        use tms::backup::{HostBuffer, HostLayout};
+        let layout = HostLayout {
+            chunk: 1 << 20,
+            hugepages: false,
+        };
+        let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 4 << 20, layout)
+            .unwrap();
+        assert_eq!(b.chunks_within(&[(1 << 20, 2 << 20)]), vec![1, 2]);
+        assert_eq!(
+            b.chunks_within(&[(1 << 19, 2 << 20)]),
+            vec![1],
+            "whole chunks only"
+        );
+        b.want(&[0, 1, 2]);
+        b.drop_pages(0, 2 << 20);
+        for i in 0..4 {
+            b.pin_wanted(i).unwrap();
+        }
+        assert!(
+            !b.is_pinned(0) && !b.is_pinned(1),
+            "given back: no longer wanted"
+        );
+        assert!(b.is_pinned(2), "still wanted");
+        assert!(!b.is_pinned(3), "never wanted");
+        assert_eq!(b.pinned_bytes(), 1 << 20);
+        // A page-locked chunk the range only touches is unregistered too; its other pages stay.
+        b.drop_pages(5 << 19, 1 << 19);
+        assert!(!b.is_pinned(2), "touched: unregistered");
+        if let Some(sim) = h.sim() {
+            assert_eq!(sim.host_registrations(), vec![]);
+        }
     }
-    assert!(
-        !h.is_pinned(0) && !h.is_pinned(1),
-        "given back: no longer wanted"
-    );
-    assert!(h.is_pinned(2), "still wanted");
-    assert!(!h.is_pinned(3), "never wanted");
-    assert_eq!(h.pinned_bytes(), 1 << 20);
-    // A page-locked chunk the range only touches is unregistered too; its other pages stay.
-    h.drop_pages(5 << 19, 1 << 19);
-    assert!(!h.is_pinned(2), "touched: unregistered");
-    assert_eq!(sim.host_registrations(), vec![]);
 }

@@ -11,24 +11,27 @@
 //! workers make in the middle of an iteration (gate released, allocations live), so a known
 //! number of cross-thread pause/resume rounds over non-empty tags is guaranteed.
 //!
-//! A watchdog aborts the process if the whole test takes more than 60 s (a deadlock).
+//! A watchdog aborts the process if the whole test takes more than 60 s (10 minutes on a GPU:
+//! a deadlock). Runs on the simulated device or a GPU (`common::harness`).
+
+mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
 use std::time::Duration;
 
+use common::{engine_test, Harness, Setup};
 use parking_lot::RwLock;
 use tms::backup::BackupKind;
-use tms::driver::sim::{SimConfig, SimDriver};
-use tms::engine::{AllocRequest, Engine, State};
+use tms::engine::{AllocRequest, State};
 use tms::Backup;
 
+/// The sim's granularity (a GPU has its own).
 const G: u64 = 64 << 10;
 const WORKERS: usize = 8;
 const ITERS: usize = 24;
-/// Seconds after which the watchdog declares a deadlock and aborts.
-const HANG_CHECK: u64 = 60;
+/// Seconds after which the watchdog declares a deadlock and aborts (on the sim, on a GPU).
+const HANG_CHECK: (u64, u64) = (60, 600);
 /// Every REQUEST_EVERY-th iteration a worker asks the pauser for a round on its tag.
 const REQUEST_EVERY: usize = 3;
 
@@ -56,27 +59,23 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
     v
 }
 
-fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
-    assert!(sim.is_accessible(addr) && sim.is_accessible(addr + data.len() as u64 - 1));
-    // SAFETY: the sim says the whole range is mapped read/write, and the gate keeps it so.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
-}
-
-fn assert_contents(sim: &SimDriver, addr: u64, want: &[u8], what: &str) {
-    assert!(
-        sim.is_accessible(addr) && sim.is_accessible(addr + want.len() as u64 - 1),
-        "{what}: {addr:#x} not accessible"
+/// The gate of the allocation keeps it active while the harness writes or reads it.
+fn assert_contents(h: &Harness, addr: u64, want: &[u8], what: &str) {
+    h.assert_accessible(
+        addr,
+        want.len() as u64,
+        true,
+        &format!("{what}: {addr:#x} not accessible"),
     );
-    // SAFETY: as in write_raw.
-    let got = unsafe { std::slice::from_raw_parts(addr as *const u8, want.len()) };
+    let got = h.read(addr, want.len());
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         panic!("{what}: {addr:#x} differs from byte {i} on");
     }
 }
 
 struct Shared {
-    sim: Arc<SimDriver>,
-    e: Engine,
+    h: Harness,
+    g: u64,
     gates: Vec<RwLock<()>>,
     workers_done: AtomicUsize,
     /// Pauser rounds that paused at least one allocation.
@@ -93,7 +92,8 @@ struct Mine {
 
 impl Shared {
     fn tag_allocs(&self, tag: &str) -> Vec<(u64, u64, State, bool)> {
-        self.e
+        self.h
+            .e
             .allocations()
             .into_iter()
             .filter(|i| i.tag == tag)
@@ -109,18 +109,18 @@ impl Shared {
             before.iter().all(|a| a.2 == State::Active),
             "{tag}: a worker leaves its tag active when it releases its gate"
         );
-        let r = self.e.pause(Some(&tag)).unwrap();
+        let r = self.h.e.pause(Some(&tag)).unwrap();
         assert_eq!(r.allocations, before.len(), "{tag}: pause report");
         for (addr, mapped, state, host_valid) in self.tag_allocs(&tag) {
             assert_eq!(state, State::Paused, "{tag}: {addr:#x}");
             assert!(host_valid, "{tag}: {addr:#x} paused with its backup");
-            assert!(!self.sim.is_accessible(addr) && !self.sim.is_accessible(addr + mapped - 1));
+            self.h.assert_accessible(addr, mapped, false, &tag);
         }
-        let r2 = self.e.resume(Some(&tag)).unwrap();
+        let r2 = self.h.e.resume(Some(&tag)).unwrap();
         assert_eq!(r2.allocations, before.len(), "{tag}: resume report");
         for (addr, mapped, state, _) in self.tag_allocs(&tag) {
             assert_eq!(state, State::Active, "{tag}: {addr:#x}");
-            assert!(self.sim.is_accessible(addr) && self.sim.is_accessible(addr + mapped - 1));
+            self.h.assert_accessible(addr, mapped, true, &tag);
         }
         if r.allocations > 0 {
             self.rounds_nonempty.fetch_add(1, Ordering::Relaxed);
@@ -130,7 +130,7 @@ impl Shared {
 
     fn verify(&self, mine: &[Mine], what: &str) {
         for m in mine {
-            assert_contents(&self.sim, m.addr, &m.data, &format!("{what} ({})", m.tag));
+            assert_contents(&self.h, m.addr, &m.data, &format!("{what} ({})", m.tag));
         }
     }
 
@@ -150,19 +150,20 @@ impl Shared {
                 } else {
                     (&w, Some(BackupKind::Mmap))
                 };
-                let size = 1 + rng.below(3 * G);
+                let size = 1 + rng.below(3 * self.g);
                 let addr = self
+                    .h
                     .e
                     .alloc(&AllocRequest {
                         size,
-                        device: rng.below(2) as i32,
+                        device: self.h.device(rng.below(2) as i32),
                         tag: tag.to_string(),
                         backup,
                         chunk: 0,
                     })
                     .unwrap();
                 let data = pattern(size as usize, rng.next());
-                write_raw(&self.sim, addr, &data);
+                self.h.write(addr, &data);
                 mine.push(Mine {
                     addr,
                     tag: tag.to_string(),
@@ -185,26 +186,27 @@ impl Shared {
 
             if it % 2 == 1 {
                 // Pause and resume our own tags.
-                let r = self.e.pause(Some(&w)).unwrap();
+                let r = self.h.e.pause(Some(&w)).unwrap();
                 assert_eq!(r.allocations, k, "{w}: own pause");
-                self.e.pause(Some(&n)).unwrap();
+                self.h.e.pause(Some(&n)).unwrap();
                 for m in &mine {
-                    assert!(!self.sim.is_accessible(m.addr), "{}: paused", m.tag);
+                    self.h
+                        .assert_accessible(m.addr, 1, false, &format!("{}: paused", m.tag));
                 }
-                self.e.resume(Some(&n)).unwrap();
-                let r = self.e.resume(Some(&w)).unwrap();
+                self.h.e.resume(Some(&n)).unwrap();
+                let r = self.h.e.resume(Some(&w)).unwrap();
                 assert_eq!(r.allocations, k, "{w}: own resume");
                 for m in mine.iter_mut().filter(|m| !m.backed) {
                     // No backup: contents are undefined now; write them again.
                     m.data = pattern(m.data.len(), rng.next());
-                    write_raw(&self.sim, m.addr, &m.data);
+                    self.h.write(m.addr, &m.data);
                 }
                 self.verify(&mine, "after own pause/resume");
             }
 
             for m in &mine {
                 // (Not `!owns(addr)` afterwards: another worker may get the address at once.)
-                assert!(self.e.free(m.addr).unwrap(), "{}: free", m.tag);
+                assert!(self.h.e.free(m.addr).unwrap(), "{}: free", m.tag);
             }
             drop(gate);
         }
@@ -240,82 +242,67 @@ impl Shared {
     }
 }
 
-#[test]
-fn workers_and_a_pauser_keep_contents_and_accounting() {
-    let (done_tx, done_rx) = mpsc::channel::<()>();
-    let watchdog = std::thread::spawn(move || {
-        // Disconnected: the test failed (panicked) on its own; only a timeout is a hang.
-        if let Err(mpsc::RecvTimeoutError::Timeout) =
-            done_rx.recv_timeout(Duration::from_secs(HANG_CHECK))
-        {
-            eprintln!("concurrency test: not done after 60 s (deadlock?), aborting");
-            std::process::abort();
-        }
-    });
-
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 2,
-            capacity: 1 << 30,
-            granularity: G,
-        })
-        .unwrap(),
-    );
-    let shared = Shared {
-        e: Engine::new(sim.clone()),
-        sim: sim.clone(),
-        gates: (0..WORKERS).map(|_| RwLock::new(())).collect(),
-        workers_done: AtomicUsize::new(0),
-        rounds_nonempty: AtomicUsize::new(0),
-        requests_served: AtomicUsize::new(0),
-    };
-    let (req_tx, req_rx) = mpsc::channel();
-    std::thread::scope(|s| {
-        let sh = &shared;
-        let pauser = s.spawn(move || sh.pauser(req_rx));
-        let workers: Vec<_> = (0..WORKERS)
-            .map(|i| {
-                let tx = req_tx.clone();
-                s.spawn(move || sh.worker(i, tx))
-            })
-            .collect();
-        drop(req_tx);
-        for w in workers {
-            if let Err(p) = w.join() {
-                // A worker failed: let the pauser finish, then report the worker's panic.
-                sh.workers_done.store(WORKERS, Ordering::Release);
-                let _ = pauser.join();
-                std::panic::resume_unwind(p);
+engine_test! {
+    fn workers_and_a_pauser_keep_contents_and_accounting(h)
+        [Setup::default().devices(2).capacity(1 << 30).granularity(G)]
+    {
+        let hang_check = h.pick(HANG_CHECK.0, HANG_CHECK.1);
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        let watchdog = std::thread::spawn(move || {
+            // Disconnected: the test failed (panicked) on its own; only a timeout is a hang.
+            if let Err(mpsc::RecvTimeoutError::Timeout) =
+                done_rx.recv_timeout(Duration::from_secs(hang_check))
+            {
+                eprintln!("concurrency test: not done after {hang_check} s (deadlock?), aborting");
+                std::process::abort();
             }
-        }
-        pauser.join().expect("pauser thread");
-    });
+        });
 
-    let requested = WORKERS * ITERS.div_ceil(REQUEST_EVERY);
-    assert_eq!(
-        shared.requests_served.load(Ordering::Relaxed),
-        requested,
-        "every requested cross-thread round was served"
-    );
-    assert!(shared.rounds_nonempty.load(Ordering::Relaxed) >= requested);
-    assert!(shared.e.allocations().is_empty(), "everything freed");
-    assert_eq!(
-        (
-            sim.live_bytes(0),
-            sim.live_bytes(1),
-            sim.live_handles(),
-            sim.live_mappings(),
-            sim.live_reservations(),
-            sim.pinned_bytes()
-        ),
-        (0, 0, 0, 0, 0, 0),
-        "final accounting"
-    );
-    let stats = shared.e.stats();
-    assert!(stats
-        .tags
-        .iter()
-        .all(|t| t.bytes_active == 0 && t.bytes_paused == 0));
-    done_tx.send(()).unwrap();
-    watchdog.join().unwrap();
+        let shared = Shared {
+            g: h.g(),
+            h,
+            gates: (0..WORKERS).map(|_| RwLock::new(())).collect(),
+            workers_done: AtomicUsize::new(0),
+            rounds_nonempty: AtomicUsize::new(0),
+            requests_served: AtomicUsize::new(0),
+        };
+        let (req_tx, req_rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let sh = &shared;
+            let pauser = s.spawn(move || sh.pauser(req_rx));
+            let workers: Vec<_> = (0..WORKERS)
+                .map(|i| {
+                    let tx = req_tx.clone();
+                    s.spawn(move || sh.worker(i, tx))
+                })
+                .collect();
+            drop(req_tx);
+            for w in workers {
+                if let Err(p) = w.join() {
+                    // A worker failed: let the pauser finish, then report the worker's panic.
+                    sh.workers_done.store(WORKERS, Ordering::Release);
+                    let _ = pauser.join();
+                    std::panic::resume_unwind(p);
+                }
+            }
+            pauser.join().expect("pauser thread");
+        });
+
+        let requested = WORKERS * ITERS.div_ceil(REQUEST_EVERY);
+        assert_eq!(
+            shared.requests_served.load(Ordering::Relaxed),
+            requested,
+            "every requested cross-thread round was served"
+        );
+        assert!(shared.rounds_nonempty.load(Ordering::Relaxed) >= requested);
+        assert!(shared.h.e.allocations().is_empty(), "everything freed");
+        shared.h.assert_nothing_held("final accounting");
+        let stats = shared.h.e.stats();
+        assert!(stats
+            .tags
+            .iter()
+            .all(|t| t.bytes_active == 0 && t.bytes_paused == 0));
+        done_tx.send(()).unwrap();
+        watchdog.join().unwrap();
+    }
 }

@@ -1,50 +1,45 @@
-//! Disk backups on the simulated device: contents round-trip bit-identical through files that
-//! are reused across cycles and removed on free; files of dead processes are swept, live ones
-//! never; a file changed on disk while paused is refused; nothing is lost when the disk fails.
+//! Disk backups, on the simulated device or a GPU (`common::harness`): contents round-trip
+//! bit-identical through files that are reused across cycles and removed on free; files of dead
+//! processes are swept, live ones never; a file changed on disk while paused is refused; nothing
+//! is lost when the disk fails.
 
 mod common;
 
 use std::os::unix::fs::FileExt;
-use std::sync::Arc;
 
-use common::{pattern, read_raw, write_raw};
+use common::{engine_test, pattern, Harness, Setup};
 use tms::backup::disk::{self, DiskOp};
 use tms::backup::BackupKind;
-use tms::driver::sim::SimDriver;
-use tms::engine::{AllocRequest, Engine, State};
+use tms::engine::{AllocRequest, State};
 
 const MIB: u64 = 1 << 20;
 
+/// The harness of [`Setup::disk_engine`]: two devices (as many as a GPU machine has), three
+/// copy workers, small pieces, and a backup folder of the test's own.
 struct Fx {
-    sim: Arc<SimDriver>,
-    e: Engine,
-    dir: tempfile::TempDir,
-}
-
-fn fx() -> Fx {
-    let (sim, e, dir) = common::disk_engine(2, 3);
-    Fx { sim, e, dir }
+    h: Harness,
 }
 
 impl Fx {
     fn alloc(&self, size: u64, device: i32, seed: u64) -> (u64, Vec<u8>) {
         let p = self
+            .h
             .e
             .alloc(&AllocRequest {
                 size,
-                device,
+                device: self.h.device(device),
                 tag: "opt".into(),
                 backup: Some(BackupKind::Disk),
                 chunk: 0,
             })
             .unwrap();
         let data = pattern(size as usize, seed);
-        write_raw(&self.sim, p, &data);
+        self.h.write(p, &data);
         (p, data)
     }
 
     fn files(&self) -> Vec<std::path::PathBuf> {
-        let mut v: Vec<_> = std::fs::read_dir(self.dir.path())
+        let mut v: Vec<_> = std::fs::read_dir(self.h.dir())
             .unwrap()
             .map(|e| e.unwrap().path())
             .collect();
@@ -53,172 +48,178 @@ impl Fx {
     }
 }
 
-#[test]
-fn contents_round_trip_through_files_reused_across_cycles() {
-    let f = fx();
-    let a = f.alloc(5 * MIB + 123, 0, 1);
-    let b = f.alloc(3 * MIB, 1, 2);
-    let r = f.e.pause(None).unwrap();
-    assert_eq!((r.allocations, r.copied), (2, 8 * MIB + 123));
-    assert_eq!(f.sim.live_bytes(0) + f.sim.live_bytes(1), 0);
-    let files = f.files();
-    assert_eq!(files.len(), 2);
-    let stats = f.e.stats();
-    assert_eq!(stats.tags[0].disk_backup_bytes, 6 * MIB + 4 * MIB);
-    assert_eq!(stats.tags[0].host_backup_bytes, 0);
-    for cycle in 0..3u64 {
-        f.e.resume(None).unwrap();
-        for (p, d) in [&a, &b] {
-            assert!(read_raw(&f.sim, *p, d.len()) == *d, "cycle {cycle}: {p:#x}");
+engine_test! {
+    fn contents_round_trip_through_files_reused_across_cycles(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let a = f.alloc(5 * MIB + 123, 0, 1);
+        let b = f.alloc(3 * MIB, 1, 2);
+        let r = f.h.e.pause(None).unwrap();
+        assert_eq!((r.allocations, r.copied), (2, 8 * MIB + 123));
+        for d in 0..f.h.devices() {
+            f.h.assert_live_bytes(d, 0, "paused");
         }
-        assert_eq!(f.files(), files, "the same files, reused");
-        f.e.pause(None).unwrap();
+        let files = f.files();
+        assert_eq!(files.len(), 2);
+        let stats = f.h.e.stats();
+        assert_eq!(stats.tags[0].disk_backup_bytes, 6 * MIB + 4 * MIB);
+        assert_eq!(stats.tags[0].host_backup_bytes, 0);
+        for cycle in 0..3u64 {
+            f.h.e.resume(None).unwrap();
+            for (p, d) in [&a, &b] {
+                assert!(f.h.read(*p, d.len()) == *d, "cycle {cycle}: {p:#x}");
+            }
+            assert_eq!(f.files(), files, "the same files, reused");
+            f.h.e.pause(None).unwrap();
+        }
+        f.h.e.resume(None).unwrap();
+        // Not CPU backups: none is offered as one.
+        let mut buf = vec![0u8; 16];
+        assert!(!f.h.e.copy_cpu_backup(a.0, &mut buf).unwrap());
+        assert!(f.h.e.free(a.0).unwrap());
+        assert_eq!(f.files().len(), 1, "a freed allocation's file goes");
+        let ended = f.h.end();
+        assert_eq!(ended.files(), 0, "and every file with the engine");
     }
-    f.e.resume(None).unwrap();
-    // Not CPU backups: none is offered as one.
-    let mut buf = vec![0u8; 16];
-    assert!(!f.e.copy_cpu_backup(a.0, &mut buf).unwrap());
-    assert!(f.e.free(a.0).unwrap());
-    assert_eq!(f.files().len(), 1, "a freed allocation's file goes");
-    let Fx { e, dir, .. } = f;
-    drop(e);
-    assert_eq!(
-        std::fs::read_dir(dir.path()).unwrap().count(),
-        0,
-        "and every file with the engine"
-    );
 }
 
-#[test]
-fn a_file_changed_while_paused_is_refused_and_the_tag_stays_paused() {
-    let f = fx();
-    let (p, data) = f.alloc(4 * MIB, 0, 3);
-    f.e.pause(None).unwrap();
-    let path = f.files().remove(0);
-    // Overwrite one byte in the middle of the third chunk.
-    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-    let old = {
-        let mut b = [0u8; 1];
-        std::fs::File::open(&path)
-            .unwrap()
-            .read_exact_at(&mut b, 2 * MIB + 77)
+engine_test! {
+    fn a_file_changed_while_paused_is_refused_and_the_tag_stays_paused(h)
+        [Setup::disk_engine(2, 3)]
+    {
+        let f = Fx { h };
+        let (p, data) = f.alloc(4 * MIB, 0, 3);
+        f.h.e.pause(None).unwrap();
+        let path = f.files().remove(0);
+        // Overwrite one byte in the middle of the third chunk.
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        let old = {
+            let mut b = [0u8; 1];
+            std::fs::File::open(&path)
+                .unwrap()
+                .read_exact_at(&mut b, 2 * MIB + 77)
+                .unwrap();
+            b[0]
+        };
+        file.write_all_at(&[old ^ 0xff], 2 * MIB + 77).unwrap();
+        let err = f.h.e.resume(None).unwrap_err().to_string();
+        assert!(
+            err.contains("changed on disk") && err.contains(&*path.to_string_lossy()),
+            "{err}"
+        );
+        assert!(err.contains("stays paused"), "{err}");
+        assert_eq!(f.h.e.allocations()[0].state, State::Paused);
+        f.h.assert_live_bytes(0, 0, "the resume was undone");
+        // Put the byte back: the resume now restores every byte.
+        file.write_all_at(&[old], 2 * MIB + 77).unwrap();
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+
+        // Cut short: refused before anything is mapped.
+        f.h.e.pause(None).unwrap();
+        file.set_len(MIB).unwrap();
+        let err = f.h.e.resume(None).unwrap_err().to_string();
+        assert!(
+            err.contains("changed on disk") && err.contains("stays paused"),
+            "{err}"
+        );
+        assert_eq!(f.h.e.allocations()[0].state, State::Paused);
+    }
+}
+
+engine_test! {
+    fn disk_faults_lose_nothing_and_a_retry_works(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let (p, data) = f.alloc(6 * MIB, 0, 4);
+        let dir = f.h.dir();
+        // A full disk part-way through the writes: the pause fails naming the file, and the
+        // allocation is active with its contents.
+        disk::arm_fault(Some(dir), DiskOp::Write, 5, libc::ENOSPC);
+        let e = f.h.e.pause(None).unwrap_err();
+        assert!(e.is_oom(), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains("full") && msg.contains(&*dir.to_string_lossy()),
+            "{msg}"
+        );
+        assert_eq!(f.h.e.allocations()[0].state, State::Active);
+        assert!(f.h.read(p, data.len()) == data);
+        // A read error on resume: still paused with its file; the retry restores it.
+        f.h.e.pause(None).unwrap();
+        disk::arm_fault(Some(dir), DiskOp::Read, 3, libc::EIO);
+        let msg = f.h.e.resume(None).unwrap_err().to_string();
+        assert!(
+            msg.contains("stays paused") && msg.contains("reading"),
+            "{msg}"
+        );
+        assert_eq!(f.h.e.allocations()[0].state, State::Paused);
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        assert_eq!(disk::pending_faults(Some(dir)), 0);
+    }
+}
+
+engine_test! {
+    fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves(h)
+        [Setup::disk_engine(2, 3)]
+    {
+        let f = Fx { h };
+        let (p, data) = f.alloc(4 * MIB, 0, 5);
+        let gone = f.h.dir().join("vanished");
+        std::fs::create_dir(&gone).unwrap();
+        f.h.e.set_disk_backup_dir(Some(gone.clone())).unwrap();
+        std::fs::remove_dir(&gone).unwrap();
+        let msg = f.h.e.pause(None).unwrap_err().to_string();
+        assert!(msg.contains(&*gone.to_string_lossy()), "{msg}");
+        assert_eq!(f.h.e.allocations()[0].state, State::Active);
+        assert!(f.h.read(p, data.len()) == data);
+        let err =
+            f.h.e.set_disk_backup_dir(Some(gone.clone()))
+                .unwrap_err()
+                .to_string();
+        assert!(
+            err.contains("vanished"),
+            "a missing directory is refused: {err}"
+        );
+        let file = f.h.dir().join("plain");
+        std::fs::write(&file, b"x").unwrap();
+        let err = f.h.e.set_disk_backup_dir(Some(file)).unwrap_err().to_string();
+        assert!(err.contains("not a directory"), "{err}");
+    }
+}
+
+engine_test! {
+    fn files_of_dead_processes_are_swept_and_live_ones_kept(h) [Setup::disk_engine(2, 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        // A dead process's file: the library's name, nobody holding its lock.
+        let dead = dir.path().join("tms-backup-4242-0-0.bin");
+        std::fs::write(&dead, vec![0u8; 8192]).unwrap();
+        // A live process's file: made by a child that holds it until told to go.
+        let mut child = std::process::Command::new("flock")
+            .arg(dir.path().join("tms-backup-live-0-0.bin"))
+            .arg("-c")
+            .arg("read _")
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .expect("flock(1) runs");
+        let live = dir.path().join("tms-backup-live-0-0.bin");
+        let t0 = std::time::Instant::now();
+        while !live.exists() {
+            assert!(t0.elapsed().as_secs() < 10);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let f = Fx { h };
+        f.h.e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
             .unwrap();
-        b[0]
-    };
-    file.write_all_at(&[old ^ 0xff], 2 * MIB + 77).unwrap();
-    let err = f.e.resume(None).unwrap_err().to_string();
-    assert!(
-        err.contains("changed on disk") && err.contains(&*path.to_string_lossy()),
-        "{err}"
-    );
-    assert!(err.contains("stays paused"), "{err}");
-    assert_eq!(f.e.allocations()[0].state, State::Paused);
-    assert_eq!(f.sim.live_bytes(0), 0, "the resume was undone");
-    // Put the byte back: the resume now restores every byte.
-    file.write_all_at(&[old], 2 * MIB + 77).unwrap();
-    f.e.resume(None).unwrap();
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-
-    // Cut short: refused before anything is mapped.
-    f.e.pause(None).unwrap();
-    file.set_len(MIB).unwrap();
-    let err = f.e.resume(None).unwrap_err().to_string();
-    assert!(
-        err.contains("changed on disk") && err.contains("stays paused"),
-        "{err}"
-    );
-    assert_eq!(f.e.allocations()[0].state, State::Paused);
-}
-
-#[test]
-fn disk_faults_lose_nothing_and_a_retry_works() {
-    let f = fx();
-    let (p, data) = f.alloc(6 * MIB, 0, 4);
-    let dir = f.dir.path();
-    // A full disk part-way through the writes: the pause fails naming the file, and the
-    // allocation is active with its contents.
-    disk::arm_fault(Some(dir), DiskOp::Write, 5, libc::ENOSPC);
-    let e = f.e.pause(None).unwrap_err();
-    assert!(e.is_oom(), "{e}");
-    let msg = e.to_string();
-    assert!(
-        msg.contains("full") && msg.contains(&*dir.to_string_lossy()),
-        "{msg}"
-    );
-    assert_eq!(f.e.allocations()[0].state, State::Active);
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    // A read error on resume: still paused with its file; the retry restores it.
-    f.e.pause(None).unwrap();
-    disk::arm_fault(Some(dir), DiskOp::Read, 3, libc::EIO);
-    let msg = f.e.resume(None).unwrap_err().to_string();
-    assert!(
-        msg.contains("stays paused") && msg.contains("reading"),
-        "{msg}"
-    );
-    assert_eq!(f.e.allocations()[0].state, State::Paused);
-    f.e.resume(None).unwrap();
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    assert_eq!(disk::pending_faults(Some(dir)), 0);
-}
-
-#[test]
-fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves() {
-    let f = fx();
-    let (p, data) = f.alloc(4 * MIB, 0, 5);
-    let gone = f.dir.path().join("vanished");
-    std::fs::create_dir(&gone).unwrap();
-    f.e.set_disk_backup_dir(Some(gone.clone())).unwrap();
-    std::fs::remove_dir(&gone).unwrap();
-    let msg = f.e.pause(None).unwrap_err().to_string();
-    assert!(msg.contains(&*gone.to_string_lossy()), "{msg}");
-    assert_eq!(f.e.allocations()[0].state, State::Active);
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    let err =
-        f.e.set_disk_backup_dir(Some(gone.clone()))
-            .unwrap_err()
-            .to_string();
-    assert!(
-        err.contains("vanished"),
-        "a missing directory is refused: {err}"
-    );
-    let file = f.dir.path().join("plain");
-    std::fs::write(&file, b"x").unwrap();
-    let err = f.e.set_disk_backup_dir(Some(file)).unwrap_err().to_string();
-    assert!(err.contains("not a directory"), "{err}");
-}
-
-#[test]
-fn files_of_dead_processes_are_swept_and_live_ones_kept() {
-    let dir = tempfile::tempdir().unwrap();
-    // A dead process's file: the library's name, nobody holding its lock.
-    let dead = dir.path().join("tms-backup-4242-0-0.bin");
-    std::fs::write(&dead, vec![0u8; 8192]).unwrap();
-    // A live process's file: made by a child that holds it until told to go.
-    let mut child = std::process::Command::new("flock")
-        .arg(dir.path().join("tms-backup-live-0-0.bin"))
-        .arg("-c")
-        .arg("read _")
-        .stdin(std::process::Stdio::piped())
-        .spawn()
-        .expect("flock(1) runs");
-    let live = dir.path().join("tms-backup-live-0-0.bin");
-    let t0 = std::time::Instant::now();
-    while !live.exists() {
-        assert!(t0.elapsed().as_secs() < 10);
-        std::thread::sleep(std::time::Duration::from_millis(5));
+        let (p, data) = f.alloc(2 * MIB, 0, 6);
+        f.h.e.pause(None).unwrap();
+        assert!(!dead.exists(), "swept at first use");
+        assert!(live.exists(), "a live process's file is never touched");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        drop(child.stdin.take());
+        child.wait().unwrap();
     }
-    std::thread::sleep(std::time::Duration::from_millis(100));
-    let f = fx();
-    f.e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
-    let (p, data) = f.alloc(2 * MIB, 0, 6);
-    f.e.pause(None).unwrap();
-    assert!(!dead.exists(), "swept at first use");
-    assert!(live.exists(), "a live process's file is never touched");
-    f.e.resume(None).unwrap();
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    drop(child.stdin.take());
-    child.wait().unwrap();
 }
 
 /// Pause every tag of `f` on another thread; its result, or `None` if it has not returned
@@ -226,7 +227,7 @@ fn files_of_dead_processes_are_swept_and_live_ones_kept() {
 fn pause_within_20s(f: Fx) -> (Option<Result<(), String>>, Option<Fx>) {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let r = f.e.pause(None).map(|_| ()).map_err(|e| e.to_string());
+        let r = f.h.e.pause(None).map(|_| ()).map_err(|e| e.to_string());
         let _ = tx.send((r, f));
     });
     match rx.recv_timeout(std::time::Duration::from_secs(20)) {
@@ -244,125 +245,127 @@ fn names_in(dir: &std::path::Path) -> Vec<String> {
     v
 }
 
-/// Issue 23, item 1: a FIFO under a backup file's name (or under a temporary name older than a
-/// minute) used to block the sweep's `open` for ever, under the operation lock. Now the sweep
-/// opens only regular files of ours, without waiting, and leaves the rest alone.
-#[test]
-fn a_fifo_or_a_link_in_the_backup_folder_never_blocks_a_pause() {
-    let f = fx();
-    let d = f.dir.path().to_path_buf();
-    let fifo = d.join("tms-backup-1-0-0.bin");
-    let old_tmp_fifo = d.join(".tms-backup-new-2-0-0.bin");
-    for p in [&fifo, &old_tmp_fifo] {
-        nix::unistd::mkfifo(p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+engine_test! {
+    /// Issue 23, item 1: a FIFO under a backup file's name (or under a temporary name older than a
+    /// minute) used to block the sweep's `open` for ever, under the operation lock. Now the sweep
+    /// opens only regular files of ours, without waiting, and leaves the rest alone.
+    fn a_fifo_or_a_link_in_the_backup_folder_never_blocks_a_pause(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let d = f.h.dir().to_path_buf();
+        let fifo = d.join("tms-backup-1-0-0.bin");
+        let old_tmp_fifo = d.join(".tms-backup-new-2-0-0.bin");
+        for p in [&fifo, &old_tmp_fifo] {
+            nix::unistd::mkfifo(p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        }
+        let old = nix::sys::time::TimeSpec::new(1, 0);
+        nix::sys::stat::utimensat(
+            nix::fcntl::AT_FDCWD,
+            &old_tmp_fifo,
+            &old,
+            &old,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+        // A link under our name to a file of ours elsewhere: neither followed nor removed.
+        let victim = tempfile::NamedTempFile::new().unwrap();
+        let link = d.join("tms-backup-3-0-0.bin");
+        std::os::unix::fs::symlink(victim.path(), &link).unwrap();
+        let (p, data) = f.alloc(2 * MIB, 0, 7);
+        let (r, f) = pause_within_20s(f);
+        let r = r.expect("the pause returned (it used to block for ever on the FIFO)");
+        r.unwrap();
+        let f = f.unwrap();
+        for kept in [&fifo, &old_tmp_fifo, &link] {
+            assert!(
+                kept.symlink_metadata().is_ok(),
+                "{} was removed",
+                kept.display()
+            );
+        }
+        assert!(victim.path().exists());
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
     }
-    let old = nix::sys::time::TimeSpec::new(1, 0);
-    nix::sys::stat::utimensat(
-        nix::fcntl::AT_FDCWD,
-        &old_tmp_fifo,
-        &old,
-        &old,
-        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
-    )
-    .unwrap();
-    // A link under our name to a file of ours elsewhere: neither followed nor removed.
-    let victim = tempfile::NamedTempFile::new().unwrap();
-    let link = d.join("tms-backup-3-0-0.bin");
-    std::os::unix::fs::symlink(victim.path(), &link).unwrap();
-    let (p, data) = f.alloc(2 * MIB, 0, 7);
-    let (r, f) = pause_within_20s(f);
-    let r = r.expect("the pause returned (it used to block for ever on the FIFO)");
-    r.unwrap();
-    let f = f.unwrap();
-    for kept in [&fifo, &old_tmp_fifo, &link] {
-        assert!(
-            kept.symlink_metadata().is_ok(),
-            "{} was removed",
-            kept.display()
-        );
-    }
-    assert!(victim.path().exists());
-    f.e.resume(None).unwrap();
-    assert!(read_raw(&f.sim, p, data.len()) == data);
 }
 
-/// Issue 23, item 1: in a folder others can write to (here mode 1777, as /tmp), files go in our
-/// subfolder of mode 0700; a subfolder under that name that is a link, or another user's, is
-/// refused with a message and the pause changes nothing.
-#[test]
-fn a_folder_others_can_write_to_gets_a_private_subfolder() {
-    use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let f = fx();
-    let shared = f.dir.path().join("shared");
-    std::fs::create_dir(&shared).unwrap();
-    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    // Planted by "another user" before we came: never opened, since it is not in our folder.
-    nix::unistd::mkfifo(
-        &shared.join("tms-backup-9-0-0.bin"),
-        nix::sys::stat::Mode::S_IRWXU,
-    )
-    .unwrap();
-    f.e.set_disk_backup_dir(Some(shared.clone())).unwrap();
-    let (p, data) = f.alloc(2 * MIB, 0, 8);
-    let (r, f) = pause_within_20s(f);
-    r.expect("the pause returned").unwrap();
-    let f = f.unwrap();
-    let uid = nix::unistd::geteuid().as_raw();
-    let sub = shared.join(disk::private_subfolder_name(uid));
-    assert_eq!(
-        names_in(&shared),
-        vec![
-            "tms-backup-9-0-0.bin".to_string(),
-            disk::private_subfolder_name(uid)
-        ]
-    );
-    let m = std::fs::symlink_metadata(&sub).unwrap();
-    assert!(m.is_dir());
-    assert_eq!((m.mode() & 0o777, m.uid()), (0o700, uid));
-    let files = names_in(&sub);
-    assert_eq!(files.len(), 1, "{files:?}");
-    assert!(files[0].starts_with("tms-backup-"), "{files:?}");
-    f.e.resume(None).unwrap();
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    f.e.free(p).unwrap();
-    assert!(
-        names_in(&sub).is_empty(),
-        "the file went with its allocation"
-    );
+engine_test! {
+    /// Issue 23, item 1: in a folder others can write to (here mode 1777, as /tmp), files go in our
+    /// subfolder of mode 0700; a subfolder under that name that is a link, or another user's, is
+    /// refused with a message and the pause changes nothing.
+    fn a_folder_others_can_write_to_gets_a_private_subfolder(h) [Setup::disk_engine(2, 3)] {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let f = Fx { h };
+        let shared = f.h.dir().join("shared");
+        std::fs::create_dir(&shared).unwrap();
+        std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        // Planted by "another user" before we came: never opened, since it is not in our folder.
+        nix::unistd::mkfifo(
+            &shared.join("tms-backup-9-0-0.bin"),
+            nix::sys::stat::Mode::S_IRWXU,
+        )
+        .unwrap();
+        f.h.e.set_disk_backup_dir(Some(shared.clone())).unwrap();
+        let (p, data) = f.alloc(2 * MIB, 0, 8);
+        let (r, f) = pause_within_20s(f);
+        r.expect("the pause returned").unwrap();
+        let f = f.unwrap();
+        let uid = nix::unistd::geteuid().as_raw();
+        let sub = shared.join(disk::private_subfolder_name(uid));
+        assert_eq!(
+            names_in(&shared),
+            vec![
+                "tms-backup-9-0-0.bin".to_string(),
+                disk::private_subfolder_name(uid)
+            ]
+        );
+        let m = std::fs::symlink_metadata(&sub).unwrap();
+        assert!(m.is_dir());
+        assert_eq!((m.mode() & 0o777, m.uid()), (0o700, uid));
+        let files = names_in(&sub);
+        assert_eq!(files.len(), 1, "{files:?}");
+        assert!(files[0].starts_with("tms-backup-"), "{files:?}");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        f.h.e.free(p).unwrap();
+        assert!(
+            names_in(&sub).is_empty(),
+            "the file went with its allocation"
+        );
 
-    // Under our subfolder's name, a link to a folder of ours: refused, nothing paused.
-    let linked = f.dir.path().join("linked");
-    std::fs::create_dir(&linked).unwrap();
-    std::fs::set_permissions(&linked, std::fs::Permissions::from_mode(0o777)).unwrap();
-    let elsewhere = tempfile::tempdir().unwrap();
-    std::os::unix::fs::symlink(
-        elsewhere.path(),
-        linked.join(disk::private_subfolder_name(uid)),
-    )
-    .unwrap();
-    f.e.set_disk_backup_dir(Some(linked.clone())).unwrap();
-    let (p, data) = f.alloc(2 * MIB, 0, 9);
-    let msg = f.e.pause(None).unwrap_err().to_string();
-    assert!(
-        msg.contains("symbolic link") && msg.contains("refused"),
-        "{msg}"
-    );
-    assert_eq!(f.e.allocations()[0].state, State::Active);
-    assert!(read_raw(&f.sim, p, data.len()) == data);
-    assert!(names_in(elsewhere.path()).is_empty());
+        // Under our subfolder's name, a link to a folder of ours: refused, nothing paused.
+        let linked = f.h.dir().join("linked");
+        std::fs::create_dir(&linked).unwrap();
+        std::fs::set_permissions(&linked, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(
+            elsewhere.path(),
+            linked.join(disk::private_subfolder_name(uid)),
+        )
+        .unwrap();
+        f.h.e.set_disk_backup_dir(Some(linked.clone())).unwrap();
+        let (p, data) = f.alloc(2 * MIB, 0, 9);
+        let msg = f.h.e.pause(None).unwrap_err().to_string();
+        assert!(
+            msg.contains("symbolic link") && msg.contains("refused"),
+            "{msg}"
+        );
+        assert_eq!(f.h.e.allocations()[0].state, State::Active);
+        assert!(f.h.read(p, data.len()) == data);
+        assert!(names_in(elsewhere.path()).is_empty());
 
-    // Another user's folder under that name (only root can make one to test with).
-    if uid == 0 {
-        let foreign = f.dir.path().join("foreign");
-        std::fs::create_dir(&foreign).unwrap();
-        std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o1777)).unwrap();
-        let theirs = foreign.join(disk::private_subfolder_name(uid));
-        std::fs::create_dir(&theirs).unwrap();
-        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
-        std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).unwrap();
-        f.e.set_disk_backup_dir(Some(foreign)).unwrap();
-        let msg = f.e.pause(None).unwrap_err().to_string();
-        assert!(msg.contains("belongs to uid 4242"), "{msg}");
-        assert!(names_in(&theirs).is_empty());
+        // Another user's folder under that name (only root can make one to test with).
+        if uid == 0 {
+            let foreign = f.h.dir().join("foreign");
+            std::fs::create_dir(&foreign).unwrap();
+            std::fs::set_permissions(&foreign, std::fs::Permissions::from_mode(0o1777)).unwrap();
+            let theirs = foreign.join(disk::private_subfolder_name(uid));
+            std::fs::create_dir(&theirs).unwrap();
+            std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+            std::os::unix::fs::chown(&theirs, Some(4242), Some(4242)).unwrap();
+            f.h.e.set_disk_backup_dir(Some(foreign)).unwrap();
+            let msg = f.h.e.pause(None).unwrap_err().to_string();
+            assert!(msg.contains("belongs to uid 4242"), "{msg}");
+            assert!(names_in(&theirs).is_empty());
+        }
     }
 }

@@ -21,9 +21,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use common::{pattern, read_raw, write_raw};
+use common::{assert_invariants, pattern, read_raw, write_raw, Expect, Leaks};
 use tms::backup::BackupKind;
-use tms::driver::sim::{Prim, SimConfig, SimDriver};
+use tms::driver::sim::{Prim, SimDriver};
 use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::{Backup, Error};
 
@@ -68,44 +68,31 @@ struct Tracked {
     snapshot: Option<Vec<u8>>,
 }
 
-/// What the engine is allowed to leak after the injected failure.
-#[derive(Default, Debug)]
-struct Leaks {
-    handles: usize,
-    bytes: [u64; 2],
-    reservations: usize,
-    pinned: u64,
-}
-
 struct Fx {
     sim: Arc<SimDriver>,
-    e: Engine,
+    e: Arc<Engine>,
     t: Vec<Tracked>,
+    /// What the engine is allowed to have leaked after the injected failure.
     leaks: Leaks,
     seed: u64,
 }
 
 impl Fx {
     fn new() -> Fx {
-        let sim = Arc::new(
-            SimDriver::new(SimConfig {
-                devices: 2,
-                capacity: CAPACITY,
-                granularity: G,
-            })
-            .unwrap(),
-        );
-        let e = Engine::new(sim.clone());
         // One copy worker per device: the order in which allocations finish is then fixed, and
         // the harness can check exactly which ones a failure leaves paused. Pinned backups are
         // page-locked inline, so no background thread calls the driver while a fault is armed.
         // The pipeline's parallel paths have their own fault tests (tests/pipeline.rs).
-        e.set_copy_config(CopyConfig {
-            threads: 1,
-            pin: PinMode::Inline,
-            ..CopyConfig::default()
-        })
-        .unwrap();
+        let setup = common::Setup::default()
+            .devices(2)
+            .capacity(CAPACITY)
+            .granularity(G)
+            .copy(CopyConfig {
+                threads: 1,
+                pin: PinMode::Inline,
+                ..CopyConfig::default()
+            });
+        let (sim, e) = common::sim_engine(&setup);
         Fx {
             sim,
             e,
@@ -228,7 +215,8 @@ impl Fx {
             + self.e.staging_bytes()
     }
 
-    /// The registry tells the truth and the sim holds exactly what it implies.
+    /// The registry tells the truth about every tracked allocation (contents, backups), and the
+    /// sim holds exactly what it implies (the shared invariant check).
     fn check(&self, ctx: &str) {
         let infos = self.e.allocations();
         let got: Vec<u64> = infos.iter().map(|i| i.addr).collect();
@@ -238,9 +226,6 @@ impl Fx {
             got, want,
             "{ctx}: the registry holds exactly the live allocations"
         );
-        let mut active = 0;
-        let mut active_bytes = [0u64; 2];
-        let mut pinned = 0;
         for i in &infos {
             let t = &self.t[self.index_of(i.addr)];
             let a = i.addr;
@@ -249,13 +234,8 @@ impl Fx {
                 (t.size, t.mapped, t.device, t.tag.as_str(), t.backup),
                 "{ctx}: {a:#x} registry fields"
             );
-            let last = a + i.mapped - 1;
             match i.state {
                 State::Active => {
-                    assert!(
-                        self.sim.is_accessible(a) && self.sim.is_accessible(last),
-                        "{ctx}: {a:#x} reported active but not accessible in the sim"
-                    );
                     // Active with a valid backup: only a retained, complete snapshot of the
                     // last pause (never one a failed pause left half written).
                     let mut b = vec![0u8; t.size as usize];
@@ -271,8 +251,6 @@ impl Fx {
                             "{ctx}: active {a:#x} offers a backup that is no snapshot of it"
                         );
                     }
-                    active += 1;
-                    active_bytes[i.device as usize] += i.mapped;
                     if t.intact {
                         assert_same(
                             &read_raw(&self.sim, a, t.size as usize),
@@ -282,10 +260,6 @@ impl Fx {
                     }
                 }
                 State::Paused => {
-                    assert!(
-                        !self.sim.is_accessible(a) && !self.sim.is_accessible(last),
-                        "{ctx}: {a:#x} reported paused but still accessible in the sim"
-                    );
                     if t.backup.is_some() {
                         assert!(
                             i.host_valid && i.host_bytes == i.size,
@@ -312,33 +286,12 @@ impl Fx {
                     "{ctx}: {a:#x}: only pinned backups are page-locked"
                 );
             }
-            pinned += i.host_pinned_bytes;
         }
-        pinned += self.e.staging_bytes();
-        let l = &self.leaks;
-        for d in 0..2 {
-            assert_eq!(
-                self.sim.live_bytes(d),
-                active_bytes[d as usize] + l.bytes[d as usize],
-                "{ctx}: device {d} live bytes = mapped bytes of active allocations + leaks {l:?}"
-            );
-        }
-        assert_eq!(self.sim.live_mappings(), active, "{ctx}: mappings");
-        assert_eq!(
-            self.sim.live_handles(),
-            active + l.handles,
-            "{ctx}: handles (leaks {l:?})"
-        );
-        assert_eq!(
-            self.sim.live_reservations(),
-            infos.len() + l.reservations,
-            "{ctx}: reservations (leaks {l:?})"
-        );
-        assert_eq!(
-            self.sim.pinned_bytes(),
-            pinned + l.pinned,
-            "{ctx}: pinned bytes (leaks {l:?})"
-        );
+        let expect = Expect {
+            leaks: self.leaks.clone(),
+            copies_done: false,
+        };
+        assert_invariants(&self.e, &self.sim, &expect, ctx);
     }
 
     /// Clear faults, resume everything, check every surviving byte, free everything, and check
@@ -374,8 +327,8 @@ impl Fx {
                 self.sim.pinned_bytes()
             ),
             (
-                l.bytes[0],
-                l.bytes[1],
+                l.bytes_on(0).unwrap_or(0),
+                l.bytes_on(1).unwrap_or(0),
                 l.handles,
                 0,
                 l.reservations,
@@ -673,8 +626,7 @@ fn after_error(
                     "{ctx}: the handle is reported: {msg}"
                 );
                 let t = &fx.t[fx.index_of(a)];
-                fx.leaks.handles += 1;
-                fx.leaks.bytes[t.device as usize] += t.mapped;
+                fx.leaks.handle(t.device, t.mapped);
             } else {
                 assert!(
                     order.iter().any(|a| now[a].state == State::Active),
@@ -711,8 +663,7 @@ fn after_error(
                     );
                     assert_eq!(before[&a].state, State::Active);
                     let t = &fx.t[fx.index_of(a)];
-                    fx.leaks.handles += 1;
-                    fx.leaks.bytes[t.device as usize] += t.mapped;
+                    fx.leaks.handle(t.device, t.mapped);
                     fx.forget(a);
                 }
                 // The address range could not be given back: the allocation is gone and its

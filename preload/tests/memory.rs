@@ -6,15 +6,19 @@
 //! - contents survive pause/resume at many awkward sizes;
 //! - touching a paused range faults (checked in a re-executed child process).
 //!
-//! The tests of this file that measure the resident set run one at a time (`SERIAL`).
+//! The tests of this file that measure the resident set run one at a time (`SERIAL`). The
+//! contents test also runs on a GPU (`common::harness`).
+
+mod common;
 
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
+use common::{engine_test, Setup};
 use tms::backup::BackupKind;
-use tms::driver::sim::{SimConfig, SimDriver};
+use tms::driver::sim::SimDriver;
 use tms::engine::{AllocRequest, Engine, State};
 use tms::Backup;
 
@@ -28,15 +32,9 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn sim(granularity: u64) -> Arc<SimDriver> {
-    Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 1,
-            capacity: 1 << 30,
-            granularity,
-        })
-        .unwrap(),
-    )
+/// One device of 1 GiB.
+fn on_sim(granularity: u64) -> Setup {
+    Setup::default().capacity(1 << 30).granularity(granularity)
 }
 
 fn alloc(e: &Engine, size: u64, tag: &str, backup: Backup) -> u64 {
@@ -125,172 +123,167 @@ fn mib(b: u64) -> f64 {
     b as f64 / MIB as f64
 }
 
-#[test]
-fn pause_gives_device_memory_and_resident_pages_back() {
-    let _s = serial();
-    let sim = sim(2 * MIB);
-    let e = Engine::new(sim.clone());
-    let p = alloc(&e, BIG, "big", None);
-    // A neighbour that stays: pausing one tag touches only it.
-    let q = alloc(&e, 3 * MIB + 1, "stay", None);
-    fill_stream(&sim, p, BIG, 1);
-    fill_stream(&sim, q, 3 * MIB + 1, 2);
-    let live = sim.live_bytes(0);
-    assert_eq!(live, BIG + 4 * MIB);
-    let before = rss();
+engine_test! {
+    sim_only fn pause_gives_device_memory_and_resident_pages_back(h) [on_sim(2 * MIB)] {
+        let _s = serial();
+        let (sim, e) = (h.simulated(), &h.e);
+        let p = alloc(e, BIG, "big", None);
+        // A neighbour that stays: pausing one tag touches only it.
+        let q = alloc(e, 3 * MIB + 1, "stay", None);
+        fill_stream(sim, p, BIG, 1);
+        fill_stream(sim, q, 3 * MIB + 1, 2);
+        let live = sim.live_bytes(0);
+        assert_eq!(live, BIG + 4 * MIB);
+        let before = rss();
 
-    let r = e.pause(Some("big")).unwrap();
-    assert_eq!((r.allocations, r.bytes, r.copied), (1, BIG, 0));
-    assert_eq!(
-        sim.live_bytes(0),
-        live - BIG,
-        "device memory falls by exactly the mapped size"
-    );
-    let after = rss();
-    let fell = before.saturating_sub(after);
-    assert!(
-        fell >= BIG * 9 / 10,
-        "resident set fell by {:.1} MiB ({:.1} -> {:.1}), expected about {:.0}",
-        mib(fell),
-        mib(before),
-        mib(after),
-        mib(BIG)
-    );
-    check_stream(&sim, q, 3 * MIB + 1, 2, "the neighbour");
+        let r = e.pause(Some("big")).unwrap();
+        assert_eq!((r.allocations, r.bytes, r.copied), (1, BIG, 0));
+        assert_eq!(
+            sim.live_bytes(0),
+            live - BIG,
+            "device memory falls by exactly the mapped size"
+        );
+        let after = rss();
+        let fell = before.saturating_sub(after);
+        assert!(
+            fell >= BIG * 9 / 10,
+            "resident set fell by {:.1} MiB ({:.1} -> {:.1}), expected about {:.0}",
+            mib(fell),
+            mib(before),
+            mib(after),
+            mib(BIG)
+        );
+        check_stream(sim, q, 3 * MIB + 1, 2, "the neighbour");
 
-    e.resume(Some("big")).unwrap();
-    assert_eq!(sim.live_bytes(0), live);
-    assert!(e.free(p).unwrap() && e.free(q).unwrap());
-    assert_eq!(sim.live_bytes(0), 0);
+        e.resume(Some("big")).unwrap();
+        assert_eq!(sim.live_bytes(0), live);
+        assert!(e.free(p).unwrap() && e.free(q).unwrap());
+        assert_eq!(sim.live_bytes(0), 0);
+    }
 }
 
-#[test]
-fn mmap_backup_is_given_back_after_a_non_retaining_resume() {
-    let _s = serial();
-    let sim = sim(2 * MIB);
-    let e = Engine::new(sim.clone());
-    let p = alloc(&e, BIG, "big", Some(BackupKind::Mmap));
-    fill_stream(&sim, p, BIG, 3);
-    let base = rss();
-    let near = |x: u64| x.abs_diff(base) <= BIG / 10;
+engine_test! {
+    sim_only fn mmap_backup_is_given_back_after_a_non_retaining_resume(h) [on_sim(2 * MIB)] {
+        let _s = serial();
+        let (sim, e) = (h.simulated(), &h.e);
+        let p = alloc(e, BIG, "big", Some(BackupKind::Mmap));
+        fill_stream(sim, p, BIG, 3);
+        let base = rss();
+        let near = |x: u64| x.abs_diff(base) <= BIG / 10;
 
-    let r = e.pause(None).unwrap();
-    assert_eq!((r.bytes, r.copied), (BIG, BIG));
-    assert_eq!(sim.live_bytes(0), 0, "device memory gone");
-    // The mmap backup went through page-locked staging slots, which stay until a resume that
-    // keeps no backups.
-    let staging = e.staging_bytes();
-    assert!(staging > 0 && staging < BIG, "staging slots: {staging}");
-    let paused = rss();
-    assert!(
-        near(paused - staging),
-        "paused: the backup replaces the device pages: {:.1} MiB (with {:.1} MiB staging) vs {:.1}",
-        mib(paused),
-        mib(staging),
-        mib(base)
-    );
+        let r = e.pause(None).unwrap();
+        assert_eq!((r.bytes, r.copied), (BIG, BIG));
+        assert_eq!(sim.live_bytes(0), 0, "device memory gone");
+        // The mmap backup went through page-locked staging slots, which stay until a resume that
+        // keeps no backups.
+        let staging = e.staging_bytes();
+        assert!(staging > 0 && staging < BIG, "staging slots: {staging}");
+        let paused = rss();
+        assert!(
+            near(paused - staging),
+            "paused: the backup replaces the device pages: {:.1} MiB (with {:.1} MiB staging) vs {:.1}",
+            mib(paused),
+            mib(staging),
+            mib(base)
+        );
 
-    // Retaining resume: device pages come back and the backup stays.
-    e.set_retain_cpu_backup(true);
-    e.resume(None).unwrap();
-    check_stream(&sim, p, BIG, 3, "after a retaining resume");
-    let retained = rss();
-    assert!(
-        retained >= base + BIG * 9 / 10,
-        "retaining resume keeps the backup resident: {:.1} MiB vs base {:.1}",
-        mib(retained),
-        mib(base)
-    );
-    assert_eq!(e.allocations()[0].host_bytes, BIG);
+        // Retaining resume: device pages come back and the backup stays.
+        e.set_retain_cpu_backup(true);
+        e.resume(None).unwrap();
+        check_stream(sim, p, BIG, 3, "after a retaining resume");
+        let retained = rss();
+        assert!(
+            retained >= base + BIG * 9 / 10,
+            "retaining resume keeps the backup resident: {:.1} MiB vs base {:.1}",
+            mib(retained),
+            mib(base)
+        );
+        assert_eq!(e.allocations()[0].host_bytes, BIG);
 
-    // Non-retaining resume: the backup is unmapped, the resident set returns to the base.
-    e.set_retain_cpu_backup(false);
-    fill_stream(&sim, p, BIG, 4);
-    e.pause(None).unwrap();
-    e.resume(None).unwrap();
-    check_stream(&sim, p, BIG, 4, "after a non-retaining resume");
-    let back = rss();
-    assert_eq!(e.allocations()[0].host_bytes, 0);
-    assert_eq!(
-        e.staging_bytes(),
-        0,
-        "staging slots go with the last backup"
-    );
-    assert!(
-        near(back),
-        "non-retaining resume: {:.1} MiB, pre-pause {:.1}",
-        mib(back),
-        mib(base)
-    );
-    assert!(retained - back >= BIG * 9 / 10);
-    assert!(e.free(p).unwrap());
+        // Non-retaining resume: the backup is unmapped, the resident set returns to the base.
+        e.set_retain_cpu_backup(false);
+        fill_stream(sim, p, BIG, 4);
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        check_stream(sim, p, BIG, 4, "after a non-retaining resume");
+        let back = rss();
+        assert_eq!(e.allocations()[0].host_bytes, 0);
+        assert_eq!(
+            e.staging_bytes(),
+            0,
+            "staging slots go with the last backup"
+        );
+        assert!(
+            near(back),
+            "non-retaining resume: {:.1} MiB, pre-pause {:.1}",
+            mib(back),
+            mib(base)
+        );
+        assert!(retained - back >= BIG * 9 / 10);
+        assert!(e.free(p).unwrap());
+    }
 }
 
-#[test]
-fn contents_survive_pause_at_awkward_sizes() {
-    let _s = serial();
-    let g: u64 = 64 << 10;
-    let sizes = [
-        1,
-        4095,
-        4096,
-        4097,
-        g - 1,
-        g,
-        g + 1,
-        3 * g + 4097,
-        5 * g - 1,
-        7 * g + 1,
-    ];
-    for backend in [BackupKind::Pinned, BackupKind::Mmap] {
-        for retain in [false, true] {
-            let sim = sim(g);
-            let e = Engine::new(sim.clone());
-            e.set_retain_cpu_backup(retain);
-            let mut seed = 0;
-            let mut allocs: Vec<(u64, Vec<u8>)> = Vec::new();
-            for &size in &sizes {
-                let p = alloc(&e, size, "t", Some(backend));
-                seed += 1;
-                let data = pattern(size as usize, seed);
-                // SAFETY: fresh active allocation of `size` bytes.
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p as *mut u8, data.len()) };
-                allocs.push((p, data));
-            }
-            // Two rounds: with retention the second reuses the host buffers.
-            for round in 0..2 {
-                let what = format!("{backend:?} retain {retain} round {round}");
-                let r = e.pause(Some("t")).unwrap();
-                assert_eq!(r.copied, sizes.iter().sum::<u64>(), "{what}");
-                for (p, data) in &allocs {
-                    let size = data.len() as u64;
-                    assert!(!sim.is_accessible(*p), "{what}: paused");
-                    let mut b = vec![0u8; data.len()];
-                    assert!(e.copy_cpu_backup(*p, &mut b).unwrap());
-                    assert!(&b == data, "{what}: backup of {size} bytes");
-                    let mut last = [0u8];
-                    assert!(e.copy_cpu_backup(p + size - 1, &mut last).unwrap());
-                    assert_eq!(last[0], data[data.len() - 1], "{what}: last byte");
-                }
-                e.resume(Some("t")).unwrap();
-                for (p, data) in &mut allocs {
-                    let size = data.len() as u64;
-                    assert!(accessible(&sim, *p, size));
-                    // SAFETY: active again, `size` bytes.
-                    let got = unsafe { std::slice::from_raw_parts(*p as *const u8, data.len()) };
-                    assert!(got == &data[..], "{what}: {size} bytes after resume");
-                    // New contents for the next round.
+engine_test! {
+    fn contents_survive_pause_at_awkward_sizes(h) [on_sim(64 << 10)] {
+        let _s = serial();
+        let g = h.g();
+        let sizes = [
+            1,
+            4095,
+            4096,
+            4097,
+            g - 1,
+            g,
+            g + 1,
+            3 * g + 4097,
+            5 * g - 1,
+            7 * g + 1,
+        ];
+        for backend in [BackupKind::Pinned, BackupKind::Mmap] {
+            for retain in [false, true] {
+                let h = h.again();
+                let e = &h.e;
+                e.set_retain_cpu_backup(retain);
+                let mut seed = 0;
+                let mut allocs: Vec<(u64, Vec<u8>)> = Vec::new();
+                for &size in &sizes {
+                    let p = alloc(e, size, "t", Some(backend));
                     seed += 1;
-                    *data = pattern(data.len(), seed);
-                    // SAFETY: as above.
-                    unsafe {
-                        std::ptr::copy_nonoverlapping(data.as_ptr(), *p as *mut u8, data.len())
-                    };
+                    let data = pattern(size as usize, seed);
+                    h.write(p, &data);
+                    allocs.push((p, data));
                 }
+                // Two rounds: with retention the second reuses the host buffers.
+                for round in 0..2 {
+                    let what = format!("{backend:?} retain {retain} round {round}");
+                    let r = e.pause(Some("t")).unwrap();
+                    assert_eq!(r.copied, sizes.iter().sum::<u64>(), "{what}");
+                    for (p, data) in &allocs {
+                        let size = data.len() as u64;
+                        h.assert_accessible(*p, 1, false, &format!("{what}: paused"));
+                        let mut b = vec![0u8; data.len()];
+                        assert!(e.copy_cpu_backup(*p, &mut b).unwrap());
+                        assert!(&b == data, "{what}: backup of {size} bytes");
+                        let mut last = [0u8];
+                        assert!(e.copy_cpu_backup(p + size - 1, &mut last).unwrap());
+                        assert_eq!(last[0], data[data.len() - 1], "{what}: last byte");
+                    }
+                    e.resume(Some("t")).unwrap();
+                    for (p, data) in &mut allocs {
+                        let size = data.len() as u64;
+                        h.assert_accessible(*p, size, true, &what);
+                        let got = h.read(*p, data.len());
+                        assert!(got == data[..], "{what}: {size} bytes after resume");
+                        // New contents for the next round.
+                        seed += 1;
+                        *data = pattern(data.len(), seed);
+                        h.write(*p, data);
+                    }
+                }
+                assert!(e.allocations().iter().all(|i| i.state == State::Active));
+                h.end().assert_released(&format!("{backend:?} retain {retain}"));
             }
-            assert!(e.allocations().iter().all(|i| i.state == State::Active));
-            drop(e);
-            assert_eq!((sim.live_bytes(0), sim.pinned_bytes()), (0, 0));
         }
     }
 }
@@ -309,8 +302,7 @@ fn child(mode: &str) {
     // SAFETY: setrlimit with a valid struct.
     unsafe { libc::setrlimit(libc::RLIMIT_CORE, &no_core) };
     let g = 64 << 10;
-    let sim = sim(g);
-    let e = Engine::new(sim.clone());
+    let (_sim, e) = common::sim_engine(&on_sim(g));
     let size = 3 * g + 5;
     let p = alloc(&e, size, "t", Some(BackupKind::Mmap));
     // SAFETY: active allocation of `size` bytes.

@@ -3,24 +3,38 @@
 //! contents or "undefined", host buffer held or not) and of what the simulated device should
 //! hold. Capacity is small enough that allocations and resumes run out of memory now and then;
 //! the model predicts those failures exactly (an out-of-memory resume leaves the tag paused).
+//!
+//! The fault-free test also runs on a GPU (`common::harness`), in units of its granularity and
+//! with its capacity (the model then predicts no out-of-memory), checking what the CUDA driver
+//! can tell.
 
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use common::{pattern, read_raw, write_raw};
+use common::{engine_test, pattern, run_proptest, Expect, Harness, Setup};
 use proptest::prelude::*;
 use tms::backup::disk::{self, DiskOp};
 use tms::backup::BackupKind;
 use tms::backup::HostLayout;
-use tms::driver::sim::{Prim, SimConfig, SimDriver};
+use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, CopyConfig, Engine, Pick, PinMode, State};
 use tms::Backup;
 
+/// The sim's granularity: the model's unit of size (a GPU's own granularity there).
 const G: u64 = 64 << 10;
-/// Per device: about four allocations of average size, so out-of-memory happens.
+/// Per device of the sim: about four allocations of average size, so out-of-memory happens.
 const CAPACITY: u64 = 12 * G;
+
+/// Two devices of [`CAPACITY`] in units of [`G`], and a disk backup folder.
+fn model_setup() -> Setup {
+    Setup::default()
+        .devices(2)
+        .capacity(CAPACITY)
+        .granularity(G)
+        .disk()
+}
+
 const TAGS: [&str; 3] = ["kv", "weights", "misc"];
 
 #[derive(Clone, Debug)]
@@ -57,11 +71,12 @@ enum Op {
     SetRetain(bool),
 }
 
-fn size_strategy() -> impl Strategy<Value = u64> {
+/// Sizes around multiples of the granularity `g`.
+fn size_strategy(g: u64) -> impl Strategy<Value = u64> {
     prop_oneof![
-        1..=5 * G,
-        (1..=5u64).prop_map(|k| k * G),
-        (1..=4u64, any::<bool>()).prop_map(|(k, up)| if up { k * G + 1 } else { k * G - 1 }),
+        1..=5 * g,
+        (1..=5u64).prop_map(move |k| k * g),
+        (1..=4u64, any::<bool>()).prop_map(move |(k, up)| if up { k * g + 1 } else { k * g - 1 }),
         Just(1u64),
     ]
 }
@@ -92,7 +107,7 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
         )
 }
 
-fn op_strategy() -> impl Strategy<Value = Op> {
+fn op_strategy(g: u64) -> impl Strategy<Value = Op> {
     let backup = prop_oneof![
         Just(None),
         Just(Some(BackupKind::Pinned)),
@@ -101,7 +116,7 @@ fn op_strategy() -> impl Strategy<Value = Op> {
     ];
     let tag = prop_oneof![Just(None), (0..3usize).prop_map(Some)];
     prop_oneof![
-        5 => (size_strategy(), 0..3usize, backup, 0..2i32, prop_oneof![2 => Just(0u64), 1 => Just(1u64), 1 => Just(2u64)])
+        5 => (size_strategy(g), 0..3usize, backup, 0..2i32, prop_oneof![2 => Just(0u64), 1 => Just(1u64), 1 => Just(2u64)])
             .prop_map(|(size, tag, backup, device, chunk)| Op::Alloc { size, tag, backup, device, chunk }),
         3 => (any::<usize>(), any::<u64>()).prop_map(|(pick, seed)| Op::Write { pick, seed }),
         2 => any::<usize>().prop_map(|pick| Op::Free { pick }),
@@ -208,13 +223,25 @@ impl MAlloc {
     }
 }
 
-#[derive(Default)]
 struct Model {
     allocs: BTreeMap<u64, MAlloc>,
     retain: bool,
+    /// The granularity, and each device's capacity.
+    g: u64,
+    capacity: u64,
 }
 
 impl Model {
+    /// Nothing allocated, on the harness's device (the sim's [`CAPACITY`], a GPU's own).
+    fn new(h: &Harness) -> Model {
+        Model {
+            allocs: BTreeMap::new(),
+            retain: false,
+            g: h.g(),
+            capacity: h.pick(CAPACITY, u64::MAX),
+        }
+    }
+
     fn live(&self, device: i32) -> u64 {
         self.allocs
             .values()
@@ -243,6 +270,7 @@ fn fail(what: &str) -> impl Fn(tms::Error) -> TestCaseError + '_ {
 /// Resume `units` of each allocation (all-or-nothing across them), predicting out of memory;
 /// true if it succeeded.
 fn resume_units(
+    h: &Harness,
     m: &mut Model,
     sel: Vec<(u64, Vec<usize>)>,
     faulty: bool,
@@ -255,7 +283,7 @@ fn resume_units(
             .map(|(p, u)| u.len() as u64 * m.allocs[p].unit())
             .sum::<u64>()
     };
-    let oom = (0..2).any(|d| m.live(d) + need(d) > CAPACITY);
+    let oom = (0..h.devices()).any(|d| m.live(d).saturating_add(need(d)) > m.capacity);
     let res = call();
     if oom || (faulty && res.is_err()) {
         let err = res.expect_err("resume beyond capacity must fail");
@@ -353,13 +381,8 @@ fn resync_failed_pause(
 /// Apply `op` to the engine and the model, asserting the engine's answer where it is defined.
 /// With `faulty`, a pause or resume may fail (a fault was armed for it): a failed resume changes
 /// nothing, a failed pause may have paused any of what it was to pause.
-fn step(
-    sim: &SimDriver,
-    e: &Engine,
-    m: &mut Model,
-    op: &Op,
-    faulty: bool,
-) -> Result<(), TestCaseError> {
+fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCaseError> {
+    let e: &Engine = &h.e;
     match op {
         Op::Alloc {
             size,
@@ -368,21 +391,21 @@ fn step(
             device,
             chunk,
         } => {
-            let chunk = chunk * G;
+            let (chunk, device) = (chunk * m.g, h.device(*device));
             let size = if chunk > 0 {
                 size.next_multiple_of(chunk)
             } else {
                 *size
             };
-            let mapped = size.next_multiple_of(G);
+            let mapped = size.next_multiple_of(m.g);
             let res = e.alloc(&AllocRequest {
                 size,
-                device: *device,
+                device,
                 tag: TAGS[*tag].into(),
                 backup: *backup,
                 chunk,
             });
-            if m.live(*device) + mapped > CAPACITY {
+            if m.live(device).saturating_add(mapped) > m.capacity {
                 let err = res.expect_err("allocation beyond capacity must fail");
                 prop_assert!(err.is_oom(), "{err}");
             } else {
@@ -400,7 +423,7 @@ fn step(
                         mapped,
                         tag: *tag,
                         backup: *backup,
-                        device: *device,
+                        device,
                         chunk,
                         active: vec![true; units],
                         defined: vec![false; units],
@@ -427,7 +450,7 @@ fn step(
                     if a.active[u] {
                         let (off, len) = a.span(u);
                         let r = off as usize..(off + len) as usize;
-                        write_raw(sim, p + off, &data[r.clone()]);
+                        h.write(p + off, &data[r.clone()]);
                         a.contents[r.clone()].copy_from_slice(&data[r]);
                         a.defined[u] = true;
                     }
@@ -500,7 +523,7 @@ fn step(
             };
             // A record is used once, by every allocation of the tag.
             let chosen: Vec<u64> = sel.iter().map(|(p, _)| *p).collect();
-            if resume_units(m, sel, faulty, || e.resume_pick(&pick))? && *restore {
+            if resume_units(h, m, sel, faulty, || e.resume_pick(&pick))? && *restore {
                 for p in chosen {
                     m.allocs.get_mut(&p).unwrap().kept = None;
                 }
@@ -542,7 +565,7 @@ fn step(
             } else {
                 let a = &m.allocs[&p];
                 let us: Vec<usize> = idx.iter().copied().filter(|&u| !a.active[u]).collect();
-                resume_units(m, vec![(p, us)], faulty, || e.resume_pick(&call))?;
+                resume_units(h, m, vec![(p, us)], faulty, || e.resume_pick(&call))?;
             }
         }
         Op::SetRetain(on) => {
@@ -553,8 +576,9 @@ fn step(
     Ok(())
 }
 
-/// The engine and the sim agree with the model.
-fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
+/// The engine and the device agree with the model.
+fn check(h: &Harness, m: &Model) -> Result<(), TestCaseError> {
+    let e: &Engine = &h.e;
     let mode = e.copy_config().pin;
     prop_assert!(e.wait_for_background_pinning(std::time::Duration::from_secs(10)));
     let infos = e.allocations();
@@ -563,7 +587,6 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
         m.allocs.keys().copied().collect::<Vec<_>>(),
         "addresses"
     );
-    let mut pinned = 0;
     for i in &infos {
         let a = &m.allocs[&i.addr];
         prop_assert_eq!(
@@ -641,7 +664,6 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             ),
             PinMode::Never => prop_assert_eq!(locked, 0),
         }
-        pinned += locked;
         if a.state() == State::Active {
             let mut b = vec![0u8; a.size as usize];
             let has = e.copy_cpu_backup(i.addr, &mut b).map_err(fail("copy"))?;
@@ -653,13 +675,17 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             let (first, last) = (i.addr + off, i.addr + off + a.unit() - 1);
             let want = &a.contents[off as usize..(off + len) as usize];
             if a.active[u] {
-                prop_assert!(sim.is_accessible(first) && sim.is_accessible(last));
+                if let Some(sim) = h.sim() {
+                    prop_assert!(sim.is_accessible(first) && sim.is_accessible(last));
+                }
                 if a.defined[u] {
-                    let got = read_raw(sim, first, len as usize);
+                    let got = h.read(first, len as usize);
                     prop_assert!(got == want, "contents of active {:#x} unit {}", i.addr, u);
                 }
             } else {
-                prop_assert!(!sim.is_accessible(first) && !sim.is_accessible(last));
+                if let Some(sim) = h.sim() {
+                    prop_assert!(!sim.is_accessible(first) && !sim.is_accessible(last));
+                }
                 let mut b = vec![0u8; len as usize];
                 let has = e.copy_cpu_backup(first, &mut b).map_err(fail("copy"))?;
                 prop_assert_eq!(
@@ -674,154 +700,117 @@ fn check(sim: &SimDriver, e: &Engine, m: &Model) -> Result<(), TestCaseError> {
             }
         }
     }
-    for d in 0..2 {
-        prop_assert_eq!(sim.live_bytes(d), m.live(d), "live bytes of device {}", d);
+    for d in 0..h.devices() {
+        h.check_live_bytes(d, m.live(d))
+            .map_err(|err| TestCaseError::fail(format!("live bytes of device {d}: {err}")))?;
     }
-    let handles: usize = e.allocations().iter().map(|i| i.handles).sum();
-    prop_assert_eq!(sim.live_mappings(), handles, "mappings");
-    prop_assert_eq!(sim.live_handles(), handles, "handles");
-    prop_assert_eq!(sim.live_reservations(), m.allocs.len(), "reservations");
-    prop_assert_eq!(
-        sim.pinned_bytes(),
-        pinned + e.staging_bytes(),
-        "pinned bytes"
-    );
-    prop_assert_eq!(
-        sim.pageable_copies(),
-        0,
-        "every copy of a backup uses page-locked memory"
-    );
-    prop_assert_eq!(
-        sim.queued_copies(),
-        0,
-        "nothing left queued after an operation"
-    );
+    // Mappings, handles, reservations and page-locked bytes as the registry implies; no copy
+    // from pageable memory, none left queued after an operation.
+    h.check_invariants(&Expect::clean())
+        .map_err(TestCaseError::fail)?;
     Ok(())
 }
 
-proptest! {
-    // 128 cases of up to 50 operations each: well under a few seconds in a debug build.
-    #![proptest_config(ProptestConfig {
-        cases: 128,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
-
-    #[test]
-    fn engine_matches_the_model(
-        ops in prop::collection::vec(op_strategy(), 1..=50),
-        cfg in copy_config_strategy(),
-        segment in prop_oneof![Just(G), Just(2 * G), Just(1u64 << 30)],
-    ) {
-        let sim = Arc::new(
-            SimDriver::new(SimConfig { devices: 2, capacity: CAPACITY, granularity: G }).unwrap(),
+engine_test! {
+    /// 128 cases of up to 50 operations each on the sim (well under a few seconds in a debug
+    /// build); 16 on a GPU.
+    fn engine_matches_the_model(h) [model_setup()] {
+        let g = h.g();
+        let strategy = (
+            prop::collection::vec(op_strategy(g), 1..=50),
+            copy_config_strategy(),
+            prop_oneof![Just(g), Just(2 * g), Just(1u64 << 30)],
         );
-        let mut m = Model::default();
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let e = Engine::new(sim.clone());
-            e.set_copy_config(cfg).unwrap();
-            e.set_disk_backup_dir(Some(dir.path().to_path_buf())).unwrap();
-            e.set_segment_bytes(segment).unwrap();
+        run_proptest(h.pick(128, 16), strategy, |(ops, cfg, segment)| {
+            let h = h.again();
+            let mut m = Model::new(&h);
+            h.e.set_copy_config(cfg).unwrap();
+            h.e.set_segment_bytes(segment).unwrap();
             for (n, op) in ops.iter().enumerate() {
-                step(&sim, &e, &mut m, op, false)
+                step(&h, &mut m, op, false)
                     .map_err(|err| TestCaseError::fail(format!("step {n} {op:?}: {err}")))?;
-                check(&sim, &e, &m)
+                check(&h, &m)
                     .map_err(|err| TestCaseError::fail(format!("after step {n} {op:?}: {err}")))?;
             }
-        }
-        // Dropping the engine frees everything it holds.
-        prop_assert_eq!(
-            (sim.live_bytes(0), sim.live_bytes(1), sim.live_handles(), sim.live_mappings()),
-            (0, 0, 0, 0)
-        );
-        prop_assert_eq!((sim.live_reservations(), sim.pinned_bytes()), (0, 0));
-        prop_assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files removed");
+            // Dropping the engine frees everything it holds.
+            let ended = h.end();
+            ended.released().map_err(TestCaseError::fail)?;
+            prop_assert_eq!(ended.files(), 0, "files removed");
+            Ok(())
+        });
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig {
-        cases: 96,
-        failure_persistence: None,
-        ..ProptestConfig::default()
-    })]
-
+engine_test! {
     /// Chunk-level and whole-tag pauses and resumes with a fault armed for some of them, with
     /// several copy workers: whatever fails, no byte that was saved or still mapped is lost,
     /// and every later call works.
-    #[test]
-    fn chunk_operations_survive_faults(
-        ops in prop::collection::vec((op_strategy(), fault_strategy()), 1..=40),
-        cfg in copy_config_strategy(),
-    ) {
-        let sim = Arc::new(
-            SimDriver::new(SimConfig { devices: 2, capacity: CAPACITY, granularity: G }).unwrap(),
+    sim_only fn chunk_operations_survive_faults(h) [model_setup()] {
+        let strategy = (
+            prop::collection::vec((op_strategy(G), fault_strategy()), 1..=40),
+            copy_config_strategy(),
         );
-        let mut m = Model::default();
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let e = Engine::new(sim.clone());
-            e.set_copy_config(CopyConfig { threads: cfg.threads.max(2), ..cfg }).unwrap();
-            e.set_disk_backup_dir(Some(dir.path().to_path_buf())).unwrap();
+        run_proptest(96, strategy, |(ops, cfg)| {
+            let h = h.again();
+            let (sim, dir) = (h.simulated(), h.dir());
+            let mut m = Model::new(&h);
+            h.e.set_copy_config(CopyConfig { threads: cfg.threads.max(2), ..cfg }).unwrap();
             for (n, (op, fault)) in ops.iter().enumerate() {
                 let transaction = matches!(op, Op::Pause(..) | Op::Resume(..) | Op::Chunks { .. });
                 let fault = fault.filter(|_| transaction);
                 match fault {
                     Some(Fault::Prim(p, nth)) => sim.arm_fault(p, nth, 999),
-                    Some(Fault::Disk(o, nth)) => disk::arm_fault(Some(dir.path()), o, nth, libc::EIO),
+                    Some(Fault::Disk(o, nth)) => disk::arm_fault(Some(dir), o, nth, libc::EIO),
                     None => {}
                 }
-                let r = step(&sim, &e, &mut m, op, fault.is_some());
+                let r = step(&h, &mut m, op, fault.is_some());
                 sim.clear_faults();
-                disk::clear_faults(Some(dir.path()));
+                disk::clear_faults(Some(dir));
                 r.map_err(|err| TestCaseError::fail(format!("step {n} {op:?} {fault:?}: {err}")))?;
-                check(&sim, &e, &m).map_err(|err| {
+                check(&h, &m).map_err(|err| {
                     TestCaseError::fail(format!("after step {n} {op:?} {fault:?}: {err}"))
                 })?;
             }
-        }
-        prop_assert_eq!(
-            (sim.live_bytes(0), sim.live_bytes(1), sim.live_handles(), sim.live_mappings()),
-            (0, 0, 0, 0)
-        );
-        prop_assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "files removed");
+            let ended = h.end();
+            let sim = ended.sim().unwrap();
+            prop_assert_eq!(
+                (sim.live_bytes(0), sim.live_bytes(1), sim.live_handles(), sim.live_mappings()),
+                (0, 0, 0, 0)
+            );
+            prop_assert_eq!(ended.files(), 0, "files removed");
+            Ok(())
+        });
     }
 }
 
-/// The driver contract (driver/mod.rs, `Driver::granularity`): "sizes and addresses are
-/// multiples of it". cuMemAddressReserve with alignment 0 aligns to the granularity; the sim
-/// must too, or engine code that relies on alignment is never tested.
-#[test]
-fn allocation_addresses_are_multiples_of_the_granularity() {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 1,
-            capacity: CAPACITY,
-            granularity: G,
-        })
-        .unwrap(),
-    );
-    let e = Engine::new(sim.clone());
-    let addrs: Vec<u64> = (0..4)
-        .map(|_| {
-            e.alloc(&AllocRequest {
-                size: 1,
-                device: 0,
-                tag: "a".into(),
-                backup: None,
-                chunk: 0,
+engine_test! {
+    /// The driver contract (driver/mod.rs, `Driver::granularity`): "sizes and addresses are
+    /// multiples of it". cuMemAddressReserve with alignment 0 aligns to the granularity; the sim
+    /// must too, or engine code that relies on alignment is never tested.
+    fn allocation_addresses_are_multiples_of_the_granularity(h)
+        [Setup::default().capacity(CAPACITY).granularity(G)]
+    {
+        let (e, g) = (&h.e, h.g());
+        let addrs: Vec<u64> = (0..4)
+            .map(|_| {
+                e.alloc(&AllocRequest {
+                    size: 1,
+                    device: 0,
+                    tag: "a".into(),
+                    backup: None,
+                    chunk: 0,
+                })
+                .unwrap()
             })
-            .unwrap()
-        })
-        .collect();
-    let misaligned: Vec<String> = addrs
-        .iter()
-        .filter(|p| *p % G != 0)
-        .map(|p| format!("{p:#x}"))
-        .collect();
-    assert!(
-        misaligned.is_empty(),
-        "addresses not multiples of the granularity {G:#x}: {misaligned:?}"
-    );
+            .collect();
+        let misaligned: Vec<String> = addrs
+            .iter()
+            .filter(|p| *p % g != 0)
+            .map(|p| format!("{p:#x}"))
+            .collect();
+        assert!(
+            misaligned.is_empty(),
+            "addresses not multiples of the granularity {g:#x}: {misaligned:?}"
+        );
+    }
 }

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::{pattern, read_raw, write_raw};
 use tms::backup::BackupKind;
-use tms::driver::sim::{Prim, SimConfig, SimDriver, PANIC};
-use tms::engine::{AllocRequest, CopyConfig, Engine, State};
+use tms::driver::sim::{Prim, SimDriver, PANIC};
+use tms::engine::{AllocRequest, Engine, State};
 use tms::threads::fail_next_spawns;
 
 const MIB: u64 = 1 << 20;
@@ -25,22 +25,12 @@ struct Fx {
 
 /// Two devices, three workers each, small chunks and slots so every allocation is many pieces.
 fn fx() -> Fx {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 2,
-            capacity: 64 << 20,
-            granularity: 2 << 20,
-        })
-        .unwrap(),
+    let (sim, e) = common::sim_engine(
+        &common::Setup::default()
+            .devices(2)
+            .capacity(64 << 20)
+            .small_pieces(3),
     );
-    let e = Arc::new(Engine::new(sim.clone()));
-    let mut cfg = CopyConfig {
-        threads: 3,
-        ..CopyConfig::default()
-    };
-    cfg.layout.chunk = MIB;
-    cfg.slot = 256 << 10;
-    e.set_copy_config(cfg).unwrap();
     let mut allocs = Vec::new();
     for (k, mib) in [3u64, 8, 5, 2].into_iter().enumerate() {
         let size = mib * MIB;

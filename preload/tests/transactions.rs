@@ -9,10 +9,10 @@ use std::sync::{mpsc, Arc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use common::{pattern, read_raw, write_raw};
+use common::{engine_test, pattern, Setup};
 use tms::backup::BackupKind;
-use tms::driver::sim::{Prim, SimConfig, SimDriver};
-use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
+use tms::driver::sim::Prim;
+use tms::engine::{AllocRequest, CopyConfig, PinMode, State};
 
 const MIB: u64 = 1 << 20;
 const G: u64 = 2 << 20;
@@ -20,27 +20,9 @@ const G: u64 = 2 << 20;
 /// pause takes forever.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-fn sim(devices: i32) -> Arc<SimDriver> {
-    Arc::new(
-        SimDriver::new(SimConfig {
-            devices,
-            capacity: 256 << 20,
-            granularity: G,
-        })
-        .unwrap(),
-    )
-}
-
-fn engine(sim: &Arc<SimDriver>, threads: usize) -> Arc<Engine> {
-    let e = Arc::new(Engine::new(sim.clone()));
-    let mut cfg = CopyConfig {
-        threads,
-        ..CopyConfig::default()
-    };
-    cfg.layout.chunk = MIB;
-    cfg.slot = 256 << 10;
-    e.set_copy_config(cfg).unwrap();
-    e
+/// `devices` devices of 256 MiB, `threads` copy workers, small host chunks and staging slots.
+fn tx(devices: i32, threads: usize) -> Setup {
+    Setup::default().devices(devices).small_pieces(threads)
 }
 
 fn req(size: u64, device: i32, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
@@ -72,380 +54,376 @@ fn wait_until(what: &str, cond: impl Fn() -> bool) {
     }
 }
 
-/// A pause held at its device synchronization (as when the GPU's work waits for a host thread)
-/// keeps no hook waiting: ownership questions, frees of memory that is not the engine's,
-/// allocations, frees of allocations the pause does not touch, statistics. A free of an
-/// allocation the pause is changing waits for that allocation only, and then frees it.
-#[test]
-fn hooks_never_wait_for_a_stalled_pause() {
-    let sim = sim(2);
-    let e = engine(&sim, 2);
-    let kv = e
-        .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Pinned)))
-        .unwrap();
-    let kv_data = pattern(8 << 20, 1);
-    write_raw(&sim, kv, &kv_data);
-    let kv2 = e.alloc(&req(4 * MIB, 0, "kv", None)).unwrap();
-    let other = e.alloc(&req(4 * MIB, 1, "w", None)).unwrap();
+engine_test! {
+    /// A pause held at its device synchronization (as when the GPU's work waits for a host thread)
+    /// keeps no hook waiting: ownership questions, frees of memory that is not the engine's,
+    /// allocations, frees of allocations the pause does not touch, statistics. A free of an
+    /// allocation the pause is changing waits for that allocation only, and then frees it.
+    sim_only fn hooks_never_wait_for_a_stalled_pause(h) [tx(2, 2)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let kv = e
+            .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let kv_data = pattern(8 << 20, 1);
+        h.write(kv, &kv_data);
+        let kv2 = e.alloc(&req(4 * MIB, 0, "kv", None)).unwrap();
+        let other = e.alloc(&req(4 * MIB, 1, "w", None)).unwrap();
 
-    sim.hold(Prim::Synchronize, Some(0));
-    let pauser = {
-        let e = e.clone();
-        thread::spawn(move || e.pause(Some("kv")))
-    };
-    wait_until("the pause reaches the device", || sim.held_calls() == 1);
-    let states: BTreeMap<u64, State> = e.allocations().iter().map(|a| (a.addr, a.state)).collect();
-    assert_eq!(states[&kv], State::Pausing);
-    assert_eq!(states[&other], State::Active);
+        sim.hold(Prim::Synchronize, Some(0));
+        let pauser = {
+            let e = e.clone();
+            thread::spawn(move || e.pause(Some("kv")))
+        };
+        wait_until("the pause reaches the device", || sim.held_calls() == 1);
+        let states: BTreeMap<u64, State> =
+            e.allocations().iter().map(|a| (a.addr, a.state)).collect();
+        assert_eq!(states[&kv], State::Pausing);
+        assert_eq!(states[&other], State::Active);
 
-    let e2 = e.clone();
-    let fresh = within("hooks", move || {
-        assert!(!e2.owns(0x1234_5000), "not ours");
-        assert!(!e2.free(0x1234_5000).unwrap(), "a free of foreign memory");
-        assert!(e2.owns(kv));
-        let p = e2.alloc(&req(2 * MIB, 1, "new", None)).unwrap();
+        let e2 = e.clone();
+        let fresh = within("hooks", move || {
+            assert!(!e2.owns(0x1234_5000), "not ours");
+            assert!(!e2.free(0x1234_5000).unwrap(), "a free of foreign memory");
+            assert!(e2.owns(kv));
+            let p = e2.alloc(&req(2 * MIB, 1, "new", None)).unwrap();
+            assert!(
+                e2.free(other).unwrap(),
+                "a free of an allocation not being paused"
+            );
+            let s = e2.stats();
+            assert!(s.tags.iter().any(|t| t.tag == "kv"));
+            p
+        });
+
+        // A free of the allocation being paused waits for it, and only for it.
+        let freer = {
+            let e = e.clone();
+            thread::spawn(move || e.free(kv2))
+        };
+        thread::sleep(Duration::from_millis(50));
+        assert!(!freer.is_finished(), "kv2 was freed while being paused");
+        sim.unhold(Prim::Synchronize, Some(0));
+        let r = pauser.join().unwrap().unwrap();
         assert!(
-            e2.free(other).unwrap(),
-            "a free of an allocation not being paused"
+            freer.join().unwrap().unwrap(),
+            "freed once the pause let it go"
         );
-        let s = e2.stats();
-        assert!(s.tags.iter().any(|t| t.tag == "kv"));
-        p
-    });
-
-    // A free of the allocation being paused waits for it, and only for it.
-    let freer = {
-        let e = e.clone();
-        thread::spawn(move || e.free(kv2))
-    };
-    thread::sleep(Duration::from_millis(50));
-    assert!(!freer.is_finished(), "kv2 was freed while being paused");
-    sim.unhold(Prim::Synchronize, Some(0));
-    let r = pauser.join().unwrap().unwrap();
-    assert!(
-        freer.join().unwrap().unwrap(),
-        "freed once the pause let it go"
-    );
-    assert_eq!(r.allocations, 2);
-    assert!(!e.owns(kv2));
-    let mut b = vec![0u8; kv_data.len()];
-    assert!(e.copy_cpu_backup(kv, &mut b).unwrap());
-    assert!(b == kv_data, "the backup is whole");
-    e.resume(None).unwrap();
-    assert!(read_raw(&sim, kv, kv_data.len()) == kv_data);
-    assert!(e.free(fresh).unwrap());
-    assert!(e.allocations().iter().all(|a| a.state == State::Active));
+        assert_eq!(r.allocations, 2);
+        assert!(!e.owns(kv2));
+        let mut b = vec![0u8; kv_data.len()];
+        assert!(e.copy_cpu_backup(kv, &mut b).unwrap());
+        assert!(b == kv_data, "the backup is whole");
+        e.resume(None).unwrap();
+        assert!(h.read(kv, kv_data.len()) == kv_data);
+        assert!(e.free(fresh).unwrap());
+        assert!(e.allocations().iter().all(|a| a.state == State::Active));
+    }
 }
 
-/// Frees and allocations from several threads while pauses and resumes run, with several copy
-/// workers and every kind of backup: every allocation that survives has its contents, and
-/// nothing is left in transition.
-#[test]
-fn hooks_and_transactions_interleave_without_loss() {
-    let sim = sim(2);
-    let e = engine(&sim, 3);
-    let dir = tempfile::tempdir().unwrap();
-    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
-    let mut keep = Vec::new();
-    for k in 0..6u64 {
-        let size = (1 + k % 3) * 3 * MIB + 4096 * k;
-        let kind = [BackupKind::Mmap, BackupKind::Disk, BackupKind::Pinned][k as usize % 3];
+engine_test! {
+    /// Frees and allocations from several threads while pauses and resumes run, with several copy
+    /// workers and every kind of backup: every allocation that survives has its contents, and
+    /// nothing is left in transition.
+    fn hooks_and_transactions_interleave_without_loss(h) [tx(2, 3)] {
+        let (e, devices) = (&h.e, h.devices());
+        let dir = tempfile::tempdir().unwrap();
+        e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
+            .unwrap();
+        let mut keep = Vec::new();
+        for k in 0..6u64 {
+            let size = (1 + k % 3) * 3 * MIB + 4096 * k;
+            let kind = [BackupKind::Mmap, BackupKind::Disk, BackupKind::Pinned][k as usize % 3];
+            let p = e
+                .alloc(&req(size, h.device((k % 2) as i32), "kv", Some(kind)))
+                .unwrap();
+            let data = pattern(size as usize, 100 + k);
+            h.write(p, &data);
+            keep.push((p, data));
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let churners: Vec<_> = (0..3)
+            .map(|t| {
+                let (e, stop) = (e.clone(), stop.clone());
+                thread::spawn(move || {
+                    let mut n = 0u32;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let p = e
+                            .alloc(&req(G, t % 2 % devices, &format!("churn{t}"), None))
+                            .unwrap();
+                        assert!(!e.free(p + 1).unwrap(), "not the start of an allocation");
+                        assert!(e.free(p).unwrap());
+                        n += 1;
+                    }
+                    n
+                })
+            })
+            .collect();
+        for _ in 0..15 {
+            e.pause(Some("kv")).unwrap();
+            e.resume(Some("kv")).unwrap();
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let churned: u32 = churners.into_iter().map(|c| c.join().unwrap()).sum();
+        assert!(churned > 0);
+        for (p, data) in &keep {
+            assert!(
+                h.read(*p, data.len()) == *data,
+                "{p:#x} lost contents"
+            );
+        }
+        assert_eq!(
+            e.allocations().len(),
+            keep.len(),
+            "churn allocations all freed"
+        );
+    }
+}
+
+engine_test! {
+    /// A pause whose new backups the host cannot hold fails before touching anything, with the
+    /// numbers, and the allocations stay active with their contents; once memory is there it works.
+    sim_only fn a_pause_the_host_cannot_hold_fails_with_the_numbers(h) [tx(1, 2)] {
+        let (sim, e) = (h.simulated(), &h.e);
         let p = e
-            .alloc(&req(size, (k % 2) as i32, "kv", Some(kind)))
+            .alloc(&req(96 * MIB, 0, "big", Some(BackupKind::Pinned)))
             .unwrap();
-        let data = pattern(size as usize, 100 + k);
-        write_raw(&sim, p, &data);
-        keep.push((p, data));
-    }
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let churners: Vec<_> = (0..3)
-        .map(|t| {
-            let (e, stop) = (e.clone(), stop.clone());
-            thread::spawn(move || {
-                let mut n = 0u32;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let p = e.alloc(&req(G, t % 2, &format!("churn{t}"), None)).unwrap();
-                    assert!(!e.free(p + 1).unwrap(), "not the start of an allocation");
-                    assert!(e.free(p).unwrap());
-                    n += 1;
-                }
-                n
-            })
-        })
-        .collect();
-    for _ in 0..15 {
-        e.pause(Some("kv")).unwrap();
-        e.resume(Some("kv")).unwrap();
-    }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let churned: u32 = churners.into_iter().map(|h| h.join().unwrap()).sum();
-    assert!(churned > 0);
-    for (p, data) in &keep {
-        assert!(
-            read_raw(&sim, *p, data.len()) == *data,
-            "{p:#x} lost contents"
+        let data = pattern(96 << 20, 9);
+        h.write(p, &data);
+        sim.set_host_memory(Some(100 * MIB));
+        let err = e.pause(Some("big")).unwrap_err();
+        let msg = err.to_string();
+        assert!(err.is_oom(), "{msg}");
+        for want in [
+            "host memory",
+            "MiB",
+            "TMS_SIM_HOST_MEMORY",
+            "nothing was paused",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+        let a = &e.allocations()[0];
+        assert_eq!(
+            (a.state, a.host_valid, a.host_bytes),
+            (State::Active, false, 0)
         );
+        assert!(h.read(p, data.len()) == data);
+        assert_eq!(sim.live_bytes(0), 96 * MIB, "nothing released");
+
+        sim.set_host_memory(Some(1 << 30));
+        e.pause(Some("big")).unwrap();
+        e.resume(Some("big")).unwrap();
+        assert!(h.read(p, data.len()) == data);
     }
-    assert_eq!(
-        e.allocations().len(),
-        keep.len(),
-        "churn allocations all freed"
-    );
 }
 
-/// A pause whose new backups the host cannot hold fails before touching anything, with the
-/// numbers, and the allocations stay active with their contents; once memory is there it works.
-#[test]
-fn a_pause_the_host_cannot_hold_fails_with_the_numbers() {
-    let sim = sim(1);
-    let e = engine(&sim, 2);
-    let p = e
-        .alloc(&req(96 * MIB, 0, "big", Some(BackupKind::Pinned)))
-        .unwrap();
-    let data = pattern(96 << 20, 9);
-    write_raw(&sim, p, &data);
-    sim.set_host_memory(Some(100 * MIB));
-    let err = e.pause(Some("big")).unwrap_err();
-    let msg = err.to_string();
-    assert!(err.is_oom(), "{msg}");
-    for want in [
-        "host memory",
-        "MiB",
-        "TMS_SIM_HOST_MEMORY",
-        "nothing was paused",
-    ] {
-        assert!(msg.contains(want), "{want:?} missing from: {msg}");
-    }
-    let a = &e.allocations()[0];
-    assert_eq!(
-        (a.state, a.host_valid, a.host_bytes),
-        (State::Active, false, 0)
-    );
-    assert!(read_raw(&sim, p, data.len()) == data);
-    assert_eq!(sim.live_bytes(0), 96 * MIB, "nothing released");
-
-    sim.set_host_memory(Some(1 << 30));
-    e.pause(Some("big")).unwrap();
-    e.resume(Some("big")).unwrap();
-    assert!(read_raw(&sim, p, data.len()) == data);
-}
-
-/// The simulated device keeps its memory in host RAM: more than the host has is refused at
-/// allocation, as device memory beyond the capacity is, instead of being killed once written.
-#[test]
-fn the_sim_refuses_device_memory_the_host_cannot_hold() {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices: 1,
-            capacity: 4 << 40,
-            granularity: G,
-        })
-        .unwrap(),
-    );
-    sim.set_host_memory(Some(64 << 30));
-    let e = Engine::new(sim.clone());
-    let err = e.alloc(&req(1 << 40, 0, "huge", None)).unwrap_err();
-    assert!(err.is_oom(), "{err}");
-    assert!(err.to_string().contains("host RAM"), "{err}");
-    assert_eq!(sim.live_bytes(0), 0);
-    assert_eq!(sim.live_reservations(), 0, "the reservation is given back");
-}
-
-/// Page-locking and its undoing happen in the context of the device backed up, whichever
-/// thread does them: the background pinner, the parallel release, a resume from a thread with
-/// no device of its own. A process on device 3 never gets a context on device 0.
-#[test]
-fn helper_threads_page_lock_in_the_backups_own_device() {
-    let sim = sim(4);
-    let e = engine(&sim, 3);
-    e.set_copy_config(CopyConfig {
-        pin: PinMode::Background,
-        ..e.copy_config()
-    })
-    .unwrap();
-    let p = e
-        .alloc(&req(6 * MIB, 3, "kv", Some(BackupKind::Pinned)))
-        .unwrap();
-    let data = pattern(6 << 20, 4);
-    write_raw(&sim, p, &data);
-    e.set_retain_cpu_backup(true);
-    for _ in 0..2 {
-        let e2 = e.clone();
-        thread::spawn(move || e2.pause(None).map(|_| ()))
-            .join()
-            .unwrap()
-            .unwrap();
-        assert!(e.wait_for_background_pinning(PATIENCE));
-        let e2 = e.clone();
-        thread::spawn(move || e2.resume(None).map(|_| ()))
-            .join()
-            .unwrap()
-            .unwrap();
-        assert!(e.wait_for_background_pinning(PATIENCE));
-    }
-    assert!(
-        e.allocations()[0].host_pinned_bytes > 0,
-        "pinned in the background"
-    );
-    e.set_retain_cpu_backup(false);
-    e.pause(None).unwrap();
-    e.resume(None).unwrap();
-    assert!(read_raw(&sim, p, data.len()) == data);
-    assert!(e.free(p).unwrap());
-    assert_eq!(sim.pinned_bytes(), 0, "everything unregistered");
-    let by_device = sim.host_calls_by_device();
-    assert_eq!(
-        by_device.keys().copied().collect::<Vec<_>>(),
-        vec![3],
-        "host registrations per device: {by_device:?}"
-    );
-}
-
-/// A pause that failed part-way leaves no backup to read: the lookup offers only complete
-/// snapshots.
-#[test]
-fn a_failed_pause_offers_no_partial_backup() {
-    let sim = sim(1);
-    let e = engine(&sim, 3);
-    let p = e
-        .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Mmap)))
-        .unwrap();
-    let data = pattern(8 << 20, 5);
-    write_raw(&sim, p, &data);
-    // Fail the copy of the fifth chunk: some of the backup is written, not all.
-    sim.arm_fault(Prim::CopyD2H, 5, 999);
-    assert!(e.pause(None).is_err());
-    let a = &e.allocations()[0];
-    assert_eq!((a.state, a.host_valid), (State::Active, false));
-    let mut b = vec![0u8; data.len()];
-    assert!(!e.copy_cpu_backup(p, &mut b).unwrap());
-    assert!(e
-        .acquire_cpu_backup(p, data.len() as u64)
-        .unwrap()
-        .is_none());
-    assert!(e.cpu_backup_ptr(p, 1).unwrap().is_none());
-    sim.clear_faults();
-    e.pause(None).unwrap();
-    assert!(e.copy_cpu_backup(p, &mut b).unwrap() && b == data);
-}
-
-/// A leased backup (a zero-copy view) stays mapped and unchanged through a resume that
-/// releases backups, and through later pauses that write new contents; it goes with its lease.
-#[test]
-fn a_leased_backup_outlives_release_and_is_never_overwritten() {
-    let sim = sim(1);
-    let e = engine(&sim, 2);
-    let len = 6 * MIB;
-    let p = e
-        .alloc(&req(len, 0, "kv", Some(BackupKind::Pinned)))
-        .unwrap();
-    let first = pattern(len as usize, 6);
-    write_raw(&sim, p, &first);
-    e.pause(None).unwrap();
-    let lease = e
-        .acquire_cpu_backup(p, len)
-        .unwrap()
-        .expect("paused with backup");
-    // SAFETY: the lease keeps len bytes at lease.ptr mapped and unchanged until released.
-    let view = |l: &tms::engine::BackupLease| unsafe {
-        std::slice::from_raw_parts(l.ptr, len as usize).to_vec()
-    };
-    e.resume(None).unwrap(); // no retention: the engine lets go of the backup
-    assert_eq!(e.allocations()[0].host_bytes, 0);
-    assert!(
-        view(&lease) == first,
-        "the leased view survives the release"
-    );
-    let second = pattern(len as usize, 7);
-    write_raw(&sim, p, &second);
-    e.set_retain_cpu_backup(true);
-    e.pause(None).unwrap();
-    e.resume(None).unwrap();
-    let lease2 = e
-        .acquire_cpu_backup(p, len)
-        .unwrap()
-        .expect("retained snapshot");
-    assert!(view(&lease2) == second);
-    write_raw(&sim, p, &first);
-    e.pause(None).unwrap(); // would reuse the retained buffer, but it is leased
-    assert!(
-        view(&lease) == first && view(&lease2) == second,
-        "leased snapshots unchanged"
-    );
-    let mut b = vec![0u8; len as usize];
-    assert!(e.copy_cpu_backup(p, &mut b).unwrap() && b == first);
-    assert_eq!(e.cpu_backup_leases(), 2);
-    e.release_cpu_backup(lease.lease).unwrap();
-    e.release_cpu_backup(lease2.lease).unwrap();
-    let err = e.release_cpu_backup(lease2.lease).unwrap_err();
-    assert!(err.to_string().contains("not held"), "{err}");
-    e.resume(None).unwrap();
-    assert!(read_raw(&sim, p, len as usize) == first);
-    assert!(e.free(p).unwrap());
-    drop(e);
-    assert_eq!(
-        sim.pinned_bytes(),
-        0,
-        "every buffer is freed with its last holder"
-    );
-}
-
-/// A resume that fails (out of memory) undoes the mappings it made; when undoing cannot unmap
-/// one (a failing cuMemUnmap, twice), the registry still says paused with its backup, the error
-/// says what stays mapped, and the next resume unmaps it first and restores every byte; a free
-/// of an allocation left so also unmaps it, leaving no mapping behind.
-#[test]
-fn a_mapping_a_failed_resume_cannot_undo_is_unmapped_by_the_next_call() {
-    for free_it in [false, true] {
-        let sim = Arc::new(
-            SimDriver::new(SimConfig {
-                devices: 1,
-                capacity: 5 * G,
-                granularity: G,
-            })
-            .unwrap(),
-        );
-        let e = engine(&sim, 2);
-        let a = e
-            .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
-            .unwrap();
-        let b = e
-            .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
-            .unwrap();
-        let (da, db) = (pattern(2 * G as usize, 1), pattern(2 * G as usize, 2));
-        write_raw(&sim, a, &da);
-        write_raw(&sim, b, &db);
-        e.pause(Some("kv")).unwrap();
-        // Room for one of the two only: the second mapping runs out of memory.
-        let c = e.alloc(&req(2 * G, 0, "other", None)).unwrap();
-        sim.arm_fault(Prim::Unmap, 1, 999);
-        sim.arm_fault(Prim::Unmap, 1, 999);
-        let err = e.resume(Some("kv")).unwrap_err();
+engine_test! {
+    /// The simulated device keeps its memory in host RAM: more than the host has is refused at
+    /// allocation, as device memory beyond the capacity is, instead of being killed once written.
+    sim_only fn the_sim_refuses_device_memory_the_host_cannot_hold(h)
+        [Setup::default().capacity(4 << 40)]
+    {
+        let (sim, e) = (h.simulated(), &h.e);
+        sim.set_host_memory(Some(64 << 30));
+        let err = e.alloc(&req(1 << 40, 0, "huge", None)).unwrap_err();
         assert!(err.is_oom(), "{err}");
+        assert!(err.to_string().contains("host RAM"), "{err}");
+        assert_eq!(sim.live_bytes(0), 0);
+        assert_eq!(sim.live_reservations(), 0, "the reservation is given back");
+    }
+}
+
+engine_test! {
+    /// Page-locking and its undoing happen in the context of the device backed up, whichever
+    /// thread does them: the background pinner, the parallel release, a resume from a thread with
+    /// no device of its own. A process on device 3 never gets a context on device 0.
+    sim_only fn helper_threads_page_lock_in_the_backups_own_device(h) [tx(4, 3)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        e.set_copy_config(CopyConfig {
+            pin: PinMode::Background,
+            ..e.copy_config()
+        })
+        .unwrap();
+        let p = e
+            .alloc(&req(6 * MIB, 3, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let data = pattern(6 << 20, 4);
+        h.write(p, &data);
+        e.set_retain_cpu_backup(true);
+        for _ in 0..2 {
+            let e2 = e.clone();
+            thread::spawn(move || e2.pause(None).map(|_| ()))
+                .join()
+                .unwrap()
+                .unwrap();
+            assert!(e.wait_for_background_pinning(PATIENCE));
+            let e2 = e.clone();
+            thread::spawn(move || e2.resume(None).map(|_| ()))
+                .join()
+                .unwrap()
+                .unwrap();
+            assert!(e.wait_for_background_pinning(PATIENCE));
+        }
         assert!(
-            err.to_string()
-                .contains("could not be unmapped while undoing"),
-            "{err}"
+            e.allocations()[0].host_pinned_bytes > 0,
+            "pinned in the background"
         );
-        assert_eq!(sim.pending_faults(), 0, "both unmap faults fired");
-        let states: Vec<State> = e.allocations().iter().map(|i| i.state).collect();
-        assert_eq!(states.iter().filter(|s| **s == State::Paused).count(), 2);
-        let stuck = [a, b].into_iter().filter(|p| sim.is_accessible(*p)).count();
-        assert_eq!(stuck, 1, "one mapping was left in place");
-        e.free(c).unwrap();
-        if free_it {
+        e.set_retain_cpu_backup(false);
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        assert!(h.read(p, data.len()) == data);
+        assert!(e.free(p).unwrap());
+        assert_eq!(sim.pinned_bytes(), 0, "everything unregistered");
+        let by_device = sim.host_calls_by_device();
+        assert_eq!(
+            by_device.keys().copied().collect::<Vec<_>>(),
+            vec![3],
+            "host registrations per device: {by_device:?}"
+        );
+    }
+}
+
+engine_test! {
+    /// A pause that failed part-way leaves no backup to read: the lookup offers only complete
+    /// snapshots.
+    sim_only fn a_failed_pause_offers_no_partial_backup(h) [tx(1, 3)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let p = e
+            .alloc(&req(8 * MIB, 0, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let data = pattern(8 << 20, 5);
+        h.write(p, &data);
+        // Fail the copy of the fifth chunk: some of the backup is written, not all.
+        sim.arm_fault(Prim::CopyD2H, 5, 999);
+        assert!(e.pause(None).is_err());
+        let a = &e.allocations()[0];
+        assert_eq!((a.state, a.host_valid), (State::Active, false));
+        let mut b = vec![0u8; data.len()];
+        assert!(!e.copy_cpu_backup(p, &mut b).unwrap());
+        assert!(e
+            .acquire_cpu_backup(p, data.len() as u64)
+            .unwrap()
+            .is_none());
+        assert!(e.cpu_backup_ptr(p, 1).unwrap().is_none());
+        sim.clear_faults();
+        e.pause(None).unwrap();
+        assert!(e.copy_cpu_backup(p, &mut b).unwrap() && b == data);
+    }
+}
+
+engine_test! {
+    /// A leased backup (a zero-copy view) stays mapped and unchanged through a resume that
+    /// releases backups, and through later pauses that write new contents; it goes with its lease.
+    fn a_leased_backup_outlives_release_and_is_never_overwritten(h) [tx(1, 2)] {
+        let e = &h.e;
+        let len = 6 * MIB;
+        let p = e
+            .alloc(&req(len, 0, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let first = pattern(len as usize, 6);
+        h.write(p, &first);
+        e.pause(None).unwrap();
+        let lease = e
+            .acquire_cpu_backup(p, len)
+            .unwrap()
+            .expect("paused with backup");
+        // SAFETY: the lease keeps len bytes at lease.ptr mapped and unchanged until released.
+        let view = |l: &tms::engine::BackupLease| unsafe {
+            std::slice::from_raw_parts(l.ptr, len as usize).to_vec()
+        };
+        e.resume(None).unwrap(); // no retention: the engine lets go of the backup
+        assert_eq!(e.allocations()[0].host_bytes, 0);
+        assert!(
+            view(&lease) == first,
+            "the leased view survives the release"
+        );
+        let second = pattern(len as usize, 7);
+        h.write(p, &second);
+        e.set_retain_cpu_backup(true);
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        let lease2 = e
+            .acquire_cpu_backup(p, len)
+            .unwrap()
+            .expect("retained snapshot");
+        assert!(view(&lease2) == second);
+        h.write(p, &first);
+        e.pause(None).unwrap(); // would reuse the retained buffer, but it is leased
+        assert!(
+            view(&lease) == first && view(&lease2) == second,
+            "leased snapshots unchanged"
+        );
+        let mut b = vec![0u8; len as usize];
+        assert!(e.copy_cpu_backup(p, &mut b).unwrap() && b == first);
+        assert_eq!(e.cpu_backup_leases(), 2);
+        e.release_cpu_backup(lease.lease).unwrap();
+        e.release_cpu_backup(lease2.lease).unwrap();
+        let err = e.release_cpu_backup(lease2.lease).unwrap_err();
+        assert!(err.to_string().contains("not held"), "{err}");
+        e.resume(None).unwrap();
+        assert!(h.read(p, len as usize) == first);
+        assert!(e.free(p).unwrap());
+        let ended = h.end();
+        if let Some(sim) = ended.sim() {
+            assert_eq!(
+                sim.pinned_bytes(),
+                0,
+                "every buffer is freed with its last holder"
+            );
+        }
+    }
+}
+
+engine_test! {
+    /// A resume that fails (out of memory) undoes the mappings it made; when undoing cannot unmap
+    /// one (a failing cuMemUnmap, twice), the registry still says paused with its backup, the error
+    /// says what stays mapped, and the next resume unmaps it first and restores every byte; a free
+    /// of an allocation left so also unmaps it, leaving no mapping behind.
+    sim_only fn a_mapping_a_failed_resume_cannot_undo_is_unmapped_by_the_next_call(h)
+        [tx(1, 2).capacity(5 * G)]
+    {
+        for free_it in [false, true] {
+            let h = h.again();
+            let (sim, e) = (h.simulated(), &h.e);
+            let a = e
+                .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
+                .unwrap();
+            let b = e
+                .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
+                .unwrap();
+            let (da, db) = (pattern(2 * G as usize, 1), pattern(2 * G as usize, 2));
+            h.write(a, &da);
+            h.write(b, &db);
+            e.pause(Some("kv")).unwrap();
+            // Room for one of the two only: the second mapping runs out of memory.
+            let c = e.alloc(&req(2 * G, 0, "other", None)).unwrap();
+            sim.arm_fault(Prim::Unmap, 1, 999);
+            sim.arm_fault(Prim::Unmap, 1, 999);
+            let err = e.resume(Some("kv")).unwrap_err();
+            assert!(err.is_oom(), "{err}");
+            assert!(
+                err.to_string()
+                    .contains("could not be unmapped while undoing"),
+                "{err}"
+            );
+            assert_eq!(sim.pending_faults(), 0, "both unmap faults fired");
+            let states: Vec<State> = e.allocations().iter().map(|i| i.state).collect();
+            assert_eq!(states.iter().filter(|s| **s == State::Paused).count(), 2);
+            let stuck = [a, b].into_iter().filter(|p| sim.is_accessible(*p)).count();
+            assert_eq!(stuck, 1, "one mapping was left in place");
+            e.free(c).unwrap();
+            if free_it {
+                e.free(a).unwrap();
+                e.free(b).unwrap();
+                assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0));
+                assert_eq!(sim.live_reservations(), 0);
+                continue;
+            }
+            e.resume(Some("kv")).unwrap();
+            assert!(h.read(a, 2 * G as usize) == da);
+            assert!(h.read(b, 2 * G as usize) == db);
             e.free(a).unwrap();
             e.free(b).unwrap();
             assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0));
-            assert_eq!(sim.live_reservations(), 0);
-            continue;
         }
-        e.resume(Some("kv")).unwrap();
-        assert!(read_raw(&sim, a, 2 * G as usize) == da);
-        assert!(read_raw(&sim, b, 2 * G as usize) == db);
-        e.free(a).unwrap();
-        e.free(b).unwrap();
-        assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0));
     }
 }

@@ -1,5 +1,6 @@
 # Sourced by the GPU check scripts (from the repository root): PASS/FAIL lines and their count,
-# and the artefacts under test ($BIN/libtms.so as LIB, $BIN/tmsctl as CTL).
+# and need_artefacts, which checks the artefacts under test ($BIN/libtms.so as LIB, $BIN/tmsctl
+# as CTL) for the scripts that use them.
 BIN=${TMS_BIN_DIR:-target/release}
 export PYTHONUNBUFFERED=1
 
@@ -14,9 +15,11 @@ finish() {
   exit 1
 }
 
-LIB=$(readlink -f "$BIN/libtms.so" 2>/dev/null || true)
-CTL=$(readlink -f "$BIN/tmsctl" 2>/dev/null || true)
-if [ -z "$LIB" ] || [ ! -f "$LIB" ] || [ -z "$CTL" ] || [ ! -x "$CTL" ]; then
-  bad artefacts "need $BIN/libtms.so and $BIN/tmsctl (cargo build --release, then bring them along)"
-  finish
-fi
+need_artefacts() {
+  LIB=$(readlink -f "$BIN/libtms.so" 2>/dev/null || true)
+  CTL=$(readlink -f "$BIN/tmsctl" 2>/dev/null || true)
+  if [ -z "$LIB" ] || [ ! -f "$LIB" ] || [ -z "$CTL" ] || [ ! -x "$CTL" ]; then
+    bad artefacts "need $BIN/libtms.so and $BIN/tmsctl (cargo build --release, then bring them along)"
+    finish
+  fi
+}

@@ -20,6 +20,7 @@ cd "$(dirname "$0")/../.."
 GIB=${CTL_CHECK_GIB:-20}
 # shellcheck source=scripts/gpu/checks.sh
 . scripts/gpu/checks.sh
+need_artefacts
 ok artefacts
 
 WORK=$(mktemp -d /tmp/tms-ctl-check.XXXXXX)

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/../.."
 GIB=${DISK_GIB:-64}
 # shellcheck source=scripts/gpu/checks.sh
 . scripts/gpu/checks.sh
+need_artefacts
 
 WORK=$(mktemp -d /tmp/tms-disk-progress.XXXXXX)
 mkdir -m 700 "$WORK/sockets"

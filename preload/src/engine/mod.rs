@@ -110,8 +110,9 @@
 //!   or an engine call.
 //! - `settings::DEFAULT_REGION` (an `RwLock`): the process-wide default region; read by the
 //!   hooks, written by `set_default_region`. A leaf.
-//! - The simulated driver (`driver/sim.rs`): `inner` (all simulated state; held for each
-//!   primitive, so the engine's locks are always taken before it), `holds` with `holds_changed`
+//! - The simulated driver (`driver/sim/`): `inner` (`mod.rs`: all simulated state, that of
+//!   `memory.rs`, `streams.rs`, `host.rs` and `faults.rs`; held for each primitive, so the
+//!   engine's locks are always taken before it), and in `gates.rs` `holds` with `holds_changed`
 //!   (held primitives wait on it, before taking `inner`), `sync_delay` and `link` (leaves; the
 //!   simulated time is slept with no lock held).
 //! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA

@@ -1,39 +1,25 @@
-//! Helpers shared by the engine's integration tests: reproducible data, and reads and writes
-//! of simulated device memory that call no driver primitive (so armed faults are not consumed
-//! by the test itself).
+//! Helpers shared by the engine's integration tests: the setup of a test's machine and engine
+//! (`setup.rs`), the harness that runs a test body on the sim or on CUDA (`harness.rs`), the
+//! check that the device holds what the registry implies (`invariants.rs`), reproducible data,
+//! and reads and writes of simulated device memory that call no driver primitive (so armed
+//! faults are not consumed by the test itself).
 
 #![allow(dead_code)]
 
-use std::sync::Arc;
+pub mod harness;
+pub mod invariants;
+pub mod setup;
 
-use tms::driver::sim::{SimConfig, SimDriver};
-use tms::engine::{CopyConfig, Engine};
+#[allow(unused_imports)]
+pub(crate) use harness::engine_test;
+#[allow(unused_imports)]
+pub use harness::{run_proptest, Harness};
+#[allow(unused_imports)]
+pub use invariants::{assert_invariants, check_invariants, Expect, Leaks};
+#[allow(unused_imports)]
+pub use setup::{sim_engine, Setup};
 
-/// An engine on a simulated device (`devices` of 256 MiB, 2 MiB granularity) with `threads`
-/// copy workers, small staging slots (256 KiB) and disk chunks (1 MiB), so that little data
-/// spans many pieces, and a disk backup folder of its own (kept while the folder lives).
-pub fn disk_engine(devices: i32, threads: usize) -> (Arc<SimDriver>, Engine, tempfile::TempDir) {
-    let sim = Arc::new(
-        SimDriver::new(SimConfig {
-            devices,
-            capacity: 256 << 20,
-            granularity: 2 << 20,
-        })
-        .unwrap(),
-    );
-    let e = Engine::new(sim.clone());
-    let mut cfg = CopyConfig {
-        threads,
-        ..CopyConfig::default()
-    };
-    cfg.slot = 256 << 10;
-    cfg.disk_chunk = 1 << 20;
-    e.set_copy_config(cfg).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
-        .unwrap();
-    (sim, e, dir)
-}
+use tms::driver::sim::SimDriver;
 
 /// `len` pseudo-random bytes (xorshift64) from `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {

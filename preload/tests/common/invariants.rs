@@ -1,0 +1,207 @@
+//! The one check that the engine's registry tells the truth: every allocation settled (no call
+//! left one in transition), and the simulated device holding exactly what the registry implies
+//! (accessible ranges, physical bytes, handles, mappings, reservations, page-locked host bytes),
+//! no more: only the leaks a test says the engine may have made.
+
+use std::collections::BTreeMap;
+
+use tms::driver::sim::SimDriver;
+use tms::engine::{AllocInfo, Engine, State};
+
+/// What the engine may have leaked on top of what its registry implies.
+#[derive(Clone, Debug)]
+pub struct Leaks {
+    /// Physical handles.
+    pub handles: usize,
+    /// Device bytes of leaked handles, per device; `None`: not known (live bytes unchecked).
+    pub bytes: Option<BTreeMap<i32, u64>>,
+    /// Address ranges.
+    pub reservations: usize,
+    /// Page-locked host bytes.
+    pub pinned: u64,
+}
+
+impl Default for Leaks {
+    fn default() -> Self {
+        Leaks {
+            handles: 0,
+            bytes: Some(BTreeMap::new()),
+            reservations: 0,
+            pinned: 0,
+        }
+    }
+}
+
+impl Leaks {
+    /// Record a leaked handle of `bytes` on `device`.
+    pub fn handle(&mut self, device: i32, bytes: u64) {
+        self.handles += 1;
+        if let Some(b) = &mut self.bytes {
+            *b.entry(device).or_default() += bytes;
+        }
+    }
+
+    /// Leaked device bytes on `device` (`None`: not known).
+    pub fn bytes_on(&self, device: i32) -> Option<u64> {
+        self.bytes
+            .as_ref()
+            .map(|b| b.get(&device).copied().unwrap_or(0))
+    }
+}
+
+/// What to check besides the registry against the device.
+#[derive(Clone, Debug, Default)]
+pub struct Expect {
+    pub leaks: Leaks,
+    /// Nothing is left queued on the device, and no copy ever used pageable host memory.
+    pub copies_done: bool,
+}
+
+impl Expect {
+    /// No leaks, and every copy done and page-locked.
+    pub fn clean() -> Self {
+        Expect {
+            leaks: Leaks::default(),
+            copies_done: true,
+        }
+    }
+}
+
+/// Each allocation's ranges that must be mapped (`true`) or not, as (offset, length).
+fn ranges(e: &Engine, i: &AllocInfo) -> Result<Vec<(u64, u64, bool)>, String> {
+    if i.chunk > 0 {
+        let c = e
+            .chunk_info(i.addr)
+            .map_err(|err| format!("{:#x}: chunk info: {err}", i.addr))?;
+        return Ok(c
+            .layout
+            .iter()
+            .zip(&c.active)
+            .map(|(&(off, len), &on)| (off, len, on))
+            .collect());
+    }
+    Ok(vec![(0, i.mapped, i.state == State::Active)])
+}
+
+/// The engine's registry alone: every allocation settled, with handles where it is mapped.
+pub fn check_registry(e: &Engine) -> Result<Vec<AllocInfo>, String> {
+    let infos = e.allocations();
+    for i in &infos {
+        let a = i.addr;
+        match i.state {
+            State::Active => {
+                if i.handles == 0 || i.active_bytes != i.mapped {
+                    return Err(format!(
+                        "{a:#x} is active with {} handles, {} of {} bytes mapped",
+                        i.handles, i.active_bytes, i.mapped
+                    ));
+                }
+            }
+            State::Paused => {
+                if i.handles != 0 || i.active_bytes != 0 {
+                    return Err(format!(
+                        "{a:#x} is paused with {} handles, {} bytes mapped",
+                        i.handles, i.active_bytes
+                    ));
+                }
+            }
+            State::Partial => {
+                if i.chunk == 0 || i.handles == 0 || i.active_bytes >= i.mapped {
+                    return Err(format!(
+                        "{a:#x} is partial (chunk {}) with {} handles, {} of {} bytes mapped",
+                        i.chunk, i.handles, i.active_bytes, i.mapped
+                    ));
+                }
+            }
+            s => return Err(format!("{a:#x} left {s:?} after the call returned")),
+        }
+    }
+    Ok(infos)
+}
+
+/// The registry tells the truth and `sim` holds exactly what it implies, plus `expect`'s leaks.
+pub fn check_invariants(e: &Engine, sim: &SimDriver, expect: &Expect) -> Result<(), String> {
+    let infos = check_registry(e)?;
+    let mut active: BTreeMap<i32, u64> = BTreeMap::new();
+    let (mut handles, mut pinned) = (0, 0);
+    for i in &infos {
+        for (off, len, mapped) in ranges(e, i)? {
+            let (first, last) = (i.addr + off, i.addr + off + len - 1);
+            let seen = (sim.is_accessible(first), sim.is_accessible(last));
+            if seen != (mapped, mapped) {
+                return Err(format!(
+                    "{:#x}+{off:#x} ({len} bytes) is {:?} in the registry but {} in the sim",
+                    i.addr,
+                    i.state,
+                    match seen {
+                        (true, true) => "accessible",
+                        (false, false) => "not accessible",
+                        _ => "partly accessible",
+                    }
+                ));
+            }
+        }
+        *active.entry(i.device).or_default() += i.active_bytes;
+        handles += i.handles;
+        pinned += i.host_pinned_bytes;
+    }
+    pinned += e.staging_bytes();
+    let l = &expect.leaks;
+    for d in 0..sim.config().devices {
+        let want = active.get(&d).copied().unwrap_or(0);
+        if let Some(leaked) = l.bytes_on(d) {
+            if sim.live_bytes(d) != want + leaked {
+                return Err(format!(
+                    "device {d}: live bytes {} != mapped bytes of active allocations {want} + \
+                     leaks {l:?}",
+                    sim.live_bytes(d)
+                ));
+            }
+        }
+    }
+    let counts = [
+        ("mappings", sim.live_mappings(), handles),
+        ("handles", sim.live_handles(), handles + l.handles),
+        (
+            "reservations",
+            sim.live_reservations(),
+            infos.len() + l.reservations,
+        ),
+    ];
+    for (what, got, want) in counts {
+        if got != want {
+            return Err(format!(
+                "{what}: the sim holds {got}, the registry implies {want} (leaks {l:?})"
+            ));
+        }
+    }
+    if sim.pinned_bytes() != pinned + l.pinned {
+        return Err(format!(
+            "pinned bytes: the sim holds {}, the registry implies {pinned} (backups and staging \
+             slots; leaks {l:?})",
+            sim.pinned_bytes()
+        ));
+    }
+    if expect.copies_done {
+        if sim.queued_copies() != 0 {
+            return Err(format!(
+                "{} copies left queued after an operation",
+                sim.queued_copies()
+            ));
+        }
+        if sim.pageable_copies() != 0 {
+            return Err(format!(
+                "{} copies of a backup used pageable memory",
+                sim.pageable_copies()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// [`check_invariants`], failing the test with `ctx`.
+pub fn assert_invariants(e: &Engine, sim: &SimDriver, expect: &Expect, ctx: &str) {
+    if let Err(m) = check_invariants(e, sim, expect) {
+        panic!("{ctx}: {m}");
+    }
+}
