@@ -223,7 +223,18 @@ fn output_of(mut cmd: Command) -> Output {
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    let mut child = cmd.spawn().expect("spawn");
+    // An executable a test just copied can be busy for a moment: another test thread's fork
+    // may still hold the copy's file open until that child execs.
+    let mut tries = 0;
+    let mut child = loop {
+        match cmd.spawn() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy && tries < 50 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            r => break r.expect("spawn"),
+        }
+    };
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         if let Ok(Some(_)) = child.try_wait() {

@@ -129,6 +129,28 @@ int tms_resume(const char *tag);
 int tms_pause_ex(const char *tag, int save_chunk_state);
 int tms_resume_ex(const char *tag, int restore_chunk_state);
 
+/* ---- Non-blocking resume ------------------------------------------------------------- */
+
+/* Resume tag (NULL or "": every tag) without waiting for the contents: returns once the memory
+ * is mapped, with the restores running on a thread of the library. Work then queued on stream
+ * (a CUstream of device's primary context, 0 for its legacy default stream; none if device < 0)
+ * runs after the restore. order (n_order addresses inside the tag's allocations, NULL if 0)
+ * names what to restore first. *out_pending (or NULL): bytes still being restored at return.
+ * A failure before the return is this call's; one after it leaves the allocations paused with
+ * their backups and is reported by the next pause, resume or wait. Where the driver cannot make
+ * streams wait, or no thread can be started, it blocks until the data landed. */
+int tms_resume_nonblocking(const char *tag, int device, uint64_t stream, const uint64_t *order,
+                           uint64_t n_order, uint64_t *out_pending);
+
+/* Block until the allocation holding addr (0: every one) is restored by the non-blocking
+ * resumes in flight, for at most timeout_ms (negative: no limit); *out_done (or NULL) = 1 if it
+ * landed, 0 if the time ran out. */
+int tms_wait_restored(uint64_t addr, int64_t timeout_ms, int *out_done);
+
+/* Make stream (of device; 0: its legacy default stream) wait, without blocking the host, until
+ * the allocation holding addr (0: every one) is restored. Nothing in flight: nothing queued. */
+int tms_stream_wait_restored(uint64_t addr, int device, uint64_t stream);
+
 /* ---- Chunked allocations ------------------------------------------------------------- */
 
 /* A chunked allocation (made while the thread's chunk size, tms_set_chunk_size below, is not

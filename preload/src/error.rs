@@ -295,6 +295,19 @@ impl Error {
         Error::new(ErrorKind::Sticky { status }, message)
     }
 
+    /// A copy, for one failure reported in several places (an I/O source keeps its kind and
+    /// message).
+    pub fn duplicate(&self) -> Error {
+        Error {
+            kind: self.kind.clone(),
+            context: self.context.clone(),
+            source: self
+                .source
+                .as_ref()
+                .map(|s| std::io::Error::new(s.kind(), s.to_string())),
+        }
+    }
+
     /// What went wrong.
     pub fn kind(&self) -> &ErrorKind {
         &self.kind

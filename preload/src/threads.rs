@@ -15,28 +15,49 @@ pub fn fail_next_spawns(n: usize) {
     FAIL_SPAWNS.store(n, Ordering::SeqCst);
 }
 
+/// A refusal injected by [`fail_next_spawns`], if one is due.
+fn injected() -> Option<std::io::Error> {
+    FAIL_SPAWNS
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+        .then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::WouldBlock,
+                "thread creation refused (injected)",
+            )
+        })
+}
+
 /// Start a helper named `name` in scope `s`; `None` (logged) where no thread can be had.
 pub fn spawn_scoped<'scope, 'env, T: Send + 'scope>(
     s: &'scope Scope<'scope, 'env>,
     name: &str,
     f: impl FnOnce() -> T + Send + 'scope,
 ) -> Option<ScopedJoinHandle<'scope, T>> {
-    let injected = FAIL_SPAWNS
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok();
-    let r = if injected {
-        Err(std::io::Error::new(
-            std::io::ErrorKind::WouldBlock,
-            "thread creation refused (injected)",
-        ))
-    } else {
-        Builder::new().name(name.into()).spawn_scoped(s, f)
+    let r = match injected() {
+        Some(e) => Err(e),
+        None => Builder::new().name(name.into()).spawn_scoped(s, f),
     };
     match r {
         Ok(h) => Some(h),
         Err(e) => {
             tracing::warn!("cannot start a {name} thread ({e}): its work is done on fewer threads");
             None
+        }
+    }
+}
+
+/// Start a detached helper named `name`; `false` (logged) where no thread can be had.
+pub fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> bool {
+    let r = match injected() {
+        Some(e) => Err(e),
+        None => Builder::new().name(name.into()).spawn(f),
+    };
+    match r {
+        Ok(_) => true,
+        Err(e) => {
+            tracing::warn!("cannot start a {name} thread ({e})");
+            false
         }
     }
 }

@@ -470,3 +470,93 @@ def test_examples_without_torch_explain_themselves(tmp_path, example):
     assert r.stderr.strip().splitlines() == [
         f"{example} needs PyTorch with CUDA (torch.cuda.MemPool; tested with 2.11) and a CUDA GPU: No module named 'torch'"
     ], r.stderr
+
+
+def test_nonblocking_resume_returns_mapped_and_wait_sees_the_data(preloaded):
+    r = preloaded(
+        """
+        import time
+        n = 8 << 20
+        bufs = []
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            for i in range(4):
+                rc, p = cuda_malloc(n)
+                assert rc == 0
+                data = bytes([i + 1]) * n
+                ctypes.memmove(p, data, n)
+                bufs.append((p, data))
+        tms.pause("kv")
+        t0 = time.perf_counter()
+        # No torch here: no stream is made to wait; the host waits with wait().
+        tms.resume("kv", non_blocking=True, order=[bufs[2][0]])
+        returned = time.perf_counter() - t0
+        assert tms.wait(bufs[2][0], timeout=30) is True
+        assert ctypes.string_at(bufs[2][0], n) == bufs[2][1]
+        assert tms.wait() is True
+        waited = time.perf_counter() - t0
+        for p, data in bufs:
+            assert ctypes.string_at(p, n) == data
+        assert tag_stats("kv")["active_allocations"] == 4
+        print("TIMES", returned, waited)
+        assert tms.wait(timeout=0) is True, "nothing in flight"
+        """,
+        # 32 MiB over a 64 MiB/s link: half a second of copies to overlap.
+        TMS_SIM_BANDWIDTH="64MiB",
+    )
+    returned, waited = map(float, r.stdout.split("TIMES")[1].split())
+    assert returned < waited, r.stdout
+
+
+def test_nonblocking_resume_failure_after_return_is_raised_by_wait_and_loses_nothing(preloaded):
+    r = preloaded(
+        """
+        n = 8 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+            rc2, q = cuda_malloc(n)
+        data = os.urandom(n)
+        ctypes.memmove(p, data, n)
+        ctypes.memmove(q, data, n)
+        tms.pause("kv")
+        tms.resume("kv", non_blocking=True)
+        try:
+            tms.wait()
+            raise SystemExit("wait should have raised")
+        except tms_pkg.DriverError as e:
+            print("MSG", e)
+        assert tag_stats("kv")["paused_allocations"] == 2
+        tms.wait()  # reported once
+        tms.resume("kv")
+        assert ctypes.string_at(p, n) == data and ctypes.string_at(q, n) == data
+        """,
+        # Both allocations are mapped while the first copy crosses the slow link; the second
+        # copy to the device fails.
+        TMS_SIM_FAULTS="copy_h2d:2",
+        TMS_SIM_BANDWIDTH="64MiB",
+    )
+    assert "failed after it returned" in r.stdout and "cuMemcpyHtoDAsync" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        ("tms.resume('kv', non_blocking=True, restore_chunk_state=True)", ValueError, "restore_chunk_state"),
+        ("tms.resume('kv', non_blocking=True, progress=print)", ValueError, "wait"),
+        ("tms.resume('kv', order=[])", ValueError, "non_blocking=True"),
+        ("tms.resume('kv', non_blocking=True, order='kv')", TypeError, "iterable of tensors"),
+        ("tms.resume('kv', non_blocking=True, order=[-1])", ValueError, "out of range"),
+        ("tms.wait(timeout=-1)", ValueError, "timeout"),
+        ("tms.wait(stream=True, timeout=1)", ValueError, "timeout"),
+        ("tms.wait(stream=object())", TypeError, "torch.cuda.Stream"),
+    ],
+)
+def test_nonblocking_bad_arguments_are_clear_errors(preloaded, call, exc, words):
+    preloaded(
+        f"""
+        try:
+            {call}
+            raise SystemExit("should have raised")
+        except {exc.__name__} as e:
+            assert {words!r} in str(e), e
+        """
+    )

@@ -56,6 +56,13 @@ _SIGNATURES = {
     "tms_resume": (ctypes.c_int, [ctypes.c_char_p]),
     "tms_pause_ex": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
     "tms_resume_ex": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int]),
+    # The non-blocking resume.
+    "tms_resume_nonblocking": (
+        ctypes.c_int,
+        [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64, _c_u64_p, ctypes.c_uint64, _c_u64_p],
+    ),
+    "tms_wait_restored": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int64, ctypes.POINTER(ctypes.c_int)]),
+    "tms_stream_wait_restored": (ctypes.c_int, [ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64]),
     # Chunked allocations, by address.
     "tms_chunks_of": (ctypes.c_int, [ctypes.c_uint64, _c_u64_p, _c_u64_p, _c_u64_p]),
     "tms_chunk_states_at": (ctypes.c_int, [ctypes.c_uint64, _c_u8_p, ctypes.c_uint64]),

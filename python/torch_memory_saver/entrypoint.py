@@ -297,6 +297,8 @@ class TorchMemorySaver:
         restore_chunk_state: Optional[bool] = None,
         *,
         progress: Optional[Callable[[int, int, str], Any]] = None,
+        non_blocking: Optional[bool] = None,
+        order: "Optional[Iterable[torch.Tensor]]" = None,
     ) -> None:
         """Take device memory back for ``tag`` (every tag if None or ``""``), at the same
         addresses, and restore backups. On out of memory raises :class:`OutOfMemoryError` and
@@ -308,9 +310,41 @@ class TorchMemorySaver:
 
         ``progress(done, total, phase)`` as for :meth:`pause` (phases ``"reading_from_disk"``,
         ``"copying_to_device"``, ``"mapping"``, ...); a resume that lasts more than 2 s is
-        logged at INFO every 5 s."""
+        logged at INFO every 5 s.
+
+        ``non_blocking=True`` returns as soon as the memory is mapped, while the contents are
+        still being copied back: work then queued on the current CUDA stream runs after the
+        restore (the stream waits on the GPU; the host does not), so Python, kernel launches and
+        other set-up overlap the copies. ``order=[tensors]`` restores the allocations holding
+        them first, in that order (the rest after). Use :meth:`wait` for one tensor, another
+        stream or the host. An error before the return (out of memory, ...) is raised here and
+        leaves the tag paused, as for a blocking resume; a failure after it leaves the tag
+        paused with its backups (nothing is lost: resume again) and is raised by the next
+        :meth:`pause`, :meth:`resume` or :meth:`wait`. Work on other streams is not ordered:
+        make them :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``."""
         self._ensure_initialized()
-        return self._impl.resume(tag=tag, **_given(restore_chunk_state=restore_chunk_state, progress=progress))
+        return self._impl.resume(
+            tag=tag,
+            **_given(restore_chunk_state=restore_chunk_state, progress=progress, non_blocking=non_blocking, order=order),
+        )
+
+    def wait(
+        self,
+        tensor: "Optional[torch.Tensor]" = None,
+        *,
+        stream: "Union[torch.cuda.Stream, bool, None]" = None,
+        timeout: Optional[float] = None,
+    ) -> bool:
+        """Wait for what ``resume(..., non_blocking=True)`` is restoring into the allocation
+        holding ``tensor`` (a tensor or a device address; every allocation, if None).
+
+        With ``stream`` (a ``torch.cuda.Stream``, or True for the current one) nothing blocks:
+        that stream's later work runs once the data landed; returns True. Without it, blocks
+        the calling thread until the data landed (True) or ``timeout`` seconds passed (False).
+        Returns at once when nothing is being restored. A failure of the resume after it
+        returned is raised here (once)."""
+        self._ensure_initialized()
+        return self._impl.wait(tensor, **_given(stream=stream, timeout=timeout))
 
     # ---------------------------------------------------------------- chunked allocations
 

@@ -165,6 +165,42 @@ def _address(x: Any) -> int:
     return int(data_ptr())
 
 
+def _tensor_or_address(x: Any) -> int:
+    """A tensor, or a device address (an entry of ``order=``, the target of ``wait``)."""
+    if isinstance(x, int) and not isinstance(x, bool):
+        if not 0 < x <= _U64_MAX:
+            raise InvalidArgumentError(f"device address {x} is out of range")
+        return x
+    return _address(x)
+
+
+def _iterable(what: str, x: Any) -> list:
+    if isinstance(x, (str, bytes)):
+        raise TypeError(f"{what} must be an iterable of tensors, not {type(x).__name__}")
+    try:
+        return list(x)
+    except TypeError:
+        raise TypeError(f"{what} must be an iterable of tensors, not {type(x).__name__}") from None
+
+
+def _stream_handle(stream: Any) -> tuple:
+    """(device, CUstream) of a ``torch.cuda.Stream``."""
+    handle = getattr(stream, "cuda_stream", None)
+    device = getattr(stream, "device", None)
+    if not isinstance(handle, int) or device is None:
+        raise TypeError(f"stream must be a torch.cuda.Stream (or True: the current one), not {type(stream).__name__}")
+    index = device.index if device.index is not None else 0
+    return index, handle
+
+
+def _current_stream() -> tuple:
+    """(device, CUstream) of the calling thread's current CUDA stream; (-1, 0) without CUDA."""
+    torch = _torch_if_cuda()
+    if torch is None:
+        return -1, 0
+    return _stream_handle(torch.cuda.current_stream())
+
+
 def _tensor_bytes(t: Any) -> int:
     """The bytes a contiguous tensor spans from its ``data_ptr()``."""
     if not t.is_contiguous():
@@ -800,12 +836,22 @@ class _TorchMemorySaverImpl:
                 lib.check(lib.tms_pause(_enc(tag)))
         logger.info("paused %s in %.3f s", what, time.perf_counter() - t0)
 
-    def resume(self, tag: Optional[str] = None, restore_chunk_state: Any = False, *, progress: Any = None) -> None:
+    def resume(
+        self,
+        tag: Optional[str] = None,
+        restore_chunk_state: Any = False,
+        *,
+        progress: Any = None,
+        non_blocking: Any = False,
+        order: Any = None,
+    ) -> None:
         """Take device memory back for ``tag`` (every tag if None), at the same addresses, and
         restore backups. On out of memory raises :class:`OutOfMemoryError` and the tag stays
         paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
-        for ``restore_chunk_state`` and ``progress``."""
+        for ``restore_chunk_state``, ``progress``, ``non_blocking`` and ``order``."""
         tag = _check_tag(tag, optional=True)
+        if non_blocking or order is not None:
+            return self._resume_nonblocking(tag, restore_chunk_state, progress, non_blocking, order)
         lib = self._library()
         what = "all tags" if tag is None else f"tag {tag!r}"
         t0 = time.perf_counter()
@@ -815,6 +861,48 @@ class _TorchMemorySaverImpl:
             else:
                 lib.check(lib.tms_resume(_enc(tag)))
         logger.info("resumed %s in %.3f s", what, time.perf_counter() - t0)
+
+    def _resume_nonblocking(self, tag: Optional[str], restore_chunk_state: Any, progress: Any,
+                            non_blocking: Any, order: Any) -> None:
+        if not non_blocking:
+            raise InvalidArgumentError("order= is for resume(..., non_blocking=True)")
+        if restore_chunk_state:
+            raise InvalidArgumentError("non_blocking=True resumes whole tags: restore_chunk_state is not supported with it")
+        if progress is not None:
+            raise InvalidArgumentError("non_blocking=True returns at once: use wait() instead of progress=")
+        addrs = [] if order is None else [_tensor_or_address(x) for x in _iterable("order", order)]
+        device, handle = _current_stream()
+        lib = self._library()
+        what = "all tags" if tag is None else f"tag {tag!r}"
+        pending = ctypes.c_uint64(0)
+        arr = (ctypes.c_uint64 * len(addrs))(*addrs) if addrs else None
+        t0 = time.perf_counter()
+        lib.check(lib.tms_resume_nonblocking(_enc(tag), device, handle, arr, len(addrs), ctypes.byref(pending)))
+        logger.info("resuming %s: mapped in %.3f s, %d bytes still being restored", what,
+                    time.perf_counter() - t0, pending.value)
+
+    def wait(self, tensor: Any = None, *, stream: Any = None, timeout: Any = None) -> bool:
+        """See ``TorchMemorySaver.wait``."""
+        addr = 0 if tensor is None else _tensor_or_address(tensor)
+        lib = self._library()
+        if stream is not None and stream is not False:
+            if timeout is not None:
+                raise InvalidArgumentError("wait(stream=...) does not block: timeout= is for a host wait")
+            device, handle = _current_stream() if stream is True else _stream_handle(stream)
+            if device < 0:
+                raise UnsupportedError("wait(stream=...) needs PyTorch with CUDA")
+            lib.check(lib.tms_stream_wait_restored(addr, device, handle))
+            return True
+        if timeout is None:
+            ms = -1
+        else:
+            t = float(timeout)
+            if not t >= 0:
+                raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+            ms = int(t * 1000)
+        done = ctypes.c_int(0)
+        lib.check(lib.tms_wait_restored(addr, ms, ctypes.byref(done)))
+        return bool(done.value)
 
     # ---------------------------------------------------------------- chunked allocations
 

@@ -15,7 +15,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{check, DevPtr, DeviceToken, Driver, Event, MemInfo, PhysHandle, Stream};
+use super::{check, DevPtr, DeviceToken, Driver, Event, Gate, MemInfo, PhysHandle, Stream};
 use crate::error::{Error, Result};
 
 /// Every driver entry point this module calls, by the symbol cudarc loads for it.
@@ -52,12 +52,22 @@ const SYMBOLS: &[&str] = &[
     "cuMemHostUnregister",
 ];
 
+/// Entry points only a non-blocking resume needs ([`Driver::gate`]): probed when it first asks,
+/// so a driver without them still serves everything else.
+const GATE_SYMBOLS: &[&str] = &[
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+    "cuStreamWaitValue32_v2",
+];
+
 /// The CUDA driver API.
 pub struct CudaDriver {
     devices: i32,
     version: i32,
     contexts: Vec<OnceLock<usize>>,
     streams: Vec<OnceLock<usize>>,
+    /// The gate, or why there is none (made once, on first use).
+    gate: OnceLock<std::result::Result<Gate, String>>,
 }
 
 fn error_name(code: sys::CUresult) -> String {
@@ -141,6 +151,7 @@ impl CudaDriver {
             version,
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
             streams: (0..n).map(|_| OnceLock::new()).collect(),
+            gate: OnceLock::new(),
         })
     }
 
@@ -182,6 +193,45 @@ impl CudaDriver {
         // Two threads may race here; both retained the same primary context, and one extra
         // retain count for the process lifetime is harmless.
         Ok(*self.contexts[i].get_or_init(|| ctx as usize) as sys::CUcontext)
+    }
+}
+
+impl CudaDriver {
+    /// A word of page-locked, device-mapped host memory usable from every context.
+    fn make_gate(&self) -> Result<Gate> {
+        // SAFETY: load() found the library, so culib() does not panic.
+        let lib = unsafe { sys::culib() };
+        for name in GATE_SYMBOLS {
+            // SAFETY: we only look the symbol up; it is not called through this pointer.
+            if unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err() {
+                return Err(Error::unsupported(format!(
+                    "the CUDA driver lacks {name}, which a non-blocking resume needs"
+                )));
+            }
+        }
+        let _scope = super::DeviceScope::enter(self, self.current_device()?)?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // PORTABLE: every context may use it; DEVICEMAP: devices read it in place.
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        cu(
+            "cuMemHostAlloc",
+            // SAFETY: a context is current (_scope) and the symbol was probed; &mut p is a valid
+            // pointer to write. The memory is never freed, so the reference below stays valid.
+            unsafe { sys::cuMemHostAlloc(&mut p, 64, flags) },
+            || "64 bytes for the resume gate".into(),
+        )?;
+        let mut dev: sys::CUdeviceptr = 0;
+        cu(
+            "cuMemHostGetDevicePointer",
+            // SAFETY: p came from cuMemHostAlloc with DEVICEMAP; &mut dev is valid to write.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, p, 0) },
+            || format!("the resume gate at {p:p}"),
+        )?;
+        // SAFETY: p is a live, never freed, zero-able allocation of 64 bytes, aligned for a u32
+        // (the driver's host allocations are page-aligned), that only atomics touch from now.
+        let word = unsafe { &*(p as *const std::sync::atomic::AtomicU32) };
+        word.store(0, std::sync::atomic::Ordering::Release);
+        Ok(Gate::new(word, dev))
     }
 }
 
@@ -416,6 +466,40 @@ impl Driver for CudaDriver {
         )?;
         // A racing thread may create a second stream; the loser's stream is kept alive unused.
         Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
+    }
+
+    fn gate(&self) -> Result<Gate> {
+        match self
+            .gate
+            .get_or_init(|| self.make_gate().map_err(|e| e.to_string()))
+        {
+            Ok(g) => Ok(*g),
+            Err(e) => Err(Error::unsupported(format!("no resume gate: {e}"))),
+        }
+    }
+
+    fn stream_wait_gate(&self, device: i32, stream: Stream, gate: Gate, value: u32) -> Result<()> {
+        let _scope = super::DeviceScope::enter(self, device)?;
+        cu(
+            "cuStreamWaitValue32",
+            // SAFETY: the gate's word is device-mapped host memory that is never freed; the
+            // symbol was probed when the gate was made; the stream handle is the caller's
+            // (a stream of this device, or 0), which the driver validates.
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream.0 as sys::CUstream,
+                    gate.dev,
+                    value,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            || {
+                format!(
+                    "stream {:#x} of device {device} waiting for the resume gate to reach {value}",
+                    stream.0
+                )
+            },
+        )
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {

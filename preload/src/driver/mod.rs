@@ -34,6 +34,41 @@ pub struct MemInfo {
     pub total: u64,
 }
 
+/// A 32-bit word of page-locked host memory that devices can read: the host raises it, and work
+/// a stream was made to queue behind it ([`Driver::stream_wait_gate`]) runs once it reaches the
+/// value waited for. Each driver makes one on first use ([`Driver::gate`]) and never frees it: a
+/// device may be about to read it at any time.
+#[derive(Clone, Copy, Debug)]
+pub struct Gate {
+    host: &'static std::sync::atomic::AtomicU32,
+    /// The word's device address.
+    pub dev: DevPtr,
+}
+
+impl Gate {
+    /// A gate over `host`, which devices read at `dev`.
+    pub fn new(host: &'static std::sync::atomic::AtomicU32, dev: DevPtr) -> Gate {
+        Gate { host, dev }
+    }
+
+    /// Raise the word to `v`. Release order: whatever this thread saw complete before (the
+    /// copies a wait covered) is done before a device can see the new value.
+    pub fn raise(&self, v: u32) {
+        self.host.store(v, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The word's value.
+    pub fn value(&self) -> u32 {
+        self.host.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Whether the word has reached `v`, compared as the driver does: cyclically, so that a
+    /// counter may wrap (`value - v`, as a signed number, is not negative).
+    pub fn reached(&self, v: u32) -> bool {
+        (self.value().wrapping_sub(v) as i32) >= 0
+    }
+}
+
 /// Token returned by [`Driver::push_device`], handed back to [`Driver::pop_device`]: what was
 /// current before (driver-specific words).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +148,13 @@ pub trait Driver: Send + Sync {
     /// # Safety
     /// `ptr` starts a registered range, and no queued copy still uses it.
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()>;
+    /// The driver's gate, made on first use and kept for the process's life (an
+    /// `Unsupported` error where streams cannot wait on host memory).
+    fn gate(&self) -> Result<Gate>;
+    /// Make `stream` (a stream of `device`, 0 for its legacy default stream; not the engine's)
+    /// wait, without blocking the host, until `gate` has reached `value` (cyclically, see
+    /// [`Gate::reached`]): work queued on it afterwards runs only then.
+    fn stream_wait_gate(&self, device: i32, stream: Stream, gate: Gate, value: u32) -> Result<()>;
     /// How much more host memory this process can fill (`None`: unknown). The system's answer
     /// ([`crate::os::host_memory`]); the simulated device can pretend to be a smaller host.
     fn host_memory(&self) -> Option<crate::os::HostMemory> {

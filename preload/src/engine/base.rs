@@ -57,6 +57,11 @@ pub struct Engine {
     /// [`SEVERAL_DEVICES`] once a second shows up): what log lines name, read without a lock
     /// since a line may be written with any of the engine's held.
     pub(super) device: AtomicI32,
+    /// Non-blocking resumes not known to be finished (Note [Non-blocking resume]); a leaf lock.
+    pub(super) inflight: Mutex<Vec<Arc<super::restoring::Tracker>>>,
+    /// A failure of a non-blocking resume after it returned, for the next call to report; a
+    /// leaf lock.
+    pub(super) deferred: Mutex<Option<Error>>,
 }
 
 /// `Engine::device` before any allocation.
@@ -85,6 +90,8 @@ impl Engine {
             progress: progress::Tracker::default(),
             broken: Mutex::new(None),
             device: AtomicI32::new(NO_DEVICE),
+            inflight: Mutex::default(),
+            deferred: Mutex::default(),
         }
     }
 

@@ -21,6 +21,8 @@ pub struct OpReport {
     /// Of `copied`, the bytes written to or read from disk backup files (the rest went to or
     /// came from host memory).
     pub disk_copied: u64,
+    /// Of `bytes`, those a non-blocking resume was still restoring when it returned.
+    pub pending: u64,
 }
 
 impl OpReport {

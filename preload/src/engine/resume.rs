@@ -12,6 +12,7 @@ use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
 use super::registry::Registry;
 use super::report::{OpReport, Tally};
+use super::restoring::{OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
@@ -125,9 +126,39 @@ impl Engine {
     /// Resume what `pick` names: the paused segments (chunks) of the allocations it selects, at
     /// the same addresses.
     pub fn resume_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
+        self.resume_ordered(pick, &[], None)
+    }
+
+    /// The resume transaction, restoring first the allocations holding the addresses in
+    /// `order` (in that order), the others after them; `track` follows a non-blocking resume
+    /// (Note [Non-blocking resume] in `inflight.rs`).
+    pub(super) fn resume_ordered(
+        &self,
+        pick: &Pick<'_>,
+        order: &[DevPtr],
+        track: Option<&Tracker>,
+    ) -> Result<OpReport> {
         let mut tx = Txn::begin(self, Which::Resume, pick)?;
+        // Dropped before the transaction: the gate opens before the operations lock goes.
+        let _open = OpenOnDrop(track);
         let cfg = tx.cfg;
-        let jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
+        let mut jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
+        if !order.is_empty() {
+            let rank = |j: &Job| {
+                order
+                    .iter()
+                    .position(|&p| p >= j.ptr && p - j.ptr < j.size.max(1))
+                    .unwrap_or(order.len())
+            };
+            jobs.sort_by_key(rank);
+        }
+        if let Some(t) = track {
+            let devices = by_device(jobs.iter().map(Job::device)).len();
+            t.begin(
+                jobs.iter().map(|j| (j.ptr, j.size, j.runs.len())).collect(),
+                devices,
+            );
+        }
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
         tx.tracked().prepared(
             jobs.iter().map(Job::pipeline_bytes).sum(),
@@ -147,7 +178,19 @@ impl Engine {
         }
         let (rings, tracked) = tx.work();
         let progress = tracked.counters();
-        let (made, result) = self.restore_devices(&jobs, rings, &cfg, progress);
+        let (made, result) = self.restore_devices(&jobs, rings, &cfg, progress, track);
+        if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
+            // The caller returned and may have work queued on this memory: it stays mapped.
+            self.keep_mapped(&jobs, made);
+            let e = e.duplicate().context(format!(
+                "the non-blocking {} failed after it returned: its allocations stay paused \
+                 with their backups, their memory mapped until the next resume or free; resume \
+                 again to restore them",
+                t.what()
+            ));
+            self.defer(e.duplicate());
+            return Err(e);
+        }
         if let Err(e) = result {
             let stuck = self.undo(&jobs, made);
             return Err(e.context(format!(
@@ -200,6 +243,7 @@ impl Engine {
         rings: &mut BTreeMap<i32, Ring>,
         cfg: &CopyConfig,
         progress: &Counters,
+        track: Option<&Tracker>,
     ) -> (Made<'d>, Result<()>) {
         let groups = by_device(jobs.iter().map(Job::device));
         progress.phase(Phase::Mapping);
@@ -241,9 +285,18 @@ impl Engine {
                                 "allocation {:#x} ({} bytes, tag {:?})",
                                 j.ptr, j.size, j.tag
                             )
-                        })
+                        })?;
+                        if let Some(t) = track.filter(|_| p + 1 == parts.len()) {
+                            t.device_mapped();
+                        }
+                        Ok(())
                     },
-                    |_| Ok(()),
+                    |p| {
+                        if let Some(t) = track {
+                            t.item_done(parts[p].0);
+                        }
+                        Ok(())
+                    },
                 )
             });
             (made, r)
@@ -335,6 +388,29 @@ impl Engine {
              until the next resume or free of their allocation",
             stuck.len()
         )
+    }
+
+    /// What a non-blocking resume that failed after returning made stays mapped, for the
+    /// caller's queued work to find mapped memory: the handles are released (the memory goes
+    /// once unmapped) and every segment is recorded stuck, for the next resume or the free to
+    /// unmap. The allocations stay paused with their backups.
+    fn keep_mapped(&self, jobs: &[Job], made: Made<'_>) {
+        let d = &*self.driver;
+        let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
+        for (i, r, m) in made {
+            let (j, span) = (&jobs[i], jobs[i].runs[r].0);
+            let first = span.first_segment(j.ptr);
+            for (k, h) in m.commit().into_iter().enumerate() {
+                if let Err(e) = d.release(h) {
+                    tracing::error!("releasing handle {:#x} of {:#x}: {e}", h.0, j.ptr);
+                }
+                stuck.push((j.ptr, first + k));
+            }
+        }
+        let mut reg = self.reg.lock();
+        for (p, s) in stuck {
+            reg.marked(p).stuck.push(s);
+        }
     }
 
     /// Unmap the segments an earlier failed resume left mapped, before mapping them again.

@@ -93,6 +93,9 @@ impl<'e> Txn<'e> {
         let t0 = Instant::now();
         let cfg = engine.copy_config();
         let ops = engine.ops.lock();
+        // A non-blocking resume that failed after returning (holding this lock): reported by
+        // the next call, which then does nothing.
+        engine.take_deferred()?;
         let tracked = engine.progress.begin(Start {
             which,
             tag,

@@ -19,6 +19,7 @@ use status::{entry, write_out};
 mod args;
 mod chunks;
 mod progress;
+mod restore;
 mod status;
 mod upstream;
 

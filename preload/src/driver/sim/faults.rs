@@ -45,11 +45,15 @@ pub enum Prim {
     HostUnregister,
     /// [`Driver::mem_info`](crate::driver::Driver::mem_info)
     MemInfo,
+    /// [`Driver::gate`](crate::driver::Driver::gate) (its first call makes the gate)
+    Gate,
+    /// [`Driver::stream_wait_gate`](crate::driver::Driver::stream_wait_gate)
+    StreamWait,
 }
 
 impl Prim {
     /// Every primitive, for exhaustive fault-injection tests.
-    pub const ALL: [Prim; 17] = [
+    pub const ALL: [Prim; 19] = [
         Prim::Reserve,
         Prim::FreeRange,
         Prim::Create,
@@ -67,6 +71,8 @@ impl Prim {
         Prim::HostRegister,
         Prim::HostUnregister,
         Prim::MemInfo,
+        Prim::Gate,
+        Prim::StreamWait,
     ];
 
     /// The name used in `TMS_SIM_FAULTS`.
@@ -89,6 +95,8 @@ impl Prim {
             Prim::HostRegister => "host_register",
             Prim::HostUnregister => "host_unregister",
             Prim::MemInfo => "mem_info",
+            Prim::Gate => "gate",
+            Prim::StreamWait => "stream_wait",
         }
     }
 
@@ -112,6 +120,8 @@ impl Prim {
             Prim::HostRegister => "cuMemHostRegister",
             Prim::HostUnregister => "cuMemHostUnregister",
             Prim::MemInfo => "cuMemGetInfo",
+            Prim::Gate => "cuMemHostAlloc",
+            Prim::StreamWait => "cuStreamWaitValue32",
         }
     }
 

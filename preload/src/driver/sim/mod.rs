@@ -25,7 +25,7 @@ use parking_lot::Mutex;
 pub use config::{SimConfig, SimEnv};
 pub use faults::{parse_faults, FaultPlan, Prim, PANIC};
 
-use super::{DevPtr, DeviceToken, Driver, Event, MemInfo, PhysHandle, Stream};
+use super::{DevPtr, DeviceToken, Driver, Event, Gate, MemInfo, PhysHandle, Stream};
 use crate::error::Result;
 use faults::{driver_err, invalid, Faults};
 use gates::Gates;
@@ -55,6 +55,10 @@ pub struct SimDriver {
     /// What calls wait for before they act; apart from `inner`, so that a waiting call blocks
     /// no other.
     gates: Gates,
+    /// The resume gate, once made (a word leaked for the process's life, as on a GPU).
+    gate: std::sync::OnceLock<Gate>,
+    /// What streams were made to wait for: (device, stream, value), a leaf lock.
+    gate_waits: Mutex<Vec<(i32, Stream, u32)>>,
 }
 
 thread_local! {
@@ -75,6 +79,8 @@ impl SimDriver {
             cfg,
             inner: Mutex::new(inner),
             gates: Gates::new(),
+            gate: std::sync::OnceLock::new(),
+            gate_waits: Mutex::new(Vec::new()),
         })
     }
 
@@ -100,6 +106,21 @@ impl SimDriver {
             ));
         }
         Ok(())
+    }
+
+    /// The streams that wait for the gate and would not run yet, with the value each waits for
+    /// (a wait the gate has reached is forgotten, as a GPU moves past it).
+    pub fn gated_streams(&self) -> Vec<(i32, Stream, u32)> {
+        let mut w = self.gate_waits.lock();
+        if let Some(g) = self.gate.get() {
+            w.retain(|&(_, _, v)| !g.reached(v));
+        }
+        w.clone()
+    }
+
+    /// The gate's value (0 before it is made).
+    pub fn gate_value(&self) -> u32 {
+        self.gate.get().map_or(0, Gate::value)
     }
 
     /// Queue a copy on `stream` (entered already).
@@ -238,6 +259,34 @@ impl Driver for SimDriver {
     fn stream(&self, device: i32) -> Result<Stream> {
         self.check_device(Prim::StreamSync, device)?;
         Ok(device_stream(device))
+    }
+
+    fn gate(&self) -> Result<Gate> {
+        self.inner
+            .lock()
+            .enter(Prim::Gate, || "the resume gate".into())?;
+        Ok(*self.gate.get_or_init(|| {
+            let word: &'static std::sync::atomic::AtomicU32 = Box::leak(Box::default());
+            Gate::new(word, word as *const _ as DevPtr)
+        }))
+    }
+
+    fn stream_wait_gate(&self, device: i32, stream: Stream, gate: Gate, value: u32) -> Result<()> {
+        self.inner.lock().enter(Prim::StreamWait, || {
+            format!(
+                "stream {:#x} waiting for the gate to reach {value}",
+                stream.0
+            )
+        })?;
+        self.check_device(Prim::StreamWait, device)?;
+        if self.gate.get().map(|g| g.dev) != Some(gate.dev) {
+            return Err(invalid(
+                Prim::StreamWait,
+                format!("{:#x} is not this device's gate", gate.dev),
+            ));
+        }
+        self.gate_waits.lock().push((device, stream, value));
+        Ok(())
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {

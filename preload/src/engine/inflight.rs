@@ -1,0 +1,189 @@
+//! The non-blocking resume: the call maps the memory, queues the restores and returns; the
+//! copies finish on a thread of their own.
+//!
+//! # Note [Non-blocking resume]
+//!
+//! [`Engine::resume_nonblocking`] runs an ordinary resume transaction (`resume.rs`) on a
+//! background thread and waits only until every allocation is mapped (the pipeline maps item
+//! i+1 while item i is copied, so the first copies are already running by then). The caller
+//! then returns, and the program's host work overlaps the copies. Three things make that safe:
+//!
+//! - **Stream order.** A *gate* (`driver::Gate`, a word of device-mapped host memory) counts
+//!   the restored allocations: a resume of N allocations that starts with the gate at `base`
+//!   raises it to `base + k` once its first k allocations (in its order) are all restored, the
+//!   copies' completion having been waited for first. The caller's stream is made to wait for
+//!   `base + N` (`cuStreamWaitValue32`, a cyclic comparison, so the counter may wrap), so work
+//!   it then queues runs after the restore; [`Engine::stream_wait_restored`] makes a stream wait
+//!   for one allocation (`base + k + 1`), and [`Engine::wait_restored`] blocks the host until
+//!   one (or all) landed. The caller may give an order (tensors first needed first): the
+//!   allocations are mapped and copied in it. Resumes run one at a time (the operations lock),
+//!   and each raises the gate to its `base + N` before it lets go of that lock, even when it
+//!   fails, so the next one's `base` is right and no stream ever waits forever.
+//! - **Nothing faults.** Memory is mapped before the call returns. A failure before then is the
+//!   call's error, exactly as for a blocking resume (everything stays paused with its backups).
+//!   A copy that fails after the call returned cannot be undone by unmapping: the caller's
+//!   kernels may be queued behind the gate. So the mappings stay (their handles released, the
+//!   segments recorded *stuck*, which the next resume or the free unmaps first), the
+//!   allocations stay Paused with their backups intact, the gate opens, and the error is kept:
+//!   the next pause, resume or wait reports it. Nothing backed up is lost; a second resume
+//!   restores the contents.
+//! - **No hang.** The thread opens the gate and records the outcome when it ends in any way (a
+//!   guard, and a caught panic); a caller waiting for the mapping wakes then too. Where the
+//!   driver has no gate (no stream memory operations) or no thread can be started, the resume
+//!   simply blocks, and the call returns once the data has landed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::base::Engine;
+use super::pick::{describe, Pick};
+use super::report::OpReport;
+use super::restoring::{StreamOf, Tracker};
+use crate::driver::DevPtr;
+use crate::error::{Error, Result};
+
+impl Engine {
+    /// Resume `tag` (every tag if `None`) without waiting for the data (Note [Non-blocking
+    /// resume]): returns once every allocation is mapped, with the restores running. Work then
+    /// queued on `stream` (if given) runs after them; `order` (addresses inside allocations of
+    /// the tag) names what to restore first. The report's `pending` is what was still to be
+    /// copied at return. Where no gate or no thread can be had, this is a blocking resume.
+    pub fn resume_nonblocking<E>(
+        engine: E,
+        tag: Option<&str>,
+        order: &[DevPtr],
+        stream: Option<StreamOf>,
+    ) -> Result<OpReport>
+    where
+        E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
+    {
+        let t0 = Instant::now();
+        let e: &Engine = &engine;
+        e.take_deferred()?;
+        super::pick::check_tag(tag)?;
+        let what = format!("resume of {}", describe(tag));
+        let gate = match e.driver.gate() {
+            Ok(g) => g,
+            Err(err) => {
+                tracing::warn!("{what}: blocking instead of non-blocking: {err}");
+                return e.resume_ordered(&Pick::tag(tag), order, None);
+            }
+        };
+        let tracker = Arc::new(Tracker::new(gate, what.clone()));
+        e.inflight.lock().push(tracker.clone());
+        let (t, owned_tag, owned_order) = (tracker.clone(), tag.map(str::to_owned), order.to_vec());
+        let eng = engine.clone();
+        let run = move || {
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                eng.resume_ordered(&Pick::tag(owned_tag.as_deref()), &owned_order, Some(&t))
+            }));
+            let r = match r {
+                Ok(r) => r.map(|_| ()),
+                Err(p) => Err(Error::internal(format!(
+                    "{}: a panic (a bug): {}",
+                    t.what(),
+                    crate::error::panic_message(&*p)
+                ))),
+            };
+            if let Err(err) = &r {
+                // A failure after the return was kept for the next call (resume.rs).
+                tracing::error!("{}: {err}", t.what());
+            }
+            t.finish(r);
+            eng.inflight.lock().retain(|x| !x.finished());
+        };
+        if !crate::threads::spawn("tms-resume", run) {
+            e.inflight.lock().retain(|x| !Arc::ptr_eq(x, &tracker));
+            tracing::warn!("{what}: no thread for it; resuming before returning");
+            return e.resume_ordered(&Pick::tag(tag), order, None);
+        }
+        tracker.wait_mapped()?;
+        let (n, bytes, pending, end) = tracker.summary();
+        if let Some(st) = stream.filter(|_| n > 0) {
+            if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
+                // The program's work must not overtake the restore: wait for it here instead.
+                tracing::warn!("{what}: the stream cannot wait for it ({err}); waiting here");
+                tracker.wait(None, None)?;
+                return Ok(OpReport {
+                    allocations: n,
+                    bytes,
+                    seconds: t0.elapsed().as_secs_f64(),
+                    ..OpReport::default()
+                });
+            }
+        }
+        tracing::info!(
+            "{what}: mapped {n} allocations in {:.3}s, {} still being restored",
+            t0.elapsed().as_secs_f64(),
+            crate::units::human(pending)
+        );
+        Ok(OpReport {
+            allocations: n,
+            bytes,
+            pending,
+            seconds: t0.elapsed().as_secs_f64(),
+            ..OpReport::default()
+        })
+    }
+
+    /// Block until what non-blocking resumes are restoring into the allocation holding `ptr`
+    /// (every allocation, if `None`) has landed, for at most `timeout`. `Ok(false)` if it timed
+    /// out; a failure of such a resume after it returned is reported here (once).
+    pub fn wait_restored(&self, ptr: Option<DevPtr>, timeout: Option<Duration>) -> Result<bool> {
+        let until = timeout.map(|t| Instant::now() + t);
+        let trackers: Vec<Arc<Tracker>> = self.inflight.lock().clone();
+        for t in trackers {
+            match t.wait(ptr, until) {
+                Ok(true) => {}
+                Ok(false) => return Ok(false),
+                Err(e) => {
+                    // Reported here: not again by the next call.
+                    self.deferred.lock().take();
+                    return Err(e);
+                }
+            }
+        }
+        self.take_deferred()?;
+        Ok(true)
+    }
+
+    /// Make `on`'s stream wait, without blocking the host, until the allocation holding `ptr`
+    /// (every allocation, if `None`) is restored by the non-blocking resumes in flight. Nothing
+    /// to wait for: nothing is queued. Where the stream cannot wait, the host waits instead.
+    pub fn stream_wait_restored(&self, ptr: Option<DevPtr>, on: StreamOf) -> Result<()> {
+        let trackers: Vec<Arc<Tracker>> = self.inflight.lock().clone();
+        for t in trackers {
+            if let Some(v) = t.target(ptr) {
+                if let Err(err) = self
+                    .driver
+                    .stream_wait_gate(on.device, on.stream, t.gate, v)
+                {
+                    tracing::warn!("{}: the stream cannot wait ({err}); waiting here", t.what());
+                    t.wait(ptr, None)?;
+                }
+            }
+        }
+        self.take_deferred()
+    }
+
+    /// Whether a non-blocking resume that returned is still restoring data.
+    pub fn restoring(&self) -> bool {
+        self.inflight.lock().iter().any(|t| t.restoring())
+    }
+
+    /// Keep the failure of a non-blocking resume for the next call to report.
+    pub(super) fn defer(&self, e: Error) {
+        let mut d = self.deferred.lock();
+        if d.is_none() {
+            *d = Some(e);
+        }
+    }
+
+    /// Report (once) a failure kept from a non-blocking resume.
+    pub(super) fn take_deferred(&self) -> Result<()> {
+        match self.deferred.lock().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}

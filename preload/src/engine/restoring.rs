@@ -1,0 +1,253 @@
+//! What follows one non-blocking resume from its start to its end: the gate's steps, the
+//! allocations restored so far, the outcome (Note [Non-blocking resume] in `inflight.rs`).
+
+use std::time::Instant;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::driver::{DevPtr, Gate, Stream};
+use crate::error::{Error, Result};
+
+/// One non-blocking resume, from its start to its end (Note [Non-blocking resume]).
+pub(super) struct Tracker {
+    pub(super) gate: Gate,
+    /// `"resume of tag 'kv'"`, for messages.
+    what: String,
+    st: Mutex<TrackState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct TrackState {
+    /// Whether the transaction marked its allocations (the fields below are set then).
+    begun: bool,
+    /// Each allocation, in the resume's order: address and size.
+    jobs: Vec<(DevPtr, u64)>,
+    /// Pipeline items (runs of segments) still to be copied, per allocation.
+    left: Vec<usize>,
+    /// How many leading allocations are restored.
+    prefix: usize,
+    /// The gate's value when this resume began.
+    base: u32,
+    /// Devices still mapping.
+    mapping: usize,
+    /// Everything is mapped: the caller may return, and a failure from now on is kept for later.
+    mapped: bool,
+    /// The outcome, once the thread is done.
+    done: Option<std::result::Result<(), Error>>,
+}
+
+impl TrackState {
+    fn end(&self) -> u32 {
+        self.base.wrapping_add(self.jobs.len() as u32)
+    }
+
+    /// The index of the allocation holding `ptr`.
+    fn job_of(&self, ptr: DevPtr) -> Option<usize> {
+        self.jobs
+            .iter()
+            .position(|&(p, size)| ptr >= p && ptr - p < size.max(1))
+    }
+
+    fn landed(&self, k: usize) -> bool {
+        self.left[k] == 0
+    }
+}
+
+impl Tracker {
+    pub(super) fn new(gate: Gate, what: String) -> Self {
+        Tracker {
+            gate,
+            what,
+            st: Mutex::default(),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// The resume marked `jobs` (address, size, pipeline items), in its order, on `devices`
+    /// devices; the gate's value now is its base.
+    pub(super) fn begin(&self, jobs: Vec<(DevPtr, u64, usize)>, devices: usize) {
+        let mut s = self.st.lock();
+        s.base = self.gate.value();
+        s.left = jobs.iter().map(|j| j.2).collect();
+        s.jobs = jobs.into_iter().map(|j| (j.0, j.1)).collect();
+        s.mapping = devices;
+        s.begun = true;
+        // Allocations with nothing to copy are restored as soon as they are mapped.
+        self.advance(&mut s);
+        if devices == 0 {
+            s.mapped = true;
+        }
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    /// One device mapped all of its share.
+    pub(super) fn device_mapped(&self) {
+        let mut s = self.st.lock();
+        s.mapping = s.mapping.saturating_sub(1);
+        if s.mapping == 0 {
+            s.mapped = true;
+            drop(s);
+            self.cv.notify_all();
+        }
+    }
+
+    /// Allocations, their bytes, the bytes not restored yet, and the gate value of the end.
+    pub(super) fn summary(&self) -> (usize, u64, u64, u32) {
+        let s = self.st.lock();
+        let pending: u64 = (0..s.jobs.len())
+            .filter(|&k| !s.landed(k))
+            .map(|k| s.jobs[k].1)
+            .sum();
+        (
+            s.jobs.len(),
+            s.jobs.iter().map(|j| j.1).sum(),
+            pending,
+            s.end(),
+        )
+    }
+
+    /// `"resume of tag 'kv'"`.
+    pub(super) fn what(&self) -> &str {
+        &self.what
+    }
+
+    /// Whether the caller may have returned: a failure now is kept for later.
+    pub(super) fn returned(&self) -> bool {
+        self.st.lock().mapped
+    }
+
+    /// An item of allocation `k` is copied (its copies' completion waited for).
+    pub(super) fn item_done(&self, k: usize) {
+        let mut s = self.st.lock();
+        s.left[k] = s.left[k].saturating_sub(1);
+        if s.left[k] == 0 {
+            self.advance(&mut s);
+            drop(s);
+            self.cv.notify_all();
+        }
+    }
+
+    fn advance(&self, s: &mut TrackState) {
+        while s.prefix < s.jobs.len() && s.landed(s.prefix) {
+            s.prefix += 1;
+        }
+        self.gate.raise(s.base.wrapping_add(s.prefix as u32));
+    }
+
+    /// Raise the gate to this resume's end: every stream waiting for it may go on. Called
+    /// before the resume lets go of the operations lock, on every path.
+    pub(super) fn open(&self) {
+        let s = self.st.lock();
+        if s.begun {
+            self.gate.raise(s.end());
+        }
+    }
+
+    /// The thread is done, with `r`.
+    pub(super) fn finish(&self, r: Result<()>) {
+        self.open();
+        let mut s = self.st.lock();
+        if s.done.is_none() {
+            s.done = Some(r);
+        }
+        drop(s);
+        self.cv.notify_all();
+    }
+
+    pub(super) fn finished(&self) -> bool {
+        self.st.lock().done.is_some()
+    }
+
+    /// Whether data it promised is still on its way.
+    pub(super) fn restoring(&self) -> bool {
+        let s = self.st.lock();
+        s.mapped && s.done.is_none() && s.prefix < s.jobs.len()
+    }
+
+    /// Wait until everything is mapped (`Ok`) or the resume ended before that (its result).
+    pub(super) fn wait_mapped(&self) -> Result<()> {
+        let mut s = self.st.lock();
+        loop {
+            if s.mapped {
+                return Ok(());
+            }
+            if let Some(r) = &s.done {
+                return match r {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err(e.duplicate()),
+                };
+            }
+            self.cv.wait(&mut s);
+        }
+    }
+
+    /// Wait until allocation holding `ptr` (every one, if `None`) is restored or the resume
+    /// ended, for at most `timeout`. `Ok(true)`: landed (or not part of this resume);
+    /// `Ok(false)`: timed out; the resume's error if it failed before that allocation landed.
+    pub(super) fn wait(&self, ptr: Option<DevPtr>, until: Option<Instant>) -> Result<bool> {
+        let mut s = self.st.lock();
+        loop {
+            let landed = match ptr {
+                // Not begun: its call has not returned, so nothing of it was promised yet.
+                _ if !s.begun => true,
+                None => s.prefix == s.jobs.len(),
+                Some(p) => s.job_of(p).is_none_or(|k| s.landed(k)),
+            };
+            if landed {
+                return Ok(true);
+            }
+            if let Some(r) = &s.done {
+                return match r {
+                    // Failed before it returned: the call reported it, nothing was promised.
+                    Err(e) if s.mapped => Err(e.duplicate()),
+                    _ => Ok(true),
+                };
+            }
+            match until {
+                None => self.cv.wait(&mut s),
+                Some(t) => {
+                    if self.cv.wait_until(&mut s, t).timed_out() {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The gate value that stands for the allocation holding `ptr` (all, if `None`) restored;
+    /// `None` where there is nothing to wait for.
+    pub(super) fn target(&self, ptr: Option<DevPtr>) -> Option<u32> {
+        let s = self.st.lock();
+        if !s.mapped || s.done.is_some() {
+            return None;
+        }
+        match ptr {
+            None => Some(s.end()),
+            Some(p) => s
+                .job_of(p)
+                .filter(|&k| !s.landed(k))
+                .map(|k| s.base.wrapping_add(k as u32 + 1)),
+        }
+    }
+}
+
+/// Opens the gate when a resume transaction ends in any way; declared after the transaction,
+/// so it runs before the operations lock is let go.
+pub(super) struct OpenOnDrop<'t>(pub Option<&'t Tracker>);
+
+impl Drop for OpenOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.0 {
+            t.open();
+        }
+    }
+}
+
+/// Where a caller's work is queued: a device and one of its streams.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamOf {
+    pub device: i32,
+    pub stream: Stream,
+}

@@ -1,0 +1,96 @@
+//! The C ABI of the non-blocking resume (engine Note [Non-blocking resume]): resume without
+//! waiting for the data, wait for it (host or stream), in the order the caller needs it.
+
+use std::ffi::{c_char, c_int};
+use std::time::Duration;
+
+use super::args::{buffer_len, put_all, tag_or_all};
+use super::status::entry;
+use crate::control;
+use crate::driver::Stream;
+use crate::engine::{Engine, StreamOf};
+
+/// The caller's stream, or none where `device` is negative.
+fn stream_of(device: c_int, stream: u64) -> Option<StreamOf> {
+    (device >= 0).then_some(StreamOf {
+        device,
+        stream: Stream(stream),
+    })
+}
+
+/// Resume the paused allocations of `tag` (NULL or `""`: every tag) without waiting for their
+/// contents: returns once the memory is mapped, with the restores running. Work then queued on
+/// `stream` (a `CUstream` of `device`'s primary context, 0 for its legacy default stream; no
+/// stream if `device` < 0) runs after them. `order` (`n_order` addresses, NULL if 0) names the
+/// allocations to restore first. `out_pending` (or NULL) gets the bytes still being restored.
+///
+/// # Safety
+/// `tag` is NULL or a NUL-terminated string; `order` is readable for `n_order` entries;
+/// `out_pending` is NULL or writable; `stream` is a live stream of `device` (or 0).
+#[no_mangle]
+pub unsafe extern "C" fn tms_resume_nonblocking(
+    tag: *const c_char,
+    device: c_int,
+    stream: u64,
+    order: *const u64,
+    n_order: u64,
+    out_pending: *mut u64,
+) -> c_int {
+    entry(|| {
+        // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our callers'
+        // promise), as tag_or_all needs.
+        let tag = unsafe { tag_or_all(tag) }?;
+        let order = match buffer_len(order.is_null(), n_order, "order array")? {
+            // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
+            Some(n) => unsafe { std::slice::from_raw_parts(order, n) }.to_vec(),
+            None => Vec::new(),
+        };
+        let e = &control::runtime()?.engine;
+        let r = Engine::resume_nonblocking(e, tag, &order, stream_of(device, stream))?;
+        // SAFETY: `out_pending` is NULL or writable (our callers' promise).
+        unsafe { put_all(&[(out_pending, r.pending)]) };
+        Ok(())
+    })
+}
+
+/// Block until what non-blocking resumes are restoring into the allocation holding `addr`
+/// (every allocation, if 0) has landed, for at most `timeout_ms` (negative: no limit).
+/// `*out_done` (or NULL) is 1 if it landed, 0 if the time ran out. A failure of such a resume
+/// after it returned is reported here, once.
+///
+/// # Safety
+/// `out_done` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn tms_wait_restored(
+    addr: u64,
+    timeout_ms: i64,
+    out_done: *mut c_int,
+) -> c_int {
+    entry(|| {
+        let timeout = u64::try_from(timeout_ms).ok().map(Duration::from_millis);
+        let ptr = (addr != 0).then_some(addr);
+        let done = control::runtime()?.engine.wait_restored(ptr, timeout)?;
+        if !out_done.is_null() {
+            // SAFETY: `out_done` is not NULL, so writable (our callers' promise).
+            unsafe { *out_done = c_int::from(done) };
+        }
+        Ok(())
+    })
+}
+
+/// Make `stream` (of `device`, 0 for its legacy default stream) wait, without blocking the
+/// host, until the allocation holding `addr` (every allocation, if 0) is restored by the
+/// non-blocking resumes in flight; nothing is queued when nothing is in flight.
+///
+/// # Safety
+/// `stream` is a live stream of `device` (or 0).
+#[no_mangle]
+pub unsafe extern "C" fn tms_stream_wait_restored(addr: u64, device: c_int, stream: u64) -> c_int {
+    entry(|| {
+        let on = stream_of(device, stream).ok_or_else(|| {
+            crate::error::Error::invalid_argument(format!("device {device}: expected 0 or more"))
+        })?;
+        let ptr = (addr != 0).then_some(addr);
+        control::runtime()?.engine.stream_wait_restored(ptr, on)
+    })
+}

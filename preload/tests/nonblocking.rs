@@ -1,0 +1,294 @@
+//! The non-blocking resume (engine Note [Non-blocking resume]): the call returns once the memory
+//! is mapped, streams wait for the restore through the gate, waits block until data landed,
+//! and a failure after the return loses nothing and is reported by the next call.
+
+mod common;
+
+use std::time::Duration;
+
+use common::harness::Harness;
+use common::{engine_test, pattern, Setup};
+use tms::backup::BackupKind;
+use tms::driver::sim::Prim;
+use tms::driver::{DevPtr, Stream};
+use tms::engine::{AllocRequest, Engine, State, StreamOf};
+
+fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
+    AllocRequest {
+        size,
+        device: 0,
+        tag: tag.into(),
+        backup,
+        chunk: 0,
+    }
+}
+
+/// The caller's stream: any handle on the sim, the legacy default stream on a GPU.
+fn user_stream(h: &Harness) -> StreamOf {
+    StreamOf {
+        device: h.device(0),
+        stream: Stream(h.pick(0x5151, 0)),
+    }
+}
+
+/// `n` allocations of `size` bytes with a pinned backup, each filled with its own pattern,
+/// then paused.
+fn paused(h: &Harness, tag: &str, n: usize, size: u64) -> Vec<(DevPtr, Vec<u8>)> {
+    let v: Vec<(DevPtr, Vec<u8>)> = (0..n)
+        .map(|i| {
+            let p =
+                h.e.alloc(&req(size, tag, Some(BackupKind::Pinned)))
+                    .unwrap();
+            let data = pattern(size as usize, i as u64 + 1);
+            h.write(p, &data);
+            (p, data)
+        })
+        .collect();
+    h.e.pause(Some(tag)).unwrap();
+    v
+}
+
+fn state(e: &Engine, p: DevPtr) -> State {
+    e.allocations()
+        .into_iter()
+        .find(|a| a.addr == p)
+        .expect("allocation")
+        .state
+}
+
+fn check_contents(h: &Harness, allocs: &[(DevPtr, Vec<u8>)]) {
+    for (p, data) in allocs {
+        assert!(h.read(*p, data.len()) == *data, "contents of {p:#x}");
+    }
+}
+
+engine_test! {
+    fn a_nonblocking_resume_restores_everything_once_waited_for(h) [Setup::default().small_pieces(4)] {
+        let g = h.g();
+        let allocs = paused(&h, "kv", 4, 3 * g + 4096);
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("kv"), &[], Some(user_stream(&h)))
+            .unwrap();
+        assert_eq!((r.allocations, r.bytes), (4, 4 * (3 * g + 4096)));
+        assert!(r.pending <= r.bytes);
+        // Mapped at return: nothing the caller queues can fault.
+        for (p, _) in &allocs {
+            h.assert_accessible(*p, 1, true, "mapped when the call returns");
+        }
+        assert!(h.e.wait_restored(None, Some(Duration::from_secs(30))).unwrap());
+        check_contents(&h, &allocs);
+        assert!(!h.e.restoring());
+        for (p, _) in &allocs {
+            assert_eq!(state(&h.e, *p), State::Active);
+        }
+        if let Some(sim) = h.sim() {
+            assert!(sim.gated_streams().is_empty(), "the gate reached every wait");
+            assert_eq!(sim.gate_value(), 4, "one step per allocation");
+        }
+        // The next pause and resume see an ordinary engine.
+        h.e.pause(Some("kv")).unwrap();
+        h.e.resume(Some("kv")).unwrap();
+        check_contents(&h, &allocs);
+    }
+}
+
+engine_test! {
+    sim_only fn the_call_returns_before_the_data_lands_and_the_stream_waits(h) [Setup::default().small_pieces(4)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "w", 3, 2 * g);
+        // No copy completes while the workers' waits are held.
+        sim.hold(Prim::EventSync, None);
+        let us = user_stream(&h);
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("w"), &[], Some(us)).unwrap();
+        assert_eq!(r.pending, 3 * 2 * g, "nothing landed yet");
+        assert!(h.e.restoring());
+        assert_eq!(sim.gated_streams(), vec![(0, us.stream, 3)], "the caller's stream waits for all");
+        assert!(!h.e.wait_restored(Some(allocs[0].0), Some(Duration::from_millis(50))).unwrap());
+        // One allocation: a stream of its own waits for that one only (with no order given,
+        // allocations are restored by address).
+        let other = StreamOf { device: 0, stream: Stream(0x6262) };
+        h.e.stream_wait_restored(Some(allocs[1].0 + 100), other).unwrap();
+        let rank = allocs.iter().filter(|a| a.0 <= allocs[1].0).count() as u32;
+        assert!(sim.gated_streams().contains(&(0, other.stream, rank)));
+        // A pause of the same tag waits for the restore, and then pauses it.
+        let e2 = h.e.clone();
+        let pauser = std::thread::spawn(move || e2.pause(Some("w")).map(|r| r.allocations));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!pauser.is_finished(), "a pause waits for the running resume");
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(None, None).unwrap());
+        assert!(sim.gated_streams().is_empty());
+        assert_eq!(pauser.join().unwrap().unwrap(), 3);
+        h.e.resume(Some("w")).unwrap();
+        check_contents(&h, &allocs);
+    }
+}
+
+engine_test! {
+    sim_only fn the_order_given_is_the_order_restored(h) [Setup::default().small_pieces(2)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "o", 4, g);
+        sim.hold(Prim::EventSync, None);
+        // Addresses inside allocations name them; those not named come after, by address.
+        let order = [allocs[3].0 + 17, allocs[1].0];
+        let (lo, hi) = if allocs[0].0 < allocs[2].0 { (0, 2) } else { (2, 0) };
+        let us = user_stream(&h);
+        Engine::resume_nonblocking(h.e.clone(), Some("o"), &order, None).unwrap();
+        assert!(sim.gated_streams().is_empty(), "no stream given, none waits");
+        let want = [(3, 1), (1, 2), (lo, 3), (hi, 4)];
+        for (k, (i, v)) in want.into_iter().enumerate() {
+            let s = StreamOf { device: 0, stream: Stream(0x100 + k as u64) };
+            h.e.stream_wait_restored(Some(allocs[i].0), s).unwrap();
+            assert!(sim.gated_streams().contains(&(0, s.stream, v)), "allocation {i} is number {v}: {:?}", sim.gated_streams());
+        }
+        h.e.stream_wait_restored(None, us).unwrap();
+        assert!(sim.gated_streams().contains(&(0, us.stream, 4)));
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(Some(allocs[2].0), None).unwrap());
+        assert!(h.read(allocs[2].0, allocs[2].1.len()) == allocs[2].1);
+        assert!(h.e.wait_restored(None, None).unwrap());
+        check_contents(&h, &allocs);
+        // Nothing in flight: nothing to wait for, nothing queued.
+        h.e.stream_wait_restored(None, StreamOf { device: 0, stream: Stream(0x999) }).unwrap();
+        assert!(sim.gated_streams().is_empty());
+    }
+}
+
+engine_test! {
+    sim_only fn a_failure_after_the_return_loses_nothing_and_is_reported_once(h) [Setup::default().small_pieces(4)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "f", 3, 2 * g);
+        sim.hold(Prim::EventSync, None);
+        let us = user_stream(&h);
+        Engine::resume_nonblocking(h.e.clone(), Some("f"), &[], Some(us)).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        let err = h.e.wait_restored(None, None).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("failed after it returned"), "{msg}");
+        assert!(msg.contains("cuEventSynchronize"), "{msg}");
+        assert!(sim.gated_streams().is_empty(), "the gate opened: no stream waits forever");
+        for (p, _) in &allocs {
+            assert_eq!(state(&h.e, *p), State::Paused, "stays paused with its backup");
+            // Still mapped: work the caller queued behind the gate finds memory there.
+            h.assert_accessible(*p, 1, true, "mapped after the failure");
+        }
+        // Reported once: the next call proceeds.
+        h.e.resume(Some("f")).unwrap();
+        check_contents(&h, &allocs);
+        h.assert_live_bytes(0, 3 * 2 * g, "the kept mappings were unmapped and replaced");
+        h.e.pause(Some("f")).unwrap();
+        h.assert_live_bytes(0, 0, "paused");
+    }
+}
+
+engine_test! {
+    sim_only fn a_failure_after_the_return_is_reported_by_the_next_pause(h) [Setup::default().small_pieces(3)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "n", 2, 2 * g);
+        let other = paused(&h, "other", 1, g);
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        // The pause waits for the resume to end, then reports its failure and does nothing.
+        h.e.resume(Some("other")).unwrap_err();
+        assert_eq!(state(&h.e, other[0].0), State::Paused, "the reporting call did nothing");
+        h.e.resume(None).unwrap();
+        check_contents(&h, &allocs);
+        check_contents(&h, &other);
+        assert!(h.e.wait_restored(None, None).unwrap(), "reported already");
+    }
+}
+
+engine_test! {
+    sim_only fn a_failure_before_the_return_is_the_calls_error(h) [Setup::default().small_pieces(2)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "m", 3, g);
+        sim.arm_fault(Prim::Map, 3, 2);
+        let err = Engine::resume_nonblocking(h.e.clone(), Some("m"), &[], Some(user_stream(&h)))
+            .unwrap_err();
+        assert!(err.is_oom(), "{err}");
+        assert!(sim.gated_streams().is_empty());
+        for (p, _) in &allocs {
+            assert_eq!(state(&h.e, *p), State::Paused);
+            h.assert_accessible(*p, 1, false, "undone");
+        }
+        assert!(h.e.wait_restored(None, None).unwrap(), "nothing deferred: the call reported it");
+        Engine::resume_nonblocking(h.e.clone(), Some("m"), &[], Some(user_stream(&h))).unwrap();
+        assert!(h.e.wait_restored(None, None).unwrap());
+        check_contents(&h, &allocs);
+    }
+}
+
+engine_test! {
+    sim_only fn without_a_gate_or_a_stream_wait_the_call_blocks_instead(h) [Setup::default().small_pieces(2)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "b", 2, g);
+        sim.arm_fault(Prim::Gate, 1, 801);
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("b"), &[], Some(user_stream(&h)))
+            .unwrap();
+        assert_eq!(r.pending, 0, "a blocking resume");
+        assert!(!h.e.restoring());
+        check_contents(&h, &allocs);
+        h.e.pause(Some("b")).unwrap();
+        sim.arm_fault(Prim::StreamWait, 1, 801);
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("b"), &[], Some(user_stream(&h)))
+            .unwrap();
+        assert_eq!(r.pending, 0, "the host waited for what the stream could not");
+        assert!(!h.e.restoring());
+        check_contents(&h, &allocs);
+    }
+}
+
+engine_test! {
+    fn bad_arguments_are_refused_and_nothing_paused_is_fine(h) {
+        let err = Engine::resume_nonblocking(h.e.clone(), Some(""), &[], None).unwrap_err();
+        assert!(err.to_string().contains("tag"), "{err}");
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("none"), &[], Some(user_stream(&h)))
+            .unwrap();
+        assert_eq!((r.allocations, r.pending), (0, 0));
+        assert!(h.e.wait_restored(Some(0x1234), Some(Duration::ZERO)).unwrap());
+    }
+}
+
+engine_test! {
+    fn threads_resuming_and_waiting_on_their_own_tags(h) [Setup::default().small_pieces(4).capacity(512 << 20)] {
+        if let Some(sim) = h.sim() {
+            // A slow link: restores overlap the other threads' pauses and waits.
+            sim.set_bandwidth(Some(2 << 30));
+        }
+        let g = h.g();
+        let tags = ["t0", "t1", "t2"];
+        let sets: Vec<Vec<(DevPtr, Vec<u8>)>> = tags.iter().map(|t| paused(&h, t, 2, 2 * g + 8192)).collect();
+        std::thread::scope(|s| {
+            for (t, set) in tags.iter().zip(&sets) {
+                let h = &h;
+                s.spawn(move || {
+                    for round in 0..4 {
+                        let order = [set[1].0];
+                        Engine::resume_nonblocking(h.e.clone(), Some(t), &order, Some(user_stream(h)))
+                            .unwrap();
+                        assert!(h.e.wait_restored(Some(set[1].0), None).unwrap(), "{t} round {round}");
+                        assert!(h.read(set[1].0, set[1].1.len()) == set[1].1, "{t} round {round}");
+                        assert!(h.e.wait_restored(Some(set[0].0), None).unwrap());
+                        check_contents(h, set);
+                        h.e.pause(Some(t)).unwrap();
+                    }
+                });
+            }
+        });
+        h.e.resume(None).unwrap();
+        for set in &sets {
+            check_contents(&h, set);
+        }
+        if let Some(sim) = h.sim() {
+            assert!(sim.gated_streams().is_empty());
+        }
+    }
+}
