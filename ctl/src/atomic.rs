@@ -142,6 +142,7 @@ fn undo(
                 tag,
                 chunks: None,
                 chunk_state: true,
+                no_wait: false,
             }
         }
         // A resume that fails undoes itself in the process (all or nothing).
@@ -170,6 +171,7 @@ fn undo(
                     tag,
                     chunks,
                     chunk_state: false,
+                    no_wait: false,
                 },
                 Op::Resume => Request::Pause {
                     tag,

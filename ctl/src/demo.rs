@@ -951,6 +951,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             tag: tag.clone(),
             chunks: None,
             chunk_state: false,
+            no_wait: false,
         },
         ctx.timeout,
         show,

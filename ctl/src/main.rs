@@ -15,7 +15,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tms_proto::{
     chunk_ranges, format_ranges, BackupBackend, ChunkStatus, Op, RegionInfo, RegionUpdate, Reply,
-    Request, Status, FEATURE_CHUNKS, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
+    Request, Status, FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
 };
 
 use client::{Client, Code, Failure, Folder, Socket};
@@ -225,6 +225,13 @@ enum Cmd {
         /// recorded active (every chunk of an allocation without such a record).
         #[arg(long, conflicts_with = "chunks")]
         restore_chunk_state: bool,
+        /// Answer once the memory is mapped: the contents are still being restored in the
+        /// process when tmsctl exits (the output says how much). The process's next pause,
+        /// resume or wait reports a failure of that restore; its allocations then stay paused
+        /// with their backups. A whole tag only (not with --chunks, --restore-chunk-state or
+        /// --atomic).
+        #[arg(long, conflicts_with_all = ["chunks", "restore_chunk_state", "atomic"])]
+        no_wait: bool,
         #[command(flatten)]
         show: ShowProgress,
         #[command(flatten)]
@@ -580,6 +587,7 @@ fn asked(req: &Request) -> Option<(Op, Option<String>, Option<tms_proto::ChunkRa
             tag,
             chunks,
             chunk_state,
+            ..
         } => Some((Op::Resume, tag.clone(), chunks.clone(), *chunk_state)),
         _ => None,
     }
@@ -624,6 +632,17 @@ fn run_one(
     };
     if sent_chunks.is_some() || chunk_state {
         needs_chunks(c)?;
+    }
+    if matches!(req, Request::Resume { no_wait: true, .. }) && !c.hello.has(FEATURE_NO_WAIT) {
+        return Err(Failure::new(
+            Code::Failed,
+            format!(
+                "process {}: its library ({}) predates resume --no-wait (resume without it, \
+                 or use a newer libtms.so)",
+                c.pid(),
+                output::printable(&c.hello.software)
+            ),
+        ));
     }
     let what = op_words(which, asked.as_deref(), sent_chunks.as_ref());
     // With a process that reports progress, a second connection watches it: for the
@@ -804,6 +823,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             tag,
             chunks,
             restore_chunk_state,
+            no_wait,
             show,
             atomic,
         } => op(
@@ -813,6 +833,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 tag,
                 chunks: chunks.map(|c| chunk_ranges(&c.0)),
                 chunk_state: restore_chunk_state,
+                no_wait,
             },
             show,
             atomic.atomic,

@@ -300,6 +300,13 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
     };
     s.push_str(&copies(d));
     let _ = write!(s, ", in {:.3} s", d.seconds);
+    if d.pending_bytes > 0 {
+        let _ = write!(
+            s,
+            "; {} still being restored in the process",
+            human(d.pending_bytes)
+        );
+    }
     s
 }
 
@@ -487,6 +494,7 @@ mod tests {
             disk_copied_bytes: Some(0),
             seconds: 0.5,
             unknown_tag: false,
+            pending_bytes: 0,
         };
         assert_eq!(
             done(7, &d, false),

@@ -74,6 +74,10 @@ pub const FEATURE_OPERATIONS: &str = "operations";
 /// [`OpDone::disk_copied_bytes`] says which part of the copy went to or came from disk.
 pub const FEATURE_PROGRESS: &str = "progress";
 
+/// The feature of servers that resume without waiting for the data ([`Request::Resume`]'s
+/// `no_wait`, [`OpDone::pending_bytes`]).
+pub const FEATURE_NO_WAIT: &str = "no_wait";
+
 /// Longest error message a decoder produces (a message may quote part of the input).
 const MAX_MESSAGE_CHARS: usize = 240;
 
@@ -232,6 +236,11 @@ pub enum Request {
         /// [`FEATURE_CHUNKS`].
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         chunk_state: bool,
+        /// Answer once the memory is mapped, with the contents still being restored in the
+        /// process (a whole tag only: not with `chunks` or `chunk_state`). Servers with
+        /// [`FEATURE_NO_WAIT`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        no_wait: bool,
     },
     /// The chunks of the one chunked allocation of `tag` and which are active; answered by
     /// [`Reply::Chunks`]. Servers with [`FEATURE_CHUNKS`].
@@ -539,6 +548,10 @@ pub struct OpDone {
     /// perhaps). Absent (false) otherwise, and from servers that predate it.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unknown_tag: bool,
+    /// Of `bytes`, those a `no_wait` resume was still restoring when it answered. Absent
+    /// (zero) otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pending_bytes: u64,
 }
 
 /// The chunks of one chunked allocation and their states.

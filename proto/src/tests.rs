@@ -34,6 +34,7 @@ fn requests_have_the_documented_shape() {
             tag: Some("kv".into()),
             chunks: None,
             chunk_state: false,
+            no_wait: false,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\"}\n"
     );
@@ -50,8 +51,18 @@ fn requests_have_the_documented_shape() {
             tag: None,
             chunks: None,
             chunk_state: true,
+            no_wait: false,
         }),
         "{\"op\":\"resume\",\"chunk_state\":true}\n"
+    );
+    assert_eq!(
+        line(&Request::Resume {
+            tag: Some("kv".into()),
+            chunks: None,
+            chunk_state: false,
+            no_wait: true,
+        }),
+        "{\"op\":\"resume\",\"tag\":\"kv\",\"no_wait\":true}\n"
     );
     assert_eq!(
         line(&Request::Chunks { tag: "kv".into() }),
@@ -259,6 +270,19 @@ fn replies_round_trip() {
             disk_copied_bytes: Some(0),
             seconds: 0.25,
             unknown_tag: false,
+            pending_bytes: 0,
+        }),
+        Reply::Done(OpDone {
+            op: Op::Resume,
+            tag: Some("kv".into()),
+            chunks: None,
+            allocations: 2,
+            bytes: 4 << 20,
+            copied_bytes: 0,
+            disk_copied_bytes: Some(0),
+            seconds: 0.01,
+            unknown_tag: false,
+            pending_bytes: 3 << 20,
         }),
         Reply::Chunks(ChunkStatus {
             tag: "kv".into(),
@@ -388,13 +412,14 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 chunk_state,
             }
         }),
-        (arb_tag(), arb_chunks(), any::<bool>()).prop_map(|(tag, chunks, chunk_state)| {
-            Request::Resume {
+        (arb_tag(), arb_chunks(), any::<bool>(), any::<bool>()).prop_map(
+            |(tag, chunks, chunk_state, no_wait)| Request::Resume {
                 tag,
                 chunks,
                 chunk_state,
+                no_wait,
             }
-        }),
+        ),
         "\\PC{0,24}".prop_map(|tag| Request::Chunks { tag }),
         (
             prop::option::of(any::<bool>()),
@@ -576,6 +601,7 @@ fn requests_of_older_clients_still_parse() {
                 tag: Some("kv".into()),
                 chunks: None,
                 chunk_state: false,
+                no_wait: false,
             },
         ),
         (

@@ -36,6 +36,9 @@ use crate::process::settings::RegionSettings;
 pub trait Host: Sync {
     /// The engine.
     fn engine(&self) -> &Engine;
+    /// A non-blocking resume of `tag` on the engine (which the resume's thread must hold on
+    /// to): no stream waits, the process's own waits see it.
+    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<OpReport>;
     /// Region settings of threads that have not set their own.
     fn default_region(&self) -> Result<RegionSettings>;
     /// Change them.
@@ -76,6 +79,13 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             tag,
             chunks,
             chunk_state,
+            no_wait: true,
+        } => resume_no_wait(host, tag, chunks.is_some() || chunk_state),
+        Request::Resume {
+            tag,
+            chunks,
+            chunk_state,
+            no_wait: false,
         } => op(host, Op::Resume, tag, chunks, chunk_state),
         Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
@@ -193,6 +203,31 @@ fn with_progress(r: &mut Running, p: &Progress) {
     r.gib_per_s = (p.copy_seconds > 0.0).then(|| finite(p.rate() / (1u64 << 30) as f64));
 }
 
+/// A resume answered once the memory is mapped (Note [Non-blocking resume] in the engine).
+fn resume_no_wait(host: &dyn Host, tag: Option<String>, chunked: bool) -> Result<Reply> {
+    if chunked {
+        return Err(Error::invalid_argument(
+            "a resume without waiting takes a whole tag: not with chunks or chunk_state",
+        ));
+    }
+    let in_flight = InFlight::new(Op::Resume, tag.as_deref(), None);
+    let r = host.resume_nonblocking(tag.as_deref())?;
+    drop(in_flight);
+    let unknown_tag = tag.as_deref().is_some_and(|t| !host.engine().tag_known(t));
+    Ok(Reply::Done(OpDone {
+        op: Op::Resume,
+        tag,
+        chunks: None,
+        allocations: r.allocations as u64,
+        bytes: r.bytes,
+        copied_bytes: r.copied,
+        disk_copied_bytes: Some(r.disk_copied),
+        seconds: finite(r.seconds),
+        unknown_tag,
+        pending_bytes: r.pending,
+    }))
+}
+
 fn op(
     host: &dyn Host,
     which: Op,
@@ -223,6 +258,7 @@ fn op(
             disk_copied_bytes: Some(r.disk_copied),
             seconds: finite(r.seconds),
             unknown_tag,
+            pending_bytes: r.pending,
         })
     };
     let Some(ranges) = chunks else {

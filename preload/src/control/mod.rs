@@ -133,6 +133,11 @@ impl Host for ProcessHost {
         &self.rt.engine
     }
 
+    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<crate::engine::OpReport> {
+        let rt: &'static Runtime = self.rt;
+        Engine::resume_nonblocking(&rt.engine, tag, &[], None)
+    }
+
     fn default_region(&self) -> Result<RegionSettings> {
         settings::default_region()
     }

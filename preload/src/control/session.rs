@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use tms_proto::{
     decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, Reply, Request,
-    FEATURE_CHUNKS, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES, PROTOCOL_VERSION,
+    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
 
 use super::auth::{authenticate, AuthenticatedClient};
@@ -340,6 +340,7 @@ impl<'a> Session<'a> {
                         FEATURE_CHUNKS.to_string(),
                         FEATURE_OPERATIONS.to_string(),
                         FEATURE_PROGRESS.to_string(),
+                        FEATURE_NO_WAIT.to_string(),
                     ],
                 })
             }

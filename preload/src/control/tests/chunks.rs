@@ -35,6 +35,7 @@ fn chunk_op(which: Op, tag: &str, chunks: &[[u64; 2]]) -> Request {
             tag,
             chunks,
             chunk_state: false,
+            no_wait: false,
         },
     }
 }
@@ -165,6 +166,7 @@ fn chunks_pause_and_resume_through_the_server() {
         tag: Some("kv".into()),
         chunks: None,
         chunk_state: true,
+        no_wait: false,
     }));
     assert_eq!((d.bytes, d.copied_bytes), (6 << 20, 6 << 20));
     assert_eq!(states(&mut c, "kv"), "0111");
@@ -241,6 +243,7 @@ fn bad_chunk_requests_are_refused_and_change_nothing() {
             tag: None,
             chunks: Some(vec![[0, 0]]),
             chunk_state: false,
+            no_wait: false,
         },
     ] {
         refused(

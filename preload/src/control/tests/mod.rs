@@ -23,7 +23,7 @@ use crate::driver::sim::{SimConfig, SimDriver};
 use crate::engine::AllocRequest;
 
 struct TestHost {
-    engine: Engine,
+    engine: Arc<Engine>,
     region: Mutex<RegionSettings>,
     /// Held by a test to make `get_region` (and `status`) wait: a request that takes long.
     gate: Mutex<()>,
@@ -37,7 +37,7 @@ fn host() -> &'static TestHost {
 
 fn host_over(d: SimDriver) -> &'static TestHost {
     Box::leak(Box::new(TestHost {
-        engine: Engine::new(Arc::new(d)),
+        engine: Arc::new(Engine::new(Arc::new(d))),
         region: Mutex::new(RegionSettings {
             enabled: false,
             tag: "default".into(),
@@ -55,6 +55,9 @@ fn host_over(d: SimDriver) -> &'static TestHost {
 impl Host for TestHost {
     fn engine(&self) -> &Engine {
         &self.engine
+    }
+    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<crate::engine::OpReport> {
+        Engine::resume_nonblocking(self.engine.clone(), tag, &[], None)
     }
     fn default_region(&self) -> Result<RegionSettings> {
         self.at_gate
@@ -170,6 +173,7 @@ fn resume(tag: Option<String>) -> Request {
         tag,
         chunks: None,
         chunk_state: false,
+        no_wait: false,
     }
 }
 

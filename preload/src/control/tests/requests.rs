@@ -313,3 +313,66 @@ fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
     let now = h.region.lock().clone();
     assert!(now.check().is_ok() && now.cpu_backup && !now.disk_backup);
 }
+
+#[test]
+fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
+    let sim = SimDriver::new(SimConfig::default()).unwrap();
+    let h = host_over(sim);
+    let mut ptrs = Vec::new();
+    for i in 0..3u8 {
+        let p = h
+            .engine
+            .alloc(&AllocRequest {
+                size: 2 << 20,
+                device: 0,
+                tag: "kv".into(),
+                backup: Some(BackupKind::Pinned),
+                chunk: 0,
+            })
+            .unwrap();
+        h.engine.write_bytes(p, &[i + 1; 64]).unwrap();
+        ptrs.push(p);
+    }
+    let mut c = Conn::greeted(h);
+    let Reply::Done(_) = c.ask(&pause(Some("kv".into()))) else {
+        panic!()
+    };
+    let no_wait = Request::Resume {
+        tag: Some("kv".into()),
+        chunks: None,
+        chunk_state: false,
+        no_wait: true,
+    };
+    let Reply::Done(d) = c.ask(&no_wait) else {
+        panic!()
+    };
+    assert_eq!((d.op, d.allocations, d.bytes), (Op::Resume, 3, 6 << 20));
+    assert!(d.pending_bytes <= d.bytes);
+    assert!(h.engine.wait_restored(None, None).unwrap());
+    for (i, p) in ptrs.iter().enumerate() {
+        let mut back = [0u8; 64];
+        h.engine.read_bytes(*p, &mut back).unwrap();
+        assert_eq!(back, [i as u8 + 1; 64]);
+    }
+    // A whole tag only.
+    for bad in [
+        Request::Resume {
+            tag: Some("kv".into()),
+            chunks: Some(vec![[0, 0]]),
+            chunk_state: false,
+            no_wait: true,
+        },
+        Request::Resume {
+            tag: Some("kv".into()),
+            chunks: None,
+            chunk_state: true,
+            no_wait: true,
+        },
+    ] {
+        let Reply::Error(e) = c.ask(&bad) else {
+            panic!()
+        };
+        assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.message);
+        assert!(e.message.contains("whole tag"), "{}", e.message);
+    }
+}
