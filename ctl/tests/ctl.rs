@@ -423,11 +423,26 @@ fn drives_a_preloaded_process_through_every_operation() {
     // resume --no-wait: answered once the memory is mapped; the contents land in the process
     // (its verify reads through the library, after the restore).
     ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
-    let r = ok(&sb, &["resume", "--pid", &pid, "--tag", "demo", "--no-wait", "--json"]).json();
+    let r = ok(
+        &sb,
+        &[
+            "resume",
+            "--pid",
+            &pid,
+            "--tag",
+            "demo",
+            "--no-wait",
+            "--json",
+        ],
+    )
+    .json();
     assert_eq!(r["bytes"].as_u64(), Some(SIZE));
     assert!(r["pending_bytes"].as_u64().unwrap_or(0) <= SIZE, "{r}");
     p.verify();
-    assert_eq!(tag(&status(&sb, p.pid), "demo")["bytes_active"].as_u64(), Some(SIZE));
+    assert_eq!(
+        tag(&status(&sb, p.pid), "demo")["bytes_active"].as_u64(),
+        Some(SIZE)
+    );
 
     // The default region: off at first, so a plain cudaMalloc passes through (to no CUDA
     // runtime at all here, so it fails); once tmsctl enables it, cudaMalloc is pauseable.

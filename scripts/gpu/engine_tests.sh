@@ -13,6 +13,7 @@
 #   scripts/gpu/engine_tests.sh [DIR]
 #   TMS_TEST_CUDA_SLACK=4MiB scripts/gpu/engine_tests.sh    # more room for the driver's own memory
 #   ENGINE_TEST_ARGS="--skip progress" scripts/gpu/engine_tests.sh   # passed to each executable
+#   ENGINE_TEST_TIMEOUT=600 scripts/gpu/engine_tests.sh   # seconds per executable (default 300)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/gpu/checks.sh
@@ -32,8 +33,10 @@ for exe in "${bins[@]}"; do
   echo "== $name"
   log=$(mktemp)
   # shellcheck disable=SC2086 # a list of arguments
-  "$exe" ${ENGINE_TEST_ARGS:-} 2>&1 | tee "$log"
+  # A hang (a bug) fails its executable, not the whole suite's time.
+  timeout -k 10 "${ENGINE_TEST_TIMEOUT:-300}" "$exe" ${ENGINE_TEST_ARGS:-} 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && echo "$name: still running after ${ENGINE_TEST_TIMEOUT:-300} s: stopped"
   result=$(grep -E '^test result:' "$log" | tail -n 1)
   rm -f "$log"
   case $rc in

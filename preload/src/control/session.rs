@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use tms_proto::{
     decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, Reply, Request,
-    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES, PROTOCOL_VERSION,
+    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES,
+    PROTOCOL_VERSION,
 };
 
 use super::auth::{authenticate, AuthenticatedClient};

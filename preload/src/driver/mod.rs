@@ -51,10 +51,17 @@ impl Gate {
         Gate { host, dev }
     }
 
-    /// Raise the word to `v`. Release order: whatever this thread saw complete before (the
-    /// copies a wait covered) is done before a device can see the new value.
+    /// Raise the word to `v`, unless it is there or beyond already (cyclically): it never goes
+    /// back, so a late raise by a finished resume cannot hold back streams waiting for a later
+    /// one. Release order: whatever this thread saw complete before (the copies a wait covered)
+    /// is done before a device can see the new value.
     pub fn raise(&self, v: u32) {
-        self.host.store(v, std::sync::atomic::Ordering::Release);
+        use std::sync::atomic::Ordering;
+        let _ = self
+            .host
+            .fetch_update(Ordering::Release, Ordering::Acquire, |cur| {
+                ((v.wrapping_sub(cur) as i32) > 0).then_some(v)
+            });
     }
 
     /// The word's value.
@@ -220,5 +227,29 @@ pub(crate) fn check(
             context()
         ))),
         _ => Err(Error::driver(call, code, name, context())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Gate;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn a_gate_only_goes_forward_and_compares_cyclically() {
+        let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(0)));
+        let g = Gate::new(word, 0);
+        g.raise(5);
+        g.raise(3); // a late raise of an earlier resume
+        assert_eq!(g.value(), 5);
+        assert!(g.reached(5) && g.reached(4) && !g.reached(6));
+        // Across the wrap: u32::MAX - 1 then 2 (four steps on).
+        let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(u32::MAX - 1)));
+        let g = Gate::new(word, 0);
+        g.raise(2);
+        assert_eq!(g.value(), 2);
+        assert!(g.reached(u32::MAX) && g.reached(2) && !g.reached(3));
+        g.raise(u32::MAX);
+        assert_eq!(g.value(), 2, "behind it, cyclically");
     }
 }

@@ -349,6 +349,7 @@ impl Engine {
             ring,
             items: &items,
             progress,
+            lock_pages_first: false,
         }
         .run(
             |_, _| Ok(()),

@@ -83,6 +83,12 @@ pub(super) struct Pipeline<'a, 'i> {
     pub ring: &'a mut Ring,
     pub items: &'a [Item<'i>],
     pub progress: &'a Counters,
+    /// Page-lock everything before the first item is prepared (every worker's staging slots,
+    /// made now instead of on first need) and nothing after (no inline pinning): a non-blocking
+    /// resume lets its caller queue work behind the restore once everything is mapped, and
+    /// page-locking memory from then on can wait for that work, which waits for the restore
+    /// (engine Note [Non-blocking resume]).
+    pub lock_pages_first: bool,
 }
 
 impl Pipeline<'_, '_> {
@@ -108,6 +114,7 @@ impl Pipeline<'_, '_> {
             ready: Ready::new(),
             timing: Timing::new(self.progress),
             error: Mutex::new(None),
+            pin_inline: self.cfg.pin == PinMode::Inline && !self.lock_pages_first,
         };
         let workers = self
             .cfg
@@ -115,6 +122,14 @@ impl Pipeline<'_, '_> {
             .clamp(1, MAX_WORKERS)
             .min(sh.queue.units.len());
         let lanes = self.ring.lanes(workers);
+        if self.lock_pages_first && !sh.queue.units.is_empty() {
+            if let Err(e) = lanes
+                .iter()
+                .try_for_each(|l| worker::make_slots(&sh, &mut l.lock()))
+            {
+                return Err(e.context("making the staging slots"));
+            }
+        }
         let (tx, rx) = mpsc::channel::<usize>();
         let mut prepared_s = 0.0;
         std::thread::scope(|s| {

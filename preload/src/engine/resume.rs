@@ -268,6 +268,7 @@ impl Engine {
                     ring,
                     items: &items,
                     progress,
+                    lock_pages_first: track.is_some(),
                 }
                 .run(
                     |p, mapped| {

@@ -118,6 +118,28 @@ impl SimDriver {
         w.clone()
     }
 
+    /// As on a GPU, where page-locking memory and synchronizing the device wait for the
+    /// device's streams: wait while a stream of `device` waits for the gate. A wait that
+    /// lasts (the caller itself is to raise the gate: a deadlock on a GPU) fails instead.
+    fn wait_for_gated(&self, prim: Prim, device: i32) -> Result<()> {
+        let t0 = std::time::Instant::now();
+        while self.gated_streams().iter().any(|w| w.0 == device) {
+            if t0.elapsed() > std::time::Duration::from_secs(5) {
+                return Err(driver_err(
+                    prim,
+                    999,
+                    format!(
+                        "device {device}: waited 5 s for streams that wait for the resume gate \
+                         (on a GPU this call waits for them, and they for the gate: a deadlock \
+                         if its caller is to raise the gate)"
+                    ),
+                ));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
     /// The gate's value (0 before it is made).
     pub fn gate_value(&self) -> u32 {
         self.gate.get().map_or(0, Gate::value)
@@ -248,6 +270,7 @@ impl Driver for SimDriver {
 
     fn synchronize(&self, device: i32) -> Result<()> {
         self.gates.wait_if_held(Prim::Synchronize, Some(device));
+        self.wait_for_gated(Prim::Synchronize, device)?;
         self.gates.sync_delay();
         let mut g = self.inner.lock();
         g.enter(Prim::Synchronize, || format!("device {device}"))?;
@@ -366,6 +389,7 @@ impl Driver for SimDriver {
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
         self.check_device(Prim::HostRegister, device)?;
         self.gates.wait_if_held(Prim::HostRegister, Some(device));
+        self.wait_for_gated(Prim::HostRegister, device)?;
         let mut g = self.inner.lock();
         g.enter(Prim::HostRegister, || {
             format!("{len} bytes of host memory at {ptr:p}")
@@ -375,6 +399,7 @@ impl Driver for SimDriver {
 
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
         self.check_device(Prim::HostUnregister, device)?;
+        self.wait_for_gated(Prim::HostUnregister, device)?;
         let mut g = self.inner.lock();
         g.enter(Prim::HostUnregister, || format!("host memory at {ptr:p}"))?;
         g.host.unregister(device, ptr)

@@ -26,6 +26,8 @@ pub(super) struct Shared<'a> {
     pub(super) ready: Ready,
     pub(super) timing: Timing<'a>,
     pub(super) error: Mutex<Option<Error>>,
+    /// Workers page-lock a chunk of a pinned backup before its first copy ([`PinMode::Inline`](super::PinMode::Inline)).
+    pub(super) pin_inline: bool,
 }
 
 impl Shared<'_> {

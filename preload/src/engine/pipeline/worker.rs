@@ -7,7 +7,6 @@ use std::sync::mpsc;
 
 use parking_lot::Mutex;
 
-use super::config::PinMode;
 use super::shared::{Shared, Unit};
 use crate::backup::{Backing, BackupKind, Dir, HostBuffer, HostLayout, UnitIo};
 use crate::driver::{DevPtr, DeviceScope, Event, Stream};
@@ -157,7 +156,7 @@ fn copy_unit(
 ) -> Result<()> {
     let d = sh.d();
     let dev = dev + u.off;
-    let pin_now = sh.cfg.pin == PinMode::Inline;
+    let pin_now = sh.pin_inline;
     if let Some(host) = target.direct(u.chunk, u.off, pin_now)? {
         // SAFETY: dev..dev+len lies in the allocation being copied, mapped and accessible for
         // the whole operation; host..host+len is this worker's unit of a live, page-locked
@@ -183,18 +182,10 @@ fn copy_unit(
     }
 }
 
-/// Copy `len` bytes between `dev` and the backing's side of a unit (`io`) through the worker's
-/// two staging slots, alternating lanes so that a DMA and a CPU copy overlap.
-fn staged(
-    sh: &Shared<'_>,
-    io: &mut dyn UnitIo,
-    dev: DevPtr,
-    len: u64,
-    lanes: &mut Lanes<'_>,
-) -> Result<()> {
-    let d = sh.d();
+/// Make a worker's staging slots (page-locked, of the configured size) where they are missing.
+pub(super) fn make_slots(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>]) -> Result<()> {
     let slot_len = sh.cfg.slot;
-    for slot in lanes.slots.iter_mut() {
+    for slot in slots.iter_mut() {
         if slot.as_ref().is_none_or(|s| s.len() != slot_len) {
             *slot = None;
             let layout = HostLayout {
@@ -212,6 +203,21 @@ fn staged(
             *slot = Some(s);
         }
     }
+    Ok(())
+}
+
+/// Copy `len` bytes between `dev` and the backing's side of a unit (`io`) through the worker's
+/// two staging slots, alternating lanes so that a DMA and a CPU copy overlap.
+fn staged(
+    sh: &Shared<'_>,
+    io: &mut dyn UnitIo,
+    dev: DevPtr,
+    len: u64,
+    lanes: &mut Lanes<'_>,
+) -> Result<()> {
+    let d = sh.d();
+    let slot_len = sh.cfg.slot;
+    make_slots(sh, lanes.slots)?;
     let mut off = 0;
     let mut l = 0;
     while off < len {
