@@ -68,6 +68,8 @@ pub struct CudaDriver {
     streams: Vec<OnceLock<usize>>,
     /// The gate, or why there is none (made once, on first use).
     gate: OnceLock<std::result::Result<Gate, String>>,
+    /// The values streams were made to wait for, until the gate reaches them (a leaf lock).
+    gate_waits: parking_lot::Mutex<Vec<u32>>,
 }
 
 fn error_name(code: sys::CUresult) -> String {
@@ -152,6 +154,7 @@ impl CudaDriver {
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
             streams: (0..n).map(|_| OnceLock::new()).collect(),
             gate: OnceLock::new(),
+            gate_waits: parking_lot::Mutex::new(Vec::new()),
         })
     }
 
@@ -196,7 +199,41 @@ impl CudaDriver {
     }
 }
 
+/// Longest wait of a page-lock, unlock or synchronization for streams waiting on the gate.
+const GATED_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
+
 impl CudaDriver {
+    /// Wait while a stream waits for the gate. Page-locking, unlocking and synchronizing wait
+    /// for the device's work, which includes such a stream, which waits for the copies of a
+    /// non-blocking resume; and while they wait they keep that resume's copies from being
+    /// queued (seen on an H200: a resume's staging slots given back after it had returned to
+    /// its caller, while a second thread's resume was restoring, hung both). Waiting here
+    /// first, with no driver call in progress, lets the restore finish. Bounded: after
+    /// [`GATED_WAIT`] the call goes ahead (logged).
+    fn wait_for_gated(&self, call: &str) {
+        let Some(Ok(gate)) = self.gate.get() else {
+            return;
+        };
+        let t0 = std::time::Instant::now();
+        loop {
+            {
+                let mut w = self.gate_waits.lock();
+                w.retain(|&v| !gate.reached(v));
+                if w.is_empty() {
+                    return;
+                }
+            }
+            if t0.elapsed() > GATED_WAIT {
+                tracing::warn!(
+                    "{call}: streams still wait for a resume after {} s; going ahead",
+                    GATED_WAIT.as_secs()
+                );
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+
     /// A word of page-locked, device-mapped host memory usable from every context.
     fn make_gate(&self) -> Result<Gate> {
         // SAFETY: load() found the library, so culib() does not panic.
@@ -440,6 +477,7 @@ impl Driver for CudaDriver {
     }
 
     fn synchronize(&self, device: i32) -> Result<()> {
+        self.wait_for_gated("cuCtxSynchronize");
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
             "cuCtxSynchronize",
@@ -499,7 +537,9 @@ impl Driver for CudaDriver {
                     stream.0
                 )
             },
-        )
+        )?;
+        self.gate_waits.lock().push(value);
+        Ok(())
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -580,6 +620,7 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
+        self.wait_for_gated("cuMemHostRegister");
         // cuMemHostRegister needs a current context: the one of the device backed up.
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
@@ -593,6 +634,7 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
+        self.wait_for_gated("cuMemHostUnregister");
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
             "cuMemHostUnregister",

@@ -156,7 +156,11 @@ pub trait Driver: Send + Sync {
     /// `ptr` starts a registered range, and no queued copy still uses it.
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()>;
     /// The driver's gate, made on first use and kept for the process's life (an
-    /// `Unsupported` error where streams cannot wait on host memory).
+    /// `Unsupported` error where streams cannot wait on host memory). While a stream waits
+    /// for a value the gate has not reached, [`Driver::synchronize`],
+    /// [`Driver::host_register`] and [`Driver::host_unregister`] first wait, holding up no
+    /// other call, until it has: on a GPU they would wait for that stream while blocking the
+    /// copies that raise the gate (engine Note [Non-blocking resume]).
     fn gate(&self) -> Result<Gate>;
     /// Make `stream` (a stream of `device`, 0 for its legacy default stream; not the engine's)
     /// wait, without blocking the host, until `gate` has reached `value` (cyclically, see

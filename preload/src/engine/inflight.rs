@@ -27,14 +27,18 @@
 //!   allocations stay Paused with their backups intact, the gate opens, and the error is kept:
 //!   the next pause, resume or wait reports it. Nothing backed up is lost; a second resume
 //!   restores the contents.
-//! - **Nothing waits for itself.** Once the caller may have queued work behind the gate, the
-//!   restore must not call anything that waits for the device: page-locking memory does
-//!   (seen on an H200: a staging slot made lazily by a worker after the return hung its
-//!   resume). So such a pipeline makes every staging slot before its first item is mapped and
-//!   pins nothing inline (`Pipeline::lock_pages_first`); releases come after the gate is open.
-//!   The gate only goes forward (`Gate::raise`), so a resume finishing late never lowers it
-//!   under streams that wait for a later one. The simulated device fails a page-lock or a
-//!   device synchronization that waits for gated streams for long, so tests see such a bug.
+//! - **Nothing waits for itself.** Page-locking and unlocking host memory and synchronizing
+//!   the device wait for the device's work, which now includes the caller's stream waiting for
+//!   the gate, and while they wait they hold up other threads' driver calls, the restore's
+//!   copies among them: a deadlock (seen on an H200 with two threads resuming: the staging
+//!   slots of one resume given back while the other restored). So the drivers do those three
+//!   only once no stream waits for the gate (`Driver::gate`), waiting first without any call
+//!   in progress; and a restore whose caller may have returned calls none of them itself: its
+//!   pipeline makes every staging slot before the first item is mapped and pins nothing
+//!   inline (`Pipeline::lock_pages_first`), and releases come after the gate is open. The gate
+//!   only goes forward (`Gate::raise`), so a resume finishing late never lowers it under
+//!   streams that wait for a later one. The simulated device fails such a wait that lasts
+//!   (its caller would be the one to raise the gate), so tests see that kind of bug.
 //! - **No hang.** The thread opens the gate and records the outcome when it ends in any way (a
 //!   guard, and a caught panic); a caller waiting for the mapping wakes then too. Where the
 //!   driver has no gate (no stream memory operations) or no thread can be started, the resume
