@@ -292,3 +292,75 @@ engine_test! {
         }
     }
 }
+
+/// One fault sweep case: three allocations with backups paused, a fault armed, a non-blocking
+/// resume and a wait; then, faults cleared: no stream waits, a resume succeeds and every byte is
+/// back. Whether the fault fired.
+fn fault_case(h: &Harness, prim: Prim, nth: u64, code: i32) -> bool {
+    let sim = h.simulated();
+    let g = h.g();
+    let backups = [BackupKind::Pinned, BackupKind::Mmap, BackupKind::Pinned];
+    let allocs: Vec<(DevPtr, Vec<u8>)> = backups
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            let size = (i as u64 + 1) * g + 4097;
+            let p = h.e.alloc(&req(size, "s", Some(*b))).unwrap();
+            let data = pattern(size as usize, i as u64 + 9);
+            h.write(p, &data);
+            (p, data)
+        })
+        .collect();
+    h.e.pause(Some("s")).unwrap();
+    sim.arm_fault(prim, nth, code);
+    let what = format!("{prim}:{nth}:{code}");
+    let returned =
+        Engine::resume_nonblocking(h.e.clone(), Some("s"), &[allocs[2].0], Some(user_stream(h)));
+    let waited = h.e.wait_restored(None, Some(Duration::from_secs(20)));
+    let fired = sim.pending_faults() == 0;
+    sim.clear_faults();
+    assert!(
+        !matches!(waited, Ok(false)),
+        "{what}: the wait ran out (a hang)"
+    );
+    if let Err(e) = returned.as_ref().and(waited.as_ref()) {
+        assert!(fired, "{what}: failed with no fault: {e}");
+    }
+    assert!(
+        sim.gated_streams().is_empty(),
+        "{what}: a stream still waits"
+    );
+    // Reported already (by the call or the wait): the next resume goes ahead.
+    h.e.resume(Some("s"))
+        .unwrap_or_else(|e| panic!("{what}: resume after the fault: {e}"));
+    for (p, data) in &allocs {
+        assert_eq!(state(&h.e, *p), State::Active, "{what}");
+        assert!(
+            h.read(*p, data.len()) == *data,
+            "{what}: contents of {p:#x}"
+        );
+    }
+    for (p, _) in &allocs {
+        h.e.free(*p).unwrap();
+    }
+    fired
+}
+
+engine_test! {
+    sim_only fn a_fault_at_any_call_of_a_nonblocking_resume_loses_nothing_and_never_hangs(h) [Setup::default().small_pieces(3)] {
+        let mut fired = std::collections::BTreeSet::new();
+        for prim in Prim::ALL {
+            for code in [999, 2] {
+                let mut nth = 1;
+                while fault_case(&h.again(), prim, nth, code) {
+                    fired.insert(prim.name());
+                    nth += 1;
+                    assert!(nth < 200, "{prim} keeps firing");
+                }
+            }
+        }
+        for p in [Prim::Gate, Prim::StreamWait, Prim::Create, Prim::Map, Prim::SetAccess, Prim::CopyH2D, Prim::EventSync, Prim::EventRecord] {
+            assert!(fired.contains(p.name()), "{p} never fired: {fired:?}");
+        }
+    }
+}
