@@ -180,7 +180,10 @@ impl Engine {
         let progress = tracked.counters();
         let (made, result) = self.restore_devices(&jobs, rings, &cfg, progress, track);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
-            // The caller returned and may have work queued on this memory: it stays mapped.
+            // The caller returned and may have work queued on this memory: it stays mapped. The
+            // gate opens first: releasing handles is a driver call, and none may wait for work
+            // that waits for this restore.
+            t.open();
             self.keep_mapped(&jobs, made);
             let e = e.duplicate().context(format!(
                 "the non-blocking {} failed after it returned: its allocations stay paused \
