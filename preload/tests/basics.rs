@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{engine_test, pattern, Harness, Setup};
+use common::{engine_test, pattern, req, Harness, Setup};
 use tms::backup::{BackupKind, HostLayout};
 use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, CopyConfig, PinMode, State};
@@ -16,16 +16,6 @@ use tms::Backup;
 /// Two devices of `capacity` bytes (on a GPU: as many of the two as there are).
 fn two(capacity: u64) -> Setup {
     Setup::default().devices(2).capacity(capacity)
-}
-
-fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
-        chunk: 0,
-    }
 }
 
 /// A device that does not exist: 7 on the sim's two, one past any GPU count on CUDA.

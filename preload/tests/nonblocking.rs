@@ -7,21 +7,11 @@ mod common;
 use std::time::Duration;
 
 use common::harness::Harness;
-use common::{engine_test, pattern, Setup};
+use common::{engine_test, pattern, req, Setup};
 use tms::backup::BackupKind;
 use tms::driver::sim::Prim;
 use tms::driver::{DevPtr, Stream};
-use tms::engine::{AllocRequest, Engine, State, StreamOf};
-
-fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
-        chunk: 0,
-    }
-}
+use tms::engine::{Engine, State, StreamOf};
 
 /// The caller's stream: any handle on the sim, the legacy default stream on a GPU.
 fn user_stream(h: &Harness) -> StreamOf {

@@ -74,19 +74,13 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             tag,
             chunks,
             chunk_state,
-        } => op(host, Op::Pause, tag, chunks, chunk_state),
+        } => op(host, Op::Pause, tag, chunks, chunk_state, false),
         Request::Resume {
             tag,
             chunks,
             chunk_state,
-            no_wait: true,
-        } => resume_no_wait(host, tag, chunks.is_some() || chunk_state),
-        Request::Resume {
-            tag,
-            chunks,
-            chunk_state,
-            no_wait: false,
-        } => op(host, Op::Resume, tag, chunks, chunk_state),
+            no_wait,
+        } => op(host, Op::Resume, tag, chunks, chunk_state, no_wait),
         Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
             .default_region()
@@ -203,38 +197,21 @@ fn with_progress(r: &mut Running, p: &Progress) {
     r.gib_per_s = (p.copy_seconds > 0.0).then(|| finite(p.rate() / (1u64 << 30) as f64));
 }
 
-/// A resume answered once the memory is mapped (Note [Non-blocking resume] in the engine).
-fn resume_no_wait(host: &dyn Host, tag: Option<String>, chunked: bool) -> Result<Reply> {
-    if chunked {
-        return Err(Error::invalid_argument(
-            "a resume without waiting takes a whole tag: not with chunks or chunk_state",
-        ));
-    }
-    let in_flight = InFlight::new(Op::Resume, tag.as_deref(), None);
-    let r = host.resume_nonblocking(tag.as_deref())?;
-    drop(in_flight);
-    let unknown_tag = tag.as_deref().is_some_and(|t| !host.engine().tag_known(t));
-    Ok(Reply::Done(OpDone {
-        op: Op::Resume,
-        tag,
-        chunks: None,
-        allocations: r.allocations as u64,
-        bytes: r.bytes,
-        copied_bytes: r.copied,
-        disk_copied_bytes: Some(r.disk_copied),
-        seconds: finite(r.seconds),
-        unknown_tag,
-        pending_bytes: r.pending,
-    }))
-}
-
+/// A pause or resume; `no_wait`: a resume answered once the memory is mapped (Note
+/// [Non-blocking resume] in the engine), of a whole tag only.
 fn op(
     host: &dyn Host,
     which: Op,
     tag: Option<String>,
     chunks: Option<ChunkRanges>,
     chunk_state: bool,
+    no_wait: bool,
 ) -> Result<Reply> {
+    if no_wait && (chunks.is_some() || chunk_state) {
+        return Err(Error::invalid_argument(
+            "a resume without waiting takes a whole tag: not with chunks or chunk_state",
+        ));
+    }
     let in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
     let e = host.engine();
     let run = |pick: &Pick<'_>| {
@@ -262,10 +239,14 @@ fn op(
         })
     };
     let Some(ranges) = chunks else {
-        let r = run(&Pick {
-            chunk_state,
-            ..Pick::tag(tag.as_deref())
-        })?;
+        let r = if no_wait {
+            host.resume_nonblocking(tag.as_deref())?
+        } else {
+            run(&Pick {
+                chunk_state,
+                ..Pick::tag(tag.as_deref())
+            })?
+        };
         // Asked after the operation (which refuses an empty tag), from the engine's record of
         // every tag ever allocated: a tag of freed allocations is known, a misspelt one is not.
         let unknown_tag = tag.as_deref().is_some_and(|t| !e.tag_known(t));

@@ -110,18 +110,13 @@ impl Engine {
             return e.resume_ordered(&Pick::tag(tag), order, None);
         }
         tracker.wait_mapped()?;
-        let (n, bytes, pending, end) = tracker.summary();
+        let (n, bytes, mut pending, end) = tracker.summary();
         if let Some(st) = stream.filter(|_| n > 0) {
             if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
                 // The program's work must not overtake the restore: wait for it here instead.
                 tracing::warn!("{what}: the stream cannot wait for it ({err}); waiting here");
                 tracker.wait(None, None)?;
-                return Ok(OpReport {
-                    allocations: n,
-                    bytes,
-                    seconds: t0.elapsed().as_secs_f64(),
-                    ..OpReport::default()
-                });
+                pending = 0;
             }
         }
         tracing::info!(

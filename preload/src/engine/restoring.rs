@@ -8,6 +8,11 @@ use parking_lot::{Condvar, Mutex};
 use crate::driver::{DevPtr, Gate, Stream};
 use crate::error::{Error, Result};
 
+/// Whether the allocation of `size` bytes at `start` holds address `ptr`.
+pub(super) fn holds(start: DevPtr, size: u64, ptr: DevPtr) -> bool {
+    ptr >= start && ptr - start < size.max(1)
+}
+
 /// One non-blocking resume, from its start to its end (Note [Non-blocking resume]).
 pub(super) struct Tracker {
     pub(super) gate: Gate,
@@ -44,9 +49,7 @@ impl TrackState {
 
     /// The index of the allocation holding `ptr`.
     fn job_of(&self, ptr: DevPtr) -> Option<usize> {
-        self.jobs
-            .iter()
-            .position(|&(p, size)| ptr >= p && ptr - p < size.max(1))
+        self.jobs.iter().position(|&(p, size)| holds(p, size, ptr))
     }
 
     fn landed(&self, k: usize) -> bool {

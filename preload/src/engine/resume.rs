@@ -12,7 +12,7 @@ use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
 use super::registry::Registry;
 use super::report::{OpReport, Tally};
-use super::restoring::{OpenOnDrop, Tracker};
+use super::restoring::{holds, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
@@ -147,7 +147,7 @@ impl Engine {
             let rank = |j: &Job| {
                 order
                     .iter()
-                    .position(|&p| p >= j.ptr && p - j.ptr < j.size.max(1))
+                    .position(|&p| holds(j.ptr, j.size, p))
                     .unwrap_or(order.len())
             };
             jobs.sort_by_key(rank);

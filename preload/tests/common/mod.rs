@@ -19,7 +19,20 @@ pub use invariants::{assert_invariants, check_invariants, Expect, Leaks};
 #[allow(unused_imports)]
 pub use setup::{sim_engine, Setup};
 
+use tms::backup::BackupKind;
 use tms::driver::sim::SimDriver;
+use tms::engine::AllocRequest;
+
+/// A request for `size` bytes on device 0, unchunked.
+pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
+    AllocRequest {
+        size,
+        device: 0,
+        tag: tag.into(),
+        backup,
+        chunk: 0,
+    }
+}
 
 /// `len` pseudo-random bytes (xorshift64) from `seed`.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
