@@ -90,6 +90,12 @@
 //!   (a non-blocking open). A buffer leaving `leases` is dropped after the lock is let go.
 //! - `Tracker::current` (`progress.rs`): the running operation; set and cleared by the
 //!   transaction (under `ops`), read by `progress` watchers. A leaf; never taken with `reg`.
+//! - `Engine::inflight` (the non-blocking resumes not known finished) and `Engine::deferred`
+//!   (a failure one of them had after returning): leaves except that `inflight` may be held
+//!   while asking each tracker whether it is finished. A tracker's `st` (`restoring.rs`, with
+//!   the `cv` condvar) is taken under `inflight` or alone, never the other way round; callers
+//!   wait on `cv` for the mapping or for data to land, with no other lock held. The resume's own
+//!   thread updates it from the pipeline's callbacks (under `ops`).
 //! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
@@ -114,7 +120,10 @@
 //!   `memory.rs`, `streams.rs`, `host.rs` and `faults.rs`; held for each primitive, so the
 //!   engine's locks are always taken before it), and in `gates.rs` `holds` with `holds_changed`
 //!   (held primitives wait on it, before taking `inner`), `sync_delay` and `link` (leaves; the
-//!   simulated time is slept with no lock held).
+//!   simulated time is slept with no lock held), and `gate_waits` (the streams waiting for the
+//!   resume gate; a leaf, also in the CUDA driver, where it holds only the values waited for).
+//!   Page-locking, unlocking and device synchronizations poll it, with no other of the
+//!   driver's locks held, before they start (Note [Non-blocking resume]).
 //! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
