@@ -354,3 +354,37 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    sim_only fn no_stream_waits_for_the_gate_while_host_memory_is_unlocked(h) [Setup::default().small_pieces(4)] {
+        // The shape of a hang seen on an H200: one resume gives its backups back (unlocking
+        // host memory waits for the whole device, holding up other threads' copies) while a
+        // second one returns to its caller, whose stream then waits for copies that cannot run.
+        let sim = h.simulated();
+        let g = h.g();
+        let a = paused(&h, "a", 2, 2 * g);
+        let b = paused(&h, "b", 2, 2 * g);
+        sim.hold(Prim::HostUnregister, None);
+        let e = h.e.clone();
+        let giving_back = std::thread::spawn(move || e.resume(Some("a")).map(|r| r.allocations));
+        let t0 = std::time::Instant::now();
+        while sim.held_calls() == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "no unlock began");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (e, us) = (h.e.clone(), user_stream(&h));
+        let returning = std::thread::spawn(move || {
+            Engine::resume_nonblocking(e, Some("b"), &[], Some(us)).map(|r| r.allocations)
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(sim.gated_streams().is_empty(), "a stream was made to wait during the unlock");
+        assert!(!returning.is_finished(), "the stream wait is queued after the unlock");
+        sim.unhold(Prim::HostUnregister, None);
+        assert_eq!(giving_back.join().unwrap().unwrap(), 2);
+        assert_eq!(returning.join().unwrap().unwrap(), 2);
+        assert!(h.e.wait_restored(None, Some(Duration::from_secs(30))).unwrap());
+        check_contents(&h, &a);
+        check_contents(&h, &b);
+        assert!(sim.gated_streams().is_empty());
+    }
+}

@@ -15,7 +15,9 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
-use super::{check, DevPtr, DeviceToken, Driver, Event, Gate, MemInfo, PhysHandle, Stream};
+use super::{
+    check, DevPtr, DeviceToken, Driver, Event, Gate, GateWaits, MemInfo, PhysHandle, Stream,
+};
 use crate::error::{Error, Result};
 
 /// Every driver entry point this module calls, by the symbol cudarc loads for it.
@@ -68,8 +70,8 @@ pub struct CudaDriver {
     streams: Vec<OnceLock<usize>>,
     /// The gate, or why there is none (made once, on first use).
     gate: OnceLock<std::result::Result<Gate, String>>,
-    /// The values streams were made to wait for, until the gate reaches them (a leaf lock).
-    gate_waits: parking_lot::Mutex<Vec<u32>>,
+    /// Streams waiting for the gate, kept apart from device-wide calls.
+    gate_waits: GateWaits,
 }
 
 fn error_name(code: sys::CUresult) -> String {
@@ -154,7 +156,7 @@ impl CudaDriver {
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
             streams: (0..n).map(|_| OnceLock::new()).collect(),
             gate: OnceLock::new(),
-            gate_waits: parking_lot::Mutex::new(Vec::new()),
+            gate_waits: GateWaits::new(GATED_WAIT),
         })
     }
 
@@ -199,38 +201,26 @@ impl CudaDriver {
     }
 }
 
-/// Longest wait of a page-lock, unlock or synchronization for streams waiting on the gate.
+/// Longest wait of a page-lock, unlock or synchronization for streams waiting on the gate, and
+/// of a stream wait for those calls ([`GateWaits`]).
 const GATED_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
 
 impl CudaDriver {
-    /// Wait while a stream waits for the gate. Page-locking, unlocking and synchronizing wait
-    /// for the device's work, which includes such a stream, which waits for the copies of a
-    /// non-blocking resume; and while they wait they keep that resume's copies from being
-    /// queued (seen on an H200: a resume's staging slots given back after it had returned to
-    /// its caller, while a second thread's resume was restoring, hung both). Waiting here
-    /// first, with no driver call in progress, lets the restore finish. Bounded: after
-    /// [`GATED_WAIT`] the call goes ahead (logged).
-    fn wait_for_gated(&self, call: &str) {
-        let Some(Ok(gate)) = self.gate.get() else {
-            return;
-        };
-        let t0 = std::time::Instant::now();
-        loop {
-            {
-                let mut w = self.gate_waits.lock();
-                w.retain(|&v| !gate.reached(v));
-                if w.is_empty() {
-                    return;
-                }
-            }
-            if t0.elapsed() > GATED_WAIT {
+    /// Keep a call that waits for the whole device apart from streams waiting on the gate
+    /// ([`GateWaits`]): the guard to hold across it. After [`GATED_WAIT`] the call goes ahead
+    /// (logged), unguarded.
+    fn device_wide(&self, call: &str) -> Option<super::gate::DeviceWide<'_>> {
+        let gate = self.gate.get().and_then(|g| g.as_ref().ok().copied());
+        match self.gate_waits.device_wide(gate) {
+            Ok(g) => Some(g),
+            Err(waits) => {
                 tracing::warn!(
-                    "{call}: streams still wait for a resume after {} s; going ahead",
+                    "{call}: {} streams still wait for a resume after {} s; going ahead",
+                    waits.len(),
                     GATED_WAIT.as_secs()
                 );
-                return;
+                None
             }
-            std::thread::sleep(std::time::Duration::from_micros(200));
         }
     }
 
@@ -477,7 +467,7 @@ impl Driver for CudaDriver {
     }
 
     fn synchronize(&self, device: i32) -> Result<()> {
-        self.wait_for_gated("cuCtxSynchronize");
+        let _fence = self.device_wide("cuCtxSynchronize");
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
             "cuCtxSynchronize",
@@ -518,28 +508,28 @@ impl Driver for CudaDriver {
 
     fn stream_wait_gate(&self, device: i32, stream: Stream, gate: Gate, value: u32) -> Result<()> {
         let _scope = super::DeviceScope::enter(self, device)?;
-        cu(
-            "cuStreamWaitValue32",
-            // SAFETY: the gate's word is device-mapped host memory that is never freed; the
-            // symbol was probed when the gate was made; the stream handle is the caller's
-            // (a stream of this device, or 0), which the driver validates.
-            unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream.0 as sys::CUstream,
-                    gate.dev,
-                    value,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            },
-            || {
-                format!(
-                    "stream {:#x} of device {device} waiting for the resume gate to reach {value}",
-                    stream.0
-                )
-            },
-        )?;
-        self.gate_waits.lock().push(value);
-        Ok(())
+        self.gate_waits.stream_wait((device, stream, value), || {
+            cu(
+                "cuStreamWaitValue32",
+                // SAFETY: the gate's word is device-mapped host memory that is never freed; the
+                // symbol was probed when the gate was made; the stream handle is the caller's
+                // (a stream of this device, or 0), which the driver validates.
+                unsafe {
+                    sys::cuStreamWaitValue32_v2(
+                        stream.0 as sys::CUstream,
+                        gate.dev,
+                        value,
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    )
+                },
+                || {
+                    format!(
+                        "stream {:#x} of device {device} waiting for the resume gate to reach {value}",
+                        stream.0
+                    )
+                },
+            )
+        })
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -620,7 +610,7 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
-        self.wait_for_gated("cuMemHostRegister");
+        let _fence = self.device_wide("cuMemHostRegister");
         // cuMemHostRegister needs a current context: the one of the device backed up.
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
@@ -634,7 +624,7 @@ impl Driver for CudaDriver {
     }
 
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
-        self.wait_for_gated("cuMemHostUnregister");
+        let _fence = self.device_wide("cuMemHostUnregister");
         let _scope = super::DeviceScope::enter(self, device)?;
         cu(
             "cuMemHostUnregister",

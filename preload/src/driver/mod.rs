@@ -6,7 +6,10 @@
 //! method reports failure as an [`Error`](crate::Error) naming the driver call.
 
 pub mod cuda;
+pub mod gate;
 pub mod sim;
+
+pub use gate::{Gate, GateWaits};
 
 use crate::error::Result;
 
@@ -32,48 +35,6 @@ pub struct MemInfo {
     pub free: u64,
     /// Bytes the device has.
     pub total: u64,
-}
-
-/// A 32-bit word of page-locked host memory that devices can read: the host raises it, and work
-/// a stream was made to queue behind it ([`Driver::stream_wait_gate`]) runs once it reaches the
-/// value waited for. Each driver makes one on first use ([`Driver::gate`]) and never frees it: a
-/// device may be about to read it at any time.
-#[derive(Clone, Copy, Debug)]
-pub struct Gate {
-    host: &'static std::sync::atomic::AtomicU32,
-    /// The word's device address.
-    pub dev: DevPtr,
-}
-
-impl Gate {
-    /// A gate over `host`, which devices read at `dev`.
-    pub fn new(host: &'static std::sync::atomic::AtomicU32, dev: DevPtr) -> Gate {
-        Gate { host, dev }
-    }
-
-    /// Raise the word to `v`, unless it is there or beyond already (cyclically): it never goes
-    /// back, so a late raise by a finished resume cannot hold back streams waiting for a later
-    /// one. Release order: whatever this thread saw complete before (the copies a wait covered)
-    /// is done before a device can see the new value.
-    pub fn raise(&self, v: u32) {
-        use std::sync::atomic::Ordering;
-        let _ = self
-            .host
-            .fetch_update(Ordering::Release, Ordering::Acquire, |cur| {
-                ((v.wrapping_sub(cur) as i32) > 0).then_some(v)
-            });
-    }
-
-    /// The word's value.
-    pub fn value(&self) -> u32 {
-        self.host.load(std::sync::atomic::Ordering::Acquire)
-    }
-
-    /// Whether the word has reached `v`, compared as the driver does: cyclically, so that a
-    /// counter may wrap (`value - v`, as a signed number, is not negative).
-    pub fn reached(&self, v: u32) -> bool {
-        (self.value().wrapping_sub(v) as i32) >= 0
-    }
 }
 
 /// Token returned by [`Driver::push_device`], handed back to [`Driver::pop_device`]: what was
@@ -231,29 +192,5 @@ pub(crate) fn check(
             context()
         ))),
         _ => Err(Error::driver(call, code, name, context())),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Gate;
-    use std::sync::atomic::AtomicU32;
-
-    #[test]
-    fn a_gate_only_goes_forward_and_compares_cyclically() {
-        let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(0)));
-        let g = Gate::new(word, 0);
-        g.raise(5);
-        g.raise(3); // a late raise of an earlier resume
-        assert_eq!(g.value(), 5);
-        assert!(g.reached(5) && g.reached(4) && !g.reached(6));
-        // Across the wrap: u32::MAX - 1 then 2 (four steps on).
-        let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(u32::MAX - 1)));
-        let g = Gate::new(word, 0);
-        g.raise(2);
-        assert_eq!(g.value(), 2);
-        assert!(g.reached(u32::MAX) && g.reached(2) && !g.reached(3));
-        g.raise(u32::MAX);
-        assert_eq!(g.value(), 2, "behind it, cyclically");
     }
 }

@@ -30,10 +30,11 @@
 //! - **Nothing waits for itself.** Page-locking and unlocking host memory and synchronizing
 //!   the device wait for the device's work, which now includes the caller's stream waiting for
 //!   the gate, and while they wait they hold up other threads' driver calls, the restore's
-//!   copies among them: a deadlock (seen on an H200 with two threads resuming: the staging
-//!   slots of one resume given back while the other restored). So the drivers do those three
-//!   only once no stream waits for the gate (`Driver::gate`), waiting first without any call
-//!   in progress; and a restore whose caller may have returned calls none of them itself: its
+//!   copies among them: a deadlock (seen on an H200 with two threads resuming: one resume's
+//!   backups unlocked while the other restored and its caller's stream waited). So the drivers
+//!   do those three only once no stream waits for the gate, waiting first without any call in
+//!   progress, and queue no stream wait while one of them runs (`driver::GateWaits`); and a
+//!   restore whose caller may have returned calls none of them itself: its
 //!   pipeline makes every staging slot before the first item is mapped and pins nothing
 //!   inline (`Pipeline::lock_pages_first`), and releases come after the gate is open. The gate
 //!   only goes forward (`Gate::raise`), so a resume finishing late never lowers it under

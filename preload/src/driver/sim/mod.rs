@@ -25,7 +25,8 @@ use parking_lot::Mutex;
 pub use config::{SimConfig, SimEnv};
 pub use faults::{parse_faults, FaultPlan, Prim, PANIC};
 
-use super::{DevPtr, DeviceToken, Driver, Event, Gate, MemInfo, PhysHandle, Stream};
+use super::gate::DeviceWide;
+use super::{DevPtr, DeviceToken, Driver, Event, Gate, GateWaits, MemInfo, PhysHandle, Stream};
 use crate::error::Result;
 use faults::{driver_err, invalid, Faults};
 use gates::Gates;
@@ -48,6 +49,10 @@ impl Inner {
     }
 }
 
+/// How long a device-wide call waits for streams waiting on the gate, and a stream wait for
+/// device-wide calls, before failing: short, so that tests see such waits that would last.
+const GATED_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// The simulated driver.
 pub struct SimDriver {
     cfg: SimConfig,
@@ -57,8 +62,8 @@ pub struct SimDriver {
     gates: Gates,
     /// The resume gate, once made (a word leaked for the process's life, as on a GPU).
     gate: std::sync::OnceLock<Gate>,
-    /// What streams were made to wait for: (device, stream, value), a leaf lock.
-    gate_waits: Mutex<Vec<(i32, Stream, u32)>>,
+    /// Streams made to wait for the gate, kept apart from device-wide calls.
+    gate_waits: GateWaits,
 }
 
 thread_local! {
@@ -80,7 +85,7 @@ impl SimDriver {
             inner: Mutex::new(inner),
             gates: Gates::new(),
             gate: std::sync::OnceLock::new(),
-            gate_waits: Mutex::new(Vec::new()),
+            gate_waits: GateWaits::new(GATED_WAIT),
         })
     }
 
@@ -111,33 +116,29 @@ impl SimDriver {
     /// The streams that wait for the gate and would not run yet, with the value each waits for
     /// (a wait the gate has reached is forgotten, as a GPU moves past it).
     pub fn gated_streams(&self) -> Vec<(i32, Stream, u32)> {
-        let mut w = self.gate_waits.lock();
-        if let Some(g) = self.gate.get() {
-            w.retain(|&(_, _, v)| !g.reached(v));
-        }
-        w.clone()
+        self.gate_waits.pending(self.gate.get().copied())
     }
 
     /// As on a GPU, where page-locking memory and synchronizing the device wait for the
-    /// device's streams: wait while a stream of `device` waits for the gate. A wait that
-    /// lasts (the caller itself is to raise the gate: a deadlock on a GPU) fails instead.
-    fn wait_for_gated(&self, prim: Prim, device: i32) -> Result<()> {
-        let t0 = std::time::Instant::now();
-        while self.gated_streams().iter().any(|w| w.0 == device) {
-            if t0.elapsed() > std::time::Duration::from_secs(5) {
-                return Err(driver_err(
+    /// device's streams: wait while a stream waits for the gate, and keep streams from being
+    /// made to wait while the call runs (the guard). A wait that lasts (the caller itself is
+    /// to raise the gate: a deadlock on a GPU) fails instead.
+    fn device_wide(&self, prim: Prim) -> Result<DeviceWide<'_>> {
+        self.gate_waits
+            .device_wide(self.gate.get().copied())
+            .map_err(|w| {
+                driver_err(
                     prim,
                     999,
                     format!(
-                        "device {device}: waited 5 s for streams that wait for the resume gate \
-                         (on a GPU this call waits for them, and they for the gate: a deadlock \
-                         if its caller is to raise the gate)"
+                        "waited {} s for {} streams that wait for the resume gate (on a GPU this \
+                     call waits for them, and they for the gate: a deadlock if its caller is to \
+                     raise the gate)",
+                        GATED_WAIT.as_secs(),
+                        w.len()
                     ),
-                ));
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        Ok(())
+                )
+            })
     }
 
     /// The gate's value (0 before it is made).
@@ -269,8 +270,8 @@ impl Driver for SimDriver {
     }
 
     fn synchronize(&self, device: i32) -> Result<()> {
+        let _fence = self.device_wide(Prim::Synchronize)?;
         self.gates.wait_if_held(Prim::Synchronize, Some(device));
-        self.wait_for_gated(Prim::Synchronize, device)?;
         self.gates.sync_delay();
         let mut g = self.inner.lock();
         g.enter(Prim::Synchronize, || format!("device {device}"))?;
@@ -308,8 +309,8 @@ impl Driver for SimDriver {
                 format!("{:#x} is not this device's gate", gate.dev),
             ));
         }
-        self.gate_waits.lock().push((device, stream, value));
-        Ok(())
+        self.gate_waits
+            .stream_wait((device, stream, value), || Ok(()))
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
@@ -388,8 +389,8 @@ impl Driver for SimDriver {
 
     unsafe fn host_register(&self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
         self.check_device(Prim::HostRegister, device)?;
+        let _fence = self.device_wide(Prim::HostRegister)?;
         self.gates.wait_if_held(Prim::HostRegister, Some(device));
-        self.wait_for_gated(Prim::HostRegister, device)?;
         let mut g = self.inner.lock();
         g.enter(Prim::HostRegister, || {
             format!("{len} bytes of host memory at {ptr:p}")
@@ -399,7 +400,8 @@ impl Driver for SimDriver {
 
     unsafe fn host_unregister(&self, device: i32, ptr: *mut u8) -> Result<()> {
         self.check_device(Prim::HostUnregister, device)?;
-        self.wait_for_gated(Prim::HostUnregister, device)?;
+        let _fence = self.device_wide(Prim::HostUnregister)?;
+        self.gates.wait_if_held(Prim::HostUnregister, Some(device));
         let mut g = self.inner.lock();
         g.enter(Prim::HostUnregister, || format!("host memory at {ptr:p}"))?;
         g.host.unregister(device, ptr)
