@@ -373,6 +373,8 @@ fn small_pieces(h: &Harness, pin: PinMode) {
         layout: HostLayout {
             chunk: h.g(),
             hugepages: false,
+            // The staged copies here go through the streaming-store path.
+            streaming: true,
         },
         slot: h.g() / 4,
         pin,

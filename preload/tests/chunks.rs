@@ -445,6 +445,7 @@ engine_test! {
         let layout = HostLayout {
             chunk: 1 << 20,
             hugepages: false,
+            streaming: false,
         };
         let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 4 << 20, layout)
             .unwrap();

@@ -82,6 +82,7 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
         layout: HostLayout {
             chunk: 2 * 4096,
             hugepages: false,
+            streaming: false,
         },
         slot: 4096,
         pin,
@@ -505,7 +506,8 @@ engine_test! {
             let e = &h.e;
             e.set_copy_config(CopyConfig {
                 threads,
-                layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false },
+                // Streaming stores on half the cases (odd slots), plain copies on the other.
+                layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false, streaming: slot_pages % 2 == 1 },
                 slot: slot_pages * 4096,
                 pin,
                 disk_chunk: chunk_pages * 4096,

@@ -115,6 +115,7 @@ mod tests {
         let layout = HostLayout {
             chunk,
             hugepages: false,
+            streaming: false,
         };
         HostBuffer::new(driver(), 0, kind, len, layout).unwrap()
     }

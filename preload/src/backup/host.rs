@@ -18,6 +18,9 @@ pub struct HostLayout {
     pub chunk: u64,
     /// Ask the kernel for transparent huge pages (fewer page faults and a cheaper release).
     pub hugepages: bool,
+    /// CPU copies between the buffer and staging slots use stores that go around the caches
+    /// (`os::copy_streaming`): the bytes are read next by a device or a later resume.
+    pub streaming: bool,
 }
 
 impl Default for HostLayout {
@@ -25,6 +28,7 @@ impl Default for HostLayout {
         HostLayout {
             chunk: 64 << 20,
             hugepages: true,
+            streaming: false,
         }
     }
 }
@@ -46,6 +50,8 @@ pub struct HostBuffer {
     map_len: u64,
     backend: BackupKind,
     chunk: u64,
+    /// [`HostLayout::streaming`].
+    streaming: bool,
     state: Box<[AtomicU8]>,
     /// Page-locking chunk `i` in the background is still wanted: set when it is queued, cleared
     /// when its pages are given back, so a queued page-locking never brings them back.
@@ -105,6 +111,7 @@ impl HostBuffer {
             map_len,
             backend,
             chunk: layout.chunk,
+            streaming: layout.streaming,
             state: (0..chunks).map(|_| AtomicU8::new(UNPINNED)).collect(),
             wanted: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             retired: AtomicBool::new(false),
@@ -197,6 +204,27 @@ impl HostBuffer {
         };
         self.state[i].store(if r.is_ok() { PINNED } else { UNPINNED }, Ordering::Release);
         r
+    }
+
+    /// Fault chunk `i`'s pages in for writing without changing its bytes (the kernel hands out
+    /// zeroed pages where none were): `MADV_POPULATE_WRITE`, Linux 5.14 and later.
+    pub fn populate(&self, i: usize) -> Result<()> {
+        let (off, n) = self.chunk_pages(i);
+        // SAFETY: whole pages of our own live mapping; populating changes no byte of it.
+        let r = unsafe {
+            libc::madvise(
+                self.ptr.add(off as usize).cast(),
+                n as usize,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if r == 0 {
+            Ok(())
+        } else {
+            Err(Error::last_os(format!(
+                "populating {n} bytes of host memory (MADV_POPULATE_WRITE)"
+            )))
+        }
     }
 
     /// Mark chunks for page-locking later ([`HostBuffer::pin_wanted`]).
@@ -462,7 +490,11 @@ impl Backing for HostBuffer {
         }
         // SAFETY: off + len <= len, inside our mapping.
         let start = unsafe { self.ptr.add(off as usize) };
-        pieces(&mut HostUnit { start, len })
+        pieces(&mut HostUnit {
+            start,
+            len,
+            streaming: self.streaming,
+        })
     }
 }
 
@@ -471,6 +503,7 @@ impl Backing for HostBuffer {
 struct HostUnit {
     start: *mut u8,
     len: u64,
+    streaming: bool,
 }
 
 impl HostUnit {
@@ -492,7 +525,8 @@ impl UnitIo for HostUnit {
         // itself (Backing::staged's contract); the slot is a buffer of the worker's own, so the
         // ranges do not overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(
+            copy(
+                self.streaming,
                 self.start.add(at as usize),
                 slot.as_mut_ptr(),
                 slot.len(),
@@ -505,8 +539,28 @@ impl UnitIo for HostUnit {
         self.check(at, slot.len())?;
         // SAFETY: as in load.
         unsafe {
-            std::ptr::copy_nonoverlapping(slot.as_ptr(), self.start.add(at as usize), slot.len())
+            copy(
+                self.streaming,
+                slot.as_ptr(),
+                self.start.add(at as usize),
+                slot.len(),
+            )
         };
         Ok(())
+    }
+}
+
+/// A CPU copy between a buffer and a staging slot.
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`.
+unsafe fn copy(streaming: bool, src: *const u8, dst: *mut u8, n: usize) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if streaming {
+            crate::os::copy_streaming(src, dst, n)
+        } else {
+            std::ptr::copy_nonoverlapping(src, dst, n)
+        }
     }
 }

@@ -116,11 +116,14 @@ struct Opts {
     disk_only: bool,
     /// The chunked-allocation scenarios.
     chunks: bool,
+    /// Idle time between a pause and the resume that follows it (the driver's own work after a
+    /// release, such as clearing the memory given back, is over by then).
+    settle: std::time::Duration,
 }
 
 fn usage() -> &'static str {
     "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
-     [--no-chunks | --chunks-only] [--segment BYTES] [--disk DIR [--disk-only]]   (default 16GiB 512)"
+     [--no-chunks | --chunks-only] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -135,6 +138,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
         disk: None,
         disk_only: false,
         chunks: true,
+        settle: std::time::Duration::ZERO,
     };
     let mut positional = 0;
     let mut args = std::env::args().skip(1);
@@ -154,6 +158,13 @@ fn parse_args() -> Result<Option<Opts>, String> {
             }
             "--disk" => o.disk = Some(args.next().ok_or("--disk needs a directory")?.into()),
             "--disk-only" => o.disk_only = true,
+            "--settle" => {
+                let ms = args.next().ok_or("--settle needs milliseconds")?;
+                let ms: u64 = ms
+                    .parse()
+                    .map_err(|_| format!("--settle: {ms:?} is not a number of milliseconds"))?;
+                o.settle = std::time::Duration::from_millis(ms);
+            }
             "--segment" => {
                 let b = args.next().ok_or("--segment needs a size")?;
                 o.segment = Some(parse_bytes(&b).map_err(|e| e.to_string())?);
@@ -219,7 +230,8 @@ fn main() -> ExitCode {
     };
     println!(
         "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {}, \
-         huge pages {}, pin {:?}; {} host threads\n",
+         huge pages {}, streaming stores {}, pin {:?}; {} host threads; {} ms between a pause \
+         and its resume\n",
         driver.name(),
         human(o.total),
         o.count,
@@ -228,8 +240,10 @@ fn main() -> ExitCode {
         human(cfg.layout.chunk),
         human(cfg.slot),
         if cfg.layout.hugepages { "on" } else { "off" },
+        if cfg.layout.streaming { "on" } else { "off" },
         cfg.pin,
-        host_threads()
+        host_threads(),
+        o.settle.as_millis()
     );
     print_host_facts();
     let mut t = Table::default();
@@ -290,7 +304,7 @@ fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<
     for &backend in &o.backends {
         let many = o.many.then_some((o.count, piece));
         for (n, size) in std::iter::once((1u64, o.total)).chain(many) {
-            backup_scenario(e, backend, n, size, &lim, t)?;
+            backup_scenario(e, backend, n, size, o.settle, &lim, t)?;
         }
     }
     if o.plain {
@@ -483,6 +497,7 @@ fn backup_scenario(
     backend: BackupKind,
     n: u64,
     size: u64,
+    settle: std::time::Duration,
     lim: &Limits,
     t: &mut Table,
 ) -> Result<(), String> {
@@ -512,6 +527,7 @@ fn backup_scenario(
         lim.cold_pause(),
         || e.pause(Some(&tag)),
     )?;
+    std::thread::sleep(settle);
     let r = t.timed(
         format!("{tag}: resume without retention"),
         bytes,
@@ -560,6 +576,7 @@ fn backup_scenario(
             vs("pinned D2H", lim.d2h),
             || e.pause(Some(&tag)),
         )?;
+        std::thread::sleep(settle);
         t.timed(
             format!("{tag}: resume #{cycle}, retained"),
             bytes,

@@ -145,6 +145,7 @@ pub(crate) fn limits(
     let small = HostLayout {
         chunk: total.next_multiple_of(4096),
         hugepages: false,
+        streaming: false,
     };
     let mut lim = Limits::default();
     (lim.fill, lim.fill_threads) = host_fill_sweep(driver, total, e.copy_config().layout, t)?;
@@ -247,6 +248,7 @@ pub(crate) fn limits(
     let huge = HostLayout {
         chunk: small.chunk,
         hugepages: true,
+        streaming: false,
     };
     let t0 = Instant::now();
     let mut fresh = s(HostBuffer::new(
@@ -313,6 +315,38 @@ pub(crate) fn limits(
     );
     s(e.free(dev))?;
 
+    // Fresh memory populated in parallel (the kernel zeroes its pages), then page-locked in
+    // parallel chunks: what a first pause straight into page-locked memory would cost.
+    let pop = s(HostBuffer::new(
+        driver.clone(),
+        0,
+        BackupKind::Pinned,
+        total,
+        layout,
+    ))?;
+    let t0 = Instant::now();
+    match each_chunk_parallel(&pop, threads, HostBuffer::populate) {
+        Ok(()) => {
+            t.add(
+                format!("populate fresh memory, huge pages, no copy ({threads} thr)"),
+                total,
+                t0.elapsed().as_secs_f64(),
+            );
+            let t0 = Instant::now();
+            pin_parallel(&pop, threads)?;
+            t.add(
+                format!(
+                    "page-lock populated memory, {} chunks ({threads} thr)",
+                    human(chunk)
+                ),
+                total,
+                t0.elapsed().as_secs_f64(),
+            );
+        }
+        Err(err) => println!("    (populating: {err})"),
+    }
+    tms::backup::release_parallel(vec![Arc::new(pop)], threads);
+
     // Bare VMM calls for COUNT allocations of TOTAL/COUNT.
     let piece = total / o.count;
     let g = s(d.granularity(0))?;
@@ -356,6 +390,15 @@ pub(crate) fn limits(
 }
 
 pub(crate) fn pin_parallel(buf: &HostBuffer, threads: usize) -> Result<(), String> {
+    each_chunk_parallel(buf, threads, HostBuffer::pin)
+}
+
+/// `f` on every chunk of `buf`, from up to `threads` threads; the first error.
+fn each_chunk_parallel(
+    buf: &HostBuffer,
+    threads: usize,
+    f: impl Fn(&HostBuffer, usize) -> tms::Result<()> + Sync,
+) -> Result<(), String> {
     let next = std::sync::atomic::AtomicUsize::new(0);
     let err = std::sync::Mutex::new(None);
     std::thread::scope(|sc| {
@@ -365,7 +408,7 @@ pub(crate) fn pin_parallel(buf: &HostBuffer, threads: usize) -> Result<(), Strin
                 if i >= buf.chunks() {
                     break;
                 }
-                if let Err(e) = buf.pin(i) {
+                if let Err(e) = f(buf, i) {
                     *err.lock().unwrap() = Some(e.to_string());
                     break;
                 }

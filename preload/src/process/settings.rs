@@ -156,6 +156,13 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     )? {
         c.layout.hugepages = f;
     }
+    if let Some(f) = var_parsed(
+        "TMS_STREAMING_STORES",
+        lookup("TMS_STREAMING_STORES").as_deref(),
+        parse_flag,
+    )? {
+        c.layout.streaming = f;
+    }
     if let Some(p) = var_parsed("TMS_PIN", lookup("TMS_PIN").as_deref(), PinMode::parse)? {
         c.pin = p;
     }
@@ -421,6 +428,7 @@ mod tests {
             ("TMS_COPY_CHUNK", "8MiB"),
             ("TMS_STAGING_SLOT", "1MiB"),
             ("TMS_HOST_HUGEPAGES", "0"),
+            ("TMS_STREAMING_STORES", "1"),
             ("TMS_PIN", "never"),
         ])
         .unwrap();
@@ -428,6 +436,7 @@ mod tests {
             (c.threads, c.layout.chunk, c.slot, c.layout.hugepages, c.pin),
             (3, 8 << 20, 1 << 20, false, PinMode::Never)
         );
+        assert!(c.layout.streaming);
         assert_eq!(with(&[]).unwrap(), CopyConfig::default());
         let e = with(&[("TMS_COPY_THREADS", "0")]).unwrap_err().to_string();
         assert!(
