@@ -377,6 +377,7 @@ fn small_pieces(h: &Harness, pin: PinMode) {
             streaming: true,
         },
         slot: h.g() / 4,
+        save_slot: h.g() / 4,
         pin,
         disk_chunk: 0,
     })
@@ -562,5 +563,37 @@ engine_test! {
         assert_eq!(e.sole_device(), None, "two devices: none names the process");
         e.alloc(&req(g, "c", None)).unwrap();
         assert_eq!(e.sole_device(), None, "for good");
+    }
+}
+
+engine_test! {
+    fn pauses_into_host_memory_stage_in_the_smaller_save_pieces(h) [two(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        small_pieces(&h, PinMode::Never);
+        let mut c = e.copy_config();
+        c.save_slot = c.slot / 2;
+        e.set_copy_config(c).unwrap();
+        let p = e.alloc(&req(2 * g, "a", Some(BackupKind::Mmap))).unwrap();
+        h.write(p, &pattern(2 * g as usize, 8));
+        let calls = |prim| h.sim().map(|s| s.calls(prim));
+        let d2h = calls(Prim::CopyD2H);
+        e.pause(None).unwrap();
+        let h2d = calls(Prim::CopyH2D);
+        e.resume(None).unwrap();
+        if let (Some(sim), Some(d2h), Some(h2d)) = (h.sim(), d2h, h2d) {
+            assert_eq!(sim.calls(Prim::CopyD2H) - d2h, 16, "2 chunks in pieces of 1/8");
+            assert_eq!(sim.calls(Prim::CopyH2D) - h2d, 8, "2 chunks in whole slots");
+        }
+        assert_eq!(h.read(p, 2 * g as usize), pattern(2 * g as usize, 8));
+        // A save piece above the slot is cut to the slot.
+        c.save_slot = 4 * c.slot;
+        e.set_copy_config(c).unwrap();
+        let d2h = calls(Prim::CopyD2H);
+        e.pause(None).unwrap();
+        if let (Some(sim), Some(d2h)) = (h.sim(), d2h) {
+            assert_eq!(sim.calls(Prim::CopyD2H) - d2h, 8, "whole slots");
+        }
+        e.resume(None).unwrap();
+        assert_eq!(h.read(p, 2 * g as usize), pattern(2 * g as usize, 8));
     }
 }

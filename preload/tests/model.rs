@@ -88,7 +88,11 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
         1..=4usize,
         prop_oneof![Just(4096u64), Just(16 << 10), Just(64 << 20)],
         prop_oneof![Just(4096u64), Just(8 << 10), Just(1 << 20)],
-        (any::<bool>(), any::<bool>()),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            prop_oneof![Just(4096u64), Just(1 << 20)],
+        ),
         prop_oneof![
             Just(PinMode::Background),
             Just(PinMode::Inline),
@@ -97,16 +101,19 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
         prop_oneof![Just(0u64), Just(4096), Just(3 * 4096)],
     )
         .prop_map(
-            |(threads, chunk, slot, (hugepages, streaming), pin, disk_chunk)| CopyConfig {
-                threads,
-                layout: HostLayout {
-                    chunk,
-                    hugepages,
-                    streaming,
-                },
-                slot,
-                pin,
-                disk_chunk,
+            |(threads, chunk, slot, (hugepages, streaming, save_slot), pin, disk_chunk)| {
+                CopyConfig {
+                    threads,
+                    layout: HostLayout {
+                        chunk,
+                        hugepages,
+                        streaming,
+                    },
+                    slot,
+                    save_slot,
+                    pin,
+                    disk_chunk,
+                }
             },
         )
 }

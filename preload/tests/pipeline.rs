@@ -85,6 +85,7 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
             streaming: false,
         },
         slot: 4096,
+        save_slot: 4096,
         pin,
         disk_chunk: 2 * 4096,
     }));
@@ -509,6 +510,8 @@ engine_test! {
                 // Streaming stores on half the cases (odd slots), plain copies on the other.
                 layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false, streaming: slot_pages % 2 == 1 },
                 slot: slot_pages * 4096,
+                // Saves in smaller pieces than the slot on some cases.
+                save_slot: slot_pages.div_ceil(2) * 4096,
                 pin,
                 disk_chunk: chunk_pages * 4096,
             }).unwrap();

@@ -5,7 +5,9 @@ Runs the tms-bench executable BIN once per combination of the settings given (en
 variables the library reads, e.g. `TMS_COPY_THREADS=16,24,32 TMS_STAGING_SLOT=4MiB,16MiB`),
 each time with the same ARGS (e.g. `16GiB 512 --no-limits --no-plain --no-chunks`, or
 `8GiB 64 --no-limits --disk DIR --disk-only`), and prints one table: a row per benchmark row,
-a column per combination, the seconds of each, and the fastest combination of each row.
+a column per combination, the seconds of each, and the fastest combination of each row. An
+axis may also be a tms-bench option with values, `--settle=0,500` (an empty value: the option
+left out).
 `TMS_TUNE_ROUNDS` (default 1) repeats every combination, keeping each row's best. Timings are
 reported, never asserted; exits 1 only if a run failed.
 
@@ -32,14 +34,19 @@ def parse(argv):
     axes = []
     for g in grid:
         name, sep, values = g.partition("=")
-        if not sep or not name or not values or not re.fullmatch(r"[A-Z_][A-Z0-9_]*", name):
-            sys.exit(f"tune.py: {g!r} is not VAR=v1,v2,... (an environment variable and its values)")
-        axes.append([(name, v) for v in values.split(",") if v])
+        option = re.fullmatch(r"--[a-z][a-z0-9-]*", name)
+        if not sep or not values or not (option or re.fullmatch(r"[A-Z_][A-Z0-9_]*", name)):
+            sys.exit(f"tune.py: {g!r} is not VAR=v1,v2,... (an environment variable and its "
+                     "values) or --option=v1,v2,...")
+        vals = values.split(",") if option else [v for v in values.split(",") if v]
+        axes.append([(name, v) for v in vals])
     return binary, axes, args
 
 
-def run(binary, env, args):
-    p = subprocess.run([binary, *args], capture_output=True, text=True,
+def run(binary, combo, args):
+    env = {n: v for n, v in combo.items() if not n.startswith("--")}
+    opts = [a for n, v in combo.items() if n.startswith("--") and v for a in (n, v)]
+    p = subprocess.run([binary, *args, *opts], capture_output=True, text=True,
                        env={**os.environ, **env})
     rows = {}
     for line in p.stdout.splitlines():

@@ -229,7 +229,8 @@ fn main() -> ExitCode {
         }
     };
     println!(
-        "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {}, \
+        "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {} \
+         ({} when saving), \
          huge pages {}, streaming stores {}, pin {:?}; {} host threads; {} ms between a pause \
          and its resume\n",
         driver.name(),
@@ -239,6 +240,7 @@ fn main() -> ExitCode {
         cfg.threads,
         human(cfg.layout.chunk),
         human(cfg.slot),
+        human(cfg.save_slot.min(cfg.slot)),
         if cfg.layout.hugepages { "on" } else { "off" },
         if cfg.layout.streaming { "on" } else { "off" },
         cfg.pin,

@@ -149,6 +149,13 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     )? {
         c.slot = b;
     }
+    if let Some(b) = var_parsed(
+        "TMS_STAGING_SLOT_SAVE",
+        lookup("TMS_STAGING_SLOT_SAVE").as_deref(),
+        parse_bytes,
+    )? {
+        c.save_slot = b;
+    }
     if let Some(f) = var_parsed(
         "TMS_HOST_HUGEPAGES",
         lookup("TMS_HOST_HUGEPAGES").as_deref(),
@@ -429,9 +436,11 @@ mod tests {
             ("TMS_STAGING_SLOT", "1MiB"),
             ("TMS_HOST_HUGEPAGES", "0"),
             ("TMS_STREAMING_STORES", "1"),
+            ("TMS_STAGING_SLOT_SAVE", "512KiB"),
             ("TMS_PIN", "never"),
         ])
         .unwrap();
+        assert_eq!(c.save_slot, 512 << 10);
         assert_eq!(
             (c.threads, c.layout.chunk, c.slot, c.layout.hugepages, c.pin),
             (3, 8 << 20, 1 << 20, false, PinMode::Never)
@@ -451,6 +460,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("staging slot of 1000 bytes"), "{e}");
+        let e = with(&[("TMS_STAGING_SLOT_SAVE", "100")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("staging slot for saving of 100 bytes"), "{e}");
         let e = with(&[("TMS_COPY_CHUNK", "0")]).unwrap_err().to_string();
         assert!(e.contains("copy chunk of 0 bytes"), "{e}");
         let e = with(&[("TMS_PIN", "sometimes")]).unwrap_err().to_string();

@@ -173,11 +173,15 @@ fn copy_unit(
         sh.timing.moved(u.len);
         return Ok(());
     }
+    let piece = match (sh.dir, target.kind()) {
+        (Dir::Save, BackupKind::Pinned | BackupKind::Mmap) => sh.cfg.save_slot.min(sh.cfg.slot),
+        _ => sh.cfg.slot,
+    };
     // SAFETY: the queue hands each unit out once, to this worker, and units do not overlap; the
     // engine's transaction keeps every other user off the backup until the pipeline ends.
     unsafe {
         target.staged(sh.dir, u.chunk, u.off, u.len, &mut |io| {
-            staged(sh, io, dev, u.len, lanes)
+            staged(sh, io, dev, u.len, piece, lanes)
         })
     }
 }
@@ -207,16 +211,18 @@ pub(super) fn make_slots(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>]) -> R
 }
 
 /// Copy `len` bytes between `dev` and the backing's side of a unit (`io`) through the worker's
-/// two staging slots, alternating lanes so that a DMA and a CPU copy overlap.
+/// two staging slots, `piece` bytes (at most a slot) at a time, alternating lanes so that a DMA
+/// and a CPU copy overlap.
 fn staged(
     sh: &Shared<'_>,
     io: &mut dyn UnitIo,
     dev: DevPtr,
     len: u64,
+    piece: u64,
     lanes: &mut Lanes<'_>,
 ) -> Result<()> {
     let d = sh.d();
-    let slot_len = sh.cfg.slot;
+    let slot_len = piece.min(sh.cfg.slot);
     make_slots(sh, lanes.slots)?;
     let mut off = 0;
     let mut l = 0;
