@@ -567,33 +567,50 @@ engine_test! {
 }
 
 engine_test! {
-    fn pauses_into_host_memory_stage_in_the_smaller_save_pieces(h) [two(64 << 20)] {
+    fn pauses_into_fresh_host_memory_stage_in_the_smaller_save_pieces(h) [two(64 << 20)] {
         let (e, g) = (&h.e, h.g());
         small_pieces(&h, PinMode::Never);
         let mut c = e.copy_config();
         c.save_slot = c.slot / 2;
         e.set_copy_config(c).unwrap();
         let p = e.alloc(&req(2 * g, "a", Some(BackupKind::Mmap))).unwrap();
-        h.write(p, &pattern(2 * g as usize, 8));
+        let data = pattern(2 * g as usize, 8);
+        h.write(p, &data);
         let calls = |prim| h.sim().map(|s| s.calls(prim));
-        let d2h = calls(Prim::CopyD2H);
-        e.pause(None).unwrap();
-        let h2d = calls(Prim::CopyH2D);
-        e.resume(None).unwrap();
-        if let (Some(sim), Some(d2h), Some(h2d)) = (h.sim(), d2h, h2d) {
-            assert_eq!(sim.calls(Prim::CopyD2H) - d2h, 16, "2 chunks in pieces of 1/8");
-            assert_eq!(sim.calls(Prim::CopyH2D) - h2d, 8, "2 chunks in whole slots");
+        // (copies to the host, copies to the device) of one pause and resume
+        let cycle = || {
+            let (d2h, h2d) = (calls(Prim::CopyD2H), calls(Prim::CopyH2D));
+            e.pause(None).unwrap();
+            e.resume(None).unwrap();
+            assert_eq!(h.read(p, 2 * g as usize), data);
+            h.sim().map(|s| {
+                (
+                    s.calls(Prim::CopyD2H) - d2h.unwrap(),
+                    s.calls(Prim::CopyH2D) - h2d.unwrap(),
+                )
+            })
+        };
+        if let Some(n) = cycle() {
+            assert_eq!(n, (16, 8), "fresh memory in pieces of 1/8 of a chunk, restores in 1/4");
         }
-        assert_eq!(h.read(p, 2 * g as usize), pattern(2 * g as usize, 8));
-        // A save piece above the slot is cut to the slot.
+        // Retained, the backup's memory is written already: whole slots.
+        e.set_retain_cpu_backup(true);
+        if let Some(n) = cycle() {
+            assert_eq!(n, (16, 8), "the first pause that retains is into fresh memory");
+        }
+        if let Some(n) = cycle() {
+            assert_eq!(n, (8, 8), "into the retained backup");
+        }
+        // Retention off: the resume gives the backup back, the next pause is into fresh
+        // memory, where a save piece above the slot is cut to the slot.
+        e.set_retain_cpu_backup(false);
+        if let Some(n) = cycle() {
+            assert_eq!(n, (8, 8), "into the retained backup, for the last time");
+        }
         c.save_slot = 4 * c.slot;
         e.set_copy_config(c).unwrap();
-        let d2h = calls(Prim::CopyD2H);
-        e.pause(None).unwrap();
-        if let (Some(sim), Some(d2h)) = (h.sim(), d2h) {
-            assert_eq!(sim.calls(Prim::CopyD2H) - d2h, 8, "whole slots");
+        if let Some(n) = cycle() {
+            assert_eq!(n, (8, 8), "fresh memory in whole slots");
         }
-        e.resume(None).unwrap();
-        assert_eq!(h.read(p, 2 * g as usize), pattern(2 * g as usize, 8));
     }
 }

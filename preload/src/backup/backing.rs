@@ -49,6 +49,13 @@ pub trait Backing: Sync {
     /// be page-locked is made so first. `None`: the unit goes through the staging slots.
     fn direct(&self, k: usize, off: u64, pin_now: bool) -> Result<Option<*mut u8>>;
 
+    /// Whether a save into chunk `k` is the first to write its memory since it was mapped or
+    /// given back (the kernel still has to hand out its pages): the pipeline saves such chunks
+    /// in smaller pieces. A hint for speed only.
+    fn fresh(&self, _k: usize) -> bool {
+        false
+    }
+
     /// Copy bytes `off..off + len` (inside chunk `k`) in direction `dir` through the staging
     /// slots: `pieces` moves the unit in slot-sized pieces, in order, each through the
     /// [`UnitIo`] it is given, whose offsets are relative to `off`. Whatever the backing keeps

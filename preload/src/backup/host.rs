@@ -56,6 +56,8 @@ pub struct HostBuffer {
     /// Page-locking chunk `i` in the background is still wanted: set when it is queued, cleared
     /// when its pages are given back, so a queued page-locking never brings them back.
     wanted: Box<[AtomicBool]>,
+    /// Chunk `i` was saved into since its pages were last handed out ([`Backing::fresh`]).
+    written: Box<[AtomicBool]>,
     retired: AtomicBool,
     driver: Arc<dyn Driver>,
     /// The device whose context page-locks the memory: the device of the allocation backed up
@@ -114,6 +116,7 @@ impl HostBuffer {
             streaming: layout.streaming,
             state: (0..chunks).map(|_| AtomicU8::new(UNPINNED)).collect(),
             wanted: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
+            written: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             retired: AtomicBool::new(false),
             driver,
             device,
@@ -320,6 +323,7 @@ impl HostBuffer {
                 continue;
             }
             self.wanted[i].store(false, Ordering::Release);
+            self.written[i].store(false, Ordering::Relaxed);
             if self.is_pinned(i) {
                 // SAFETY: chunk i is PINNED and the pinner is quiet, so no one else changes
                 // that; no copy uses it: the caller holds the only other reference.
@@ -474,10 +478,14 @@ impl Backing for HostBuffer {
             .then(|| unsafe { self.ptr.add(off as usize) }))
     }
 
+    fn fresh(&self, k: usize) -> bool {
+        !self.written[k].load(Ordering::Relaxed)
+    }
+
     unsafe fn staged(
         &self,
-        _dir: Dir,
-        _k: usize,
+        dir: Dir,
+        k: usize,
         off: u64,
         len: u64,
         pieces: &mut dyn FnMut(&mut dyn UnitIo) -> Result<()>,
@@ -490,11 +498,15 @@ impl Backing for HostBuffer {
         }
         // SAFETY: off + len <= len, inside our mapping.
         let start = unsafe { self.ptr.add(off as usize) };
-        pieces(&mut HostUnit {
+        let r = pieces(&mut HostUnit {
             start,
             len,
             streaming: self.streaming,
-        })
+        });
+        if dir == Dir::Save {
+            self.written[k].store(true, Ordering::Relaxed);
+        }
+        r
     }
 }
 

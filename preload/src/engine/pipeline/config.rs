@@ -42,12 +42,12 @@ pub struct CopyConfig {
     pub layout: HostLayout,
     /// Bytes of one staging slot (two per worker).
     pub slot: u64,
-    /// Bytes of each slot a pause into host memory uses (at most `slot`): small enough that
-    /// every worker's slots fit in the CPU's last-level cache, which the link writes into, so
-    /// the CPU copies out of cache into the backup (measured on an H200 host: a first pause of
-    /// 16 GiB took 0.47–0.49 s with 1 MiB, 0.60–0.69 s with 4 MiB). Restores, which fill the
-    /// slots by CPU and drain them by DMA, and disk backups, whose writes are the slot's size,
-    /// use all of `slot`.
+    /// Bytes of each slot a pause into fresh host memory uses (at most `slot`): small enough
+    /// that every worker's slots fit in the CPU's last-level cache, which the link writes
+    /// into, so the CPU copies out of cache while the kernel hands out the pages (measured on
+    /// an H200 host: a first pause of 16 GiB took 0.47–0.49 s with 1 MiB, 0.60–0.69 s with
+    /// 4 MiB). Pauses into memory written before (retained mmap backups: 83–84% of the link
+    /// with 1 MiB, 92–95% with 4 MiB), restores and disk backups use all of `slot`.
     pub save_slot: u64,
     /// When pinned backups are page-locked.
     pub pin: PinMode,

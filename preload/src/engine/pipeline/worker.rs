@@ -173,8 +173,8 @@ fn copy_unit(
         sh.timing.moved(u.len);
         return Ok(());
     }
-    let piece = match (sh.dir, target.kind()) {
-        (Dir::Save, BackupKind::Pinned | BackupKind::Mmap) => sh.cfg.save_slot.min(sh.cfg.slot),
+    let piece = match sh.dir {
+        Dir::Save if target.fresh(u.chunk) => sh.cfg.save_slot.min(sh.cfg.slot),
         _ => sh.cfg.slot,
     };
     // SAFETY: the queue hands each unit out once, to this worker, and units do not overlap; the
