@@ -72,6 +72,7 @@ engine_test! {
                 // Undefined contents: the sim's new memory is zeroes, while a GPU may hand back
                 // the very pages it took.
                 assert_ne!(h.read(lost, size as usize), data);
+                e.wait_released();
                 assert_eq!(
                     sim.pinned_bytes(),
                     0,
@@ -188,6 +189,7 @@ engine_test! {
         e.set_retain_cpu_backup(false);
         e.resume(None).unwrap();
         assert_eq!(e.cpu_backup_ptr(p, 1).unwrap(), None);
+        e.wait_released();
         if let Some(sim) = h.sim() {
             assert_eq!(sim.pinned_bytes(), 0);
         }
@@ -424,6 +426,7 @@ engine_test! {
         e.set_retain_cpu_backup(false);
         e.pause(None).unwrap();
         e.resume(None).unwrap();
+        e.wait_released();
         let slots = e.staging_bytes();
         let pinned = h.sim().map_or(0, |s| s.pinned_bytes());
         assert_eq!(
@@ -487,6 +490,7 @@ engine_test! {
             // The pinner is busy with 16 chunks; release while it works.
             e.set_retain_cpu_backup(false);
             e.resume(None).unwrap();
+            e.wait_released();
             if let Some(sim) = h.sim() {
                 assert_eq!(
                     (sim.pinned_bytes(), sim.registered_ranges()),
@@ -612,5 +616,38 @@ engine_test! {
         if let Some(n) = cycle() {
             assert_eq!(n, (8, 8), "fresh memory in whole slots");
         }
+    }
+}
+
+engine_test! {
+    sim_only fn a_resume_returns_before_its_host_memory_is_given_back(h) [two(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let sim = h.simulated();
+        small_pieces(&h, PinMode::Never);
+        let p = e.alloc(&req(2 * g, "a", Some(BackupKind::Mmap))).unwrap();
+        let data = pattern(2 * g as usize, 3);
+        h.write(p, &data);
+        e.pause(None).unwrap();
+        assert!(sim.pinned_bytes() > 0, "the staging slots");
+        // Unregistering the slots stalls: the resume returns all the same, data in place.
+        sim.hold(Prim::HostUnregister, None);
+        e.resume(None).unwrap();
+        assert_eq!(h.read(p, 2 * g as usize), data);
+        let t0 = std::time::Instant::now();
+        while sim.held_calls() == 0 {
+            assert!(t0.elapsed().as_secs() < 10, "no release began");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        // The next pause waits for it.
+        let e2 = h.e.clone();
+        let pauser = std::thread::spawn(move || e2.pause(None).map(|r| r.allocations));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!pauser.is_finished(), "a pause waits for the memory to go");
+        sim.unhold(Prim::HostUnregister, None);
+        assert_eq!(pauser.join().unwrap().unwrap(), 1);
+        e.resume(None).unwrap();
+        e.wait_released();
+        assert_eq!(sim.pinned_bytes(), 0);
+        assert_eq!(h.read(p, 2 * g as usize), data);
     }
 }

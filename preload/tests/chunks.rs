@@ -386,6 +386,7 @@ engine_test! {
         }
         e.resume(Some("kv")).unwrap();
         assert!(h.read(p, (4 * g) as usize) == data);
+        e.wait_released();
         if let Some(sim) = h.sim() {
             assert!(
                 sim.host_registrations().is_empty(),

@@ -511,6 +511,8 @@ fn run(case: &Case, prim: Prim, nth: u64, code: i32) -> bool {
     fx.sim.arm_fault(prim, nth, code);
     let result = catch_unwind(AssertUnwindSafe(|| op(case, &mut fx, &order)))
         .unwrap_or_else(|_| panic!("{ctx}: the engine panicked instead of returning an error"));
+    // A resume's host memory goes back after it returned: that is part of the operation too.
+    fx.e.wait_released();
     let fired = fx.sim.pending_faults() == 0;
     fx.sim.clear_faults();
 

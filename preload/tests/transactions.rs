@@ -272,6 +272,7 @@ engine_test! {
         e.resume(None).unwrap();
         assert!(h.read(p, data.len()) == data);
         assert!(e.free(p).unwrap());
+        e.wait_released();
         assert_eq!(sim.pinned_bytes(), 0, "everything unregistered");
         let by_device = sim.host_calls_by_device();
         assert_eq!(

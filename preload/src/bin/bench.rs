@@ -512,9 +512,11 @@ fn backup_scenario(
         ptrs.push(p);
     }
     let bytes = n * size;
+    // The host memory goes back after the resume returned: how much longer that took.
     let share = |r: &tms::engine::OpReport| {
+        let after = e.wait_released().as_secs_f64();
         format!(
-            "release {:.4} s of {:.4} s ({:.0}%)",
+            "release {:.4} s in the resume's {:.4} s ({:.0}%), then {after:.4} s after it returned",
             r.release_seconds,
             r.seconds,
             r.release_seconds / r.seconds.max(1e-9) * 100.0
@@ -536,10 +538,10 @@ fn backup_scenario(
         vs("pinned H2D", lim.h2d),
         || e.resume(Some(&tag)),
     )?;
+    let released = share(&r);
     let rss1 = rss_bytes();
     println!(
-        "  {}; RSS before the pause {}, after the resume {} ({:+.1}%)",
-        share(&r),
+        "  {released}; RSS before the pause {}, after the resume {} ({:+.1}%)",
         human(rss0),
         human(rss1),
         (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
@@ -596,10 +598,10 @@ fn backup_scenario(
         vs("pinned H2D", lim.h2d),
         || e.resume(Some(&tag)),
     )?;
+    let released = share(&r);
     let rss2 = rss_bytes();
     println!(
-        "  {}; host page-locked while retained {}, staging {}; RSS after {} ({:+.1}%)",
-        share(&r),
+        "  {released}; host page-locked while retained {}, staging {}; RSS after {} ({:+.1}%)",
         human(pinned),
         human(staging),
         human(rss2),

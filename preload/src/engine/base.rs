@@ -62,6 +62,8 @@ pub struct Engine {
     /// A failure of a non-blocking resume after it returned, for the next call to report; a
     /// leaf lock.
     pub(super) deferred: Mutex<Option<Error>>,
+    /// Host memory being given back after resumes returned (`releases.rs`).
+    pub(super) releases: Arc<super::releases::Releases>,
 }
 
 /// `Engine::device` before any allocation.
@@ -92,6 +94,7 @@ impl Engine {
             device: AtomicI32::new(NO_DEVICE),
             inflight: Mutex::default(),
             deferred: Mutex::default(),
+            releases: Arc::default(),
         }
     }
 

@@ -174,6 +174,12 @@ impl Engine {
         self.take_deferred()
     }
 
+    /// Wait until the host memory that resumes are giving back after they returned is gone
+    /// (`releases.rs`); how long that took (zero if nothing was being given back).
+    pub fn wait_released(&self) -> Duration {
+        self.releases.wait()
+    }
+
     /// Whether a non-blocking resume that returned is still restoring data.
     pub fn restoring(&self) -> bool {
         self.inflight.lock().iter().any(|t| t.restoring())

@@ -142,6 +142,7 @@ mod pipeline;
 mod progress;
 mod queries;
 mod registry;
+mod releases;
 mod report;
 mod resident;
 mod restoring;

@@ -218,13 +218,25 @@ impl Engine {
         } else {
             Slots::Take
         });
-        // Giving host memory back takes as long as filling it did: in parallel, and without
-        // holding up anyone else.
-        if !leftovers.released.is_empty() {
-            end.tracked().counters().phase(Phase::Releasing);
-        }
+        // Giving host memory back: in parallel, and without holding up anyone else. A blocking
+        // resume's caller does not wait for it either (`releases.rs`); a non-blocking one's
+        // thread does it after the gate opened.
         let t1 = Instant::now();
-        give_back(leftovers, rings, cfg.threads);
+        drop_pages(leftovers.drop_pages);
+        let threads = cfg.threads;
+        let (released, rings) = (leftovers.released, rings);
+        if track.is_some() {
+            if !released.is_empty() {
+                end.tracked().counters().phase(Phase::Releasing);
+            }
+            release_parallel(released, threads);
+            drop(rings);
+        } else if !released.is_empty() || !rings.is_empty() {
+            self.releases.start(move || {
+                release_parallel(released, threads);
+                drop(rings);
+            });
+        }
         let report = end.report(tally, t1.elapsed().as_secs_f64(), |h| &mut h.last_resume);
         tracing::info!(
             "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
@@ -482,11 +494,11 @@ fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
     )
 }
 
-/// Give host memory back after a resume without retention, in parallel: the backups no longer
-/// needed, the pages of resumed chunks, and the staging slots.
-fn give_back(left: Leftovers, rings: BTreeMap<i32, Ring>, threads: usize) {
-    release_parallel(left.released, threads);
-    for (h, ranges) in left.drop_pages {
+/// Give back the host memory of chunks resumed without retention, in buffers their paused
+/// neighbours still need. Here, while the pinner is still held quiet by the transaction (it
+/// must not page-lock these chunks meanwhile).
+fn drop_pages(bufs: Vec<BufferRanges>) {
+    for (h, ranges) in bufs {
         // The registry's reference and this one: no lease or reader from before the resume
         // (later ones only read chunks the backup holds, never these).
         if Arc::strong_count(&h) == 2 {
@@ -495,5 +507,4 @@ fn give_back(left: Leftovers, rings: BTreeMap<i32, Ring>, threads: usize) {
             }
         }
     }
-    drop(rings);
 }

@@ -89,6 +89,8 @@ impl<'e> Txn<'e> {
             what: format!("a {what} of {}", describe(tag)),
         };
         engine.note_unknown_tag(what, tag);
+        // The memory an earlier resume is giving back goes first (`releases.rs`).
+        engine.releases.wait();
         let quiet = engine.pinner.quiet();
         let t0 = Instant::now();
         let cfg = engine.copy_config();

@@ -121,6 +121,8 @@ pub fn check_registry(e: &Engine) -> Result<Vec<AllocInfo>, String> {
 
 /// The registry tells the truth and `sim` holds exactly what it implies, plus `expect`'s leaks.
 pub fn check_invariants(e: &Engine, sim: &SimDriver, expect: &Expect) -> Result<(), String> {
+    // Of an engine at rest: host memory a resume is giving back after it returned goes first.
+    e.wait_released();
     let infos = check_registry(e)?;
     let mut active: BTreeMap<i32, u64> = BTreeMap::new();
     let (mut handles, mut pinned) = (0, 0);
