@@ -19,7 +19,9 @@
 //!   backing's `UnitIo`: the DMA fills one slot while the worker moves the other out with the
 //!   CPU (to host memory or a file), or the worker fills one slot while the DMA drains the
 //!   other (to device). With many workers the CPU copies, the file I/O and the page
-//!   faults of fresh memory run in parallel, and the link stays busy.
+//!   faults of fresh memory run in parallel, and the link stays busy. Into fresh host memory
+//!   a pause moves smaller pieces than the slot (`CopyConfig::save_slot`, `Backing::fresh`),
+//!   so that every worker's slots stay in the CPU's cache while the kernel hands out pages.
 //! - Page-locking fresh memory runs at a few GiB/s and does not scale with threads (measured on
 //!   an H200 host: 3 GiB/s in one call, 4 GiB/s from 16 threads), far below the link, while
 //!   filling fresh memory through the slots runs at 25 GiB/s. So a first pause always goes
