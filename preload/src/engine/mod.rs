@@ -120,10 +120,13 @@
 //!   `memory.rs`, `streams.rs`, `host.rs` and `faults.rs`; held for each primitive, so the
 //!   engine's locks are always taken before it), and in `gates.rs` `holds` with `holds_changed`
 //!   (held primitives wait on it, before taking `inner`), `sync_delay` and `link` (leaves; the
-//!   simulated time is slept with no lock held), and `gate_waits` (the streams waiting for the
-//!   resume gate; a leaf, also in the CUDA driver, where it holds only the values waited for).
-//!   Page-locking, unlocking and device synchronizations poll it, with no other of the
-//!   driver's locks held, before they start (Note [Non-blocking resume]).
+//!   simulated time is slept with no lock held), and `gate_waits` (`driver::GateWaits`, in the
+//!   CUDA driver too: the streams waiting for the resume gate and the device-wide calls
+//!   running; a leaf, never held across a driver call). Page-locking, unlocking and device
+//!   synchronizations wait on it, with no other of the driver's locks held, before they start,
+//!   and stream waits until none of those runs (Note [Non-blocking resume]).
+//! - `Releases::pending` (`releases.rs`, with `done`): the host memory being given back after
+//!   resumes returned. A leaf; transactions wait on `done` before they take anything.
 //! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
