@@ -13,7 +13,7 @@
 //! Prints a table; asserts nothing about time.
 //!
 //! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]
-//! [--no-many] [--no-chunks | --chunks-only] [--segment BYTES] [--disk DIR [--disk-only]]`
+//! [--no-many] [--no-chunks | --chunks-only] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]`
 //! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT;
 //! `--no-many` skips the latter with backup; `--chunks-only` runs only the limits and the
 //! chunked scenarios; `--segment` sets the
