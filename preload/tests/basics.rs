@@ -451,6 +451,7 @@ engine_test! {
         }
         e.resume(None).unwrap();
         assert_eq!(h.read(p, 4 * g as usize), pattern(4 * g as usize, 6));
+        e.wait_released();
         if let Some(sim) = h.sim() {
             assert_eq!(sim.pinned_bytes(), 0);
         }

@@ -142,6 +142,8 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
+        // What resumes are still giving back goes with the engine too (`releases.rs`).
+        self.releases.wait();
         let addrs: Vec<DevPtr> = self.reg.lock().allocs.keys().copied().collect();
         for p in addrs {
             if let Err(e) = self.free(p) {
