@@ -494,6 +494,10 @@ fn rss_bytes() -> u64 {
         .map_or(0, |pages| pages * 4096)
 }
 
+/// How long the device is left alone between a pause and the resume of the rows that show what
+/// a resume right after its pause loses (unless `--settle` leaves it alone before every resume).
+const LEFT_ALONE: std::time::Duration = std::time::Duration::from_millis(500);
+
 fn backup_scenario(
     e: &Engine,
     backend: BackupKind,
@@ -546,6 +550,22 @@ fn backup_scenario(
         human(rss1),
         (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
     );
+    // Once more with the device left alone between the pause and the resume: what the driver
+    // does with the memory a pause gave back overlaps a resume that follows at once.
+    if settle.is_zero() {
+        s(e.pause(Some(&tag)))?;
+        std::thread::sleep(LEFT_ALONE);
+        t.timed(
+            format!(
+                "{tag}: resume without retention, {} ms after its pause",
+                LEFT_ALONE.as_millis()
+            ),
+            bytes,
+            vs("pinned H2D", lim.h2d),
+            || e.resume(Some(&tag)),
+        )?;
+        e.wait_released();
+    }
     // With retention: the buffers stay, pinned ones get page-locked in the background.
     e.set_retain_cpu_backup(true);
     let r = s(e.pause(Some(&tag)))?;
@@ -583,6 +603,19 @@ fn backup_scenario(
         std::thread::sleep(settle);
         t.timed(
             format!("{tag}: resume #{cycle}, retained"),
+            bytes,
+            vs("pinned H2D", lim.h2d),
+            || e.resume(Some(&tag)),
+        )?;
+    }
+    if settle.is_zero() {
+        s(e.pause(Some(&tag)))?;
+        std::thread::sleep(LEFT_ALONE);
+        t.timed(
+            format!(
+                "{tag}: resume #4, retained, {} ms after its pause",
+                LEFT_ALONE.as_millis()
+            ),
             bytes,
             vs("pinned H2D", lim.h2d),
             || e.resume(Some(&tag)),
