@@ -15,27 +15,10 @@ about time. `--mode preload` needs the package's preload library in LD_PRELOAD.
 
 import argparse
 import sys
-import time
 
 import torch
 
-GIB = float(1 << 30)
-UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(s: str) -> int:
-    s = s.strip().lower().removesuffix("ib").removesuffix("b")
-    if s and s[-1] in UNITS:
-        return int(s[:-1]) * UNITS[s[-1]]
-    return int(s)
-
-
-def timed(f) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    f()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
+from benchlib import GIB, parse_bytes, timed
 
 
 class Bench:

@@ -27,15 +27,7 @@ import time
 import torch
 from torch_memory_saver import torch_memory_saver as tms
 
-GIB = float(1 << 30)
-UNITS = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_bytes(s: str) -> int:
-    s = s.strip().lower().removesuffix("ib").removesuffix("b")
-    if s and s[-1] in UNITS:
-        return int(s[:-1]) * UNITS[s[-1]]
-    return int(s)
+from benchlib import GIB, parse_bytes, timed
 
 
 mode, total, count = sys.argv[1], parse_bytes(sys.argv[2]), int(sys.argv[3])
@@ -59,14 +51,6 @@ def pct(rate: float, limit, name: str) -> str:
 def rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def copy_limits():

@@ -526,6 +526,25 @@ fn backup_scenario(
             r.release_seconds / r.seconds.max(1e-9) * 100.0
         )
     };
+    // A pause, then a resume once the device was left alone for a moment: what the driver does
+    // with the memory a pause gave back overlaps a resume that follows at once (the rows right
+    // after this show that; none where `--settle` leaves it alone before every resume).
+    let left_alone = |t: &mut Table, what: &str| -> Result<(), String> {
+        if settle.is_zero() {
+            s(e.pause(Some(&tag)))?;
+            std::thread::sleep(LEFT_ALONE);
+            t.timed(
+                format!(
+                    "{tag}: {what}, {} ms after its pause",
+                    LEFT_ALONE.as_millis()
+                ),
+                bytes,
+                vs("pinned H2D", lim.h2d),
+                || e.resume(Some(&tag)),
+            )?;
+        }
+        Ok(())
+    };
     // Without retention: each pause takes fresh host memory, each resume gives it back.
     e.set_retain_cpu_backup(false);
     let rss0 = rss_bytes();
@@ -550,22 +569,8 @@ fn backup_scenario(
         human(rss1),
         (rss1 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
     );
-    // Once more with the device left alone between the pause and the resume: what the driver
-    // does with the memory a pause gave back overlaps a resume that follows at once.
-    if settle.is_zero() {
-        s(e.pause(Some(&tag)))?;
-        std::thread::sleep(LEFT_ALONE);
-        t.timed(
-            format!(
-                "{tag}: resume without retention, {} ms after its pause",
-                LEFT_ALONE.as_millis()
-            ),
-            bytes,
-            vs("pinned H2D", lim.h2d),
-            || e.resume(Some(&tag)),
-        )?;
-        e.wait_released();
-    }
+    left_alone(t, "resume without retention")?;
+    e.wait_released();
     // With retention: the buffers stay, pinned ones get page-locked in the background.
     e.set_retain_cpu_backup(true);
     let r = s(e.pause(Some(&tag)))?;
@@ -608,19 +613,7 @@ fn backup_scenario(
             || e.resume(Some(&tag)),
         )?;
     }
-    if settle.is_zero() {
-        s(e.pause(Some(&tag)))?;
-        std::thread::sleep(LEFT_ALONE);
-        t.timed(
-            format!(
-                "{tag}: resume #4, retained, {} ms after its pause",
-                LEFT_ALONE.as_millis()
-            ),
-            bytes,
-            vs("pinned H2D", lim.h2d),
-            || e.resume(Some(&tag)),
-        )?;
-    }
+    left_alone(t, "resume #4, retained")?;
     let pinned: u64 = e.allocations().iter().map(|a| a.host_pinned_bytes).sum();
     let staging = e.staging_bytes();
     s(e.pause(Some(&tag)))?;

@@ -62,13 +62,7 @@ fn host_fill_sweep(
     let mut best = (0.0, 0);
     for n in fill_threads() {
         let t0 = Instant::now();
-        let mut fresh = s(HostBuffer::new(
-            driver.clone(),
-            0,
-            BackupKind::Mmap,
-            total,
-            layout,
-        ))?;
+        let mut fresh = host_buffer(driver, BackupKind::Mmap, total, layout)?;
         par_chunks(fresh.as_mut_slice(), n, |i, c| {
             let mut src = vec![0u8; 1 << 20];
             common::fill_pattern(&mut src, i as u64);
@@ -153,13 +147,7 @@ pub(crate) fn limits(
 
     // Page-locking fresh memory in one call: what allocating pinned memory costs.
     let t0 = Instant::now();
-    let mut pinned = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Pinned,
-        total,
-        small,
-    ))?;
+    let mut pinned = host_buffer(driver, BackupKind::Pinned, total, small)?;
     s(pinned.pin_all())?;
     t.add(
         "page-lock fresh memory, one call",
@@ -251,13 +239,7 @@ pub(crate) fn limits(
         streaming: false,
     };
     let t0 = Instant::now();
-    let mut fresh = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Mmap,
-        total,
-        huge,
-    ))?;
+    let mut fresh = host_buffer(driver, BackupKind::Mmap, total, huge)?;
     par_chunks(fresh.as_mut_slice(), threads, |i, c| {
         common::fill_pattern(c, i as u64)
     });
@@ -268,13 +250,7 @@ pub(crate) fn limits(
     );
     // Page-locking touched memory in parallel chunks, then releasing it the same way.
     let layout = HostLayout { chunk, ..huge };
-    let touched = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Pinned,
-        total,
-        layout,
-    ))?;
+    let touched = host_buffer(driver, BackupKind::Pinned, total, layout)?;
     let t0 = Instant::now();
     pin_parallel(&touched, threads)?;
     t.add(
@@ -317,13 +293,7 @@ pub(crate) fn limits(
 
     // Fresh memory populated in parallel (the kernel zeroes its pages), then page-locked in
     // parallel chunks: what a first pause straight into page-locked memory would cost.
-    let pop = s(HostBuffer::new(
-        driver.clone(),
-        0,
-        BackupKind::Pinned,
-        total,
-        layout,
-    ))?;
+    let pop = host_buffer(driver, BackupKind::Pinned, total, layout)?;
     let t0 = Instant::now();
     match each_chunk_parallel(&pop, threads, HostBuffer::populate) {
         Ok(()) => {
@@ -387,6 +357,16 @@ pub(crate) fn limits(
     println!("    (the first segment took {first:.4} s)");
     t.add(format!("bare unmap+release, {what}"), mapped, unmap_s);
     Ok(lim)
+}
+
+/// `len` bytes of fresh host memory of `kind` on device 0, laid out as `layout`.
+fn host_buffer(
+    driver: &Arc<dyn Driver>,
+    kind: BackupKind,
+    len: u64,
+    layout: HostLayout,
+) -> Result<HostBuffer, String> {
+    s(HostBuffer::new(driver.clone(), 0, kind, len, layout))
 }
 
 pub(crate) fn pin_parallel(buf: &HostBuffer, threads: usize) -> Result<(), String> {

@@ -101,11 +101,5 @@ pub fn s<T>(r: tms::Result<T>) -> Result<T, String> {
 
 /// A request for device 0.
 pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
-        chunk: 0,
-    }
+    AllocRequest::new(size, tag, backup)
 }

@@ -9,9 +9,12 @@ use super::{DevPtr, Stream};
 use crate::error::{Error, Result};
 
 /// A 32-bit word of page-locked host memory that devices can read: the host raises it, and work
-/// a stream was made to queue behind it ([`Driver::stream_wait_gate`](super::Driver::stream_wait_gate)) runs once it reaches the
-/// value waited for. Each driver makes one on first use ([`Driver::gate`](super::Driver::gate)) and never frees it: a
+/// a stream was made to queue behind it ([`Driver::stream_wait_gate`]) runs once it reaches the
+/// value waited for. Each driver makes one on first use ([`Driver::gate`]) and never frees it: a
 /// device may be about to read it at any time.
+///
+/// [`Driver::stream_wait_gate`]: super::Driver::stream_wait_gate
+/// [`Driver::gate`]: super::Driver::gate
 #[derive(Clone, Copy, Debug)]
 pub struct Gate {
     host: &'static std::sync::atomic::AtomicU32,

@@ -2,7 +2,7 @@
 //!
 //! A resume without retention no longer needs its backups, and giving their memory back (the
 //! kernel frees every page, the driver unregisters the staging slots) takes 4–8% as long as
-//! the resume itself (16 GiB on an H200 host: 14–19 ms). Nothing the caller does next needs
+//! the resume itself (16 GiB on an H200 host: 14–23 ms). Nothing the caller does next needs
 //! it done, so a blocking resume hands that work to a thread of its own and returns: the data
 //! is on the device by then, and the memory is about to go. The next pause or resume waits for
 //! it first ([`Releases::wait`] in `Txn::begin`), so host memory never holds two generations of

@@ -223,19 +223,19 @@ impl Engine {
         // thread does it after the gate opened.
         let t1 = Instant::now();
         drop_pages(leftovers.drop_pages);
-        let threads = cfg.threads;
-        let (released, rings) = (leftovers.released, rings);
-        if track.is_some() {
-            if !released.is_empty() {
-                end.tracked().counters().phase(Phase::Releasing);
-            }
+        let (released, threads) = (leftovers.released, cfg.threads);
+        let anything = !released.is_empty() || !rings.is_empty();
+        if track.is_some() && !released.is_empty() {
+            end.tracked().counters().phase(Phase::Releasing);
+        }
+        let give_back = move || {
             release_parallel(released, threads);
             drop(rings);
-        } else if !released.is_empty() || !rings.is_empty() {
-            self.releases.start(move || {
-                release_parallel(released, threads);
-                drop(rings);
-            });
+        };
+        if track.is_some() {
+            give_back();
+        } else if anything {
+            self.releases.start(give_back);
         }
         let report = end.report(tally, t1.elapsed().as_secs_f64(), |h| &mut h.last_resume);
         tracing::info!(

@@ -23,13 +23,7 @@ fn setup(capacity: u64) -> (Arc<SimDriver>, Engine) {
 }
 
 fn req(size: u64, tag: &str, backup: Backup) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
-        chunk: 0,
-    }
+    AllocRequest::new(size, tag, backup)
 }
 
 fn fill(sim: &SimDriver, ptr: DevPtr, data: &[u8]) {

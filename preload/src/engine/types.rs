@@ -26,6 +26,19 @@ pub struct AllocRequest {
     pub chunk: u64,
 }
 
+impl AllocRequest {
+    /// `size` bytes of `tag` on device 0, not chunked.
+    pub fn new(size: u64, tag: &str, backup: Backup) -> Self {
+        AllocRequest {
+            size,
+            device: 0,
+            tag: tag.into(),
+            backup,
+            chunk: 0,
+        }
+    }
+}
+
 /// Whether physical memory is behind an allocation, or a transaction is changing that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

@@ -123,71 +123,52 @@ pub fn copy_config_from_env() -> Result<CopyConfig> {
 
 /// The copy settings from the variables `lookup` finds, over the defaults.
 fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfig> {
+    // The variable `name` through `parse` (absent: `None`), naming it in any error.
+    fn var<T>(
+        lookup: &dyn Fn(&str) -> Option<String>,
+        name: &str,
+        parse: impl FnOnce(&str) -> Result<T>,
+    ) -> Result<Option<T>> {
+        var_parsed(name, lookup(name).as_deref(), parse)
+    }
     let mut c = CopyConfig::default();
-    if let Some(n) = var_parsed(
-        "TMS_COPY_THREADS",
-        lookup("TMS_COPY_THREADS").as_deref(),
-        |s| {
-            s.trim()
-                .parse::<usize>()
-                .map_err(|_| Error::invalid_argument(format!("{s:?} is not a number of threads")))
-        },
-    )? {
+    if let Some(n) = var(lookup, "TMS_COPY_THREADS", |s| {
+        s.trim()
+            .parse::<usize>()
+            .map_err(|_| Error::invalid_argument(format!("{s:?} is not a number of threads")))
+    })? {
         c.threads = n;
     }
-    if let Some(b) = var_parsed(
-        "TMS_COPY_CHUNK",
-        lookup("TMS_COPY_CHUNK").as_deref(),
-        parse_bytes,
-    )? {
+    if let Some(b) = var(lookup, "TMS_COPY_CHUNK", parse_bytes)? {
         c.layout.chunk = b;
     }
-    if let Some(b) = var_parsed(
-        "TMS_STAGING_SLOT",
-        lookup("TMS_STAGING_SLOT").as_deref(),
-        parse_bytes,
-    )? {
+    if let Some(b) = var(lookup, "TMS_STAGING_SLOT", parse_bytes)? {
         c.slot = b;
     }
-    if let Some(b) = var_parsed(
-        "TMS_STAGING_SLOT_SAVE",
-        lookup("TMS_STAGING_SLOT_SAVE").as_deref(),
-        parse_bytes,
-    )? {
+    if let Some(b) = var(lookup, "TMS_STAGING_SLOT_SAVE", parse_bytes)? {
         c.save_slot = b;
     }
-    if let Some(f) = var_parsed(
-        "TMS_HOST_HUGEPAGES",
-        lookup("TMS_HOST_HUGEPAGES").as_deref(),
-        parse_flag,
-    )? {
+    if let Some(f) = var(lookup, "TMS_HOST_HUGEPAGES", parse_flag)? {
         c.layout.hugepages = f;
     }
-    if let Some(f) = var_parsed(
-        "TMS_STREAMING_STORES",
-        lookup("TMS_STREAMING_STORES").as_deref(),
-        parse_flag,
-    )? {
+    if let Some(f) = var(lookup, "TMS_STREAMING_STORES", parse_flag)? {
         c.layout.streaming = f;
     }
-    if let Some(p) = var_parsed("TMS_PIN", lookup("TMS_PIN").as_deref(), PinMode::parse)? {
+    if let Some(p) = var(lookup, "TMS_PIN", PinMode::parse)? {
         c.pin = p;
     }
-    if let Some(mb) = var_parsed(
-        "TMS_DISK_BACKUP_CHUNK_MB",
-        lookup("TMS_DISK_BACKUP_CHUNK_MB").as_deref(),
-        |s| {
-            s.trim()
-                .parse::<u64>()
-                .ok()
-                .and_then(|mb| mb.checked_mul(1 << 20))
-                .ok_or_else(|| Error::invalid_argument(format!("{s:?} is not a number of MiB")))
-        },
-    )? {
+    if let Some(mb) = var(lookup, "TMS_DISK_BACKUP_CHUNK_MB", |s| {
+        s.trim()
+            .parse::<u64>()
+            .ok()
+            .and_then(|mb| mb.checked_mul(1 << 20))
+            .ok_or_else(|| Error::invalid_argument(format!("{s:?} is not a number of MiB")))
+    })? {
         c.disk_chunk = mb;
     }
-    c.validate()
-        .map_err(|e| e.context("TMS_COPY_THREADS / TMS_COPY_CHUNK / TMS_STAGING_SLOT"))?;
+    c.validate().map_err(|e| {
+        e.context("TMS_COPY_THREADS / TMS_COPY_CHUNK / TMS_STAGING_SLOT / TMS_STAGING_SLOT_SAVE")
+    })?;
     Ok(c)
 }
 

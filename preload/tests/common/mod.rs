@@ -25,13 +25,7 @@ use tms::engine::AllocRequest;
 
 /// A request for `size` bytes on device 0, unchunked.
 pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
-    AllocRequest {
-        size,
-        device: 0,
-        tag: tag.into(),
-        backup,
-        chunk: 0,
-    }
+    AllocRequest::new(size, tag, backup)
 }
 
 /// `len` pseudo-random bytes (xorshift64) from `seed`.

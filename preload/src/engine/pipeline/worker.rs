@@ -174,7 +174,7 @@ fn copy_unit(
         return Ok(());
     }
     let piece = match sh.dir {
-        Dir::Save if target.fresh(u.chunk) => sh.cfg.save_slot.min(sh.cfg.slot),
+        Dir::Save if target.fresh(u.chunk) => sh.cfg.save_slot,
         _ => sh.cfg.slot,
     };
     // SAFETY: the queue hands each unit out once, to this worker, and units do not overlap; the
