@@ -2,13 +2,15 @@
 times this package and the original one side by side (each in a process of its own, found on
 the import path).
 
-Usage: python3 bench_api.py LABEL TOTAL COUNT [--disk DIR] [--mode torch|preload]
+Usage: python3 bench_api.py LABEL TOTAL COUNT [--disk DIR [--disk-total BYTES] [--disk-count N]]
+       [--mode torch|preload]
 
 For one tensor of TOTAL and COUNT tensors of TOTAL/COUNT, in a region with a CPU backup (the
 default backend, no retention): three pause/resume cycles, the first pause into fresh host
-memory; with --disk, the same tensors in a region with a disk backup in DIR, two cycles. Every
-cycle's contents are compared on the GPU with a copy kept outside the regions. A scenario the
-package lacks (an unknown argument, say) is reported as such. Prints `API_ROW` lines (label,
+memory; with --disk, one tensor of --disk-total and --disk-count tensors (default: TOTAL and
+COUNT) in a region with a disk backup in DIR, two cycles. Every cycle's contents are compared
+on the GPU with a copy kept outside the regions. A scenario the package lacks (an unknown
+argument, say) is reported as such. Prints `API_ROW` lines (label,
 scenario, seconds, GiB/s) and exits 1 if contents differed or a run failed; asserts nothing
 about time. `--mode preload` needs the package's preload library in LD_PRELOAD.
 """
@@ -63,6 +65,8 @@ def main() -> int:
     p.add_argument("total", type=parse_bytes)
     p.add_argument("count", type=int)
     p.add_argument("--disk")
+    p.add_argument("--disk-total", type=parse_bytes)
+    p.add_argument("--disk-count", type=int)
     p.add_argument("--mode", default="torch", choices=["torch", "preload"])
     a = p.parse_args()
     from torch_memory_saver import torch_memory_saver as saver
@@ -84,7 +88,8 @@ def main() -> int:
         except AttributeError as e:
             print(f"API_ROW {a.label} | disk | not offered: {e}", flush=True)
         else:
-            for n, size in shapes:
+            total, count = a.disk_total or a.total, a.disk_count or a.count
+            for n, size in [(1, total), (count, total // count)]:
                 b.scenario("disk", n, size, 2, enable_disk_backup=True)
     for m in b.problems:
         print(f"PROBLEM {a.label}: {m}", flush=True)

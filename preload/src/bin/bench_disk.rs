@@ -2,12 +2,13 @@
 //! run. A sweep writes and reads a short file at several request sizes and queue depths, direct
 //! (`O_DIRECT`) and buffered (the page cache dropped for the file before each read, a write
 //! timed with its `fdatasync`); the best write and the best read of the sweep are then measured
-//! again over the scenarios' whole size, as are the library's own I/O size (the staging slot)
-//! and queue depth (the copy threads) and `dd` with 64 MiB direct I/O. The limit is the best of
-//! those whole-size passes: a short pass can ride a burst (a drive's write cache, say) that a
-//! long backup does not get, as one H200 machine showed (2.06 GiB/s reading 2 GiB, 1.56-1.77 GiB/s
-//! reading 16 GiB). Also reported: the process's RSS during the pause and the page cache's
-//! growth.
+//! again over the scenarios' whole size, as are the library's own way (its staging slot as the
+//! request size, its copy threads as the queue depth, each thread reading or writing a whole
+//! disk chunk in order, as the copy workers do) and `dd` with 64 MiB direct I/O. The limit is
+//! the best of those whole-size passes: a short pass can ride a burst (a drive's write cache,
+//! say) that a long backup does not get, as one H200 machine showed (2.06 GiB/s reading 2 GiB,
+//! 1.56-1.77 GiB/s reading 16 GiB). Also reported: the process's RSS during the pause and the
+//! page cache's growth.
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -49,12 +50,20 @@ pub fn run(e: &Engine, o: &Opts, dir: &Path, t: &mut Table) -> Result<(), String
     std::fs::create_dir_all(dir).map_err(|err| format!("{}: {err}", dir.display()))?;
     s(e.set_disk_backup_dir(Some(dir.to_path_buf())))?;
     let cfg = e.copy_config();
+    // The size each copy worker reads or writes in order (a whole allocation where smaller).
+    let file_chunk = if cfg.disk_chunk == 0 {
+        cfg.layout.chunk
+    } else {
+        cfg.disk_chunk
+    };
     let lim = if o.limits {
         println!(
-            "disk limits in {} ({} of writes and reads, {} at a time, O_DIRECT){}",
+            "disk limits in {} (the library: {} writes and reads, {} at a time, O_DIRECT, each \
+             thread a {} chunk in order){}",
             dir.display(),
             human(cfg.slot),
             cfg.threads,
+            human(file_chunk),
             if tms::backup::disk::is_ram_backed(dir) {
                 " -- this directory is in RAM (tmpfs)"
             } else {
@@ -63,7 +72,13 @@ pub fn run(e: &Engine, o: &Opts, dir: &Path, t: &mut Table) -> Result<(), String
         );
         let best = io_sweep(dir, o.total, t)?;
         let mut l = DiskLimits::default();
-        io_limits(dir, o.total, &best, cfg.slot, cfg.threads, &mut l, t)?;
+        let ours = Way {
+            io: cfg.slot.min(file_chunk),
+            depth: cfg.threads,
+            direct: true,
+            run: file_chunk,
+        };
+        io_limits(dir, o.total, &best, ours, &mut l, t)?;
         dd_reference(dir, o.total, &mut l, t);
         println!(
             "  disk limits: write {:.2} GiB/s ({}), read {:.2} GiB/s ({})",
@@ -92,18 +107,28 @@ const SWEEP_IO: [u64; 4] = [1 << 20, 4 << 20, 16 << 20, 64 << 20];
 const SWEEP_DEPTH: [usize; 3] = [1, 4, 16];
 const SWEEP_BYTES: u64 = 2 << 30;
 
-/// One way of moving bytes: request size, queue depth, direct or buffered.
+/// One way of moving bytes: request size, queue depth, direct or buffered, and how far each
+/// thread goes on its own: the file is handed out in runs of `run` bytes (a multiple of `io`),
+/// each walked by one thread in `io`-byte requests. The sweep hands out single requests
+/// (`run == io`); the library hands out whole disk chunks, so that each copy worker reads a
+/// stretch of the file in order.
 #[derive(Clone, Copy, PartialEq)]
 struct Way {
     io: u64,
     depth: usize,
     direct: bool,
+    run: u64,
 }
 
 impl Way {
     fn describe(&self) -> String {
+        let runs = if self.run > self.io {
+            format!(", each thread {} in order", human(self.run))
+        } else {
+            String::new()
+        };
         format!(
-            "{} I/Os x {}, {}",
+            "{} I/Os x {}, {}{runs}",
             human(self.io),
             self.depth,
             if self.direct { "O_DIRECT" } else { "buffered" }
@@ -125,8 +150,13 @@ fn io_sweep(dir: &Path, total: u64, t: &mut Table) -> Result<Best, String> {
     for direct in [true, false] {
         for io in SWEEP_IO {
             for depth in SWEEP_DEPTH {
-                let way = Way { io, depth, direct };
-                let (w, r) = io_pass(dir, bytes, io, depth, direct)?;
+                let way = Way {
+                    io,
+                    depth,
+                    direct,
+                    run: io,
+                };
+                let (w, r) = io_pass(dir, bytes, way)?;
                 let how = way.describe();
                 let w = t.add(format!("disk write, {how} (sweep)"), bytes, w);
                 let r = t.add(format!("disk read, {how} (sweep)"), bytes, r);
@@ -146,24 +176,18 @@ fn io_sweep(dir: &Path, total: u64, t: &mut Table) -> Result<Best, String> {
     best.ok_or_else(|| "the disk sweep measured nothing".to_string())
 }
 
-/// Over the whole size: the library's own way (its staging slot and copy threads, `O_DIRECT`),
-/// then the sweep's fastest write and fastest read where they differ from it. Each is a limit
+/// Over the whole size: the library's own way (`ours`: its staging slot, copy threads and disk
+/// chunks, `O_DIRECT`), then the sweep's fastest write and fastest read. Each is a limit
 /// candidate.
 fn io_limits(
     dir: &Path,
     total: u64,
     best: &Best,
-    io: u64,
-    threads: usize,
+    ours: Way,
     l: &mut DiskLimits,
     t: &mut Table,
 ) -> Result<(), String> {
-    let ours = Way {
-        io,
-        depth: threads,
-        direct: true,
-    };
-    let (w, r) = io_pass(dir, total, io, threads, true)?;
+    let (w, r) = io_pass(dir, total, ours)?;
     let how = format!("{} (the library's)", ours.describe());
     l.take(
         true,
@@ -180,7 +204,7 @@ fn io_limits(
         if way == ours {
             continue;
         }
-        let (w, r) = io_pass(dir, total, way.io, way.depth, way.direct)?;
+        let (w, r) = io_pass(dir, total, way)?;
         let how = format!("{} (the sweep's best, whole size)", way.describe());
         if write {
             l.take(
@@ -196,15 +220,17 @@ fn io_limits(
     Ok(())
 }
 
-/// Seconds to write `total` bytes of a new file (with its `fdatasync`) in `io`-byte requests
-/// from `threads` threads, then to read it back, its pages dropped from the cache first.
-fn io_pass(
-    dir: &Path,
-    total: u64,
-    io: u64,
-    threads: usize,
-    direct: bool,
-) -> Result<(f64, f64), String> {
+/// Seconds to write `total` bytes of a new file (with its `fdatasync`) the `way` says, then to
+/// read it back the same way, its pages dropped from the cache first.
+fn io_pass(dir: &Path, total: u64, way: Way) -> Result<(f64, f64), String> {
+    let Way {
+        io,
+        depth: threads,
+        direct,
+        run,
+    } = way;
+    // Whole requests per run (at least one).
+    let per_run = (run / io).max(1);
     let path = dir.join("tms-bench-limits.bin");
     let err = |what: &str, e: std::io::Error| format!("{what} {}: {e}", path.display());
     let f = OpenOptions::new()
@@ -216,9 +242,9 @@ fn io_pass(
         .open(&path)
         .map_err(|e| err("creating", e))?;
     let pieces = total.div_ceil(io);
-    // No more threads than requests; each one's buffer is made and touched before the clock
-    // starts.
-    let threads = threads.min(pieces as usize).max(1);
+    let runs = pieces.div_ceil(per_run);
+    // No more threads than runs; each one's buffer is made and touched before the clock starts.
+    let threads = threads.min(runs as usize).max(1);
     let mut bufs: Vec<Vec<u8>> = (0..threads)
         .map(|k| {
             let mut v = vec![0u8; io as usize + 4096];
@@ -236,19 +262,22 @@ fn io_pass(
                 sc.spawn(move || {
                     let buf = aligned(v, io as usize);
                     loop {
-                        let i = next.fetch_add(1, Ordering::Relaxed);
-                        if i >= pieces || failed.load(Ordering::Relaxed) {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= runs || failed.load(Ordering::Relaxed) {
                             break;
                         }
-                        let off = i * io;
-                        let n = io.min(total - off) as usize;
-                        let r = if write {
-                            f.write_all_at(&buf[..n], off)
-                        } else {
-                            f.read_exact_at(&mut buf[..n], off)
-                        };
-                        if r.is_err() {
-                            failed.store(true, Ordering::Relaxed);
+                        for i in k * per_run..((k + 1) * per_run).min(pieces) {
+                            let off = i * io;
+                            let n = io.min(total - off) as usize;
+                            let r = if write {
+                                f.write_all_at(&buf[..n], off)
+                            } else {
+                                f.read_exact_at(&mut buf[..n], off)
+                            };
+                            if r.is_err() {
+                                failed.store(true, Ordering::Relaxed);
+                                break;
+                            }
                         }
                     }
                 });
