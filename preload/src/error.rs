@@ -323,6 +323,12 @@ impl Error {
         self.status() == status::OUT_OF_MEMORY
     }
 
+    /// Add what happened after the failure (`"... ; what was undone"`) to the context.
+    pub fn note(mut self, after: impl Display) -> Self {
+        self.context = format!("{}; {after}", self.context);
+        self
+    }
+
     /// Prefix the context with where the caller was (`"pause tag 'kv'"`, ...).
     pub fn context(mut self, outer: impl Display) -> Self {
         self.context = if self.context.is_empty() {

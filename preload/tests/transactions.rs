@@ -428,3 +428,77 @@ engine_test! {
         }
     }
 }
+
+/// One allocation of 4 segments with a CPU backup, its contents written, and the number of
+/// device-to-host copies a whole pause of it makes (measured by a pause and resume); one copy
+/// worker, so the segments are copied, and released, in order.
+fn four_segments(h: &common::Harness) -> (u64, Vec<u8>, u64) {
+    let (sim, e) = (h.simulated(), &h.e);
+    e.set_segment_bytes(2 * G).unwrap();
+    let len = 8 * G;
+    let p = e
+        .alloc(&req(len, 0, "kv", Some(BackupKind::Pinned)))
+        .unwrap();
+    assert_eq!(e.allocations()[0].handles, 4);
+    let data = pattern(len as usize, 9);
+    h.write(p, &data);
+    let before = sim.calls(Prim::CopyD2H);
+    e.pause(None).unwrap();
+    let copies = sim.calls(Prim::CopyD2H) - before;
+    e.resume(None).unwrap();
+    e.wait_released();
+    assert!(copies >= 4, "{copies} copies for 4 segments");
+    (p, data, copies)
+}
+
+engine_test! {
+    /// A pause that fails after it released some segments of a large allocation (each segment
+    /// goes as soon as its copy is complete) restores them from the backup: the allocation is
+    /// whole and active again with its contents, the error says so, and nothing leaks.
+    sim_only fn a_pause_failing_part_way_through_an_allocation_restores_what_it_released(h) [tx(1, 1)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let (p, data, copies) = four_segments(&h);
+        let released = sim.calls(Prim::Release);
+        // The last copy fails: the first three segments are saved and released by then.
+        sim.arm_fault(Prim::CopyD2H, copies, 999);
+        let err = e.pause(None).unwrap_err().to_string();
+        assert!(sim.calls(Prim::Release) - released >= 3, "segments released during the pause");
+        assert!(
+            err.contains(&format!("allocation {p:#x}, released part-way, was restored and is active")),
+            "{err}"
+        );
+        let a = &e.allocations()[0];
+        assert_eq!((a.state, a.handles, a.host_valid), (State::Active, 4, false));
+        assert!(h.read(p, data.len()) == data, "contents after the undone pause");
+        h.assert_invariants(&common::Expect::clean(), "after the undone pause");
+        sim.clear_faults();
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        assert!(h.read(p, data.len()) == data);
+    }
+}
+
+engine_test! {
+    /// When restoring what a failed pause released fails too, the allocation stays partly
+    /// paused, its released segments with their backup; the error says so, and a later resume
+    /// brings back every byte.
+    sim_only fn a_part_paused_allocation_that_cannot_be_restored_stays_partial_and_loses_nothing(h) [tx(1, 1)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let (p, data, copies) = four_segments(&h);
+        sim.arm_fault(Prim::CopyD2H, copies, 999);
+        // The pause makes no physical memory: the first one made is the restoring resume's.
+        sim.arm_fault(Prim::Create, 1, 2);
+        let err = e.pause(None).unwrap_err().to_string();
+        assert!(err.contains("restoring it failed too") && err.contains("stay paused"), "{err}");
+        let a = &e.allocations()[0];
+        assert_eq!(a.state, State::Partial, "{err}");
+        assert!(a.handles >= 1 && a.handles < 4, "{} segments mapped", a.handles);
+        h.assert_invariants(&common::Expect::clean(), "partly paused");
+        sim.clear_faults();
+        e.resume(None).unwrap();
+        let a = &e.allocations()[0];
+        assert_eq!((a.state, a.handles), (State::Active, 4));
+        assert!(h.read(p, data.len()) == data, "every byte back");
+        h.assert_invariants(&common::Expect::clean(), "resumed");
+    }
+}

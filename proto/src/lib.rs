@@ -297,8 +297,9 @@ pub struct TagStatus {
     pub active_allocations: u64,
     /// Of those, paused.
     pub paused_allocations: u64,
-    /// Of those, chunked allocations with some chunks active and the others paused (neither
-    /// active nor paused above). Absent (0) from servers that predate chunks.
+    /// Of those, allocations with some parts active and the others paused (neither active nor
+    /// paused above): chunked ones, or one a failed pause could not make whole again. Absent
+    /// (0) from servers that predate chunks.
     #[serde(default)]
     pub partial_allocations: u64,
     /// Bytes asked for, all allocations.

@@ -21,10 +21,17 @@
 //! copying, so a pause larger than the host's memory would be killed mid-copy instead of
 //! failing), each device is synchronized, and the copies run in the pipeline (Note [The copy
 //! pipeline] in `pipeline.rs`). Each allocation is unmapped, released and recorded Paused as soon
-//! as its own copy is complete. The first failure stops the work; those not retired go back to
-//! Active, still mapped (a backup partly written for them is not claimed valid). If only a
-//! release fails, the allocation is Paused all the same (unmapped, its contents in the backup)
-//! and the handle is reported.
+//! as its own copy is complete; one with a backup does so segment by segment, each segment as
+//! soon as its copy is complete, so that the driver's work on the memory given back overlaps
+//! the rest of the pause instead of the next resume (measured on an H200: a 16 GiB resume right
+//! after a pause that gave back all 16 GiB at its end ran at 87% of the link, 500 ms later at
+//! 94%). The first failure stops the work; those not retired go back to Active, still mapped (a
+//! backup partly written for them is not claimed valid). An allocation the failure caught with
+//! some segments released is then resumed (a resume transaction of its own, after the pause's
+//! has ended), so that it is whole again; if that fails too, it stays Partial, its released
+//! segments paused with their backup, and the error says so. If only a release fails, the
+//! allocation is Paused all the same (unmapped, its contents in the backup) and the handle is
+//! reported.
 //!
 //! *Resume* marks the tag's paused allocations Resuming, then creates, maps and enables access
 //! for each (as `segment::Mapping`s) while the pipeline copies the backups back. All or

@@ -57,6 +57,11 @@ impl Job {
         self.host.is_none() && self.disk.is_some()
     }
 
+    /// Device bytes of the segments this job pauses.
+    fn mapped_bytes(&self) -> u64 {
+        (0..self.runs.len()).map(|r| self.run_bytes(r).0).sum()
+    }
+
     /// Bytes the copy pipeline moves for this job.
     fn pipeline_bytes(&self) -> u64 {
         self.runs
@@ -149,6 +154,13 @@ impl Engine {
         for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             tally.add(&j.tag, *bytes, *copied, j.on_disk());
         }
+        // Allocations (not chunked) this pause released only some segments of before it failed.
+        let part_paused: Vec<DevPtr> = jobs
+            .iter()
+            .zip(&retired)
+            .filter(|(j, r)| !j.chunked && r.0 > 0 && r.0 < j.mapped_bytes())
+            .map(|(j, _)| j.ptr)
+            .collect();
         self.pin_later(
             &cfg,
             jobs.iter()
@@ -159,7 +171,11 @@ impl Engine {
         drop(jobs);
         let (end, _) = tx.close(Slots::KeepIfUsed);
         let report = end.report(tally, 0.0, |h| &mut h.last_pause);
-        result.ctx(|| format!("pause of {}", pick.describe()))?;
+        drop(end);
+        if let Err(e) = result {
+            let e = e.context(format!("pause of {}", pick.describe()));
+            return Err(self.restore_part_paused(&part_paused, e));
+        }
         tracing::info!(
             "paused {} ({} allocations){} in {:.3}s",
             human(report.bytes),
@@ -366,6 +382,29 @@ impl Engine {
         )
     }
 
+    /// After a pause failed: resume the allocations it had released only some segments of
+    /// (their backups hold those), so that what the failed pause leaves is as its contract says,
+    /// each allocation whole, active or paused (Note [Pause and resume as transactions]). What
+    /// cannot be resumed stays partly paused, its paused segments with their backup; the
+    /// error `e` says so.
+    fn restore_part_paused(&self, ptrs: &[DevPtr], mut e: Error) -> Error {
+        for &p in ptrs {
+            e = match self.resume_pick(&Pick {
+                alloc: Some(p),
+                ..Pick::default()
+            }) {
+                Ok(_) => e.note(format!(
+                    "allocation {p:#x}, released part-way, was restored and is active"
+                )),
+                Err(e2) => e.note(format!(
+                    "allocation {p:#x} was released part-way and restoring it failed too ({e2}): \
+                     its released segments stay paused with their backup; a resume restores them"
+                )),
+            };
+        }
+        e
+    }
+
     /// Unmap and release run `r` of a job, whose contents are safe (copied, or not wanted), and
     /// record its segments paused (the allocation settled, after its `last` run). If only the
     /// release fails, the run is paused all the same (unmapped, its contents in the backup) and
@@ -485,7 +524,18 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
                 a.disk = None;
             }
             let span = a.span(ptr);
-            let runs = segment::runs(&segs)
+            // Each run is released as soon as its copy is complete, so a large allocation gives
+            // its memory back during the pause, not all at its end (Note [Pause and resume as
+            // transactions]): a run is one segment, or for a chunked allocation (whose chunks
+            // are its segments) at most the largest segment's worth of chunks. Without a
+            // backup there is nothing to copy (and a part released could not be restored): one
+            // run.
+            let most = match (a.chunk > 0, a.backup.is_some()) {
+                (true, _) => (segment::SEGMENT_BYTES / a.segment.max(1)) as usize,
+                (false, true) => 1,
+                (false, false) => usize::MAX,
+            };
+            let runs = segment::runs_of_at_most(&segs, most)
                 .into_iter()
                 .map(|(first, n)| {
                     let hs = a.handles[first..first + n]
@@ -495,12 +545,13 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
                     (span.sub(first, n), hs)
                 })
                 .collect();
-            let file_chunk = match (cfg.disk_chunk, a.chunk) {
-                (0, 0) => cfg.layout.chunk,
-                (0, c) => gcd(cfg.layout.chunk, c),
-                (d, 0) => d,
-                (d, c) => gcd(d, c),
+            // A file's chunks (its unit of checksums) never straddle two runs: they divide the
+            // chunks of a chunked allocation, the segments of any other.
+            let base = match cfg.disk_chunk {
+                0 => cfg.layout.chunk,
+                d => d,
             };
+            let file_chunk = gcd(base, if a.chunk > 0 { a.chunk } else { a.segment });
             Job {
                 ptr,
                 size: a.size,

@@ -208,12 +208,37 @@ pub(super) fn release_all(d: &dyn Driver, segs: &[Seg]) -> Result<()> {
 
 /// Maximal runs of consecutive indices in `idx` (sorted): `(first, count)` each.
 pub(super) fn runs(idx: &[usize]) -> Vec<(usize, usize)> {
+    runs_of_at_most(idx, usize::MAX)
+}
+
+/// Runs of consecutive indices in `idx` (sorted), each of at most `most` (at least 1) indices:
+/// `(first, count)` each.
+pub(super) fn runs_of_at_most(idx: &[usize], most: usize) -> Vec<(usize, usize)> {
+    let most = most.max(1);
     let mut out: Vec<(usize, usize)> = Vec::new();
     for &i in idx {
         match out.last_mut() {
-            Some((f, n)) if *f + *n == i => *n += 1,
+            Some((f, n)) if *f + *n == i && *n < most => *n += 1,
             _ => out.push((i, 1)),
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn runs_are_consecutive_indices_cut_at_the_limit() {
+        let idx = [0, 1, 2, 3, 4, 7, 8, 10];
+        assert_eq!(runs(&idx), vec![(0, 5), (7, 2), (10, 1)]);
+        assert_eq!(
+            runs_of_at_most(&idx, 2),
+            vec![(0, 2), (2, 2), (4, 1), (7, 2), (10, 1)]
+        );
+        assert_eq!(runs_of_at_most(&idx, 0), runs_of_at_most(&idx, 1));
+        assert_eq!(runs_of_at_most(&idx, 1).len(), idx.len());
+        assert!(runs(&[]).is_empty());
+    }
 }

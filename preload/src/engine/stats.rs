@@ -70,7 +70,8 @@ pub struct TagStats {
     pub active_allocations: usize,
     /// Of those, paused.
     pub paused_allocations: usize,
-    /// Of those, chunked allocations with some chunks active and others paused.
+    /// Of those, allocations with some parts active and others paused: chunked ones, or one a
+    /// failed pause could not make whole again.
     pub partial_allocations: usize,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,

@@ -49,7 +49,8 @@ pub enum State {
     Pausing,
     /// Unmapped; the address range stays reserved.
     Paused,
-    /// Some chunks mapped and the others paused (chunked allocations).
+    /// Some segments mapped and the others paused: chunks of a chunked allocation, or what a
+    /// failed pause released of another and could not restore (`pause.rs`).
     Partial,
     /// A resume is mapping and restoring it.
     Resuming,
