@@ -382,6 +382,7 @@ fn small_pieces(h: &Harness, pin: PinMode) {
         save_slot: h.g() / 4,
         pin,
         disk_chunk: 0,
+        keep_staging: false,
     })
     .unwrap();
 }

@@ -113,6 +113,8 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
                     save_slot,
                     pin,
                     disk_chunk,
+                    // Slots kept after resumes without retention where the threads are even.
+                    keep_staging: threads % 2 == 0,
                 }
             },
         )

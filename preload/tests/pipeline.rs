@@ -88,6 +88,7 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
         save_slot: 4096,
         pin,
         disk_chunk: 2 * 4096,
+        keep_staging: false,
     }));
     e.set_retain_cpu_backup(retain);
     // Small physical segments: the larger allocations have several.
@@ -514,6 +515,8 @@ engine_test! {
                 save_slot: slot_pages.div_ceil(2) * 4096,
                 pin,
                 disk_chunk: chunk_pages * 4096,
+                // Slots kept after resumes without retention on some cases.
+                keep_staging: threads % 2 == 0,
             }).unwrap();
             e.set_retain_cpu_backup(retain);
             e.set_segment_bytes((segments * h.g()).next_power_of_two()).unwrap();

@@ -502,3 +502,37 @@ engine_test! {
         h.assert_invariants(&common::Expect::clean(), "resumed");
     }
 }
+
+engine_test! {
+    /// A resume without retention gives the staging slots back with the backups; with
+    /// `keep_staging` it keeps them (page-locked, counted), and the next pause uses them.
+    fn staging_slots_go_after_a_resume_unless_kept(h) [tx(1, 2)] {
+        let e = &h.e;
+        let p = e
+            .alloc(&req(4 * MIB, 0, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let data = pattern(4 << 20, 3);
+        h.write(p, &data);
+        e.pause(None).unwrap();
+        assert!(e.staging_bytes() > 0, "a pause makes the slots");
+        e.resume(None).unwrap();
+        e.wait_released();
+        assert_eq!(e.staging_bytes(), 0, "given back by default");
+        let mut c = e.copy_config();
+        c.keep_staging = true;
+        e.set_copy_config(c).unwrap();
+        e.pause(None).unwrap();
+        let kept = e.staging_bytes();
+        e.resume(None).unwrap();
+        e.wait_released();
+        assert_eq!(e.staging_bytes(), kept, "kept");
+        h.assert_invariants(&common::Expect::clean(), "slots kept");
+        e.pause(None).unwrap();
+        assert_eq!(e.staging_bytes(), kept, "the next pause uses them");
+        e.resume(None).unwrap();
+        assert!(h.read(p, data.len()) == data);
+        e.free(p).unwrap();
+        e.wait_released();
+        assert_eq!(e.staging_bytes(), 0, "no backed allocation left: nothing kept");
+    }
+}

@@ -231,8 +231,8 @@ fn main() -> ExitCode {
     println!(
         "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {} \
          ({} when saving), \
-         huge pages {}, streaming stores {}, pin {:?}; {} host threads; {} ms between a pause \
-         and its resume\n",
+         huge pages {}, streaming stores {}, pin {:?}, slots kept after a resume {}; {} host \
+         threads; {} ms between a pause and its resume\n",
         driver.name(),
         human(o.total),
         o.count,
@@ -244,6 +244,7 @@ fn main() -> ExitCode {
         if cfg.layout.hugepages { "on" } else { "off" },
         if cfg.layout.streaming { "on" } else { "off" },
         cfg.pin,
+        if cfg.keep_staging { "yes" } else { "no" },
         host_threads(),
         o.settle.as_millis()
     );

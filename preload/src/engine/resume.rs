@@ -213,7 +213,7 @@ impl Engine {
         // The copies' references go first, so that the release below sees which buffers only
         // it holds.
         drop(jobs);
-        let (end, rings) = tx.close(if retain {
+        let (end, rings) = tx.close(if retain || cfg.keep_staging {
             Slots::KeepIfUsed
         } else {
             Slots::Take

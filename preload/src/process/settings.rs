@@ -157,6 +157,9 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     if let Some(p) = var(lookup, "TMS_PIN", PinMode::parse)? {
         c.pin = p;
     }
+    if let Some(f) = var(lookup, "TMS_KEEP_STAGING", parse_flag)? {
+        c.keep_staging = f;
+    }
     if let Some(mb) = var(lookup, "TMS_DISK_BACKUP_CHUNK_MB", |s| {
         s.trim()
             .parse::<u64>()
@@ -419,9 +422,11 @@ mod tests {
             ("TMS_STREAMING_STORES", "1"),
             ("TMS_STAGING_SLOT_SAVE", "512KiB"),
             ("TMS_PIN", "never"),
+            ("TMS_KEEP_STAGING", "1"),
         ])
         .unwrap();
         assert_eq!(c.save_slot, 512 << 10);
+        assert!(c.keep_staging);
         assert_eq!(
             (c.threads, c.layout.chunk, c.slot, c.layout.hugepages, c.pin),
             (3, 8 << 20, 1 << 20, false, PinMode::Never)
@@ -452,6 +457,10 @@ mod tests {
             e.contains("TMS_PIN") && e.contains("inline or never"),
             "{e}"
         );
+        let e = with(&[("TMS_KEEP_STAGING", "sometimes")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("TMS_KEEP_STAGING"), "{e}");
     }
 
     #[test]

@@ -53,6 +53,10 @@ pub struct CopyConfig {
     pub pin: PinMode,
     /// Unit of work and of checksums of disk backups, in bytes (0: `layout.chunk`).
     pub disk_chunk: u64,
+    /// Keep the staging slots (page-locked: 2 × `threads` × `slot` per device) after a resume
+    /// without retention, so that the next pause need not page-lock them again. Off: such a
+    /// resume gives them back with the backups (a resume with retention keeps them anyway).
+    pub keep_staging: bool,
 }
 
 /// Most workers per device.
@@ -68,6 +72,7 @@ impl Default for CopyConfig {
             save_slot: 1 << 20,
             pin: PinMode::Background,
             disk_chunk: 0,
+            keep_staging: false,
         }
     }
 }
