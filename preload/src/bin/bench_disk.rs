@@ -51,11 +51,7 @@ pub fn run(e: &Engine, o: &Opts, dir: &Path, t: &mut Table) -> Result<(), String
     s(e.set_disk_backup_dir(Some(dir.to_path_buf())))?;
     let cfg = e.copy_config();
     // The size each copy worker reads or writes in order (a whole allocation where smaller).
-    let file_chunk = if cfg.disk_chunk == 0 {
-        cfg.layout.chunk
-    } else {
-        cfg.disk_chunk
-    };
+    let file_chunk = cfg.disk_chunk_bytes();
     let lim = if o.limits {
         println!(
             "disk limits in {} (the library: {} writes and reads, {} at a time, O_DIRECT, each \

@@ -155,12 +155,15 @@ impl Engine {
             tally.add(&j.tag, *bytes, *copied, j.on_disk());
         }
         // Allocations (not chunked) this pause released only some segments of before it failed.
-        let part_paused: Vec<DevPtr> = jobs
-            .iter()
-            .zip(&retired)
-            .filter(|(j, r)| !j.chunked && r.0 > 0 && r.0 < j.mapped_bytes())
-            .map(|(j, _)| j.ptr)
-            .collect();
+        let part_paused: Vec<DevPtr> = if result.is_err() {
+            jobs.iter()
+                .zip(&retired)
+                .filter(|(j, r)| !j.chunked && r.0 > 0 && r.0 < j.mapped_bytes())
+                .map(|(j, _)| j.ptr)
+                .collect()
+        } else {
+            Vec::new()
+        };
         self.pin_later(
             &cfg,
             jobs.iter()
@@ -547,11 +550,8 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
                 .collect();
             // A file's chunks (its unit of checksums) never straddle two runs: they divide the
             // chunks of a chunked allocation, the segments of any other.
-            let base = match cfg.disk_chunk {
-                0 => cfg.layout.chunk,
-                d => d,
-            };
-            let file_chunk = gcd(base, if a.chunk > 0 { a.chunk } else { a.segment });
+            let unit = if a.chunk > 0 { a.chunk } else { a.segment };
+            let file_chunk = gcd(cfg.disk_chunk_bytes(), unit);
             Job {
                 ptr,
                 size: a.size,

@@ -78,6 +78,15 @@ impl Default for CopyConfig {
 }
 
 impl CopyConfig {
+    /// The disk chunk this setting asks for: `disk_chunk`, or the host chunk where that is 0
+    /// (a file's chunks are then cut down to divide the allocation's segments or chunks).
+    pub fn disk_chunk_bytes(&self) -> u64 {
+        match self.disk_chunk {
+            0 => self.layout.chunk,
+            d => d,
+        }
+    }
+
     /// Refuse settings the pipeline cannot work with.
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_WORKERS).contains(&self.threads) {
