@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 ROW = re.compile(r"^  (\S.*?)\s+([0-9.]+) s\s+([0-9.]+) GiB/s\s*$")
 
@@ -35,8 +36,13 @@ def main():
     failed = []
     for r in range(rounds):
         for side, binary in (("old", old), ("new", new)):
+            t0 = time.monotonic()
             rc, rows, text = run(binary, args)
-            print(f"--- round {r + 1} {side}: rc {rc}, {len(rows)} rows", flush=True)
+            print(f"--- round {r + 1} {side}: rc {rc}, {len(rows)} rows, "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+            # Each run's rows as they come, so that a run cut short still leaves its numbers.
+            for what, ts in rows.items():
+                print(f"    {what[:70]:<70} " + " ".join(f"{t:.4f}" for t in ts), flush=True)
             if rc != 0:
                 failed.append(f"{side} round {r + 1} rc {rc}")
                 print(text[-3000:])

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 ROW = re.compile(r"^  (\S.*?)\s+([0-9.]+) s\s+([0-9.]+) GiB/s\s*$")
 
@@ -68,8 +69,13 @@ def main():
     for r in range(rounds):
         for k, env in enumerate(combos):
             label = " ".join(f"{n}={v}" for n, v in env.items()) or "(defaults)"
+            t0 = time.monotonic()
             rc, rows, text = run(binary, env, args)
-            print(f"--- round {r + 1}, {label}: rc {rc}, {len(rows)} rows", flush=True)
+            print(f"--- round {r + 1}, {label}: rc {rc}, {len(rows)} rows, "
+                  f"{time.monotonic() - t0:.0f} s", flush=True)
+            # Each run's rows as they come, so that a run cut short still leaves its numbers.
+            for what, t in rows.items():
+                print(f"    {what[:70]:<70} {t:.4f}", flush=True)
             if rc != 0:
                 failed.append(f"{label} (rc {rc})")
                 print(text[-3000:])

@@ -137,9 +137,12 @@ impl Engine {
         let cfg = tx.cfg;
         let mut jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
         let mut retired = vec![(0, 0); jobs.len()];
+        let t0 = std::time::Instant::now();
+        let mut prepared_s = 0.0;
         let result = self
             .prepare_backups(&mut jobs, &cfg, tx.rings(), pick.tag)
             .and_then(|()| {
+                prepared_s = t0.elapsed().as_secs_f64();
                 let (rings, tracked) = tx.work();
                 tracked.prepared(
                     jobs.iter().map(Job::pipeline_bytes).sum(),
@@ -171,8 +174,14 @@ impl Engine {
                 .filter(|(_, r)| r.0 > 0)
                 .filter_map(|(j, _)| Some((j.ptr, j.host.as_ref()?))),
         );
+        let devices_s = t0.elapsed().as_secs_f64();
         drop(jobs);
         let (end, _) = tx.close(Slots::KeepIfUsed);
+        tracing::debug!(
+            "pause: backups prepared at {prepared_s:.4} s, devices done at {devices_s:.4} s, \
+             closed at {:.4} s",
+            t0.elapsed().as_secs_f64()
+        );
         let report = end.report(tally, 0.0, |h| &mut h.last_pause);
         drop(end);
         if let Err(e) = result {

@@ -51,13 +51,18 @@ impl Shared<'_> {
     pub(super) fn log(&self, workers: usize, prepared_s: f64) {
         tracing::debug!(
             "copy pipeline ({:?}, device {}): {} items, {} chunks, {workers} workers; \
-             prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s",
+             prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s; summed over \
+             the workers: {:.4} s making staging slots, {:.4} s waiting for the device's \
+             copies, {:.4} s in host copies",
             self.dir,
             self.device,
             self.queue.items.len(),
             self.queue.units.len(),
             self.timing.first_copy_s(),
-            self.timing.t0.elapsed().as_secs_f64()
+            self.timing.t0.elapsed().as_secs_f64(),
+            Timing::secs(&self.timing.slots_ns),
+            Timing::secs(&self.timing.wait_ns),
+            Timing::secs(&self.timing.host_ns),
         );
     }
 }
@@ -137,6 +142,11 @@ pub(super) struct Timing<'a> {
     pub(super) t0: Instant,
     /// Nanoseconds after `t0` (0: not yet).
     pub(super) first_copy_ns: AtomicU64,
+    /// Nanoseconds, summed over the workers, spent making staging slots, waiting for the
+    /// device's copies, and copying between slots and backings (where a pause's time goes).
+    pub(super) slots_ns: AtomicU64,
+    pub(super) wait_ns: AtomicU64,
+    pub(super) host_ns: AtomicU64,
     pub(super) progress: &'a Counters,
 }
 
@@ -145,6 +155,9 @@ impl<'a> Timing<'a> {
         Timing {
             t0: Instant::now(),
             first_copy_ns: AtomicU64::new(0),
+            slots_ns: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            host_ns: AtomicU64::new(0),
             progress,
         }
     }
@@ -163,6 +176,19 @@ impl<'a> Timing<'a> {
     /// `bytes` more were copied.
     pub(super) fn moved(&self, bytes: u64) {
         self.progress.moved(bytes);
+    }
+
+    /// Run `f`, adding its duration to `sum` (one of the sums above).
+    pub(super) fn add<T>(sum: &AtomicU64, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let r = f();
+        // Relaxed: a statistic only.
+        sum.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    fn secs(sum: &AtomicU64) -> f64 {
+        sum.load(Ordering::Relaxed) as f64 * 1e-9
     }
 
     pub(super) fn first_copy_s(&self) -> f64 {

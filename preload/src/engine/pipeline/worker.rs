@@ -7,7 +7,7 @@ use std::sync::mpsc;
 
 use parking_lot::Mutex;
 
-use super::shared::{Shared, Unit};
+use super::shared::{Shared, Timing, Unit};
 use crate::backup::{Backing, BackupKind, Dir, HostBuffer, HostLayout, UnitIo};
 use crate::driver::{DevPtr, DeviceScope, Event, Stream};
 use crate::error::{Error, Result};
@@ -169,7 +169,7 @@ fn copy_unit(
                 Dir::Restore => d.copy_h2d(dev, host, u.len, s),
             }
         })?;
-        d.event_sync(lanes.events[0])?;
+        Timing::add(&sh.timing.wait_ns, || d.event_sync(lanes.events[0]))?;
         sh.timing.moved(u.len);
         return Ok(());
     }
@@ -223,7 +223,7 @@ fn staged(
 ) -> Result<()> {
     let d = sh.d();
     let slot_len = piece.min(sh.cfg.slot);
-    make_slots(sh, lanes.slots)?;
+    Timing::add(&sh.timing.slots_ns, || make_slots(sh, lanes.slots))?;
     let mut off = 0;
     let mut l = 0;
     while off < len {
@@ -232,7 +232,9 @@ fn staged(
         // Idle: drain_lane waited for its lane.
         let slot = lanes.slot(l)?;
         if sh.dir == Dir::Restore {
-            io.load(off, &mut slot.as_mut_slice()[..n as usize])?;
+            Timing::add(&sh.timing.host_ns, || {
+                io.load(off, &mut slot.as_mut_slice()[..n as usize])
+            })?;
         }
         let slot = slot.base();
         // SAFETY: the slot is this worker's page-locked buffer of slot_len >= n bytes, idle; the
@@ -258,11 +260,13 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, io: &mut dyn Uni
     let Some((off, n)) = lanes.queued[l].take() else {
         return Ok(());
     };
-    sh.d().event_sync(lanes.events[l])?;
+    Timing::add(&sh.timing.wait_ns, || sh.d().event_sync(lanes.events[l]))?;
     if sh.dir == Dir::Save {
         // The DMA into the slot is complete: the lane was just synchronized.
         let slot = lanes.slot(l)?;
-        io.store(off, &slot.as_slice()[..n as usize])?;
+        Timing::add(&sh.timing.host_ns, || {
+            io.store(off, &slot.as_slice()[..n as usize])
+        })?;
     }
     sh.timing.moved(n);
     Ok(())
