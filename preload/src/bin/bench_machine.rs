@@ -169,6 +169,34 @@ pub(crate) fn limits(
         total,
         t0.elapsed().as_secs_f64(),
     );
+    // The device side of a pause into fresh memory without its host copies: what queueing
+    // one small copy after another costs when every worker does it on the one stream.
+    let cfg = e.copy_config();
+    let piece = cfg.save_slot.min(cfg.slot);
+    let has_own = driver.thread_stream().is_some();
+    for (n, own) in [(1, false), (cfg.threads, false), (cfg.threads, true)] {
+        if own && !has_own {
+            continue;
+        }
+        let p = s(e.probe_d2h_lanes(dev, total, piece, n, own))?;
+        t.add(
+            format!(
+                "copy D2H in {} pieces, {n} thr x 2 slots, {}",
+                human(piece),
+                if own { "a stream each" } else { "one stream" }
+            ),
+            total,
+            p.seconds,
+        );
+        let per = |x: f64| x / p.pieces.max(1) as f64 * 1e6;
+        println!(
+            "    {} copies; per copy, summed over the threads: {:.1} us queueing it and its \
+             event, {:.1} us waiting",
+            p.pieces,
+            per(p.issue_s),
+            per(p.wait_s)
+        );
+    }
     let t0 = Instant::now();
     drop(pinned);
     t.add(

@@ -532,6 +532,11 @@ impl Driver for CudaDriver {
         })
     }
 
+    fn thread_stream(&self) -> Option<Stream> {
+        // CU_STREAM_PER_THREAD, a handle every driver call takes in place of a stream.
+        Some(Stream(0x2))
+    }
+
     fn stream_sync(&self, stream: Stream) -> Result<()> {
         cu(
             "cuStreamSynchronize",

@@ -79,6 +79,11 @@ pub trait Driver: Send + Sync {
     /// CUDA stream costs device memory (about 0.5 MiB, seen on an H200), and one stream keeps
     /// the link busy; copy workers wait for their own copies with events.
     fn stream(&self, device: i32) -> Result<Stream>;
+    /// The calling thread's own default stream, where the driver has one (CUDA's per-thread
+    /// default stream); for measurements only (`tms-bench`): the engine keeps to [`Driver::stream`].
+    fn thread_stream(&self) -> Option<Stream> {
+        None
+    }
     /// Wait for all work queued on `stream`.
     fn stream_sync(&self, stream: Stream) -> Result<()>;
     /// A new event on `device` (no timing).

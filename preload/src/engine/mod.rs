@@ -173,6 +173,7 @@ pub use report::OpReport;
 pub use restoring::StreamOf;
 pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
+pub use transfer::LaneProbe;
 pub use types::{AllocInfo, AllocRequest, Backup, BackupLease, ChunkInfo, State};
 
 #[cfg(test)]

@@ -129,3 +129,31 @@ fn staged_byte_copies_never_leave_the_callers_memory_queued() {
     e.read_bytes_staged(p, &mut out).unwrap();
     assert!(out == data);
 }
+
+/// tms-bench's probe of the pause's device side counts every piece, refuses what it cannot
+/// do with a clear error, and returns a failed copy's error only once nothing it queued is left
+/// (its slots are freed when it returns).
+#[test]
+fn the_copy_probe_counts_its_pieces_and_fails_cleanly() {
+    let (sim, e) = setup(64 * G);
+    let p = e.alloc(&req(40 * G, "t", Backup::None)).unwrap();
+    let r = e.probe_d2h_lanes(p, 40 * G, G / 2, 3, false).unwrap();
+    // 80 MiB in two 64 MiB units, so that two of the three threads copy.
+    assert_eq!(r.pieces, 80);
+    assert!(r.seconds > 0.0);
+    let r = e.probe_d2h_lanes(p, 40 * G + 1, G, 1, false).unwrap_err();
+    assert!(r.to_string().contains(&format!("range {p:#x}")), "{r}");
+    let r = e.probe_d2h_lanes(p, 40 * G, 0, 2, false).unwrap_err();
+    assert!(r.to_string().contains("piece size"), "{r}");
+    // The simulated device has no per-thread streams.
+    let r = e.probe_d2h_lanes(p, 40 * G, G, 2, true).unwrap_err();
+    assert!(r.to_string().contains("per-thread streams"), "{r}");
+    sim.arm_fault(Prim::CopyD2H, 3, 1);
+    let r = e.probe_d2h_lanes(p, 40 * G, G, 2, false).unwrap_err();
+    assert!(r.to_string().contains("cuMemcpy"), "{r}");
+    sim.clear_faults();
+    // Paused memory is refused.
+    e.pause(Some("t")).unwrap();
+    let r = e.probe_d2h_lanes(p, 40 * G, G, 2, false).unwrap_err();
+    assert!(r.to_string().contains("paused"), "{r}");
+}

@@ -52,6 +52,37 @@ impl Engine {
         })
     }
 
+    /// Time the device side of a staged pause over the active range `addr..addr + len`:
+    /// `threads` threads copying it to the host in `piece`-byte copies, as the copy workers do,
+    /// without the host copies (`tms-bench` states the pause against this); `own_streams`: each
+    /// thread on its own stream instead of the engine's one.
+    pub fn probe_d2h_lanes(
+        &self,
+        addr: DevPtr,
+        len: u64,
+        piece: u64,
+        threads: usize,
+        own_streams: bool,
+    ) -> Result<transfer::LaneProbe> {
+        let layout = self.copy_config().layout;
+        let mut out = transfer::LaneProbe::default();
+        self.with_active(addr, len, |_, device, stream| {
+            out = transfer::probe_d2h_lanes(
+                &self.driver,
+                device,
+                stream,
+                addr,
+                len,
+                piece,
+                threads,
+                own_streams,
+                layout,
+            )?;
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
     pub(super) fn with_active(
         &self,
         addr: DevPtr,

@@ -175,3 +175,141 @@ pub(super) fn read_staged(
     }
     Ok(())
 }
+
+/// What [`probe_d2h_lanes`] measured.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LaneProbe {
+    /// Wall time of the whole copy.
+    pub seconds: f64,
+    /// Summed over the threads: time in the calls that queue a copy and record its event.
+    pub issue_s: f64,
+    /// Summed over the threads: time waiting for a lane's copy.
+    pub wait_s: f64,
+    /// Copies queued.
+    pub pieces: u64,
+}
+
+/// The device side of a staged pause without its host copies: `threads` threads each take
+/// 64 MiB of `src..src + len` at a time and copy it to the host in `piece`-byte copies through two
+/// page-locked slots of their own, on the device's one stream with an event per slot, as the
+/// pipeline's workers do. What the queueing calls cost there, when all threads make them at once,
+/// is what a pause into fresh host memory pays per piece on top of its host copies. With
+/// `own_streams`, each thread queues on its own default stream instead (where the driver has
+/// them), to see whether the one stream is what the calls wait for.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn probe_d2h_lanes(
+    driver: &std::sync::Arc<dyn Driver>,
+    device: i32,
+    stream: Stream,
+    src: DevPtr,
+    len: u64,
+    piece: u64,
+    threads: usize,
+    own_streams: bool,
+    layout: crate::backup::HostLayout,
+) -> Result<LaneProbe> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::time::Instant;
+    const UNIT: u64 = 64 << 20;
+    if piece == 0 || threads == 0 {
+        return Err(Error::invalid_argument(
+            "the probe needs a piece size and a thread count above 0",
+        ));
+    }
+    let d = &**driver;
+    let next = AtomicU64::new(0);
+    let (issue, wait, pieces) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
+    let timed = |sum: &AtomicU64, f: &mut dyn FnMut() -> Result<()>| {
+        let t = Instant::now();
+        let r = f();
+        sum.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    };
+    if own_streams && d.thread_stream().is_none() {
+        return Err(Error::unsupported(
+            "this driver has no per-thread streams to probe",
+        ));
+    }
+    let one = || -> Result<()> {
+        let _scope = crate::driver::DeviceScope::enter(d, device)?;
+        let stream = match d.thread_stream() {
+            Some(s) if own_streams => s,
+            _ => stream,
+        };
+        let mut slots = Vec::new();
+        for _ in 0..2 {
+            let s = crate::backup::HostBuffer::new(
+                driver.clone(),
+                device,
+                crate::backup::BackupKind::Pinned,
+                piece,
+                crate::backup::HostLayout {
+                    chunk: piece,
+                    ..layout
+                },
+            )?;
+            s.pin_all()?;
+            slots.push(s);
+        }
+        let mut events = Vec::new();
+        let res = (|| -> Result<()> {
+            for _ in 0..2 {
+                events.push(d.event_create(device)?);
+            }
+            let mut queued = [false; 2];
+            let mut l = 0;
+            loop {
+                let u = next.fetch_add(UNIT, Ordering::Relaxed);
+                if u >= len {
+                    break;
+                }
+                let mut off = u;
+                while off < (u + UNIT).min(len) {
+                    let n = piece.min(len - off);
+                    if queued[l] {
+                        timed(&wait, &mut || d.event_sync(events[l]))?;
+                    }
+                    let dst = slots[l].base();
+                    timed(&issue, &mut || {
+                        // SAFETY: the slot is this thread's page-locked buffer of `piece` >= n
+                        // bytes, whose previous copy was waited for just above; the source lies
+                        // in the active range the caller holds; the stream is waited for
+                        // before the slots are dropped (below, or on error).
+                        unsafe { d.copy_d2h(dst, src + off, n, stream)? };
+                        d.event_record(events[l], stream)
+                    })?;
+                    queued[l] = true;
+                    pieces.fetch_add(1, Ordering::Relaxed);
+                    off += n;
+                    l ^= 1;
+                }
+            }
+            Ok(())
+        })();
+        // Nothing queued may outlive the slots, whatever happened.
+        let synced = d.stream_sync(stream);
+        for e in events {
+            d.event_destroy(e);
+        }
+        res.and(synced)
+    };
+    let t0 = Instant::now();
+    let results: Vec<Result<()>> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads).map(|_| sc.spawn(one)).collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::internal("a probe thread panicked")))
+            })
+            .collect()
+    });
+    let seconds = t0.elapsed().as_secs_f64();
+    results.into_iter().collect::<Result<Vec<()>>>()?;
+    let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
+    Ok(LaneProbe {
+        seconds,
+        issue_s: secs(&issue),
+        wait_s: secs(&wait),
+        pieces: pieces.load(Ordering::Relaxed),
+    })
+}

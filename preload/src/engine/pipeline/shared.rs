@@ -52,8 +52,8 @@ impl Shared<'_> {
         tracing::debug!(
             "copy pipeline ({:?}, device {}): {} items, {} chunks, {workers} workers; \
              prepared at {prepared_s:.4} s, first copy at {:.4} s, done at {:.4} s; summed over \
-             the workers: {:.4} s making staging slots, {:.4} s waiting for the device's \
-             copies, {:.4} s in host copies",
+             the workers: {:.4} s making staging slots, {:.4} s issuing copies, {:.4} s waiting \
+             for the device's copies, {:.4} s in host copies",
             self.dir,
             self.device,
             self.queue.items.len(),
@@ -61,6 +61,7 @@ impl Shared<'_> {
             self.timing.first_copy_s(),
             self.timing.t0.elapsed().as_secs_f64(),
             Timing::secs(&self.timing.slots_ns),
+            Timing::secs(&self.timing.issue_ns),
             Timing::secs(&self.timing.wait_ns),
             Timing::secs(&self.timing.host_ns),
         );
@@ -142,9 +143,11 @@ pub(super) struct Timing<'a> {
     pub(super) t0: Instant,
     /// Nanoseconds after `t0` (0: not yet).
     pub(super) first_copy_ns: AtomicU64,
-    /// Nanoseconds, summed over the workers, spent making staging slots, waiting for the
-    /// device's copies, and copying between slots and backings (where a pause's time goes).
+    /// Nanoseconds, summed over the workers, spent making staging slots, queueing copies (and
+    /// their events) on the device's stream, waiting for the device's copies, and copying
+    /// between slots and backings (where a pause's time goes).
     pub(super) slots_ns: AtomicU64,
+    pub(super) issue_ns: AtomicU64,
     pub(super) wait_ns: AtomicU64,
     pub(super) host_ns: AtomicU64,
     pub(super) progress: &'a Counters,
@@ -156,6 +159,7 @@ impl<'a> Timing<'a> {
             t0: Instant::now(),
             first_copy_ns: AtomicU64::new(0),
             slots_ns: AtomicU64::new(0),
+            issue_ns: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
             host_ns: AtomicU64::new(0),
             progress,

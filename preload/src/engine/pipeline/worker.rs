@@ -52,9 +52,11 @@ struct Lanes<'s> {
 impl Lanes<'_> {
     /// Queue the copy `f` on the stream for lane `l`, and mark it with the lane's event.
     fn issue(&self, sh: &Shared<'_>, l: usize, f: impl FnOnce(Stream) -> Result<()>) -> Result<()> {
-        f(self.stream)?;
-        sh.timing.issued();
-        sh.d().event_record(self.events[l], self.stream)
+        Timing::add(&sh.timing.issue_ns, || {
+            f(self.stream)?;
+            sh.timing.issued();
+            sh.d().event_record(self.events[l], self.stream)
+        })
     }
 
     /// Lane `l`'s staging slot (made by [`staged`] before any use).
