@@ -76,3 +76,14 @@ def preloaded(libtms, tmp_path):
         return run_py(code, base, expect_ok)
 
     return go
+
+
+def pytest_runtest_logreport(report):
+    """Where TMS_TEST_TIMES names a file, append each test's outcome and seconds to it as the
+    test ends (the GPU suite's record of where its time goes, kept when a run is cut short)."""
+    path = os.environ.get("TMS_TEST_TIMES")
+    # Under pytest-xdist the controller sees every report; its workers write nothing.
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or report.when != "call":
+        return
+    with open(path, "a") as f:
+        f.write(f"{report.duration:8.2f} s  {report.outcome:<7} {report.nodeid}\n")
