@@ -476,3 +476,22 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    /// A buffer page-locked with its pages faulted in first (the staging slots) is page-locked
+    /// whole, zero-filled, and as usable for copies as one page-locked straight away.
+    fn a_buffer_populated_then_page_locked_is_whole_and_usable(h) [chunks(64 << 20)] {
+        use tms::backup::{HostBuffer, HostLayout};
+        let layout = HostLayout {
+            chunk: 1 << 20,
+            hugepages: true,
+            streaming: false,
+        };
+        let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 3 << 20, layout)
+            .unwrap();
+        b.pin_all_populated().unwrap();
+        assert!((0..3).all(|i| b.is_pinned(i)));
+        assert_eq!(b.pinned_bytes(), 3 << 20);
+        assert!(b.as_slice().iter().all(|&x| x == 0), "fresh memory reads as zeroes");
+    }
+}

@@ -273,6 +273,17 @@ impl HostBuffer {
         (0..self.chunks()).try_for_each(|i| self.pin(i))
     }
 
+    /// [`HostBuffer::pin_all`] of fresh memory, its pages faulted in first: several times
+    /// faster (tms-bench: "populate fresh memory" plus "page-lock populated memory" against
+    /// "page-lock fresh memory"). Where the kernel cannot populate (before Linux 5.14),
+    /// page-locking faults the pages in itself.
+    pub fn pin_all_populated(&self) -> Result<()> {
+        if let Some(e) = (0..self.chunks()).find_map(|i| self.populate(i).err()) {
+            tracing::debug!("page-locking without populating first: {e}");
+        }
+        self.pin_all()
+    }
+
     /// Give chunk `i`'s memory back to the system: unregister it, then drop its pages. Only for
     /// buffers on their way out ([`release_parallel`]); waits for a page-locking of the chunk in
     /// progress on another thread. A failed unregistration is logged; the chunk stays registered

@@ -248,7 +248,7 @@ pub(super) fn probe_d2h_lanes(
                     ..layout
                 },
             )?;
-            s.pin_all()?;
+            s.pin_all_populated()?;
             slots.push(s);
         }
         let mut events = Vec::new();

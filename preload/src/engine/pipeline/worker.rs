@@ -205,7 +205,7 @@ pub(super) fn make_slots(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>]) -> R
                 slot_len,
                 layout,
             )?;
-            s.pin_all()?;
+            s.pin_all_populated()?;
             *slot = Some(s);
         }
     }
