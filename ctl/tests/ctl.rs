@@ -2185,9 +2185,12 @@ fn json_documents_carry_the_schema_version() {
 /// A disk-backed process on a slow device (a 4 MiB/s link: 2 s for its 8 MiB each way): `pause
 /// --progress` prints progress lines on stderr while it runs (not a terminal: a line about
 /// every second) in the words of what happens, `status` shows the running operation with its
-/// bytes, and `--timeout 1` does not cut an operation that makes progress.
+/// bytes, and `--timeout 1.5` does not cut an operation that makes progress.
 #[test]
 fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
+    // Less than the 2 s each way takes; the first progress poll comes at 0.5 s and then every
+    // 0.5 s, so bytes must move within 1 s of the request, however loaded the machine.
+    const TIMEOUT: &str = "1.5";
     let sb = sandbox();
     let dir = sb.tmp.path().join("disk");
     std::fs::create_dir(&dir).unwrap();
@@ -2216,7 +2219,7 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
             "demo",
             "--progress",
             "--timeout",
-            "1",
+            TIMEOUT,
         ],
     );
     assert_eq!(r.code, 0, "{}", r.dump());
@@ -2251,7 +2254,15 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
     // While a resume runs (shown by nobody), status has it with its progress.
     let bg = {
         let mut cmd = clean(Command::new(tmsctl()), &sb);
-        cmd.args(["resume", "--pid", &pid, "--tag", "demo", "--timeout", "1"]);
+        cmd.args([
+            "resume",
+            "--pid",
+            &pid,
+            "--tag",
+            "demo",
+            "--timeout",
+            TIMEOUT,
+        ]);
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         cmd.spawn().expect("tmsctl resume")
     };
@@ -2299,13 +2310,21 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
             "demo",
             "--no-progress",
             "--timeout",
-            "1",
+            TIMEOUT,
         ],
     );
     assert_eq!((r.code, r.stderr.as_str()), (0, ""), "{}", r.dump());
     ok(
         &sb,
-        &["resume", "--pid", &pid, "--tag", "demo", "--timeout", "1"],
+        &[
+            "resume",
+            "--pid",
+            &pid,
+            "--tag",
+            "demo",
+            "--timeout",
+            TIMEOUT,
+        ],
     );
     p.verify();
 }
