@@ -383,6 +383,7 @@ fn small_pieces(h: &Harness, pin: PinMode) {
         pin,
         disk_chunk: 0,
         keep_staging: false,
+        save_streams: false,
     })
     .unwrap();
 }

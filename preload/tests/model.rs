@@ -115,6 +115,9 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
                     disk_chunk,
                     // Slots kept after resumes without retention where the threads are even.
                     keep_staging: threads % 2 == 0,
+                    // Pauses on the workers' own streams (on a GPU) where the threads are a
+                    // multiple of 3.
+                    save_streams: threads % 3 == 0,
                 }
             },
         )

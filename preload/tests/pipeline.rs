@@ -89,6 +89,7 @@ fn fx(pin: PinMode, retain: bool) -> Fx {
         pin,
         disk_chunk: 2 * 4096,
         keep_staging: false,
+        save_streams: false,
     }));
     e.set_retain_cpu_backup(retain);
     // Small physical segments: the larger allocations have several.
@@ -517,6 +518,8 @@ engine_test! {
                 disk_chunk: chunk_pages * 4096,
                 // Slots kept after resumes without retention on some cases.
                 keep_staging: threads % 2 == 0,
+                // Pauses on the workers' own streams (on a GPU) on some cases.
+                save_streams: threads % 3 == 0,
             }).unwrap();
             e.set_retain_cpu_backup(retain);
             e.set_segment_bytes((segments * h.g()).next_power_of_two()).unwrap();

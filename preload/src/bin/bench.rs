@@ -231,8 +231,8 @@ fn main() -> ExitCode {
     println!(
         "tms-bench on the {} driver: 1 x {} and {} x {}; {} copy threads, chunk {}, slot {} \
          ({} when saving), \
-         huge pages {}, streaming stores {}, pin {:?}, slots kept after a resume {}; {} host \
-         threads; {} ms between a pause and its resume\n",
+         huge pages {}, streaming stores {}, pin {:?}, slots kept after a resume {}, pauses on \
+         the workers' own streams {}; {} host threads; {} ms between a pause and its resume\n",
         driver.name(),
         human(o.total),
         o.count,
@@ -245,6 +245,7 @@ fn main() -> ExitCode {
         if cfg.layout.streaming { "on" } else { "off" },
         cfg.pin,
         if cfg.keep_staging { "yes" } else { "no" },
+        if cfg.save_streams { "yes" } else { "no" },
         host_threads(),
         o.settle.as_millis()
     );

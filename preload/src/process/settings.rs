@@ -160,6 +160,9 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     if let Some(f) = var(lookup, "TMS_KEEP_STAGING", parse_flag)? {
         c.keep_staging = f;
     }
+    if let Some(f) = var(lookup, "TMS_SAVE_STREAMS", parse_flag)? {
+        c.save_streams = f;
+    }
     if let Some(mb) = var(lookup, "TMS_DISK_BACKUP_CHUNK_MB", |s| {
         s.trim()
             .parse::<u64>()
@@ -423,10 +426,11 @@ mod tests {
             ("TMS_STAGING_SLOT_SAVE", "512KiB"),
             ("TMS_PIN", "never"),
             ("TMS_KEEP_STAGING", "1"),
+            ("TMS_SAVE_STREAMS", "1"),
         ])
         .unwrap();
         assert_eq!(c.save_slot, 512 << 10);
-        assert!(c.keep_staging);
+        assert!(c.keep_staging && c.save_streams);
         assert_eq!(
             (c.threads, c.layout.chunk, c.slot, c.layout.hugepages, c.pin),
             (3, 8 << 20, 1 << 20, false, PinMode::Never)
@@ -461,6 +465,8 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("TMS_KEEP_STAGING"), "{e}");
+        let e = with(&[("TMS_SAVE_STREAMS", "2")]).unwrap_err().to_string();
+        assert!(e.contains("TMS_SAVE_STREAMS"), "{e}");
     }
 
     #[test]

@@ -57,6 +57,13 @@ pub struct CopyConfig {
     /// without retention, so that the next pause need not page-lock them again. Off: such a
     /// resume gives them back with the backups (a resume with retention keeps them anyway).
     pub keep_staging: bool,
+    /// An experiment, off: the workers of a pause queue their copies on their own threads'
+    /// default streams (where the driver has them: CUDA's per-thread default stream, which
+    /// waits for the legacy default stream's work) instead of the device's one engine stream,
+    /// to measure whether queueing many small copies on one stream from every worker is what a
+    /// pause into fresh host memory loses per piece. Resumes always use the engine stream (a
+    /// non-blocking resume orders the caller's work after it).
+    pub save_streams: bool,
 }
 
 /// Most workers per device.
@@ -73,6 +80,7 @@ impl Default for CopyConfig {
             pin: PinMode::Background,
             disk_chunk: 0,
             keep_staging: false,
+            save_streams: false,
         }
     }
 }

@@ -82,7 +82,10 @@ pub(super) fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mp
 fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
     let res = (|| -> Result<()> {
         let _scope = DeviceScope::enter(sh.d(), sh.device)?;
-        let stream = sh.d().stream(sh.device)?;
+        let stream = match sh.d().thread_stream() {
+            Some(own) if sh.dir == Dir::Save && sh.cfg.save_streams => own,
+            _ => sh.d().stream(sh.device)?,
+        };
         let e0 = sh.d().event_create(sh.device)?;
         let e1 = match sh.d().event_create(sh.device) {
             Ok(e) => e,
