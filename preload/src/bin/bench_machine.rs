@@ -178,7 +178,10 @@ pub(crate) fn limits(
         if own && !has_own {
             continue;
         }
+        let free0 = s(d.mem_info(0))?.free;
         let p = s(e.probe_d2h_lanes(dev, total, piece, n, own))?;
+        // The threads have ended: what their streams took of the device and did not give back.
+        let kept = free0 as i64 - s(d.mem_info(0))?.free as i64;
         t.add(
             format!(
                 "copy D2H in {} pieces, {n} thr x 2 slots, {}",
@@ -191,10 +194,11 @@ pub(crate) fn limits(
         let per = |x: f64| x / p.pieces.max(1) as f64 * 1e6;
         println!(
             "    {} copies; per copy, summed over the threads: {:.1} us queueing it and its \
-             event, {:.1} us waiting",
+             event, {:.1} us waiting; device memory not given back after: {:.1} MiB",
             p.pieces,
             per(p.issue_s),
-            per(p.wait_s)
+            per(p.wait_s),
+            kept as f64 / (1 << 20) as f64
         );
     }
     let t0 = Instant::now();
