@@ -94,7 +94,7 @@ pub(super) struct Counters {
 }
 
 impl Counters {
-    fn new() -> Counters {
+    pub(super) fn new() -> Counters {
         Counters {
             t0: Instant::now(),
             phase: AtomicU8::new(Phase::Preparing as u8),

@@ -80,6 +80,15 @@ pub(super) fn worker(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mp
 }
 
 fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::Sender<usize>) {
+    // The first unit before anything is set up: a worker that starts after the others took all
+    // the work must not fail, by a failure of its own set-up, an operation whose copies all
+    // completed (a non-blocking resume has told its caller by then that the data landed).
+    if sh.ready.stopped() {
+        return;
+    }
+    let Some(first) = sh.queue.take() else {
+        return;
+    };
     let res = (|| -> Result<()> {
         let _scope = DeviceScope::enter(sh.d(), sh.device)?;
         let stream = match sh.d().thread_stream() {
@@ -100,7 +109,7 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
             slots,
             queued: [None, None],
         };
-        let res = work(sh, &mut lanes, &done);
+        let res = work(sh, &mut lanes, &done, first);
         if res.is_err() {
             // Let nothing queued outlive the call: a late DMA must not land in a buffer that
             // is about to be reused or freed.
@@ -116,9 +125,15 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
     }
 }
 
-fn work(sh: &Shared<'_>, lanes: &mut Lanes<'_>, done: &mpsc::Sender<usize>) -> Result<()> {
+fn work(
+    sh: &Shared<'_>,
+    lanes: &mut Lanes<'_>,
+    done: &mpsc::Sender<usize>,
+    first: Unit,
+) -> Result<()> {
+    let mut next = Some(first);
     while !sh.ready.stopped() {
-        let Some(u) = sh.queue.take() else {
+        let Some(u) = next.take().or_else(|| sh.queue.take()) else {
             break;
         };
         let it = &sh.queue.items[u.item];
@@ -275,4 +290,63 @@ fn drain_lane(sh: &Shared<'_>, lanes: &mut Lanes<'_>, l: usize, io: &mut dyn Uni
     }
     sh.timing.moved(n);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::config::CopyConfig;
+    use super::super::ready::Ready;
+    use super::super::shared::{Queue, Shared, Timing};
+    use super::*;
+    use crate::driver::sim::{Prim, SimConfig, SimDriver};
+    use crate::driver::Driver;
+    use crate::engine::progress::Counters;
+
+    /// A worker that finds no unit left sets nothing up: one that started after the others had
+    /// taken all the work must not fail, by a failure of its own set-up (here: its first
+    /// event), an operation whose copies all completed. (Seen in the non-blocking resume's
+    /// fault sweep: the wait said the data had landed, then the resume failed and left the
+    /// allocations paused.)
+    #[test]
+    fn a_worker_that_finds_no_work_sets_nothing_up() {
+        let sim = Arc::new(
+            SimDriver::new(SimConfig {
+                devices: 1,
+                capacity: 64 << 20,
+                granularity: 2 << 20,
+            })
+            .unwrap(),
+        );
+        let driver: Arc<dyn Driver> = sim.clone();
+        let cfg = CopyConfig::default();
+        let counters = Counters::new();
+        for dir in [Dir::Save, Dir::Restore] {
+            let sh = Shared {
+                driver: &driver,
+                device: 0,
+                dir,
+                cfg: &cfg,
+                queue: Queue::new(&[]),
+                ready: Ready::new(),
+                timing: Timing::new(&counters),
+                error: Mutex::new(None),
+                pin_inline: false,
+            };
+            let (tx, rx) = mpsc::channel();
+            let mut slots = [None, None];
+            sim.arm_fault(Prim::EventCreate, 1, 999);
+            worker(&sh, &mut slots, tx);
+            assert!(sh.error.lock().is_none(), "{dir:?}: {:?}", sh.error.lock());
+            assert_eq!(sim.calls(Prim::EventCreate), 0, "{dir:?}");
+            assert_eq!(sim.pending_faults(), 1, "{dir:?}: the fault stays armed");
+            assert!(
+                slots.iter().all(Option::is_none),
+                "{dir:?}: no staging slot made"
+            );
+            assert!(rx.try_recv().is_err(), "{dir:?}: nothing reported done");
+            sim.clear_faults();
+        }
+    }
 }
