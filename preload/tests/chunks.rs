@@ -495,3 +495,41 @@ engine_test! {
         assert!(b.as_slice().iter().all(|&x| x == 0), "fresh memory reads as zeroes");
     }
 }
+
+engine_test! {
+    /// Releasing buffers gives back before it returns the memory of a buffer that someone held
+    /// only for a moment (the background pinner, page-locking one chunk), and leaves one still
+    /// held past that moment (a caller's lease) to its holder.
+    sim_only fn a_buffer_held_for_a_moment_is_released_before_the_call_returns(h) [chunks(64 << 20)] {
+        use tms::backup::{release_parallel, HostBuffer, HostLayout};
+        let sim = h.simulated();
+        let layout = HostLayout {
+            chunk: 1 << 20,
+            hugepages: false,
+            streaming: false,
+        };
+        let make = || {
+            let b = HostBuffer::new(h.driver().clone(), 0, BackupKind::Pinned, 2 << 20, layout)
+                .unwrap();
+            b.pin_all().unwrap();
+            std::sync::Arc::new(b)
+        };
+        for hold_ms in [20u64, 600] {
+            let b = make();
+            assert_eq!(sim.registered_ranges(), 2);
+            let held = b.clone();
+            let holder = std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(hold_ms));
+                drop(held);
+            });
+            release_parallel(vec![b], 2);
+            if hold_ms < 100 {
+                assert_eq!(sim.registered_ranges(), 0, "held {hold_ms} ms: released in the call");
+            } else {
+                assert_eq!(sim.registered_ranges(), 2, "held {hold_ms} ms: left to its holder");
+            }
+            holder.join().unwrap();
+            assert_eq!(sim.registered_ranges(), 0, "held {hold_ms} ms: gone with the last holder");
+        }
+    }
+}

@@ -419,18 +419,28 @@ impl Drop for HostBuffer {
     }
 }
 
+/// How long [`release_parallel`] waits for a reference held for a moment (the background pinner
+/// page-locking one chunk) to go, before it leaves a buffer to whoever holds it.
+const TRANSIENT_HOLD: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// Release many buffers with up to `threads` threads: unregistering and dropping the pages of
 /// large buffers costs about as much as filling them, so it is spread out like the copies. The
-/// memory of each buffer only this call holds is given back before it returns (the background
-/// pinner may still hold a reference for a moment: the mapping itself goes with the last one);
-/// buffers others hold are left to them.
+/// memory of each buffer only this call holds is given back before it returns; buffers others
+/// hold (a caller's lease) are left to them, their memory going with the last reference.
 pub fn release_parallel(mut bufs: Vec<Arc<HostBuffer>>, threads: usize) {
-    // A buffer someone else still holds (a zero-copy view of a backup) is theirs to free: its
-    // memory goes with their last reference.
-    bufs.retain(|b| Arc::strong_count(b) == 1);
+    // Retired first, so that the background pinner takes no new reference; one it holds while
+    // page-locking a chunk goes within moments, and the buffer is then this call's to free (else
+    // its memory would go only when the pinner let go, after this call had returned).
     for b in &bufs {
         b.retired.store(true, Ordering::Release);
     }
+    let until = std::time::Instant::now() + TRANSIENT_HOLD;
+    while bufs.iter().any(|b| Arc::strong_count(b) > 1) && std::time::Instant::now() < until {
+        std::thread::sleep(std::time::Duration::from_micros(500));
+    }
+    // A buffer someone else still holds (a zero-copy view of a backup) is theirs to free: its
+    // memory goes with their last reference.
+    bufs.retain(|b| Arc::strong_count(b) == 1);
     let units: Vec<(usize, usize)> = bufs
         .iter()
         .enumerate()
