@@ -485,6 +485,40 @@ fn device_pattern(
     Ok(true)
 }
 
+/// [`device_pattern`] of each of `ptrs` (seed `seed0 + i` for the i-th), several allocations at
+/// a time: each pattern of a small allocation is made by one thread, so 512 of them one after
+/// another kept the benchmark busy for a minute.
+fn device_patterns(
+    e: &Engine,
+    ptrs: &[DevPtr],
+    size: u64,
+    seed0: u64,
+    check: bool,
+) -> Result<Vec<bool>, String> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // Allocations of 64 MiB or more are filled by several threads each already.
+    let at_once = if size >= 64 << 20 { 1 } else { host_threads() };
+    let next = AtomicUsize::new(0);
+    let out = std::sync::Mutex::new(vec![Ok(false); ptrs.len()]);
+    std::thread::scope(|sc| {
+        for _ in 0..at_once.min(ptrs.len()) {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(&p) = ptrs.get(i) else { break };
+                let r = device_pattern(e, p, size, seed0 + i as u64, check);
+                let failed = r.is_err();
+                out.lock().unwrap()[i] = r;
+                if failed {
+                    // Leave the rest: the first error is the answer.
+                    next.store(ptrs.len(), Ordering::Relaxed);
+                    break;
+                }
+            });
+        }
+    });
+    out.into_inner().unwrap().into_iter().collect()
+}
+
 fn rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/statm")
         .ok()
@@ -511,12 +545,10 @@ fn backup_scenario(
 ) -> Result<(), String> {
     println!("\n{} backup, {n} x {}", backend.as_str(), human(size));
     let tag = format!("{}-{n}", backend.as_str());
-    let mut ptrs = Vec::new();
-    for i in 0..n {
-        let p = s(e.alloc(&req(size, &tag, Some(backend))))?;
-        device_pattern(e, p, size, i + 1, false)?;
-        ptrs.push(p);
-    }
+    let ptrs: Vec<DevPtr> = (0..n)
+        .map(|_| s(e.alloc(&req(size, &tag, Some(backend)))))
+        .collect::<Result<_, _>>()?;
+    device_patterns(e, &ptrs, size, 1, false)?;
     let bytes = n * size;
     // The host memory goes back after the resume returned: how much longer that took.
     let share = |r: &tms::engine::OpReport| {
@@ -635,8 +667,8 @@ fn backup_scenario(
         human(rss2),
         (rss2 as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0
     );
-    for (i, p) in ptrs.iter().enumerate() {
-        if !device_pattern(e, *p, size, i as u64 + 1, true)? {
+    for (p, same) in ptrs.iter().zip(device_patterns(e, &ptrs, size, 1, true)?) {
+        if !same {
             t.problems
                 .push(format!("{tag}: contents of {p:#x} differ after the cycles"));
         }

@@ -21,7 +21,7 @@ use tms::units::human;
 use tms::Engine;
 
 use super::common::{req, s};
-use super::{device_pattern, rss_bytes, vs, Opts, Table};
+use super::{device_patterns, rss_bytes, vs, Opts, Table};
 
 /// Disk bandwidth in GiB/s: the best of the ways measured, and what achieved it.
 #[derive(Default)]
@@ -402,12 +402,10 @@ fn scenario(
 ) -> Result<(), String> {
     println!("\ndisk backup, {n} x {}", human(size));
     let tag = format!("disk-{n}");
-    let mut ptrs = Vec::new();
-    for i in 0..n {
-        let p = s(e.alloc(&req(size, &tag, Some(BackupKind::Disk))))?;
-        device_pattern(e, p, size, i + 7, false)?;
-        ptrs.push(p);
-    }
+    let ptrs: Vec<_> = (0..n)
+        .map(|_| s(e.alloc(&req(size, &tag, Some(BackupKind::Disk)))))
+        .collect::<Result<_, _>>()?;
+    device_patterns(e, &ptrs, size, 7, false)?;
     let bytes = n * size;
     for cycle in 1..=2 {
         let (cache0, rss0) = (page_cache(), rss_bytes());
@@ -443,8 +441,8 @@ fn scenario(
             human(rss_bytes())
         );
     }
-    for (i, p) in ptrs.iter().enumerate() {
-        if !device_pattern(e, *p, size, i as u64 + 7, true)? {
+    for (p, same) in ptrs.iter().zip(device_patterns(e, &ptrs, size, 7, true)?) {
+        if !same {
             t.problems
                 .push(format!("{tag}: contents of {p:#x} differ after the cycles"));
         }
