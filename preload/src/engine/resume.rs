@@ -223,7 +223,17 @@ impl Engine {
         // thread does it after the gate opened.
         let t1 = Instant::now();
         drop_pages(leftovers.drop_pages);
-        let (released, threads) = (leftovers.released, cfg.threads);
+        let threads = cfg.threads;
+        // A leased buffer is its holder's to free (its memory goes with the lease): only our
+        // reference goes, and the release waits for no one but holders of a moment.
+        let released: Vec<_> = {
+            let leases = self.leases.lock();
+            leftovers
+                .released
+                .into_iter()
+                .filter(|b| !leases.values().any(|l| Arc::ptr_eq(l, b)))
+                .collect()
+        };
         let anything = !released.is_empty() || !rings.is_empty();
         if track.is_some() && !released.is_empty() {
             end.tracked().counters().phase(Phase::Releasing);
