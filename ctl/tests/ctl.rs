@@ -2252,17 +2252,18 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
     );
 
     // While a resume runs (shown by nobody), status has it with its progress.
+    let resume = [
+        "resume",
+        "--pid",
+        &pid,
+        "--tag",
+        "demo",
+        "--timeout",
+        TIMEOUT,
+    ];
     let bg = {
         let mut cmd = clean(Command::new(tmsctl()), &sb);
-        cmd.args([
-            "resume",
-            "--pid",
-            &pid,
-            "--tag",
-            "demo",
-            "--timeout",
-            TIMEOUT,
-        ]);
+        cmd.args(resume);
         cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         cmd.spawn().expect("tmsctl resume")
     };
@@ -2314,18 +2315,7 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
         ],
     );
     assert_eq!((r.code, r.stderr.as_str()), (0, ""), "{}", r.dump());
-    ok(
-        &sb,
-        &[
-            "resume",
-            "--pid",
-            &pid,
-            "--tag",
-            "demo",
-            "--timeout",
-            TIMEOUT,
-        ],
-    );
+    ok(&sb, &resume);
     p.verify();
 }
 

@@ -80,7 +80,9 @@ pub trait Driver: Send + Sync {
     /// the link busy; copy workers wait for their own copies with events.
     fn stream(&self, device: i32) -> Result<Stream>;
     /// The calling thread's own default stream, where the driver has one (CUDA's per-thread
-    /// default stream); for measurements only (`tms-bench`): the engine keeps to [`Driver::stream`].
+    /// default stream). Only for experiments: `tms-bench`'s probe, and a pause's copy workers
+    /// under `CopyConfig::save_streams` (off by default); otherwise the engine keeps to
+    /// [`Driver::stream`].
     fn thread_stream(&self) -> Option<Stream> {
         None
     }

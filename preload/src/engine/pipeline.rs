@@ -67,12 +67,14 @@ use crate::backup::HostBuffer;
 use crate::driver::Driver;
 use crate::error::{Error, Result};
 use ready::Ready;
-use shared::{Queue, Shared, Timing};
+use shared::{Queue, Shared};
 use worker::worker;
 
 pub(super) use crate::backup::Dir;
 pub use config::{CopyConfig, PinMode, MAX_WORKERS};
 pub(super) use item::{Item, Target};
+pub(super) use shared::Timing;
+pub(super) use worker::new_slot;
 pub(super) use worker::Ring;
 
 /// One pipelined operation on one device: [`Pipeline::run`] copies `items` in direction `dir`

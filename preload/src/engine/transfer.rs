@@ -5,6 +5,7 @@
 //! range, and no call returns while a copy it queued may still run, unless every wait failed
 //! ([`Outcome::Queued`]).
 
+use super::pipeline::{new_slot, Timing};
 use crate::driver::{DevPtr, Driver, Stream};
 use crate::error::{Error, Result};
 
@@ -219,12 +220,6 @@ pub(super) fn probe_d2h_lanes(
     let d = &**driver;
     let next = AtomicU64::new(0);
     let (issue, wait, pieces) = (AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0));
-    let timed = |sum: &AtomicU64, f: &mut dyn FnMut() -> Result<()>| {
-        let t = Instant::now();
-        let r = f();
-        sum.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        r
-    };
     if own_streams && d.thread_stream().is_none() {
         return Err(Error::unsupported(
             "this driver has no per-thread streams to probe",
@@ -236,21 +231,10 @@ pub(super) fn probe_d2h_lanes(
             Some(s) if own_streams => s,
             _ => stream,
         };
-        let mut slots = Vec::new();
-        for _ in 0..2 {
-            let s = crate::backup::HostBuffer::new(
-                driver.clone(),
-                device,
-                crate::backup::BackupKind::Pinned,
-                piece,
-                crate::backup::HostLayout {
-                    chunk: piece,
-                    ..layout
-                },
-            )?;
-            s.pin_all_populated()?;
-            slots.push(s);
-        }
+        let slots = [
+            new_slot(driver, device, piece, layout)?,
+            new_slot(driver, device, piece, layout)?,
+        ];
         let mut events = Vec::new();
         let res = (|| -> Result<()> {
             for _ in 0..2 {
@@ -267,10 +251,10 @@ pub(super) fn probe_d2h_lanes(
                 while off < (u + UNIT).min(len) {
                     let n = piece.min(len - off);
                     if queued[l] {
-                        timed(&wait, &mut || d.event_sync(events[l]))?;
+                        Timing::add(&wait, || d.event_sync(events[l]))?;
                     }
                     let dst = slots[l].base();
-                    timed(&issue, &mut || {
+                    Timing::add(&issue, || {
                         // SAFETY: the slot is this thread's page-locked buffer of `piece` >= n
                         // bytes, whose previous copy was waited for just above; the source lies
                         // in the active range the caller holds; the stream is waited for
@@ -305,11 +289,10 @@ pub(super) fn probe_d2h_lanes(
     });
     let seconds = t0.elapsed().as_secs_f64();
     results.into_iter().collect::<Result<Vec<()>>>()?;
-    let secs = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 * 1e-9;
     Ok(LaneProbe {
         seconds,
-        issue_s: secs(&issue),
-        wait_s: secs(&wait),
+        issue_s: Timing::secs(&issue),
+        wait_s: Timing::secs(&wait),
         pieces: pieces.load(Ordering::Relaxed),
     })
 }

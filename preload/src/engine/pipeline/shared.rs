@@ -139,7 +139,7 @@ impl<'a> Queue<'a> {
 /// When the pipeline started and when its first copy was issued (logged with the phases at
 /// debug level, to see where an operation's time goes), and the operation's progress: bytes
 /// copied, and what kind of copy runs.
-pub(super) struct Timing<'a> {
+pub(in crate::engine) struct Timing<'a> {
     pub(super) t0: Instant,
     /// Nanoseconds after `t0` (0: not yet).
     pub(super) first_copy_ns: AtomicU64,
@@ -182,8 +182,9 @@ impl<'a> Timing<'a> {
         self.progress.moved(bytes);
     }
 
-    /// Run `f`, adding its duration to `sum` (one of the sums above).
-    pub(super) fn add<T>(sum: &AtomicU64, f: impl FnOnce() -> T) -> T {
+    /// Run `f`, adding its duration to `sum` (one of the sums above; `tms-bench`'s probe of the
+    /// workers' copies keeps sums of its own).
+    pub(in crate::engine) fn add<T>(sum: &AtomicU64, f: impl FnOnce() -> T) -> T {
         let t = Instant::now();
         let r = f();
         // Relaxed: a statistic only.
@@ -191,7 +192,8 @@ impl<'a> Timing<'a> {
         r
     }
 
-    fn secs(sum: &AtomicU64) -> f64 {
+    /// A sum above, in seconds.
+    pub(in crate::engine) fn secs(sum: &AtomicU64) -> f64 {
         sum.load(Ordering::Relaxed) as f64 * 1e-9
     }
 

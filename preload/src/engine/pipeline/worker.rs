@@ -3,13 +3,13 @@
 //! backing with its two lanes on the device's stream, straight or through its staging slots.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use parking_lot::Mutex;
 
 use super::shared::{Shared, Timing, Unit};
 use crate::backup::{Backing, BackupKind, Dir, HostBuffer, HostLayout, UnitIo};
-use crate::driver::{DevPtr, DeviceScope, Event, Stream};
+use crate::driver::{DevPtr, DeviceScope, Driver, Event, Stream};
 use crate::error::{Error, Result};
 
 /// Page-locked staging slots of one device, two per worker, kept between operations.
@@ -212,22 +212,32 @@ pub(super) fn make_slots(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>]) -> R
     for slot in slots.iter_mut() {
         if slot.as_ref().is_none_or(|s| s.len() != slot_len) {
             *slot = None;
-            let layout = HostLayout {
-                chunk: slot_len,
-                ..sh.cfg.layout
-            };
-            let s = HostBuffer::new(
-                sh.driver.clone(),
-                sh.device,
-                BackupKind::Pinned,
-                slot_len,
-                layout,
-            )?;
-            s.pin_all_populated()?;
-            *slot = Some(s);
+            *slot = Some(new_slot(sh.driver, sh.device, slot_len, sh.cfg.layout)?);
         }
     }
     Ok(())
+}
+
+/// One staging slot of `len` bytes for `device`: host memory in `layout`'s pages, one chunk,
+/// populated and then page-locked.
+pub(in crate::engine) fn new_slot(
+    driver: &Arc<dyn Driver>,
+    device: i32,
+    len: u64,
+    layout: HostLayout,
+) -> Result<HostBuffer> {
+    let s = HostBuffer::new(
+        driver.clone(),
+        device,
+        BackupKind::Pinned,
+        len,
+        HostLayout {
+            chunk: len,
+            ..layout
+        },
+    )?;
+    s.pin_all_populated()?;
+    Ok(s)
 }
 
 /// Copy `len` bytes between `dev` and the backing's side of a unit (`io`) through the worker's
