@@ -470,6 +470,9 @@ pub fn fit_reply(mut s: Status, max: usize) -> Status {
 
 fn full_status(host: &dyn Host) -> Status {
     let engine = host.engine();
+    // The operations first: a status that lists none then shows the state they left (read
+    // after them, the tags could predate an operation that ended in between).
+    let operations = operations(engine);
     let stats: Stats = engine.stats();
     let devices: BTreeSet<i32> = engine.allocations().iter().map(|a| a.device).collect();
     let d = engine.driver();
@@ -515,7 +518,7 @@ fn full_status(host: &dyn Host) -> Status {
             .collect(),
         tags_omitted: 0,
         default_region: host.default_region().ok().map(|r| region_info(&r)),
-        operations: operations(engine),
+        operations,
     }
 }
 

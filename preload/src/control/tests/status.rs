@@ -262,3 +262,79 @@ fn status_shows_the_progress_of_pauses_and_resumes_whoever_started_them() {
     let d = queued.join().unwrap();
     assert_eq!((d.op, d.copied_bytes), (Op::Resume, size));
 }
+
+/// A status that lists no operation shows the state the operations left: the pattern "wait
+/// until `status` lists none, then read the tags" (tmsctl's users, its own tests) never sees a
+/// tag as it was before an operation that ended while the reply was being made. Many short
+/// pauses and resumes, a watcher polling as fast as it can.
+#[test]
+fn a_status_without_operations_shows_what_they_left() {
+    let sim = SimDriver::new(SimConfig::default()).unwrap();
+    // Operations of a few ms, so that many polls land near their ends.
+    sim.set_bandwidth(Some(2 << 30));
+    let h = host_over(sim);
+    let size: u64 = 4 << 20;
+    h.engine
+        .alloc(&AllocRequest {
+            size,
+            device: 0,
+            tag: "ended".into(),
+            backup: Some(BackupKind::Pinned),
+            chunk: 0,
+        })
+        .unwrap();
+    let mut watcher = Conn::open(
+        h,
+        Limits {
+            max_requests: 1_000_000,
+            ..limits()
+        },
+    );
+    assert!(matches!(
+        watcher.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
+        Reply::Hello(_)
+    ));
+    let status = |c: &mut Conn| match c.ask(&Request::Status) {
+        Reply::Status(s) => s,
+        other => panic!("{other:?}"),
+    };
+    let mut checked = 0;
+    for round in 0..200 {
+        let paused = round % 2 == 0;
+        let t = std::thread::spawn(move || {
+            let mut c = Conn::greeted(h);
+            let t = Some("ended".to_string());
+            done(c.ask(&if paused { pause(t) } else { resume(t) }))
+        });
+        // Polled until the operation has shown and then gone (or ended unseen).
+        let mut shown = false;
+        let s = loop {
+            let s = status(&mut watcher);
+            let listed = s
+                .operations
+                .iter()
+                .any(|r| r.tag.as_deref() == Some("ended"));
+            if listed {
+                shown = true;
+            } else if shown || t.is_finished() {
+                break s;
+            }
+        };
+        t.join().unwrap();
+        if !shown {
+            continue;
+        }
+        checked += 1;
+        let tag = s.tags.iter().find(|t| t.tag == "ended").expect("the tag");
+        let want = if paused { (0, size) } else { (size, 0) };
+        assert_eq!(
+            (tag.bytes_active, tag.bytes_paused),
+            want,
+            "round {round}: {s:?}"
+        );
+    }
+    assert!(
+        checked >= 100,
+        "only {checked} of 200 operations were seen running"
+    );
+}
