@@ -5,8 +5,9 @@
 //! One thread, started when there is work and ending when there is none, so a process that
 //! never retains a pinned backup never has it. It holds only weak references between chunks: a
 //! buffer freed or released meanwhile is skipped, and a release in progress waits at most for
-//! the one chunk being page-locked (`release_parallel`, `HostBuffer::discard`). It waits while a pause or resume
-//! runs ([`Pinner::quiet`]): page-locking beside the copies slowed them down 2× on an H200 host.
+//! the one chunk being page-locked (`release_parallel`, `HostBuffer::discard`). It waits while a
+//! pause or resume runs ([`Pinner::quiet`]): page-locking beside the copies slowed them down 2×
+//! on an H200 host.
 //! A failure (a memory-lock limit, say) is logged and leaves the rest of that buffer pageable,
 //! which only costs speed.
 

@@ -181,15 +181,7 @@ fn bad_chunk_requests_are_refused_and_change_nothing() {
     let (ptr, data) = chunked(h, "kv");
     chunked(h, "two");
     chunked(h, "two");
-    h.engine
-        .alloc(&AllocRequest {
-            size: 2 << 20,
-            device: 0,
-            tag: "plain".into(),
-            backup: None,
-            chunk: 0,
-        })
-        .unwrap();
+    h.alloc(2 << 20, "plain", None);
     let mut c = Conn::greeted(h);
     let refused = |c: &mut Conn, r: Request, kind: ErrorKind, words: &[&str]| {
         let reply = c.ask(&r);

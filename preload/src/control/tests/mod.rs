@@ -52,6 +52,21 @@ fn host_over(d: SimDriver) -> &'static TestHost {
     }))
 }
 
+impl TestHost {
+    /// A pauseable allocation of `size` bytes on device 0, not chunked.
+    fn alloc(&self, size: u64, tag: &str, backup: Option<BackupKind>) -> crate::driver::DevPtr {
+        self.engine
+            .alloc(&AllocRequest {
+                size,
+                device: 0,
+                tag: tag.into(),
+                backup,
+                chunk: 0,
+            })
+            .unwrap()
+    }
+}
+
 impl Host for TestHost {
     fn engine(&self) -> &Engine {
         &self.engine
@@ -112,7 +127,12 @@ impl Conn {
     }
 
     fn greeted(h: &'static TestHost) -> Conn {
-        let mut c = Conn::open(h, limits());
+        Conn::greeted_with(h, limits())
+    }
+
+    /// A connection under limits `l`, its hello answered as this server's.
+    fn greeted_with(h: &'static TestHost, l: Limits) -> Conn {
+        let mut c = Conn::open(h, l);
         match c.ask(&Request::Hello(hello(PROTOCOL_VERSION))) {
             Reply::Hello(h) => {
                 assert_eq!(h.protocol, PROTOCOL_VERSION);

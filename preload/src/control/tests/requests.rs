@@ -6,16 +6,7 @@ use super::*;
 #[test]
 fn every_operation_over_a_connection() {
     let h = host();
-    let ptr = h
-        .engine
-        .alloc(&AllocRequest {
-            size: 3 << 20,
-            device: 0,
-            tag: "kv".into(),
-            backup: Some(BackupKind::Mmap),
-            chunk: 0,
-        })
-        .unwrap();
+    let ptr = h.alloc(3 << 20, "kv", Some(BackupKind::Mmap));
     h.engine.write_bytes(ptr, b"contents").unwrap();
     let mut c = Conn::greeted(h);
     assert_eq!(
@@ -259,17 +250,13 @@ fn abrupt_disconnects_end_the_session_quietly() {
 #[test]
 fn the_request_limit_ends_a_connection() {
     let h = host();
-    let mut c = Conn::open(
+    let mut c = Conn::greeted_with(
         h,
         Limits {
             max_requests: 3,
             ..limits()
         },
     );
-    assert!(matches!(
-        c.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
-        Reply::Hello(_)
-    ));
     for _ in 0..3 {
         assert!(matches!(c.ask(&Request::Ping), Reply::Pong { .. }));
     }
@@ -320,16 +307,7 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
     let h = host_over(sim);
     let mut ptrs = Vec::new();
     for i in 0..3u8 {
-        let p = h
-            .engine
-            .alloc(&AllocRequest {
-                size: 2 << 20,
-                device: 0,
-                tag: "kv".into(),
-                backup: Some(BackupKind::Pinned),
-                chunk: 0,
-            })
-            .unwrap();
+        let p = h.alloc(2 << 20, "kv", Some(BackupKind::Pinned));
         h.engine.write_bytes(p, &[i + 1; 64]).unwrap();
         ptrs.push(p);
     }

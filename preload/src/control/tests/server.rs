@@ -188,16 +188,7 @@ fn concurrent_pauses_from_several_clients_are_safe() {
     let h = host();
     let mut ptrs = Vec::new();
     for i in 0..4u8 {
-        let p = h
-            .engine
-            .alloc(&AllocRequest {
-                size: 1 << 20,
-                device: 0,
-                tag: "kv".into(),
-                backup: Some(BackupKind::Mmap),
-                chunk: 0,
-            })
-            .unwrap();
+        let p = h.alloc(1 << 20, "kv", Some(BackupKind::Mmap));
         h.engine.write_bytes(p, &[i; 64]).unwrap();
         ptrs.push(p);
     }

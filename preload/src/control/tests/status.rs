@@ -6,16 +6,7 @@ use super::*;
 #[test]
 fn pausing_a_tag_no_allocation_ever_had_is_flagged() {
     let h = host();
-    let ptr = h
-        .engine
-        .alloc(&AllocRequest {
-            size: 1 << 20,
-            device: 0,
-            tag: "kv".into(),
-            backup: None,
-            chunk: 0,
-        })
-        .unwrap();
+    let ptr = h.alloc(1 << 20, "kv", None);
     assert!(h.engine.tag_known("kv") && !h.engine.tag_known("vk"));
     let mut c = Conn::greeted(h);
     let mut done = |r: Request| match c.ask(&r) {
@@ -60,15 +51,7 @@ fn status_answers_whatever_the_tags() {
     let long_a = format!("{}a", "t".repeat(5 << 20));
     let long_b = format!("{}b", "t".repeat(5 << 20));
     for tag in [&long_a, &long_b, &"kv".to_string()] {
-        h.engine
-            .alloc(&AllocRequest {
-                size: 1 << 20,
-                device: 0,
-                tag: tag.clone(),
-                backup: None,
-                chunk: 0,
-            })
-            .unwrap();
+        h.alloc(1 << 20, tag, None);
     }
     h.region.lock().tag = long_a.clone();
     let mut c = Conn::greeted(h);
@@ -163,15 +146,7 @@ fn status_shows_the_progress_of_pauses_and_resumes_whoever_started_them() {
     let h = host_over(sim);
     let size: u64 = 16 << 20;
     for tag in ["prog-a", "prog-b"] {
-        h.engine
-            .alloc(&AllocRequest {
-                size,
-                device: 0,
-                tag: tag.into(),
-                backup: Some(BackupKind::Pinned),
-                chunk: 0,
-            })
-            .unwrap();
+        h.alloc(size, tag, Some(BackupKind::Pinned));
     }
     let mut watcher = Conn::open(
         h,
@@ -274,26 +249,14 @@ fn a_status_without_operations_shows_what_they_left() {
     sim.set_bandwidth(Some(2 << 30));
     let h = host_over(sim);
     let size: u64 = 4 << 20;
-    h.engine
-        .alloc(&AllocRequest {
-            size,
-            device: 0,
-            tag: "ended".into(),
-            backup: Some(BackupKind::Pinned),
-            chunk: 0,
-        })
-        .unwrap();
-    let mut watcher = Conn::open(
+    h.alloc(size, "ended", Some(BackupKind::Pinned));
+    let mut watcher = Conn::greeted_with(
         h,
         Limits {
             max_requests: 1_000_000,
             ..limits()
         },
     );
-    assert!(matches!(
-        watcher.ask(&Request::Hello(hello(PROTOCOL_VERSION))),
-        Reply::Hello(_)
-    ));
     let status = |c: &mut Conn| match c.ask(&Request::Status) {
         Reply::Status(s) => s,
         other => panic!("{other:?}"),
