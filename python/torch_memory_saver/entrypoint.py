@@ -435,10 +435,9 @@ class TorchMemorySaver:
     def stats(self) -> dict:
         """Per-tag statistics: allocations (``active_allocations``, ``paused_allocations``, and
         ``partial_allocations``: chunked ones with some chunks paused, or one a failed pause
-        could not make whole again), bytes active/paused
-        (chunk by chunk), host backup bytes (and how many of them are page-locked), and the last
-        pause/resume (seconds, bytes, GiB/s, and the part of a resume spent releasing host
-        memory)."""
+        could not make whole again), bytes active/paused (chunk by chunk), host backup bytes
+        (and how many of them are page-locked), and the last pause/resume (seconds, bytes,
+        GiB/s, and the part of a resume spent releasing host memory)."""
         self._ensure_initialized()
         return self._impl.stats()
 

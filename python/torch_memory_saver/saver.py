@@ -1051,9 +1051,9 @@ class _TorchMemorySaverImpl:
     def stats(self) -> dict:
         """Per-tag statistics: allocations (active, paused, and chunked ones with some chunks
         paused or one a failed pause could not make whole again: ``partial_allocations``),
-        bytes active/paused (counting chunks), host backup
-        bytes (and how many of them are page-locked), and the last pause/resume (seconds, bytes,
-        GiB/s, and the part of a resume spent releasing host memory)."""
+        bytes active/paused (counting chunks), host backup bytes (and how many of them are
+        page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part of a
+        resume spent releasing host memory)."""
         lib = self._library()
         return json.loads(lib.call_string(lib.tms_stats_json))
 
