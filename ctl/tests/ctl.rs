@@ -882,6 +882,35 @@ fn status_shows_disk_backups() {
     );
 }
 
+/// Issue 35, item 1: a process whose `TMS_DISK_BACKUP_DIR` does not exist when it starts (as a
+/// job's per-rank folder made later) is paused from outside: the folder is made. Wiped and made
+/// again while paused, the resume still restores the contents (from the file the process holds),
+/// and the next pause puts a new file in the new folder.
+#[test]
+fn a_disk_folder_missing_at_start_and_wiped_while_paused_works_through_tmsctl() {
+    let sb = sandbox();
+    let dir = sb.tmp.path().join("job").join("rank0");
+    let d = dir.to_str().unwrap().to_string();
+    let mut p = Proc::start_with(&sb, &[("TMS_DISK_BACKUP_DIR", &d)], |c| {
+        c.arg("--disk");
+    });
+    assert!(!dir.exists(), "made only when needed");
+    let pid = p.pid.to_string();
+    let files = || std::fs::read_dir(&dir).unwrap().count();
+    ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    assert_eq!(files(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    ok(&sb, &["resume", "--pid", &pid, "--tag", "demo"]);
+    p.verify();
+    ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    assert_eq!(files(), 1, "a new file in the new folder");
+    ok(&sb, &["resume", "--pid", &pid, "--tag", "demo"]);
+    p.verify();
+    assert!(p.exit().success());
+    assert_eq!(files(), 0, "the file went with its process");
+}
+
 /// A disk-backed demo child with its folder of backups, paused from outside (its file exists).
 fn paused_on_disk(sb: &Sandbox) -> (Proc, PathBuf) {
     let dir = sb.tmp.path().join("disk");

@@ -278,9 +278,9 @@ const char *tms_get_cpu_backup_backend(void);
 
 /* Disk backup of this thread's new pauseable allocations: each one's contents go to a file of
  * its own at pause and come back at resume (mutually exclusive with a CPU backup: enabling
- * one while the other is on is TMS_ERR_INVALID_ARGUMENT). The directory of new files: an
- * existing directory, or NULL / "" for the default (TMS_DISK_BACKUP_DIR, else the system's
- * temporary directory). */
+ * one while the other is on is TMS_ERR_INVALID_ARGUMENT). The directory of new files (made
+ * now if missing, mode 0700; found again by its path at each new file), or NULL / "" for the
+ * default (TMS_DISK_BACKUP_DIR, else the system's temporary directory). */
 int tms_set_enable_disk_backup(bool enable);
 bool tms_get_enable_disk_backup(void);
 int tms_set_disk_backup_dir(const char *dir);

@@ -164,26 +164,159 @@ engine_test! {
     {
         let f = Fx { h };
         let (p, data) = f.alloc(4 * MIB, 0, 5);
-        let gone = f.h.dir().join("vanished");
-        std::fs::create_dir(&gone).unwrap();
+        let gone = f.h.dir().join("replaced");
         f.h.e.set_disk_backup_dir(Some(gone.clone())).unwrap();
+        // The folder replaced by a plain file: it can be neither used nor made again.
         std::fs::remove_dir(&gone).unwrap();
+        std::fs::write(&gone, b"x").unwrap();
         let msg = f.h.e.pause(None).unwrap_err().to_string();
-        assert!(msg.contains(&*gone.to_string_lossy()), "{msg}");
+        assert!(
+            msg.contains(&*gone.to_string_lossy()) && msg.contains("not a directory"),
+            "{msg}"
+        );
         assert_eq!(f.h.e.allocations()[0].state, State::Active);
         assert!(f.h.read(p, data.len()) == data);
+        let under_a_file = gone.join("sub");
         let err =
-            f.h.e.set_disk_backup_dir(Some(gone.clone()))
+            f.h.e.set_disk_backup_dir(Some(under_a_file))
                 .unwrap_err()
                 .to_string();
         assert!(
-            err.contains("vanished"),
-            "a missing directory is refused: {err}"
+            err.contains("replaced/sub") && err.contains("not a directory"),
+            "a folder that cannot be made is refused: {err}"
         );
-        let file = f.h.dir().join("plain");
-        std::fs::write(&file, b"x").unwrap();
-        let err = f.h.e.set_disk_backup_dir(Some(file)).unwrap_err().to_string();
+        let err = f.h.e.set_disk_backup_dir(Some(gone)).unwrap_err().to_string();
         assert!(err.contains("not a directory"), "{err}");
+    }
+}
+
+/// Mode bits of `p`.
+fn mode(p: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+engine_test! {
+    /// Issue 35, item 1: a folder that does not exist when the library starts (miles makes its
+    /// per-rank folder later) is made when first needed, with mode 0700 for what we make;
+    /// `set_disk_backup_dir` makes its folder at once.
+    fn a_folder_missing_at_start_is_made_when_first_needed(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let later = f.h.dir().join("job");
+        let rank = later.join("rank0");
+        f.h.e.set_default_disk_backup_dir(Some(rank.clone())).unwrap();
+        assert!(!later.exists(), "not made before it is needed");
+        let (p, data) = f.alloc(3 * MIB, 0, 11);
+        f.h.e.pause(None).unwrap();
+        assert_eq!((mode(&later), mode(&rank)), (0o700, 0o700));
+        assert_eq!(names_in(&rank).len(), 1);
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+
+        let set = f.h.dir().join("set").join("here");
+        f.h.e.set_disk_backup_dir(Some(set.clone())).unwrap();
+        assert_eq!(mode(&set), 0o700, "made by set_disk_backup_dir");
+        let (q, more) = f.alloc(MIB, 1, 12);
+        f.h.e.pause(None).unwrap();
+        assert_eq!(names_in(&set).len(), 1, "the new allocation's file");
+        assert_eq!(names_in(&rank).len(), 1, "the older file stays where it was made");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        assert!(f.h.read(q, more.len()) == more);
+    }
+}
+
+engine_test! {
+    /// Issue 35, item 1: a folder wiped (and made again, or not) between two pauses is found
+    /// again by its path; an allocation whose file went with it gets a new one there, and a
+    /// folder swapped under the same path is used, not the one held before.
+    fn a_folder_wiped_between_pauses_is_found_again_by_its_path(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let d = f.h.dir().join("rank0");
+        std::fs::create_dir(&d).unwrap();
+        f.h.e.set_disk_backup_dir(Some(d.clone())).unwrap();
+        let (p, data) = f.alloc(4 * MIB, 0, 13);
+        f.h.e.pause(None).unwrap();
+        f.h.e.resume(None).unwrap();
+        assert_eq!(names_in(&d).len(), 1, "the file is kept for the next pause");
+
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::create_dir(&d).unwrap();
+        f.h.e.pause(None).unwrap();
+        assert_eq!(names_in(&d).len(), 1, "a new file in the new folder");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+
+        // Wiped and not made again: made again.
+        std::fs::remove_dir_all(&d).unwrap();
+        let (q, more) = f.alloc(2 * MIB, 1, 14);
+        f.h.e.pause(None).unwrap();
+        assert_eq!(names_in(&d).len(), 2);
+        f.h.e.resume(None).unwrap();
+
+        // Renamed away and replaced: the old folder keeps its file, the new one gets new ones.
+        let old = f.h.dir().join("rank0.old");
+        std::fs::rename(&d, &old).unwrap();
+        std::fs::create_dir(&d).unwrap();
+        let (r, third) = f.alloc(MIB, 0, 15);
+        f.h.e.pause(None).unwrap();
+        assert_eq!((names_in(&old).len(), names_in(&d).len()), (2, 1));
+        f.h.e.resume(None).unwrap();
+        for (a, bytes) in [(p, &data), (q, &more), (r, &third)] {
+            assert!(f.h.read(a, bytes.len()) == *bytes, "{a:#x}");
+        }
+        f.h.e.free(p).unwrap();
+        assert_eq!(names_in(&old).len(), 1, "a file goes from where it is");
+    }
+}
+
+engine_test! {
+    /// Issue 35, item 1: a folder wiped while paused loses nothing: the files are the process's,
+    /// held open, and read back at resume; the next pause makes new files where the path leads.
+    /// A chunked allocation with chunks still paused in its file keeps writing to that file.
+    fn a_folder_wiped_while_paused_loses_nothing(h) [Setup::disk_engine(2, 3)] {
+        let f = Fx { h };
+        let d = f.h.dir().join("rank1");
+        std::fs::create_dir(&d).unwrap();
+        f.h.e.set_disk_backup_dir(Some(d.clone())).unwrap();
+        let (p, data) = f.alloc(5 * MIB, 0, 16);
+        let g = f.h.g();
+        let c = f
+            .h
+            .e
+            .alloc(&AllocRequest {
+                size: 4 * g,
+                device: f.h.device(1),
+                tag: "kv".into(),
+                backup: Some(BackupKind::Disk),
+                chunk: g,
+            })
+            .unwrap();
+        let kv = pattern((4 * g) as usize, 17);
+        f.h.write(c, &kv);
+        f.h.e.pause(Some("opt")).unwrap();
+        f.h.e
+            .pause_pick(&tms::engine::Pick::chunks(c, &[0, 1]))
+            .unwrap();
+        assert_eq!(names_in(&d).len(), 2);
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::create_dir(&d).unwrap();
+        f.h.e.resume(Some("opt")).unwrap();
+        assert!(f.h.read(p, data.len()) == data, "restored from the unnamed file");
+        // Chunks 0 and 1 are still in the old file: chunk 2 joins them there.
+        f.h.e
+            .pause_pick(&tms::engine::Pick::chunks(c, &[2]))
+            .unwrap();
+        f.h.e.pause(Some("opt")).unwrap();
+        assert_eq!(names_in(&d).len(), 1, "only opt's new file is in the new folder");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        assert!(f.h.read(c, kv.len()) == kv);
+        // Everything active: kv's next pause makes its file in the new folder.
+        f.h.e.pause(None).unwrap();
+        assert_eq!(names_in(&d).len(), 2);
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(c, kv.len()) == kv);
     }
 }
 

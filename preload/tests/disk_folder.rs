@@ -1,5 +1,5 @@
 //! The disk backup folder of the process's runtime (issue 23, item 4): `TMS_DISK_BACKUP_DIR`
-//! and `set_disk_backup_dir` are resolved once, when given, so a relative folder followed by
+//! and `set_disk_backup_dir` are made absolute when given, so a relative folder followed by
 //! `chdir` neither moves the files nor leaves them behind; and `None` (what the C ABI's NULL or
 //! "" and Python's `set_disk_backup_dir(None)` become) means `TMS_DISK_BACKUP_DIR` again, not
 //! the system's temporary directory. One test alone in its binary: it changes the current

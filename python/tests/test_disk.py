@@ -1,10 +1,14 @@
-"""Disk backups through the Python package on the simulated device (preloaded, no torch): the
-contents round-trip through files in the chosen directory, the files go at exit, the two kinds
-of backup exclude each other, and a full disk loses nothing."""
+"""Disk backups through the Python package on the simulated device (no torch): the contents
+round-trip through files in the chosen directory, the files go at exit, the two kinds of backup
+exclude each other, a full disk loses nothing, and a folder made late or wiped is found again."""
 
 from __future__ import annotations
 
 import os
+
+import pytest
+
+from conftest import clean_env, run_py
 
 
 def files(d) -> list:
@@ -43,9 +47,11 @@ def test_region_with_disk_backup_round_trips_and_files_go_at_exit(preloaded, tmp
     assert files(d) == [], "the process removed its files at exit"
 
 
-def test_cpu_and_disk_backup_exclude_each_other(preloaded):
+def test_cpu_and_disk_backup_exclude_each_other(preloaded, tmp_path):
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
     r = preloaded(
-        """
+        f"""
         try:
             with tms.region(tag="x", enable_cpu_backup=True, enable_disk_backup=True):
                 pass
@@ -59,11 +65,12 @@ def test_cpu_and_disk_backup_exclude_each_other(preloaded):
             assert lib.tms_get_enable_disk_backup() is False and lib.tms_get_enable_cpu_backup() is True
         with tms.region(tag="z", enable_disk_backup=True):
             assert lib.tms_set_enable_cpu_backup(1) == 3
+        # A folder that cannot be made (a part of its path is a file) is refused at once.
         try:
-            tms.set_disk_backup_dir("/nonexistent/dir")
+            tms.set_disk_backup_dir({str(blocked / "backups")!r})
             raise SystemExit("should raise")
         except tms_pkg.InvalidArgumentError as e:
-            assert "/nonexistent/dir" in str(e), e
+            assert "not-a-folder/backups" in str(e) and "not a directory" in str(e), e
         print("ok")
         """
     )
@@ -187,3 +194,75 @@ def test_files_of_a_killed_process_are_removed_by_the_next_one(preloaded, tmp_pa
     mine = eval(r.stdout.strip().splitlines()[-1])
     assert left[0] not in mine and len(mine) == 1, (left, mine)
     assert files(d) == [], "and its own went at exit"
+
+
+# Issue 35, item 1: a disk-backed allocation made as each hook mode makes it (torch mode without
+# torch: the region's flags and the pluggable allocator's malloc, as PyTorch's MemPool calls it).
+MODE_ALLOC = """
+def disk_alloc(n):
+    if tms.hook_mode == "preload":
+        with tms.region(tag="opt", enable_disk_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0, rc
+        return p
+    tms.stats()  # the library loaded
+    lib = tms._impl._binary_wrapper.cdll
+    lib.tms_torch_malloc.restype = ctypes.c_void_p
+    lib.tms_torch_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+    lib.tms_set_current_tag(b"opt")
+    lib.tms_set_enable_disk_backup(1)
+    lib.tms_set_interesting_region(1)
+    try:
+        p = lib.tms_torch_malloc(n, 0, None)
+    finally:
+        lib.tms_set_interesting_region(0)
+    assert p, tms._impl._binary_wrapper.last_error()
+    return p
+"""
+
+
+def _mode_env(libtms: str, tmp_path, mode: str, **extra: str) -> dict:
+    env = clean_env(TMS_BACKEND="sim", TMS_SIM_CAPACITY="256MiB", TMS_SOCKET_DIR=str(tmp_path / "sock"), **extra)
+    if mode == "preload":
+        env["LD_PRELOAD"] = libtms
+    else:
+        env["TMS_LIBRARY_PATH"] = libtms
+    return env
+
+
+@pytest.mark.parametrize("mode", ["preload", "torch"])
+def test_a_disk_folder_missing_at_start_wiped_and_made_again_loses_nothing(libtms, tmp_path, mode):
+    """miles points TMS_DISK_BACKUP_DIR at a per-rank folder it makes (and wipes) after the
+    library started: the folder is made when first needed, found again by its path when
+    replaced, and a folder wiped while paused loses nothing (the files are held open)."""
+    d = tmp_path / "job" / "rank0"
+    code = MODE_ALLOC + f"""
+tms.hook_mode = {mode!r}
+import shutil, stat
+d = {str(d)!r}
+n = 3 << 20
+p = disk_alloc(n)
+assert not os.path.exists(d), "made only when needed"
+data = os.urandom(n)
+ctypes.memmove(p, data, n)
+tms.pause("opt")
+assert len(os.listdir(d)) == 1 and stat.S_IMODE(os.stat(d).st_mode) == 0o700
+tms.resume("opt")
+shutil.rmtree(d); os.makedirs(d)          # wiped and made again between two pauses
+tms.pause("opt")
+assert len(os.listdir(d)) == 1, os.listdir(d)
+shutil.rmtree(d)                           # wiped while paused, not made again
+tms.resume("opt")
+assert ctypes.string_at(p, n) == data, "restored from the file the process holds"
+tms.pause("opt")
+assert len(os.listdir(d)) == 1, "the folder made again"
+tms.resume("opt")
+assert ctypes.string_at(p, n) == data
+made = {str(tmp_path / "set" / "here")!r}
+tms.set_disk_backup_dir(made)
+assert os.path.isdir(made), "set_disk_backup_dir makes its folder"
+print("ok")
+"""
+    r = run_py(code, _mode_env(libtms, tmp_path, mode, TMS_DISK_BACKUP_DIR=str(d)))
+    assert r.stdout.strip() == "ok"
+    assert not os.listdir(d), "the files went at exit"

@@ -242,10 +242,13 @@ class TorchMemorySaver:
         )
 
     def set_disk_backup_dir(self, path: "Optional[str | os.PathLike]") -> None:
-        """Put the files of disk backups made from now on in ``path`` (an existing directory;
-        None for the default, ``TMS_DISK_BACKUP_DIR`` or else the system's temporary directory).
-        The directory is resolved when set (a relative one against the current directory then)
-        and held open, so a later ``os.chdir`` does not move the files. Where other users can
+        """Put the files of disk backups made from now on in ``path`` (None for the default,
+        ``TMS_DISK_BACKUP_DIR`` or else the system's temporary directory). The directory is made
+        now if it is missing (mode 0700 for what is made; a path that cannot be a directory
+        raises ``InvalidArgumentError``). A relative path is taken against the current directory
+        now, so a later ``os.chdir`` does not move the files. The folder is found again by its
+        path at each new file: one wiped and made again (or not) is used, and a folder wiped
+        while paused loses nothing, as the process holds its files open. Where other users can
         write to it (``/tmp``), the files go in its subfolder ``tms-backups-<uid>`` (mode 0700).
         Files left there by processes that died are removed at first use (and by ``tmsctl
         clean``); a directory in RAM (tmpfs) works but takes host memory, and is logged as

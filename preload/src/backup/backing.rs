@@ -204,7 +204,7 @@ mod tests {
     #[test]
     fn a_disk_file_is_copied_in_whole_chunks_and_checksummed() {
         let d = folder("disk");
-        let dir = BackupDir::open(&d).unwrap();
+        let dir = BackupDir::new(&d).unwrap();
         let f = DiskFile::create(&dir, 3 * PAGE as u64, 2 * PAGE as u64).unwrap();
         let b: &dyn Backing = &f;
         assert_eq!(
@@ -249,7 +249,7 @@ mod tests {
     #[test]
     fn an_allocation_with_both_backups_is_copied_to_host_memory() {
         let d = folder("both");
-        let dir = BackupDir::open(&d).unwrap();
+        let dir = BackupDir::new(&d).unwrap();
         let h = Some(Arc::new(host(BackupKind::Mmap, PAGE as u64, PAGE as u64)));
         let f = Some(Arc::new(
             DiskFile::create(&dir, PAGE as u64, PAGE as u64).unwrap(),

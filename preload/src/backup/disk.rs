@@ -1,39 +1,56 @@
 //! Disk backups: each allocation's contents in a file of its own (`disk_file.rs`, Note [Disk
-//! backup files]) in the disk backup folder, which this module prepares and sweeps. File
+//! backup files]) in the disk backup folder, which this module finds, prepares and sweeps. File
 //! operations can be made to fail for the tests (`disk_faults.rs`). The names and staleness
 //! rules of the folder's entries are shared with `tmsctl clean` (`tms_proto::disk_layout`).
 //!
 //! # Note [The disk backup folder]
 //!
-//! The directory may be one other users can write to (the system's temporary directory is the
-//! default), and there they could plant anything under the names we use: a FIFO, whose
-//! `open` blocks for ever; a symbolic link to a file of ours; a file of theirs. So:
+//! Users point the library at a folder that may not exist yet, and some wipe and recreate it
+//! while the process runs (a per-rank folder cleared at a job's start): so the folder is a path,
+//! found again each time a file is made, and created where it is missing. The directory may also
+//! be one other users can write to (the system's temporary directory is the default), and there
+//! they could plant anything under the names we use: a FIFO, whose `open` blocks for ever; a
+//! symbolic link to a file of ours; a file of theirs. So:
 //!
-//! - The directory is resolved once, when set (a relative path against the current folder
-//!   then), and held open: every file operation is `openat`/`renameat`/`unlinkat` on its fd,
-//!   so a later `chdir`, or a rename or replacement of the path, changes nothing.
+//! - The path is made absolute when given (a relative one against the current folder then), so
+//!   a later `chdir` does not move the files. `set_disk_backup_dir` creates the folder at once;
+//!   `TMS_DISK_BACKUP_DIR` and the default are created when first needed (a disk-backed pause).
+//!   What we create, each missing component, gets mode 0700. Links in the path are followed:
+//!   the path is the user's choice (only the subfolder we make, if any, must not be one).
+//! - Each file is made in the folder the path names at that moment. The folder last used is
+//!   held open and kept while the path still leads to it (same device and inode: sound, as the
+//!   inode we hold open cannot be freed and its number given to another folder); a folder
+//!   replaced at the path is prepared and checked anew. Every file operation is
+//!   `openat`/`renameat`/`unlinkat` on the held folder's fd, so nothing between the check and
+//!   the use can redirect it. A file made in a folder that was then removed stays ours, open:
+//!   a paused allocation's contents are read back from it at resume, and its next pause makes a
+//!   new file where the path leads (`Engine::prepare_backups`).
 //! - Files go in the directory itself only when nobody else can make entries there: it belongs
 //!   to us and neither group nor others may write to it. Otherwise (`/tmp`, a group folder, a
 //!   folder of another user, one of mode 0777 with or without the sticky bit) they go in our
 //!   subfolder `tms-backups-<uid>`, made with mode 0700 and refused unless it is a real folder
 //!   (not a link), ours, closed to group and others. Another user can then at worst make that
 //!   name first, which fails our disk-backed pauses with a message saying so.
+//! - Opening the folder never blocks: `O_DIRECTORY | O_NONBLOCK` refuses a FIFO planted at the
+//!   path before opening it.
 //! - The sweep opens only regular files of ours: each candidate is checked with `fstatat`
 //!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
 //!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
-//!   elsewhere. `tmsctl clean` sweeps the same way, by the same rules.
+//!   elsewhere. `tmsctl clean` sweeps the same way, by the same rules. Each folder is swept
+//!   when this process first uses it (a recreated folder too).
 //! - The files' contents are checksummed per chunk, so a file changed while paused is never
 //!   silently restored (Note [Disk backup files]).
 
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
 use nix::fcntl::{AtFlags, Flock, FlockArg, OFlag};
-use nix::sys::stat::Mode;
+use nix::sys::stat::{FileStat, Mode};
 use nix::unistd::UnlinkatFlags;
 use parking_lot::Mutex;
 use tms_proto::disk_layout::{self, Entry};
@@ -59,22 +76,30 @@ pub(super) fn errno_io(e: Errno) -> std::io::Error {
     std::io::Error::from(e)
 }
 
+/// A folder's identity: device and inode.
+type Identity = (libc::dev_t, libc::ino_t);
+
+fn identity(st: &FileStat) -> Identity {
+    (st.st_dev, st.st_ino)
+}
+
 /// A disk backup directory as chosen (`set_disk_backup_dir`, `TMS_DISK_BACKUP_DIR`, the
-/// system's temporary directory), resolved once and held open (Note [The disk backup folder]).
+/// system's temporary directory): a path, found again at each file (Note [The disk backup
+/// folder]).
 #[derive(Debug)]
 pub struct BackupDir {
-    /// Its absolute path when it was resolved, for messages.
+    /// Its absolute path.
     shown: PathBuf,
-    fd: OwnedFd,
-    /// Where the files go, once prepared.
+    /// Where the files went last, while the path still leads there.
     files: Mutex<Option<Arc<FileDir>>>,
 }
 
-/// The folder the files are in: the chosen directory, or our private subfolder of it.
+/// The folder the files are in: the chosen directory, or our private subfolder of it; held open.
 #[derive(Debug)]
 pub struct FileDir {
     pub(super) shown: PathBuf,
     pub(super) fd: OwnedFd,
+    id: Identity,
 }
 
 impl FileDir {
@@ -97,26 +122,28 @@ fn open_dir_at<P: ?Sized + nix::NixPath>(
 }
 
 impl BackupDir {
-    /// Resolve `path` (an existing directory; relative to the current folder) and hold it open.
-    pub fn open(path: &Path) -> Result<Arc<BackupDir>> {
-        let bad = |why: String| {
-            Error::invalid_argument(format!("disk backup directory {}: {why}", path.display()))
-        };
+    /// The folder at `path` (relative to the current folder), created when first needed; the
+    /// file system is not touched now.
+    pub fn new(path: &Path) -> Result<Arc<BackupDir>> {
         if path.as_os_str().is_empty() {
-            return Err(bad("an empty path".into()));
+            return Err(Error::invalid_argument(
+                "disk backup directory: an empty path".to_string(),
+            ));
         }
-        let shown = std::path::absolute(path).map_err(|e| bad(e.to_string()))?;
-        // The path is the user's choice: links in it are followed (only the subfolder we make
-        // in it, if any, must not be one).
-        let fd = open_dir_at(nix::fcntl::AT_FDCWD, path, true).map_err(|e| match e {
-            Errno::ENOTDIR => bad("not a directory".into()),
-            e => bad(errno_io(e).to_string()),
+        let shown = std::path::absolute(path).map_err(|e| {
+            Error::invalid_argument(format!("disk backup directory {}: {e}", path.display()))
         })?;
         Ok(Arc::new(BackupDir {
             shown,
-            fd,
             files: Mutex::new(None),
         }))
+    }
+
+    /// The folder at `path`, created now if it is missing (as `set_disk_backup_dir` does).
+    pub fn create(path: &Path) -> Result<Arc<BackupDir>> {
+        let d = Self::new(path)?;
+        d.open_base()?;
+        Ok(d)
     }
 
     /// Its path as resolved.
@@ -124,40 +151,93 @@ impl BackupDir {
         &self.shown
     }
 
-    /// The folder the files go in, made and checked on first use; the first use in this
-    /// process also sweeps it of the files of processes that died.
+    fn bad(&self, why: impl std::fmt::Display) -> Error {
+        Error::invalid_argument(format!(
+            "disk backup directory {}: {why}",
+            self.shown.display()
+        ))
+    }
+
+    /// Open the folder the path leads to now, creating what is missing of it (mode 0700).
+    fn open_base(&self) -> Result<OwnedFd> {
+        let open = || open_dir_at(nix::fcntl::AT_FDCWD, &self.shown, true);
+        let refused = |e: Errno| match e {
+            Errno::ENOTDIR => self.bad("not a directory"),
+            e => io_err(
+                format!("disk backup directory {}", self.shown.display()),
+                errno_io(e),
+            ),
+        };
+        match open() {
+            Ok(fd) => Ok(fd),
+            Err(Errno::ENOENT) => {
+                std::fs::DirBuilder::new()
+                    .recursive(true)
+                    .mode(0o700)
+                    .create(&self.shown)
+                    .map_err(|e| match e.raw_os_error() {
+                        // A component that is a file, or a link to nowhere.
+                        Some(libc::ENOTDIR | libc::EEXIST) => self.bad(format!(
+                            "cannot be created: a part of the path is not a directory ({e})"
+                        )),
+                        _ => io_err(format!("creating {}", self.shown.display()), e),
+                    })?;
+                tracing::info!("created the disk backup directory {}", self.shown.display());
+                open().map_err(refused)
+            }
+            Err(e) => Err(refused(e)),
+        }
+    }
+
+    /// The folder the files go in now: the one used last while the path still leads to it,
+    /// else found, made and checked anew (and then swept of the files of processes that died).
     pub fn files(&self) -> Result<Arc<FileDir>> {
         let mut g = self.files.lock();
+        let base = self.open_base()?;
+        let st = nix::sys::stat::fstat(&base).map_err(|e| {
+            io_err(
+                format!("disk backup directory {}", self.shown.display()),
+                e.into(),
+            )
+        })?;
+        let in_base = disk_layout::files_go_in_directory(st.st_uid, st.st_mode, euid());
         if let Some(f) = &*g {
-            return Ok(f.clone());
+            let now = if in_base {
+                Some(identity(&st))
+            } else {
+                nix::sys::stat::fstatat(
+                    &base,
+                    private_subfolder_name(euid()).as_str(),
+                    AtFlags::AT_SYMLINK_NOFOLLOW,
+                )
+                .ok()
+                .map(|s| identity(&s))
+            };
+            if now == Some(f.id) {
+                return Ok(f.clone());
+            }
+            tracing::info!(
+                "the disk backup directory {} was replaced or changed; files go to {} from now on",
+                f.shown.display(),
+                self.shown.display()
+            );
         }
-        let f = Arc::new(self.prepare()?);
+        let f = Arc::new(self.prepare(base, &st, in_base)?);
         *g = Some(f.clone());
         drop(g);
         sweep_once(&f);
         Ok(f)
     }
 
-    fn prepare(&self) -> Result<FileDir> {
+    fn prepare(&self, base_fd: OwnedFd, st: &FileStat, in_base: bool) -> Result<FileDir> {
         let me = euid();
         let base = &self.shown;
-        let st = nix::sys::stat::fstat(&self.fd).map_err(|e| {
-            io_err(
-                format!("disk backup directory {}", base.display()),
-                e.into(),
-            )
-        })?;
-        if disk_layout::files_go_in_directory(st.st_uid, st.st_mode, me) {
+        if in_base {
             // Nobody else can make, rename or remove entries here: the files go right in it.
-            let fd = open_dir_at(&self.fd, ".", true).map_err(|e| {
-                io_err(
-                    format!("disk backup directory {}", base.display()),
-                    e.into(),
-                )
-            })?;
             return Ok(FileDir {
                 shown: base.clone(),
-                fd,
+                fd: base_fd,
+                id: identity(st),
             });
         }
         let name = private_subfolder_name(me);
@@ -171,11 +251,11 @@ impl BackupDir {
                 shown.display()
             ))
         };
-        match nix::sys::stat::mkdirat(&self.fd, name.as_str(), Mode::S_IRWXU) {
+        match nix::sys::stat::mkdirat(&base_fd, name.as_str(), Mode::S_IRWXU) {
             Ok(()) | Err(Errno::EEXIST) => {}
             Err(e) => return Err(io_err(format!("creating {}", shown.display()), e.into())),
         }
-        let fd = open_dir_at(&self.fd, name.as_str(), false).map_err(|e| match e {
+        let fd = open_dir_at(&base_fd, name.as_str(), false).map_err(|e| match e {
             Errno::ELOOP | Errno::ENOTDIR => refuse("is a symbolic link or not a folder".into()),
             e => io_err(format!("opening {}", shown.display()), e.into()),
         })?;
@@ -194,7 +274,11 @@ impl BackupDir {
             nix::sys::stat::fchmod(&fd, Mode::S_IRWXU)
                 .map_err(|e| io_err(format!("giving {} mode 0700", shown.display()), e.into()))?;
         }
-        Ok(FileDir { shown, fd })
+        Ok(FileDir {
+            shown,
+            fd,
+            id: identity(&st),
+        })
     }
 
     /// Remove the backup files no live process holds from the folder the files go in; returns
@@ -205,9 +289,7 @@ impl BackupDir {
     }
 }
 
-/// Remove the backup files of processes that died, when a folder is first used (once per
-/// `set_disk_backup_dir`: a folder's identity cannot be kept across them, as inode numbers are
-/// reused at once on tmpfs).
+/// Remove the backup files of processes that died, when this process first uses a folder.
 fn sweep_once(dir: &FileDir) {
     match sweep(dir) {
         Ok(0) => {}
@@ -287,11 +369,13 @@ pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
     Ok(removed)
 }
 
-/// Bytes the file system of `dir` can still give an unprivileged writer.
+/// Bytes the file system of the folder `dir`'s files go in can still give an unprivileged
+/// writer (the folder is found, or made, first).
 pub fn free_space(dir: &BackupDir) -> Result<u64> {
-    let s = nix::sys::statvfs::fstatvfs(&dir.fd).map_err(|e| {
+    let f = dir.files()?;
+    let s = nix::sys::statvfs::fstatvfs(&f.fd).map_err(|e| {
         io_err(
-            format!("disk backup directory {}", dir.shown.display()),
+            format!("disk backup directory {}", f.shown.display()),
             std::io::Error::from(e),
         )
     })?;
@@ -327,7 +411,7 @@ mod tests {
     #[test]
     fn a_sweep_removes_only_files_nobody_holds() {
         let d = dir("sweep");
-        let bd = BackupDir::open(&d).unwrap();
+        let bd = BackupDir::new(&d).unwrap();
         let live = DiskFile::create(&bd, 4096, 4096).unwrap();
         // A dead process's file: same name pattern, no lock.
         let dead = d.join(file_name("999999-0-0.bin"));

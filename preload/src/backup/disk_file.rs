@@ -85,7 +85,24 @@ impl DiskFile {
                  a chunk that is a positive multiple of {DIRECT_ALIGN}"
             )));
         }
-        let files = dir.files()?;
+        match Self::create_in(dir.files()?, len, chunk) {
+            // The folder was removed between finding it and making the file (a job wiping it):
+            // found again once.
+            Err((e, true)) => {
+                tracing::info!("{e}; looking for the folder again");
+                Self::create_in(dir.files()?, len, chunk).map_err(|(e, _)| e)
+            }
+            r => r.map_err(|(e, _)| e),
+        }
+    }
+
+    /// [`DiskFile::create`] in `files`; an error says whether the folder was gone.
+    fn create_in(
+        files: Arc<FileDir>,
+        len: u64,
+        chunk: u64,
+    ) -> std::result::Result<Self, (Error, bool)> {
+        let gone = |e: &std::io::Error| e.raw_os_error() == Some(libc::ENOENT);
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
         let stamp = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
@@ -122,9 +139,15 @@ impl DiskFile {
                     "{} does not allow O_DIRECT; writing through the page cache",
                     files.shown.display()
                 );
-                (open(false).map_err(|e| io_err(what("creating"), e))?, false)
+                match open(false) {
+                    Ok(f) => (f, false),
+                    Err(e) => return Err((io_err(what("creating"), e), false)),
+                }
             }
-            Err(e) => return Err(io_err(what("creating"), e)),
+            Err(e) => {
+                let g = gone(&e);
+                return Err((io_err(what("creating"), e), g));
+            }
         };
         let remove_tmp = || {
             let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
@@ -134,7 +157,7 @@ impl DiskFile {
             Ok(f) => f,
             Err((_, e)) => {
                 remove_tmp();
-                return Err(io_err(what("locking"), std::io::Error::from(e)));
+                return Err((io_err(what("locking"), std::io::Error::from(e)), false));
             }
         };
         let allocated = match injected(DiskOp::Allocate, &tmp) {
@@ -150,21 +173,26 @@ impl DiskFile {
             Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
                 if let Err(e) = file.set_len(len) {
                     remove_tmp();
-                    return Err(io_err(what("sizing"), e));
+                    return Err((io_err(what("sizing"), e), false));
                 }
             }
             Err(e) => {
                 remove_tmp();
-                return Err(io_err(
-                    format!("{} ({} needed)", what("reserving space for"), human(len)),
-                    e,
+                return Err((
+                    io_err(
+                        format!("{} ({} needed)", what("reserving space for"), human(len)),
+                        e,
+                    ),
+                    false,
                 ));
             }
         }
         if let Err(e) = nix::fcntl::renameat(&files.fd, tmp_name.as_str(), &files.fd, name.as_str())
         {
             remove_tmp();
-            return Err(io_err(what("naming"), e.into()));
+            let e = errno_io(e);
+            let g = gone(&e);
+            return Err((io_err(what("naming"), e), g));
         }
         let exit = ExitRemoval::register(files.fd.as_raw_fd(), name.as_bytes());
         if exit.is_none() {
@@ -286,6 +314,16 @@ impl DiskFile {
             self.path.display(),
             off + len
         )))
+    }
+
+    /// Whether the file still has a name (its folder was not wiped, nor the file removed).
+    /// Unnamed, it is still ours and readable through the descriptor held.
+    pub fn linked(&self) -> bool {
+        // An error tells nothing about the name: the file is kept.
+        self.file.metadata().map_or(true, |m| {
+            use std::os::unix::fs::MetadataExt;
+            m.nlink() > 0
+        })
     }
 
     /// Before reading: the file is still there at its length.
@@ -431,7 +469,7 @@ mod tests {
     #[test]
     fn a_file_round_trips_and_goes_on_drop() {
         let d = dir("rt");
-        let f = DiskFile::create(&BackupDir::open(&d).unwrap(), 3 * 4096, 8192).unwrap();
+        let f = DiskFile::create(&BackupDir::new(&d).unwrap(), 3 * 4096, 8192).unwrap();
         assert_eq!(
             (f.len(), f.chunks(), f.chunk_span(1)),
             (3 * 4096, 2, (8192, 4096))
@@ -453,7 +491,7 @@ mod tests {
     #[test]
     fn injected_faults_fire_once_at_the_nth_call() {
         let d = dir("faults");
-        let bd = BackupDir::open(&d).unwrap();
+        let bd = BackupDir::new(&d).unwrap();
         let f = DiskFile::create(&bd, 8192, 4096).unwrap();
         arm_fault(Some(&d), DiskOp::Write, 2, libc::ENOSPC);
         let page = Box::new(Page([1u8; 4096]));

@@ -93,8 +93,7 @@
 //!   or a wait other than `settled`'s, and never while taking `ops`: a thread the device's work
 //!   waits for may be in `cudaFree` while a pause synchronizes the device.
 //! - `Engine::tags_seen`, `copy`, `leases`, `broken`, `disk_dir`, `disk_default`: leaves, each
-//!   guarding its field. `disk_default` is held while the system's temporary directory is opened
-//!   (a non-blocking open). A buffer leaving `leases` is dropped after the lock is let go.
+//!   guarding its field. A buffer leaving `leases` is dropped after the lock is let go.
 //! - `Tracker::current` (`progress.rs`): the running operation; set and cleared by the
 //!   transaction (under `ops`), read by `progress` watchers. A leaf; never taken with `reg`.
 //! - `Engine::inflight` (the non-blocking resumes not known finished) and `Engine::deferred`
@@ -112,9 +111,9 @@
 //!   and `error` are leaves held for a store or a wait; a lane is held by its one worker for the
 //!   whole run, and a job slot by the thread that runs its job, driver calls and copies included
 //!   (nobody else ever wants them).
-//! - `BackupDir::files` (`backup/disk.rs`): the prepared folder of disk backups; held while it
-//!   is made and checked on first use (file system calls that cannot block: Note [The disk backup
-//!   folder]), not while sweeping. `FAULTS`: armed file faults (testing aid), a leaf.
+//! - `BackupDir::files` (`backup/disk.rs`): the prepared folder of disk backups; held while the
+//!   path is followed to the folder, which is made and checked where it is new (file system calls
+//!   that cannot block: Note [The disk backup folder]), not while sweeping. `FAULTS`: armed file faults (testing aid), a leaf.
 //! - `flock` on each disk backup file: exclusive, taken without waiting when the file is made
 //!   and held until the file is removed; the sweep takes others' files' locks without waiting
 //!   to learn that their process died (Note [Disk backup files]). Never waited for.

@@ -2,6 +2,7 @@
 //! Note [Transactions] in `txn.rs`).
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::sync::Arc;
 
 use super::base::Engine;
@@ -38,6 +39,8 @@ struct Job {
     disk: Option<Arc<DiskFile>>,
     /// Chunk size of the file, if one is made.
     file_chunk: u64,
+    /// The allocation's file holds the contents of segments that stay paused.
+    file_needed: bool,
     /// A buffer others hold that has the contents of the allocation's paused segments: copied
     /// (those byte ranges) into the new buffer before anything is paused.
     carry: Option<BufferRanges>,
@@ -209,6 +212,24 @@ impl Engine {
         rings: &BTreeMap<i32, Ring>,
         tag: Option<&str>,
     ) -> Result<()> {
+        // A file that lost its name (its folder wiped, or the file removed) and holds nothing
+        // still paused is replaced by one where the folder's path leads now (Note [The disk
+        // backup folder]); the old one goes once nobody holds it.
+        for j in jobs.iter_mut() {
+            let unnamed = j.disk.as_ref().is_some_and(|f| !f.linked());
+            if j.backup == Some(BackupKind::Disk) && unnamed && !j.file_needed {
+                let old = self.reg.lock().marked(j.ptr).disk.take();
+                tracing::info!(
+                    "the disk backup file {} was removed; allocation {:#x} gets a new one",
+                    old.as_deref()
+                        .map_or(Path::new("?"), DiskFile::path)
+                        .display(),
+                    j.ptr
+                );
+                j.disk = None;
+                drop(old);
+            }
+        }
         let fresh: Vec<usize> = (0..jobs.len())
             .filter(|&i| jobs[i].backup.is_some() && !jobs[i].backed_up())
             .collect();
@@ -535,6 +556,7 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
             if a.backup != Some(BackupKind::Disk) {
                 a.disk = None;
             }
+            let file_needed = (0..a.handles.len()).any(|s| a.handles[s].is_none() && a.saved[s]);
             let span = a.span(ptr);
             // Each run is released as soon as its copy is complete, so a large allocation gives
             // its memory back during the pause, not all at its end (Note [Pause and resume as
@@ -573,6 +595,7 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
                 host: a.host.clone(),
                 disk: a.disk.clone(),
                 file_chunk,
+                file_needed,
                 carry,
             }
         },

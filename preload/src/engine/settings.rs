@@ -55,24 +55,26 @@ impl Engine {
     }
 
     /// Put the files of disk backups made from now on in `dir` (`None`: back to the default, see
-    /// [`Engine::set_default_disk_backup_dir`]). It must be an existing directory; it is
-    /// resolved now (a relative path against the current folder) and held open, so a later
-    /// `chdir` or rename does not move the files (Note [The disk backup folder]). Files made
-    /// before stay where they are.
+    /// [`Engine::set_default_disk_backup_dir`]). A relative path is made absolute now, against
+    /// the current folder, so a later `chdir` does not move the files; the folder is created now
+    /// if it is missing (mode 0700), and found again by its path at each new file, so one
+    /// replaced later is used (Note [The disk backup folder]). Files made before stay where
+    /// they are.
     pub fn set_disk_backup_dir(&self, dir: Option<std::path::PathBuf>) -> Result<()> {
         let dir = dir
-            .map(|d| crate::backup::disk::BackupDir::open(&d))
+            .map(|d| crate::backup::disk::BackupDir::create(&d))
             .transpose()?;
         *self.disk_dir.lock() = dir;
         Ok(())
     }
 
     /// Make `dir` the default directory of disk backup files (`TMS_DISK_BACKUP_DIR`; `None`: the
-    /// system's temporary directory), resolved now like [`Engine::set_disk_backup_dir`]'s, and
-    /// the current one.
+    /// system's temporary directory), and the current one. Made absolute now like
+    /// [`Engine::set_disk_backup_dir`]'s, but created only when first needed: a job may make
+    /// (or wipe and make again) the folder after the library started.
     pub fn set_default_disk_backup_dir(&self, dir: Option<std::path::PathBuf>) -> Result<()> {
         let dir = dir
-            .map(|d| crate::backup::disk::BackupDir::open(&d))
+            .map(|d| crate::backup::disk::BackupDir::new(&d))
             .transpose()?;
         *self.disk_default.lock() = dir;
         *self.disk_dir.lock() = None;
@@ -88,7 +90,7 @@ impl Engine {
         if let Some(d) = default.clone() {
             return Ok(d);
         }
-        let d = crate::backup::disk::BackupDir::open(&std::env::temp_dir())
+        let d = crate::backup::disk::BackupDir::new(&std::env::temp_dir())
             .map_err(|e| e.context("the system's temporary directory"))?;
         *default = Some(d.clone());
         Ok(d)

@@ -122,8 +122,9 @@ pub extern "C" fn tms_get_enable_disk_backup() -> c_int {
 }
 
 /// Directory of the files of disk backups made from now on; NULL or "" for the default
-/// (`TMS_DISK_BACKUP_DIR`, else the system's temporary directory). It must be an existing
-/// directory, and is resolved now (a relative one against the current folder).
+/// (`TMS_DISK_BACKUP_DIR`, else the system's temporary directory). It is made now if missing
+/// (mode 0700), a relative path taken against the current folder now, and found again by its
+/// path at each new file (Note [The disk backup folder]).
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
