@@ -305,7 +305,7 @@ def test_wheel_file_list():
     names = set(zipfile.ZipFile(wheel).namelist())
     expected_libs = {f"{s}.abi3.so" for s in STEMS} | {"torch_memory_saver/libtms.abi3.so"}
     assert expected_libs <= names, sorted(expected_libs - names)
-    for mod in ("__init__", "entrypoint", "binary_wrapper", "saver", "errors", "utils", "testing_utils",
+    for mod in ("__init__", "__main__", "_install", "entrypoint", "binary_wrapper", "saver", "errors", "utils", "testing_utils",
                 "hooks/__init__", "hooks/base", "hooks/mode_preload", "hooks/mode_torch"):
         assert f"torch_memory_saver/{mod}.py" in names, mod
     assert any(n.endswith(".data/scripts/tmsctl") for n in names), "tmsctl goes onto PATH"

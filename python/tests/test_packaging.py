@@ -109,3 +109,28 @@ def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
     stray = [f for f in files if f.split("/")[0] in ("target", "dist", "build", ".upstream", ".git")
              or f.endswith((".so", ".whl", ".pyc"))]
     assert not stray, stray
+
+
+def test_relative_links_in_the_readme_and_docs_lead_somewhere():
+    """Every relative link of README.md and docs/*.md names a file of the repository (the
+    sdist holds them all), and every link to a heading of the README names one."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) > 5, pages
+    import re
+
+    def anchors(page: Path) -> set:
+        heads = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.M)
+        return {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-") for h in heads}
+
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.name}: {target} (no such heading)")
+    assert not broken, broken

@@ -23,7 +23,7 @@ site-packages as ``torch_memory_saver_hook_mode_{preload,torch}[_cu12|_cu13].abi
 
 from __future__ import annotations
 
-from . import binary_wrapper, distributed, entrypoint, hooks, testing_utils, utils
+from . import _install, binary_wrapper, distributed, entrypoint, hooks, testing_utils, utils
 from .binary_wrapper import bundled_library_path
 from .entrypoint import TorchMemorySaver
 from .hooks.mode_preload import configure_subprocess
@@ -45,6 +45,10 @@ try:  # the installed distribution's, which the build took from Cargo.toml
     __version__ = _metadata.version("torch_memory_saver")
 except _metadata.PackageNotFoundError:  # a source checkout on sys.path, never installed
     __version__ = "0+unknown"
+
+__implementation__ = _install.IMPLEMENTATION
+"""``"rust"``: this package is the Rust implementation (the original has no such name).
+``python -m torch_memory_saver`` prints the version and commit and checks the install."""
 
 __all__ = [
     "TorchMemorySaver",
@@ -69,3 +73,6 @@ torch_memory_saver = TorchMemorySaver()
 def get_binary_path() -> str:
     """Path of the libtms.so bundled with this package (what ``LD_PRELOAD`` should name)."""
     return bundled_library_path()
+
+
+_install.warn_if_broken()
