@@ -137,7 +137,9 @@ int tms_resume_ex(const char *tag, int restore_chunk_state);
  * runs after the restore. order (n_order addresses inside the tag's allocations, NULL if 0)
  * names what to restore first. *out_pending (or NULL): bytes still being restored at return.
  * A failure before the return is this call's; one after it leaves the allocations paused with
- * their backups and is reported by the next pause, resume or wait. Where the driver cannot make
+ * their backups, their memory held, and belongs to them: tms_wait_restored for any of them
+ * returns it every time until they are paused, resumed or freed, and if no wait did, the first
+ * pause or resume acting on them does its work and then returns it. Where the driver cannot make
  * streams wait, or no thread can be started, it blocks until the data landed. */
 int tms_resume_nonblocking(const char *tag, int device, uint64_t stream, const uint64_t *order,
                            uint64_t n_order, uint64_t *out_pending);

@@ -302,6 +302,10 @@ pub struct TagStatus {
     /// (0) from servers that predate chunks.
     #[serde(default)]
     pub partial_allocations: u64,
+    /// Of those, allocations a non-blocking resume is restoring (mapped again, contents on
+    /// their way): neither active nor paused. Absent (0) from servers that predate it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub restoring_allocations: u64,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
     /// Mapped bytes of active allocations and of the active chunks of partial ones (device
@@ -310,6 +314,19 @@ pub struct TagStatus {
     /// Mapped bytes of paused allocations and of the paused chunks of partial ones (device
     /// memory given back).
     pub bytes_paused: u64,
+    /// Mapped bytes a non-blocking resume mapped again whose contents are on their way (device
+    /// memory held): neither active nor paused. Absent (0) from servers that predate it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bytes_restoring: u64,
+    /// Mapped bytes a non-blocking resume left mapped when it failed after returning: device
+    /// memory held, contents not restored (paused with their backups; a pause gives the memory
+    /// back, a resume restores them). Neither active nor paused. Absent (0) where none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub bytes_unrestored: u64,
+    /// The error of a non-blocking resume that failed after returning, while allocations of
+    /// the tag it left unrestored are so. Absent where none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_restore: Option<String>,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
     /// Bytes of disk backup files.

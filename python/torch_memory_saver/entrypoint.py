@@ -347,8 +347,9 @@ class TorchMemorySaver:
         With ``stream`` (a ``torch.cuda.Stream``, or True for the current one) nothing blocks:
         that stream's later work runs once the data landed; returns True. Without it, blocks
         the calling thread until the data landed (True) or ``timeout`` seconds passed (False).
-        Returns at once when nothing is being restored. A failure of the resume after it
-        returned is raised here (once)."""
+        Returns at once when nothing is being restored. A resume that failed after it returned
+        left its allocations unrestored (paused, memory held): a wait for any of them raises
+        its error, every time, until they are paused, resumed or freed (docs/semantics.md)."""
         self._ensure_initialized()
         return self._impl.wait(tensor, **_given(stream=stream, timeout=timeout))
 
@@ -440,7 +441,10 @@ class TorchMemorySaver:
         ``partial_allocations``: chunked ones with some chunks paused, or one a failed pause
         could not make whole again), bytes active/paused (chunk by chunk), host backup bytes
         (and how many of them are page-locked), and the last pause/resume (seconds, bytes,
-        GiB/s, and the part of a resume spent releasing host memory)."""
+        GiB/s, and the part of a resume spent releasing host memory). While a non-blocking
+        resume restores: ``restoring_allocations`` and ``bytes_restoring`` (held, neither active
+        nor paused); after one failed once it returned: ``failed_restore`` (its error) and
+        ``bytes_unrestored`` (memory still held until a pause or resume of the tag)."""
         self._ensure_initialized()
         return self._impl.stats()
 

@@ -37,8 +37,8 @@ pub trait Host: Sync {
     /// The engine.
     fn engine(&self) -> &Engine;
     /// A non-blocking resume of `tag` on the engine (which the resume's thread must hold on
-    /// to): no stream waits, the process's own waits see it.
-    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<OpReport>;
+    /// to), its progress labelled `label`: no stream waits, the process's own waits see it.
+    fn resume_nonblocking(&self, tag: Option<&str>, label: u64) -> Result<OpReport>;
     /// Region settings of threads that have not set their own.
     fn default_region(&self) -> Result<RegionSettings>;
     /// Change them.
@@ -131,8 +131,9 @@ impl Drop for InFlight {
 /// the process through its API, if that is the one running.
 fn operations(engine: &Engine) -> Vec<Running> {
     let running = engine.progress();
-    let mut out: Vec<Running> = IN_FLIGHT
-        .lock()
+    // One look at the table, for both lists: an entry gone in between is in neither twice.
+    let table = IN_FLIGHT.lock();
+    let mut out: Vec<Running> = table
         .iter()
         .map(|(id, (op, tag, chunks, t0))| {
             let mut r = Running::new(
@@ -149,7 +150,10 @@ fn operations(engine: &Engine) -> Vec<Running> {
             r
         })
         .collect();
-    if let Some(p) = running.filter(|p| p.label.is_none()) {
+    // Started in the process, or over the socket but answered already (a resume without
+    // waiting, restoring after its reply): its origin is the label's.
+    let answered = |p: &engine::Progress| p.label.is_some_and(|id| !table.contains_key(&id));
+    if let Some(p) = running.filter(|p| p.label.is_none() || answered(p)) {
         let op = match p.which {
             engine::Which::Pause => Op::Pause,
             engine::Which::Resume => Op::Resume,
@@ -160,10 +164,11 @@ fn operations(engine: &Engine) -> Vec<Running> {
             p.chunks.clone(),
             finite(p.seconds),
         );
-        r.in_process = true;
+        r.in_process = p.label.is_none();
         with_progress(&mut r, &p);
         out.push(r);
     }
+    drop(table);
     out
 }
 
@@ -240,7 +245,7 @@ fn op(
     };
     let Some(ranges) = chunks else {
         let r = if no_wait {
-            host.resume_nonblocking(tag.as_deref())?
+            host.resume_nonblocking(tag.as_deref(), in_flight.0)?
         } else {
             run(&Pick {
                 chunk_state,
@@ -507,9 +512,13 @@ fn full_status(host: &dyn Host) -> Status {
                 active_allocations: t.active_allocations as u64,
                 paused_allocations: t.paused_allocations as u64,
                 partial_allocations: t.partial_allocations as u64,
+                restoring_allocations: t.restoring_allocations as u64,
                 bytes_requested: t.bytes_requested,
                 bytes_active: t.bytes_active,
                 bytes_paused: t.bytes_paused,
+                bytes_restoring: t.bytes_restoring,
+                bytes_unrestored: t.bytes_unrestored,
+                failed_restore: t.failed_restore.clone(),
                 host_backup_bytes: t.host_backup_bytes,
                 disk_backup_bytes: t.disk_backup_bytes,
                 last_pause: timing(&t.last_pause),

@@ -133,9 +133,9 @@ impl Host for ProcessHost {
         &self.rt.engine
     }
 
-    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<crate::engine::OpReport> {
+    fn resume_nonblocking(&self, tag: Option<&str>, label: u64) -> Result<crate::engine::OpReport> {
         let rt: &'static Runtime = self.rt;
-        Engine::resume_nonblocking(&rt.engine, tag, &[], None)
+        Engine::resume_nonblocking_labeled(&rt.engine, tag, &[], None, Some(label))
     }
 
     fn default_region(&self) -> Result<RegionSettings> {

@@ -121,6 +121,7 @@ impl Engine {
                 saved: vec![false; mapped.div_ceil(segment) as usize],
                 kept: None,
                 stuck: Vec::new(),
+                arriving: None,
                 pauseable,
                 resident: false,
             },
@@ -228,6 +229,7 @@ impl Engine {
             }
         }
         d.free_range(ptr, a.mapped).ctx(what)?;
+        self.settle_unrestored(std::iter::once(ptr));
         tracing::debug!("free {ptr:#x}");
         Ok(true)
     }

@@ -59,9 +59,9 @@ pub struct Engine {
     pub(super) device: AtomicI32,
     /// Non-blocking resumes not known to be finished (Note [Non-blocking resume]); a leaf lock.
     pub(super) inflight: Mutex<Vec<Arc<super::restoring::Tracker>>>,
-    /// A failure of a non-blocking resume after it returned, for the next call to report; a
-    /// leaf lock.
-    pub(super) deferred: Mutex<Option<Error>>,
+    /// Non-blocking resumes that failed after they returned, with the allocations they left
+    /// unrestored (Note [Non-blocking resume]); a leaf lock.
+    pub(super) failed: Mutex<Vec<super::restoring::FailedRestore>>,
     /// Host memory being given back after resumes returned (`releases.rs`).
     pub(super) releases: Arc<super::releases::Releases>,
 }
@@ -93,7 +93,7 @@ impl Engine {
             broken: Mutex::new(None),
             device: AtomicI32::new(NO_DEVICE),
             inflight: Mutex::default(),
-            deferred: Mutex::default(),
+            failed: Mutex::default(),
             releases: Arc::default(),
         }
     }

@@ -23,10 +23,17 @@
 //!   call's error, exactly as for a blocking resume (everything stays paused with its backups).
 //!   A copy that fails after the call returned cannot be undone by unmapping: the caller's
 //!   kernels may be queued behind the gate. So the mappings stay (their handles released, the
-//!   segments recorded *stuck*, which the next resume or the free unmaps first), the
-//!   allocations stay Paused with their backups intact, the gate opens, and the error is kept:
-//!   the next pause, resume or wait reports it. Nothing backed up is lost; a second resume
-//!   restores the contents.
+//!   segments recorded *stuck*), the allocations stay Paused with their backups intact, the
+//!   gate opens, and the error is kept with the allocations it left unrestored ([`FailedRestore`]):
+//!   a wait for any of them raises it, every time, until each is paused (which unmaps and gives
+//!   back its memory), resumed (which restores it) or freed; the first of those to act on them
+//!   raises it too if no wait did. Other allocations and tags are not concerned: their pauses,
+//!   resumes and waits run as ever. `stats` shows the unrestored bytes and the error per tag.
+//!   Nothing backed up is lost.
+//! - **True at every instant.** From the moment the caller may return, the registry shows what
+//!   is true (`Allocation::arriving`): each allocation's segments mapped with contents on their
+//!   way, then landed (Active) as soon as its last copy completed, before a wait for it returns;
+//!   the transaction settles it later.
 //! - **Nothing waits for itself.** Page-locking and unlocking host memory and synchronizing
 //!   the device wait for the device's work, which now includes the caller's stream waiting for
 //!   the gate, and while they wait they hold up other threads' driver calls, the restore's
@@ -51,7 +58,7 @@ use std::time::{Duration, Instant};
 use super::base::Engine;
 use super::pick::{describe, Pick};
 use super::report::OpReport;
-use super::restoring::{StreamOf, Tracker};
+use super::restoring::{FailedRestore, StreamOf, Tracker};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 
@@ -70,16 +77,31 @@ impl Engine {
     where
         E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
     {
+        Self::resume_nonblocking_labeled(engine, tag, order, stream, None)
+    }
+
+    /// [`Engine::resume_nonblocking`], its progress labelled `label` (an operation asked for
+    /// over the control socket: Note [Progress] in `progress.rs`).
+    pub fn resume_nonblocking_labeled<E>(
+        engine: E,
+        tag: Option<&str>,
+        order: &[DevPtr],
+        stream: Option<StreamOf>,
+        label: Option<u64>,
+    ) -> Result<OpReport>
+    where
+        E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
+    {
         let t0 = Instant::now();
         let e: &Engine = &engine;
-        e.take_deferred()?;
         super::pick::check_tag(tag)?;
+        let pick = |tag| labeled(tag, label);
         let what = format!("resume of {}", describe(tag));
         let gate = match e.driver.gate() {
             Ok(g) => g,
             Err(err) => {
                 tracing::warn!("{what}: blocking instead of non-blocking: {err}");
-                return e.resume_ordered(&Pick::tag(tag), order, None);
+                return e.resume_ordered(&pick(tag), order, None);
             }
         };
         let tracker = Arc::new(Tracker::new(gate, what.clone()));
@@ -88,7 +110,11 @@ impl Engine {
         let eng = engine.clone();
         let run = move || {
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                eng.resume_ordered(&Pick::tag(owned_tag.as_deref()), &owned_order, Some(&t))
+                eng.resume_ordered(
+                    &labeled(owned_tag.as_deref(), label),
+                    &owned_order,
+                    Some(&t),
+                )
             }));
             let r = match r {
                 Ok(r) => r.map(|_| ()),
@@ -108,9 +134,10 @@ impl Engine {
         if !crate::threads::spawn("tms-resume", run) {
             e.inflight.lock().retain(|x| !Arc::ptr_eq(x, &tracker));
             tracing::warn!("{what}: no thread for it; resuming before returning");
-            return e.resume_ordered(&Pick::tag(tag), order, None);
+            return e.resume_ordered(&pick(tag), order, None);
         }
         tracker.wait_mapped()?;
+        let earlier = tracker.take_earlier();
         let (n, bytes, mut pending, end) = tracker.summary();
         if let Some(st) = stream.filter(|_| n > 0) {
             if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
@@ -125,18 +152,26 @@ impl Engine {
             t0.elapsed().as_secs_f64(),
             crate::units::human(pending)
         );
-        Ok(OpReport {
+        let report = OpReport {
             allocations: n,
             bytes,
             pending,
             seconds: t0.elapsed().as_secs_f64(),
             ..OpReport::default()
-        })
+        };
+        match earlier {
+            // The restore goes on: the call raises what an earlier one left unreported.
+            Some(err) => Err(err.context(format!(
+                "reported by this {what}, which is restoring them (wait() tells when they landed)"
+            ))),
+            None => Ok(report),
+        }
     }
 
     /// Block until what non-blocking resumes are restoring into the allocation holding `ptr`
     /// (every allocation, if `None`) has landed, for at most `timeout`. `Ok(false)` if it timed
-    /// out; a failure of such a resume after it returned is reported here (once).
+    /// out. A resume that failed after it returned leaves its allocations unrestored: a wait
+    /// for any of them is its error, every time, until they are paused, resumed or freed.
     pub fn wait_restored(&self, ptr: Option<DevPtr>, timeout: Option<Duration>) -> Result<bool> {
         let until = timeout.map(|t| Instant::now() + t);
         let trackers: Vec<Arc<Tracker>> = self.inflight.lock().clone();
@@ -145,14 +180,15 @@ impl Engine {
                 Ok(true) => {}
                 Ok(false) => return Ok(false),
                 Err(e) => {
-                    // Reported here: not again by the next call.
-                    self.deferred.lock().take();
+                    self.unrestored_error(ptr);
                     return Err(e);
                 }
             }
         }
-        self.take_deferred()?;
-        Ok(true)
+        match self.unrestored_error(ptr) {
+            Some(e) => Err(e),
+            None => Ok(true),
+        }
     }
 
     /// Make `on`'s stream wait, without blocking the host, until the allocation holding `ptr`
@@ -171,7 +207,10 @@ impl Engine {
                 }
             }
         }
-        self.take_deferred()
+        match self.unrestored_error(ptr) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Wait until the host memory that resumes are giving back after they returned is gone
@@ -185,19 +224,72 @@ impl Engine {
         self.inflight.lock().iter().any(|t| t.restoring())
     }
 
-    /// Keep the failure of a non-blocking resume for the next call to report.
-    pub(super) fn defer(&self, e: Error) {
-        let mut d = self.deferred.lock();
-        if d.is_none() {
-            *d = Some(e);
-        }
+    /// Keep the failure of a non-blocking resume after its caller returned with the
+    /// allocations (address, size) it left unrestored.
+    pub(super) fn record_unrestored(&self, e: &Error, allocs: impl Iterator<Item = (DevPtr, u64)>) {
+        self.failed.lock().push(FailedRestore {
+            error: e.duplicate(),
+            allocs: allocs.collect(),
+            reported: false,
+        });
     }
 
-    /// Report (once) a failure kept from a non-blocking resume.
-    pub(super) fn take_deferred(&self) -> Result<()> {
-        match self.deferred.lock().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+    /// The kept failure concerning the allocation holding `ptr` (any, if `None`), now reported.
+    fn unrestored_error(&self, ptr: Option<DevPtr>) -> Option<Error> {
+        let mut failed = self.failed.lock();
+        let f = failed.iter_mut().find(|f| f.holds(ptr))?;
+        f.reported = true;
+        Some(f.error.duplicate())
+    }
+
+    /// A pause or resume is to act on the allocations at `ptrs`: the first kept failure
+    /// concerning them that nothing reported yet, now reported (the operation acts, then
+    /// raises it: the program ran work on contents that never landed, and must learn it).
+    pub(super) fn report_unrestored(&self, ptrs: impl Iterator<Item = DevPtr>) -> Option<Error> {
+        let mut failed = self.failed.lock();
+        if failed.is_empty() {
+            return None;
         }
+        let mut out: Option<Error> = None;
+        for p in ptrs {
+            for f in failed.iter_mut().filter(|f| !f.reported) {
+                if f.allocs.contains_key(&p) {
+                    f.reported = true;
+                    out.get_or_insert_with(|| f.error.duplicate());
+                }
+            }
+        }
+        out
+    }
+
+    /// The allocations at `ptrs` were paused, resumed or freed: no longer unrestored.
+    pub(super) fn settle_unrestored(&self, ptrs: impl Iterator<Item = DevPtr>) {
+        let mut failed = self.failed.lock();
+        if failed.is_empty() {
+            return;
+        }
+        for p in ptrs {
+            for f in failed.iter_mut() {
+                f.allocs.remove(&p);
+            }
+        }
+        failed.retain(|f| !f.allocs.is_empty());
+    }
+
+    /// Each kept failure's message, with the addresses of the allocations it concerns.
+    pub(super) fn unrestored(&self) -> Vec<(String, Vec<DevPtr>)> {
+        self.failed
+            .lock()
+            .iter()
+            .map(|f| (f.error.to_string(), f.allocs.keys().copied().collect()))
+            .collect()
+    }
+}
+
+/// Every allocation of `tag` (all if `None`), the progress labelled `label`.
+fn labeled(tag: Option<&str>, label: Option<u64>) -> Pick<'_> {
+    Pick {
+        label,
+        ..Pick::tag(tag)
     }
 }

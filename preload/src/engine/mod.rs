@@ -96,12 +96,15 @@
 //!   guarding its field. A buffer leaving `leases` is dropped after the lock is let go.
 //! - `Tracker::current` (`progress.rs`): the running operation; set and cleared by the
 //!   transaction (under `ops`), read by `progress` watchers. A leaf; never taken with `reg`.
-//! - `Engine::inflight` (the non-blocking resumes not known finished) and `Engine::deferred`
-//!   (a failure one of them had after returning): leaves except that `inflight` may be held
-//!   while asking each tracker whether it is finished. A tracker's `st` (`restoring.rs`, with
-//!   the `cv` condvar) is taken under `inflight` or alone, never the other way round; callers
-//!   wait on `cv` for the mapping or for data to land, with no other lock held. The resume's own
-//!   thread updates it from the pipeline's callbacks (under `ops`).
+//! - `Engine::inflight` (the non-blocking resumes not known finished): a leaf, except that it
+//!   may be held while asking each tracker whether it is finished. `Engine::failed` (those that
+//!   failed after returning, with the allocations they left unrestored): a leaf, taken under
+//!   `reg` where it changes with the registry (`keep_mapped`, the commit, the pause's end,
+//!   `stats`), so that the two are seen together. A tracker's `st` (`restoring.rs`, with the
+//!   `cv` condvar) is taken under `inflight` or alone, never the other way round, and may take
+//!   `reg` briefly (an allocation landed: shown so before its waiters are told); callers wait on
+//!   `cv` for the mapping or for data to land, with no other lock held. The resume's own thread
+//!   updates it from the pipeline's callbacks (under `ops`).
 //! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.

@@ -41,6 +41,8 @@ struct Job {
     file_chunk: u64,
     /// The allocation's file holds the contents of segments that stay paused.
     file_needed: bool,
+    /// Paused segments a failed resume left mapped (index and where): unmapped first.
+    stuck: Vec<(usize, Span)>,
     /// A buffer others hold that has the contents of the allocation's paused segments: copied
     /// (those byte ranges) into the new buffer before anything is paused.
     carry: Option<BufferRanges>,
@@ -139,6 +141,16 @@ impl Engine {
         let mut tx = Txn::begin(self, Which::Pause, pick)?;
         let cfg = tx.cfg;
         let mut jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
+        // A non-blocking resume's failure that nothing reported, on allocations this pause
+        // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
+        let earlier = self.report_unrestored(jobs.iter().map(|j| j.ptr));
+        let mut tally = Tally::default();
+        if let Err(e) = self.release_stuck(&mut jobs, &mut tally) {
+            let e = e.context(format!("pause of {}", pick.describe()));
+            return Err(super::resume::with_earlier(e, earlier));
+        }
+        let touched: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
+        jobs.retain(|j| !j.runs.is_empty());
         let mut retired = vec![(0, 0); jobs.len()];
         let t0 = std::time::Instant::now();
         let mut prepared_s = 0.0;
@@ -156,7 +168,6 @@ impl Engine {
                 );
                 self.pause_devices(&jobs, rings, &cfg, &mut retired, tracked.counters())
             });
-        let mut tally = Tally::default();
         for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             tally.add(&j.tag, *bytes, *copied, j.on_disk());
         }
@@ -189,7 +200,8 @@ impl Engine {
         drop(end);
         if let Err(e) = result {
             let e = e.context(format!("pause of {}", pick.describe()));
-            return Err(self.restore_part_paused(&part_paused, e));
+            let e = self.restore_part_paused(&part_paused, e);
+            return Err(super::resume::with_earlier(e, earlier));
         }
         tracing::info!(
             "paused {} ({} allocations){} in {:.3}s",
@@ -198,7 +210,48 @@ impl Engine {
             report.copies(true),
             report.seconds
         );
+        {
+            // Under the registry's lock, as `stats` reads them together.
+            let reg = self.reg.lock();
+            let clean = touched
+                .into_iter()
+                .filter(|p| reg.allocs.get(p).is_some_and(|a| a.stuck.is_empty()));
+            self.settle_unrestored(clean);
+        }
+        if let Some(e) = earlier {
+            return Err(e.context(format!(
+                "reported by this pause of {}, which has paused them (their memory given back)",
+                pick.describe()
+            )));
+        }
         Ok(report)
+    }
+
+    /// Give back the memory of the segments a failed non-blocking resume left mapped (paused
+    /// already, their contents in the backup), before the jobs' own work; counted in `tally`.
+    /// What is unmapped stops being stuck at once, so a failure part-way loses nothing.
+    fn release_stuck(&self, jobs: &mut [Job], tally: &mut Tally) -> Result<()> {
+        let d = &*self.driver;
+        for j in jobs.iter_mut().filter(|j| !j.stuck.is_empty()) {
+            let stuck = std::mem::take(&mut j.stuck);
+            let device = stuck[0].1.device;
+            let _scope = DeviceScope::enter(d, device)?;
+            // Work queued behind the failed restore may still use the memory.
+            d.synchronize(device)?;
+            let mut bytes = 0;
+            for (s, seg) in stuck {
+                d.unmap(seg.ptr, seg.mapped).ctx(|| {
+                    format!(
+                        "unmapping {:#x} ({} bytes, tag {:?}), left mapped by a failed resume",
+                        seg.ptr, seg.mapped, j.tag
+                    )
+                })?;
+                self.reg.lock().marked(j.ptr).stuck.retain(|x| *x != s);
+                bytes += seg.mapped;
+            }
+            tally.add(&j.tag, bytes, 0, false);
+        }
+        Ok(())
     }
 
     /// Give every job with a backup policy a host buffer or a file, after checking that the
@@ -521,11 +574,37 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
         |ptr, a| {
             pick.selects(ptr, a).then(|| {
                 (0..a.handles.len())
-                    .filter(|&s| a.handles[s].is_some() && pick.wants(s))
+                    .filter(|&s| (a.handles[s].is_some() || a.stuck.contains(&s)) && pick.wants(s))
                     .collect()
             })
         },
         |ptr, a, segs| {
+            // Segments a failed resume left mapped: paused already, their contents in the
+            // backup; the pause only gives their memory back (`Engine::release_stuck`).
+            let (stuck, segs): (Vec<usize>, Vec<usize>) =
+                segs.into_iter().partition(|s| a.stuck.contains(s));
+            let stuck: Vec<(usize, Span)> = stuck
+                .into_iter()
+                .map(|s| (s, a.span(ptr).sub(s, 1)))
+                .collect();
+            if segs.is_empty() {
+                return Job {
+                    ptr,
+                    size: a.size,
+                    mapped: a.mapped,
+                    tag: a.tag.clone(),
+                    backup: a.backup,
+                    runs: Vec::new(),
+                    segs,
+                    chunked: a.chunk > 0,
+                    host: None,
+                    disk: None,
+                    file_chunk: 0,
+                    file_needed: true,
+                    carry: None,
+                    stuck,
+                };
+            }
             for &s in &segs {
                 a.saved[s] = false;
             }
@@ -597,6 +676,7 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
                 file_chunk,
                 file_needed,
                 carry,
+                stuck,
             }
         },
     )

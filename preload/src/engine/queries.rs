@@ -88,7 +88,7 @@ impl Engine {
                 device: a.device,
                 tag: a.tag.to_string(),
                 backup: a.backup,
-                state: a.state,
+                state: a.shown_state(),
                 host_bytes: a.host_bytes(),
                 host_pinned_bytes: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                 disk_bytes: a.disk.as_deref().map_or(0, DiskFile::len),
@@ -105,18 +105,36 @@ impl Engine {
     /// Per-tag statistics.
     pub fn stats(&self) -> Stats {
         let reg = self.reg.lock();
+        // Under the registry's lock, as they are changed: a failure shows with its allocations.
+        let failed = self.unrestored();
         let mut s = stats::collect(
-            reg.allocs.values().map(|a| stats::Row {
-                tag: &a.tag,
-                size: a.size,
-                mapped: a.mapped,
-                active: a.active_bytes(),
-                host: a.host_bytes(),
-                host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
-                disk: a.disk.as_deref().map_or(0, DiskFile::len),
+            reg.allocs.values().map(|a| {
+                let (active, arriving, unrestored) = a.shown_bytes();
+                stats::Row {
+                    tag: &a.tag,
+                    size: a.size,
+                    mapped: a.mapped,
+                    active,
+                    arriving,
+                    unrestored,
+                    host: a.host_bytes(),
+                    host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                    disk: a.disk.as_deref().map_or(0, DiskFile::len),
+                }
             }),
             &reg.history,
         );
+        for (msg, ptrs) in failed {
+            for p in ptrs {
+                let Some(a) = reg.allocs.get(&p) else {
+                    continue;
+                };
+                if let Some(t) = s.tags.iter_mut().find(|t| t.tag == *a.tag) {
+                    t.failed_restore.get_or_insert_with(|| msg.clone());
+                }
+            }
+        }
+        drop(reg);
         s.backend = self.driver.name().to_string();
         s.retain_cpu_backup = self.retain_cpu_backup();
         s.memory_margin_bytes = self.memory_margin();

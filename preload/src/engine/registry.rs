@@ -43,6 +43,11 @@ pub(super) struct Allocation {
     /// Paused segments a failed resume could not unmap while undoing (their handles are
     /// released): unmapped before they are mapped again, or before the range is freed.
     pub stuck: Vec<usize>,
+    /// A non-blocking resume whose caller may have returned (Note [Non-blocking resume]): the
+    /// segments it resumes are mapped, and their contents landed (`true`) or on their way.
+    /// What `stats` and `allocations` show, before the resume settles the allocation (which
+    /// clears it).
+    pub arriving: Option<(Vec<usize>, bool)>,
     pub pauseable: bool,
     /// Kept mapped at the same physical backing by every pause and resume until freed
     /// (`keep_resident`: memory NCCL has registered must never move).
@@ -63,6 +68,39 @@ impl Allocation {
     /// In the middle of a pause or resume: its owner waits before freeing it.
     pub fn in_transition(&self) -> bool {
         matches!(self.state, State::Pausing | State::Resuming)
+    }
+
+    /// The state a caller is shown: the settled one, or for an allocation a non-blocking
+    /// resume is restoring, Active (or Partial) once its contents landed.
+    pub fn shown_state(&self) -> State {
+        match &self.arriving {
+            Some((segs, true)) if self.state == State::Resuming => {
+                let mapped = self.handles.iter().filter(|h| h.is_some()).count() + segs.len();
+                if mapped >= self.handles.len() {
+                    State::Active
+                } else {
+                    State::Partial
+                }
+            }
+            _ => self.state,
+        }
+    }
+
+    /// Device bytes mapped now, as a caller is shown them: `(active, arriving, unrestored)`.
+    /// Active: mapped segments, and those a non-blocking resume restored; arriving: mapped by
+    /// one still restoring them; unrestored: left mapped by one that failed after its caller
+    /// returned (`stuck`), their contents not restored.
+    pub fn shown_bytes(&self) -> (u64, u64, u64) {
+        let lens: Vec<u64> = segments(self.mapped, self.segment)
+            .map(|(_, l)| l)
+            .collect();
+        let of = |segs: &[usize]| segs.iter().map(|&s| lens[s]).sum::<u64>();
+        let (arriving, landed) = match &self.arriving {
+            Some((segs, true)) => (0, of(segs)),
+            Some((segs, false)) => (of(segs), 0),
+            None => (0, 0),
+        };
+        (self.active_bytes() + landed, arriving, of(&self.stuck))
     }
 
     /// The settled state its handles describe.

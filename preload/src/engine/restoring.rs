@@ -1,6 +1,7 @@
 //! What follows one non-blocking resume from its start to its end: the gate's steps, the
 //! allocations restored so far, the outcome (Note [Non-blocking resume] in `inflight.rs`).
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
@@ -40,6 +41,9 @@ struct TrackState {
     mapped: bool,
     /// The outcome, once the thread is done.
     done: Option<std::result::Result<(), Error>>,
+    /// An earlier non-blocking resume's failure nothing reported, concerning allocations this
+    /// one restores: the caller raises it once everything is mapped.
+    earlier: Option<Error>,
 }
 
 impl TrackState {
@@ -68,9 +72,15 @@ impl Tracker {
     }
 
     /// The resume marked `jobs` (address, size, pipeline items), in its order, on `devices`
-    /// devices; the gate's value now is its base.
-    pub(super) fn begin(&self, jobs: Vec<(DevPtr, u64, usize)>, devices: usize) {
+    /// devices; the gate's value now is its base. `earlier`: see [`Tracker::take_earlier`].
+    pub(super) fn begin(
+        &self,
+        jobs: Vec<(DevPtr, u64, usize)>,
+        devices: usize,
+        earlier: Option<Error>,
+    ) {
         let mut s = self.st.lock();
+        s.earlier = earlier;
         s.base = self.gate.value();
         s.left = jobs.iter().map(|j| j.2).collect();
         s.jobs = jobs.into_iter().map(|j| (j.0, j.1)).collect();
@@ -111,6 +121,12 @@ impl Tracker {
         )
     }
 
+    /// An earlier non-blocking resume's failure that nothing reported, concerning allocations
+    /// this resume restores (it does restore them): for the caller to raise.
+    pub(super) fn take_earlier(&self) -> Option<Error> {
+        self.st.lock().earlier.take()
+    }
+
     /// `"resume of tag 'kv'"`.
     pub(super) fn what(&self) -> &str {
         &self.what
@@ -121,11 +137,14 @@ impl Tracker {
         self.st.lock().mapped
     }
 
-    /// An item of allocation `k` is copied (its copies' completion waited for).
-    pub(super) fn item_done(&self, k: usize) {
+    /// An item of allocation `k` is copied (its copies' completion waited for); `landed` runs
+    /// when that was its last, before anyone waiting for it is told (under this tracker's
+    /// lock: it may take the registry's).
+    pub(super) fn item_done(&self, k: usize, landed: impl FnOnce()) {
         let mut s = self.st.lock();
         s.left[k] = s.left[k].saturating_sub(1);
         if s.left[k] == 0 {
+            landed();
             self.advance(&mut s);
             drop(s);
             self.cv.notify_all();
@@ -253,4 +272,26 @@ impl Drop for OpenOnDrop<'_> {
 pub struct StreamOf {
     pub device: i32,
     pub stream: Stream,
+}
+
+/// A non-blocking resume that failed after its caller returned (Note [Non-blocking resume]).
+pub(super) struct FailedRestore {
+    pub(super) error: Error,
+    /// The allocations (address, size) it left unrestored that are still so.
+    pub(super) allocs: BTreeMap<DevPtr, u64>,
+    /// A wait, pause or resume raised it.
+    pub(super) reported: bool,
+}
+
+impl FailedRestore {
+    pub(super) fn holds(&self, ptr: Option<DevPtr>) -> bool {
+        match ptr {
+            None => true,
+            Some(p) => self
+                .allocs
+                .range(..=p)
+                .next_back()
+                .is_some_and(|(&start, &size)| holds(start, size, p)),
+        }
+    }
 }

@@ -18,7 +18,7 @@ use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
-use crate::error::{Result, ResultExt};
+use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
 
 /// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
@@ -152,11 +152,15 @@ impl Engine {
             };
             jobs.sort_by_key(rank);
         }
+        // A non-blocking resume's failure that nothing reported, on allocations this one
+        // restores: raised once they are (by the caller of a non-blocking one once mapped).
+        let mut earlier = self.report_unrestored(jobs.iter().map(|j| j.ptr));
         if let Some(t) = track {
             let devices = by_device(jobs.iter().map(Job::device)).len();
             t.begin(
                 jobs.iter().map(|j| (j.ptr, j.size, j.runs.len())).collect(),
                 devices,
+                earlier.take(),
             );
         }
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
@@ -174,7 +178,8 @@ impl Engine {
             .filter_map(|j| j.disk.as_ref())
             .try_for_each(|f| f.check_present());
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
-            return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
+            let e = e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs)));
+            return Err(with_earlier(e, earlier));
         }
         let (rings, tracked) = tx.work();
         let progress = tracked.counters();
@@ -184,23 +189,24 @@ impl Engine {
             // gate opens first: releasing handles is a driver call, and none may wait for work
             // that waits for this restore.
             t.open();
-            self.keep_mapped(&jobs, made);
             let e = e.duplicate().context(format!(
-                "the non-blocking {} failed after it returned: its allocations stay paused \
-                 with their backups, their memory mapped until the next resume or free; resume \
-                 again to restore them",
+                "the non-blocking {} failed after it returned: its data did not land, and work \
+                 queued after it ran on other contents. Its allocations stay paused with their \
+                 backups, their memory mapped until a pause gives it back or a resume restores \
+                 them",
                 t.what()
             ));
-            self.defer(e.duplicate());
+            self.keep_mapped(&jobs, made, &e);
             return Err(e);
         }
         if let Err(e) = result {
             let stuck = self.undo(&jobs, made);
-            return Err(e.context(format!(
+            let e = e.context(format!(
                 "resume of {} (undone: {}{stuck})",
                 pick.describe(),
                 stays(&jobs)
-            )));
+            ));
+            return Err(with_earlier(e, earlier));
         }
         let retain = self.retain_cpu_backup();
         let (tally, leftovers) = self.commit(&jobs, made, pick, retain);
@@ -256,6 +262,12 @@ impl Engine {
             report.seconds,
             report.release_seconds
         );
+        if let Some(e) = earlier {
+            return Err(e.context(format!(
+                "reported by this resume of {}, which has restored them",
+                pick.describe()
+            )));
+        }
         Ok(report)
     }
 
@@ -313,13 +325,26 @@ impl Engine {
                             )
                         })?;
                         if let Some(t) = track.filter(|_| p + 1 == parts.len()) {
+                            // This device's share is mapped, its contents on their way: shown
+                            // so before the caller may return (landed ones stay landed).
+                            let mut reg = self.reg.lock();
+                            for &i in list {
+                                let j = &jobs[i];
+                                let a = reg.marked(j.ptr);
+                                a.arriving.get_or_insert_with(|| (j.segs.clone(), false));
+                            }
+                            drop(reg);
                             t.device_mapped();
                         }
                         Ok(())
                     },
                     |p| {
                         if let Some(t) = track {
-                            t.item_done(parts[p].0);
+                            let j = &jobs[parts[p].0];
+                            t.item_done(parts[p].0, || {
+                                self.reg.lock().marked(j.ptr).arriving =
+                                    Some((j.segs.clone(), true));
+                            });
                         }
                         Ok(())
                     },
@@ -367,9 +392,12 @@ impl Engine {
                 }
             }
         }
+        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
+        self.settle_unrestored(jobs.iter().map(|j| j.ptr));
         for j in jobs {
             let a = reg.marked(j.ptr);
             a.state = a.settled();
+            a.arriving = None;
             tally.allocation(&j.tag);
             // A retained backup stays a complete snapshot (of the last pause).
             if !retain {
@@ -394,6 +422,13 @@ impl Engine {
     /// paused in the registry (its contents are in the backup, if any) and is recorded as stuck,
     /// for the next resume or the free to unmap; returns a note on them for the error.
     fn undo(&self, jobs: &[Job], made: Vec<(usize, usize, Mapping<'_>)>) -> String {
+        {
+            // Nothing it mapped is shown arriving or landed any more.
+            let mut reg = self.reg.lock();
+            for j in jobs {
+                reg.marked(j.ptr).arriving = None;
+            }
+        }
         let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
         for (i, r, m) in made {
             let (j, span) = (&jobs[i], jobs[i].runs[r].0);
@@ -418,9 +453,10 @@ impl Engine {
 
     /// What a non-blocking resume that failed after returning made stays mapped, for the
     /// caller's queued work to find mapped memory: the handles are released (the memory goes
-    /// once unmapped) and every segment is recorded stuck, for the next resume or the free to
-    /// unmap. The allocations stay paused with their backups.
-    fn keep_mapped(&self, jobs: &[Job], made: Made<'_>) {
+    /// once unmapped) and every segment is recorded stuck, for the next pause, resume or free
+    /// to unmap. The allocations stay paused with their backups, and `e` is kept for them (in
+    /// the same step, so that nobody sees one without the other).
+    fn keep_mapped(&self, jobs: &[Job], made: Made<'_>, e: &crate::error::Error) {
         let d = &*self.driver;
         let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
         for (i, r, m) in made {
@@ -437,6 +473,10 @@ impl Engine {
         for (p, s) in stuck {
             reg.marked(p).stuck.push(s);
         }
+        for j in jobs {
+            reg.marked(j.ptr).arriving = None;
+        }
+        self.record_unrestored(e, jobs.iter().map(|j| (j.ptr, j.size)));
     }
 
     /// Unmap the segments an earlier failed resume left mapped, before mapping them again.
@@ -502,6 +542,15 @@ fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
             }
         },
     )
+}
+
+/// A pause's or resume's own failure, with an earlier non-blocking resume's failure it was to
+/// report (Note [Non-blocking resume] in `inflight.rs`).
+pub(super) fn with_earlier(e: Error, earlier: Option<Error>) -> Error {
+    match earlier {
+        Some(first) => e.context(format!("{first}; then")),
+        None => e,
+    }
 }
 
 /// Give back the host memory of chunks resumed without retention, in buffers their paused

@@ -17,8 +17,12 @@ pub(super) struct Row<'a> {
     pub tag: &'a str,
     pub size: u64,
     pub mapped: u64,
-    /// Of `mapped`, the bytes mapped now.
+    /// Of `mapped`, the bytes mapped now (or restored by a non-blocking resume).
     pub active: u64,
+    /// Of `mapped`, bytes a non-blocking resume mapped whose contents are on their way.
+    pub arriving: u64,
+    /// Of `mapped`, bytes a failed non-blocking resume left mapped, not restored.
+    pub unrestored: u64,
     pub host: u64,
     pub host_pinned: u64,
     pub disk: u64,
@@ -73,12 +77,25 @@ pub struct TagStats {
     /// Of those, allocations with some parts active and others paused: chunked ones, or one a
     /// failed pause could not make whole again.
     pub partial_allocations: usize,
+    /// Of those, allocations a non-blocking resume is restoring (mapped, contents on their
+    /// way): neither active nor paused.
+    pub restoring_allocations: usize,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
     /// Mapped bytes of active allocations and active chunks (device memory held).
     pub bytes_active: u64,
     /// Mapped bytes of paused allocations and paused chunks (device memory given back).
     pub bytes_paused: u64,
+    /// Mapped bytes a non-blocking resume mapped again whose contents are still on their way
+    /// (device memory held; `wait()` tells when they landed). Neither active nor paused.
+    pub bytes_restoring: u64,
+    /// Mapped bytes a non-blocking resume left mapped when it failed after returning: device
+    /// memory held, contents not restored (the allocations are paused with their backups; a
+    /// pause gives the memory back, a resume restores them). Neither active nor paused.
+    pub bytes_unrestored: u64,
+    /// The error of a non-blocking resume that failed after returning, while allocations of
+    /// the tag it left unrestored are so.
+    pub failed_restore: Option<String>,
     /// Host memory held by backups.
     pub host_backup_bytes: u64,
     /// Of that, page-locked (pinned backups, once the background pinner has done them).
@@ -121,11 +138,16 @@ pub(super) fn collect<'a>(
         t.disk_backup_bytes += r.disk;
         match r.active {
             a if a == r.mapped => t.active_allocations += 1,
+            0 if r.arriving > 0 => t.restoring_allocations += 1,
             0 => t.paused_allocations += 1,
             _ => t.partial_allocations += 1,
         }
         t.bytes_active += r.active;
-        t.bytes_paused += r.mapped - r.active;
+        t.bytes_restoring += r.arriving;
+        t.bytes_unrestored += r.unrestored;
+        t.bytes_paused += r
+            .mapped
+            .saturating_sub(r.active + r.arriving + r.unrestored);
     }
     for (tag, h) in history {
         let t = tags.entry(tag).or_insert_with(|| TagStats {

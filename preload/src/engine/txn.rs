@@ -95,9 +95,6 @@ impl<'e> Txn<'e> {
         let t0 = Instant::now();
         let cfg = engine.copy_config();
         let ops = engine.ops.lock();
-        // A non-blocking resume that failed after returning (holding this lock): reported by
-        // the next call, which then does nothing.
-        engine.take_deferred()?;
         let tracked = engine.progress.begin(Start {
             which,
             tag,
@@ -248,6 +245,7 @@ impl Drop for Settle<'_> {
             for p in &self.ptrs {
                 if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
                     a.state = a.settled();
+                    a.arriving = None;
                 }
             }
         }

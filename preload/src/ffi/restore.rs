@@ -55,8 +55,9 @@ pub unsafe extern "C" fn tms_resume_nonblocking(
 
 /// Block until what non-blocking resumes are restoring into the allocation holding `addr`
 /// (every allocation, if 0) has landed, for at most `timeout_ms` (negative: no limit).
-/// `*out_done` (or NULL) is 1 if it landed, 0 if the time ran out. A failure of such a resume
-/// after it returned is reported here, once.
+/// `*out_done` (or NULL) is 1 if it landed, 0 if the time ran out. A resume that failed after
+/// it returned is reported here for the allocations it left unrestored, every time, until they
+/// are paused, resumed or freed.
 ///
 /// # Safety
 /// `out_done` is NULL or writable.

@@ -36,8 +36,13 @@ fn host() -> &'static TestHost {
 }
 
 fn host_over(d: SimDriver) -> &'static TestHost {
+    host_over_shared(Arc::new(d))
+}
+
+/// [`host_over`] a simulated device the test keeps a hand on (to hold or fail its calls).
+fn host_over_shared(d: Arc<SimDriver>) -> &'static TestHost {
     Box::leak(Box::new(TestHost {
-        engine: Arc::new(Engine::new(Arc::new(d))),
+        engine: Arc::new(Engine::new(d)),
         region: Mutex::new(RegionSettings {
             enabled: false,
             tag: "default".into(),
@@ -71,8 +76,8 @@ impl Host for TestHost {
     fn engine(&self) -> &Engine {
         &self.engine
     }
-    fn resume_nonblocking(&self, tag: Option<&str>) -> Result<crate::engine::OpReport> {
-        Engine::resume_nonblocking(self.engine.clone(), tag, &[], None)
+    fn resume_nonblocking(&self, tag: Option<&str>, label: u64) -> Result<crate::engine::OpReport> {
+        Engine::resume_nonblocking_labeled(self.engine.clone(), tag, &[], None, Some(label))
     }
     fn default_region(&self) -> Result<RegionSettings> {
         self.at_gate

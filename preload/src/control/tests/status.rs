@@ -301,3 +301,88 @@ fn a_status_without_operations_shows_what_they_left() {
         "only {checked} of 200 operations were seen running"
     );
 }
+
+/// Issue 36, item 1: a resume asked over the socket without waiting is shown as the socket's
+/// (not "started in the process") while it restores after its reply, and its tag as restoring,
+/// not paused; when it fails after the reply, the status shows the failure and the memory it
+/// left held as unrestored, until a pause over the socket gives it back (and, nobody having
+/// waited, reports the failure).
+#[test]
+fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_paused() {
+    use crate::driver::sim::Prim;
+    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+    let h = host_over_shared(sim.clone());
+    for _ in 0..3 {
+        h.alloc(2 << 20, "nw", Some(BackupKind::Pinned));
+    }
+    let mut c = Conn::greeted(h);
+    done(c.ask(&pause(Some("nw".into()))));
+    let tag_of = |c: &mut Conn| match c.ask(&Request::Status) {
+        Reply::Status(s) => (
+            s.tags.into_iter().find(|t| t.tag == "nw").unwrap(),
+            s.operations,
+        ),
+        other => panic!("{other:?}"),
+    };
+    sim.hold(Prim::EventSync, None);
+    let d = done(c.ask(&Request::Resume {
+        tag: Some("nw".into()),
+        chunks: None,
+        chunk_state: false,
+        no_wait: true,
+    }));
+    assert_eq!(d.allocations, 3);
+    let (t, ops) = tag_of(&mut c);
+    assert_eq!(
+        (
+            t.restoring_allocations,
+            t.bytes_restoring,
+            t.bytes_paused,
+            t.bytes_active
+        ),
+        (3, 6 << 20, 0, 0),
+        "{t:?}"
+    );
+    assert_eq!(ops.len(), 1, "{ops:?}");
+    assert!(
+        ops[0].op == Op::Resume && !ops[0].in_process,
+        "asked over the socket: {ops:?}"
+    );
+    sim.arm_fault(Prim::EventSync, 1, 999);
+    sim.unhold(Prim::EventSync, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let t = loop {
+        let (t, ops) = tag_of(&mut c);
+        if ops.is_empty() {
+            break t;
+        }
+        assert!(Instant::now() < deadline, "the resume never ended");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        (t.bytes_unrestored, t.bytes_paused, t.bytes_active),
+        (6 << 20, 0, 0),
+        "{t:?}"
+    );
+    let msg = t.failed_restore.expect("the failure is shown");
+    assert!(msg.contains("failed after it returned"), "{msg}");
+    let Reply::Error(e) = c.ask(&pause(Some("nw".into()))) else {
+        panic!("the pause reports the failure nobody waited for")
+    };
+    assert!(
+        e.message.contains("reported by this pause"),
+        "{}",
+        e.message
+    );
+    let (t, _) = tag_of(&mut c);
+    assert_eq!(
+        (
+            t.bytes_unrestored,
+            t.bytes_paused,
+            t.failed_restore.as_deref()
+        ),
+        (0, 6 << 20, None),
+        "given back: {t:?}"
+    );
+    assert_eq!(done(c.ask(&resume(Some("nw".into())))).allocations, 3);
+}
