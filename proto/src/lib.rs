@@ -306,6 +306,10 @@ pub struct TagStatus {
     /// their way): neither active nor paused. Absent (0) from servers that predate it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub restoring_allocations: u64,
+    /// Of the active ones, allocations kept resident (`keep_resident`), which a pause leaves
+    /// mapped. Absent (0) where none, and from servers that predate it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub resident_allocations: u64,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
     /// Mapped bytes of active allocations and of the active chunks of partial ones (device

@@ -143,6 +143,39 @@ def test_resume_out_of_memory_on_one_rank_leaves_every_rank_paused(tmp_path, lib
         assert again["ok"] and again["intact"] and (again["active"], again["paused"]) == (1, 0), (rank, again)
 
 
+def test_a_resume_undo_is_not_blocked_by_an_allocation_kept_resident(tmp_path, libtms):
+    # Issue 36, item 3: a resident allocation of the tag is active before the job-wide resume,
+    # but a pause leaves it mapped, so the undo (a pause) is exact and must run: rank 1 fails,
+    # and every rank ends as before, the resident one active and the other paused.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        kept, _ = alloc("r", 4 * MIB, 7, enable_cpu_backup=True)
+        size = ctypes.c_uint64(0)
+        lib = tms._impl._binary_wrapper
+        lib.check(lib.tms_keep_resident_ex(kept, ctypes.byref(size)))
+        assert size.value == 4 * MIB, size.value
+        p, data = alloc("r", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("r")
+        assert tag_stats("r")["resident_allocations"] == 1, tag_stats("r")
+        if RANK == 1:
+            def failing(*a, **k):
+                raise tms_pkg.OutOfMemoryError("injected: the device is full")
+            tms.resume = failing
+        a = attempt(tmsd._resume_tag, "r")
+        report(tag="r", step="resume", **a)
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (first,) = r["results"]
+        assert not first["ok"] and first["failed"] == [1], (rank, first)
+        assert "skipped" not in first["msg"] and "every rank undid it" in first["msg"], (rank, first)
+        assert (first["active"], first["paused"]) == (1, 1), (rank, first)
+
+
 def test_a_full_disk_on_one_rank_undoes_the_pause_everywhere(tmp_path, libtms):
     # Rank 2's disk fills at its second write: its pause stops part-way; every rank resumes
     # what it paused, so every rank ends active with its contents, and the error names rank 2.

@@ -285,11 +285,13 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     partly: List[str] = []
 
     def act() -> None:
-        # A resume is undone by pausing the tag, which is exact only if nothing of it was active.
+        # A resume is undone by pausing the tag, which is exact only if nothing a pause takes
+        # was active: allocations kept resident stay mapped through it.
         partly.extend(
             t["tag"]
             for t in tms.stats()["tags"]
-            if (tag is None or t["tag"] == tag) and (t["active_allocations"] or t.get("partial_allocations", 0))
+            if (tag is None or t["tag"] == tag)
+            and (t["active_allocations"] - t.get("resident_allocations", 0) or t.get("partial_allocations", 0))
         )
         tms.resume(tag)
 

@@ -513,6 +513,7 @@ fn full_status(host: &dyn Host) -> Status {
                 paused_allocations: t.paused_allocations as u64,
                 partial_allocations: t.partial_allocations as u64,
                 restoring_allocations: t.restoring_allocations as u64,
+                resident_allocations: t.resident_allocations as u64,
                 bytes_requested: t.bytes_requested,
                 bytes_active: t.bytes_active,
                 bytes_paused: t.bytes_paused,

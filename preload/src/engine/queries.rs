@@ -117,6 +117,7 @@ impl Engine {
                     active,
                     arriving,
                     unrestored,
+                    resident: a.resident,
                     host: a.host_bytes(),
                     host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
                     disk: a.disk.as_deref().map_or(0, DiskFile::len),

@@ -23,6 +23,8 @@ pub(super) struct Row<'a> {
     pub arriving: u64,
     /// Of `mapped`, bytes a failed non-blocking resume left mapped, not restored.
     pub unrestored: u64,
+    /// Kept resident (`keep_resident`): no pause takes it.
+    pub resident: bool,
     pub host: u64,
     pub host_pinned: u64,
     pub disk: u64,
@@ -80,6 +82,9 @@ pub struct TagStats {
     /// Of those, allocations a non-blocking resume is restoring (mapped, contents on their
     /// way): neither active nor paused.
     pub restoring_allocations: usize,
+    /// Of the active ones, allocations kept resident (`keep_resident`): a pause leaves them
+    /// mapped.
+    pub resident_allocations: usize,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
     /// Mapped bytes of active allocations and active chunks (device memory held).
@@ -141,6 +146,9 @@ pub(super) fn collect<'a>(
             0 if r.arriving > 0 => t.restoring_allocations += 1,
             0 => t.paused_allocations += 1,
             _ => t.partial_allocations += 1,
+        }
+        if r.resident {
+            t.resident_allocations += 1;
         }
         t.bytes_active += r.active;
         t.bytes_restoring += r.arriving;
