@@ -125,7 +125,9 @@ int tms_resume(const char *tag);
 
 /* tms_pause / tms_resume with a saved state: save_chunk_state records which allocations of
  * the tag, and which chunks of chunked ones, are active before pausing; restore_chunk_state
- * resumes only those (all of an allocation with nothing recorded). */
+ * resumes only those (all of an allocation with nothing recorded). 1 (any non-zero value but
+ * 2): the program's record; 2: a second record, which job-wide operations keep for their undo
+ * (distributed pauses, tmsctl pause --atomic), so that they never overwrite the program's. */
 int tms_pause_ex(const char *tag, int save_chunk_state);
 int tms_resume_ex(const char *tag, int restore_chunk_state);
 

@@ -176,6 +176,32 @@ def test_a_resume_undo_is_not_blocked_by_an_allocation_kept_resident(tmp_path, l
         assert (first["active"], first["paused"]) == (1, 1), (rank, first)
 
 
+def test_a_job_wide_pause_keeps_the_programs_chunk_state_record(tmp_path, libtms):
+    # Issue 36, item 4: the job's pause records the chunk states for its own undo, in a record
+    # of its own: the one the program saved with pause(save_chunk_state=True) is still there.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("k", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        tms.pause_chunks("k", [1])
+        tms.pause("k", save_chunk_state=True)            # the program's record: [1, 0, 1, 1]
+        tms.resume("k")
+        a = attempt(tmsd._pause_tag, "k")
+        b = attempt(tmsd._resume_tag, "k")
+        tms.pause("k")
+        tms.resume("k", restore_chunk_state=True)
+        report(tag="k", step="after", states=tms.get_chunk_states("k"), a=a["ok"], b=b["ok"])
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (after,) = r["results"]
+        assert after["a"] and after["b"], (rank, after)
+        assert after["states"] == [True, False, True, True], (rank, after)
+
+
 def test_a_full_disk_on_one_rank_undoes_the_pause_everywhere(tmp_path, libtms):
     # Rank 2's disk fills at its second write: its pause stops part-way; every rank resumes
     # what it paused, so every rank ends active with its contents, and the error names rank 2.

@@ -507,7 +507,7 @@ def test_nonblocking_resume_returns_mapped_and_wait_sees_the_data(preloaded):
     assert returned < waited, r.stdout
 
 
-def test_nonblocking_resume_failure_after_return_is_raised_by_wait_and_loses_nothing(preloaded):
+def test_nonblocking_resume_failure_after_return_is_raised_by_every_wait_and_loses_nothing(preloaded):
     r = preloaded(
         """
         n = 8 << 20
@@ -524,10 +524,17 @@ def test_nonblocking_resume_failure_after_return_is_raised_by_wait_and_loses_not
             raise SystemExit("wait should have raised")
         except tms_pkg.DriverError as e:
             print("MSG", e)
-        assert tag_stats("kv")["paused_allocations"] == 2
-        tms.wait()  # reported once
+        s = tag_stats("kv")
+        assert s["paused_allocations"] == 2 and s["bytes_unrestored"] == 2 * n and s["bytes_paused"] == 0, s
+        assert "failed after it returned" in s["failed_restore"], s
+        try:
+            tms.wait()  # every time, until the tag is paused or resumed
+            raise SystemExit("wait should raise again")
+        except tms_pkg.DriverError:
+            pass
         tms.resume("kv")
         assert ctypes.string_at(p, n) == data and ctypes.string_at(q, n) == data
+        assert tms.wait() is True and tag_stats("kv")["failed_restore"] is None
         """,
         # Both allocations are mapped while the first copy crosses the slow link; the second
         # copy to the device fails.

@@ -21,8 +21,8 @@ and why.
   wrote; undoing a resume pauses again, writing backups where the region keeps them.
 - A pause records which allocations and chunks were active (as ``pause(tag,
   save_chunk_state=True)`` does) and its undo brings back only those, so an allocation that was
-  paused before the call stays paused. The record replaces one an earlier
-  ``pause(save_chunk_state=True)`` of the same allocations made.
+  paused before the call stays paused. The record is the job's own: one the program made with
+  ``pause(save_chunk_state=True)`` is left as it was.
 - A resume of a tag that was partly active before the call cannot be undone exactly (pausing the
   tag would also pause what was active before). Such a rank skips its undo and the error says so
   (``undo`` of that rank is ``"skipped: ..."``); its tag stays resumed, nothing lost.
@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
 from .errors import InvalidStateError, TorchMemorySaverError
+from .saver import JOB_RECORD
 
 __all__ = [
     "pause",
@@ -266,7 +267,7 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     def act() -> None:
         here["before"] = _active_bytes(tag)
         here["failed"] = True
-        tms.pause(tag, save_chunk_state=True)
+        tms.pause(tag, save_chunk_state=JOB_RECORD)
         here["failed"] = False
 
     def undo() -> None:
@@ -274,7 +275,7 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
         # restoring resume without a record resumes everything: leave such a rank alone.
         if "before" not in here or (here["failed"] and _active_bytes(tag) == here["before"]):
             return
-        tms.resume(tag, restore_chunk_state=True)
+        tms.resume(tag, restore_chunk_state=JOB_RECORD)
 
     return _agree("pause", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
 

@@ -325,9 +325,11 @@ class TorchMemorySaver:
         them first, in that order (the rest after). Use :meth:`wait` for one tensor, another
         stream or the host. An error before the return (out of memory, ...) is raised here and
         leaves the tag paused, as for a blocking resume; a failure after it leaves the tag
-        paused with its backups (nothing is lost: resume again) and is raised by the next
-        :meth:`pause`, :meth:`resume` or :meth:`wait`. Work on other streams is not ordered:
-        make them :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``."""
+        paused with its backups (nothing is lost: resume again) and its memory held: every
+        :meth:`wait` for it raises the error until the tag is paused (which gives the memory
+        back) or resumed, and if none did, that pause or resume raises it once it has acted
+        (``stats()`` shows ``failed_restore``). Work on other streams is not ordered: make them
+        :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``."""
         self._ensure_initialized()
         return self._impl.resume(
             tag=tag,

@@ -37,6 +37,26 @@ logger = logging.getLogger("torch_memory_saver")
 BACKENDS = ("pinned", "mmap")
 
 
+class _JobRecord:
+    """``save_chunk_state`` / ``restore_chunk_state`` value of job-wide operations
+    (``distributed``): their own record of chunk states, for their undo, so that they never
+    replace the program's (``pause(tag, save_chunk_state=True)``)."""
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return "JOB_RECORD"
+
+
+JOB_RECORD = _JobRecord()
+
+
+def _record(flag: Any) -> int:
+    """The C ABI's value for a record: 2 the job's, 1 the program's."""
+    return 2 if flag is JOB_RECORD else 1
+
+
 def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
     if tag is None and optional:
         return None
@@ -831,7 +851,7 @@ class _TorchMemorySaverImpl:
         t0 = time.perf_counter()
         with _Watch(lib, f"pause of {what}", progress):
             if save_chunk_state:
-                lib.check(lib.tms_pause_ex(_enc(tag), 1))
+                lib.check(lib.tms_pause_ex(_enc(tag), _record(save_chunk_state)))
             else:
                 lib.check(lib.tms_pause(_enc(tag)))
         logger.info("paused %s in %.3f s", what, time.perf_counter() - t0)
@@ -857,7 +877,7 @@ class _TorchMemorySaverImpl:
         t0 = time.perf_counter()
         with _Watch(lib, f"resume of {what}", progress):
             if restore_chunk_state:
-                lib.check(lib.tms_resume_ex(_enc(tag), 1))
+                lib.check(lib.tms_resume_ex(_enc(tag), _record(restore_chunk_state)))
             else:
                 lib.check(lib.tms_resume(_enc(tag)))
         logger.info("resumed %s in %.3f s", what, time.perf_counter() - t0)

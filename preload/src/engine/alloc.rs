@@ -119,7 +119,7 @@ impl Engine {
                 host: None,
                 disk: None,
                 saved: vec![false; mapped.div_ceil(segment) as usize],
-                kept: None,
+                kept: [None, None],
                 stuck: Vec::new(),
                 arriving: None,
                 pauseable,

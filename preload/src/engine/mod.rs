@@ -168,7 +168,7 @@ mod txn;
 mod types;
 
 pub use base::Engine;
-pub use pick::Pick;
+pub use pick::{Pick, Record};
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backing, Phase, Progress, Which};
 pub use report::OpReport;

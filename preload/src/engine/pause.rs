@@ -565,7 +565,7 @@ fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job
         // none of them is in transition.
         for (ptr, a) in reg.allocs.iter_mut() {
             if pick.selects(*ptr, a) {
-                a.kept = Some(a.handles.iter().map(Option::is_some).collect());
+                a.kept[pick.record.index()] = Some(a.handles.iter().map(Option::is_some).collect());
             }
         }
     }

@@ -16,10 +16,34 @@ pub struct Pick<'a> {
     /// Pause: record which chunks of each allocation were active (a whole allocation: whether
     /// it was). Resume: bring back only what was so recorded (all, where nothing was recorded).
     pub chunk_state: bool,
+    /// Which record `chunk_state` saves or restores.
+    pub record: Record,
     /// A number the caller gives the operation, reported with its progress
     /// ([`Engine::progress`]) so that the caller can tell its own operation from another's
     /// (the control server's request number).
     pub label: Option<u64>,
+}
+
+/// Where a pause saving chunk states records them: the program's record
+/// (`pause(save_chunk_state=True)`), or the one a job-wide operation keeps for its own undo
+/// (`tmsctl pause --atomic`, `distributed.pause`), so that neither overwrites the other's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Record {
+    /// The program's own.
+    #[default]
+    Program,
+    /// A job-wide operation's, for its undo.
+    Job,
+}
+
+impl Record {
+    /// Its index in an allocation's records.
+    pub(super) fn index(self) -> usize {
+        match self {
+            Record::Program => 0,
+            Record::Job => 1,
+        }
+    }
 }
 
 impl<'a> Pick<'a> {

@@ -38,8 +38,8 @@ pub(super) struct Allocation {
     /// while a pause writes it.
     pub saved: Vec<bool>,
     /// Chunk states recorded by a pause asked to save them (true = was active), for a resume
-    /// asked to restore them.
-    pub kept: Option<Vec<bool>>,
+    /// asked to restore them; one record per [`super::pick::Record`].
+    pub kept: [Option<Vec<bool>>; 2],
     /// Paused segments a failed resume could not unmap while undoing (their handles are
     /// released): unmapped before they are mapped again, or before the range is freed.
     pub stuck: Vec<usize>,

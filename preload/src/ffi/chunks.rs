@@ -6,7 +6,7 @@ use std::ffi::{c_char, c_int};
 use super::args::{buffer_len, indices, put_all, room, tag_or_all};
 use super::status::entry;
 use crate::control;
-use crate::engine::Pick;
+use crate::engine::{Pick, Record};
 use crate::error::Result;
 
 /// Pause (`pause`) or resume what `p` names.
@@ -19,6 +19,10 @@ pub(super) fn transact(pause: bool, p: &Pick<'_>) -> Result<()> {
     }
 }
 
+/// `chunk_state` naming the record a job-wide operation keeps for its undo (`Record::Job`);
+/// any other non-zero value names the program's.
+const JOB_RECORD: c_int = 2;
+
 /// A whole-tag pause or resume that saves or restores the chunk states.
 ///
 /// # Safety
@@ -30,6 +34,11 @@ unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bo
         let tag = unsafe { tag_or_all(tag) }?;
         let p = Pick {
             chunk_state: chunk_state != 0,
+            record: if chunk_state == JOB_RECORD {
+                Record::Job
+            } else {
+                Record::Program
+            },
             ..Pick::tag(tag)
         };
         transact(pause, &p)
@@ -38,7 +47,8 @@ unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bo
 
 /// Pause every active allocation of `tag` (NULL or `""`: every tag); with `save_chunk_state`,
 /// first record which allocations of the tag, and which chunks of chunked ones, are active,
-/// for `tms_resume_ex(tag, 1)`.
+/// for `tms_resume_ex(tag, 1)`. `save_chunk_state` 2 records in a second record, a job-wide
+/// operation's for its undo (`tms_resume_ex(tag, 2)`), leaving the program's alone.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
