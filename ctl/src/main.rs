@@ -67,7 +67,7 @@ namespace; `tmsctl list` shows the sockets of other namespaces too.
 #[derive(Parser, Debug)]
 #[command(
     name = "tmsctl",
-    version,
+    version = tms_proto::BUILD_INFO,
     about,
     long_about = LONG_ABOUT,
     after_help = EXIT_CODES
@@ -894,9 +894,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// tmsctl's command line as its manual pages describe it: the commands a user can run, and no
-/// `help` command (clap adds one; each page already says what `--help` does).
+/// `help` command (clap adds one; each page already says what `--help` does). The version is
+/// the plain one: the pages are checked in, and would otherwise change with every commit.
 fn man_command() -> clap::Command {
-    let mut cmd = <Cli as clap::CommandFactory>::command().disable_help_subcommand(true);
+    let mut cmd = <Cli as clap::CommandFactory>::command()
+        .disable_help_subcommand(true)
+        .version(env!("CARGO_PKG_VERSION"));
     cmd.build();
     cmd
 }

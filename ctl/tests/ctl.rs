@@ -2528,3 +2528,33 @@ fn atomic_resume_is_undone_everywhere_when_one_process_runs_out_of_memory() {
         p.verify();
     }
 }
+
+#[test]
+fn version_names_the_implementation_and_commit() {
+    let sb = sandbox();
+    let r = ok(&sb, &["--version"]);
+    let line = r.stdout.trim_end();
+    let head = format!(
+        "tmsctl {} (torch-memory-saver, Rust implementation; commit ",
+        env!("CARGO_PKG_VERSION")
+    );
+    let commit = line
+        .strip_prefix(&head)
+        .and_then(|c| c.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("{line:?}"));
+    assert!(!commit.is_empty(), "{line:?}");
+    // Built from a git checkout: its commit (`git` and `.git` there to say so).
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    if root.join(".git").exists() {
+        if let Ok(o) = Command::new("git")
+            .arg("-C")
+            .arg(&root)
+            .args(["rev-parse", "--short", "HEAD"])
+            .output()
+        {
+            if o.status.success() {
+                assert_eq!(commit, String::from_utf8_lossy(&o.stdout).trim());
+            }
+        }
+    }
+}

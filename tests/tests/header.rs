@@ -196,6 +196,7 @@ int main(void) {
         printf("%d %s\n", codes[i], tms_status_name(codes[i]));
     }
     printf("version %s\n", tms_version());
+    printf("build %s\n", tms_build_info());
     char name[2];
     size_t len = 0;
     int rc = tms_init(name, sizeof name, &len);
@@ -282,16 +283,18 @@ fn header_links_against_libtms_and_the_answers_match() {
         .collect();
     expected.push("42 TMS_ERR_UNKNOWN_STATUS".into());
     expected.push(format!("version {}", env!("CARGO_PKG_VERSION")));
+    // The implementation, version and commit, as tmsctl --version names them.
+    expected.push(format!("build libtms {}", tms_proto::BUILD_INFO));
     // "sim" does not fit in 2 bytes: the needed length is reported.
     expected.push("init-small 9 3".into());
-    assert_eq!(lines[..13], expected[..], "{}", r.dump());
+    assert_eq!(lines[..14], expected[..], "{}", r.dump());
     assert!(
-        lines[13].starts_with("last-error ") && lines[13].contains("too small"),
+        lines[14].starts_with("last-error ") && lines[14].contains("too small"),
         "{}",
         r.dump()
     );
     assert_eq!(
-        lines[14..],
+        lines[15..],
         [
             "init 0 sim 3",
             "active 1",
