@@ -20,7 +20,7 @@
 use serde_json::json;
 use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request};
 
-use crate::client::{self, Client, Code, Failure, Folder, Socket};
+use crate::client::{self, Client, Code, Failure, Socket};
 use crate::{
     asked, json_error, needs_chunks, one_line, op_words, output, progress, run_one, status_of,
     with_pid, Ctx, Reported, Select,
@@ -196,8 +196,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     let (which, tag, chunks, _) =
         asked(req).ok_or_else(|| anyhow::anyhow!("--atomic takes a pause or a resume"))?;
     let what = op_words(which, tag.as_deref(), chunks.as_ref());
-    let folder = Folder::open(&ctx.dir)?;
-    let targets = ctx.targets(&folder, sel)?;
+    let targets = crate::find::targets(ctx, sel)?;
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
     let mut not_asked: Vec<u32> = Vec::new();
@@ -231,13 +230,15 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         // Every process did it: print as without --atomic.
         let mut items = Vec::new();
         for d in &done {
+            let pid = d.sock.pid();
+            let (mut json, mut text) = (with_pid(pid, &d.done), output::done(pid, &d.done, false));
+            if sel.pid.is_none() {
+                (json, text) = crate::name_target(pid, json, &text);
+            }
             if ctx.json {
-                items.push(with_pid(d.sock.pid(), &d.done));
+                items.push(json);
             } else {
-                println!(
-                    "{}",
-                    output::printable_lines(&output::done(d.sock.pid(), &d.done, false))
-                );
+                println!("{}", output::printable_lines(&text));
             }
         }
         if ctx.json {

@@ -84,7 +84,7 @@ impl Code {
 }
 
 /// A failure with its exit code and a one-line reason.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Failure {
     /// The exit code.
     pub code: Code,
@@ -128,6 +128,17 @@ pub fn pid_alive(pid: u32) -> bool {
     }
     // Signal "none" delivers nothing; it only checks that the process exists.
     matches!(kill(Pid::from_raw(p), None), Ok(()) | Err(Errno::EPERM))
+}
+
+/// [`command_line`], cut to 60 characters, for naming a process inside a line.
+pub fn short_command(pid: u32) -> String {
+    let c = command_line(pid);
+    if c.chars().count() <= 60 {
+        return c;
+    }
+    let mut s: String = c.chars().take(59).collect();
+    s.push('\u{2026}');
+    s
 }
 
 /// `/proc/PID/cmdline` as one printable line (arguments joined by spaces), or `?`.
@@ -200,18 +211,47 @@ pub struct Folder {
     pub exists: bool,
 }
 
-fn refuse_folder(dir: &Path, why: impl fmt::Display) -> Failure {
+/// `dir`, printable, followed by what it is (`about`) when that is given.
+fn folder_shown(dir: &Path, about: &str) -> String {
+    let shown = printable(&dir.display().to_string()).into_owned();
+    if about.is_empty() {
+        shown
+    } else {
+        format!("{shown} ({about})")
+    }
+}
+
+fn refuse_folder(dir: &Path, about: &str, why: impl fmt::Display) -> Failure {
     Failure::new(
         Code::Permission,
         format!(
             "permission denied: refusing the socket folder {}: {why}",
-            printable(&dir.display().to_string())
+            folder_shown(dir, about)
         ),
     )
 }
 
-fn unreadable_folder(dir: &Path, e: Errno) -> Failure {
-    let shown = printable(&dir.display().to_string()).into_owned();
+/// What a refusal by [`Folder::open`] of `dir` says after the folder's name: why.
+pub fn why_refused<'a>(f: &'a Failure, dir: &Path) -> &'a str {
+    let path = dir.display().to_string();
+    let shown = printable(&path);
+    [
+        "permission denied: refusing the socket folder ",
+        "permission denied: cannot read the socket folder ",
+        "cannot read the socket folder ",
+    ]
+    .iter()
+    .find_map(|p| {
+        f.message
+            .strip_prefix(p)?
+            .strip_prefix(&*shown)?
+            .strip_prefix(": ")
+    })
+    .unwrap_or(&f.message)
+}
+
+fn unreadable_folder(dir: &Path, about: &str, e: Errno) -> Failure {
+    let shown = folder_shown(dir, about);
     if matches!(e, Errno::EACCES | Errno::EPERM) {
         Failure::new(
             Code::Permission,
@@ -242,6 +282,12 @@ impl Folder {
     /// others), and list its sockets. A folder that does not exist holds none; one that cannot
     /// be read is a permission error naming it.
     pub fn open(dir: &Path) -> Result<Folder> {
+        Folder::open_about(dir, "")
+    }
+
+    /// [`Folder::open`], its refusals saying what the folder is (`about`: whose, from which
+    /// variable) after its path.
+    pub fn open_about(dir: &Path, about: &str) -> Result<Folder> {
         let our_ns = tms_proto::pid_namespace();
         let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let fd = match open(dir, flags, Mode::empty()) {
@@ -262,15 +308,16 @@ impl Folder {
                     Ok(k) if k != SFlag::S_IFDIR => "it is not a folder".to_string(),
                     _ => format!("cannot open it: {}", e.desc()),
                 };
-                return Err(refuse_folder(dir, why));
+                return Err(refuse_folder(dir, about, why));
             }
-            Err(e) => return Err(unreadable_folder(dir, e)),
+            Err(e) => return Err(unreadable_folder(dir, about, e)),
         };
-        let st = fstat(&fd).map_err(|e| unreadable_folder(dir, e))?;
+        let st = fstat(&fd).map_err(|e| unreadable_folder(dir, about, e))?;
         let me = euid();
         if st.st_uid != me {
             return Err(refuse_folder(
                 dir,
+                about,
                 format!(
                     "it belongs to uid {}, not to uid {me} (this tmsctl's)",
                     st.st_uid
@@ -281,16 +328,17 @@ impl Folder {
         if mode & 0o077 != 0 {
             return Err(refuse_folder(
                 dir,
+                about,
                 format!(
                     "its mode is {mode:04o}: group or others have access (it must be 0700, as \
                      the server makes it)"
                 ),
             ));
         }
-        let mut listing = Dir::from_fd(fd).map_err(|e| unreadable_folder(dir, e))?;
+        let mut listing = Dir::from_fd(fd).map_err(|e| unreadable_folder(dir, about, e))?;
         let mut sockets = Vec::new();
         for entry in listing.iter() {
-            let entry = entry.map_err(|e| unreadable_folder(dir, e))?;
+            let entry = entry.map_err(|e| unreadable_folder(dir, about, e))?;
             let name = OsStr::from_bytes(entry.file_name().to_bytes());
             let Some(name) = name.to_str().and_then(SocketName::parse) else {
                 continue;
@@ -377,42 +425,32 @@ impl Folder {
             Code::NoProcess,
             format!(
                 "process {pid} has no control socket in {} (is libtms.so preloaded, has it made \
-                 a pauseable allocation, is TMS_CONTROL=0 set, or does it use another \
-                 TMS_SOCKET_DIR?)",
+                 a pauseable allocation, is TMS_CONTROL=0 set, or do its TMS_SOCKET_DIR or \
+                 XDG_RUNTIME_DIR make it another folder?)",
                 self.shown()
             ),
         ))
     }
 
-    /// Why no process can be picked when [`live_here`](Folder::live_here) is empty.
-    pub fn none_here(&self) -> Failure {
+    /// What the folder holds of other pid namespaces, for a message saying that no process of
+    /// ours has a socket in it: `None` when it holds nothing of theirs.
+    pub fn other_namespaces(&self) -> Option<String> {
         let others = self.elsewhere();
         if others.is_empty() {
-            return Failure::new(
-                Code::NoProcess,
-                format!(
-                    "no process has a control socket in {}{}",
-                    self.shown(),
-                    if self.exists {
-                        ""
-                    } else {
-                        " (there is no such folder)"
-                    }
-                ),
-            );
+            return None;
         }
         let names: Vec<String> = others.iter().map(Socket::file_name).collect();
-        Failure::new(
-            Code::NoProcess,
-            format!(
-                "no process of this pid namespace ({}) has a control socket in {}; it holds \
-                 sockets of other pid namespaces only ({}): run tmsctl in theirs (tmsctl list \
-                 shows them)",
-                self.ns_shown(),
-                self.shown(),
-                names.join(", ")
-            ),
-        )
+        Some(format!(
+            "no process of this pid namespace ({}) has one there; it holds sockets of other \
+             pid namespaces only ({}): run tmsctl in theirs (tmsctl list shows them)",
+            self.ns_shown(),
+            names.join(", ")
+        ))
+    }
+
+    /// It holds a socket named for pid `pid` (of any pid namespace).
+    pub fn has_pid(&self, pid: u32) -> bool {
+        self.sockets.iter().any(|s| s.pid() == pid)
     }
 }
 

@@ -4,7 +4,9 @@ mod atomic;
 mod clean;
 mod client;
 mod demo;
+mod find;
 mod output;
+mod procfs;
 mod progress;
 
 use std::path::PathBuf;
@@ -18,7 +20,7 @@ use tms_proto::{
     Request, Status, FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
 };
 
-use client::{Client, Code, Failure, Folder, Socket};
+use client::{Client, Code, Failure, Socket};
 
 /// Shown after every command's help.
 pub const EXIT_CODES: &str = "\
@@ -56,10 +58,14 @@ change the default region of threads that have not entered one of their own.
 A process listens on a control socket once libtms.so is active in it (it made a pauseable
 allocation, or called the library's API): `LD_PRELOAD=libtms.so TMS_INIT_ENABLE=1 python
 serve.py`, then `tmsctl pause --tag kv`. Sockets live in $TMS_SOCKET_DIR, else
-$XDG_RUNTIME_DIR/tms, else /tmp/tms-<uid>; only the same user can use them (tmsctl refuses a
-folder that is not its user's or that others can enter, and a server that runs as another
-user or is not the process its socket names). --pid means a pid of tmsctl's own pid
-namespace; `tmsctl list` shows the sockets of other namespaces too.
+$XDG_RUNTIME_DIR/tms, else /tmp/tms-<uid>, of each process's own environment; only the same
+user can use them (tmsctl refuses a folder that is not its user's or that others can enter,
+and a server that runs as another user or is not the process its socket names). tmsctl looks
+in its own folder, worked out the same way, and through /proc in the folders its user's
+processes listen in: --pid P finds P's socket wherever P listens (P must be tmsctl's user's),
+and without --pid the processes listening elsewhere count too, unless --socket-dir or
+TMS_SOCKET_DIR names tmsctl's folder (then only that one is looked in). --pid means a pid of
+tmsctl's own pid namespace; `tmsctl list` shows the sockets of other namespaces too.
 
 `tmsctl demo` shows the whole cycle on a child process of its own.";
 
@@ -67,7 +73,7 @@ namespace; `tmsctl list` shows the sockets of other namespaces too.
 #[derive(Parser, Debug)]
 #[command(
     name = "tmsctl",
-    version,
+    version = tms_proto::BUILD_INFO,
     about,
     long_about = LONG_ABOUT,
     after_help = EXIT_CODES
@@ -94,7 +100,9 @@ struct Global {
     #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout)]
     timeout: Duration,
     /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms,
-    /// else /tmp/tms-<uid>].
+    /// else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only folder looked in
+    /// without --pid; else the folders /proc shows tmsctl's user's processes listening in count
+    /// too.
     #[arg(long, global = true, value_name = "DIR")]
     socket_dir: Option<PathBuf>,
 }
@@ -113,8 +121,10 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
 
 #[derive(Args, Debug, Clone)]
 struct Select {
-    /// The process to act on, by its pid in tmsctl's pid namespace [default: the only process
-    /// with a control socket].
+    /// The process to act on, by its pid in tmsctl's pid namespace: a process of tmsctl's user,
+    /// its socket found wherever it listens [default: the only process with a control socket;
+    /// pause and resume name it by its command line, and with several tmsctl names each and
+    /// stops].
     #[arg(long, value_name = "PID")]
     pid: Option<u32>,
     /// Every process with a control socket (of tmsctl's pid namespace), in turn.
@@ -169,7 +179,8 @@ enum BackendArg {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// List the processes with a control socket: pid, backend, memory, command line (sockets of
-    /// other pid namespaces are listed too, marked).
+    /// other pid namespaces are listed too, marked; so are the processes that /proc shows
+    /// listening in other folders, and where, unless --socket-dir or TMS_SOCKET_DIR names one).
     #[command(after_help = EXIT_CODES)]
     List,
     /// Show a process's tags, allocations (all, paused, and partial: chunked allocations
@@ -361,6 +372,8 @@ impl std::error::Error for Reported {}
 pub struct Ctx {
     /// The socket folder.
     pub dir: PathBuf,
+    /// Where it comes from.
+    pub origin: find::Origin,
     /// Per-process answer timeout.
     pub timeout: Duration,
     /// JSON output.
@@ -368,28 +381,6 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    fn targets(&self, folder: &Folder, sel: &Select) -> client::Result<Vec<Socket>> {
-        if let Some(p) = sel.pid {
-            return Ok(vec![folder.find(p)?]);
-        }
-        let live = folder.live_here();
-        if live.is_empty() {
-            return Err(folder.none_here());
-        }
-        if sel.all || live.len() == 1 {
-            return Ok(live);
-        }
-        let shown: Vec<String> = live.iter().map(|s| s.pid().to_string()).collect();
-        Err(Failure::new(
-            Code::Usage,
-            format!(
-                "{} processes have a control socket ({}): pass --pid PID or --all",
-                live.len(),
-                shown.join(", ")
-            ),
-        ))
-    }
-
     /// Run `f` against each selected process; print what each answered; report failures on
     /// stderr, one line each, and with --json in the document too (the one of the process, or
     /// its item in the array of --all). The exit code is the first failure's, else
@@ -399,8 +390,7 @@ impl Ctx {
         sel: &Select,
         f: impl Fn(&mut Client) -> client::Result<Outcome>,
     ) -> anyhow::Result<()> {
-        let folder = Folder::open(&self.dir)?;
-        let targets = self.targets(&folder, sel)?;
+        let targets = find::targets(self, sel)?;
         let many = sel.all;
         let mut items = Vec::new();
         let mut first: Option<Code> = None;
@@ -484,19 +474,32 @@ fn status_of(c: &mut Client) -> client::Result<Status> {
 }
 
 fn list(ctx: &Ctx) -> anyhow::Result<()> {
-    let folder = Folder::open(&ctx.dir)?;
-    // The live processes of our pid namespace, then the sockets of others (not probed: their
-    // pids mean other processes here, and their command lines cannot be read from here).
-    let mut socks = folder.live_here();
-    socks.extend(folder.elsewhere());
+    let found = find::listing(ctx)?;
+    // The live processes of our pid namespace, those that /proc shows listening in other
+    // folders (with why, where their socket cannot be used), then the sockets of other pid
+    // namespaces (not probed: their pids mean other processes here, and their command lines
+    // cannot be read from here).
+    let mut socks: Vec<(Socket, Option<Failure>)> = found
+        .main
+        .live_here()
+        .into_iter()
+        .map(|s| (s, None))
+        .collect();
+    for a in &found.away {
+        socks.push((a.socket(), a.sock.as_ref().err().cloned()));
+    }
+    socks.extend(found.main.elsewhere().into_iter().map(|s| (s, None)));
     let mut rows = Vec::new();
-    for sock in socks {
+    for (sock, unusable) in socks {
         let command = match sock.ns {
             client::Ns::Other(_) => "?".to_string(),
             _ => client::command_line(sock.pid()),
         };
         let t = ctx.timeout.min(Duration::from_secs(5));
-        let r = Client::connect(&sock, t).and_then(|mut c| status_of(&mut c));
+        let r = match unusable {
+            Some(e) => Err(e),
+            None => Client::connect(&sock, t).and_then(|mut c| status_of(&mut c)),
+        };
         rows.push((sock, command, r));
     }
     if ctx.json {
@@ -522,8 +525,8 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
     }
     if rows.is_empty() {
         println!(
-            "no process has a control socket in {}",
-            output::printable(&ctx.dir.display().to_string())
+            "{}",
+            one_line(&find::none_found(ctx, &found.main, &[]).message)
         );
         return Ok(());
     }
@@ -531,10 +534,18 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
         "{:<8} {:<8} {:>5} {:>12} {:>12}  COMMAND",
         "PID", "BACKEND", "TAGS", "ACTIVE", "PAUSED"
     );
+    let mut notes = Vec::new();
     for (sock, command, r) in rows {
         let mut command: String = command.chars().take(100).collect();
         if let client::Ns::Other(ns) = sock.ns {
             command = format!("(pid {} of pid namespace {ns}, not this one)", sock.pid());
+        }
+        if let Some(d) = sock.path.parent().filter(|d| *d != found.main.dir) {
+            notes.push(format!(
+                "pid {} listens in {}",
+                sock.pid(),
+                output::printable(&d.display().to_string())
+            ));
         }
         match r {
             Ok(s) => println!(
@@ -555,6 +566,14 @@ fn list(ctx: &Ctx) -> anyhow::Result<()> {
                 one_line(&e.message)
             ),
         }
+    }
+    if !notes.is_empty() {
+        println!(
+            "\n{}, not in {} ({}): their TMS_SOCKET_DIR or XDG_RUNTIME_DIR differ from tmsctl's",
+            notes.join(", "),
+            output::printable(&found.main.dir.display().to_string()),
+            ctx.origin.about()
+        );
     }
     Ok(())
 }
@@ -713,14 +732,31 @@ fn op(
     };
     ctx.fan_out(sel, |c| {
         let d = run_one(ctx, sel.all, show, c, &req)?;
+        let mut json = with_pid(c.pid(), &d);
+        let mut text = output::done(c.pid(), &d, chunk_state);
+        if sel.pid.is_none() {
+            (json, text) = name_target(c.pid(), json, &text);
+        }
         Ok(Outcome {
-            json: with_pid(c.pid(), &d),
-            text: output::done(c.pid(), &d, chunk_state),
+            json,
+            text,
             unknown_tag: d
                 .unknown_tag
                 .then(|| output::unknown_tag(c.pid(), &d, asked.as_deref())),
         })
     })
+}
+
+/// A pause's or resume's result (`pid P: paused ...`) naming the process by its command line
+/// too, where no --pid named it: `pid P (python serve.py): paused ...`, and `"command"` in JSON.
+fn name_target(pid: u32, mut json: Value, text: &str) -> (Value, String) {
+    json["command"] = json!(client::command_line(pid));
+    let prefix = format!("pid {pid}:");
+    let text = match text.strip_prefix(&prefix) {
+        Some(rest) => format!("pid {pid} ({}):{rest}", client::short_command(pid)),
+        None => text.to_string(),
+    };
+    (json, text)
 }
 
 fn chunks(ctx: &Ctx, sel: &Select, tag: String) -> anyhow::Result<()> {
@@ -788,6 +824,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             .socket_dir
             .clone()
             .unwrap_or_else(|| tms_proto::socket_dir_from_env(client::euid())),
+        origin: find::Origin::of_env(cli.global.socket_dir.is_some()),
         timeout: cli.global.timeout,
         json: cli.global.json,
     };
@@ -894,9 +931,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// tmsctl's command line as its manual pages describe it: the commands a user can run, and no
-/// `help` command (clap adds one; each page already says what `--help` does).
+/// `help` command (clap adds one; each page already says what `--help` does). The version is
+/// the plain one: the pages are checked in, and would otherwise change with every commit.
 fn man_command() -> clap::Command {
-    let mut cmd = <Cli as clap::CommandFactory>::command().disable_help_subcommand(true);
+    let mut cmd = <Cli as clap::CommandFactory>::command()
+        .disable_help_subcommand(true)
+        .version(env!("CARGO_PKG_VERSION"));
     cmd.build();
     cmd
 }

@@ -75,6 +75,11 @@ extern "C" {
 /* Library version, a static string. */
 const char *tms_version(void);
 
+/* What this build is, a static string: "libtms 0.1.0 (torch-memory-saver, Rust implementation;
+ * commit abc1234)", with the git commit it was built from ("unknown" when the build could not
+ * tell). */
+const char *tms_build_info(void);
+
 /* Symbolic name of a status code ("TMS_OK", "TMS_ERR_DRIVER", ...), a static string;
  * "TMS_ERR_UNKNOWN_STATUS" for codes outside the list above. */
 const char *tms_status_name(int code);

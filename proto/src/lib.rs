@@ -78,6 +78,36 @@ pub const FEATURE_PROGRESS: &str = "progress";
 /// `no_wait`, [`OpDone::pending_bytes`]).
 pub const FEATURE_NO_WAIT: &str = "no_wait";
 
+/// The git commit this build was made from (short), or `"unknown"`: `git rev-parse --short
+/// HEAD` of the checkout it was built in, else `$TMS_BUILD_COMMIT` at build time (builds from an
+/// sdist, which has no `.git`). See `build.rs`.
+pub const BUILD_COMMIT: &str = env!("TMS_BUILD_COMMIT_ID");
+
+/// What a build is, after the program's name: `0.1.0 (torch-memory-saver, Rust implementation;
+/// commit abc1234)`. `tmsctl --version` prints it.
+pub const BUILD_INFO: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (torch-memory-saver, Rust implementation; commit ",
+    env!("TMS_BUILD_COMMIT_ID"),
+    ")"
+);
+
+/// The library's [`BUILD_INFO`], named and NUL-terminated for its C ABI (`tms_build_info()`):
+/// `libtms 0.1.0 (torch-memory-saver, Rust implementation; commit abc1234)`.
+pub const LIBRARY_BUILD_INFO: &std::ffi::CStr = match std::ffi::CStr::from_bytes_with_nul(
+    concat!(
+        "libtms ",
+        env!("CARGO_PKG_VERSION"),
+        " (torch-memory-saver, Rust implementation; commit ",
+        env!("TMS_BUILD_COMMIT_ID"),
+        ")\0"
+    )
+    .as_bytes(),
+) {
+    Ok(s) => s,
+    Err(_) => panic!("the build information holds a NUL"),
+};
+
 /// Longest error message a decoder produces (a message may quote part of the input).
 const MAX_MESSAGE_CHARS: usize = 240;
 

@@ -1,6 +1,6 @@
 //! The status plumbing of the C ABI: every entry point's status code and the calling thread's
 //! last error ([`entry`]), text written into a caller's buffer ([`write_out`]), and the entry
-//! points that report on them (version, status names, last error, error count).
+//! points that report on them (version, build information, status names, last error, error count).
 
 use std::ffi::{c_char, c_int};
 
@@ -47,6 +47,14 @@ pub(super) unsafe fn write_out(
 #[no_mangle]
 pub extern "C" fn tms_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// What this build is, a static NUL-terminated string: `libtms 0.1.0 (torch-memory-saver, Rust
+/// implementation; commit abc1234)`, the commit being the one it was built from (`unknown` when
+/// the build could not tell).
+#[no_mangle]
+pub extern "C" fn tms_build_info() -> *const c_char {
+    tms_proto::LIBRARY_BUILD_INFO.as_ptr()
 }
 
 /// Symbolic name of a status code, a static NUL-terminated string (from [`status::TABLE`]).

@@ -1,0 +1,433 @@
+//! Which processes a command acts on, and where their control sockets are.
+//!
+//! tmsctl's own socket folder comes first: `--socket-dir`, else its `$TMS_SOCKET_DIR`, else its
+//! `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>` ([`Origin`]). A process computes its folder the
+//! same way from its own environment, so one started with another `XDG_RUNTIME_DIR` (by a
+//! service manager, in a container, through sudo) listens elsewhere. So:
+//!
+//! - `--pid P`: P's socket in tmsctl's folder, else where `/proc` shows P listening, else in the
+//!   folder P's environment gives. Only P of tmsctl's own user: another user's is refused.
+//! - Without `--pid`, while tmsctl's folder comes from the defaults (neither `--socket-dir` nor
+//!   `TMS_SOCKET_DIR`), the processes of tmsctl's user that `/proc` shows listening in other
+//!   folders count too: a plain command never picks one process while the user's own listens
+//!   elsewhere. A folder named by `--socket-dir` or `TMS_SOCKET_DIR` is the only one looked in;
+//!   the message for an empty one names the processes listening elsewhere.
+//!
+//! Every folder found through `/proc` is opened and vetted as tmsctl's own is
+//! ([`Folder::open_about`]), and every server is checked on connecting, as always.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use tms_proto::SocketName;
+
+use crate::client::{
+    self, classify, euid, pid_alive, short_command, Code, Failure, Folder, Socket,
+};
+use crate::output::printable;
+use crate::procfs::{self, Environment};
+use crate::{Ctx, Select};
+
+/// Where tmsctl's own socket folder comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Origin {
+    /// `--socket-dir`.
+    Flag,
+    /// tmsctl's `TMS_SOCKET_DIR`.
+    TmsSocketDir,
+    /// tmsctl's `XDG_RUNTIME_DIR` (`TMS_SOCKET_DIR` unset).
+    XdgRuntimeDir,
+    /// Neither is set: `/tmp/tms-<uid>`.
+    Default,
+}
+
+impl Origin {
+    /// Where the folder comes from, `--socket-dir` given or not (the variables are read as
+    /// [`tms_proto::socket_dir`] reads them: an empty one is unset).
+    pub fn of_env(flag: bool) -> Origin {
+        let set = |v: &str| std::env::var_os(v).is_some_and(|x| !x.is_empty());
+        if flag {
+            Origin::Flag
+        } else if set("TMS_SOCKET_DIR") {
+            Origin::TmsSocketDir
+        } else if set("XDG_RUNTIME_DIR") {
+            Origin::XdgRuntimeDir
+        } else {
+            Origin::Default
+        }
+    }
+
+    /// The folder was named (`--socket-dir`, `TMS_SOCKET_DIR`): without `--pid` it is the only
+    /// one looked in.
+    pub fn named(self) -> bool {
+        matches!(self, Origin::Flag | Origin::TmsSocketDir)
+    }
+
+    /// What the folder is, for messages.
+    pub fn about(self) -> &'static str {
+        match self {
+            Origin::Flag => "tmsctl's folder, from --socket-dir",
+            Origin::TmsSocketDir => "tmsctl's folder, from its TMS_SOCKET_DIR",
+            Origin::XdgRuntimeDir => {
+                "tmsctl's folder, from its XDG_RUNTIME_DIR; its TMS_SOCKET_DIR is unset"
+            }
+            Origin::Default => "tmsctl's folder: its TMS_SOCKET_DIR and XDG_RUNTIME_DIR are unset",
+        }
+    }
+}
+
+/// How a process's folder is decided, for messages.
+const RULE: &str = "a process listens in $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms, else \
+                    /tmp/tms-<uid>, of its own environment";
+
+fn shown(dir: &Path) -> String {
+    printable(&dir.display().to_string()).into_owned()
+}
+
+/// tmsctl's own folder, opened and vetted (a refusal says where it came from).
+pub fn main_folder(ctx: &Ctx) -> client::Result<Folder> {
+    Folder::open_about(&ctx.dir, ctx.origin.about())
+}
+
+/// (device, inode) of a folder, to tell one folder reached by two paths.
+fn identity(dir: &Path) -> Option<(u64, u64)> {
+    std::fs::symlink_metadata(dir)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
+}
+
+fn same_folder(a: &Path, b: &Path) -> bool {
+    a == b || matches!((identity(a), identity(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// Refuse process `pid`, owned by uid `owner`, unless that is `me`: tmsctl drives only its own
+/// user's processes (their servers would refuse it anyway), and looks into no one else's.
+pub fn check_owner(pid: u32, owner: u32, me: u32) -> client::Result<()> {
+    if owner == me {
+        return Ok(());
+    }
+    Err(Failure::new(
+        Code::Permission,
+        format!(
+            "permission denied: process {pid} belongs to uid {owner}, not to uid {me} (this \
+             tmsctl's): tmsctl drives only its own user's processes; run it as uid {owner}"
+        ),
+    ))
+}
+
+/// A process of tmsctl's user that `/proc` shows listening outside tmsctl's folder.
+pub struct Away {
+    /// The process.
+    pub pid: u32,
+    /// The folder it listens in.
+    pub dir: PathBuf,
+    name: SocketName,
+    /// Its socket, or why it cannot be used (its folder refused, say).
+    pub sock: client::Result<Socket>,
+}
+
+impl Away {
+    /// Its socket, also when it cannot be used (to show it by).
+    pub fn socket(&self) -> Socket {
+        match &self.sock {
+            Ok(s) => s.clone(),
+            Err(_) => Socket {
+                path: self.dir.join(self.name.file_name()),
+                ns: classify(self.name.pidns, tms_proto::pid_namespace()),
+                name: self.name,
+            },
+        }
+    }
+}
+
+/// The processes of tmsctl's user that `/proc` shows listening outside `main`, by pid.
+pub fn away(main: &Folder) -> Vec<Away> {
+    let mut opened: Vec<(PathBuf, client::Result<Folder>)> = Vec::new();
+    let mut out: Vec<Away> = Vec::new();
+    for s in procfs::servers(euid(), None) {
+        if same_folder(&s.dir, &main.dir) || out.iter().any(|a| a.pid == s.pid) {
+            continue;
+        }
+        let i = match opened.iter().position(|(d, _)| *d == s.dir) {
+            Some(i) => i,
+            None => {
+                let f = Folder::open_about(&s.dir, "a process of this user listens in it");
+                opened.push((s.dir.clone(), f));
+                opened.len() - 1
+            }
+        };
+        let sock = match &opened[i].1 {
+            Ok(f) => f.find(s.pid),
+            Err(e) => Err(e.clone()),
+        };
+        out.push(Away {
+            pid: s.pid,
+            dir: s.dir,
+            name: s.name,
+            sock,
+        });
+    }
+    out
+}
+
+/// What `tmsctl list` shows: tmsctl's folder, and (unless that folder was named) the processes
+/// listening elsewhere.
+pub struct Listing {
+    /// tmsctl's folder.
+    pub main: Folder,
+    /// The processes listening elsewhere.
+    pub away: Vec<Away>,
+}
+
+/// [`Listing`] for `ctx`.
+pub fn listing(ctx: &Ctx) -> client::Result<Listing> {
+    let main = main_folder(ctx)?;
+    let away = if ctx.origin.named() {
+        Vec::new()
+    } else {
+        away(&main)
+    };
+    Ok(Listing { main, away })
+}
+
+/// The sockets of the processes `sel` picks (one, unless `--all`).
+pub fn targets(ctx: &Ctx, sel: &Select) -> client::Result<Vec<Socket>> {
+    let main = main_folder(ctx)?;
+    if let Some(p) = sel.pid {
+        return by_pid(ctx, &main, p).map(|s| vec![s]);
+    }
+    let mut live = main.live_here();
+    let mut refused = Vec::new();
+    if !ctx.origin.named() {
+        for a in away(&main) {
+            match a.sock {
+                Ok(s) if !live.iter().any(|l| l.pid() == s.pid()) => live.push(s),
+                Ok(_) => {}
+                Err(e) => refused.push(e),
+            }
+        }
+    }
+    if live.is_empty() {
+        return Err(none_found(ctx, &main, &refused));
+    }
+    if sel.all || live.len() == 1 {
+        return Ok(live);
+    }
+    Err(several(&main, &live))
+}
+
+/// `pid 12 (python serve.py)`, and its folder where that is not tmsctl's.
+fn named(main: &Folder, s: &Socket) -> String {
+    let mut n = format!("pid {} ({})", s.pid(), short_command(s.pid()));
+    if let Some(d) = s.path.parent().filter(|d| *d != main.dir) {
+        n.push_str(&format!(" in {}", shown(d)));
+    }
+    n
+}
+
+fn several(main: &Folder, live: &[Socket]) -> Failure {
+    let names: Vec<String> = live.iter().map(|s| named(main, s)).collect();
+    Failure::new(
+        Code::Usage,
+        format!(
+            "{} processes have a control socket: {}: pass --pid PID or --all",
+            live.len(),
+            names.join(", ")
+        ),
+    )
+}
+
+/// Why no process can be picked: the folders looked in, what decides them, and (where
+/// tmsctl's folder was named) the processes listening elsewhere. `refused`: processes found
+/// elsewhere whose sockets cannot be used.
+pub fn none_found(ctx: &Ctx, main: &Folder, refused: &[Failure]) -> Failure {
+    let mut m = format!(
+        "no process has a control socket in {} ({})",
+        shown(&main.dir),
+        ctx.origin.about()
+    );
+    if !main.exists {
+        m.push_str(", there is no such folder");
+    }
+    if let Some(n) = main.other_namespaces() {
+        m.push_str("; ");
+        m.push_str(&n);
+    }
+    let mut code = Code::NoProcess;
+    if ctx.origin.named() {
+        let others: Vec<String> = away(main)
+            .iter()
+            .filter_map(|a| a.sock.as_ref().ok())
+            .map(|s| named(main, s))
+            .collect();
+        m.push_str(
+            "; only that folder is looked in while --socket-dir or TMS_SOCKET_DIR names one",
+        );
+        if others.is_empty() {
+            m.push_str(", and /proc shows no process of this user listening in another");
+        } else {
+            m.push_str(&format!(
+                "; this user's processes listen elsewhere: {}: pass --pid PID (its socket is \
+                 found wherever it is) or --socket-dir DIR",
+                others.join(", ")
+            ));
+        }
+    } else if refused.is_empty() {
+        m.push_str(", and /proc shows no process of this user listening in another folder");
+    } else {
+        code = Code::Permission;
+        let why: Vec<&str> = refused.iter().map(|f| f.message.as_str()).collect();
+        m.push_str(&format!(
+            "; /proc shows processes of this user listening elsewhere, but: {}",
+            why.join("; ")
+        ));
+    }
+    m.push_str(&format!(
+        "; {RULE}, once libtms.so has started in it (a pauseable allocation or a call of its API; \
+         never with TMS_CONTROL=0): `tmsctl status --pid PID` says why a process has none"
+    ));
+    Failure::new(code, m)
+}
+
+/// The socket of process `pid`: in tmsctl's folder, else where `/proc` shows it listening,
+/// else in the folder its environment gives.
+fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> client::Result<Socket> {
+    let not_here = match main.find(pid) {
+        Ok(s) => return Ok(s),
+        Err(f) => f,
+    };
+    if !pid_alive(pid) {
+        return Err(not_here);
+    }
+    let me = euid();
+    if let Some(owner) = procfs::owner(pid) {
+        check_owner(pid, owner, me)?;
+    }
+    let library = procfs::has_library(pid);
+    if library == Some(true) {
+        for s in procfs::servers(me, Some(pid)) {
+            if same_folder(&s.dir, &main.dir) {
+                continue;
+            }
+            let about = format!("process {pid} listens in it");
+            if let Ok(sock) = Folder::open_about(&s.dir, &about)?.find(pid) {
+                return Ok(sock);
+            }
+        }
+    }
+    // Where its environment says it listens: the one place left to look, and else the
+    // likeliest reason why it does not.
+    let env = (library == Some(true))
+        .then(|| Environment::of(pid))
+        .flatten();
+    let mut there = None;
+    if let Some(e) = &env {
+        let d = e.socket_dir(me);
+        let what = if d.is_relative() {
+            // Relative to its working directory, which /proc shows as it is now, not as it was.
+            "relative to its working directory: not looked in".to_string()
+        } else if same_folder(&d, &main.dir) {
+            "tmsctl's folder".to_string()
+        } else {
+            match Folder::open(&d) {
+                Ok(f) => match f.find(pid) {
+                    Ok(s) => return Ok(s),
+                    Err(_) if !f.exists => "there is no such folder".to_string(),
+                    Err(_) => "no socket of it there".to_string(),
+                },
+                Err(r) => format!(
+                    "refused by tmsctl, as the library refuses it: {}",
+                    client::why_refused(&r, &d)
+                ),
+            }
+        };
+        there = Some(format!(
+            "its environment ({}) makes its folder {} ({what})",
+            e.describe(),
+            shown(&d)
+        ));
+    }
+    if main.has_pid(pid) {
+        // Sockets of that pid of other pid namespaces: their message says it.
+        return Err(not_here);
+    }
+    Err(no_socket(ctx, main, pid, library, env.as_ref(), there))
+}
+
+fn no_socket(
+    ctx: &Ctx,
+    main: &Folder,
+    pid: u32,
+    library: Option<bool>,
+    env: Option<&Environment>,
+    there: Option<String>,
+) -> Failure {
+    let mut m = format!(
+        "process {pid} ({}) has no control socket: none in {} ({})",
+        short_command(pid),
+        shown(&main.dir),
+        ctx.origin.about()
+    );
+    match library {
+        Some(false) => m.push_str(
+            "; libtms.so is not loaded in it (start it with LD_PRELOAD=libtms.so, or have it \
+             load the library)",
+        ),
+        None => m.push_str("; /proc does not show what it has loaded"),
+        Some(true) => {
+            m.push_str("; libtms.so is loaded in it, and /proc shows it listening on none");
+            match there {
+                Some(t) => {
+                    m.push_str("; ");
+                    m.push_str(&t);
+                }
+                None => m.push_str("; its environment cannot be read"),
+            }
+            if env.is_some_and(Environment::control_off) {
+                m.push_str("; its TMS_CONTROL turns the socket off");
+            } else {
+                m.push_str(
+                    "; the library listens once it has started (a pauseable allocation or a \
+                     call of its API) in a folder it accepts (a real folder of the user's own, \
+                     mode 0700); TMS_LOG=info makes it say why it does not",
+                );
+            }
+        }
+    }
+    m.push_str(&format!(" ({RULE})"));
+    Failure::new(Code::NoProcess, m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_processes_of_our_own_uid_are_looked_into() {
+        assert!(check_owner(42, 1000, 1000).is_ok());
+        let e = check_owner(42, 1001, 1000).unwrap_err();
+        assert_eq!(e.code, Code::Permission);
+        assert!(
+            e.message
+                .contains("process 42 belongs to uid 1001, not to uid 1000"),
+            "{}",
+            e.message
+        );
+        // root's tmsctl is no exception: the server would refuse it too.
+        assert_eq!(check_owner(42, 1000, 0).unwrap_err().code, Code::Permission);
+    }
+
+    #[test]
+    fn a_named_folder_is_the_only_one_looked_in() {
+        assert!(Origin::Flag.named() && Origin::TmsSocketDir.named());
+        assert!(!Origin::XdgRuntimeDir.named() && !Origin::Default.named());
+        for o in [
+            Origin::Flag,
+            Origin::TmsSocketDir,
+            Origin::XdgRuntimeDir,
+            Origin::Default,
+        ] {
+            assert!(o.about().starts_with("tmsctl's folder"), "{o:?}");
+        }
+    }
+}
