@@ -15,10 +15,20 @@
 //!   tag was active before: elsewhere the undo is skipped and said so (nothing is lost: the tag
 //!   stays resumed). A resume that fails undoes itself in the process (it is all or nothing);
 //! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
-//!   changed (read before and after with `chunks`).
+//!   changed (read before and after with `chunks`);
+//! - a process whose operation was still running at `--timeout` (exit 7) is undone only once
+//!   its `status` lists the operation no more (waiting while it moves, up to `--timeout` with
+//!   nothing moving), by what it changed; if it still runs, that process is reported as not as
+//!   before. Nothing is claimed that tmsctl has not seen.
+//!
+//! The pause records its chunk states in the job's own record (servers with
+//! [`FEATURE_JOB_RECORD`]), so the one the program saved with `pause(save_chunk_state=True)`
+//! is left alone (with older servers it is the program's record).
 
 use serde_json::json;
-use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request};
+use std::time::{Duration, Instant};
+
+use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
 
 use crate::client::{self, Client, Code, Failure, Socket};
 use crate::{
@@ -89,6 +99,7 @@ fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
                     tag,
                     chunks: None,
                     chunk_state: true,
+                    job_record: c.hello.has(FEATURE_JOB_RECORD),
                 },
                 Undo::Restore { before },
             ))
@@ -99,7 +110,7 @@ fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
                 .tags
                 .iter()
                 .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
-                .filter(|t| t.active_allocations > 0 || t.partial_allocations > 0)
+                .filter(|t| takes_something(t))
                 .map(|t| output::quoted(&t.tag))
                 .collect();
             let undo = if partly.is_empty() {
@@ -116,6 +127,53 @@ fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
     }
 }
 
+/// Whether a pause of tag `t` would take anything: active allocations not kept resident (a
+/// pause leaves those mapped), or active chunks.
+fn takes_something(t: &tms_proto::TagStatus) -> bool {
+    t.active_allocations > t.resident_allocations || t.partial_allocations > 0
+}
+
+/// How the process that failed ended, for its undo.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Here {
+    /// Its operation succeeded (another process failed).
+    Succeeded,
+    /// Its operation failed.
+    Failed,
+    /// Its operation was still running at `--timeout`.
+    Running,
+}
+
+/// Wait until the process of `c` lists no pause or resume of `tag` asked over its socket (the
+/// one that outlasted `--timeout`), as long as it moves: false once nothing moved (its phase
+/// and bytes) for `still`.
+fn wait_ended(
+    c: &mut Client,
+    which: Op,
+    tag: Option<&str>,
+    still: Duration,
+) -> client::Result<bool> {
+    let mut seen = None;
+    let mut since = Instant::now();
+    loop {
+        let s = status_of(c)?;
+        let Some(r) = s
+            .operations
+            .iter()
+            .find(|r| r.op == which && !r.in_process && r.tag.as_deref() == tag)
+        else {
+            return Ok(true);
+        };
+        let now = Some((r.phase, r.bytes_done));
+        if now != seen {
+            (seen, since) = (now, Instant::now());
+        } else if since.elapsed() >= still {
+            return Ok(false);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Undo on the process of `sock`; the undo's own result, or why there was nothing to do.
 fn undo(
     ctx: &Ctx,
@@ -123,7 +181,7 @@ fn undo(
     sock: &Socket,
     req: &Request,
     how: &Undo,
-    failed_here: bool,
+    here: Here,
 ) -> client::Result<Option<OpDone>> {
     let Some((which, tag, _, _)) = asked(req) else {
         return Err(Failure::new(
@@ -132,6 +190,20 @@ fn undo(
         ));
     };
     let mut c = Client::connect(sock, ctx.timeout)?;
+    if here == Here::Running && !wait_ended(&mut c, which, tag.as_deref(), ctx.timeout)? {
+        return Err(Failure::new(
+            Code::Running,
+            format!(
+                "its {} was still running, nothing moving for {:.1} s more; it goes on in the \
+                 process, not undone (`tmsctl status --pid {}` shows it; undo it once it ends)",
+                op_words(which, tag.as_deref(), None),
+                ctx.timeout.as_secs_f64(),
+                sock.pid()
+            ),
+        ));
+    }
+    // Now ended: what it changed is what is undone.
+    let failed_here = here != Here::Succeeded;
     let back = match how {
         Undo::Skip(_) => return Ok(None),
         Undo::Restore { before } => {
@@ -142,15 +214,35 @@ fn undo(
                 tag,
                 chunks: None,
                 chunk_state: true,
+                job_record: c.hello.has(FEATURE_JOB_RECORD),
                 no_wait: false,
             }
         }
-        // A resume that fails undoes itself in the process (all or nothing).
+        // A resume that fails undoes itself in the process (all or nothing); one that outlasted
+        // --timeout and then took memory back is paused again.
+        Undo::PauseAgain if here == Here::Running => {
+            let s = status_of(&mut c)?;
+            let took = s
+                .tags
+                .iter()
+                .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
+                .any(takes_something);
+            if !took {
+                return Ok(None);
+            }
+            Request::Pause {
+                tag,
+                chunks: None,
+                chunk_state: false,
+                job_record: false,
+            }
+        }
         Undo::PauseAgain if failed_here => return Ok(None),
         Undo::PauseAgain => Request::Pause {
             tag,
             chunks: None,
             chunk_state: false,
+            job_record: false,
         },
         Undo::Chunks(before) => {
             let name = tag.clone().unwrap_or_default();
@@ -171,12 +263,14 @@ fn undo(
                     tag,
                     chunks,
                     chunk_state: false,
+                    job_record: false,
                     no_wait: false,
                 },
                 Op::Resume => Request::Pause {
                     tag,
                     chunks,
                     chunk_state: false,
+                    job_record: false,
                 },
             }
         }
@@ -251,16 +345,21 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     let mut items = Vec::new();
     let mut undone = Vec::new();
     let mut kept: Vec<String> = Vec::new();
-    let mut undo_rows: Vec<(&Socket, Option<&OpDone>, &Undo, bool)> = done
+    let mut undo_rows: Vec<(&Socket, Option<&OpDone>, &Undo, Here)> = done
         .iter()
-        .map(|d| (&d.sock, Some(&d.done), &d.undo, false))
+        .map(|d| (&d.sock, Some(&d.done), &d.undo, Here::Succeeded))
         .collect();
     if let Some(u) = &failed_undo {
-        undo_rows.push((&failed_sock, None, u, true));
+        let here = if f.code == Code::Running {
+            Here::Running
+        } else {
+            Here::Failed
+        };
+        undo_rows.push((&failed_sock, None, u, here));
     }
-    for (sock, d, how, failed_here) in undo_rows {
+    for (sock, d, how, here) in undo_rows {
         let pid = sock.pid();
-        let result = undo(ctx, show, sock, req, how, failed_here);
+        let result = undo(ctx, show, sock, req, how, here);
         let (undo_json, line) = match (&result, how) {
             (Ok(Some(u)), _) => {
                 undone.push(pid);

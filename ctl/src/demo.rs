@@ -105,6 +105,35 @@ pub struct ChildArgs {
 // ---------------------------------------------------------------------------------------------
 // The child
 
+/// The child's `resident N` command: a pauseable allocation of `n` bytes in `tag` with a CPU
+/// backup, kept resident; `"0 ADDR"` or `"ERR why"`.
+fn resident(api: &Api, tag: &CStr, n: u64) -> String {
+    let keep = match sym(c"tms_keep_resident_ex") {
+        // SAFETY: the library's tms_keep_resident_ex, whose C signature (tms.h) is this.
+        Ok(p) => unsafe { std::mem::transmute::<*mut c_void, KeepResidentFn>(p) },
+        Err(e) => return format!("ERR {e}"),
+    };
+    // SAFETY: tag and the backend name are NUL-terminated strings.
+    if let Err(e) = api.check(unsafe { (api.region_enter)(1, tag.as_ptr(), 1, c"pinned".as_ptr()) })
+    {
+        return format!("ERR {e}");
+    }
+    // SAFETY: a plain call of the pluggable-allocator entry point; NULL stream.
+    let p = unsafe { (api.torch_malloc)(n as isize, 0, std::ptr::null_mut()) };
+    let err = p.is_null().then(|| api.last_error());
+    // SAFETY: no arguments.
+    let _ = unsafe { (api.region_exit)() };
+    if let Some(e) = err {
+        return format!("ERR {e}");
+    }
+    let mut size = 0u64;
+    // SAFETY: p is an allocation of the library; size is writable.
+    match api.check(unsafe { keep(p as u64, &mut size) }) {
+        Ok(()) => format!("0 {:#x}", p as u64),
+        Err(e) => format!("ERR {e}"),
+    }
+}
+
 type OutStrFn = unsafe extern "C" fn(*mut c_char, usize, *mut usize) -> c_int;
 type RegionEnterFn = unsafe extern "C" fn(c_int, *const c_char, c_int, *const c_char) -> c_int;
 type RegionExitFn = unsafe extern "C" fn() -> c_int;
@@ -117,6 +146,7 @@ type LastErrorFn = unsafe extern "C" fn(*mut c_char, usize) -> usize;
 type CudaMallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type CudaFreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 type SetChunkSizeFn = unsafe extern "C" fn(usize) -> c_int;
+type KeepResidentFn = unsafe extern "C" fn(u64, *mut u64) -> c_int;
 
 /// The preloaded library's entry points.
 struct Api {
@@ -382,6 +412,14 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
                     mallocs.push(q);
                 }
                 say(&format!("MALLOC {rc} {:#x}", q as u64));
+            }
+            Some("resident") => {
+                // Another allocation of the tag (CPU backup), kept resident: pauses leave it.
+                let n = words
+                    .next()
+                    .and_then(|w| parse_bytes(w).ok())
+                    .unwrap_or(2 << 20);
+                say(&format!("RESIDENT {}", resident(&api, &tag, n)));
             }
             Some("fork") => {
                 // SAFETY: the child only calls exit (running atexit handlers, which is the
@@ -940,6 +978,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             tag: tag.clone(),
             chunks: None,
             chunk_state: false,
+            job_record: false,
         },
         ctx.timeout,
         show,
@@ -951,6 +990,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             tag: tag.clone(),
             chunks: None,
             chunk_state: false,
+            job_record: false,
             no_wait: false,
         },
         ctx.timeout,

@@ -601,6 +601,7 @@ fn asked(req: &Request) -> Option<(Op, Option<String>, Option<tms_proto::ChunkRa
             tag,
             chunks,
             chunk_state,
+            ..
         } => Some((Op::Pause, tag.clone(), chunks.clone(), *chunk_state)),
         Request::Resume {
             tag,
@@ -851,6 +852,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 tag,
                 chunks: chunks.map(|c| chunk_ranges(&c.0)),
                 chunk_state: save_chunk_state,
+                job_record: false,
             },
             show,
             atomic.atomic,
@@ -870,6 +872,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 tag,
                 chunks: chunks.map(|c| chunk_ranges(&c.0)),
                 chunk_state: restore_chunk_state,
+                job_record: false,
                 no_wait,
             },
             show,

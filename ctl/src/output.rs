@@ -238,6 +238,30 @@ pub fn status(s: &Status, command: &str) -> String {
             timing(&t.last_resume)
         );
     }
+    // Memory neither active nor paused, and why: said under the table, where there is some.
+    for t in &s.tags {
+        if t.bytes_restoring > 0 {
+            let _ =
+                writeln!(
+                o,
+                "tag {}: {} being restored (mapped again, contents on their way: {} allocation{})",
+                quoted(&t.tag),
+                human(t.bytes_restoring),
+                t.restoring_allocations,
+                if t.restoring_allocations == 1 { "" } else { "s" }
+            );
+        }
+        if t.bytes_unrestored > 0 || t.failed_restore.is_some() {
+            let _ = writeln!(
+                o,
+                "tag {}: FAILED RESTORE: {} held but not restored (paused with its backups; pause \
+                 the tag to give it back, or resume it to restore): {}",
+                quoted(&t.tag),
+                human(t.bytes_unrestored),
+                printable(t.failed_restore.as_deref().unwrap_or("(no message)"))
+            );
+        }
+    }
     if s.tags_omitted > 0 {
         let _ = writeln!(
             o,
@@ -480,6 +504,39 @@ mod tests {
         assert_eq!(cols(lines[head + 2]), "w 3 1 0");
         // The columns line up.
         assert_eq!(lines[head].len(), lines[head + 1].len(), "{text}");
+    }
+
+    /// Issue 36, item 1: memory being restored, and a failed restore, are said under the table.
+    #[test]
+    fn restoring_and_failed_restores_are_said_under_the_table() {
+        let s = Status {
+            tags: vec![
+                tms_proto::TagStatus {
+                    tag: "kv".into(),
+                    restoring_allocations: 2,
+                    bytes_restoring: 4 << 20,
+                    ..Default::default()
+                },
+                tms_proto::TagStatus {
+                    tag: "w".into(),
+                    bytes_unrestored: 2 << 20,
+                    failed_restore: Some("the non-blocking resume failed after it returned".into()),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let text = status(&s, "x");
+        assert!(
+            text.contains("tag \"kv\": 4.00 MiB being restored") && text.contains("2 allocations"),
+            "{text}"
+        );
+        assert!(
+            text.contains("tag \"w\": FAILED RESTORE: 2.00 MiB held but not restored")
+                && text.contains("failed after it returned"),
+            "{text}"
+        );
+        assert!(!status(&Status::default(), "x").contains("FAILED"));
     }
 
     #[test]

@@ -2558,6 +2558,158 @@ fn atomic_resume_is_undone_everywhere_when_one_process_runs_out_of_memory() {
     }
 }
 
+/// The `--atomic` document of `r` (its stdout).
+fn atomic_json(r: &Ran) -> Value {
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()))
+}
+
+/// Issue 36, item 2: the third process's pause is still running at --timeout (exit 7; its
+/// device synchronizes slowly). The undo waits for it to end, then restores it as the others:
+/// every process is as before, and the document says so only then.
+#[test]
+fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
+    let sb = sandbox();
+    let mut ps = three_with_a_faulty_last(&sb, "");
+    let slow = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "1800")]);
+    ps.push(slow);
+    let r = ctl(
+        &sb,
+        &[
+            "pause",
+            "--all",
+            "--atomic",
+            "--tag",
+            "demo",
+            "--timeout",
+            "1",
+            "--json",
+        ],
+    );
+    assert_eq!(r.code, 7, "{}", r.dump());
+    let j = atomic_json(&r);
+    assert_eq!(j["every_process_as_before"], true, "{j}");
+    let last = ps.last().unwrap().pid;
+    let item = j["processes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|i| i["pid"] == last))
+        .unwrap_or_else(|| panic!("no item of {last}: {j}"));
+    assert_eq!(item["undo"]["op"], "resume", "undone once it ended: {item}");
+    for p in ps.iter_mut() {
+        assert_eq!(demo_bytes_active(&sb, p), SIZE, "pid {}", p.pid);
+        p.verify();
+    }
+}
+
+/// Issue 36, item 2: a pause that goes on without moving for --timeout after the others were
+/// undone is reported as not undone, and the job as not as before; it then completes.
+#[test]
+fn an_atomic_pause_that_never_ends_in_time_is_reported_not_as_before() {
+    let sb = sandbox();
+    let mut a = Proc::start(&sb, &[]);
+    let mut slow = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "6000")]);
+    assert!(a.pid < slow.pid);
+    let r = ctl(
+        &sb,
+        &[
+            "pause",
+            "--all",
+            "--atomic",
+            "--tag",
+            "demo",
+            "--timeout",
+            "1",
+            "--json",
+        ],
+    );
+    assert_eq!(r.code, 7, "{}", r.dump());
+    let j = atomic_json(&r);
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    assert!(
+        r.stderr.contains("NOT every process is as before") && r.stderr.contains("still running"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(demo_bytes_active(&sb, &a), SIZE, "the other is undone");
+    a.verify();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = status(&sb, slow.pid);
+        if s.get("operations").is_none() {
+            assert_eq!(tag(&s, "demo")["bytes_paused"], SIZE, "as reported: {s}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "never ended: {s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ok(
+        &sb,
+        &["resume", "--pid", &slow.pid.to_string(), "--tag", "demo"],
+    );
+    slow.verify();
+}
+
+/// Issue 36, item 3: a tag with an allocation kept resident was active before the resume, but
+/// a pause leaves that one mapped: the undo (a pause) is exact and runs.
+#[test]
+fn an_atomic_resume_is_undone_where_only_a_resident_allocation_was_active() {
+    let sb = sandbox();
+    let mut a = Proc::start(&sb, &[]);
+    // Its creates: the demo's, the resident one's, then the resume's: out of memory.
+    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "create:3:oom")]);
+    assert!(a.pid < b.pid);
+    for p in [&mut a, &mut b] {
+        let r = p.cmd("resident 2MiB", "RESIDENT");
+        assert!(r.starts_with("0 "), "{r}");
+    }
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    assert_eq!(tag(&status(&sb, a.pid), "demo")["resident_allocations"], 1);
+    let r = ctl(&sb, &["resume", "--all", "--atomic", "--tag", "demo"]);
+    assert_eq!(r.code, 1, "{}", r.dump());
+    assert!(
+        r.stdout.contains(": undone: paused tag") && !r.stdout.contains("not undone"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        r.stderr.contains("every process is as before"),
+        "{}",
+        r.dump()
+    );
+    for p in [&a, &b] {
+        assert_eq!(
+            demo_bytes_active(&sb, p),
+            2 << 20,
+            "only the resident one: {}",
+            p.pid
+        );
+    }
+}
+
+/// Issue 36, item 4: `pause --atomic` records chunk states for its undo in the job's record:
+/// the program's (here saved with `--save-chunk-state`) is still there for its restore.
+#[test]
+fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
+    let sb = sandbox();
+    let _p = Proc::start_with(&sb, &[], |c| {
+        c.args(["--chunk", "2MiB"]);
+    });
+    let states = |sb: &Sandbox| {
+        ok(sb, &["chunks", "--tag", "demo", "--json"]).json()["states"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    ok(&sb, &["pause", "--tag", "demo", "--chunks", "1"]);
+    ok(&sb, &["pause", "--tag", "demo", "--save-chunk-state"]);
+    ok(&sb, &["resume", "--tag", "demo"]);
+    assert_eq!(states(&sb), "1111");
+    ok(&sb, &["pause", "--all", "--atomic", "--tag", "demo"]);
+    ok(&sb, &["resume", "--tag", "demo"]);
+    ok(&sb, &["pause", "--tag", "demo"]);
+    ok(&sb, &["resume", "--tag", "demo", "--restore-chunk-state"]);
+    assert_eq!(states(&sb), "1011", "the program's record, not the job's");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Finding the process the user means
 

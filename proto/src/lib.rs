@@ -78,6 +78,11 @@ pub const FEATURE_PROGRESS: &str = "progress";
 /// `no_wait`, [`OpDone::pending_bytes`]).
 pub const FEATURE_NO_WAIT: &str = "no_wait";
 
+/// The feature of servers that keep a second record of chunk states for job-wide operations
+/// (`job_record` of [`Request::Pause`] and [`Request::Resume`]): `tmsctl pause --atomic` records
+/// there for its undo, leaving the program's own record (`pause(save_chunk_state=True)`) alone.
+pub const FEATURE_JOB_RECORD: &str = "job_record";
+
 /// The git commit this build was made from (short), or `"unknown"`: `git rev-parse --short
 /// HEAD` of the checkout it was built in, else `$TMS_BUILD_COMMIT` at build time (builds from an
 /// sdist, which has no `.git`). See `build.rs`.
@@ -251,6 +256,10 @@ pub enum Request {
         /// `chunk_state` (not with `chunks`). Servers with [`FEATURE_CHUNKS`].
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         chunk_state: bool,
+        /// With `chunk_state`: the job's record (a job-wide operation's, for its undo), not the
+        /// program's. Servers with [`FEATURE_JOB_RECORD`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        job_record: bool,
     },
     /// Resume the paused allocations of `tag` (every tag when absent), or some chunks of its
     /// chunked allocation; answered by [`Reply::Done`].
@@ -266,6 +275,10 @@ pub enum Request {
         /// [`FEATURE_CHUNKS`].
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         chunk_state: bool,
+        /// With `chunk_state`: the job's record, as for [`Request::Pause`]. Servers with
+        /// [`FEATURE_JOB_RECORD`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        job_record: bool,
         /// Answer once the memory is mapped, with the contents still being restored in the
         /// process (a whole tag only: not with `chunks` or `chunk_state`). Servers with
         /// [`FEATURE_NO_WAIT`].

@@ -17,6 +17,7 @@ fn pause(tag: Option<&str>) -> Request {
         tag: tag.map(str::to_string),
         chunks: None,
         chunk_state: false,
+        job_record: false,
     }
 }
 
@@ -34,6 +35,7 @@ fn requests_have_the_documented_shape() {
             tag: Some("kv".into()),
             chunks: None,
             chunk_state: false,
+            job_record: false,
             no_wait: false,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\"}\n"
@@ -43,6 +45,7 @@ fn requests_have_the_documented_shape() {
             tag: Some("kv".into()),
             chunks: Some(vec![[8, 15], [20, 20]]),
             chunk_state: false,
+            job_record: false,
         }),
         "{\"op\":\"pause\",\"tag\":\"kv\",\"chunks\":[[8,15],[20,20]]}\n"
     );
@@ -51,6 +54,7 @@ fn requests_have_the_documented_shape() {
             tag: None,
             chunks: None,
             chunk_state: true,
+            job_record: false,
             no_wait: false,
         }),
         "{\"op\":\"resume\",\"chunk_state\":true}\n"
@@ -60,6 +64,7 @@ fn requests_have_the_documented_shape() {
             tag: Some("kv".into()),
             chunks: None,
             chunk_state: false,
+            job_record: false,
             no_wait: true,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\",\"no_wait\":true}\n"
@@ -410,6 +415,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 tag,
                 chunks,
                 chunk_state,
+                job_record: false,
             }
         }),
         (arb_tag(), arb_chunks(), any::<bool>(), any::<bool>()).prop_map(
@@ -417,6 +423,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 tag,
                 chunks,
                 chunk_state,
+                job_record: false,
                 no_wait,
             }
         ),
@@ -601,6 +608,7 @@ fn requests_of_older_clients_still_parse() {
                 tag: Some("kv".into()),
                 chunks: None,
                 chunk_state: false,
+                job_record: false,
                 no_wait: false,
             },
         ),
@@ -622,6 +630,7 @@ fn requests_of_older_clients_still_parse() {
             tag: Some("kv".into()),
             chunks: Some(vec![[0, 3], [9, 9]]),
             chunk_state: false,
+            job_record: false,
         })
     );
 }
@@ -718,12 +727,14 @@ fn chunk_ranges_on_the_wire() {
         tag: Some("kv".into()),
         chunks: Some(chunk_ranges(&every_other)),
         chunk_state: false,
+        job_record: false,
     };
     assert!(encode(&r).len() < MAX_LINE_BYTES);
     let all = Request::Pause {
         tag: Some("kv".into()),
         chunks: Some(vec![[0, MAX_CHUNK_INDICES as u64 - 1]]),
         chunk_state: false,
+        job_record: false,
     };
     assert_eq!(decode_request(&encode(&all)), Ok(all));
 }

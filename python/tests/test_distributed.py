@@ -280,6 +280,30 @@ def test_a_rank_that_dies_before_agreeing_makes_the_others_undo(tmp_path, libtms
         assert p["intact"] and (p["active"], p["paused"]) == (1, 0), p
 
 
+def test_a_late_rank_never_leaves_the_job_half_paused(tmp_path, libtms):
+    # Issue 36, item 2: rank 1 acts after rank 0 gave up waiting (and undid its pause); rank 1
+    # still finds rank 0's first answer, but not its confirmation, so it undoes its own too.
+    # Neither claims what it has not seen.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        if RANK == 1:
+            time.sleep(3)
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", intact=intact(p, data), **a)
+        """,
+        per_rank_env={r: {"GATHER_TIMEOUT": "2"} for r in range(2)},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and "has not seen the other ranks" in p["msg"], (rank, p)
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (rank, p)
+
+
 def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, libtms):
     # Rank 0 asks for a chunk its allocation lacks: it fails before changing anything; rank 1
     # paused chunks 1-2 (chunk 3 was paused before) and must resume exactly 1-2.

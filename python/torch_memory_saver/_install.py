@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import sys
 import warnings
@@ -95,17 +96,21 @@ def warn_if_broken() -> None:
 
 
 def _library_info(path: str) -> Dict[str, Optional[str]]:
-    """The version and commit a library file says it was built from (loading it does no work:
-    the library starts at its first use)."""
+    """The version and commit a library file says it was built from (``tms_version``,
+    ``tms_build_info``; loading it does no work: the library starts at its first use)."""
     lib = ctypes.CDLL(path)
     info: Dict[str, Optional[str]] = {"version": None, "commit": None}
-    for name, key in (("tms_version", "version"), ("tms_build_commit", "commit")):
+    texts = {}
+    for name in ("tms_version", "tms_build_info"):
         fn = getattr(lib, name, None)
         if fn is not None:
             fn.restype = ctypes.c_char_p
             fn.argtypes = []
             raw = fn()
-            info[key] = raw.decode("utf-8", "replace") if raw else None
+            texts[name] = raw.decode("utf-8", "replace") if raw else ""
+    info["version"] = texts.get("tms_version") or None
+    found = re.search(r"commit ([^)\s]+)\)", texts.get("tms_build_info", ""))
+    info["commit"] = found.group(1) if found else None
     return info
 
 

@@ -28,7 +28,10 @@ and why.
   (``undo`` of that rank is ``"skipped: ..."``); its tag stays resumed, nothing lost.
 - Timeouts are the group's (``init_process_group(timeout=...)``). If the collective itself fails
   (a rank died, a timeout), no rank can know the others' outcomes: each surviving rank undoes its
-  own action and raises :class:`DistributedError` with the group's error as ``__cause__``. What
+  own action and raises :class:`DistributedError` with the group's error as ``__cause__``, saying
+  it has not seen the others. A success is confirmed by one more collective before any rank
+  returns it, so a rank that was late (the others gave up on it and undid theirs) fails that
+  confirmation and undoes its own too, instead of returning success in a half-paused job. What
   happens to a rank that dies mid-operation is the operating system's: its device memory goes
   back to the driver, its disk backup files are left for ``tmsctl clean``.
 
@@ -221,11 +224,26 @@ def _agree(
         raise DistributedError(
             f"{op} of {what}: the group failed before the ranks could agree ({type(e).__name__}: {e}); "
             f"rank {rank} {'failed itself (' + mine['error'] + ': ' + str(mine['message']) + '), ' if err else ''}"
-            f"undid its own {op} ({note}), as every surviving rank does",
+            f"undid its own {op} ({note}). It has not seen the other ranks: each undoes its own when its "
+            "agreement fails (a late rank once it gets there; a rank that died gave its memory back), so "
+            "the job may be partly changed until they have: check every rank",
             None,
         ) from e
     outcome = Outcome(op, what, [RankOutcome(**d) for d in everyone], result)
     if outcome.ok:
+        # Once more, so that no rank returns success while another, which gave up waiting
+        # for a late one, undid its own: a rank returns only having seen every rank agree.
+        try:
+            gather({"rank": rank, "confirmed": True})
+        except Exception as e:
+            note = _describe_undo(undo)
+            raise DistributedError(
+                f"{op} of {what} succeeded on every rank, but the group failed before every rank "
+                f"confirmed it ({type(e).__name__}: {e}); rank {rank} undid its own {op} ({note}). It has "
+                "not seen the other ranks: each undoes its own when its agreement fails, so the job may "
+                "be partly changed until they have: check every rank",
+                outcome,
+            ) from e
         return outcome
     mine["undo"] = _describe_undo(undo)
     try:

@@ -26,7 +26,7 @@ use tms_proto::{
 };
 
 use crate::backup::BackupKind;
-use crate::engine::{self, Engine, OpReport, OpStats, Pick, Progress, Stats};
+use crate::engine::{self, Engine, OpReport, OpStats, Pick, Progress, Record, Stats};
 use crate::error::{status, Error, Result};
 use crate::process::settings::RegionSettings;
 
@@ -74,13 +74,18 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             tag,
             chunks,
             chunk_state,
-        } => op(host, Op::Pause, tag, chunks, chunk_state, false),
+            job_record,
+        } => {
+            state(chunk_state, job_record).and_then(|r| op(host, Op::Pause, tag, chunks, r, false))
+        }
         Request::Resume {
             tag,
             chunks,
             chunk_state,
+            job_record,
             no_wait,
-        } => op(host, Op::Resume, tag, chunks, chunk_state, no_wait),
+        } => state(chunk_state, job_record)
+            .and_then(|r| op(host, Op::Resume, tag, chunks, r, no_wait)),
         Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
             .default_region()
@@ -202,16 +207,31 @@ fn with_progress(r: &mut Running, p: &Progress) {
     r.gib_per_s = (p.copy_seconds > 0.0).then(|| finite(p.rate() / (1u64 << 30) as f64));
 }
 
-/// A pause or resume; `no_wait`: a resume answered once the memory is mapped (Note
-/// [Non-blocking resume] in the engine), of a whole tag only.
+/// The record of chunk states a request saves or restores, if any: the job's with
+/// `job_record`, else the program's.
+fn state(chunk_state: bool, job_record: bool) -> Result<Option<Record>> {
+    match (chunk_state, job_record) {
+        (false, true) => Err(Error::invalid_argument(
+            "job_record names the record chunk_state saves or restores: not without chunk_state",
+        )),
+        (false, false) => Ok(None),
+        (true, false) => Ok(Some(Record::Program)),
+        (true, true) => Ok(Some(Record::Job)),
+    }
+}
+
+/// A pause or resume; `record`: the chunk states it saves or restores; `no_wait`: a resume
+/// answered once the memory is mapped (Note [Non-blocking resume] in the engine), of a whole
+/// tag only.
 fn op(
     host: &dyn Host,
     which: Op,
     tag: Option<String>,
     chunks: Option<ChunkRanges>,
-    chunk_state: bool,
+    record: Option<Record>,
     no_wait: bool,
 ) -> Result<Reply> {
+    let chunk_state = record.is_some();
     if no_wait && (chunks.is_some() || chunk_state) {
         return Err(Error::invalid_argument(
             "a resume without waiting takes a whole tag: not with chunks or chunk_state",
@@ -249,6 +269,7 @@ fn op(
         } else {
             run(&Pick {
                 chunk_state,
+                record: record.unwrap_or_default(),
                 ..Pick::tag(tag.as_deref())
             })?
         };

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use tms_proto::{
     decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, Reply, Request,
-    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS, MAX_LINE_BYTES,
-    PROTOCOL_VERSION,
+    FEATURE_CHUNKS, FEATURE_JOB_RECORD, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS,
+    MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
 
 use super::auth::{authenticate, AuthenticatedClient};
@@ -342,6 +342,7 @@ impl<'a> Session<'a> {
                         FEATURE_OPERATIONS.to_string(),
                         FEATURE_PROGRESS.to_string(),
                         FEATURE_NO_WAIT.to_string(),
+                        FEATURE_JOB_RECORD.to_string(),
                     ],
                 })
             }

@@ -504,7 +504,9 @@ fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
         State::Resuming,
         |ptr, a| {
             pick.selects(ptr, a).then(|| {
-                let kept = a.kept[pick.record.index()].as_ref().filter(|_| pick.chunk_state);
+                let kept = a.kept[pick.record.index()]
+                    .as_ref()
+                    .filter(|_| pick.chunk_state);
                 (0..a.handles.len())
                     .filter(|&s| {
                         a.handles[s].is_none() && pick.wants(s) && kept.is_none_or(|k| k[s])

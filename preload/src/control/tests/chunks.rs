@@ -30,11 +30,13 @@ fn chunk_op(which: Op, tag: &str, chunks: &[[u64; 2]]) -> Request {
             tag,
             chunks,
             chunk_state: false,
+            job_record: false,
         },
         Op::Resume => Request::Resume {
             tag,
             chunks,
             chunk_state: false,
+            job_record: false,
             no_wait: false,
         },
     }
@@ -159,6 +161,7 @@ fn chunks_pause_and_resume_through_the_server() {
         tag: Some("kv".into()),
         chunks: None,
         chunk_state: true,
+        job_record: false,
     }));
     assert_eq!(d.bytes, 6 << 20);
     assert_eq!(states(&mut c, "kv"), "0000");
@@ -166,6 +169,7 @@ fn chunks_pause_and_resume_through_the_server() {
         tag: Some("kv".into()),
         chunks: None,
         chunk_state: true,
+        job_record: false,
         no_wait: false,
     }));
     assert_eq!((d.bytes, d.copied_bytes), (6 << 20, 6 << 20));
@@ -230,11 +234,13 @@ fn bad_chunk_requests_are_refused_and_change_nothing() {
             tag: None,
             chunks: Some(vec![[0, 0]]),
             chunk_state: false,
+            job_record: false,
         },
         Request::Resume {
             tag: None,
             chunks: Some(vec![[0, 0]]),
             chunk_state: false,
+            job_record: false,
             no_wait: false,
         },
     ] {
@@ -257,6 +263,7 @@ fn bad_chunk_requests_are_refused_and_change_nothing() {
             tag: Some("kv".into()),
             chunks: Some(vec![[0, 0]]),
             chunk_state: true,
+            job_record: false,
         },
         ErrorKind::InvalidArgument,
         &["not with chunks"],

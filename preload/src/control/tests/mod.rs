@@ -189,6 +189,7 @@ fn pause(tag: Option<String>) -> Request {
         tag,
         chunks: None,
         chunk_state: false,
+        job_record: false,
     }
 }
 
@@ -198,6 +199,7 @@ fn resume(tag: Option<String>) -> Request {
         tag,
         chunks: None,
         chunk_state: false,
+        job_record: false,
         no_wait: false,
     }
 }

@@ -319,6 +319,7 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
         tag: Some("kv".into()),
         chunks: None,
         chunk_state: false,
+        job_record: false,
         no_wait: true,
     };
     let Reply::Done(d) = c.ask(&no_wait) else {
@@ -338,12 +339,14 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
             tag: Some("kv".into()),
             chunks: Some(vec![[0, 0]]),
             chunk_state: false,
+            job_record: false,
             no_wait: true,
         },
         Request::Resume {
             tag: Some("kv".into()),
             chunks: None,
             chunk_state: true,
+            job_record: false,
             no_wait: true,
         },
     ] {

@@ -329,6 +329,7 @@ fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_pau
         tag: Some("nw".into()),
         chunks: None,
         chunk_state: false,
+        job_record: false,
         no_wait: true,
     }));
     assert_eq!(d.allocations, 3);
