@@ -1963,6 +1963,19 @@ fn a_reply_about_another_operation_is_refused() {
         .failed(2)
         .to_string();
     assert!(line.contains("not an index"), "{line}");
+    // Issue 36, item 5: nor is a space.
+    let line = ctl(&sb, &["pause", "--tag", "kv", "--chunks", " 1"])
+        .failed(2)
+        .to_string();
+    assert!(line.contains("whitespace is not allowed"), "{line}");
+    // Issue 36, item 5: a negative duration is no result to print (it used to be, exit 0).
+    let negative: Answer = Arc::new(|_: &Value| {
+        "{\"reply\":\"done\",\"op\":\"pause\",\"tag\":\"kv\",\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":-2.5}".to_string()
+    });
+    std::fs::remove_file(dir.join(our_name(me))).expect("rm");
+    let _fake = Fake::start(dir, &our_name(me), me, negative);
+    let line = ctl(&sb, &["pause", "--tag", "kv"]).failed(1).to_string();
+    assert!(line.contains("not a duration"), "{line}");
 }
 
 /// A process started with a disk backup for its default region: `region` shows it, and asking

@@ -245,6 +245,12 @@ typedef struct tms_progress {
  * waits for the operation: a thread may poll it while another thread's tms_pause runs. */
 int tms_get_progress(tms_progress *out, size_t size);
 
+/* The calling thread's last tms_pause, tms_resume, tms_pause_ex, tms_resume_ex or chunk pause or
+ * resume, once it has succeeded, into *out (size as above): active 0, phase "done", bytes_total
+ * and bytes_done the bytes it copied to or from backups, seconds its duration; op 0 when that
+ * call failed or there was none. The true totals of an operation too short to be watched. */
+int tms_last_progress(tms_progress *out, size_t size);
+
 /* Copy len bytes from host memory src into the active pauseable allocation at addr (the range
  * must lie inside one allocation). For tools, demos and tests; real workloads write with
  * kernels. */

@@ -857,7 +857,42 @@ pub fn decode_request(line: &[u8]) -> Result<Request, ProtoError> {
 
 /// Decode one reply line (with or without its `\n`). Never panics, whatever the bytes.
 pub fn decode_reply(line: &[u8]) -> Result<Reply, ProtoError> {
-    decode(line, MAX_REPLY_BYTES)
+    let r: Reply = decode(line, MAX_REPLY_BYTES)?;
+    check_quantities(&r).map_err(ProtoError::Malformed)?;
+    Ok(r)
+}
+
+/// Durations and rates a reply reports are finite and not negative: a server that says
+/// otherwise (a bug, or a peer that is not ours) is refused rather than printed.
+fn check_quantities(r: &Reply) -> Result<(), String> {
+    let check = |what: &str, v: f64| {
+        if v.is_finite() && v >= 0.0 {
+            Ok(())
+        } else {
+            Err(format!("{what} is {v}: not a duration or a rate"))
+        }
+    };
+    let timing = |what: &str, t: &Option<OpTiming>| match t {
+        Some(t) => check(what, t.seconds).and_then(|()| check(what, t.gib_per_s)),
+        None => Ok(()),
+    };
+    match r {
+        Reply::Done(d) => check("seconds", d.seconds),
+        Reply::Status(s) => {
+            for t in &s.tags {
+                timing("last_pause", &t.last_pause)?;
+                timing("last_resume", &t.last_resume)?;
+            }
+            for o in &s.operations {
+                check("seconds", o.seconds)?;
+                if let Some(g) = o.gib_per_s {
+                    check("gib_per_s", g)?;
+                }
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
 }
 
 /// One message as a line: compact JSON and `\n`.
@@ -1084,19 +1119,25 @@ pub fn format_ranges(idx: &[usize]) -> String {
 }
 
 /// Parse chunk indices: comma-separated indices and inclusive ranges (`"8-15,20"`), returned
-/// sorted, each once. At most `limit` indices, so that a typo cannot ask for billions.
+/// sorted, each once; no whitespace. At most `limit` indices, so that a typo cannot ask for
+/// billions.
 pub fn parse_ranges(s: &str, limit: usize) -> Result<Vec<usize>, ParseError> {
     let bad = |fault: ListFault| ParseError::ChunkList {
         text: s.into(),
         fault,
     };
+    // One way to write a list: a stray space is more likely a mistake (a shell quote, two
+    // arguments run together) than a layout.
+    if s.chars().any(char::is_whitespace) {
+        return Err(bad(ListFault::Whitespace));
+    }
     let mut out = Vec::new();
-    for part in s.split(',').map(str::trim) {
+    for part in s.split(',') {
         if part.is_empty() {
             return Err(bad(ListFault::EmptyItem));
         }
         let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (a.trim(), b.trim()),
+            Some((a, b)) => (a, b),
             None => (part, part),
         };
         // Digits only: `parse` would take "+1" for 1.

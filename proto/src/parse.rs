@@ -61,6 +61,8 @@ pub enum ListFault {
         /// The most allowed.
         limit: usize,
     },
+    /// Whitespace in the list (it is written as `format_ranges` writes it).
+    Whitespace,
 }
 
 impl fmt::Display for ParseError {
@@ -91,6 +93,7 @@ impl fmt::Display for ListFault {
                 write!(f, "range {first}-{last} runs backwards")
             }
             ListFault::TooMany { limit } => write!(f, "more than {limit} chunks"),
+            ListFault::Whitespace => f.write_str("whitespace is not allowed"),
         }
     }
 }

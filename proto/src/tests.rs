@@ -558,7 +558,7 @@ proptest! {
 fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
     use crate::{format_ranges, parse_ranges};
     assert_eq!(
-        parse_ranges("8-11, 2,3,9", 100).unwrap(),
+        parse_ranges("8-11,2,3,9", 100).unwrap(),
         vec![2, 3, 8, 9, 10, 11]
     );
     assert_eq!(format_ranges(&[2, 3, 8, 9, 10, 11, 20]), "2-3,8-11,20");
@@ -572,6 +572,11 @@ fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
         ("-3", "is not an index"),
         ("+1", "is not an index"),
         ("1-+2", "is not an index"),
+        // Issue 36, item 5: whitespace anywhere is refused, not trimmed away.
+        (" 1", "whitespace is not allowed"),
+        ("8-11, 2", "whitespace is not allowed"),
+        ("1 -2", "whitespace is not allowed"),
+        ("3\t", "whitespace is not allowed"),
     ] {
         let e = parse_ranges(bad, 100).unwrap_err().to_string();
         assert!(e.contains(why), "{bad:?}: {e}");
@@ -838,4 +843,25 @@ fn progress_of_running_operations_round_trips_and_older_servers_still_decode() {
         ..hello()
     };
     assert!(hello.has(FEATURE_PROGRESS) && !hello.has(FEATURE_CHUNKS));
+}
+
+/// Issue 36, item 5: a reply with a negative or non-finite duration or rate is refused, not
+/// printed as a result.
+#[test]
+fn replies_with_impossible_durations_are_refused() {
+    for seconds in ["-1.5", "-0.001"] {
+        let line = format!(
+            "{{\"reply\":\"done\",\"op\":\"pause\",\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":{seconds}}}"
+        );
+        let e = decode_reply(line.as_bytes()).unwrap_err().to_string();
+        assert!(
+            e.contains("seconds is") && e.contains("not a duration"),
+            "{e}"
+        );
+    }
+    let ok = b"{\"reply\":\"done\",\"op\":\"pause\",\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":0.25}";
+    assert!(decode_reply(ok).is_ok());
+    let status = b"{\"reply\":\"status\",\"pid\":1,\"backend\":\"sim\",\"retain_cpu_backup\":false,\"memory_margin_bytes\":0,\"devices\":[],\"tags\":[{\"tag\":\"kv\",\"allocations\":1,\"active_allocations\":1,\"paused_allocations\":0,\"bytes_requested\":1,\"bytes_active\":1,\"bytes_paused\":0,\"host_backup_bytes\":0,\"last_pause\":{\"allocations\":1,\"bytes\":1,\"copied_bytes\":0,\"seconds\":-3.0,\"gib_per_s\":1.0}}]}";
+    let e = decode_reply(status).unwrap_err().to_string();
+    assert!(e.contains("last_pause is -3"), "{e}");
 }

@@ -99,3 +99,75 @@ def test_host_backups_and_a_callback_that_raises(preloaded):
         **SLOW,
     )
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_short_pause_reports_its_true_totals(preloaded):
+    # Issue 36, item 5: a pause too short for the helper thread to see used to end with
+    # (0, 0, "done"): the last call carries what it copied.
+    r = preloaded(
+        """
+        n = 3 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        calls = []
+        tms.pause("kv", progress=lambda *a: calls.append(a))
+        assert calls == [(n, n, "done")], calls
+        calls.clear()
+        tms.resume("kv", progress=lambda *a: calls.append(a))
+        assert calls == [(n, n, "done")], calls
+        with tms.region(tag="plain"):
+            rc, q = cuda_malloc(n)
+        calls.clear()
+        tms.pause("plain", progress=lambda *a: calls.append(a))
+        assert calls == [(0, 0, "done")], "nothing to copy: " + repr(calls)
+        print("ok")
+        """
+    )
+    assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_what_a_callback_may_do(preloaded):
+    # Issue 36, item 5: a callback that blocks does not hold the pause open (its "done" comes
+    # after, from the helper thread); SystemExit or KeyboardInterrupt from a callback never
+    # escapes a pause that succeeded.
+    r = preloaded(
+        textwrap.dedent(
+            """
+        import threading, time
+        n = 16 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        ctypes.memset(p, 5, n)
+        release = threading.Event()
+        calls = []
+        def blocking(done, total, phase):
+            calls.append((phase, threading.get_ident()))
+            if phase != "done":
+                release.wait(30)
+        t0 = time.monotonic()
+        tms.pause("kv", progress=blocking)
+        took = time.monotonic() - t0
+        assert took < 8, f"the pause waited for the callback: {took:.1f} s"
+        assert tag_stats("kv")["paused_allocations"] == 1
+        assert [c[0] for c in calls] != [] and calls[-1][0] != "done", calls
+        release.set()
+        deadline = time.monotonic() + 10
+        while not calls or calls[-1][0] != "done":
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.01)
+        assert calls[-1][1] != threading.get_ident(), "done came from the helper thread"
+        for exc in (SystemExit, KeyboardInterrupt):
+            def raising(done, total, phase, exc=exc):
+                raise exc("from a callback")
+            tms.resume("kv", progress=raising)
+            tms.pause("kv", progress=raising)
+        tms.resume("kv")
+        assert ctypes.string_at(p, 16) == b"\\x05" * 16
+        print("ok")
+        """
+        ),
+        **SLOW,
+    )
+    assert r.stdout.strip() == "ok", r.stderr

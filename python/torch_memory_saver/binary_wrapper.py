@@ -84,6 +84,7 @@ _SIGNATURES = {
     ),
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_get_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
+    "tms_last_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
     # The existing library's names (booleans travel as int 0/1; see tms.h).
     "tms_set_interesting_region": (ctypes.c_int, [ctypes.c_int]),
     "tms_get_interesting_region": (ctypes.c_bool, []),
@@ -251,6 +252,12 @@ class BinaryWrapper:
         p = Progress()
         self.check(self.tms_get_progress(ctypes.byref(p), ctypes.sizeof(p)))
         return p if p.active else None
+
+    def last_progress(self) -> Optional[Progress]:
+        """This thread's last pause or resume once it succeeded (its true totals), or None."""
+        p = Progress()
+        self.check(self.tms_last_progress(ctypes.byref(p), ctypes.sizeof(p)))
+        return p if p.op else None
 
     def call_string(self, fn) -> str:
         """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed."""

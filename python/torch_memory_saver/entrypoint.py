@@ -289,11 +289,14 @@ class TorchMemorySaver:
         ``progress(done, total, phase)``, if given, is called from a helper thread about every
         half second while the pause runs: bytes copied to backups so far and in all, and what it
         does (``"writing_to_disk"``, ``"copying_to_host"``, ``"synchronizing"``, ...; ``"waiting"``
-        while another pause or resume runs first); then once more from the calling thread with
-        ``(total, total, "done")`` when it has succeeded (``total`` as last seen: 0 for a pause
-        too short to be seen). An exception it raises is logged and it is not called
-        again; the pause goes on. A pause that lasts more than 2 s is also logged at INFO every
-        5 s (the ``torch_memory_saver`` logger)."""
+        while another pause or resume runs first); then once more with ``(total, total, "done")``
+        when it has succeeded, ``total`` the bytes it copied (its true total, however short the
+        pause). Calls come one at a time, ``"done"`` last. A callback should return promptly;
+        one that blocks does not hold the pause up (the pause returns, and ``"done"`` follows
+        from the helper thread once the callback returns). Whatever it raises, ``KeyboardInterrupt``
+        and ``SystemExit`` included, is logged, it is not called again, and the pause's outcome
+        stands. A pause that lasts more than 2 s is also logged at INFO every 5 s (the
+        ``torch_memory_saver`` logger)."""
         self._ensure_initialized()
         return self._impl.pause(tag=tag, **_given(save_chunk_state=save_chunk_state, progress=progress))
 

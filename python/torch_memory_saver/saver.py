@@ -376,13 +376,22 @@ class _Watch:
     GIL go for it, so a helper thread can poll ``tms_get_progress``).
 
     ``progress(done, total, phase)`` is called from the helper thread about every
-    ``PROGRESS_EVERY`` seconds while the operation runs, and once more from the calling thread
-    with phase ``"done"`` after it has succeeded. ``phase`` is the library's (``"preparing"``,
-    ``"synchronizing"``, ``"copying_to_host"``, ``"writing_to_disk"``, ``"reading_from_disk"``,
-    ``"copying_to_device"``, ``"mapping"``, ``"releasing"``), or ``"waiting"`` while another
-    pause or resume runs first. Operations that last longer than ``LOG_AFTER`` seconds are
-    logged at INFO every ``LOG_EVERY`` seconds. No helper thread is started when nobody would
-    see what it finds (no callback, INFO not enabled)."""
+    ``PROGRESS_EVERY`` seconds while the operation runs, and once more with phase ``"done"``
+    and the operation's true totals (bytes copied to or from backups) after it has succeeded.
+    ``phase`` is the library's (``"preparing"``, ``"synchronizing"``, ``"copying_to_host"``,
+    ``"writing_to_disk"``, ``"reading_from_disk"``, ``"copying_to_device"``, ``"mapping"``,
+    ``"releasing"``), or ``"waiting"`` while another pause or resume runs first.
+
+    What a callback may do: anything that returns. Calls come one at a time, ``"done"`` last;
+    none comes after the operation's call has returned but that ``"done"``. A callback that
+    blocks does not hold the pause up: when the operation ends during such a call, the pause
+    returns at once and ``"done"`` follows from the helper thread when the callback returns.
+    Whatever a callback raises (``KeyboardInterrupt`` and ``SystemExit`` included) is logged,
+    ends its calls, and never changes the operation's outcome.
+
+    Operations that last longer than ``LOG_AFTER`` seconds are logged at INFO every
+    ``LOG_EVERY`` seconds. No helper thread is started when nobody would see what it finds (no
+    callback, INFO not enabled)."""
 
     PROGRESS_EVERY = 0.5
     LOG_AFTER = 2.0
@@ -394,11 +403,14 @@ class _Watch:
         self.lib = lib
         self.what = what
         self.progress = progress
-        self.total = 0
         self.failed = False
         self.stop = threading.Event()
         self.thread: Optional[threading.Thread] = None
         self.me = threading.get_native_id()
+        # Guards `in_call` and `final` against the helper thread.
+        self.lock = threading.Lock()
+        self.in_call = False
+        self.final: Optional[tuple] = None
 
     def __enter__(self) -> "_Watch":
         if self.progress is not None or logger.isEnabledFor(logging.INFO):
@@ -407,19 +419,28 @@ class _Watch:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        self.stop.set()
-        if self.thread is not None:
-            self.thread.join()
+        final = None
         if exc_type is None and self.progress is not None:
-            self._call(self.total, self.total, "done")
+            p = self.lib.last_progress()
+            total = p.bytes_total if p is not None else 0
+            final = (total, total, "done")
+        with self.lock:
+            self.stop.set()
+            busy = self.in_call
+            if busy:
+                # Delivered by the helper thread once the callback it is in returns.
+                self.final = final
+        if final is not None and not busy:
+            self._call(*final)
 
     def _call(self, done: int, total: int, phase: str) -> None:
         if self.failed:
             return
         try:
             self.progress(done, total, phase)
-        except Exception:
-            # A broken callback must not fail the pause; said once, then left alone.
+        except BaseException:  # noqa: BLE001 - a callback never changes the operation's outcome
+            # Said once, then left alone (KeyboardInterrupt and SystemExit too: the pause
+            # they would escape has done its work; see the class's docstring).
             self.failed = True
             logger.exception("the progress callback of the %s raised; it is not called again", self.what)
 
@@ -436,10 +457,18 @@ class _Watch:
             mine = p.thread_id == self.me
             phase = p.phase.decode("ascii", "replace") if mine else "waiting"
             done, total = (p.bytes_done, p.bytes_total) if mine else (0, 0)
-            if mine:
-                self.total = total
             if self.progress is not None:
+                with self.lock:
+                    if self.stop.is_set():
+                        return
+                    self.in_call = True
                 self._call(done, total, phase)
+                with self.lock:
+                    self.in_call = False
+                    final, self.final = self.final, None
+                if final is not None:
+                    self._call(*final)
+                    return
             now = time.monotonic()
             if now >= next_log and logger.isEnabledFor(logging.INFO):
                 next_log = now + self.LOG_EVERY

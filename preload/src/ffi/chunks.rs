@@ -12,11 +12,12 @@ use crate::error::Result;
 /// Pause (`pause`) or resume what `p` names.
 pub(super) fn transact(pause: bool, p: &Pick<'_>) -> Result<()> {
     let e = &control::runtime()?.engine;
-    if pause {
-        e.pause_pick(p).map(|_| ())
+    let r = if pause {
+        e.pause_pick(p)
     } else {
-        e.resume_pick(p).map(|_| ())
-    }
+        e.resume_pick(p)
+    };
+    super::progress::noted(pause, r)
 }
 
 /// `chunk_state` naming the record a job-wide operation keeps for its undo (`Record::Job`);

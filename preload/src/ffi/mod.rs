@@ -145,7 +145,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
-        control::runtime()?.engine.pause(tag).map(|_| ())
+        progress::noted(true, control::runtime()?.engine.pause(tag))
     })
 }
 
@@ -160,7 +160,7 @@ pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
-        control::runtime()?.engine.resume(tag).map(|_| ())
+        progress::noted(false, control::runtime()?.engine.resume(tag))
     })
 }
 

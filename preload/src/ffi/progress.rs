@@ -1,10 +1,12 @@
 //! `tms_get_progress`: the running pause or resume, copied out in the header's `tms_progress`
 //! layout.
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_int, c_void};
 
 use super::status::entry;
-use crate::error::Error;
+use crate::engine::OpReport;
+use crate::error::{Error, Result};
 use crate::process::runtime;
 
 /// Progress of the running pause or resume (`tms_progress` in tms.h; the field order and
@@ -85,17 +87,79 @@ pub unsafe extern "C" fn tms_get_progress(out: *mut c_void, size: usize) -> c_in
             )));
         }
         let p = runtime::get_if_started().and_then(|rt| rt.engine.progress());
-        let v = TmsProgress::of(p.as_ref());
-        // SAFETY: out is writable for size >= ours bytes (the caller's contract, checked
-        // above); a byte copy needs no alignment.
-        unsafe {
-            std::ptr::write_bytes(out.cast::<u8>(), 0, size);
-            std::ptr::copy_nonoverlapping(
-                (&v as *const TmsProgress).cast::<u8>(),
-                out.cast::<u8>(),
-                ours,
-            );
+        // SAFETY: out is writable for size >= ours bytes (checked above).
+        unsafe { copy_out(&TmsProgress::of(p.as_ref()), out, size) };
+        Ok(())
+    })
+}
+
+/// Copy `v` into the caller's `out` of `size` bytes, zeroing what lies past it.
+///
+/// # Safety
+/// `out` is writable for `size` bytes, and `size` is at least `size_of::<TmsProgress>()`.
+unsafe fn copy_out(v: &TmsProgress, out: *mut c_void, size: usize) {
+    let ours = std::mem::size_of::<TmsProgress>();
+    // SAFETY: out is writable for size >= ours bytes (our caller's contract); a byte copy
+    // needs no alignment.
+    unsafe {
+        std::ptr::write_bytes(out.cast::<u8>(), 0, size);
+        std::ptr::copy_nonoverlapping(
+            (v as *const TmsProgress).cast::<u8>(),
+            out.cast::<u8>(),
+            ours,
+        );
+    }
+}
+
+thread_local! {
+    /// This thread's last pause or resume through the C ABI that succeeded: which (1 pause, 2
+    /// resume), the bytes it copied to or from backups, and its seconds.
+    static LAST: Cell<Option<(i32, u64, f64)>> = const { Cell::new(None) };
+}
+
+/// Remember the outcome of this thread's pause (`pause`) or resume for `tms_last_progress`.
+pub(super) fn noted(pause: bool, r: Result<OpReport>) -> Result<()> {
+    let last = r
+        .as_ref()
+        .ok()
+        .map(|r| (if pause { 1 } else { 2 }, r.copied, r.seconds));
+    LAST.with(|c| c.set(last));
+    r.map(|_| ())
+}
+
+/// Write the calling thread's last pause or resume through the C ABI, once it has succeeded,
+/// into `*out` (`size` bytes, as for [`tms_get_progress`]): `active` 0, `phase` `"done"`,
+/// `bytes_total` and `bytes_done` the bytes it copied to or from backups, `seconds`; `op` 0 when
+/// its last one failed or there was none. The true totals of an operation too short for a
+/// watcher to have seen.
+///
+/// # Safety
+/// `out` is writable for `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_last_progress(out: *mut c_void, size: usize) -> c_int {
+    entry(|| {
+        let ours = std::mem::size_of::<TmsProgress>();
+        if out.is_null() {
+            return Err(Error::invalid_argument("out is NULL"));
         }
+        if size < ours {
+            return Err(Error::invalid_argument(format!(
+                "a progress struct of {size} bytes: tms_progress has {ours} (pass \
+                 sizeof(tms_progress))"
+            )));
+        }
+        let mut v = TmsProgress::of(None);
+        if let Some((op, copied, seconds)) = LAST.with(Cell::get) {
+            v.op = op;
+            v.bytes_total = copied;
+            v.bytes_done = copied;
+            v.seconds = seconds;
+            for (o, b) in v.phase.iter_mut().zip(b"done") {
+                *o = *b as c_char;
+            }
+        }
+        // SAFETY: out is writable for size >= ours bytes (checked above).
+        unsafe { copy_out(&v, out, size) };
         Ok(())
     })
 }
