@@ -243,3 +243,43 @@ def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, li
         assert not c["ok"] and c["failed"] == [0], (rank, c)
         assert c["states"] == [True, True, True, False], (rank, c)
         assert c["intact"], (rank, c)
+
+
+# A stand-in for torch without CUDA whose torch.distributed is initialised with one rank: its
+# all_gather_object hands back the rank's own object and, as the real one does
+# (distributed_c10d._tensor_to_object), reads it through numpy.
+FAKE_DIST = """
+import types
+def all_gather_object(out, obj, group=None):
+    import numpy  # noqa: F401
+    out[0] = json.loads(json.dumps(obj))
+dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0,
+                             get_world_size=lambda group=None: 1, all_gather_object=all_gather_object)
+sys.modules["torch"] = types.SimpleNamespace(distributed=dist, cuda=types.SimpleNamespace(is_available=lambda: False))
+sys.modules["torch.distributed"] = dist
+from torch_memory_saver import distributed as tmsd
+"""
+
+
+def test_without_numpy_every_call_is_refused_before_acting(preloaded):
+    r = preloaded(
+        SIM_ALLOC
+        + FAKE_DIST
+        + """
+p, data = alloc("w", 8 << 20, 1, enable_cpu_backup=True)
+q, _ = alloc("kv", 8 << 20, 2, chunk=2 << 20)
+sys.modules["numpy"] = None  # as where numpy is not installed: importing it raises ImportError
+for call in (lambda: tmsd.pause("w"), lambda: tmsd.pause_chunks("kv", [0])):
+    try:
+        call()
+        raise SystemExit("should refuse")
+    except tms_pkg.UnsupportedError as e:
+        print("REFUSED", e)
+assert tag_stats("w")["paused_allocations"] == 0 and intact(p, data)
+assert tms.get_chunk_states("kv") == [True] * 4
+print("OK")
+"""
+    )
+    assert r.stdout.count("REFUSED torch_memory_saver.distributed needs numpy") == 2, r.stdout
+    assert r.stdout.strip().endswith("OK"), r.stdout
+

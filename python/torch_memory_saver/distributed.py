@@ -32,8 +32,10 @@ and why.
   happens to a rank that dies mid-operation is the operating system's: its device memory goes
   back to the driver, its disk backup files are left for ``tmsctl clean``.
 
-Everything here needs ``torch.distributed`` only for the collective; the rest is the package's
-own API on each rank.
+Everything here needs ``torch.distributed`` only for the collective, and numpy, which
+``all_gather_object`` reads the gathered bytes with (torch itself does not install it; without
+it every call raises :class:`UnsupportedError` before acting); the rest is the package's own API
+on each rank.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
-from .errors import InvalidStateError, TorchMemorySaverError
+from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
 
 __all__ = [
     "pause",
@@ -153,6 +155,15 @@ def _torch_group(group: Any) -> "tuple[Gather, int]":
             "torch_memory_saver.distributed needs torch.distributed initialised "
             "(torch.distributed.init_process_group) in every rank"
         )
+    try:
+        import numpy  # noqa: F401
+    except ImportError as e:
+        # Found out here, before acting: all_gather_object would fail only after every rank
+        # had acted, and each would then undo.
+        raise UnsupportedError(
+            "torch_memory_saver.distributed needs numpy: torch.distributed.all_gather_object, which the "
+            "ranks agree through, reads the gathered bytes with it (pip install numpy)"
+        ) from e
 
     def gather(mine: dict) -> List[dict]:
         out: List[Any] = [None] * dist.get_world_size(group)
