@@ -283,3 +283,27 @@ print("OK")
     assert r.stdout.count("REFUSED torch_memory_saver.distributed needs numpy") == 2, r.stdout
     assert r.stdout.strip().endswith("OK"), r.stdout
 
+
+def test_chunk_calls_take_the_existing_librarys_keywords(preloaded):
+    r = preloaded(
+        SIM_ALLOC
+        + FAKE_DIST
+        + """
+sys.modules["numpy"] = types.ModuleType("numpy")  # all the stand-in gather needs of it
+p, _ = alloc("kv", 8 << 20, 2, chunk=2 << 20)
+out = tmsd.pause_chunks(tag="kv", chunk_indices=[1, 3])
+assert tms.get_chunk_states("kv") == [True, False, True, False], tms.get_chunk_states("kv")
+tmsd.resume_chunks("kv", chunk_indices=[3])
+assert tms.get_chunk_states("kv") == [True, False, True, True]
+for bad in (dict(tag="kv"), dict(tag="kv", chunk_indices=[1], indices=[1])):
+    try:
+        tmsd.pause_chunks(**bad)
+        raise SystemExit(f"should refuse {bad}")
+    except TypeError as e:
+        print("TYPE", e)
+print("OK", out.ok)
+"""
+    )
+    assert "TYPE pause_chunks() needs the chunk indices" in r.stdout, r.stdout
+    assert "TYPE pause_chunks() got the chunk indices twice" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("OK True"), r.stdout

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
 from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
+from .saver import chunk_arguments
 
 __all__ = [
     "pause",
@@ -357,27 +358,45 @@ def resume(tag: Optional[str] = None, group: Any = None) -> Outcome:
     return _resume_tag(tag, *_torch_group(group))
 
 
-def pause_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
-    """``pause_chunks`` on every rank of ``group``, or on none."""
+def pause_chunks(
+    tag_or_tensor: Any = None,
+    indices: Optional[Iterable[int]] = None,
+    group: Any = None,
+    *,
+    tag: Any = None,
+    chunk_indices: Optional[Iterable[int]] = None,
+) -> Outcome:
+    """``pause_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
+    the package's own take them)."""
+    target, indices = chunk_arguments("pause_chunks", tag_or_tensor, indices, tag, chunk_indices)
     idx = list(indices)
     return _chunk_op(
         True,
-        tag_or_tensor,
-        lambda: _saver().pause_chunks(tag_or_tensor, idx),
-        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        target,
+        lambda: _saver().pause_chunks(target, idx),
+        f"{len(idx)} chunks of {_target(target)}",
         "pause_chunks",
         *_torch_group(group),
     )
 
 
-def resume_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
-    """``resume_chunks`` on every rank of ``group``, or on none."""
+def resume_chunks(
+    tag_or_tensor: Any = None,
+    indices: Optional[Iterable[int]] = None,
+    group: Any = None,
+    *,
+    tag: Any = None,
+    chunk_indices: Optional[Iterable[int]] = None,
+) -> Outcome:
+    """``resume_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
+    the package's own take them)."""
+    target, indices = chunk_arguments("resume_chunks", tag_or_tensor, indices, tag, chunk_indices)
     idx = list(indices)
     return _chunk_op(
         False,
-        tag_or_tensor,
-        lambda: _saver().resume_chunks(tag_or_tensor, idx),
-        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        target,
+        lambda: _saver().resume_chunks(target, idx),
+        f"{len(idx)} chunks of {_target(target)}",
         "resume_chunks",
         *_torch_group(group),
     )
