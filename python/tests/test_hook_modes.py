@@ -68,6 +68,12 @@ def test_a_registered_mode_builds_the_impl_that_takes_every_call():
         assert len(made) == 1 and tms._impl is made[0], "one factory call, at first use"
         assert tms.hook_mode == "service" and tms._uses_preload() is False
         tms.hook_mode = "service"  # the same mode: fine
+        import pickle
+        t = tms_pkg.TorchMemorySaver()
+        t.hook_mode = "service"
+        assert pickle.loads(pickle.dumps(t)).hook_mode == "service", "as spawned workers get it"
+        t.pause("a")
+        assert isinstance(pickle.loads(pickle.dumps(t))._impl, ServiceSaver)
         for other in ("preload", "torch"):
             try:
                 tms.hook_mode = other
@@ -87,6 +93,7 @@ def test_a_registered_mode_builds_the_impl_that_takes_every_call():
         "('pause', 'kv')",
         "('resume', None)",
         "('pause_chunks', 'kv', [0, 1])",
+        "('pause', 'a')",
         "LIBTMS False",  # the service's mode never loaded this library
     ], r.stdout
 

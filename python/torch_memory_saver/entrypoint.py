@@ -120,6 +120,13 @@ class TorchMemorySaver:
         # Weak where it can be, so that an integration's reset (``_impl = None``) drops the impl.
         self._built: Optional[tuple] = None
 
+    def __getstate__(self) -> dict:
+        # A weak reference does not pickle: a saver sent to another process (before first use,
+        # as spawned workers get it) carries the mode set, or an _impl that tells its own.
+        state = dict(self.__dict__)
+        state["_built"] = None
+        return state
+
     def _ensure_initialized(self) -> None:
         """Build ``_impl`` if there is none yet: the factory of the hook mode set (``"preload"``
         when none is), as registered with :func:`register_hook_mode`. An unregistered mode
