@@ -377,15 +377,14 @@ def test_bad_indices_and_targets(preloaded):
         raises(TypeError, tms.get_chunk_states, None)
         raises(tms_pkg.InvalidArgumentError, tms.pause_chunks, "", [0])
         assert tms.get_chunk_states("kv") == [True] * 4, "refused calls paused nothing"
-        # Unknown tag, tag without a chunked allocation, address outside every allocation.
-        for f in (tms.get_num_chunks, tms.get_chunk_states, tms.get_chunk_layout):
-            e = raises(tms_pkg.NotFoundError, f, "nope")
-            assert "nope" in str(e), e
-        e = raises(tms_pkg.NotFoundError, tms.pause_chunks, "nope", [0])
-        assert "has no chunked allocation" in str(e), e
+        # A tag with allocations but no chunked one, an address outside every allocation.
         with tms.region(tag="plain"):
             rc, plain = cuda_malloc(4 * MIB)
-        raises(tms_pkg.NotFoundError, tms.pause_chunks, "plain", [0])
+        for f in (tms.get_num_chunks, tms.get_chunk_states, tms.get_chunk_layout):
+            e = raises(tms_pkg.NotFoundError, f, "plain")
+            assert "has no chunked allocation" in str(e), e
+        e = raises(tms_pkg.NotFoundError, tms.pause_chunks, "plain", [0])
+        assert "has no chunked allocation" in str(e), e
         for f in (tms.get_num_chunks, tms.get_chunk_states, tms.get_chunk_layout):
             e = raises(tms_pkg.InvalidArgumentError, f, Buf(plain, 4 * MIB))
             assert "not chunked" in str(e), e
@@ -395,6 +394,55 @@ def test_bad_indices_and_targets(preloaded):
         raises(tms_pkg.NotFoundError, tms.get_num_chunks, Buf(8, 8))
         """,
     )
+
+
+def test_the_existing_librarys_keywords_and_answers_for_a_tag_without_allocations(preloaded):
+    # Its chunk API: pause_chunks(tag=..., chunk_indices=...) and friends by keyword, and
+    # 0 / [] / nothing done for a tag that holds no allocation (a rank whose cache is not made).
+    out = run(
+        preloaded,
+        """
+        C = GRAN
+        p = chunked("kv", 4 * C, C, enable_cpu_backup=True)
+        data = fill(p, 4 * C, C)
+        tms.pause_chunks(tag="kv", chunk_indices=[1, 2])
+        assert tms.get_chunk_states(tag="kv") == [True, False, False, True]
+        assert tms.get_num_chunks(tag="kv") == 4
+        assert tms.get_chunk_layout(tag="kv") == [(i * C, C) for i in range(4)]
+        tms.resume_chunks(tag="kv", chunk_indices=(2,))
+        tms.resume_chunks("kv", chunk_indices=[1])
+        assert tms.get_chunk_states("kv") == [True] * 4 and ctypes.string_at(p, 4 * C) == data
+        tms.pause_chunks(tag=Buf(p, 4 * C), chunk_indices=[0])  # tag= names a tensor too
+        assert tms.get_chunk_states(tag=Buf(p, C)) == [False, True, True, True]
+        # As the existing library's facade calls its implementation.
+        tms._impl.resume_chunks(tag="kv", chunk_indices=[0])
+        assert tms._impl.get_num_chunks(tag="kv") == 4 and tms._impl.get_chunk_states(tag="kv") == [True] * 4
+        # A tag without any allocation: never made, and made then freed.
+        with tms.region(tag="gone"):
+            rc, q = cuda_malloc(4 * MIB)
+        assert cuda_free(q) == 0
+        for tag in ("nope", "gone"):
+            assert tms.get_num_chunks(tag) == 0 and tms.get_num_chunks(tag=tag) == 0
+            assert tms.get_chunk_states(tag=tag) == [] and tms.get_chunk_layout(tag=tag) == []
+            assert tms.pause_chunks(tag=tag, chunk_indices=[0]) is None
+            assert tms.resume_chunks(tag, [0, 5]) is None
+        assert tms.get_chunk_states("kv") == [True] * 4, "nothing else changed"
+        # Bad arguments: an index out of range still raises for a tag without allocations.
+        raises(tms_pkg.InvalidArgumentError, tms.pause_chunks, tag="nope", chunk_indices=[-1])
+        for f, kw in ((tms.pause_chunks, dict(tag="kv", chunk_indices=[0], indices=[0])),
+                      (tms.pause_chunks, dict(tag_or_tensor="kv", tag="kv", chunk_indices=[0])),
+                      (tms.resume_chunks, dict(tag="kv")),
+                      (tms.resume_chunks, dict(chunk_indices=[0])),
+                      (tms.get_chunk_states, dict(tag_or_tensor="kv", tag="kv")),
+                      (tms.get_num_chunks, dict())):
+            print("TYPE", raises(TypeError, f, **kw))
+        """,
+    )
+    assert "TYPE pause_chunks() got the chunk indices twice: as indices and as chunk_indices=" in out, out
+    assert "TYPE pause_chunks() got a tag or tensor twice: as tag_or_tensor and as tag=" in out, out
+    assert "TYPE resume_chunks() needs the chunk indices: indices (or chunk_indices=)" in out, out
+    assert "TYPE resume_chunks() needs a tag or tensor: tag_or_tensor (or tag=)" in out, out
+    assert "TYPE get_num_chunks() needs a tag or tensor" in out, out
 
 
 def test_a_tag_with_two_chunked_allocations_names_both(preloaded):

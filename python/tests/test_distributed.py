@@ -326,3 +326,67 @@ def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, li
         assert not c["ok"] and c["failed"] == [0], (rank, c)
         assert c["states"] == [True, True, True, False], (rank, c)
         assert c["intact"], (rank, c)
+
+
+# A stand-in for torch without CUDA whose torch.distributed is initialised with one rank: its
+# all_gather_object hands back the rank's own object and, as the real one does
+# (distributed_c10d._tensor_to_object), reads it through numpy.
+FAKE_DIST = """
+import types
+def all_gather_object(out, obj, group=None):
+    import numpy  # noqa: F401
+    out[0] = json.loads(json.dumps(obj))
+dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0,
+                             get_world_size=lambda group=None: 1, all_gather_object=all_gather_object)
+sys.modules["torch"] = types.SimpleNamespace(distributed=dist, cuda=types.SimpleNamespace(is_available=lambda: False))
+sys.modules["torch.distributed"] = dist
+from torch_memory_saver import distributed as tmsd
+"""
+
+
+def test_without_numpy_every_call_is_refused_before_acting(preloaded):
+    r = preloaded(
+        SIM_ALLOC
+        + FAKE_DIST
+        + """
+p, data = alloc("w", 8 << 20, 1, enable_cpu_backup=True)
+q, _ = alloc("kv", 8 << 20, 2, chunk=2 << 20)
+sys.modules["numpy"] = None  # as where numpy is not installed: importing it raises ImportError
+for call in (lambda: tmsd.pause("w"), lambda: tmsd.pause_chunks("kv", [0])):
+    try:
+        call()
+        raise SystemExit("should refuse")
+    except tms_pkg.UnsupportedError as e:
+        print("REFUSED", e)
+assert tag_stats("w")["paused_allocations"] == 0 and intact(p, data)
+assert tms.get_chunk_states("kv") == [True] * 4
+print("OK")
+"""
+    )
+    assert r.stdout.count("REFUSED torch_memory_saver.distributed needs numpy") == 2, r.stdout
+    assert r.stdout.strip().endswith("OK"), r.stdout
+
+
+def test_chunk_calls_take_the_existing_librarys_keywords(preloaded):
+    r = preloaded(
+        SIM_ALLOC
+        + FAKE_DIST
+        + """
+sys.modules["numpy"] = types.ModuleType("numpy")  # all the stand-in gather needs of it
+p, _ = alloc("kv", 8 << 20, 2, chunk=2 << 20)
+out = tmsd.pause_chunks(tag="kv", chunk_indices=[1, 3])
+assert tms.get_chunk_states("kv") == [True, False, True, False], tms.get_chunk_states("kv")
+tmsd.resume_chunks("kv", chunk_indices=[3])
+assert tms.get_chunk_states("kv") == [True, False, True, True]
+for bad in (dict(tag="kv"), dict(tag="kv", chunk_indices=[1], indices=[1])):
+    try:
+        tmsd.pause_chunks(**bad)
+        raise SystemExit(f"should refuse {bad}")
+    except TypeError as e:
+        print("TYPE", e)
+print("OK", out.ok)
+"""
+    )
+    assert "TYPE pause_chunks() needs the chunk indices" in r.stdout, r.stdout
+    assert "TYPE pause_chunks() got the chunk indices twice" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("OK True"), r.stdout

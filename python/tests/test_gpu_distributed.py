@@ -1,8 +1,9 @@
 """torch_memory_saver.distributed over real torch.distributed: several processes in one gloo
 group on the simulated device (faults on one rank: out of memory, a full disk, a rank that
 dies), several processes sharing the real GPU where one cannot resume because another process
-holds the memory, and nccl across two GPUs. Needs torch (run by the GPU suite; the CPU variant
-without torch is test_distributed.py)."""
+holds the memory, and nccl across two GPUs. Needs torch and numpy: the gloo tests on the
+simulated device run in the CPU suite's run with torch, the others in the GPU suite; the variant
+without torch is test_distributed.py."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ import torch.distributed  # noqa: E402
 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
+# torch.distributed.all_gather_object, which the ranks agree through, reads what it gathered with
+# numpy, which torch does not install: without it the layer refuses every call
+# (test_distributed.py proves that), so nothing here can run.
+pytest.importorskip("numpy", reason="torch.distributed.all_gather_object needs numpy")
 
 import torch_memory_saver as tms_pkg  # noqa: E402
 

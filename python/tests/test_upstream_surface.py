@@ -35,7 +35,13 @@ def test_helper_module_names():
     from torch_memory_saver.hooks.base import HookMode as base_mode
 
     assert _TAG_DEFAULT == "default" and HookMode is base_mode
-    assert tms_pkg.configure_subprocess is mode_preload.configure_subprocess
+    # The package's configure_subprocess is hooks.mode_preload's, looked up at call time (a patch
+    # of it applies), under every mode that uses the preload.
+    calls = []
+    with patch.object(mode_preload, "configure_subprocess", lambda: calls.append(1) or patch.dict(os.environ)):
+        with tms_pkg.configure_subprocess():
+            pass
+    assert calls == [1]
 
 
 def test_configure_subprocess_uses_its_module_globals_and_keeps_one_copy(monkeypatch):
@@ -212,7 +218,7 @@ def test_region_pools_are_keyed_as_callers_expect(preloaded):
             pass
         keys = set(tms._impl._mem_pools)
         assert keys == {("w", True, False, "pinned", 0), ("w", True, False, "mmap", 0),
-                        ("d", False, True, None, 0), ("c", False, False, None, 0, 4 << 20)}, keys
+                        ("d", False, True, "", 0), ("c", False, False, "", 0, 4 << 20)}, keys
         assert tms._impl._mem_pools.pop(("w", True, False, "pinned", 0)) is not None
         tms._impl._mem_pools.clear()
         assert not tms._impl._mem_pools
@@ -220,6 +226,91 @@ def test_region_pools_are_keyed_as_callers_expect(preloaded):
         """
     )
     assert "OK" in r.stdout
+
+
+FAKE_TORCH = """
+import contextlib, types
+routed = []
+class MemPool:
+    def __init__(self, alloc=None): self.id = id(self)
+@contextlib.contextmanager
+def use_mem_pool(pool):
+    routed.append(pool)
+    yield
+device = [0]
+cuda = types.SimpleNamespace(is_available=lambda: True, current_device=lambda: device[0], MemPool=MemPool,
+                             use_mem_pool=use_mem_pool, is_current_stream_capturing=lambda: False)
+sys.modules["torch"] = types.SimpleNamespace(cuda=cuda, version=types.SimpleNamespace(cuda="13.0", hip=None))
+"""
+
+
+def test_region_pools_answer_the_keys_of_earlier_versions(preloaded):
+    # A Megatron fork drops a rebuilt context's pools by the 0.0.9 key, (tag, enable_cpu_backup),
+    # after pausing the tag: the next region of the tag must get a new pool, never the old one
+    # with its cached (paused) blocks.
+    r = preloaded(
+        FAKE_TORCH
+        + """
+def enter(tag, **kw):
+    with tms.region(tag=tag, **kw):
+        pass
+    return routed[-1]
+
+old = enter("ctx")
+pools = tms._impl._mem_pools
+assert enter("ctx") is old and ("ctx", False) in pools and ("ctx", True) not in pools
+assert pools.get(("ctx", False)) is old and pools[("ctx", False)] is old
+tms.pause("ctx")
+for cpu_backup in (True, False):
+    pools.pop(("ctx", cpu_backup), None)
+assert ("ctx", False) not in pools and not any(k[0] == "ctx" for k in pools)
+new = enter("ctx")
+assert new is not old, "the rebuilt context's region got the dropped pool"
+
+# An earlier key names every pool it covers: both backends of a backed-up tag, two devices.
+a = enter("w", enable_cpu_backup=True)
+b = enter("w", enable_cpu_backup=True, cpu_backup_backend="mmap")
+device[0] = 1
+c = enter("w", enable_cpu_backup=True)
+device[0] = 0
+assert pools[("w", True, False, 1)] is c and pools.get(("w", True, 1)) is c
+assert pools[("w", True, 0)] == [a, b] and pools.get(("w", True)) == [a, b, c]
+assert pools.pop(("w", True, False, 0)) == [a, b] and ("w", True, 0) not in pools
+assert pools.pop(("w", True)) is c
+assert not any(k[0] == "w" for k in pools), list(pools)
+del pools[("ctx", False)]
+assert not pools
+for missing in (("ctx", False), ("nope", True, 0), ("nope", True, False, 0)):
+    assert missing not in pools and pools.get(missing, "dflt") == "dflt" and pools.pop(missing, 7) == 7
+    for f in (pools.pop, pools.__getitem__, pools.__delitem__):
+        try:
+            f(missing)
+            raise SystemExit(f"{f.__name__}{missing} did not raise")
+        except KeyError:
+            pass
+print("OK")
+"""
+    )
+    assert r.stdout.strip() == "OK", r.stdout
+
+
+def test_binary_wrapper_takes_the_path_by_keyword(libtms):
+    r = run_py(
+        f"""
+        from torch_memory_saver.binary_wrapper import BinaryWrapper
+        w = BinaryWrapper(path_binary={libtms!r})
+        assert w.path == {libtms!r} and w.tms_version() and w.cdll.tms_version()
+        from torch_memory_saver.hooks.mode_preload import HookUtilModePreload
+        try:
+            # The existing library's own construction, in a process without the preload.
+            BinaryWrapper(path_binary=HookUtilModePreload().get_path_binary())
+        except tms_pkg.LibraryNotFoundError as e:
+            print("ERR", e)
+        """,
+        clean_env(),
+    )
+    assert r.stdout.startswith("ERR BinaryWrapper(path_binary=None): no library to load"), r.stdout
+    assert "torch_memory_saver.get_binary_path()" in r.stdout, r.stdout
 
 
 def test_cuda_runtime_names_resolve_through_the_library_handle(libtms, tmp_path):

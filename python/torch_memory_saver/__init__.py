@@ -10,7 +10,8 @@ in host memory.
     torch_memory_saver.resume("kv")
 
 Run under ``LD_PRELOAD=<libtms.so>`` (hook_mode "preload", the default; see
-``configure_subprocess``) or set ``torch_memory_saver.hook_mode = "torch"``. Importing this
+``configure_subprocess``) or set ``torch_memory_saver.hook_mode = "torch"`` (or a mode of an
+integration's own, ``register_hook_mode``). Importing this
 package needs neither a GPU nor torch; ``pause``, ``resume`` and ``stats`` work without torch.
 
 Modules integrations use: ``entrypoint`` (``TorchMemorySaver``, the class of the instance, whose
@@ -23,10 +24,13 @@ site-packages as ``torch_memory_saver_hook_mode_{preload,torch}[_cu12|_cu13].abi
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 from . import _install, binary_wrapper, distributed, entrypoint, hooks, testing_utils, utils
 from .binary_wrapper import bundled_library_path
-from .entrypoint import TorchMemorySaver
-from .hooks.mode_preload import configure_subprocess
+from .entrypoint import TorchMemorySaver, register_hook_mode
+from .hooks import mode_preload as _mode_preload
 from .errors import (
     DriverError,
     InternalError,
@@ -54,6 +58,7 @@ __all__ = [
     "TorchMemorySaver",
     "torch_memory_saver",
     "configure_subprocess",
+    "register_hook_mode",
     "get_binary_path",
     "TorchMemorySaverError",
     "OutOfMemoryError",
@@ -68,6 +73,25 @@ __all__ = [
 
 torch_memory_saver = TorchMemorySaver()
 """The process-wide instance."""
+
+
+@contextlib.contextmanager
+def configure_subprocess() -> Iterator[None]:
+    """Child processes started inside get this library first in ``LD_PRELOAD``, as
+    ``hooks.mode_preload.configure_subprocess()`` does, where the hook mode of
+    ``torch_memory_saver`` uses the preload (``"preload"``, ``"torch"``, and modes registered
+    with ``uses_preload=True``); under a mode registered with ``uses_preload=False`` the
+    environment is left alone. A mode no registration names (integrations that patch
+    ``_ensure_initialized`` use such names) keeps the preload, as before modes could be
+    registered."""
+    mode = torch_memory_saver.hook_mode
+    reg = entrypoint._HOOK_MODE_REGISTRY.get(mode) if isinstance(mode, str) else None
+    if reg is not None and not reg.uses_preload:
+        yield
+        return
+    # Looked up now, so that a patched hooks.mode_preload.configure_subprocess is the one used.
+    with _mode_preload.configure_subprocess():
+        yield
 
 
 def get_binary_path() -> str:

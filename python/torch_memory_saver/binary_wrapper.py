@@ -197,10 +197,18 @@ class LibraryHandle(ctypes.CDLL):
 class BinaryWrapper:
     """The loaded C ABI, with status checking. ``cdll`` is the ``ctypes.CDLL`` itself.
 
-    ``BinaryWrapper(path_binary)`` loads the file (as the existing library's class does);
-    ``BinaryWrapper(cdll, path)`` wraps a handle already loaded."""
+    ``BinaryWrapper(path_binary)`` (or ``BinaryWrapper(path_binary=...)``, as the existing
+    library's own code calls it) loads the file; ``BinaryWrapper(cdll, path)`` wraps a handle
+    already loaded. A ``path_binary`` of None (what preload mode's ``get_path_binary()`` gives
+    in a process without the library preloaded) raises :class:`LibraryNotFoundError`."""
 
-    def __init__(self, cdll: "ctypes.CDLL | str | os.PathLike", path: Optional[str] = None) -> None:
+    def __init__(self, path_binary: "ctypes.CDLL | str | bytes | os.PathLike", path: Optional[str] = None) -> None:
+        cdll = path_binary
+        if cdll is None:
+            raise LibraryNotFoundError(
+                "BinaryWrapper(path_binary=None): no library to load (in preload mode, libtms.so is not in "
+                "LD_PRELOAD of this process); pass the path of libtms.so, e.g. torch_memory_saver.get_binary_path()"
+            )
         if isinstance(cdll, (str, bytes, os.PathLike)):
             path = os.fsdecode(cdll)
             try:

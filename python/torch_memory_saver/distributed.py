@@ -35,8 +35,10 @@ and why.
   happens to a rank that dies mid-operation is the operating system's: its device memory goes
   back to the driver, its disk backup files are left for ``tmsctl clean``.
 
-Everything here needs ``torch.distributed`` only for the collective; the rest is the package's
-own API on each rank.
+Everything here needs ``torch.distributed`` only for the collective, and numpy, which
+``all_gather_object`` reads the gathered bytes with (torch itself does not install it; without
+it every call raises :class:`UnsupportedError` before acting); the rest is the package's own API
+on each rank.
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
-from .errors import InvalidStateError, TorchMemorySaverError
-from .saver import JOB_RECORD
+from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
+from .saver import JOB_RECORD, chunk_arguments
 
 __all__ = [
     "pause",
@@ -157,6 +159,15 @@ def _torch_group(group: Any) -> "tuple[Gather, int]":
             "torch_memory_saver.distributed needs torch.distributed initialised "
             "(torch.distributed.init_process_group) in every rank"
         )
+    try:
+        import numpy  # noqa: F401
+    except ImportError as e:
+        # Found out here, before acting: all_gather_object would fail only after every rank
+        # had acted, and each would then undo.
+        raise UnsupportedError(
+            "torch_memory_saver.distributed needs numpy: torch.distributed.all_gather_object, which the "
+            "ranks agree through, reads the gathered bytes with it (pip install numpy)"
+        ) from e
 
     def gather(mine: dict) -> List[dict]:
         out: List[Any] = [None] * dist.get_world_size(group)
@@ -367,27 +378,45 @@ def resume(tag: Optional[str] = None, group: Any = None) -> Outcome:
     return _resume_tag(tag, *_torch_group(group))
 
 
-def pause_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
-    """``pause_chunks`` on every rank of ``group``, or on none."""
+def pause_chunks(
+    tag_or_tensor: Any = None,
+    indices: Optional[Iterable[int]] = None,
+    group: Any = None,
+    *,
+    tag: Any = None,
+    chunk_indices: Optional[Iterable[int]] = None,
+) -> Outcome:
+    """``pause_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
+    the package's own take them)."""
+    target, indices = chunk_arguments("pause_chunks", tag_or_tensor, indices, tag, chunk_indices)
     idx = list(indices)
     return _chunk_op(
         True,
-        tag_or_tensor,
-        lambda: _saver().pause_chunks(tag_or_tensor, idx),
-        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        target,
+        lambda: _saver().pause_chunks(target, idx),
+        f"{len(idx)} chunks of {_target(target)}",
         "pause_chunks",
         *_torch_group(group),
     )
 
 
-def resume_chunks(tag_or_tensor: Any, indices: Iterable[int], group: Any = None) -> Outcome:
-    """``resume_chunks`` on every rank of ``group``, or on none."""
+def resume_chunks(
+    tag_or_tensor: Any = None,
+    indices: Optional[Iterable[int]] = None,
+    group: Any = None,
+    *,
+    tag: Any = None,
+    chunk_indices: Optional[Iterable[int]] = None,
+) -> Outcome:
+    """``resume_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
+    the package's own take them)."""
+    target, indices = chunk_arguments("resume_chunks", tag_or_tensor, indices, tag, chunk_indices)
     idx = list(indices)
     return _chunk_op(
         False,
-        tag_or_tensor,
-        lambda: _saver().resume_chunks(tag_or_tensor, idx),
-        f"{len(idx)} chunks of {_target(tag_or_tensor)}",
+        target,
+        lambda: _saver().resume_chunks(target, idx),
+        f"{len(idx)} chunks of {_target(target)}",
         "resume_chunks",
         *_torch_group(group),
     )

@@ -7,6 +7,9 @@ every public method calls ``self._ensure_initialized()`` then the method of the 
 ``self._impl``. So an integration that installs its own ``_impl`` (or patches
 ``_ensure_initialized``) takes over every call, and the keywords passed on are only those the
 caller gave beyond the long-standing ones.
+
+:func:`register_hook_mode` is the public way to do the same: a named factory of the ``_impl``,
+selected by setting ``hook_mode`` to its name.
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Literal, NamedTuple, Optional, Union
 
 from .binary_wrapper import BinaryWrapper
-from .hooks.base import HookMode, HookUtilBase
-from .saver import _TorchMemorySaverImpl, resolve_cpu_backup_backend
+from .errors import InvalidArgumentError, InvalidStateError
+from .hooks.base import HOOK_MODES, HookMode, HookUtilBase
+from .saver import _TorchMemorySaverImpl, chunk_arguments, chunk_target, resolve_cpu_backup_backend
 from .utils import is_xpu
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["TorchMemorySaver", "_TorchMemorySaverImpl"]
+__all__ = ["TorchMemorySaver", "_TorchMemorySaverImpl", "register_hook_mode"]
 
 # Names of the existing library's module that integrations import from here. ``is_xpu`` is
 # looked up here at call time, so patching ``entrypoint.is_xpu`` changes what regions check.
@@ -33,6 +38,61 @@ CpuBackupBackend = Literal["pinned", "mmap"]
 _EXPORTED = (BinaryWrapper, HookMode, HookUtilBase, is_xpu)
 
 _init_lock = threading.RLock()
+
+
+class _HookModeRegistration(NamedTuple):
+    """A hook mode: what builds the facade's ``_impl``, and whether the library must be in
+    ``LD_PRELOAD`` (of this process and of children ``configure_subprocess()`` starts)."""
+
+    factory: Callable[[], Any]
+    uses_preload: bool
+
+
+_HOOK_MODE_REGISTRY: Dict[str, _HookModeRegistration] = {}
+
+
+def register_hook_mode(name: str, factory: Callable[[], Any], *, uses_preload: bool = True) -> None:
+    """Register hook mode ``name``: setting ``torch_memory_saver.hook_mode = name`` before first
+    use makes the first use call ``factory()`` (once, with no arguments) and use what it returns
+    as the facade's ``_impl``, to which every public method goes (``region``, ``cuda_graph``,
+    ``pause`` and ``resume``, and any other the caller uses). This is how an allocator of its own
+    (an out-of-process memory service, say) takes over ``region``/``pause``/``resume``.
+
+    ``uses_preload=False`` says the mode does not need libtms.so in ``LD_PRELOAD``:
+    ``configure_subprocess()`` then leaves the environment of children alone, and
+    ``torch_memory_saver._uses_preload()`` is False. Registrations are process-wide and not
+    inherited by spawned processes: register in every process before first use. ``"preload"``
+    and ``"torch"`` are registered already (both with ``uses_preload=True``).
+
+    Raises ``ValueError`` (:class:`InvalidArgumentError`) for a name registered already or an
+    empty one, ``TypeError`` for a name that is not a str or a factory that is not callable."""
+    if not isinstance(name, str):
+        raise TypeError(f"hook mode name must be a str, not {type(name).__name__}")
+    if not name:
+        raise InvalidArgumentError("hook mode name must not be empty")
+    if not callable(factory):
+        raise TypeError(f"factory of hook mode {name!r} must be callable (it makes the implementation), "
+                        f"not {type(factory).__name__}")
+    with _init_lock:
+        if name in _HOOK_MODE_REGISTRY:
+            raise InvalidArgumentError(f"hook mode {name!r} is already registered")
+        _HOOK_MODE_REGISTRY[name] = _HookModeRegistration(factory=factory, uses_preload=bool(uses_preload))
+
+
+def _mode_registration(mode: Any) -> _HookModeRegistration:
+    """The registration of ``mode``; :class:`InvalidArgumentError` (a ``ValueError`` and a
+    ``RuntimeError``, as callers of either expect) naming the registered ones otherwise."""
+    reg = _HOOK_MODE_REGISTRY.get(mode) if isinstance(mode, str) else None
+    if reg is None:
+        raise InvalidArgumentError(
+            f"hook_mode must be one of the registered modes {tuple(_HOOK_MODE_REGISTRY)}, not {mode!r}: "
+            "call torch_memory_saver.register_hook_mode(name, factory) in this process before first use"
+        )
+    return reg
+
+
+for _mode in HOOK_MODES:
+    register_hook_mode(_mode, lambda _mode=_mode: _TorchMemorySaverImpl(hook_mode=_mode), uses_preload=True)
 
 
 def _given(**kwargs: Any) -> dict:
@@ -55,44 +115,110 @@ class TorchMemorySaver:
     def __init__(self) -> None:
         self._impl_ctor_kwargs: dict = {}
         self._impl: Any = None
+        # (mode, a reference to the impl) where a registered mode's factory built ``_impl``: the
+        # mode of an ``_impl`` that may not know its own name, while ``_impl`` is still that one.
+        # Weak where it can be, so that an integration's reset (``_impl = None``) drops the impl.
+        self._built: Optional[tuple] = None
+
+    def __getstate__(self) -> dict:
+        # A weak reference does not pickle: a saver sent to another process (before first use,
+        # as spawned workers get it) carries the mode set, or an _impl that tells its own.
+        state = dict(self.__dict__)
+        state["_built"] = None
+        return state
 
     def _ensure_initialized(self) -> None:
-        """Build ``_impl`` from ``_impl_ctor_kwargs`` if there is none yet. Cheap: the library is
-        loaded by the first call that needs it."""
+        """Build ``_impl`` if there is none yet: the factory of the hook mode set (``"preload"``
+        when none is), as registered with :func:`register_hook_mode`. An unregistered mode
+        raises :class:`InvalidArgumentError` (a ``ValueError``) here. Cheap for the builtin
+        modes: the library is loaded by the first call that needs it."""
         if self._impl is not None:
             return
         with _init_lock:
             if self._impl is not None:
                 return
-            kwargs = getattr(self, "_impl_ctor_kwargs", None) or {}
-            self._impl = _TorchMemorySaverImpl(**kwargs)
+            mode = self._selected_mode()
+            impl = _mode_registration(mode).factory()
+            if impl is None:
+                raise TypeError(f"the factory of hook mode {mode!r} returned None, not an implementation")
+            self._impl = impl
+            try:
+                self._built = (mode, weakref.ref(impl))
+            except TypeError:
+                self._built = (mode, lambda: impl)
             try:
                 del self._impl_ctor_kwargs
             except AttributeError:
                 pass
 
+    def _built_by_registry(self) -> bool:
+        """Whether ``_impl`` is the one a registered mode's factory built."""
+        built = getattr(self, "_built", None)
+        return built is not None and self._impl is not None and built[1]() is self._impl
+
+    def _selected_mode(self) -> str:
+        """The hook mode's name: that of our ``_impl`` (which can still switch between the
+        builtin modes before use), else the registered mode whose factory built ``_impl``, else
+        an installed ``_impl``'s own ``hook_mode``, else the one set (``"preload"`` if none)."""
+        impl = self._impl
+        if isinstance(impl, _TorchMemorySaverImpl):
+            return impl.hook_mode
+        if self._built_by_registry():
+            return self._built[0]
+        mode = getattr(impl, "hook_mode", None) if impl is not None else None
+        if isinstance(mode, str) and mode:
+            return mode
+        mode = (getattr(self, "_impl_ctor_kwargs", None) or {}).get("hook_mode")
+        return "preload" if mode is None else mode
+
+    def _uses_preload(self) -> bool:
+        """Whether the hook mode in use (or set, before first use) needs libtms.so in
+        ``LD_PRELOAD``: True for ``"preload"`` and ``"torch"`` (torch mode loads the library
+        itself, but children keep the preload, as before modes could be registered), else as
+        :func:`register_hook_mode` was told. An unregistered mode raises
+        :class:`InvalidArgumentError`."""
+        return _mode_registration(self._selected_mode()).uses_preload
+
     # ---------------------------------------------------------------- configuration
 
     @property
     def hook_mode(self) -> str:
-        """``"preload"`` (libtms.so in ``LD_PRELOAD``; the default) or ``"torch"`` (a
-        ``torch.cuda.MemPool`` per tag whose allocator is libtms.so). Set it before first use;
-        an unknown mode is refused at first use. Changing it once in use raises
+        """``"preload"`` (libtms.so in ``LD_PRELOAD``; the default), ``"torch"`` (a
+        ``torch.cuda.MemPool`` per tag whose allocator is libtms.so), or a mode registered with
+        :func:`register_hook_mode`. Set it before first use; a name no registration knows is
+        kept and refused at first use (integrations that patch ``_ensure_initialized`` read
+        names of their own from ``_impl_ctor_kwargs``). Changing it once in use raises
         :class:`InvalidStateError`."""
-        impl_mode = getattr(self._impl, "hook_mode", None) if self._impl is not None else None
-        if impl_mode is not None:
-            return impl_mode
-        return (getattr(self, "_impl_ctor_kwargs", None) or {}).get("hook_mode") or "preload"
+        return self._selected_mode()
 
     @hook_mode.setter
     def hook_mode(self, mode: str) -> None:
         with _init_lock:
-            if self._impl is None:
+            impl = self._impl
+            if impl is None:
                 if not hasattr(self, "_impl_ctor_kwargs"):
                     self._impl_ctor_kwargs = {}
                 self._impl_ctor_kwargs["hook_mode"] = mode
-            elif isinstance(self._impl, _TorchMemorySaverImpl):
-                self._impl.hook_mode = mode
+            elif mode == self._selected_mode():
+                return
+            elif isinstance(impl, _TorchMemorySaverImpl):
+                reg = _HOOK_MODE_REGISTRY.get(mode) if isinstance(mode, str) else None
+                if reg is None or mode in HOOK_MODES:
+                    impl.hook_mode = mode  # a builtin mode (or refused by name)
+                elif impl._in_use():
+                    raise InvalidStateError(
+                        f"hook_mode is already {impl.hook_mode!r} and in use; set it to {mode!r} before the "
+                        "first region or pause"
+                    )
+                else:
+                    # Built but never used (``available`` was read, say): the registered mode's
+                    # factory builds the implementation at first use instead.
+                    self._impl, self._built = None, None
+                    self._impl_ctor_kwargs = {"hook_mode": mode}
+            elif self._built_by_registry():
+                raise InvalidStateError(
+                    f"hook_mode is already {self._built[0]!r} and in use; set it to {mode!r} before first use"
+                )
             # An integration's own _impl decides its mode itself.
 
     @property
@@ -360,7 +486,14 @@ class TorchMemorySaver:
 
     # ---------------------------------------------------------------- chunked allocations
 
-    def pause_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]", indices: Iterable[int]) -> None:
+    def pause_chunks(
+        self,
+        tag_or_tensor: "Union[str, torch.Tensor, None]" = None,
+        indices: Optional[Iterable[int]] = None,
+        *,
+        tag: "Union[str, torch.Tensor, None]" = None,
+        chunk_indices: Optional[Iterable[int]] = None,
+    ) -> None:
         """Pause chunks ``indices`` (any iterable of ints >= 0, counted from the start of the
         allocation) of a chunked allocation (see ``region(chunk_size=...)``): back each one up
         where the region asked for a backup, then give its device memory back. Chunks already
@@ -369,23 +502,38 @@ class TorchMemorySaver:
         ``tag_or_tensor`` is a tag with exactly one chunked allocation (else an error naming
         them), or a tensor: the chunked allocation holding ``tensor.data_ptr()`` (a view of it
         does; indices still count chunks of the whole allocation). An index past the last chunk
-        raises :class:`InvalidArgumentError` and pauses nothing.
+        raises :class:`InvalidArgumentError` and pauses nothing. A tag without any allocation
+        has no chunks to pause: nothing happens, as in the existing library (a tag whose
+        allocations are all unchunked raises :class:`NotFoundError`).
+
+        The existing library's keywords work too: ``pause_chunks(tag="kv", chunk_indices=[0])``
+        (one name per argument, else ``TypeError``).
 
         A paused chunk must not be touched: a kernel reading or writing it faults like any
         paused memory, with an illegal-address CUDA error that poisons the CUDA context (every
         later CUDA call of the process fails). Keeping kernels and CUDA graphs off paused chunks
         is the caller's job."""
+        target, idx = chunk_arguments("pause_chunks", tag_or_tensor, indices, tag, chunk_indices)
         self._ensure_initialized()
-        return self._impl.pause_chunks(tag_or_tensor, indices)
+        return self._impl.pause_chunks(target, idx)
 
-    def resume_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]", indices: Iterable[int]) -> None:
-        """Resume chunks ``indices`` of a chunked allocation (arguments as :meth:`pause_chunks`)
-        at the same addresses, restoring their backups (without one their contents are
-        undefined). Chunks already active are skipped. On out of memory raises
+    def resume_chunks(
+        self,
+        tag_or_tensor: "Union[str, torch.Tensor, None]" = None,
+        indices: Optional[Iterable[int]] = None,
+        *,
+        tag: "Union[str, torch.Tensor, None]" = None,
+        chunk_indices: Optional[Iterable[int]] = None,
+    ) -> None:
+        """Resume chunks ``indices`` of a chunked allocation (arguments as :meth:`pause_chunks`,
+        ``tag=`` and ``chunk_indices=`` included) at the same addresses, restoring their backups
+        (without one their contents are undefined). Chunks already active are skipped; a tag
+        without any allocation does nothing. On out of memory raises
         :class:`OutOfMemoryError` naming the chunks, and every chunk it was to resume stays
         paused with its backup: free memory and call again."""
+        target, idx = chunk_arguments("resume_chunks", tag_or_tensor, indices, tag, chunk_indices)
         self._ensure_initialized()
-        return self._impl.resume_chunks(tag_or_tensor, indices)
+        return self._impl.resume_chunks(target, idx)
 
     def pause_range(self, tensor: "torch.Tensor", start: int, end: int) -> range:
         """Pause the chunks lying wholly inside bytes ``[start, end)`` of ``tensor`` (offsets
@@ -406,25 +554,37 @@ class TorchMemorySaver:
         self._ensure_initialized()
         return self._impl.resume_range(tensor, start, end)
 
-    def get_num_chunks(self, tag_or_tensor: "Union[str, torch.Tensor]") -> int:
+    def get_num_chunks(
+        self, tag_or_tensor: "Union[str, torch.Tensor, None]" = None, *, tag: "Union[str, torch.Tensor, None]" = None
+    ) -> int:
         """The number of chunks of a chunked allocation (a tag with exactly one, or the
-        allocation holding a tensor). A tag without one raises :class:`NotFoundError`, a
-        non-chunked tensor :class:`InvalidArgumentError`."""
+        allocation holding a tensor; ``tag=`` names either, as in the existing library). 0 for a
+        tag without any allocation, as there; a tag whose allocations are all unchunked raises
+        :class:`NotFoundError`, a non-chunked tensor :class:`InvalidArgumentError`."""
+        target = chunk_target("get_num_chunks", tag_or_tensor, tag)
         self._ensure_initialized()
-        return self._impl.get_num_chunks(tag_or_tensor)
+        return self._impl.get_num_chunks(target)
 
-    def get_chunk_states(self, tag_or_tensor: "Union[str, torch.Tensor]") -> "list[bool]":
-        """Each chunk's state of a chunked allocation (as :meth:`get_num_chunks`), in order:
-        True while it is active (mapped), False while it is paused."""
+    def get_chunk_states(
+        self, tag_or_tensor: "Union[str, torch.Tensor, None]" = None, *, tag: "Union[str, torch.Tensor, None]" = None
+    ) -> "list[bool]":
+        """Each chunk's state of a chunked allocation (as :meth:`get_num_chunks`; ``[]`` for a
+        tag without any allocation), in order: True while it is active (mapped), False while it
+        is paused."""
+        target = chunk_target("get_chunk_states", tag_or_tensor, tag)
         self._ensure_initialized()
-        return self._impl.get_chunk_states(tag_or_tensor)
+        return self._impl.get_chunk_states(target)
 
-    def get_chunk_layout(self, tag_or_tensor: "Union[str, torch.Tensor]") -> "list[tuple[int, int]]":
-        """Each chunk of a chunked allocation (as :meth:`get_num_chunks`) as ``(offset, size)``
-        in bytes, the offset from the start of the allocation (for a tensor, the allocation
-        holding it, which may start before ``tensor.data_ptr()``)."""
+    def get_chunk_layout(
+        self, tag_or_tensor: "Union[str, torch.Tensor, None]" = None, *, tag: "Union[str, torch.Tensor, None]" = None
+    ) -> "list[tuple[int, int]]":
+        """Each chunk of a chunked allocation (as :meth:`get_num_chunks`; ``[]`` for a tag
+        without any allocation) as ``(offset, size)`` in bytes, the offset from the start of the
+        allocation (for a tensor, the allocation holding it, which may start before
+        ``tensor.data_ptr()``)."""
+        target = chunk_target("get_chunk_layout", tag_or_tensor, tag)
         self._ensure_initialized()
-        return self._impl.get_chunk_layout(tag_or_tensor)
+        return self._impl.get_chunk_layout(target)
 
     # ---------------------------------------------------------------- backups and stats
 

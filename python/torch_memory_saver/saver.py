@@ -21,6 +21,7 @@ from .errors import (
     InvalidArgumentError,
     InvalidStateError,
     LibraryNotFoundError,
+    NotFoundError,
     TorchMemorySaverError,
     UnsupportedError,
     error_for_status,
@@ -175,6 +176,31 @@ def _check_indices(indices: Any) -> list:
             raise InvalidArgumentError(f"chunk index {v} is out of range (indices count from 0)")
         out.append(v)
     return out
+
+
+def _one_of(fn: str, what: str, name: str, value: Any, alias: str, alias_value: Any) -> Any:
+    """The argument given as ``name`` (ours, positional) or as keyword ``alias`` (the existing
+    library's name): exactly one of them, else a TypeError saying so."""
+    if value is not None and alias_value is not None:
+        raise TypeError(f"{fn}() got {what} twice: as {name} and as {alias}=; pass one")
+    if value is None and alias_value is None:
+        raise TypeError(f"{fn}() needs {what}: {name} (or {alias}=)")
+    return value if value is not None else alias_value
+
+
+def chunk_target(fn: str, tag_or_tensor: Any, tag: Any) -> Any:
+    """The tag or tensor of a chunk call, given positionally (or as ``tag_or_tensor=``) or as
+    ``tag=`` (the existing library's keyword)."""
+    return _one_of(fn, "a tag or tensor", "tag_or_tensor", tag_or_tensor, "tag", tag)
+
+
+def chunk_arguments(fn: str, tag_or_tensor: Any, indices: Any, tag: Any, chunk_indices: Any) -> tuple:
+    """``(target, indices)`` of ``pause_chunks``/``resume_chunks``, each given under our name or
+    the existing library's (``tag=``, ``chunk_indices=``)."""
+    return (
+        chunk_target(fn, tag_or_tensor, tag),
+        _one_of(fn, "the chunk indices", "indices", indices, "chunk_indices", chunk_indices),
+    )
 
 
 def _address(x: Any) -> int:
@@ -487,6 +513,62 @@ class _Watch:
         return s
 
 
+class _PoolMap(dict):
+    """Region (or graph) pools by ``(tag, enable_cpu_backup, enable_disk_backup, backend,
+    device)``, plus the chunk size where chunked; ``backend`` is ``""`` without a CPU backup, as
+    the existing library keys it. A key of the shape an earlier version of the existing library
+    used names every pool it covers, for the callers written against it: ``(tag,
+    enable_cpu_backup)`` (0.0.9), ``(tag, enable_cpu_backup, device)`` and ``(tag,
+    enable_cpu_backup, enable_disk_backup, device)``. ``in``, ``get``, ``[]``, ``pop`` and
+    ``del`` take them: ``pop`` and ``del`` drop every pool covered (so the next region of the tag
+    gets a new pool, never a cached block of the old one); ``get``, ``[]`` and ``pop`` give the
+    pool where one is covered, a list of them where several are."""
+
+    # Which places of a full key each earlier shape holds, by its length.
+    _OLDER_SHAPES = {2: (0, 1), 3: (0, 1, 4), 4: (0, 1, 2, 4)}
+
+    def _covered(self, key: Any) -> Optional[list]:
+        """The full keys an earlier-shaped ``key`` covers; None for any other key (a full one,
+        or one held as it is)."""
+        places = self._OLDER_SHAPES.get(len(key)) if isinstance(key, tuple) else None
+        if places is None or dict.__contains__(self, key):
+            return None
+        return [k for k in list(dict.keys(self)) if len(k) >= 5 and tuple(k[i] for i in places) == key]
+
+    @staticmethod
+    def _one_or_all(pools: list) -> Any:
+        return pools[0] if len(pools) == 1 else pools
+
+    def __contains__(self, key: Any) -> bool:
+        covered = self._covered(key)
+        return dict.__contains__(self, key) if covered is None else bool(covered)
+
+    def __getitem__(self, key: Any) -> Any:
+        covered = self._covered(key)
+        if not covered:  # None: a key as it is; []: an earlier shape that covers nothing
+            return dict.__getitem__(self, key)
+        return self._one_or_all([dict.__getitem__(self, k) for k in covered])
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __delitem__(self, key: Any) -> None:
+        self.pop(key)
+
+    _NO_DEFAULT = object()
+
+    def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
+        covered = self._covered(key)
+        if not covered:
+            if default is self._NO_DEFAULT:
+                return dict.pop(self, key)
+            return dict.pop(self, key, default)
+        return self._one_or_all([dict.pop(self, k) for k in covered])
+
+
 class _Lease:
     """One leased CPU backup (``tms_acquire_cpu_backup``), released with the last view of it."""
 
@@ -510,11 +592,10 @@ class _TorchMemorySaverImpl:
         self._hook_util: HookUtilBase = HookUtilBase.create(hook_mode)
         self._lib: Optional[BinaryWrapper] = None
         self._lock = threading.RLock()
-        # Region pools keyed as the existing library's callers expect: (tag, enable_cpu_backup,
-        # enable_disk_backup, resolved backend, device), and the chunk size where chunked.
-        # Popping one drops it (its blocks go back to the device once its tensors are gone).
-        self._mem_pools: dict[tuple, Any] = {}
-        self._graph_pools: dict[tuple, Any] = {}
+        # Region pools keyed as the existing library's callers expect (see _PoolMap). Popping
+        # one drops it (its blocks go back to the device once its tensors are gone).
+        self._mem_pools: _PoolMap = _PoolMap()
+        self._graph_pools: _PoolMap = _PoolMap()
         self._local = threading.local()
 
     # ---------------------------------------------------------------- configuration
@@ -529,11 +610,15 @@ class _TorchMemorySaverImpl:
             if mode == self._hook_util.hook_mode:
                 return
             new = HookUtilBase.create(mode)  # refuses an unknown mode
-            if self._lib is not None or self._mem_pools or self._graph_pools:
+            if self._in_use():
                 raise InvalidStateError(
                     f"hook_mode is already {self.hook_mode!r} and in use; set it before the first region or pause"
                 )
             self._hook_util = new
+
+    def _in_use(self) -> bool:
+        """Whether the library was loaded or a pool made: the hook mode is fixed from then on."""
+        return self._lib is not None or bool(self._mem_pools) or bool(self._graph_pools)
 
     @property
     def _binary_wrapper(self) -> BinaryWrapper:
@@ -734,7 +819,8 @@ class _TorchMemorySaverImpl:
         preload mode."""
         import torch
 
-        key = (tag, cpu, disk, resolve_cpu_backup_backend(cpu, backend), device) + ((chunk,) if chunk else ())
+        resolved = resolve_cpu_backup_backend(cpu, backend) or ""  # "" without a CPU backup, as upstream keys it
+        key = (tag, cpu, disk, resolved, device) + ((chunk,) if chunk else ())
         pools = self._mem_pools if kind == "region" else self._graph_pools
         with self._lock:
             pool = pools.get(key)
@@ -961,7 +1047,14 @@ class _TorchMemorySaverImpl:
             idx = _check_indices(indices)
             lib = self._library()
             fn = lib.tms_pause_chunks if pause else lib.tms_resume_chunks
-            lib.check(fn(_enc(tag), (ctypes.c_size_t * len(idx))(*idx), len(idx)))
+            try:
+                lib.check(fn(_enc(tag), (ctypes.c_size_t * len(idx))(*idx), len(idx)))
+            except NotFoundError:
+                if self._tag_has_allocations(tag):
+                    raise
+                # The existing library's answer for a tag without any allocation: nothing to do.
+                logger.debug("tag %r has no allocation: no chunks to %s", tag, "pause" if pause else "resume")
+                return
             what = f"tag {tag!r}"
         else:
             addr = _address(target)
@@ -971,13 +1064,33 @@ class _TorchMemorySaverImpl:
             what = f"the allocation at {addr:#x}"
         logger.info("%s %d chunks of %s", "paused" if pause else "resumed", len(idx), what)
 
-    def pause_chunks(self, tag_or_tensor: Any, indices: Iterable[int]) -> None:
-        """See ``TorchMemorySaver.pause_chunks``."""
-        self._chunks(tag_or_tensor, indices, True)
+    def _tag_has_allocations(self, tag: str) -> bool:
+        """Whether ``tag`` holds any pauseable allocation now (chunked or not)."""
+        return any(t["tag"] == tag and t["allocations"] for t in self.stats()["tags"])
 
-    def resume_chunks(self, tag_or_tensor: Any, indices: Iterable[int]) -> None:
+    def pause_chunks(
+        self,
+        tag_or_tensor: Any = None,
+        indices: Optional[Iterable[int]] = None,
+        *,
+        tag: Any = None,
+        chunk_indices: Optional[Iterable[int]] = None,
+    ) -> None:
+        """See ``TorchMemorySaver.pause_chunks``."""
+        target, idx = chunk_arguments("pause_chunks", tag_or_tensor, indices, tag, chunk_indices)
+        self._chunks(target, idx, True)
+
+    def resume_chunks(
+        self,
+        tag_or_tensor: Any = None,
+        indices: Optional[Iterable[int]] = None,
+        *,
+        tag: Any = None,
+        chunk_indices: Optional[Iterable[int]] = None,
+    ) -> None:
         """See ``TorchMemorySaver.resume_chunks``."""
-        self._chunks(tag_or_tensor, indices, False)
+        target, idx = chunk_arguments("resume_chunks", tag_or_tensor, indices, tag, chunk_indices)
+        self._chunks(target, idx, False)
 
     def _range(self, tensor: Any, start: Any, end: Any, pause: bool) -> range:
         addr = _address(tensor)
@@ -1019,27 +1132,36 @@ class _TorchMemorySaverImpl:
         return start.value, chunk.value, count.value
 
     def _tag_count(self, lib: BinaryWrapper, tag: bytes) -> int:
+        """The chunk count of the tag's chunked allocation; 0 where the tag has no allocation
+        at all (the existing library's answer), an error where it has only unchunked ones."""
         n = lib.tms_get_num_chunks_for_tag(tag)
         if not n:
-            raise self._tag_failure(lib, tag)
+            err = self._tag_failure(lib, tag)
+            if isinstance(err, NotFoundError) and not self._tag_has_allocations(tag.decode("utf-8")):
+                return 0
+            raise err
         return n
 
-    def get_num_chunks(self, tag_or_tensor: Any) -> int:
+    def get_num_chunks(self, tag_or_tensor: Any = None, *, tag: Any = None) -> int:
         """See ``TorchMemorySaver.get_num_chunks``."""
+        tag_or_tensor = chunk_target("get_num_chunks", tag_or_tensor, tag)
         lib = self._library()
         if isinstance(tag_or_tensor, str):
             return self._tag_count(lib, _enc(_check_tag(tag_or_tensor)))
         return self._chunks_of(lib, _address(tag_or_tensor))[2]
 
-    def get_chunk_states(self, tag_or_tensor: Any) -> list:
+    def get_chunk_states(self, tag_or_tensor: Any = None, *, tag: Any = None) -> list:
         """See ``TorchMemorySaver.get_chunk_states``."""
+        tag_or_tensor = chunk_target("get_chunk_states", tag_or_tensor, tag)
         if isinstance(tag_or_tensor, str):
-            tag = _enc(_check_tag(tag_or_tensor))
+            name = _enc(_check_tag(tag_or_tensor))
             lib = self._library()
-            n = self._tag_count(lib, tag)
+            n = self._tag_count(lib, name)
+            if not n:
+                return []
             out = (ctypes.c_uint8 * n)()
-            if not lib.tms_get_chunk_states(tag, out, n):
-                raise self._tag_failure(lib, tag)
+            if not lib.tms_get_chunk_states(name, out, n):
+                raise self._tag_failure(lib, name)
         else:
             addr = _address(tag_or_tensor)
             lib = self._library()
@@ -1048,14 +1170,17 @@ class _TorchMemorySaverImpl:
             lib.check(lib.tms_chunk_states_at(addr, out, n))
         return [bool(v) for v in out]
 
-    def get_chunk_layout(self, tag_or_tensor: Any) -> list:
+    def get_chunk_layout(self, tag_or_tensor: Any = None, *, tag: Any = None) -> list:
         """See ``TorchMemorySaver.get_chunk_layout``."""
+        tag_or_tensor = chunk_target("get_chunk_layout", tag_or_tensor, tag)
         if isinstance(tag_or_tensor, str):
-            tag = _enc(_check_tag(tag_or_tensor))
+            name = _enc(_check_tag(tag_or_tensor))
             lib = self._library()
-            n = self._tag_count(lib, tag)
+            n = self._tag_count(lib, name)
+            if not n:
+                return []
             offsets, sizes = (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)()
-            lib.check(lib.tms_get_chunk_layout(tag, offsets, sizes, n))
+            lib.check(lib.tms_get_chunk_layout(name, offsets, sizes, n))
             return list(zip(offsets, sizes))
         addr = _address(tag_or_tensor)
         _, chunk, n = self._chunks_of(self._library(), addr)

@@ -6,7 +6,8 @@
   libtms.so's pluggable-allocator entry points (``torch.cuda.memory.CUDAPluggableAllocator``).
 
 ``HookUtilBase.create(hook_mode)`` gives the object of a mode; an integration may subclass
-:class:`~.base.HookUtilBase` to route allocations elsewhere.
+:class:`~.base.HookUtilBase` to route allocations elsewhere, or register a mode of its own whose
+implementation takes every call (``torch_memory_saver.register_hook_mode``).
 """
 
 from .base import HOOK_MODES, HookMode, HookUtilBase
