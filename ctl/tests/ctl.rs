@@ -2571,9 +2571,14 @@ fn atomic_resume_is_undone_everywhere_when_one_process_runs_out_of_memory() {
     }
 }
 
-/// The `--atomic` document of `r` (its stdout).
-fn atomic_json(r: &Ran) -> Value {
-    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()))
+/// `pause --all --atomic --tag demo --timeout 1 --json`, which a slow process makes end with
+/// exit 7 (still running): the run and its document.
+fn atomic_pause_with_a_1s_timeout(sb: &Sandbox) -> (Ran, Value) {
+    let args = "pause --all --atomic --tag demo --timeout 1 --json";
+    let r = ctl(sb, &args.split(' ').collect::<Vec<_>>());
+    assert_eq!(r.code, 7, "{}", r.dump());
+    let j = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    (r, j)
 }
 
 /// Issue 36, item 2: the third process's pause is still running at --timeout (exit 7; its
@@ -2582,24 +2587,10 @@ fn atomic_json(r: &Ran) -> Value {
 #[test]
 fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
-    let mut ps = three_with_a_faulty_last(&sb, "");
-    let slow = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "1800")]);
-    ps.push(slow);
-    let r = ctl(
-        &sb,
-        &[
-            "pause",
-            "--all",
-            "--atomic",
-            "--tag",
-            "demo",
-            "--timeout",
-            "1",
-            "--json",
-        ],
-    );
-    assert_eq!(r.code, 7, "{}", r.dump());
-    let j = atomic_json(&r);
+    let mut ps = vec![Proc::start(&sb, &[]), Proc::start(&sb, &[])];
+    ps.push(Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "1800")]));
+    assert!(ps[0].pid < ps[1].pid && ps[1].pid < ps[2].pid, "the slow one is asked last");
+    let (_, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], true, "{j}");
     let last = ps.last().unwrap().pid;
     let item = j["processes"]
@@ -2621,21 +2612,7 @@ fn an_atomic_pause_that_never_ends_in_time_is_reported_not_as_before() {
     let mut a = Proc::start(&sb, &[]);
     let mut slow = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "6000")]);
     assert!(a.pid < slow.pid);
-    let r = ctl(
-        &sb,
-        &[
-            "pause",
-            "--all",
-            "--atomic",
-            "--tag",
-            "demo",
-            "--timeout",
-            "1",
-            "--json",
-        ],
-    );
-    assert_eq!(r.code, 7, "{}", r.dump());
-    let j = atomic_json(&r);
+    let (r, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], false, "{j}");
     assert!(
         r.stderr.contains("NOT every process is as before") && r.stderr.contains("still running"),

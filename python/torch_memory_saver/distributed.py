@@ -388,16 +388,7 @@ def pause_chunks(
 ) -> Outcome:
     """``pause_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
     the package's own take them)."""
-    target, indices = chunk_arguments("pause_chunks", tag_or_tensor, indices, tag, chunk_indices)
-    idx = list(indices)
-    return _chunk_op(
-        True,
-        target,
-        lambda: _saver().pause_chunks(target, idx),
-        f"{len(idx)} chunks of {_target(target)}",
-        "pause_chunks",
-        *_torch_group(group),
-    )
+    return _chunks_of(True, tag_or_tensor, indices, group, tag, chunk_indices)
 
 
 def resume_chunks(
@@ -410,14 +401,22 @@ def resume_chunks(
 ) -> Outcome:
     """``resume_chunks`` on every rank of ``group``, or on none (``tag=`` and ``chunk_indices=`` as
     the package's own take them)."""
-    target, indices = chunk_arguments("resume_chunks", tag_or_tensor, indices, tag, chunk_indices)
+    return _chunks_of(False, tag_or_tensor, indices, group, tag, chunk_indices)
+
+
+def _chunks_of(
+    pause_: bool, tag_or_tensor: Any, indices: Any, group: Any, tag: Any, chunk_indices: Any
+) -> Outcome:
+    """``pause_chunks`` (``pause_``) or ``resume_chunks`` on every rank of ``group``, or none."""
+    op = "pause_chunks" if pause_ else "resume_chunks"
+    target, indices = chunk_arguments(op, tag_or_tensor, indices, tag, chunk_indices)
     idx = list(indices)
     return _chunk_op(
-        False,
+        pause_,
         target,
-        lambda: _saver().resume_chunks(target, idx),
+        lambda: getattr(_saver(), op)(target, idx),
         f"{len(idx)} chunks of {_target(target)}",
-        "resume_chunks",
+        op,
         *_torch_group(group),
     )
 

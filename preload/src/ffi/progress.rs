@@ -76,21 +76,27 @@ impl TmsProgress {
 #[no_mangle]
 pub unsafe extern "C" fn tms_get_progress(out: *mut c_void, size: usize) -> c_int {
     entry(|| {
-        let ours = std::mem::size_of::<TmsProgress>();
-        if out.is_null() {
-            return Err(Error::invalid_argument("out is NULL"));
-        }
-        if size < ours {
-            return Err(Error::invalid_argument(format!(
-                "a progress struct of {size} bytes: tms_progress has {ours} (pass \
-                 sizeof(tms_progress))"
-            )));
-        }
+        check_out(out, size)?;
         let p = runtime::get_if_started().and_then(|rt| rt.engine.progress());
         // SAFETY: out is writable for size >= ours bytes (checked above).
         unsafe { copy_out(&TmsProgress::of(p.as_ref()), out, size) };
         Ok(())
     })
+}
+
+/// Refuse an `out` that cannot take a [`TmsProgress`].
+fn check_out(out: *mut c_void, size: usize) -> Result<()> {
+    let ours = std::mem::size_of::<TmsProgress>();
+    if out.is_null() {
+        return Err(Error::invalid_argument("out is NULL"));
+    }
+    if size < ours {
+        return Err(Error::invalid_argument(format!(
+            "a progress struct of {size} bytes: tms_progress has {ours} (pass \
+             sizeof(tms_progress))"
+        )));
+    }
+    Ok(())
 }
 
 /// Copy `v` into the caller's `out` of `size` bytes, zeroing what lies past it.
@@ -138,16 +144,7 @@ pub(super) fn noted(pause: bool, r: Result<OpReport>) -> Result<()> {
 #[no_mangle]
 pub unsafe extern "C" fn tms_last_progress(out: *mut c_void, size: usize) -> c_int {
     entry(|| {
-        let ours = std::mem::size_of::<TmsProgress>();
-        if out.is_null() {
-            return Err(Error::invalid_argument("out is NULL"));
-        }
-        if size < ours {
-            return Err(Error::invalid_argument(format!(
-                "a progress struct of {size} bytes: tms_progress has {ours} (pass \
-                 sizeof(tms_progress))"
-            )));
-        }
+        check_out(out, size)?;
         let mut v = TmsProgress::of(None);
         if let Some((op, copied, seconds)) = LAST.with(Cell::get) {
             v.op = op;
