@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
 from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
-from .saver import JOB_RECORD, chunk_arguments
+from .arguments import JOB_RECORD, chunk_arguments
 
 __all__ = [
     "pause",
