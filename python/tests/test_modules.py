@@ -75,6 +75,15 @@ def test_a_patch_of_entrypoint_is_xpu_reaches_the_implementation(monkeypatch):
     assert impl._is_xpu is False and saver._cpu_backup_backend(True, "mmap") == "mmap"
 
 
+def test_distributed_acts_on_the_instance_the_package_holds_at_the_call(monkeypatch):
+    from torch_memory_saver import distributed
+
+    assert distributed._saver() is tms_pkg.torch_memory_saver
+    other = entrypoint.TorchMemorySaver()
+    monkeypatch.setattr(tms_pkg, "torch_memory_saver", other)
+    assert distributed._saver() is other
+
+
 def test_a_patch_of_a_mode_class_reaches_hook_util_base_create(monkeypatch):
     class Mine(mode_torch.HookUtilModeTorch):
         pass
@@ -95,8 +104,14 @@ def _imports(path: Path, root: Path) -> set:
         if isinstance(node, ast.ImportFrom):
             base = package[: len(package) - node.level + 1] if node.level else ()
             parts = base + tuple(node.module.split(".") if node.module else ())
-            # ``from . import x`` imports x; ``from .m import y`` imports m (and y, where it is a module).
-            targets = ([parts] if node.module else []) + [parts + (a.name,) for a in node.names]
+            # ``from .m import y`` imports m, and y where y is a module; ``from . import y`` imports
+            # y where it is a module, else the package (a name its __init__ defines).
+            names = [parts + (a.name,) for a in node.names]
+            is_module = [root.parent.joinpath(*n).with_suffix(".py").is_file()
+                         or root.parent.joinpath(*n, "__init__.py").is_file() for n in names]
+            targets = [n for n, m in zip(names, is_module) if m]
+            if node.module or not all(is_module):
+                targets.append(parts)
         elif isinstance(node, ast.Import):
             targets = [tuple(a.name.split(".")) for a in node.names]
         else:

@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
-from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
 from .arguments import JOB_RECORD, chunk_arguments
+from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
 
 __all__ = [
     "pause",
@@ -145,9 +145,9 @@ def _gib(n: int) -> str:
 
 
 def _saver() -> Any:
-    from . import torch_memory_saver
-
-    return torch_memory_saver
+    """The process-wide instance, as the package holds it at each call. The package's __init__
+    puts its own lookup here: it imports this module, which so does not import it back."""
+    raise RuntimeError("torch_memory_saver.distributed is used through the package, which was not set up")
 
 
 def _torch_group(group: Any) -> "tuple[Gather, int]":
