@@ -146,7 +146,7 @@ def _gib(n: int) -> str:
 
 def _saver() -> Any:
     """The process-wide instance, as the package holds it at each call. The package's __init__
-    puts its own lookup here: it imports this module, which so does not import it back."""
+    puts its lookup here: it imports this module, so this module cannot import it."""
     raise RuntimeError("torch_memory_saver.distributed is used through the package, which was not set up")
 
 
