@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from torch_memory_saver import saver
+from torch_memory_saver import regions, saver
 
 
 class FakeTorch:
@@ -83,7 +83,7 @@ def test_threads_in_the_same_region_get_pools_of_their_own():
     for t in threads:
         t.join()
     assert not errors and len(set(used)) == 4 and torch.made == 3, (errors, used, torch.made)
-    assert not saver._routing.busy, saver._routing.busy
+    assert not regions._routing.busy, regions._routing.busy
 
 
 def test_one_thread_nests_routes_to_the_same_pool():

@@ -75,6 +75,15 @@ torch_memory_saver = TorchMemorySaver()
 """The process-wide instance."""
 
 
+def _instance() -> TorchMemorySaver:
+    """The process-wide instance this module holds now (one put in its place included): what
+    ``distributed`` acts on, asked at each call."""
+    return torch_memory_saver
+
+
+distributed._saver = _instance
+
+
 @contextlib.contextmanager
 def configure_subprocess() -> Iterator[None]:
     """Child processes started inside get this library first in ``LD_PRELOAD``, as

@@ -4,6 +4,9 @@ whether the install is whole. Exits 1 where it is not."""
 
 import sys
 
+import torch_memory_saver
+
 from ._install import main
 
-sys.exit(main())
+# The package is handed over, not imported by _install, which the package imports.
+sys.exit(main(torch_memory_saver))

@@ -16,6 +16,7 @@ import shutil
 import sys
 import warnings
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Dict, List, Optional
 
 IMPLEMENTATION = "rust"
@@ -114,15 +115,14 @@ def _library_info(path: str) -> Dict[str, Optional[str]]:
     return info
 
 
-def describe() -> Dict[str, Any]:
-    """Implementation, version, commit, where the package, its library and ``tmsctl`` are, and
-    the problems :func:`problems` finds (thorough)."""
-    from . import __version__
+def describe(version: str) -> Dict[str, Any]:
+    """Implementation, ``version`` (the package's), commit, where the package, its library and
+    ``tmsctl`` are, and the problems :func:`problems` finds (thorough)."""
     from .binary_wrapper import bundled_library_path
 
     out: Dict[str, Any] = {
         "implementation": IMPLEMENTATION,
-        "version": __version__,
+        "version": version,
         "package": str(_HERE),
         "library": None,
         "library_version": None,
@@ -141,11 +141,10 @@ def describe() -> Dict[str, Any]:
     return out
 
 
-def main() -> int:
-    """``python -m torch_memory_saver``: print the identity and the install check; 1 where the
-    install is not whole."""
-    import torch_memory_saver as pkg
-
+def main(pkg: ModuleType) -> int:
+    """``python -m torch_memory_saver``: print the identity and the install check of ``pkg``
+    (the package ``import torch_memory_saver`` gives, which may be another implementation's);
+    1 where the install is not whole."""
     if getattr(pkg, "__implementation__", None) != IMPLEMENTATION:
         print(
             f"torch_memory_saver at {os.path.dirname(pkg.__file__ or '?')} is another implementation "
@@ -153,7 +152,7 @@ def main() -> int:
             f"implementation left in it. Fix: {_FIX}."
         )
         return 1
-    d = describe()
+    d = describe(pkg.__version__)
     print(
         f"torch_memory_saver {d['version']}: the Rust implementation (Torch Memory Saver), "
         f"commit {d['commit'] or 'unknown'}"

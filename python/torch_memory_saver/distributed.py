@@ -49,8 +49,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
+from .arguments import JOB_RECORD, chunk_arguments
 from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
-from .saver import JOB_RECORD, chunk_arguments
 
 __all__ = [
     "pause",
@@ -145,9 +145,9 @@ def _gib(n: int) -> str:
 
 
 def _saver() -> Any:
-    from . import torch_memory_saver
-
-    return torch_memory_saver
+    """The process-wide instance, as the package holds it at each call. The package's __init__
+    puts its lookup here: it imports this module, so this module cannot import it."""
+    raise RuntimeError("torch_memory_saver.distributed is used through the package, which was not set up")
 
 
 def _torch_group(group: Any) -> "tuple[Gather, int]":

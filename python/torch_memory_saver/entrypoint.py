@@ -20,10 +20,11 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Literal, NamedTuple, Optional, Union
 
+from .arguments import chunk_arguments, chunk_target, resolve_cpu_backup_backend, set_xpu_check
 from .binary_wrapper import BinaryWrapper
 from .errors import InvalidArgumentError, InvalidStateError
 from .hooks.base import HOOK_MODES, HookMode, HookUtilBase
-from .saver import _TorchMemorySaverImpl, chunk_arguments, chunk_target, resolve_cpu_backup_backend
+from .saver import _TorchMemorySaverImpl
 from .utils import is_xpu
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,6 +37,15 @@ __all__ = ["TorchMemorySaver", "_TorchMemorySaverImpl", "register_hook_mode"]
 _TAG_DEFAULT = "default"
 CpuBackupBackend = Literal["pinned", "mmap"]
 _EXPORTED = (BinaryWrapper, HookMode, HookUtilBase, is_xpu)
+
+
+def _is_xpu_now() -> bool:
+    """This module's ``is_xpu``, looked up at each call: what backup arguments are checked
+    against (installed below in ``arguments``, which cannot import this module)."""
+    return bool(is_xpu())
+
+
+set_xpu_check(_is_xpu_now)
 
 _init_lock = threading.RLock()
 

@@ -10,8 +10,17 @@
 implementation takes every call (``torch_memory_saver.register_hook_mode``).
 """
 
+from . import base, mode_preload, mode_torch
 from .base import HOOK_MODES, HookMode, HookUtilBase
 from .mode_preload import HookUtilModePreload
 from .mode_torch import HookUtilModeTorch
+
+# What HookUtilBase.create builds for each builtin mode: the class its module holds at the call
+# (so a patch of, say, ``mode_torch.HookUtilModeTorch`` applies). Listed here, as base cannot
+# import the modes, which import it.
+base._MODES.update(
+    preload=lambda: mode_preload.HookUtilModePreload(),
+    torch=lambda: mode_torch.HookUtilModeTorch(),
+)
 
 __all__ = ["HOOK_MODES", "HookMode", "HookUtilBase", "HookUtilModePreload", "HookUtilModeTorch"]

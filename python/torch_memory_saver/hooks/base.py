@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Dict, Literal, Optional
 
 from ..binary_wrapper import BinaryWrapper
 from ..errors import InvalidArgumentError
@@ -13,6 +13,10 @@ HOOK_MODES = ("preload", "torch")
 HookMode = Literal["preload", "torch"]
 """The type of a hook mode's name (the existing library's name)."""
 
+# What builds each builtin mode's object, by name, for HookUtilBase.create: filled by the package
+# (hooks/__init__.py, which any import of this module runs first), as the modes import this module.
+_MODES: Dict[str, Callable[[], "HookUtilBase"]] = {}
+
 
 class HookUtilBase:
     """How one hook mode finds libtms.so and which allocator its pools use."""
@@ -22,13 +26,9 @@ class HookUtilBase:
     @staticmethod
     def create(hook_mode: str) -> "HookUtilBase":
         """The object of ``hook_mode`` (``"preload"`` or ``"torch"``)."""
-        from .mode_preload import HookUtilModePreload
-        from .mode_torch import HookUtilModeTorch
-
-        modes = {"preload": HookUtilModePreload, "torch": HookUtilModeTorch}
-        if hook_mode not in modes:
+        if hook_mode not in _MODES:
             raise InvalidArgumentError(f"hook_mode must be one of {HOOK_MODES}, not {hook_mode!r}")
-        return modes[hook_mode]()
+        return _MODES[hook_mode]()
 
     def get_path_binary(self) -> Optional[str]:
         """Path of the libtms.so this mode uses (None where the loader found it by name)."""

@@ -1,0 +1,418 @@
+"""Regions, graph captures and ``disable()`` blocks of the implementation
+(:class:`~.saver._TorchMemorySaverImpl`): the library's per-thread flags and, where torch is in
+use, which ``MemPool`` serves the allocations: one per region key (:class:`_PoolMap`, the
+``_mem_pools`` integrations reach), routed to per thread (:class:`_Routing`)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+
+from .arguments import (
+    _check_backup,
+    _check_chunk_size,
+    _check_disk,
+    _check_tag,
+    _enc,
+    _require_torch,
+    _torch_if_cuda,
+    resolve_cpu_backup_backend,
+)
+from .binary_wrapper import BinaryWrapper
+from .errors import InvalidArgumentError, TorchMemorySaverError
+from .hooks import HookUtilBase
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+# The library's message for an allocation whose size is not a multiple of its region's chunk size.
+_CHUNK_MISFIT = re.compile(r"chunk size (\d+) bytes: the size \((\d+) bytes\) must be a multiple of it")
+
+
+class _Routing:
+    """Which pools this process's threads route allocations to, through ``use_mem_pool``.
+
+    PyTorch (2.11) asserts, and so ends the process, when a ``MemPool`` is destroyed while any
+    thread routes to a pool or captures a graph: the pool's destructor frees its cache, which
+    needs that nothing be under way. ``disable()`` destroys its pool to give the cache back, so
+    it does so only when no route or capture of this package is active in any thread; until
+    then the pool waits in ``retired`` and goes with the last route or capture to end.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.active = 0
+        self.retired: list = []
+        # PyTorch lets one thread at a time route to a pool ("beginAllocateToPool: already
+        # recording to mempool_id"), so a region entered by a second thread while the first is
+        # inside it gets a sibling pool of the same kind. busy: id(pool) -> the thread routing
+        # to it; siblings: id(pool) -> (the pool, its siblings), kept while the pool lives
+        # (only pools that ever needed one are listed, so a dropped pool still goes).
+        self.busy: dict = {}
+        self.siblings: dict = {}
+
+    def claim(self, pool: Any, make: Any) -> Any:
+        """A pool of ``pool``'s kind that no other thread routes to now (``pool`` itself when
+        free; else a sibling, made with ``make()`` where all are busy), marked as this
+        thread's."""
+        me = threading.get_ident()
+        with self.lock:
+            if self.busy.get(id(pool), me) == me or make is None:
+                self.busy[id(pool)] = me
+                return pool
+            _, sibs = self.siblings.setdefault(id(pool), (pool, []))
+            for sib in sibs:
+                if self.busy.get(id(sib), me) == me:
+                    self.busy[id(sib)] = me
+                    return sib
+        sib = make()
+        with self.lock:
+            sibs.append(sib)
+            self.busy[id(sib)] = me
+        return sib
+
+    def release(self, pool: Any) -> None:
+        with self.lock:
+            self.busy.pop(id(pool), None)
+
+    def enter(self) -> None:
+        with self.lock:
+            self.active += 1
+
+    def leave(self, torch: Any) -> None:
+        with self.lock:
+            self.active -= 1
+        self.collect(torch)
+
+    def retire(self, pool: Any, torch: Any) -> None:
+        with self.lock:
+            self.retired.append(pool)
+        self.collect(torch)
+
+    def collect(self, torch: Any) -> None:
+        with self.lock:
+            if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
+                return
+            dead, self.retired = self.retired, []
+        del dead  # the last references: each pool gives its cached blocks back to the device
+
+
+_routing = _Routing()
+
+
+class _Route:
+    """One pool this thread's allocations are routed to, and the ``use_mem_pool`` context that
+    does it while the route is the innermost one (None while a nested route suspends it)."""
+
+    def __init__(self, pool: Any, make: Any = None) -> None:
+        self.pool = pool
+        self.make = make
+        self.ctx: Any = None
+        self.using: Any = None
+
+    def start(self, torch: Any) -> None:
+        using = _routing.claim(self.pool, self.make)
+        try:
+            ctx = torch.cuda.use_mem_pool(using)
+            ctx.__enter__()
+        except BaseException:
+            _routing.release(using)
+            raise
+        self.ctx, self.using = ctx, using
+        _routing.enter()
+
+    def stop(self, torch: Any) -> None:
+        ctx, self.ctx = self.ctx, None
+        using, self.using = self.using, None
+        if ctx is not None:
+            try:
+                ctx.__exit__(None, None, None)
+            finally:
+                _routing.release(using)
+                _routing.leave(torch)
+
+
+class _PoolMap(dict):
+    """Region (or graph) pools by ``(tag, enable_cpu_backup, enable_disk_backup, backend,
+    device)``, plus the chunk size where chunked; ``backend`` is ``""`` without a CPU backup, as
+    the existing library keys it. A key of the shape an earlier version of the existing library
+    used names every pool it covers, for the callers written against it: ``(tag,
+    enable_cpu_backup)`` (0.0.9), ``(tag, enable_cpu_backup, device)`` and ``(tag,
+    enable_cpu_backup, enable_disk_backup, device)``. ``in``, ``get``, ``[]``, ``pop`` and
+    ``del`` take them: ``pop`` and ``del`` drop every pool covered (so the next region of the tag
+    gets a new pool, never a cached block of the old one); ``get``, ``[]`` and ``pop`` give the
+    pool where one is covered, a list of them where several are."""
+
+    # Which places of a full key each earlier shape holds, by its length.
+    _OLDER_SHAPES = {2: (0, 1), 3: (0, 1, 4), 4: (0, 1, 2, 4)}
+
+    def _covered(self, key: Any) -> Optional[list]:
+        """The full keys an earlier-shaped ``key`` covers; None for any other key (a full one,
+        or one held as it is)."""
+        places = self._OLDER_SHAPES.get(len(key)) if isinstance(key, tuple) else None
+        if places is None or dict.__contains__(self, key):
+            return None
+        return [k for k in list(dict.keys(self)) if len(k) >= 5 and tuple(k[i] for i in places) == key]
+
+    @staticmethod
+    def _one_or_all(pools: list) -> Any:
+        return pools[0] if len(pools) == 1 else pools
+
+    def __contains__(self, key: Any) -> bool:
+        covered = self._covered(key)
+        return dict.__contains__(self, key) if covered is None else bool(covered)
+
+    def __getitem__(self, key: Any) -> Any:
+        covered = self._covered(key)
+        if not covered:  # None: a key as it is; []: an earlier shape that covers nothing
+            return dict.__getitem__(self, key)
+        return self._one_or_all([dict.__getitem__(self, k) for k in covered])
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            return default
+
+    def __delitem__(self, key: Any) -> None:
+        self.pop(key)
+
+    _NO_DEFAULT = object()
+
+    def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
+        covered = self._covered(key)
+        if not covered:
+            if default is self._NO_DEFAULT:
+                return dict.pop(self, key)
+            return dict.pop(self, key, default)
+        return self._one_or_all([dict.pop(self, k) for k in covered])
+
+
+class _Regions:
+    """Regions, graph captures, ``disable()`` and ``_with_region_config`` of
+    :class:`~.saver._TorchMemorySaverImpl`, which holds the state declared here."""
+
+    _hook_util: HookUtilBase
+    _lock: threading.RLock
+    _local: threading.local
+    _mem_pools: _PoolMap
+    _graph_pools: _PoolMap
+    hook_mode: str
+    _library: Callable[[], BinaryWrapper]
+
+    @contextlib.contextmanager
+    def _with_region_config(
+        self,
+        tag: str = "default",
+        enable_cpu_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Any = False,
+    ) -> Iterator[None]:
+        """This thread's allocations are pauseable with these settings inside, with no pool
+        routing (the existing library's internal context, which its callers use to free tensors
+        under a tag)."""
+        tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
+        backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        lib = self._library()
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk):
+            yield
+
+
+    @contextlib.contextmanager
+    def _flags(
+        self,
+        lib: BinaryWrapper,
+        enabled: bool,
+        tag: Optional[str],
+        backup: bool,
+        backend: Optional[str],
+        disk: bool = False,
+        chunk: int = 0,
+    ):
+        lib.check(lib.tms_region_enter(int(enabled), _enc(tag), int(backup), _enc(backend)))
+        try:
+            if disk:
+                lib.check(lib.tms_set_enable_disk_backup(1))
+            if chunk:
+                lib.check(lib.tms_set_chunk_size(chunk))  # names the granularity where it does not fit
+            yield
+        finally:
+            lib.check(lib.tms_region_exit())
+
+    @contextlib.contextmanager
+    def _chunk_misfits(self, lib: BinaryWrapper, chunk: int) -> Iterator[None]:
+        """Inside a region with a chunk size: an error PyTorch raised for an allocation the
+        library refused because its size is not a multiple of the chunk size (torch's
+        OutOfMemoryError in torch mode, its CUDA error in preload mode) becomes our
+        :class:`InvalidArgumentError` with the library's message, chained from torch's. Only
+        when this thread's last library error is that refusal, recorded inside this block (the
+        thread's error count moved) and for this chunk size; any other exception passes through
+        unchanged."""
+        if not chunk:
+            yield
+            return
+        before = lib.tms_error_count()
+        try:
+            yield
+        except RuntimeError as e:
+            if isinstance(e, TorchMemorySaverError):
+                raise
+            msg = lib.last_error()
+            m = _CHUNK_MISFIT.search(msg)
+            if lib.tms_error_count() == before or m is None or int(m.group(1)) != chunk:
+                raise
+            raise InvalidArgumentError(
+                f"{msg} (inside a region with chunk_size={chunk}, allocate only tensors whose size in bytes "
+                "is a multiple of it)",
+                3,
+            ) from e
+
+    def _pool(
+        self, kind: str, tag: str, cpu: bool, disk: bool, backend: Optional[str], device: int, chunk: int = 0
+    ) -> Any:
+        """The MemPool of a region (``kind="region"``, in ``_mem_pools``) or a graph capture (in
+        ``_graph_pools``) for (tag, CPU backup, disk backup, resolved backend, device, chunk
+        size), made on first use, so that cached blocks never cross backup settings or chunk
+        layouts. Its allocator is the hook mode's: libtms.so in torch mode; PyTorch's own
+        (cudaMalloc, which the preloaded library serves while the region's flags are on) in
+        preload mode."""
+        import torch
+
+        resolved = resolve_cpu_backup_backend(cpu, backend) or ""  # "" without a CPU backup, as upstream keys it
+        key = (tag, cpu, disk, resolved, device) + ((chunk,) if chunk else ())
+        pools = self._mem_pools if kind == "region" else self._graph_pools
+        with self._lock:
+            pool = pools.get(key)
+            if pool is None:
+                pool = self._new_pool(torch)
+                pools[key] = pool
+            return pool
+
+    def _new_pool(self, torch: Any) -> Any:
+        """A MemPool whose allocator is the hook mode's."""
+        allocator = self._hook_util.get_allocator()
+        return torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
+
+    @contextlib.contextmanager
+    def _routed(self, torch: Any, pool: Any = None, make: Any = None) -> Iterator[None]:
+        """Route this thread's allocations to ``pool`` inside the block. Routes nest: the
+        innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
+        which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``).
+        ``pool=None``: a pool of PyTorch's own allocator for this block alone, dropped on exit
+        before the enclosing route restarts, so that its cache can go back to the device.
+        ``make()`` makes a sibling of ``pool`` for a thread that finds ``pool`` routed to by
+        another thread (PyTorch routes one thread at a time to a pool)."""
+        stack = getattr(self._local, "routes", None)
+        if stack is None:
+            stack = self._local.routes = []
+        retire = pool is None
+        route = _Route(torch.cuda.MemPool() if retire else pool, make)
+        del pool
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            outer.stop(torch)
+        try:
+            route.start(torch)
+        except BaseException:
+            if outer is not None:
+                outer.start(torch)
+            raise
+        stack.append(route)
+        try:
+            yield
+        finally:
+            stack.pop()
+            route.stop(torch)
+            if retire:
+                _routing.retire(route.pool, torch)
+                route.pool = None
+            if outer is not None:
+                outer.start(torch)
+
+    @contextlib.contextmanager
+    def region(
+        self,
+        tag: str = "default",
+        enable_cpu_backup: Any = False,
+        enable_disk_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        *,
+        chunk_size: Any = 0,
+    ) -> Iterator[None]:
+        """See ``TorchMemorySaver.region``."""
+        tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
+        backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        chunk = _check_chunk_size(chunk_size)
+        lib = self._library()
+        torch = _torch_if_cuda() if self.hook_mode == "preload" else _require_torch()
+        if torch is None:
+            # Preload mode without torch (C extensions calling cudaMalloc): the flags suffice.
+            with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk), self._chunk_misfits(lib, chunk):
+                yield
+            return
+        # Each region's tensors live in a pool of their own, so PyTorch never hands a pauseable
+        # block to a tensor made outside the region, nor a plain cached block to one inside it,
+        # nor a block of one chunk layout to another.
+        pool = self._pool("region", tag, enable_cpu_backup, disk, backend, torch.cuda.current_device(), chunk)
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
+            with self._routed(torch, pool, lambda: self._new_pool(torch)), self._chunk_misfits(lib, chunk):
+                yield
+
+    @contextlib.contextmanager
+    def disable(self) -> Iterator[None]:
+        """See ``TorchMemorySaver.disable``."""
+        lib = self._library()
+        torch = _torch_if_cuda()
+        if torch is None:
+            with self._flags(lib, False, None, False, None):
+                yield
+            return
+        # A pool of its own with PyTorch's own allocator: plain cudaMalloc (the library's flags
+        # are off, so a preloaded libtms.so passes it through), never a cached pauseable block
+        # of the enclosing region's pool or, under TMS_INIT_ENABLE=1, of the default pool.
+        # On exit the pool is dropped: PyTorch then gives its cached free blocks back to the
+        # device (on torch 2.11 at once), while blocks of tensors still alive stay theirs.
+        with self._flags(lib, False, None, False, None):
+            with self._routed(torch):
+                yield
+
+    @contextlib.contextmanager
+    def cuda_graph(
+        self,
+        cuda_graph: "torch.cuda.CUDAGraph",
+        pool: Any = None,
+        stream: Any = None,
+        capture_error_mode: str = "global",
+        tag: str = "default",
+        enable_cpu_backup: Any = False,
+        cpu_backup_backend: Optional[str] = None,
+        enable_disk_backup: Any = False,
+        chunk_size: Any = 0,
+    ) -> Iterator[None]:
+        """See ``TorchMemorySaver.cuda_graph``."""
+        import torch
+
+        tag = _check_tag(tag)
+        enable_cpu_backup = bool(enable_cpu_backup)
+        backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
+        disk = _check_disk(enable_cpu_backup, enable_disk_backup)
+        chunk = _check_chunk_size(chunk_size)
+        lib = self._library()
+        if self.hook_mode == "torch" and pool is None:
+            device = torch.cuda.current_device()
+            pool = self._pool("graph", tag, enable_cpu_backup, disk, backend, device, chunk).id
+        with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
+            _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
+            try:
+                with self._chunk_misfits(lib, chunk), torch.cuda.graph(
+                    cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
+                ):
+                    yield
+            finally:
+                _routing.leave(torch)
