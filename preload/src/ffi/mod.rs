@@ -23,6 +23,10 @@ mod restore;
 mod status;
 mod upstream;
 
+// Every export is also `tms::ffi::NAME` in Rust (tmsctl's demo checks its function types against
+// them).
+pub use self::{chunks::*, progress::*, restore::*, status::*, upstream::*};
+
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
 /// driver's name (`cuda` or `sim`) into `buf`.
 ///
