@@ -41,7 +41,7 @@ class Progress(ctypes.Structure):
     ]
 
 
-# name -> (restype, argtypes)
+# name -> (restype, argtypes), as tms.h declares them (python/tests/test_c_abi.py checks)
 _SIGNATURES = {
     "tms_version": (ctypes.c_char_p, []),
     "tms_status_name": (ctypes.c_char_p, [ctypes.c_int]),

@@ -1,5 +1,6 @@
-//! `preload/include/tms.h` matches what `libtms.so` exports, compiles on its own (C and C++),
-//! and links: a C program built against the header and `-ltms` gets the right answers.
+//! `preload/include/tms.h` is what the library's sources generate (`header/generate.rs`),
+//! matches what `libtms.so` exports, compiles on its own (C and C++), and links: a C program
+//! built against the header and `-ltms` gets the right answers.
 
 use std::collections::BTreeSet;
 use std::process::Command;
@@ -8,9 +9,47 @@ use tms_tests::{
     declared_functions, exported_functions, header_path, integer_defines, libtms, run, temp_dir,
 };
 
+#[path = "header/generate.rs"]
+mod generate;
+
 fn header() -> String {
     let p = header_path();
     std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("read {}: {e}", p.display()))
+}
+
+/// tms.h is generated: the checked-in file is what the Rust exports, their doc comments and the
+/// status table make now. `TMS_UPDATE_HEADER=1` writes it instead of comparing.
+#[test]
+fn header_is_generated_from_the_sources() {
+    let want = generate::header().unwrap_or_else(|e| panic!("{e}"));
+    let path = header_path();
+    if std::env::var_os("TMS_UPDATE_HEADER").is_some_and(|v| !v.is_empty()) {
+        // Whole or not at all: the other tests of this file read it meanwhile.
+        let tmp = path.with_extension("h.tmp");
+        std::fs::write(&tmp, &want).expect("write tms.h");
+        std::fs::rename(&tmp, &path).expect("replace tms.h");
+        return;
+    }
+    let have = header();
+    if have != want {
+        let out = tms_tests::target_profile_dir().join("tms.h.generated");
+        std::fs::write(&out, &want).expect("write the generated header");
+        let line = have
+            .lines()
+            .zip(want.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or_else(|| have.lines().count().min(want.lines().count()));
+        panic!(
+            "{} is not what the sources generate (first difference at line {}: {:?} there, {:?} \
+             generated; the whole generated header is in {}). Regenerate it with \
+             TMS_UPDATE_HEADER=1 cargo test -p tms-tests --test header",
+            path.display(),
+            line + 1,
+            have.lines().nth(line).unwrap_or(""),
+            want.lines().nth(line).unwrap_or(""),
+            out.display()
+        );
+    }
 }
 
 #[test]

@@ -82,17 +82,17 @@ pub unsafe extern "C" fn tms_resume_ex(tag: *const c_char, restore_chunk_state: 
 pub unsafe extern "C" fn tms_chunks_of(
     addr: u64,
     start: *mut u64,
-    chunk: *mut u64,
+    chunk_size: *mut u64,
     count: *mut u64,
 ) -> c_int {
     entry(|| {
         let i = control::runtime()?.engine.chunk_info(addr)?;
         let outs = [
             (start, i.addr),
-            (chunk, i.chunk),
+            (chunk_size, i.chunk),
             (count, i.active.len() as u64),
         ];
-        // SAFETY: start, chunk and count are each NULL or writable (our callers' promise), as
+        // SAFETY: start, chunk_size and count are each NULL or writable (our callers' promise), as
         // put_all needs.
         unsafe { put_all(&outs) };
         Ok(())

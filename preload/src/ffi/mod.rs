@@ -23,6 +23,10 @@ mod restore;
 mod status;
 mod upstream;
 
+// Every export is also `tms::ffi::NAME` in Rust (tmsctl's demo checks its function types against
+// them).
+pub use self::{chunks::*, progress::*, restore::*, status::*, upstream::*};
+
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
 /// driver's name (`cuda` or `sim`) into `buf`.
 ///
@@ -39,16 +43,18 @@ pub unsafe extern "C" fn tms_init(buf: *mut c_char, cap: usize, out_len: *mut us
     })
 }
 
-/// 1 if the library has started successfully in this process (and it is not a fork child).
+/// 1 if the library has started successfully in this process (and it is not a fork child), else
+/// 0. Never starts it.
 #[no_mangle]
 pub extern "C" fn tms_is_active() -> c_int {
     catch(0, || c_int::from(runtime::get_if_started().is_some()))
 }
 
-/// Enter a region on this thread: allocations become pauseable under `tag` (when `enabled`),
-/// with a CPU backup in `backend` memory (`"pinned"`, `"mmap"`, or NULL for the process
-/// default) when `cpu_backup`. `enabled = 0` opens a non-pauseable scope (`disable()`).
-/// Regions nest; leave with [`tms_region_exit`].
+/// Enter a region on the calling thread. With `enabled != 0`, allocations become pauseable
+/// under `tag` (NULL: keep the enclosing region's tag), with a CPU backup when `cpu_backup != 0`
+/// in `backend` host memory (`"pinned"`, `"mmap"`, or NULL for the process default; a backend
+/// without `cpu_backup` is an invalid argument). `enabled = 0` opens a non-pauseable scope
+/// (Python's `disable()`). Regions nest; leave with [`tms_region_exit`].
 ///
 /// # Safety
 /// `tag` and `backend` are NULL or NUL-terminated strings.
@@ -101,14 +107,14 @@ pub unsafe extern "C" fn tms_region_enter(
     })
 }
 
-/// Leave the innermost region of this thread.
+/// Leave the innermost region of the calling thread (`TMS_ERR_INVALID_STATE` if none).
 #[no_mangle]
 pub extern "C" fn tms_region_exit() -> c_int {
     entry(|| settings::pop_region().map(|_| ()))
 }
 
-/// This thread's effective region settings as JSON
-/// (`{"enabled":..,"tag":..,"cpu_backup":..,"backend":..,"depth":..}`).
+/// The calling thread's effective region settings as JSON:
+/// `{"enabled":..,"tag":..,"cpu_backup":..,"backend":..,"depth":..}`.
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
@@ -135,7 +141,8 @@ pub unsafe extern "C" fn tms_region_current(
     })
 }
 
-/// Pause every active allocation of `tag` (NULL or `""`: every tag).
+/// Pause every active allocation of `tag` (NULL or `""`: every tag): back up the contents where
+/// a CPU backup was asked, then give the device memory back. Touching a paused range faults.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -149,8 +156,9 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
     })
 }
 
-/// Resume every paused allocation of `tag` (NULL or `""`: every tag) at the same addresses.
-/// Out of memory leaves the tag paused with its backups; call again once memory is free.
+/// Resume every paused allocation of `tag` (NULL or `""`: every tag) at the same addresses,
+/// restoring backed-up contents. Out of memory leaves the tag paused with its backups; call
+/// again once memory is free.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -164,7 +172,7 @@ pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
     })
 }
 
-/// Keep host backups across resume (consulted at resume).
+/// Keep host backups across resume (`on != 0`), so a later pause need not allocate them.
 #[no_mangle]
 pub extern "C" fn tms_set_retain_cpu_backup(on: c_int) -> c_int {
     entry(|| {
@@ -173,8 +181,8 @@ pub extern "C" fn tms_set_retain_cpu_backup(on: c_int) -> c_int {
     })
 }
 
-/// Whether host backups are kept across resume, with a status (`tms_get_retain_cpu_backup`
-/// is the existing library's form, which cannot report a failure).
+/// Whether host backups are kept across resume, into `*out` (0 or 1). (The existing library's
+/// `bool tms_get_retain_cpu_backup(void)` cannot report a failure.)
 ///
 /// # Safety
 /// `out` is writable.
@@ -200,7 +208,7 @@ pub extern "C" fn tms_set_memory_margin(bytes: u64) -> c_int {
     })
 }
 
-/// The memory margin in bytes.
+/// The memory margin in bytes, into `*out`.
 ///
 /// # Safety
 /// `out` is writable.
@@ -217,11 +225,10 @@ pub unsafe extern "C" fn tms_get_memory_margin(out: *mut u64) -> c_int {
     })
 }
 
-/// Address of the host backup of `[addr, addr+len)` in `*out`, or NULL where there is no
-/// complete snapshot ([`crate::engine::Engine::copy_cpu_backup`]). `TMS_ERR_NOT_FOUND` if the
-/// range does not lie inside one pauseable allocation. Unguarded: the bytes change with the next
-/// pause and go with a resume without retention or a free ([`tms_acquire_cpu_backup`] is the
-/// guarded form).
+/// Address of the host backup of `[addr, addr + len)` in `*out`, or NULL where there is no
+/// complete snapshot. `TMS_ERR_NOT_FOUND` if the range does not lie inside one pauseable
+/// allocation. Unguarded: the bytes change with the next pause and go with a resume without
+/// retention or a free. Prefer [`tms_acquire_cpu_backup`].
 ///
 /// # Safety
 /// `out` is writable.
@@ -238,8 +245,9 @@ pub unsafe extern "C" fn tms_get_cpu_backup(addr: u64, len: u64, out: *mut *cons
     })
 }
 
-/// As [`tms_get_cpu_backup`], but the bytes stay mapped and unchanged until
-/// [`tms_release_cpu_backup`] of `*lease` (NULL and 0 where there is no snapshot).
+/// As [`tms_get_cpu_backup`], but the bytes at `*out` stay mapped and unchanged until
+/// `tms_release_cpu_backup(*lease)`: a pause writes a new buffer instead, and a resume or free
+/// leaves this one to the lease. `*out` is NULL (and `*lease` 0) where there is none.
 ///
 /// # Safety
 /// `out` and `lease` are writable.
@@ -265,13 +273,14 @@ pub unsafe extern "C" fn tms_acquire_cpu_backup(
     })
 }
 
-/// End a lease from [`tms_acquire_cpu_backup`].
+/// End a lease from [`tms_acquire_cpu_backup`]. `TMS_ERR_NOT_FOUND` if it is not held.
 #[no_mangle]
 pub extern "C" fn tms_release_cpu_backup(lease: u64) -> c_int {
     entry(|| control::runtime()?.engine.release_cpu_backup(lease))
 }
 
-/// Copy the host backup of `[addr, addr+len)` into `dst`; `*found` is 0 where there is none.
+/// Copy the host backup of `[addr, addr + len)` into `dst` (`len` bytes); `*found` is 0 where
+/// there is none (`dst` untouched), 1 when copied.
 ///
 /// # Safety
 /// `dst` is writable for `len` bytes; `found` is writable.
@@ -296,9 +305,8 @@ pub unsafe extern "C" fn tms_copy_cpu_backup(
     })
 }
 
-/// Statistics as JSON (`{"backend":..,"tags":[{"tag":..,"bytes_active":..},..]}`) into `buf`;
-/// `TMS_ERR_BUFFER_TOO_SMALL` with the needed length (without NUL) in `*out_len` when it does
-/// not fit.
+/// Statistics as JSON: `{"backend":..,"retain_cpu_backup":..,"memory_margin_bytes":..,
+/// "tags":[{"tag":..,"allocations":..,"bytes_active":..,"bytes_paused":..,..},..]}`.
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
@@ -320,7 +328,7 @@ pub unsafe extern "C" fn tms_stats_json(
 }
 
 /// Copy `len` bytes from host memory `src` into the active pauseable allocation at `addr`
-/// (the range must lie inside one allocation). For tools, demos and tests; device code writes
+/// (the range must lie inside one allocation). For tools, demos and tests; real workloads write
 /// with kernels.
 ///
 /// # Safety
@@ -354,9 +362,9 @@ pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -
     })
 }
 
-/// Start the library (if it has not started) and write the path of this process's control
-/// socket into `buf`. `TMS_ERR_UNSUPPORTED` when there is none (`TMS_CONTROL=0`, or the socket
-/// folder was refused), with the reason in the last error.
+/// Start the library if needed and write this process's control socket path into `buf`;
+/// `TMS_ERR_UNSUPPORTED` when there is none (`TMS_CONTROL=0`, or the socket folder was
+/// refused), with the reason in the last error.
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.

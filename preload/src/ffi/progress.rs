@@ -2,27 +2,43 @@
 //! layout.
 
 use std::cell::Cell;
-use std::ffi::{c_char, c_int, c_void};
+use std::ffi::{c_char, c_int};
 
 use super::status::entry;
 use crate::engine::OpReport;
 use crate::error::{Error, Result};
 use crate::process::runtime;
 
-/// Progress of the running pause or resume (`tms_progress` in tms.h; the field order and
-/// types are the header's).
+/// Progress of the pause or resume running in the process, whoever started it (any thread, or
+/// tmsctl through the control socket). Pauses and resumes run one at a time. Callers pass its
+/// size, so that fields can be added at its end.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub struct TmsProgress {
+    /// 1 while a pause or resume runs; 0 when none does (all else 0).
     active: i32,
+    /// 1: a pause, 2: a resume.
     op: i32,
+    /// Bytes it copies to or from backups in all (0: nothing to copy; known once its backups
+    /// are prepared).
     bytes_total: u64,
+    /// Of those, copied so far.
     bytes_done: u64,
+    /// Since it started (after waiting for another one to end).
     seconds: f64,
+    /// Since its first bytes were copied (0 before): the rate so far is
+    /// bytes_done / copy_seconds.
     copy_seconds: f64,
+    /// The OS thread id (gettid) of the thread running it: a watcher tells its own thread's
+    /// call from another thread's.
     thread_id: u64,
+    /// Where the copies go or come from: bit 0 host memory (CPU backups), bit 1 disk files.
     backing: u32,
+    /// Always 0.
     reserved: u32,
+    /// What it does now, NUL-terminated: "preparing", "synchronizing" (waiting for the
+    /// device's queued work), "mapping", "copying_to_host", "writing_to_disk",
+    /// "reading_from_disk", "copying_to_device", "releasing".
     phase: [c_char; 32],
 }
 
@@ -65,16 +81,16 @@ impl TmsProgress {
     }
 }
 
-/// Write the progress of the pause or resume running in the process (whoever started it)
-/// into `*out`, of which the caller has `size` bytes (`sizeof(tms_progress)`; a larger struct
-/// of a later header gets this one's fields, the rest zeroed): `active` 0 when none runs.
-/// Never starts the library and never waits for the operation, so a watcher thread may poll
-/// it while another thread's pause runs.
+/// Write the progress (`tms_progress`) into `*out`, of which the caller has `size` bytes (pass
+/// `sizeof(tms_progress)`; less is `TMS_ERR_INVALID_ARGUMENT`; a larger struct of a later
+/// header gets this one's fields, the rest zeroed): `active` 0 when none runs. Never starts the
+/// library and never waits for the operation: a thread may poll it while another thread's
+/// `tms_pause` runs.
 ///
 /// # Safety
 /// `out` is writable for `size` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn tms_get_progress(out: *mut c_void, size: usize) -> c_int {
+pub unsafe extern "C" fn tms_get_progress(out: *mut TmsProgress, size: usize) -> c_int {
     entry(|| {
         check_out(out, size)?;
         let p = runtime::get_if_started().and_then(|rt| rt.engine.progress());
@@ -85,7 +101,7 @@ pub unsafe extern "C" fn tms_get_progress(out: *mut c_void, size: usize) -> c_in
 }
 
 /// Refuse an `out` that cannot take a [`TmsProgress`].
-fn check_out(out: *mut c_void, size: usize) -> Result<()> {
+fn check_out(out: *mut TmsProgress, size: usize) -> Result<()> {
     let ours = std::mem::size_of::<TmsProgress>();
     if out.is_null() {
         return Err(Error::invalid_argument("out is NULL"));
@@ -103,7 +119,7 @@ fn check_out(out: *mut c_void, size: usize) -> Result<()> {
 ///
 /// # Safety
 /// `out` is writable for `size` bytes, and `size` is at least `size_of::<TmsProgress>()`.
-unsafe fn copy_out(v: &TmsProgress, out: *mut c_void, size: usize) {
+unsafe fn copy_out(v: &TmsProgress, out: *mut TmsProgress, size: usize) {
     let ours = std::mem::size_of::<TmsProgress>();
     // SAFETY: out is writable for size >= ours bytes (our caller's contract); a byte copy
     // needs no alignment.
@@ -133,16 +149,16 @@ pub(super) fn noted(pause: bool, r: Result<OpReport>) -> Result<()> {
     r.map(|_| ())
 }
 
-/// Write the calling thread's last pause or resume through the C ABI, once it has succeeded,
-/// into `*out` (`size` bytes, as for [`tms_get_progress`]): `active` 0, `phase` `"done"`,
-/// `bytes_total` and `bytes_done` the bytes it copied to or from backups, `seconds`; `op` 0 when
-/// its last one failed or there was none. The true totals of an operation too short for a
-/// watcher to have seen.
+/// The calling thread's last `tms_pause`, `tms_resume`, `tms_pause_ex`, `tms_resume_ex` or chunk
+/// pause or resume, once it has succeeded, into `*out` (`size` as for `tms_get_progress`):
+/// `active` 0, `phase` `"done"`, `bytes_total` and `bytes_done` the bytes it copied to or from
+/// backups, `seconds` its duration; `op` 0 when that call failed or there was none. The true
+/// totals of an operation too short to be watched.
 ///
 /// # Safety
 /// `out` is writable for `size` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn tms_last_progress(out: *mut c_void, size: usize) -> c_int {
+pub unsafe extern "C" fn tms_last_progress(out: *mut TmsProgress, size: usize) -> c_int {
     entry(|| {
         check_out(out, size)?;
         let mut v = TmsProgress::of(None);

@@ -18,11 +18,17 @@ fn stream_of(device: c_int, stream: u64) -> Option<StreamOf> {
     })
 }
 
-/// Resume the paused allocations of `tag` (NULL or `""`: every tag) without waiting for their
-/// contents: returns once the memory is mapped, with the restores running. Work then queued on
-/// `stream` (a `CUstream` of `device`'s primary context, 0 for its legacy default stream; no
-/// stream if `device` < 0) runs after them. `order` (`n_order` addresses, NULL if 0) names the
-/// allocations to restore first. `out_pending` (or NULL) gets the bytes still being restored.
+/// Resume `tag` (NULL or `""`: every tag) without waiting for the contents: returns once the
+/// memory is mapped, with the restores running on a thread of the library. Work then queued on
+/// `stream` (a `CUstream` of `device`'s primary context, 0 for its legacy default stream; none
+/// if `device` < 0) runs after the restore. `order` (`n_order` addresses inside the tag's
+/// allocations, NULL if 0) names what to restore first. `*out_pending` (or NULL): bytes still
+/// being restored at return. A failure before the return is this call's; one after it leaves
+/// the allocations paused with their backups, their memory held, and belongs to them:
+/// `tms_wait_restored` for any of them returns it every time until they are paused, resumed or
+/// freed, and if no wait did, the first pause or resume acting on them does its work and then
+/// returns it. Where the driver cannot make streams wait, or no thread can be started, it
+/// blocks until the data landed.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string; `order` is readable for `n_order` entries;

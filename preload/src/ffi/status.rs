@@ -43,21 +43,22 @@ pub(super) unsafe fn write_out(
     Ok(())
 }
 
-/// Library version, a static NUL-terminated string.
+/// Library version, a static string.
 #[no_mangle]
 pub extern "C" fn tms_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
 
-/// What this build is, a static NUL-terminated string: `libtms 0.1.0 (torch-memory-saver, Rust
-/// implementation; commit abc1234)`, the commit being the one it was built from (`unknown` when
-/// the build could not tell).
+/// What this build is, a static string: `libtms 0.1.0 (torch-memory-saver, Rust implementation;
+/// commit abc1234)`, with the git commit it was built from (`unknown` when the build could not
+/// tell).
 #[no_mangle]
 pub extern "C" fn tms_build_info() -> *const c_char {
     tms_proto::LIBRARY_BUILD_INFO.as_ptr()
 }
 
-/// Symbolic name of a status code, a static NUL-terminated string (from [`status::TABLE`]).
+/// Symbolic name of a status code (`"TMS_OK"`, `"TMS_ERR_DRIVER"`, ...), a static string;
+/// `"TMS_ERR_UNKNOWN_STATUS"` for a code that is not a status code (`TMS_OK`, `TMS_ERR_*`).
 #[no_mangle]
 pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
     let internal = status::c_name(status::INTERNAL).as_ptr();
@@ -65,7 +66,8 @@ pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
 }
 
 /// Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
-/// NUL-terminated when `cap > 0`); returns the full message length.
+/// NUL-terminated when `cap > 0`; `buf` may be NULL). Returns the full message length, 0 when
+/// there is none.
 ///
 /// # Safety
 /// `buf` is NULL or writable for `cap` bytes.
@@ -87,8 +89,8 @@ pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
     })
 }
 
-/// How many errors this thread has recorded (each failure, also one inside a hook, counts one):
-/// compare before and after a call to learn whether it failed in the library.
+/// How many errors the calling thread has recorded (each failure counts one, also a refused
+/// `cudaMalloc` inside a hook): compare before and after to learn whether the library failed.
 #[no_mangle]
 pub extern "C" fn tms_error_count() -> u64 {
     catch(0, crate::process::boundary::error_count)

@@ -25,6 +25,10 @@ use crate::error::{Error, Result};
 use crate::process::boundary::{catch, set_last_error};
 use crate::process::settings;
 
+/// The existing library's C `bool`, as an argument and as a result: an `int` of 0 or 1 here (see
+/// above). tms.h declares it `bool`.
+type CBool = c_int;
+
 thread_local! {
     /// Storage behind the pointer `tms_get_current_tag` returns.
     static TAG_OUT: RefCell<CString> = RefCell::new(CString::default());
@@ -41,19 +45,19 @@ fn flag(r: Result<bool>) -> c_int {
     }
 }
 
-/// Make allocations of this thread pauseable (`on != 0`) or ordinary.
+/// Allocations of this thread become pauseable (`is_interesting` true) or ordinary (false).
 #[no_mangle]
-pub extern "C" fn tms_set_interesting_region(on: c_int) -> c_int {
-    entry(|| settings::update_region(|r| r.enabled = on != 0))
+pub extern "C" fn tms_set_interesting_region(is_interesting: CBool) -> c_int {
+    entry(|| settings::update_region(|r| r.enabled = is_interesting != 0))
 }
 
-/// 1 when this thread's allocations are pauseable now.
+/// Whether this thread's allocations are pauseable now.
 #[no_mangle]
-pub extern "C" fn tms_get_interesting_region() -> c_int {
+pub extern "C" fn tms_get_interesting_region() -> CBool {
     catch(0, || flag(settings::in_region()))
 }
 
-/// Set the tag of this thread's region (a non-empty string).
+/// Set the tag of this thread's region (non-empty).
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -94,37 +98,39 @@ pub extern "C" fn tms_get_current_tag() -> *const c_char {
     })
 }
 
-/// Keep a CPU backup of this thread's new pauseable allocations (`on != 0`).
+/// Keep a CPU backup of this thread's new pauseable allocations (`enable` true) or not.
 #[no_mangle]
-pub extern "C" fn tms_set_enable_cpu_backup(on: c_int) -> c_int {
-    entry(|| settings::update_region(|r| r.cpu_backup = on != 0))
+pub extern "C" fn tms_set_enable_cpu_backup(enable: CBool) -> c_int {
+    entry(|| settings::update_region(|r| r.cpu_backup = enable != 0))
 }
 
-/// 1 when this thread's new pauseable allocations keep a CPU backup.
+/// Whether this thread's new pauseable allocations keep a CPU backup.
 #[no_mangle]
-pub extern "C" fn tms_get_enable_cpu_backup() -> c_int {
+pub extern "C" fn tms_get_enable_cpu_backup() -> CBool {
     catch(0, || flag(settings::current_region().map(|r| r.cpu_backup)))
 }
 
-/// Keep a disk backup of this thread's new pauseable allocations (`on != 0`); refused while a
-/// CPU backup is enabled (they are mutually exclusive).
+/// Keep a disk backup of this thread's new pauseable allocations (`enable` true) or not: each
+/// one's contents go to a file of its own at pause and come back at resume. A disk backup and a
+/// CPU backup are mutually exclusive: enabling one while the other is on is
+/// `TMS_ERR_INVALID_ARGUMENT`.
 #[no_mangle]
-pub extern "C" fn tms_set_enable_disk_backup(on: c_int) -> c_int {
-    entry(|| settings::update_region(|r| r.disk_backup = on != 0))
+pub extern "C" fn tms_set_enable_disk_backup(enable: CBool) -> c_int {
+    entry(|| settings::update_region(|r| r.disk_backup = enable != 0))
 }
 
-/// 1 when this thread's new pauseable allocations keep a disk backup.
+/// Whether this thread's new pauseable allocations keep a disk backup.
 #[no_mangle]
-pub extern "C" fn tms_get_enable_disk_backup() -> c_int {
+pub extern "C" fn tms_get_enable_disk_backup() -> CBool {
     catch(0, || {
         flag(settings::current_region().map(|r| r.disk_backup))
     })
 }
 
-/// Directory of the files of disk backups made from now on; NULL or "" for the default
+/// Directory of the files of disk backups made from now on; NULL or `""` for the default
 /// (`TMS_DISK_BACKUP_DIR`, else the system's temporary directory). It is made now if missing
 /// (mode 0700), a relative path taken against the current folder now, and found again by its
-/// path at each new file (Note [The disk backup folder]).
+/// path at each new file (engine Note [The disk backup folder] says why).
 ///
 /// # Safety
 /// `dir` is NULL or a NUL-terminated string.
@@ -193,10 +199,11 @@ pub extern "C" fn set_memory_margin_bytes(bytes: u64) -> c_int {
     super::tms_set_memory_margin(bytes)
 }
 
-/// 1 when host backups are kept across resume; 0 also when the library cannot start (see
-/// `tms_last_error`, or use `tms_query_retain_cpu_backup`).
+/// Whether host backups are kept across resume (`tms_set_retain_cpu_backup` sets it); false
+/// also when the library cannot start (see `tms_last_error`, or use
+/// `tms_query_retain_cpu_backup`).
 #[no_mangle]
-pub extern "C" fn tms_get_retain_cpu_backup() -> c_int {
+pub extern "C" fn tms_get_retain_cpu_backup() -> CBool {
     catch(0, || {
         flag(control::runtime().map(|rt| rt.engine.retain_cpu_backup()))
     })
@@ -328,12 +335,13 @@ pub unsafe extern "C" fn tms_get_num_chunks_for_tag(tag: *const c_char) -> usize
 }
 
 /// Write each chunk's state of the chunked allocation of `tag` into `out` (1 = active, 0 =
-/// paused; `n` at least the chunk count). 1 on success, 0 on failure (see `tms_last_error`).
+/// paused; `n` at least the chunk count). True on success, false on failure (see
+/// `tms_last_error`).
 ///
 /// # Safety
 /// `tag` is a NUL-terminated string; `out` is writable for `n` bytes.
 #[no_mangle]
-pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, n: usize) -> c_int {
+pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, n: usize) -> CBool {
     catch(0, || {
         let r = (|| {
             // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our

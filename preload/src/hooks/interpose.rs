@@ -10,6 +10,8 @@ use std::cell::Cell;
 use std::ffi::{c_int, c_void};
 use std::sync::OnceLock;
 
+use libc::ssize_t;
+
 use crate::control;
 use crate::engine::AllocRequest;
 use crate::error::{Error, ErrorKind};
@@ -244,7 +246,9 @@ fn free_impl(ptr: *mut c_void) -> c_int {
     }
 }
 
-/// Interposed `cudaMalloc`: pauseable memory inside a region, the real runtime's outside.
+/// Interposed `cudaMalloc`: pauseable memory inside a region, the real runtime's outside (2 =
+/// `cudaErrorMemoryAllocation` when pauseable memory runs out, with the reason in
+/// `tms_last_error()`).
 ///
 /// # Safety
 /// As the CUDA runtime's `cudaMalloc`: `dev_ptr` points to writable storage for one pointer.
@@ -262,15 +266,18 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
     catch(CUDA_ERROR_UNKNOWN, || free_impl(ptr))
 }
 
-/// PyTorch pluggable-allocator `malloc`: always pauseable, with the calling thread's region
-/// tag and backup settings. Returns NULL on failure (PyTorch raises out-of-memory), with the
-/// reason in the thread's last error.
+/// PyTorch's pluggable-allocator `malloc`: allocate `size` bytes of pauseable memory on `device`,
+/// with the calling thread's region tag and backup settings (always pauseable, region or not).
+/// Returns NULL on failure (PyTorch raises out-of-memory), with the reason in the thread's last
+/// error. `stream` is ignored.
 #[no_mangle]
 pub extern "C" fn tms_torch_malloc(
-    size: isize,
+    size: ssize_t,
     device: c_int,
-    _stream: *mut c_void,
+    stream: *mut c_void,
 ) -> *mut c_void {
+    // The device's memory serves every stream.
+    let _ = stream;
     catch(std::ptr::null_mut(), || {
         let Some(_guard) = Reentry::enter() else {
             return std::ptr::null_mut();
@@ -293,14 +300,17 @@ pub extern "C" fn tms_torch_malloc(
     })
 }
 
-/// PyTorch pluggable-allocator `free`.
+/// PyTorch's pluggable-allocator `free`: free memory from `tms_torch_malloc`; `size`, `device`
+/// and `stream` are ignored.
 #[no_mangle]
 pub extern "C" fn tms_torch_free(
     ptr: *mut c_void,
-    _size: isize,
-    _device: c_int,
-    _stream: *mut c_void,
+    size: ssize_t,
+    device: c_int,
+    stream: *mut c_void,
 ) {
+    // The library's own record of the allocation is what counts.
+    let _ = (size, device, stream);
     catch((), || {
         if ptr.is_null() {
             return;
