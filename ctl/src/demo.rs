@@ -335,6 +335,7 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
     let rc = if a.disk {
         // SAFETY: tag is a NUL-terminated string; NULL backend; then a plain flag.
         match unsafe { (api.region_enter)(1, tag.as_ptr(), 0, std::ptr::null()) } {
+            // SAFETY: tms_set_enable_disk_backup takes a plain flag, nothing it could misread.
             0 => unsafe { (api.set_disk_backup)(1) },
             rc => rc,
         }

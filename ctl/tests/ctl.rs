@@ -2589,7 +2589,10 @@ fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
     let mut ps = vec![Proc::start(&sb, &[]), Proc::start(&sb, &[])];
     ps.push(Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "1800")]));
-    assert!(ps[0].pid < ps[1].pid && ps[1].pid < ps[2].pid, "the slow one is asked last");
+    assert!(
+        ps[0].pid < ps[1].pid && ps[1].pid < ps[2].pid,
+        "the slow one is asked last"
+    );
     let (_, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], true, "{j}");
     let last = ps.last().unwrap().pid;
