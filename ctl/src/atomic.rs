@@ -28,7 +28,8 @@
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
+use tms_proto::{ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
+use tms_units::chunk_ranges;
 
 use crate::client::{self, Client, Code, Failure, Socket};
 use crate::{

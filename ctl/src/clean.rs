@@ -1,24 +1,23 @@
 //! `tmsctl clean`: remove what processes that died left behind: disk backup files no live
-//! process holds, and control sockets nobody listens on. The rules are the library's (Note
-//! [The disk backup folder] in `preload/src/backup/disk_folder.rs`, with the names and
-//! staleness rules shared in `tms_proto::disk_layout`): only regular files of ours are opened,
-//! never following a link and never waiting; a file is stale only when its `flock` can be
-//! taken, a socket only when connecting to it is refused.
+//! process holds, and control sockets nobody listens on. The disk backup folder is swept by the
+//! library's own rules and code (`tms_disk_folder`; Note [The disk backup folder] in
+//! `preload/src/backup/disk.rs`): only regular files of ours are opened, never following a
+//! link and never waiting; a file is stale only when its `flock` can be taken. A socket is stale
+//! only when connecting to it is refused.
 
-use std::ffi::CString;
-use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use clap::Args;
 use nix::errno::Errno;
-use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag, AT_FDCWD};
+use nix::fcntl::AT_FDCWD;
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
-use nix::sys::stat::{fstat, fstatat, Mode};
-use nix::unistd::{unlinkat, UnlinkatFlags};
+use nix::sys::stat::fstat;
 use serde_json::json;
-use tms_proto::disk_layout::{self, Entry};
+use tms_disk_folder::{
+    files_go_in_directory, open_folder, private_subfolder_name, subfolder_is_private, sweep,
+};
 
 use crate::client::{euid, Code, Failure, Folder};
 use crate::output::printable;
@@ -38,15 +37,11 @@ fn shown(p: &Path) -> String {
     printable(&p.display().to_string()).into_owned()
 }
 
-fn dir_flags() -> OFlag {
-    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK
-}
-
 /// The folders to sweep: `base` if nobody else can make entries in it, else our subfolder of it
 /// (if there is one) and, for files of older versions, `base` itself.
 fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     let me = euid();
-    let fd = match openat(AT_FDCWD, base, dir_flags(), Mode::empty()) {
+    let fd = match open_folder(AT_FDCWD, base, true) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) => return Ok(Vec::new()),
         Err(e) => {
@@ -66,17 +61,12 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
             format!("cannot inspect {}: {}", shown(base), e.desc()),
         )
     })?;
-    if disk_layout::files_go_in_directory(st.st_uid, st.st_mode, me) {
+    if files_go_in_directory(st.st_uid, st.st_mode, me) {
         return Ok(vec![(base.to_path_buf(), fd)]);
     }
-    let name = disk_layout::private_subfolder_name(me);
+    let name = private_subfolder_name(me);
     let sub = base.join(&name);
-    let sub_fd = match openat(
-        &fd,
-        name.as_str(),
-        dir_flags() | OFlag::O_NOFOLLOW,
-        Mode::empty(),
-    ) {
+    let sub_fd = match open_folder(&fd, name.as_str(), false) {
         Ok(s) => Some(s),
         Err(Errno::ENOENT) => None,
         Err(Errno::ELOOP | Errno::ENOTDIR) => {
@@ -103,7 +93,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 format!("cannot inspect {}: {}", shown(&sub), e.desc()),
             )
         })?;
-        if !disk_layout::subfolder_is_private(st.st_uid, st.st_mode, me) {
+        if !subfolder_is_private(st.st_uid, st.st_mode, me) {
             return Err(Failure::new(
                 Code::Permission,
                 format!(
@@ -119,49 +109,6 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     }
     out.push((base.to_path_buf(), fd));
     Ok(out)
-}
-
-/// Remove the backup files in the folder `dir` that no live process holds; how many.
-fn sweep(dir: impl AsFd + Copy) -> nix::Result<usize> {
-    let me = euid();
-    let mut listing =
-        nix::dir::Dir::openat(dir, ".", OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())?;
-    let names: Vec<(CString, Entry)> = listing
-        .iter()
-        .flatten()
-        .filter_map(|e| Entry::of(e.file_name().to_bytes()).map(|k| (e.file_name().to_owned(), k)))
-        .collect();
-    drop(listing);
-    let mut removed = 0;
-    for (name, kind) in names {
-        let Ok(before) = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
-            continue;
-        };
-        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
-            continue;
-        }
-        let flags = OFlag::O_RDONLY
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_NONBLOCK
-            | OFlag::O_NOCTTY
-            | OFlag::O_CLOEXEC;
-        let Ok(fd) = openat(dir, name.as_c_str(), flags, Mode::empty()) else {
-            continue;
-        };
-        match fstat(&fd) {
-            Ok(st)
-                if disk_layout::is_regular_file_of(st.st_mode, st.st_uid, me)
-                    && st.st_ino == before.st_ino => {}
-            _ => continue,
-        }
-        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
-            if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
-                removed += 1;
-            }
-            drop(locked);
-        }
-    }
-    Ok(removed)
 }
 
 /// Connecting to `path` is refused: nobody listens on it.
@@ -221,7 +168,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
     let mut files = 0;
     let mut swept = Vec::new();
     for (path, fd) in backup_folders(&base)? {
-        files += sweep(&fd).map_err(|e| {
+        files += sweep(fd.as_fd()).map_err(|e| {
             Failure::new(
                 Code::Failed,
                 format!("cannot list {}: {}", shown(&path), e.desc()),

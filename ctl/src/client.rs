@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -41,7 +41,7 @@ use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
 use nix::sys::stat::{fstat, lstat, Mode, SFlag};
 use nix::unistd::{geteuid, Pid};
 use tms_proto::{
-    decode_reply, encode, ErrorKind, Hello, LineBuffer, Reply, Request, SocketName,
+    decode_reply, encode, ErrorKind, Hello, LineBuffer, ReadFault, Reply, Request, SocketName,
     MAX_REPLY_BYTES, PROTOCOL_VERSION,
 };
 
@@ -776,10 +776,19 @@ impl Client {
         // the write fails, but its reply (the reason) is still there to read.
         let sent = self.stream.write_all(&encode(req));
         self.unanswered = false;
-        let mut chunk = vec![0u8; 64 * 1024];
         loop {
-            match self.lines.next_line() {
-                Some(Ok(line)) => {
+            let (deadline, timeout) = (&mut self.deadline, self.timeout);
+            // In slices, so that a process that has ended is told from one that takes its
+            // time (a copy of its end of the connection, in a child it forked, keeps it open).
+            let slice = || {
+                if let Some(m) = moved {
+                    *deadline = (*deadline).max(m() + timeout);
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                (!left.is_zero()).then(|| left.min(LIVENESS_SLICE))
+            };
+            match self.lines.read_line(&self.stream, slice) {
+                Ok(line) => {
                     return decode_reply(&line).map_err(|e| {
                         Failure::new(
                             Code::Failed,
@@ -791,40 +800,17 @@ impl Client {
                         )
                     })
                 }
-                Some(Err(e)) => {
+                Err(ReadFault::TooLong(e)) => {
                     return Err(Failure::new(
                         Code::Failed,
                         format!("process {}: reply: {e}", self.pid),
                     ))
                 }
-                None => {}
-            }
-            if let Some(m) = moved {
-                self.deadline = self.deadline.max(m() + self.timeout);
-            }
-            let left = remaining(self.deadline, self.timeout, self.pid).inspect_err(|_| {
-                self.unanswered = sent.is_ok();
-            })?;
-            // In slices, so that a process that has ended is told from one that takes its
-            // time (a copy of its end of the connection, in a child it forked, keeps it open).
-            self.stream
-                .set_read_timeout(Some(left.min(LIVENESS_SLICE)))
-                .map_err(|e| self.io_failure("socket", e))?;
-            match self.stream.read(&mut chunk) {
-                Ok(0) => {
-                    if let Err(e) = sent {
-                        return Err(self.io_failure("sending", e));
-                    }
-                    return Err(self.closed());
+                Err(ReadFault::Expired) => {
+                    self.unanswered = sent.is_ok();
+                    return Err(timed_out(self.pid, self.timeout));
                 }
-                Ok(n) => self.lines.push(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                Err(ReadFault::Quiet) => {
                     if self.here && !pid_alive(self.pid) {
                         return Err(Failure::new(
                             Code::Failed,
@@ -832,7 +818,13 @@ impl Client {
                         ));
                     }
                 }
-                Err(e) => {
+                Err(ReadFault::Closed { .. }) => {
+                    if let Err(e) = sent {
+                        return Err(self.io_failure("sending", e));
+                    }
+                    return Err(self.closed());
+                }
+                Err(ReadFault::Io(e)) => {
                     if let Err(se) = sent {
                         return Err(self.io_failure("sending", se));
                     }

@@ -16,9 +16,10 @@ use std::time::{Duration, Instant};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use serde_json::{json, Value};
 use tms_proto::{
-    chunk_ranges, format_ranges, BackupBackend, ChunkStatus, Op, RegionInfo, RegionUpdate, Reply,
-    Request, Status, FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
+    BackupBackend, ChunkStatus, Op, RegionInfo, RegionUpdate, Reply, Request, Status,
+    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS, MAX_CHUNK_INDICES,
 };
+use tms_units::{chunk_ranges, format_chunk_ranges, format_ranges};
 
 use client::{Client, Code, Failure, Socket};
 
@@ -163,7 +164,7 @@ struct ShowProgress {
 struct ChunkList(Vec<usize>);
 
 fn parse_chunk_list(s: &str) -> Result<ChunkList, String> {
-    tms_proto::parse_ranges(s, MAX_CHUNK_INDICES)
+    tms_units::parse_ranges(s, MAX_CHUNK_INDICES)
         .map(ChunkList)
         .map_err(|e| e.to_string())
 }
@@ -624,7 +625,7 @@ fn op_words(which: Op, asked: Option<&str>, chunks: Option<&tms_proto::ChunkRang
         match chunks {
             Some(c) => format!(
                 "chunks {} of tag {}",
-                output::ranges(c),
+                format_chunk_ranges(c),
                 output::quoted(asked.unwrap_or_default())
             ),
             None => asked.map_or("every tag".to_string(), |t| format!(

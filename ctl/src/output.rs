@@ -7,9 +7,10 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde_json::Value;
-use tms_proto::{format_ranges, ChunkStatus, OpDone, OpTiming, RegionInfo, Status};
+use tms_proto::{ChunkStatus, OpDone, OpTiming, RegionInfo, Status};
+use tms_units::{format_chunk_ranges, format_ranges};
 
-pub use tms_proto::human_bytes as human;
+pub use tms_units::human_bytes as human;
 
 /// A signed change in bytes, `+1.00 GiB` / `-512.00 MiB` / `0 B`.
 pub fn human_delta(from: u64, to: u64) -> String {
@@ -24,7 +25,7 @@ pub fn human_delta(from: u64, to: u64) -> String {
     }
 }
 
-pub use tms_proto::parse_bytes;
+pub use tms_units::parse_bytes;
 
 /// Characters that must not reach a terminal raw: control characters (C0, DEL, C1: escape
 /// sequences, bells, backspaces, line breaks) and the invisible ones that reorder or hide text
@@ -273,20 +274,6 @@ pub fn status(s: &Status, command: &str) -> String {
     o
 }
 
-/// Chunk ranges of a reply as `--chunks` takes them (`8-15,20`).
-pub fn ranges(r: &[[u64; 2]]) -> String {
-    r.iter()
-        .map(|&[a, b]| {
-            if a == b {
-                a.to_string()
-            } else {
-                format!("{a}-{b}")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// A pause or resume in one line; `chunk_state`: it saved (pause) or restored (resume) chunk
 /// states.
 pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
@@ -299,7 +286,7 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
         tms_proto::Op::Resume => ("resumed", "re-taken", " (the chunks saved active)"),
     };
     let what = match &d.chunks {
-        Some(c) => format!("chunks {} of {tag}", ranges(c)),
+        Some(c) => format!("chunks {} of {tag}", format_chunk_ranges(c)),
         None if chunk_state => format!("{tag}{state}"),
         None => tag,
     };

@@ -25,9 +25,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tms_proto::{Backing, ChunkRanges, Op, Phase, Reply, Request, Running};
+use tms_units::format_chunk_ranges;
 
 use crate::client::{Client, Socket};
-use crate::output::{quoted, ranges};
+use crate::output::quoted;
 
 /// How progress is shown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -316,7 +317,7 @@ pub fn moved_words(op: Op, backing: Option<Backing>, phase: Option<Phase>) -> &'
 /// Bytes with one decimal, and their unit: `("12.0", "GiB")`; short, for a line that must fit
 /// a terminal's width.
 fn short(bytes: u64) -> (String, &'static str) {
-    match tms_proto::scaled_bytes(bytes) {
+    match tms_units::scaled_bytes(bytes) {
         (_, "B") => (bytes.to_string(), "B"),
         (v, unit) => (format!("{v:.1}"), unit),
     }
@@ -346,7 +347,7 @@ fn span(s: f64) -> String {
 /// What the operation asked for is, for people: `tag "kv"`, `chunks 8-15 of tag "kv"`.
 pub fn what(tag: Option<&str>, chunks: Option<&ChunkRanges>) -> String {
     match (tag, chunks) {
-        (Some(t), Some(c)) => format!("chunks {} of tag {}", ranges(c), quoted(t)),
+        (Some(t), Some(c)) => format!("chunks {} of tag {}", format_chunk_ranges(c), quoted(t)),
         (Some(t), None) => format!("tag {}", quoted(t)),
         (None, _) => "every tag".to_string(),
     }
