@@ -9,7 +9,6 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use clap::Args;
 use nix::errno::Errno;
 use nix::fcntl::AT_FDCWD;
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
@@ -19,23 +18,13 @@ use tms_disk_folder::{
     files_go_in_directory, open_folder, private_subfolder_name, subfolder_is_private, sweep,
 };
 
-use crate::client::{euid, Code, Failure, Folder};
-use crate::output::printable;
-use crate::Ctx;
-
-/// Arguments of `tmsctl clean`.
-#[derive(Args, Debug)]
-pub struct CleanArgs {
-    /// Disk backup folder to clean [default: $TMS_DISK_BACKUP_DIR, else the system's temporary
-    /// folder]. Where others can write to it, the files are in its subfolder
-    /// tms-backups-<uid>, as the library puts them.
-    #[arg(long, value_name = "DIR")]
-    pub disk_dir: Option<PathBuf>,
-}
-
-fn shown(p: &Path) -> String {
-    printable(&p.display().to_string()).into_owned()
-}
+use crate::cli::CleanArgs;
+use crate::ctx::Ctx;
+use crate::failure::{Code, Failure};
+use crate::folder::Folder;
+use crate::output::print_json;
+use crate::procfs::euid;
+use crate::text::shown_path;
 
 /// The folders to sweep: `base` if nobody else can make entries in it, else our subfolder of it
 /// (if there is one) and, for files of older versions, `base` itself.
@@ -49,7 +38,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 Code::Failed,
                 format!(
                     "cannot open the disk backup folder {}: {}",
-                    shown(base),
+                    shown_path(base),
                     e.desc()
                 ),
             ))
@@ -58,7 +47,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     let st = fstat(&fd).map_err(|e| {
         Failure::new(
             Code::Failed,
-            format!("cannot inspect {}: {}", shown(base), e.desc()),
+            format!("cannot inspect {}: {}", shown_path(base), e.desc()),
         )
     })?;
     if files_go_in_directory(st.st_uid, st.st_mode, me) {
@@ -74,14 +63,14 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 Code::Permission,
                 format!(
                     "refusing {}: it is a symbolic link or not a folder",
-                    shown(&sub)
+                    shown_path(&sub)
                 ),
             ))
         }
         Err(e) => {
             return Err(Failure::new(
                 Code::Failed,
-                format!("cannot open {}: {}", shown(&sub), e.desc()),
+                format!("cannot open {}: {}", shown_path(&sub), e.desc()),
             ))
         }
     };
@@ -90,7 +79,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
         let st = fstat(&s).map_err(|e| {
             Failure::new(
                 Code::Failed,
-                format!("cannot inspect {}: {}", shown(&sub), e.desc()),
+                format!("cannot inspect {}: {}", shown_path(&sub), e.desc()),
             )
         })?;
         if !subfolder_is_private(st.st_uid, st.st_mode, me) {
@@ -99,7 +88,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 format!(
                     "refusing {}: it must belong to uid {me} with mode 0700 (it is uid {}, mode \
                      {:04o})",
-                    shown(&sub),
+                    shown_path(&sub),
                     st.st_uid,
                     st.st_mode & 0o777
                 ),
@@ -171,7 +160,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
         files += sweep(fd.as_fd()).map_err(|e| {
             Failure::new(
                 Code::Failed,
-                format!("cannot list {}: {}", shown(&path), e.desc()),
+                format!("cannot list {}: {}", shown_path(&path), e.desc()),
             )
         })?;
         swept.push(path);
@@ -185,14 +174,14 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
             "socket_dir": ctx.dir,
             "sockets_removed": sockets,
         });
-        crate::output::print_json(j);
+        print_json(j);
     } else {
-        let where_: Vec<String> = swept.iter().map(|p| shown(p)).collect();
+        let where_: Vec<String> = swept.iter().map(|p| shown_path(p)).collect();
         println!(
             "removed {files} disk backup file{} of processes that died ({})",
             if files == 1 { "" } else { "s" },
             if where_.is_empty() {
-                format!("no folder {}", shown(&base))
+                format!("no folder {}", shown_path(&base))
             } else {
                 where_.join(", ")
             }
@@ -200,7 +189,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
         println!(
             "removed {sockets} control socket{} nobody listens on ({})",
             if sockets == 1 { "" } else { "s" },
-            shown(&ctx.dir)
+            shown_path(&ctx.dir)
         );
     }
     Ok(())
