@@ -28,13 +28,19 @@
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-use tms_proto::{chunk_ranges, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
+use tms_proto::{ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
+use tms_units::chunk_ranges;
 
-use crate::client::{self, Client, Code, Failure, Socket};
-use crate::{
-    asked, json_error, needs_chunks, one_line, op_words, output, progress, run_one, status_of,
-    with_pid, Ctx, Reported, Select,
-};
+use crate::cli::Select;
+use crate::client::Client;
+use crate::ctx::Ctx;
+use crate::failure::{Code, Failure, Reported, Result};
+use crate::find;
+use crate::ops::{asked, name_target, needs_chunks, run_one, status_of};
+use crate::output::{self, json_error, op_words, print_json, with_pid};
+use crate::progress;
+use crate::socket::Socket;
+use crate::text::{one_line, printable_lines, quoted};
 
 /// How one process's operation is undone, decided before it acts.
 enum Undo {
@@ -56,7 +62,7 @@ struct Done {
     undo: Undo,
 }
 
-fn active_bytes(c: &mut Client, tag: Option<&str>) -> client::Result<u64> {
+fn active_bytes(c: &mut Client, tag: Option<&str>) -> Result<u64> {
     let s = status_of(c)?;
     Ok(s.tags
         .iter()
@@ -65,7 +71,7 @@ fn active_bytes(c: &mut Client, tag: Option<&str>) -> client::Result<u64> {
         .sum())
 }
 
-fn chunk_states(c: &mut Client, tag: &str) -> client::Result<Vec<bool>> {
+fn chunk_states(c: &mut Client, tag: &str) -> Result<Vec<bool>> {
     let s: ChunkStatus = c.ask_for(
         &Request::Chunks {
             tag: tag.to_string(),
@@ -79,7 +85,7 @@ fn chunk_states(c: &mut Client, tag: &str) -> client::Result<Vec<bool>> {
 }
 
 /// The request to send (a whole-tag pause records its state) and how it would be undone.
-fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
+fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
     let Some((which, tag, chunks, _)) = asked(req) else {
         return Err(Failure::new(
             Code::Failed,
@@ -111,7 +117,7 @@ fn prepare(c: &mut Client, req: &Request) -> client::Result<(Request, Undo)> {
                 .iter()
                 .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
                 .filter(|t| takes_something(t))
-                .map(|t| output::quoted(&t.tag))
+                .map(|t| quoted(&t.tag))
                 .collect();
             let undo = if partly.is_empty() {
                 Undo::PauseAgain
@@ -147,12 +153,7 @@ enum Here {
 /// Wait until the process of `c` lists no pause or resume of `tag` asked over its socket (the
 /// one that outlasted `--timeout`), as long as it moves: false once nothing moved (its phase
 /// and bytes) for `still`.
-fn wait_ended(
-    c: &mut Client,
-    which: Op,
-    tag: Option<&str>,
-    still: Duration,
-) -> client::Result<bool> {
+fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> Result<bool> {
     let mut seen = None;
     let mut since = Instant::now();
     loop {
@@ -182,7 +183,7 @@ fn undo(
     req: &Request,
     how: &Undo,
     here: Here,
-) -> client::Result<Option<OpDone>> {
+) -> Result<Option<OpDone>> {
     let Some((which, tag, _, _)) = asked(req) else {
         return Err(Failure::new(
             Code::Failed,
@@ -286,11 +287,12 @@ fn undone_words(pid: u32, u: &OpDone) -> String {
         .map_or(line.clone(), str::to_string)
 }
 
+/// `tmsctl pause|resume --atomic`: `req` on every selected process, or, undone, on none.
 pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyhow::Result<()> {
     let (which, tag, chunks, _) =
         asked(req).ok_or_else(|| anyhow::anyhow!("--atomic takes a pause or a resume"))?;
     let what = op_words(which, tag.as_deref(), chunks.as_ref());
-    let targets = crate::find::targets(ctx, sel)?;
+    let targets = find::targets(ctx, sel)?;
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
     let mut not_asked: Vec<u32> = Vec::new();
@@ -327,16 +329,16 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             let pid = d.sock.pid();
             let (mut json, mut text) = (with_pid(pid, &d.done), output::done(pid, &d.done, false));
             if sel.pid.is_none() {
-                (json, text) = crate::name_target(pid, json, &text);
+                (json, text) = name_target(pid, json, &text);
             }
             if ctx.json {
                 items.push(json);
             } else {
-                println!("{}", output::printable_lines(&text));
+                println!("{}", printable_lines(&text));
             }
         }
         if ctx.json {
-            output::print_json(json!({"atomic": true, "ok": true, "processes": items}));
+            print_json(json!({"atomic": true, "ok": true, "processes": items}));
         }
         return Ok(());
     };
@@ -394,9 +396,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             items.push(item);
         } else {
             if let Some(d) = d {
-                println!("{}", output::printable_lines(&output::done(pid, d, false)));
+                println!("{}", printable_lines(&output::done(pid, d, false)));
             }
-            println!("{}", output::printable_lines(&format!("pid {pid}: {line}")));
+            println!("{}", printable_lines(&format!("pid {pid}: {line}")));
         }
     }
     let mut summary = format!("--atomic: {what} failed on process {}", failed_sock.pid());
@@ -418,7 +420,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     }
     eprintln!("tmsctl: {}", one_line(&summary));
     if ctx.json {
-        output::print_json(json!({
+        print_json(json!({
             "atomic": true,
             "ok": false,
             "failed": json_error(f.code, &f.message, Some(failed_sock.pid())),

@@ -1,52 +1,36 @@
 //! `tmsctl clean`: remove what processes that died left behind: disk backup files no live
-//! process holds, and control sockets nobody listens on. The rules are the library's (Note
-//! [The disk backup folder] in `preload/src/backup/disk_folder.rs`, with the names and
-//! staleness rules shared in `tms_proto::disk_layout`): only regular files of ours are opened,
-//! never following a link and never waiting; a file is stale only when its `flock` can be
-//! taken, a socket only when connecting to it is refused.
+//! process holds, and control sockets nobody listens on. The disk backup folder is swept by the
+//! library's own rules and code (`tms_disk_folder`; Note [The disk backup folder] in
+//! `preload/src/backup/disk.rs`): only regular files of ours are opened, never following a
+//! link and never waiting; a file is stale only when its `flock` can be taken. A socket is stale
+//! only when connecting to it is refused.
 
-use std::ffi::CString;
-use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
-use clap::Args;
 use nix::errno::Errno;
-use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag, AT_FDCWD};
+use nix::fcntl::AT_FDCWD;
 use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
-use nix::sys::stat::{fstat, fstatat, Mode};
-use nix::unistd::{unlinkat, UnlinkatFlags};
+use nix::sys::stat::fstat;
 use serde_json::json;
-use tms_proto::disk_layout::{self, Entry};
+use tms_disk_folder::{
+    files_go_in_directory, open_folder, private_subfolder_name, subfolder_is_private, sweep,
+};
 
-use crate::client::{euid, Code, Failure, Folder};
-use crate::output::printable;
-use crate::Ctx;
-
-/// Arguments of `tmsctl clean`.
-#[derive(Args, Debug)]
-pub struct CleanArgs {
-    /// Disk backup folder to clean [default: $TMS_DISK_BACKUP_DIR, else the system's temporary
-    /// folder]. Where others can write to it, the files are in its subfolder
-    /// tms-backups-<uid>, as the library puts them.
-    #[arg(long, value_name = "DIR")]
-    pub disk_dir: Option<PathBuf>,
-}
-
-fn shown(p: &Path) -> String {
-    printable(&p.display().to_string()).into_owned()
-}
-
-fn dir_flags() -> OFlag {
-    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK
-}
+use crate::cli::CleanArgs;
+use crate::ctx::Ctx;
+use crate::failure::{Code, Failure};
+use crate::folder::Folder;
+use crate::output::print_json;
+use crate::procfs::euid;
+use crate::text::shown_path;
 
 /// The folders to sweep: `base` if nobody else can make entries in it, else our subfolder of it
 /// (if there is one) and, for files of older versions, `base` itself.
 fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     let me = euid();
-    let fd = match openat(AT_FDCWD, base, dir_flags(), Mode::empty()) {
+    let fd = match open_folder(AT_FDCWD, base, true) {
         Ok(fd) => fd,
         Err(Errno::ENOENT) => return Ok(Vec::new()),
         Err(e) => {
@@ -54,7 +38,7 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 Code::Failed,
                 format!(
                     "cannot open the disk backup folder {}: {}",
-                    shown(base),
+                    shown_path(base),
                     e.desc()
                 ),
             ))
@@ -63,20 +47,15 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     let st = fstat(&fd).map_err(|e| {
         Failure::new(
             Code::Failed,
-            format!("cannot inspect {}: {}", shown(base), e.desc()),
+            format!("cannot inspect {}: {}", shown_path(base), e.desc()),
         )
     })?;
-    if disk_layout::files_go_in_directory(st.st_uid, st.st_mode, me) {
+    if files_go_in_directory(st.st_uid, st.st_mode, me) {
         return Ok(vec![(base.to_path_buf(), fd)]);
     }
-    let name = disk_layout::private_subfolder_name(me);
+    let name = private_subfolder_name(me);
     let sub = base.join(&name);
-    let sub_fd = match openat(
-        &fd,
-        name.as_str(),
-        dir_flags() | OFlag::O_NOFOLLOW,
-        Mode::empty(),
-    ) {
+    let sub_fd = match open_folder(&fd, name.as_str(), false) {
         Ok(s) => Some(s),
         Err(Errno::ENOENT) => None,
         Err(Errno::ELOOP | Errno::ENOTDIR) => {
@@ -84,14 +63,14 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
                 Code::Permission,
                 format!(
                     "refusing {}: it is a symbolic link or not a folder",
-                    shown(&sub)
+                    shown_path(&sub)
                 ),
             ))
         }
         Err(e) => {
             return Err(Failure::new(
                 Code::Failed,
-                format!("cannot open {}: {}", shown(&sub), e.desc()),
+                format!("cannot open {}: {}", shown_path(&sub), e.desc()),
             ))
         }
     };
@@ -100,16 +79,16 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
         let st = fstat(&s).map_err(|e| {
             Failure::new(
                 Code::Failed,
-                format!("cannot inspect {}: {}", shown(&sub), e.desc()),
+                format!("cannot inspect {}: {}", shown_path(&sub), e.desc()),
             )
         })?;
-        if !disk_layout::subfolder_is_private(st.st_uid, st.st_mode, me) {
+        if !subfolder_is_private(st.st_uid, st.st_mode, me) {
             return Err(Failure::new(
                 Code::Permission,
                 format!(
                     "refusing {}: it must belong to uid {me} with mode 0700 (it is uid {}, mode \
                      {:04o})",
-                    shown(&sub),
+                    shown_path(&sub),
                     st.st_uid,
                     st.st_mode & 0o777
                 ),
@@ -119,49 +98,6 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     }
     out.push((base.to_path_buf(), fd));
     Ok(out)
-}
-
-/// Remove the backup files in the folder `dir` that no live process holds; how many.
-fn sweep(dir: impl AsFd + Copy) -> nix::Result<usize> {
-    let me = euid();
-    let mut listing =
-        nix::dir::Dir::openat(dir, ".", OFlag::O_RDONLY | OFlag::O_CLOEXEC, Mode::empty())?;
-    let names: Vec<(CString, Entry)> = listing
-        .iter()
-        .flatten()
-        .filter_map(|e| Entry::of(e.file_name().to_bytes()).map(|k| (e.file_name().to_owned(), k)))
-        .collect();
-    drop(listing);
-    let mut removed = 0;
-    for (name, kind) in names {
-        let Ok(before) = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
-            continue;
-        };
-        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
-            continue;
-        }
-        let flags = OFlag::O_RDONLY
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_NONBLOCK
-            | OFlag::O_NOCTTY
-            | OFlag::O_CLOEXEC;
-        let Ok(fd) = openat(dir, name.as_c_str(), flags, Mode::empty()) else {
-            continue;
-        };
-        match fstat(&fd) {
-            Ok(st)
-                if disk_layout::is_regular_file_of(st.st_mode, st.st_uid, me)
-                    && st.st_ino == before.st_ino => {}
-            _ => continue,
-        }
-        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
-            if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
-                removed += 1;
-            }
-            drop(locked);
-        }
-    }
-    Ok(removed)
 }
 
 /// Connecting to `path` is refused: nobody listens on it.
@@ -221,10 +157,10 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
     let mut files = 0;
     let mut swept = Vec::new();
     for (path, fd) in backup_folders(&base)? {
-        files += sweep(&fd).map_err(|e| {
+        files += sweep(fd.as_fd()).map_err(|e| {
             Failure::new(
                 Code::Failed,
-                format!("cannot list {}: {}", shown(&path), e.desc()),
+                format!("cannot list {}: {}", shown_path(&path), e.desc()),
             )
         })?;
         swept.push(path);
@@ -238,14 +174,14 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
             "socket_dir": ctx.dir,
             "sockets_removed": sockets,
         });
-        crate::output::print_json(j);
+        print_json(j);
     } else {
-        let where_: Vec<String> = swept.iter().map(|p| shown(p)).collect();
+        let where_: Vec<String> = swept.iter().map(|p| shown_path(p)).collect();
         println!(
             "removed {files} disk backup file{} of processes that died ({})",
             if files == 1 { "" } else { "s" },
             if where_.is_empty() {
-                format!("no folder {}", shown(&base))
+                format!("no folder {}", shown_path(&base))
             } else {
                 where_.join(", ")
             }
@@ -253,7 +189,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
         println!(
             "removed {sockets} control socket{} nobody listens on ({})",
             if sockets == 1 { "" } else { "s" },
-            shown(&ctx.dir)
+            shown_path(&ctx.dir)
         );
     }
     Ok(())

@@ -1,461 +1,35 @@
-//! The client side of the control protocol: open and vet the socket folder, pick a process's
-//! socket, connect, check who answers, hello, ask; every failure is a [`Failure`] with the exit
-//! code it maps to.
+//! The client side of the control protocol: connect to a process's socket, check who answers,
+//! hello, ask; every failure is a [`Failure`] with the exit code it maps to.
 //!
 //! # Whom tmsctl trusts
 //!
 //! What a server replies decides what tmsctl prints and whether it reports success, so the reply
 //! must come from the process named, run by us:
 //!
-//! - the socket folder must be a real folder (not a symbolic link) owned by our effective uid
-//!   that group and others cannot use at all (the rule the server applies when it makes it);
-//!   anything else is refused with [`Code::Permission`] before a socket in it is looked at;
+//! - the socket folder must be one tmsctl trusts ([`crate::folder`]);
 //! - the server must run as our uid (`SO_PEERCRED`);
 //! - its hello must name the pid of the socket's file name, and, for a socket of our own pid
 //!   namespace (or one that names none), that pid must be the one the kernel reports for the
 //!   server (a pid of another namespace means another process here, so there it cannot be
 //!   compared).
 //!
-//! Text a server sends is printed only through [`crate::output::printable`].
-//!
-//! # Pid namespaces
-//!
-//! A socket is named `<pid>.<pidns>.sock` (`<pid>.sock` by older servers, or without `/proc`).
-//! `--pid P` means process P of tmsctl's own pid namespace: `<P>.<ours>.sock`, else `<P>.sock`;
-//! sockets of P in other namespaces are never taken for it ([`Folder::find`]).
+//! Text a server sends is printed only through [`crate::text::printable`].
 
-use std::collections::BTreeMap;
-use std::ffi::OsStr;
-use std::fmt;
-use std::io::{self, Read, Write};
-use std::os::unix::ffi::OsStrExt;
+use std::io::{self, Write};
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use nix::dir::Dir;
-use nix::errno::Errno;
-use nix::fcntl::{open, OFlag};
-use nix::sys::signal::kill;
 use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
-use nix::sys::stat::{fstat, lstat, Mode, SFlag};
-use nix::unistd::{geteuid, Pid};
 use tms_proto::{
-    decode_reply, encode, ErrorKind, Hello, LineBuffer, Reply, Request, SocketName,
-    MAX_REPLY_BYTES, PROTOCOL_VERSION,
+    decode_reply, encode, ErrorKind, Hello, LineBuffer, ReadFault, Reply, Request, MAX_REPLY_BYTES,
+    PROTOCOL_VERSION,
 };
 
-use crate::output::printable;
-
-/// Exit codes of tmsctl (documented in `--help` and the README; an interface: add, never
-/// change).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Code {
-    /// The process replied with an error, or another failure (a demo check, a bad reply).
-    Failed = 1,
-    /// Bad command line.
-    Usage = 2,
-    /// No such process, or it has no control socket.
-    NoProcess = 3,
-    /// Permission denied: another user's process, or a folder or server tmsctl does not trust.
-    Permission = 4,
-    /// No answer in time.
-    Timeout = 5,
-    /// A pause or resume named a tag that no allocation of the process ever had.
-    UnknownTag = 6,
-    /// A pause or resume was sent and not answered within the timeout: it runs on in the
-    /// process (or waits there for another to end); `tmsctl status` lists it until it ends.
-    Running = 7,
-}
-
-impl Code {
-    /// Its name in `--json` errors (an interface too: scripts match on it).
-    pub fn name(self) -> &'static str {
-        match self {
-            Code::Failed => "failed",
-            Code::Usage => "usage",
-            Code::NoProcess => "no_process",
-            Code::Permission => "permission",
-            Code::Timeout => "timeout",
-            Code::UnknownTag => "unknown_tag",
-            Code::Running => "running",
-        }
-    }
-}
-
-/// A failure with its exit code and a one-line reason.
-#[derive(Clone, Debug)]
-pub struct Failure {
-    /// The exit code.
-    pub code: Code,
-    /// The reason.
-    pub message: String,
-}
-
-impl Failure {
-    /// A failure.
-    pub fn new(code: Code, message: impl Into<String>) -> Failure {
-        Failure {
-            code,
-            message: message.into(),
-        }
-    }
-}
-
-impl fmt::Display for Failure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for Failure {}
-
-/// Result of this module.
-pub type Result<T> = std::result::Result<T, Failure>;
-
-/// Our effective uid.
-pub fn euid() -> u32 {
-    geteuid().as_raw()
-}
-
-/// True when process `pid` (of our pid namespace) exists, ours or another user's.
-pub fn pid_alive(pid: u32) -> bool {
-    let Ok(p) = i32::try_from(pid) else {
-        return false;
-    };
-    if p <= 0 {
-        return false;
-    }
-    // Signal "none" delivers nothing; it only checks that the process exists.
-    matches!(kill(Pid::from_raw(p), None), Ok(()) | Err(Errno::EPERM))
-}
-
-/// [`command_line`], cut to 60 characters, for naming a process inside a line.
-pub fn short_command(pid: u32) -> String {
-    let c = command_line(pid);
-    if c.chars().count() <= 60 {
-        return c;
-    }
-    let mut s: String = c.chars().take(59).collect();
-    s.push('\u{2026}');
-    s
-}
-
-/// `/proc/PID/cmdline` as one printable line (arguments joined by spaces), or `?`.
-pub fn command_line(pid: u32) -> String {
-    match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(b) if !b.is_empty() => {
-            let parts: Vec<String> = b
-                .split(|c| *c == 0)
-                .filter(|p| !p.is_empty())
-                .map(|p| String::from_utf8_lossy(p).into_owned())
-                .collect();
-            printable(&parts.join(" ")).into_owned()
-        }
-        _ => "?".to_string(),
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The folder and its sockets
-
-/// Where a socket's process lives, relative to tmsctl's pid namespace. Ordered by preference.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Ns {
-    /// Ours (`<pid>.<our-ns>.sock`): its pid means the same process here.
-    Ours,
-    /// Not said (`<pid>.sock`: an older server, or one without `/proc`): taken to be ours.
-    Unnamed,
-    /// Another pid namespace (a container, say): its pid is another process here, if any.
-    Other(u64),
-}
-
-/// A socket file of the folder.
-#[derive(Clone, Debug)]
-pub struct Socket {
-    /// What its name says.
-    pub name: SocketName,
-    /// Its path.
-    pub path: PathBuf,
-    /// Its pid namespace, relative to ours.
-    pub ns: Ns,
-}
-
-impl Socket {
-    /// The pid its name gives (in its own pid namespace).
-    pub fn pid(&self) -> u32 {
-        self.name.pid
-    }
-
-    /// Its file name.
-    pub fn file_name(&self) -> String {
-        self.name.file_name()
-    }
-
-    /// Its pid means a process of our namespace: it can be probed and checked here.
-    pub fn here(&self) -> bool {
-        !matches!(self.ns, Ns::Other(_))
-    }
-}
-
-/// The socket folder, vetted, and the sockets in it.
-#[derive(Debug)]
-pub struct Folder {
-    /// Its path.
-    pub dir: PathBuf,
-    /// Our pid namespace (`None` without `/proc`).
-    pub our_ns: Option<u64>,
-    /// Every file named like a socket, by pid, ours first.
-    pub sockets: Vec<Socket>,
-    /// It exists (a missing folder holds no socket).
-    pub exists: bool,
-}
-
-/// `dir`, printable, followed by what it is (`about`) when that is given.
-fn folder_shown(dir: &Path, about: &str) -> String {
-    let shown = printable(&dir.display().to_string()).into_owned();
-    if about.is_empty() {
-        shown
-    } else {
-        format!("{shown} ({about})")
-    }
-}
-
-fn refuse_folder(dir: &Path, about: &str, why: impl fmt::Display) -> Failure {
-    Failure::new(
-        Code::Permission,
-        format!(
-            "permission denied: refusing the socket folder {}: {why}",
-            folder_shown(dir, about)
-        ),
-    )
-}
-
-/// What a refusal by [`Folder::open`] of `dir` says after the folder's name: why.
-pub fn why_refused<'a>(f: &'a Failure, dir: &Path) -> &'a str {
-    let path = dir.display().to_string();
-    let shown = printable(&path);
-    [
-        "permission denied: refusing the socket folder ",
-        "permission denied: cannot read the socket folder ",
-        "cannot read the socket folder ",
-    ]
-    .iter()
-    .find_map(|p| {
-        f.message
-            .strip_prefix(p)?
-            .strip_prefix(&*shown)?
-            .strip_prefix(": ")
-    })
-    .unwrap_or(&f.message)
-}
-
-fn unreadable_folder(dir: &Path, about: &str, e: Errno) -> Failure {
-    let shown = folder_shown(dir, about);
-    if matches!(e, Errno::EACCES | Errno::EPERM) {
-        Failure::new(
-            Code::Permission,
-            format!(
-                "permission denied: cannot read the socket folder {shown}: {}",
-                e.desc()
-            ),
-        )
-    } else {
-        Failure::new(
-            Code::Failed,
-            format!("cannot read the socket folder {shown}: {}", e.desc()),
-        )
-    }
-}
-
-/// Where the name of a socket of namespace `pidns` places it, relative to `ours`.
-pub fn classify(pidns: Option<u64>, ours: Option<u64>) -> Ns {
-    match pidns {
-        None => Ns::Unnamed,
-        Some(n) if Some(n) == ours => Ns::Ours,
-        Some(n) => Ns::Other(n),
-    }
-}
-
-impl Folder {
-    /// Open `dir`, check that we can trust it (a folder, not a link, ours, closed to group and
-    /// others), and list its sockets. A folder that does not exist holds none; one that cannot
-    /// be read is a permission error naming it.
-    pub fn open(dir: &Path) -> Result<Folder> {
-        Folder::open_about(dir, "")
-    }
-
-    /// [`Folder::open`], its refusals saying what the folder is (`about`: whose, from which
-    /// variable) after its path.
-    pub fn open_about(dir: &Path, about: &str) -> Result<Folder> {
-        let our_ns = tms_proto::pid_namespace();
-        let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-        let fd = match open(dir, flags, Mode::empty()) {
-            Ok(fd) => fd,
-            Err(Errno::ENOENT) => {
-                return Ok(Folder {
-                    dir: dir.to_path_buf(),
-                    our_ns,
-                    sockets: Vec::new(),
-                    exists: false,
-                })
-            }
-            Err(e @ (Errno::ELOOP | Errno::ENOTDIR)) => {
-                let kind =
-                    lstat(dir).map(|st| SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT);
-                let why = match kind {
-                    Ok(k) if k == SFlag::S_IFLNK => "it is a symbolic link".to_string(),
-                    Ok(k) if k != SFlag::S_IFDIR => "it is not a folder".to_string(),
-                    _ => format!("cannot open it: {}", e.desc()),
-                };
-                return Err(refuse_folder(dir, about, why));
-            }
-            Err(e) => return Err(unreadable_folder(dir, about, e)),
-        };
-        let st = fstat(&fd).map_err(|e| unreadable_folder(dir, about, e))?;
-        let me = euid();
-        if st.st_uid != me {
-            return Err(refuse_folder(
-                dir,
-                about,
-                format!(
-                    "it belongs to uid {}, not to uid {me} (this tmsctl's)",
-                    st.st_uid
-                ),
-            ));
-        }
-        let mode = st.st_mode & 0o777;
-        if mode & 0o077 != 0 {
-            return Err(refuse_folder(
-                dir,
-                about,
-                format!(
-                    "its mode is {mode:04o}: group or others have access (it must be 0700, as \
-                     the server makes it)"
-                ),
-            ));
-        }
-        let mut listing = Dir::from_fd(fd).map_err(|e| unreadable_folder(dir, about, e))?;
-        let mut sockets = Vec::new();
-        for entry in listing.iter() {
-            let entry = entry.map_err(|e| unreadable_folder(dir, about, e))?;
-            let name = OsStr::from_bytes(entry.file_name().to_bytes());
-            let Some(name) = name.to_str().and_then(SocketName::parse) else {
-                continue;
-            };
-            sockets.push(Socket {
-                path: dir.join(name.file_name()),
-                ns: classify(name.pidns, our_ns),
-                name,
-            });
-        }
-        sockets.sort_by_key(|s| (!s.here(), s.name.pid, s.ns));
-        Ok(Folder {
-            dir: dir.to_path_buf(),
-            our_ns,
-            sockets,
-            exists: true,
-        })
-    }
-
-    /// The sockets of live processes of our pid namespace (named for it, or for none), one per
-    /// pid (the one named for our namespace where both are there), by pid.
-    pub fn live_here(&self) -> Vec<Socket> {
-        let mut by_pid: BTreeMap<u32, &Socket> = BTreeMap::new();
-        for s in self.sockets.iter().filter(|s| s.here()) {
-            let e = by_pid.entry(s.pid()).or_insert(s);
-            if s.ns < e.ns {
-                *e = s;
-            }
-        }
-        by_pid
-            .into_values()
-            .filter(|s| pid_alive(s.pid()))
-            .cloned()
-            .collect()
-    }
-
-    /// The sockets of other pid namespaces, by pid (not probed: their pids mean other
-    /// processes here).
-    pub fn elsewhere(&self) -> Vec<Socket> {
-        self.sockets.iter().filter(|s| !s.here()).cloned().collect()
-    }
-
-    fn shown(&self) -> String {
-        printable(&self.dir.display().to_string()).into_owned()
-    }
-
-    fn ns_shown(&self) -> String {
-        match self.our_ns {
-            Some(n) => format!("pid namespace {n}"),
-            None => "this pid namespace".to_string(),
-        }
-    }
-
-    /// The socket of process `pid` of our pid namespace: `<pid>.<our-ns>.sock`, else
-    /// `<pid>.sock`. Sockets of that pid in other namespaces belong to other processes: they
-    /// are named in the refusal, never taken.
-    pub fn find(&self, pid: u32) -> Result<Socket> {
-        let of_pid: Vec<&Socket> = self.sockets.iter().filter(|s| s.pid() == pid).collect();
-        if let Some(s) = of_pid.iter().filter(|s| s.here()).min_by_key(|s| s.ns) {
-            return Ok((*s).clone());
-        }
-        if !of_pid.is_empty() {
-            let names: Vec<String> = of_pid.iter().map(|s| s.file_name()).collect();
-            return Err(Failure::new(
-                Code::NoProcess,
-                format!(
-                    "process {pid} of this pid namespace ({}) has no control socket in {}; {} \
-                     there {} of pid {pid} of another pid namespace, which is another process: \
-                     run tmsctl in that namespace",
-                    self.ns_shown(),
-                    self.shown(),
-                    names.join(", "),
-                    if names.len() == 1 { "is" } else { "are" },
-                ),
-            ));
-        }
-        if !pid_alive(pid) {
-            return Err(Failure::new(
-                Code::NoProcess,
-                format!("no such process: {pid}"),
-            ));
-        }
-        Err(Failure::new(
-            Code::NoProcess,
-            format!(
-                "process {pid} has no control socket in {} (is libtms.so preloaded, has it made \
-                 a pauseable allocation, is TMS_CONTROL=0 set, or do its TMS_SOCKET_DIR or \
-                 XDG_RUNTIME_DIR make it another folder?)",
-                self.shown()
-            ),
-        ))
-    }
-
-    /// What the folder holds of other pid namespaces, for a message saying that no process of
-    /// ours has a socket in it: `None` when it holds nothing of theirs.
-    pub fn other_namespaces(&self) -> Option<String> {
-        let others = self.elsewhere();
-        if others.is_empty() {
-            return None;
-        }
-        let names: Vec<String> = others.iter().map(Socket::file_name).collect();
-        Some(format!(
-            "no process of this pid namespace ({}) has one there; it holds sockets of other \
-             pid namespaces only ({}): run tmsctl in theirs (tmsctl list shows them)",
-            self.ns_shown(),
-            names.join(", ")
-        ))
-    }
-
-    /// It holds a socket named for pid `pid` (of any pid namespace).
-    pub fn has_pid(&self, pid: u32) -> bool {
-        self.sockets.iter().any(|s| s.pid() == pid)
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// A connection
+// The failures, and the folder, where the demo names them.
+pub use crate::failure::{Code, Failure, Result};
+use crate::procfs::{euid, pid_alive};
+use crate::socket::Socket;
+use crate::text::printable;
 
 /// What one attempt to connect gave.
 enum Attempt {
@@ -776,10 +350,19 @@ impl Client {
         // the write fails, but its reply (the reason) is still there to read.
         let sent = self.stream.write_all(&encode(req));
         self.unanswered = false;
-        let mut chunk = vec![0u8; 64 * 1024];
         loop {
-            match self.lines.next_line() {
-                Some(Ok(line)) => {
+            let (deadline, timeout) = (&mut self.deadline, self.timeout);
+            // In slices, so that a process that has ended is told from one that takes its
+            // time (a copy of its end of the connection, in a child it forked, keeps it open).
+            let slice = || {
+                if let Some(m) = moved {
+                    *deadline = (*deadline).max(m() + timeout);
+                }
+                let left = deadline.saturating_duration_since(Instant::now());
+                (!left.is_zero()).then(|| left.min(LIVENESS_SLICE))
+            };
+            match self.lines.read_line(&self.stream, slice) {
+                Ok(line) => {
                     return decode_reply(&line).map_err(|e| {
                         Failure::new(
                             Code::Failed,
@@ -791,40 +374,17 @@ impl Client {
                         )
                     })
                 }
-                Some(Err(e)) => {
+                Err(ReadFault::TooLong(e)) => {
                     return Err(Failure::new(
                         Code::Failed,
                         format!("process {}: reply: {e}", self.pid),
                     ))
                 }
-                None => {}
-            }
-            if let Some(m) = moved {
-                self.deadline = self.deadline.max(m() + self.timeout);
-            }
-            let left = remaining(self.deadline, self.timeout, self.pid).inspect_err(|_| {
-                self.unanswered = sent.is_ok();
-            })?;
-            // In slices, so that a process that has ended is told from one that takes its
-            // time (a copy of its end of the connection, in a child it forked, keeps it open).
-            self.stream
-                .set_read_timeout(Some(left.min(LIVENESS_SLICE)))
-                .map_err(|e| self.io_failure("socket", e))?;
-            match self.stream.read(&mut chunk) {
-                Ok(0) => {
-                    if let Err(e) = sent {
-                        return Err(self.io_failure("sending", e));
-                    }
-                    return Err(self.closed());
+                Err(ReadFault::Expired) => {
+                    self.unanswered = sent.is_ok();
+                    return Err(timed_out(self.pid, self.timeout));
                 }
-                Ok(n) => self.lines.push(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
+                Err(ReadFault::Quiet) => {
                     if self.here && !pid_alive(self.pid) {
                         return Err(Failure::new(
                             Code::Failed,
@@ -832,7 +392,13 @@ impl Client {
                         ));
                     }
                 }
-                Err(e) => {
+                Err(ReadFault::Closed { .. }) => {
+                    if let Err(e) = sent {
+                        return Err(self.io_failure("sending", e));
+                    }
+                    return Err(self.closed());
+                }
+                Err(ReadFault::Io(e)) => {
                     if let Err(se) = sent {
                         return Err(self.io_failure("sending", se));
                     }
@@ -883,29 +449,7 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn sock(pid: u32, ns: Ns) -> Socket {
-        let pidns = match ns {
-            Ns::Ours => Some(100),
-            Ns::Unnamed => None,
-            Ns::Other(n) => Some(n),
-        };
-        let name = SocketName { pid, pidns };
-        Socket {
-            path: PathBuf::from(name.file_name()),
-            name,
-            ns,
-        }
-    }
-
-    #[test]
-    fn names_are_placed_by_namespace() {
-        assert_eq!(classify(Some(7), Some(7)), Ns::Ours);
-        assert_eq!(classify(None, Some(7)), Ns::Unnamed);
-        assert_eq!(classify(Some(8), Some(7)), Ns::Other(8));
-        assert_eq!(classify(Some(8), None), Ns::Other(8));
-        assert!(Ns::Ours < Ns::Unnamed && Ns::Unnamed < Ns::Other(0));
-    }
+    use crate::socket::{test_socket as sock, Ns};
 
     #[test]
     fn only_the_named_process_of_our_uid_is_trusted() {

@@ -1,9 +1,9 @@
 //! Which processes a command acts on, and where their control sockets are.
 //!
 //! tmsctl's own socket folder comes first: `--socket-dir`, else its `$TMS_SOCKET_DIR`, else its
-//! `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>` ([`Origin`]). A process computes its folder the
-//! same way from its own environment, so one started with another `XDG_RUNTIME_DIR` (by a
-//! service manager, in a container, through sudo) listens elsewhere. So:
+//! `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>` ([`Origin`](crate::ctx::Origin)). A process
+//! computes its folder the same way from its own environment, so one started with another
+//! `XDG_RUNTIME_DIR` (by a service manager, in a container, through sudo) listens elsewhere. So:
 //!
 //! - `--pid P`: P's socket in tmsctl's folder, else where `/proc` shows P listening, else in the
 //!   folder P's environment gives. Only P of tmsctl's own user: another user's is refused.
@@ -21,71 +21,20 @@ use std::path::{Path, PathBuf};
 
 use tms_proto::SocketName;
 
-use crate::client::{
-    self, classify, euid, pid_alive, short_command, Code, Failure, Folder, Socket,
-};
-use crate::output::printable;
-use crate::procfs::{self, Environment};
-use crate::{Ctx, Select};
-
-/// Where tmsctl's own socket folder comes from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Origin {
-    /// `--socket-dir`.
-    Flag,
-    /// tmsctl's `TMS_SOCKET_DIR`.
-    TmsSocketDir,
-    /// tmsctl's `XDG_RUNTIME_DIR` (`TMS_SOCKET_DIR` unset).
-    XdgRuntimeDir,
-    /// Neither is set: `/tmp/tms-<uid>`.
-    Default,
-}
-
-impl Origin {
-    /// Where the folder comes from, `--socket-dir` given or not (the variables are read as
-    /// [`tms_proto::socket_dir`] reads them: an empty one is unset).
-    pub fn of_env(flag: bool) -> Origin {
-        let set = |v: &str| std::env::var_os(v).is_some_and(|x| !x.is_empty());
-        if flag {
-            Origin::Flag
-        } else if set("TMS_SOCKET_DIR") {
-            Origin::TmsSocketDir
-        } else if set("XDG_RUNTIME_DIR") {
-            Origin::XdgRuntimeDir
-        } else {
-            Origin::Default
-        }
-    }
-
-    /// The folder was named (`--socket-dir`, `TMS_SOCKET_DIR`): without `--pid` it is the only
-    /// one looked in.
-    pub fn named(self) -> bool {
-        matches!(self, Origin::Flag | Origin::TmsSocketDir)
-    }
-
-    /// What the folder is, for messages.
-    pub fn about(self) -> &'static str {
-        match self {
-            Origin::Flag => "tmsctl's folder, from --socket-dir",
-            Origin::TmsSocketDir => "tmsctl's folder, from its TMS_SOCKET_DIR",
-            Origin::XdgRuntimeDir => {
-                "tmsctl's folder, from its XDG_RUNTIME_DIR; its TMS_SOCKET_DIR is unset"
-            }
-            Origin::Default => "tmsctl's folder: its TMS_SOCKET_DIR and XDG_RUNTIME_DIR are unset",
-        }
-    }
-}
+use crate::cli::Select;
+use crate::ctx::Ctx;
+use crate::failure::{Code, Failure, Result};
+use crate::folder::{why_refused, Folder};
+use crate::procfs::{self, euid, pid_alive, short_command, Environment};
+use crate::socket::{classify, Socket};
+use crate::text::shown_path;
 
 /// How a process's folder is decided, for messages.
 const RULE: &str = "a process listens in $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms, else \
                     /tmp/tms-<uid>, of its own environment";
 
-fn shown(dir: &Path) -> String {
-    printable(&dir.display().to_string()).into_owned()
-}
-
 /// tmsctl's own folder, opened and vetted (a refusal says where it came from).
-pub fn main_folder(ctx: &Ctx) -> client::Result<Folder> {
+pub fn main_folder(ctx: &Ctx) -> Result<Folder> {
     Folder::open_about(&ctx.dir, ctx.origin.about())
 }
 
@@ -102,7 +51,7 @@ fn same_folder(a: &Path, b: &Path) -> bool {
 
 /// Refuse process `pid`, owned by uid `owner`, unless that is `me`: tmsctl drives only its own
 /// user's processes (their servers would refuse it anyway), and looks into no one else's.
-pub fn check_owner(pid: u32, owner: u32, me: u32) -> client::Result<()> {
+pub fn check_owner(pid: u32, owner: u32, me: u32) -> Result<()> {
     if owner == me {
         return Ok(());
     }
@@ -123,7 +72,7 @@ pub struct Away {
     pub dir: PathBuf,
     name: SocketName,
     /// Its socket, or why it cannot be used (its folder refused, say).
-    pub sock: client::Result<Socket>,
+    pub sock: Result<Socket>,
 }
 
 impl Away {
@@ -142,7 +91,7 @@ impl Away {
 
 /// The processes of tmsctl's user that `/proc` shows listening outside `main`, by pid.
 pub fn away(main: &Folder) -> Vec<Away> {
-    let mut opened: Vec<(PathBuf, client::Result<Folder>)> = Vec::new();
+    let mut opened: Vec<(PathBuf, Result<Folder>)> = Vec::new();
     let mut out: Vec<Away> = Vec::new();
     for s in procfs::servers(euid(), None) {
         if same_folder(&s.dir, &main.dir) || out.iter().any(|a| a.pid == s.pid) {
@@ -180,7 +129,7 @@ pub struct Listing {
 }
 
 /// [`Listing`] for `ctx`.
-pub fn listing(ctx: &Ctx) -> client::Result<Listing> {
+pub fn listing(ctx: &Ctx) -> Result<Listing> {
     let main = main_folder(ctx)?;
     let away = if ctx.origin.named() {
         Vec::new()
@@ -191,7 +140,7 @@ pub fn listing(ctx: &Ctx) -> client::Result<Listing> {
 }
 
 /// The sockets of the processes `sel` picks (one, unless `--all`).
-pub fn targets(ctx: &Ctx, sel: &Select) -> client::Result<Vec<Socket>> {
+pub fn targets(ctx: &Ctx, sel: &Select) -> Result<Vec<Socket>> {
     let main = main_folder(ctx)?;
     if let Some(p) = sel.pid {
         return by_pid(ctx, &main, p).map(|s| vec![s]);
@@ -220,7 +169,7 @@ pub fn targets(ctx: &Ctx, sel: &Select) -> client::Result<Vec<Socket>> {
 fn named(main: &Folder, s: &Socket) -> String {
     let mut n = format!("pid {} ({})", s.pid(), short_command(s.pid()));
     if let Some(d) = s.path.parent().filter(|d| *d != main.dir) {
-        n.push_str(&format!(" in {}", shown(d)));
+        n.push_str(&format!(" in {}", shown_path(d)));
     }
     n
 }
@@ -243,7 +192,7 @@ fn several(main: &Folder, live: &[Socket]) -> Failure {
 pub fn none_found(ctx: &Ctx, main: &Folder, refused: &[Failure]) -> Failure {
     let mut m = format!(
         "no process has a control socket in {} ({})",
-        shown(&main.dir),
+        shown_path(&main.dir),
         ctx.origin.about()
     );
     if !main.exists {
@@ -291,7 +240,7 @@ pub fn none_found(ctx: &Ctx, main: &Folder, refused: &[Failure]) -> Failure {
 
 /// The socket of process `pid`: in tmsctl's folder, else where `/proc` shows it listening,
 /// else in the folder its environment gives.
-fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> client::Result<Socket> {
+fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> Result<Socket> {
     let not_here = match main.find(pid) {
         Ok(s) => return Ok(s),
         Err(f) => f,
@@ -337,14 +286,14 @@ fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> client::Result<Socket> {
                 },
                 Err(r) => format!(
                     "refused by tmsctl, as the library refuses it: {}",
-                    client::why_refused(&r, &d)
+                    why_refused(&r, &d)
                 ),
             }
         };
         there = Some(format!(
             "its environment ({}) makes its folder {} ({what})",
             e.describe(),
-            shown(&d)
+            shown_path(&d)
         ));
     }
     if main.has_pid(pid) {
@@ -365,7 +314,7 @@ fn no_socket(
     let mut m = format!(
         "process {pid} ({}) has no control socket: none in {} ({})",
         short_command(pid),
-        shown(&main.dir),
+        shown_path(&main.dir),
         ctx.origin.about()
     );
     match library {
@@ -415,19 +364,5 @@ mod tests {
         );
         // root's tmsctl is no exception: the server would refuse it too.
         assert_eq!(check_owner(42, 1000, 0).unwrap_err().code, Code::Permission);
-    }
-
-    #[test]
-    fn a_named_folder_is_the_only_one_looked_in() {
-        assert!(Origin::Flag.named() && Origin::TmsSocketDir.named());
-        assert!(!Origin::XdgRuntimeDir.named() && !Origin::Default.named());
-        for o in [
-            Origin::Flag,
-            Origin::TmsSocketDir,
-            Origin::XdgRuntimeDir,
-            Origin::Default,
-        ] {
-            assert!(o.about().starts_with("tmsctl's folder"), "{o:?}");
-        }
     }
 }

@@ -1,15 +1,20 @@
-//! Human-readable rendering: sizes, status tables, one-line summaries; and escaping of the
-//! text that comes from elsewhere (a server's replies, another process's command line) so that
-//! it cannot act on the terminal.
+//! What tmsctl prints: sizes, the status table, one-line summaries of what was done, progress
+//! in words, and the `--json` documents. Text from elsewhere goes through [`crate::text`] first.
 
-use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use serde_json::Value;
-use tms_proto::{format_ranges, ChunkStatus, OpDone, OpTiming, RegionInfo, Status};
+use serde_json::{json, Value};
+use tms_proto::{
+    Backing, ChunkRanges, ChunkStatus, Op, OpDone, OpTiming, Phase, RegionInfo, Running, Status,
+};
+use tms_units::{format_chunk_ranges, format_ranges};
 
-pub use tms_proto::human_bytes as human;
+use crate::failure::Code;
+use crate::text::json_line;
+// The demo names these here.
+pub use crate::text::{printable, quoted};
+pub use tms_units::human_bytes as human;
 
 /// A signed change in bytes, `+1.00 GiB` / `-512.00 MiB` / `0 B`.
 pub fn human_delta(from: u64, to: u64) -> String {
@@ -22,69 +27,6 @@ pub fn human_delta(from: u64, to: u64) -> String {
     } else {
         format!("-{}", human(from - to))
     }
-}
-
-pub use tms_proto::parse_bytes;
-
-/// Characters that must not reach a terminal raw: control characters (C0, DEL, C1: escape
-/// sequences, bells, backspaces, line breaks) and the invisible ones that reorder or hide text
-/// (bidirectional formatting marks).
-fn hazardous(c: char) -> bool {
-    c.is_control()
-        || matches!(
-            c,
-            '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}'
-        )
-}
-
-/// `s` safe to print: [hazardous] characters become `\u{1b}`-style escapes (`\n`,
-/// `\t`, `\r` as such). Text that came from a server or another process goes through this
-/// before it is printed. Applying it twice changes nothing more.
-pub fn printable(s: &str) -> Cow<'_, str> {
-    if !s.chars().any(hazardous) {
-        return Cow::Borrowed(s);
-    }
-    let mut o = String::with_capacity(s.len() + 16);
-    for c in s.chars() {
-        match c {
-            '\n' => o.push_str("\\n"),
-            '\t' => o.push_str("\\t"),
-            '\r' => o.push_str("\\r"),
-            c if hazardous(c) => {
-                let _ = write!(o, "\\u{{{:x}}}", c as u32);
-            }
-            c => o.push(c),
-        }
-    }
-    Cow::Owned(o)
-}
-
-/// Text of several lines made [`printable`] line by line (its line breaks kept).
-pub fn printable_lines(s: &str) -> String {
-    s.split('\n').map(printable).collect::<Vec<_>>().join("\n")
-}
-
-/// `s` quoted and escaped: `"kv"`, `"\u{1b}[2J"`.
-pub fn quoted(s: &str) -> String {
-    printable(&format!("{s:?}")).into_owned()
-}
-
-/// `v` as one line of JSON with the characters serde_json leaves raw (DEL, C1 controls,
-/// bidirectional marks) escaped as well (`\u009b`), so the line is safe on a terminal too.
-pub fn json_line(v: &Value) -> String {
-    let s = v.to_string();
-    if !s.chars().any(hazardous) {
-        return s;
-    }
-    let mut o = String::with_capacity(s.len() + 16);
-    for c in s.chars() {
-        if hazardous(c) {
-            let _ = write!(o, "\\u{:04x}", c as u32);
-        } else {
-            o.push(c);
-        }
-    }
-    o
 }
 
 /// Version of the shape of what `--json` prints, in every object it prints as `"schema"`. Raised
@@ -118,6 +60,41 @@ pub fn print_json(v: Value) {
 /// (or on stderr only), never as a second document.
 pub fn json_printed() -> bool {
     JSON_PRINTED.load(Ordering::Relaxed)
+}
+
+/// What `--json` prints for a failure: the `error` member of [`json_error`].
+pub fn error_json(code: Code, message: &str) -> Value {
+    json!({"exit_code": code as u8, "name": code.name(), "message": message})
+}
+
+/// What `--json` prints for a failure, about process `pid` if given (its schema version is
+/// added when it is printed, as to every document).
+pub fn json_error(code: Code, message: &str, pid: Option<u32>) -> Value {
+    let mut j = json!({"error": error_json(code, message)});
+    if let Some(p) = pid {
+        j["pid"] = json!(p);
+    }
+    j
+}
+
+/// `v` as JSON with the pid of its process (or inside an object with it, if `v` is no object).
+pub fn with_pid<T: serde::Serialize>(pid: u32, v: &T) -> Value {
+    let mut j = serde_json::to_value(v).unwrap_or(Value::Null);
+    if let Value::Object(m) = &mut j {
+        m.insert("pid".into(), json!(pid));
+        j
+    } else {
+        json!({"pid": pid, "value": j})
+    }
+}
+
+/// `bytes` on stdout, as they are (a completion script, a manual page).
+pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(bytes)
+        .and_then(|()| out.flush())
+        .map_err(|e| anyhow::anyhow!("writing to stdout: {e}"))
 }
 
 /// A region in words.
@@ -177,12 +154,8 @@ pub fn status(s: &Status, command: &str) -> String {
         let _ = writeln!(o, "default region: {}", region(r));
     }
     for r in &s.operations {
-        let what = crate::progress::what(r.tag.as_deref(), r.chunks.as_ref());
-        let verb = match r.op {
-            tms_proto::Op::Pause => "pause",
-            tms_proto::Op::Resume => "resume",
-        };
-        let _ = write!(o, "in progress: {verb} of {what}");
+        let what = what(r.tag.as_deref(), r.chunks.as_ref());
+        let _ = write!(o, "in progress: {} of {what}", verb(r.op));
         if r.in_process {
             let _ = write!(o, " (started in the process), {:.1} s ago", r.seconds);
         } else {
@@ -190,7 +163,7 @@ pub fn status(s: &Status, command: &str) -> String {
         }
         if r.phase.is_some() {
             let rate = r.gib_per_s.map(|g| g * (1u64 << 30) as f64);
-            let _ = write!(o, ": {}", crate::progress::state(r, rate));
+            let _ = write!(o, ": {}", state(r, rate));
         }
         o.push('\n');
     }
@@ -273,20 +246,6 @@ pub fn status(s: &Status, command: &str) -> String {
     o
 }
 
-/// Chunk ranges of a reply as `--chunks` takes them (`8-15,20`).
-pub fn ranges(r: &[[u64; 2]]) -> String {
-    r.iter()
-        .map(|&[a, b]| {
-            if a == b {
-                a.to_string()
-            } else {
-                format!("{a}-{b}")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(",")
-}
-
 /// A pause or resume in one line; `chunk_state`: it saved (pause) or restored (resume) chunk
 /// states.
 pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
@@ -295,11 +254,11 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
         None => "every tag".to_string(),
     };
     let (verb, noun, state) = match d.op {
-        tms_proto::Op::Pause => ("paused", "released", " (chunk states saved)"),
-        tms_proto::Op::Resume => ("resumed", "re-taken", " (the chunks saved active)"),
+        Op::Pause => ("paused", "released", " (chunk states saved)"),
+        Op::Resume => ("resumed", "re-taken", " (the chunks saved active)"),
     };
     let what = match &d.chunks {
-        Some(c) => format!("chunks {} of {tag}", ranges(c)),
+        Some(c) => format!("chunks {} of {tag}", format_chunk_ranges(c)),
         None if chunk_state => format!("{tag}{state}"),
         None => tag,
     };
@@ -337,8 +296,6 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
 /// Where a pause's or resume's copies went or came from, as words after a comma (`, 2.00 GiB
 /// written to disk`); nothing when nothing was copied.
 pub fn copies(d: &OpDone) -> String {
-    use crate::progress::moved_words;
-    use tms_proto::Backing;
     if d.copied_bytes == 0 {
         return String::new();
     }
@@ -396,8 +353,8 @@ pub fn chunks(pid: u32, s: &ChunkStatus) -> String {
 /// nothing, in one line.
 pub fn unknown_tag(pid: u32, d: &OpDone, tag: Option<&str>) -> String {
     let verb = match d.op {
-        tms_proto::Op::Pause => "paused",
-        tms_proto::Op::Resume => "resumed",
+        Op::Pause => "paused",
+        Op::Resume => "resumed",
     };
     let tag = tag.or(d.tag.as_deref()).unwrap_or("");
     format!(
@@ -407,9 +364,135 @@ pub fn unknown_tag(pid: u32, d: &OpDone, tag: Option<&str>) -> String {
     )
 }
 
+/// The words for bytes moved by `op` to or from `backing` (else as its phase says).
+pub fn moved_words(op: Op, backing: Option<Backing>, phase: Option<Phase>) -> &'static str {
+    match (op, backing, phase) {
+        (Op::Pause, Some(Backing::Host), _) | (Op::Pause, _, Some(Phase::CopyingToHost)) => {
+            "copied to host memory"
+        }
+        (Op::Pause, Some(Backing::Disk), _) | (Op::Pause, _, Some(Phase::WritingToDisk)) => {
+            "written to disk"
+        }
+        (Op::Pause, Some(Backing::HostAndDisk), _) => "saved to host memory and disk",
+        (Op::Pause, _, _) => "saved",
+        (Op::Resume, Some(Backing::Host), _) | (Op::Resume, _, Some(Phase::CopyingToDevice)) => {
+            "copied from host memory"
+        }
+        (Op::Resume, Some(Backing::Disk), _) | (Op::Resume, _, Some(Phase::ReadingFromDisk)) => {
+            "read from disk"
+        }
+        (Op::Resume, Some(Backing::HostAndDisk), _) => "restored from host memory and disk",
+        (Op::Resume, _, _) => "restored",
+    }
+}
+
+/// Bytes with one decimal, and their unit: `("12.0", "GiB")`; short, for a line that must fit
+/// a terminal's width.
+fn short(bytes: u64) -> (String, &'static str) {
+    match tms_units::scaled_bytes(bytes) {
+        (_, "B") => (bytes.to_string(), "B"),
+        (v, unit) => (format!("{v:.1}"), unit),
+    }
+}
+
+/// `12.0 of 64.0 GiB` (one unit where both have it), else `512.0 MiB of 64.0 GiB`.
+fn amounts(done: u64, total: u64) -> String {
+    let ((d, du), (t, tu)) = (short(done), short(total));
+    if du == tu {
+        format!("{d} of {t} {tu}")
+    } else {
+        format!("{d} {du} of {t} {tu}")
+    }
+}
+
+/// A duration for people: `33 s`, `12 min`, `1.5 h`.
+fn span(s: f64) -> String {
+    if s < 90.0 {
+        format!("{:.0} s", s.max(0.0))
+    } else if s < 90.0 * 60.0 {
+        format!("{:.0} min", s / 60.0)
+    } else {
+        format!("{:.1} h", s / 3600.0)
+    }
+}
+
+/// What the operation asked for is, for people: `tag "kv"`, `chunks 8-15 of tag "kv"`.
+pub fn what(tag: Option<&str>, chunks: Option<&ChunkRanges>) -> String {
+    match (tag, chunks) {
+        (Some(t), Some(c)) => format!("chunks {} of tag {}", format_chunk_ranges(c), quoted(t)),
+        (Some(t), None) => format!("tag {}", quoted(t)),
+        (None, _) => "every tag".to_string(),
+    }
+}
+
+/// How far `r` has got, in words (`12.0 of 64.0 GiB written to disk, 1.6 GiB/s, about 33 s
+/// left`); `rate` in bytes per second, where known.
+pub fn state(r: &Running, rate: Option<f64>) -> String {
+    let secs = r.seconds;
+    let (done, total) = (r.bytes_done.unwrap_or(0), r.bytes_total.unwrap_or(0));
+    let words = moved_words(r.op, r.backing, r.phase);
+    let copied = || {
+        let mut s = format!("{} {words}", amounts(done, total));
+        if let Some(v) = rate.filter(|v| *v > 0.0 && v.is_finite()) {
+            let (n, unit) = short(v as u64);
+            s.push_str(&format!(", {n} {unit}/s"));
+            if total > done {
+                // Rounded up: "about 0 s left" would read as done.
+                let left = ((total - done) as f64 / v).ceil();
+                s.push_str(&format!(", about {} left", span(left)));
+            }
+        }
+        s
+    };
+    match r.phase {
+        None => format!("running ({})", span(secs)),
+        Some(Phase::Waiting) => {
+            format!(
+                "waiting for another pause or resume to end ({})",
+                span(secs)
+            )
+        }
+        Some(Phase::Preparing) => format!("preparing ({})", span(secs)),
+        Some(Phase::Synchronizing) => {
+            format!("waiting for the work queued on the device ({})", span(secs))
+        }
+        Some(Phase::Mapping) if done == 0 => format!("mapping device memory ({})", span(secs)),
+        Some(Phase::Releasing) if total > 0 => {
+            let (n, unit) = short(total);
+            format!("{n} {unit} {words}; giving memory back")
+        }
+        Some(Phase::Releasing) => format!("giving memory back ({})", span(secs)),
+        Some(Phase::Unknown) => format!("{} ({})", copied(), span(secs)),
+        Some(_) if total == 0 => format!("running ({})", span(secs)),
+        Some(_) => copied(),
+    }
+}
+
+/// `"pause"` or `"resume"`.
+pub fn verb(op: Op) -> &'static str {
+    match op {
+        Op::Pause => "pause",
+        Op::Resume => "resume",
+    }
+}
+
+/// "the pause of tag \"kv\"", "the resume of chunks 0-3 of tag \"kv\"", ...
+pub fn op_words(which: Op, asked: Option<&str>, chunks: Option<&ChunkRanges>) -> String {
+    let of = match chunks {
+        Some(c) => format!(
+            "chunks {} of tag {}",
+            format_chunk_ranges(c),
+            quoted(asked.unwrap_or_default())
+        ),
+        None => what(asked, None),
+    };
+    format!("the {} of {of}", verb(which))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tms_units::parse_bytes;
 
     #[test]
     fn sizes() {
@@ -609,26 +692,6 @@ mod tests {
     }
 
     #[test]
-    fn text_from_elsewhere_cannot_act_on_the_terminal() {
-        assert_eq!(printable("kv-cache 1"), "kv-cache 1");
-        assert!(matches!(printable("plain"), Cow::Borrowed(_)));
-        let evil = "\x1b]0;owned\x07\x1b[2J\u{9b}31m\u{7f}\u{202e}txt.exe\nnext\r\t";
-        let p = printable(evil);
-        assert_eq!(
-            p,
-            "\\u{1b}]0;owned\\u{7}\\u{1b}[2J\\u{9b}31m\\u{7f}\\u{202e}txt.exe\\nnext\\r\\t"
-        );
-        assert!(!p.chars().any(hazardous));
-        assert_eq!(printable(&p), p, "idempotent");
-        assert_eq!(printable_lines("a\x1b\nb"), "a\\u{1b}\nb");
-        assert_eq!(quoted("\x1b[1m"), "\"\\u{1b}[1m\"");
-        let j = json_line(&serde_json::json!({"tag": evil}));
-        assert!(!j.chars().any(hazardous), "{j}");
-        let back: Value = serde_json::from_str(&j).unwrap();
-        assert_eq!(back["tag"], evil, "still the same JSON");
-    }
-
-    #[test]
     fn json_output_carries_the_schema_version() {
         use serde_json::json;
         assert_eq!(
@@ -641,5 +704,11 @@ mod tests {
             "an array stays an array"
         );
         assert_eq!(versioned(json!([])), json!([]));
+    }
+
+    #[test]
+    fn durations_in_words() {
+        assert_eq!(span(3000.0), "50 min");
+        assert_eq!(span(3.0 * 3600.0), "3.0 h");
     }
 }

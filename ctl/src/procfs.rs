@@ -1,8 +1,9 @@
-//! What `/proc` says about a process: who owns it, which control sockets it listens on, whether
-//! the library is loaded in it, what its environment makes its socket folder.
+//! What the system says about a process: whether it lives, its command line, and from `/proc`
+//! who owns it, which control sockets it listens on, whether the library is loaded in it, what
+//! its environment makes its socket folder.
 //!
 //! Only a place to look: a folder found here is opened and vetted like tmsctl's own
-//! ([`crate::client::Folder::open`]), and a server found here is checked on connecting like any
+//! ([`crate::folder::Folder::open`]), and a server found here is checked on connecting like any
 //! other. Only processes of tmsctl's own user are looked into.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -12,9 +13,56 @@ use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+use nix::sys::signal::kill;
+use nix::unistd::{geteuid, Pid};
 use tms_proto::SocketName;
 
-use crate::client::{classify, Ns};
+use crate::socket::{classify, Ns};
+use crate::text::printable;
+
+/// Our effective uid.
+pub fn euid() -> u32 {
+    geteuid().as_raw()
+}
+
+/// True when process `pid` (of our pid namespace) exists, ours or another user's.
+pub fn pid_alive(pid: u32) -> bool {
+    let Ok(p) = i32::try_from(pid) else {
+        return false;
+    };
+    if p <= 0 {
+        return false;
+    }
+    // Signal "none" delivers nothing; it only checks that the process exists.
+    matches!(kill(Pid::from_raw(p), None), Ok(()) | Err(Errno::EPERM))
+}
+
+/// [`command_line`], cut to 60 characters, for naming a process inside a line.
+pub fn short_command(pid: u32) -> String {
+    let c = command_line(pid);
+    if c.chars().count() <= 60 {
+        return c;
+    }
+    let mut s: String = c.chars().take(59).collect();
+    s.push('\u{2026}');
+    s
+}
+
+/// `/proc/PID/cmdline` as one printable line (arguments joined by spaces), or `?`.
+pub fn command_line(pid: u32) -> String {
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(b) if !b.is_empty() => {
+            let parts: Vec<String> = b
+                .split(|c| *c == 0)
+                .filter(|p| !p.is_empty())
+                .map(|p| String::from_utf8_lossy(p).into_owned())
+                .collect();
+            printable(&parts.join(" ")).into_owned()
+        }
+        _ => "?".to_string(),
+    }
+}
 
 /// A listening Unix stream socket bound to a path, from `/proc/net/unix`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,7 +240,7 @@ impl Environment {
     pub fn describe(&self) -> String {
         let show = |name: &str, v: &Option<OsString>| match v {
             Some(v) if !v.is_empty() => {
-                format!("{name}={}", crate::output::printable(&v.to_string_lossy()))
+                format!("{name}={}", printable(&v.to_string_lossy()))
             }
             Some(_) => format!("{name} empty"),
             None => format!("{name} unset"),

@@ -8,7 +8,7 @@
 //! - the timeout rule of pause and resume: the wait goes on while the process's pauses and
 //!   resumes move (bytes copied, a phase changed, one ended or started: the one asked for, or
 //!   the one it waits behind), and ends once `--timeout` has passed with nothing moving
-//!   ([`Watch::last_moved`], which [`crate::client::Client::ask_while`] reads). A pause of
+//!   ([`Watch::last_moved`], which [`Client::ask_while`] reads). A pause of
 //!   hundreds of GiB to disk thus takes as long as it takes, while a stuck one (a device that
 //!   never finishes its queued work) is still reported after `--timeout`;
 //! - a progress line on stderr ([`Show`]): on a terminal one line rewritten in place, else
@@ -24,10 +24,11 @@ use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tms_proto::{Backing, ChunkRanges, Op, Phase, Reply, Request, Running};
+use tms_proto::{ChunkRanges, Op, Phase, Reply, Request, Running};
 
-use crate::client::{Client, Socket};
-use crate::output::{quoted, ranges};
+use crate::client::Client;
+use crate::output::{state, verb, what};
+use crate::socket::Socket;
 
 /// How progress is shown.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -291,123 +292,16 @@ impl Rate {
     }
 }
 
-/// The words for bytes moved by `op` to or from `backing` (else as its phase says).
-pub fn moved_words(op: Op, backing: Option<Backing>, phase: Option<Phase>) -> &'static str {
-    match (op, backing, phase) {
-        (Op::Pause, Some(Backing::Host), _) | (Op::Pause, _, Some(Phase::CopyingToHost)) => {
-            "copied to host memory"
-        }
-        (Op::Pause, Some(Backing::Disk), _) | (Op::Pause, _, Some(Phase::WritingToDisk)) => {
-            "written to disk"
-        }
-        (Op::Pause, Some(Backing::HostAndDisk), _) => "saved to host memory and disk",
-        (Op::Pause, _, _) => "saved",
-        (Op::Resume, Some(Backing::Host), _) | (Op::Resume, _, Some(Phase::CopyingToDevice)) => {
-            "copied from host memory"
-        }
-        (Op::Resume, Some(Backing::Disk), _) | (Op::Resume, _, Some(Phase::ReadingFromDisk)) => {
-            "read from disk"
-        }
-        (Op::Resume, Some(Backing::HostAndDisk), _) => "restored from host memory and disk",
-        (Op::Resume, _, _) => "restored",
-    }
-}
-
-/// Bytes with one decimal, and their unit: `("12.0", "GiB")`; short, for a line that must fit
-/// a terminal's width.
-fn short(bytes: u64) -> (String, &'static str) {
-    match tms_proto::scaled_bytes(bytes) {
-        (_, "B") => (bytes.to_string(), "B"),
-        (v, unit) => (format!("{v:.1}"), unit),
-    }
-}
-
-/// `12.0 of 64.0 GiB` (one unit where both have it), else `512.0 MiB of 64.0 GiB`.
-fn amounts(done: u64, total: u64) -> String {
-    let ((d, du), (t, tu)) = (short(done), short(total));
-    if du == tu {
-        format!("{d} of {t} {tu}")
-    } else {
-        format!("{d} {du} of {t} {tu}")
-    }
-}
-
-/// A duration for people: `33 s`, `12 min`, `1.5 h`.
-fn span(s: f64) -> String {
-    if s < 90.0 {
-        format!("{:.0} s", s.max(0.0))
-    } else if s < 90.0 * 60.0 {
-        format!("{:.0} min", s / 60.0)
-    } else {
-        format!("{:.1} h", s / 3600.0)
-    }
-}
-
-/// What the operation asked for is, for people: `tag "kv"`, `chunks 8-15 of tag "kv"`.
-pub fn what(tag: Option<&str>, chunks: Option<&ChunkRanges>) -> String {
-    match (tag, chunks) {
-        (Some(t), Some(c)) => format!("chunks {} of tag {}", ranges(c), quoted(t)),
-        (Some(t), None) => format!("tag {}", quoted(t)),
-        (None, _) => "every tag".to_string(),
-    }
-}
-
-/// How far `r` has got, in words (`12.0 of 64.0 GiB written to disk, 1.6 GiB/s, about 33 s
-/// left`); `rate` in bytes per second, where known.
-pub fn state(r: &Running, rate: Option<f64>) -> String {
-    let secs = r.seconds;
-    let (done, total) = (r.bytes_done.unwrap_or(0), r.bytes_total.unwrap_or(0));
-    let words = moved_words(r.op, r.backing, r.phase);
-    let copied = || {
-        let mut s = format!("{} {words}", amounts(done, total));
-        if let Some(v) = rate.filter(|v| *v > 0.0 && v.is_finite()) {
-            let (n, unit) = short(v as u64);
-            s.push_str(&format!(", {n} {unit}/s"));
-            if total > done {
-                // Rounded up: "about 0 s left" would read as done.
-                let left = ((total - done) as f64 / v).ceil();
-                s.push_str(&format!(", about {} left", span(left)));
-            }
-        }
-        s
-    };
-    match r.phase {
-        None => format!("running ({})", span(secs)),
-        Some(Phase::Waiting) => {
-            format!(
-                "waiting for another pause or resume to end ({})",
-                span(secs)
-            )
-        }
-        Some(Phase::Preparing) => format!("preparing ({})", span(secs)),
-        Some(Phase::Synchronizing) => {
-            format!("waiting for the work queued on the device ({})", span(secs))
-        }
-        Some(Phase::Mapping) if done == 0 => format!("mapping device memory ({})", span(secs)),
-        Some(Phase::Releasing) if total > 0 => {
-            let (n, unit) = short(total);
-            format!("{n} {unit} {words}; giving memory back")
-        }
-        Some(Phase::Releasing) => format!("giving memory back ({})", span(secs)),
-        Some(Phase::Unknown) => format!("{} ({})", copied(), span(secs)),
-        Some(_) if total == 0 => format!("running ({})", span(secs)),
-        Some(_) => copied(),
-    }
-}
-
 /// The progress line of `r`, the operation `a` asked for.
 fn line(a: &Asked, r: &Running, rate: Option<f64>) -> String {
-    let verb = match a.op {
-        Op::Pause => "pause",
-        Op::Resume => "resume",
-    };
     format!(
-        "{}{verb} of {}: {}",
+        "{}{} of {}: {}",
         if a.with_pid {
             format!("pid {}: ", a.pid)
         } else {
             String::new()
         },
+        verb(a.op),
         what(a.tag.as_deref(), a.chunks.as_ref()),
         state(r, rate)
     )
@@ -436,6 +330,7 @@ fn fit(s: &str, width: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tms_proto::Backing;
 
     fn running(op: Op, phase: Phase, done: u64, total: u64, backing: Backing) -> Running {
         Running {
@@ -494,8 +389,6 @@ mod tests {
             state(&w, None),
             "waiting for another pause or resume to end (3 s)"
         );
-        assert_eq!(span(3000.0), "50 min");
-        assert_eq!(span(3.0 * 3600.0), "3.0 h");
         assert_eq!(fit("abcdef", 5), "abc\u{2026}");
         assert_eq!(fit("abc", 5), "abc");
     }

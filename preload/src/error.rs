@@ -363,8 +363,8 @@ impl Display for Error {
 }
 
 /// A value that does not parse (a byte count, chunk ranges) is an invalid argument.
-impl From<tms_proto::ParseError> for Error {
-    fn from(e: tms_proto::ParseError) -> Self {
+impl From<tms_units::ParseError> for Error {
+    fn from(e: tms_units::ParseError) -> Self {
         Error::invalid_argument(e.to_string())
     }
 }

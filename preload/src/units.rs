@@ -5,7 +5,7 @@ use crate::error::{Error, Result};
 /// Parse a byte count: a plain integer, or one with a suffix `K`, `M`, `G`, `T` (powers of 1024;
 /// `KiB`/`KB`/`k` spellings accepted).
 pub fn parse_bytes(s: &str) -> Result<u64> {
-    Ok(tms_proto::parse_bytes(s)?)
+    Ok(tms_units::parse_bytes(s)?)
 }
 
 /// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).
@@ -42,14 +42,14 @@ pub fn var_parsed<T>(
 
 /// `1.50 GiB`-style rendering.
 pub fn human(bytes: u64) -> String {
-    tms_proto::human_bytes(bytes)
+    tms_units::human_bytes(bytes)
 }
 
 /// Chunk indices for messages: `chunk 3`, `chunks 0-3,8`.
 pub fn ranges(idx: &[usize]) -> String {
     match idx {
         [one] => format!("chunk {one}"),
-        _ => format!("chunks {}", tms_proto::format_ranges(idx)),
+        _ => format!("chunks {}", tms_units::format_ranges(idx)),
     }
 }
 

@@ -1,4 +1,8 @@
+use std::ffi::OsString;
+use std::path::PathBuf;
+
 use proptest::prelude::*;
+use tms_units::{chunk_ranges, format_ranges};
 
 use super::*;
 
@@ -555,35 +559,6 @@ proptest! {
 }
 
 #[test]
-fn chunk_ranges_round_trip_and_bad_lists_are_refused() {
-    use crate::{format_ranges, parse_ranges};
-    assert_eq!(
-        parse_ranges("8-11,2,3,9", 100).unwrap(),
-        vec![2, 3, 8, 9, 10, 11]
-    );
-    assert_eq!(format_ranges(&[2, 3, 8, 9, 10, 11, 20]), "2-3,8-11,20");
-    assert_eq!(format_ranges(&[]), "");
-    for (bad, why) in [
-        ("", "empty item"),
-        ("1,,2", "empty item"),
-        ("x", "is not an index"),
-        ("5-2", "runs backwards"),
-        ("0-1000000000", "more than 100 chunks"),
-        ("-3", "is not an index"),
-        ("+1", "is not an index"),
-        ("1-+2", "is not an index"),
-        // Issue 36, item 5: whitespace anywhere is refused, not trimmed away.
-        (" 1", "whitespace is not allowed"),
-        ("8-11, 2", "whitespace is not allowed"),
-        ("1 -2", "whitespace is not allowed"),
-        ("3\t", "whitespace is not allowed"),
-    ] {
-        let e = parse_ranges(bad, 100).unwrap_err().to_string();
-        assert!(e.contains(why), "{bad:?}: {e}");
-    }
-}
-
-#[test]
 fn region_replies_of_older_servers_still_parse() {
     // Before disk backups were reported: no `disk_backup`, read as none.
     let r = decode_reply(
@@ -689,43 +664,9 @@ fn replies_of_older_servers_still_decode() {
     assert!(line.contains("\"partial_allocations\":0"), "{line}");
 }
 
+/// Chunk ranges on the wire (what they are: `tms_units::runs`, with its own tests).
 #[test]
 fn chunk_ranges_on_the_wire() {
-    assert_eq!(chunk_ranges(&[]), ChunkRanges::new());
-    assert_eq!(chunk_ranges(&[2, 3, 4, 9]), vec![[2, 4], [9, 9]]);
-    assert_eq!(chunk_ranges(&[0, 2, 4]), vec![[0, 0], [2, 2], [4, 4]]);
-    for idx in [
-        vec![],
-        vec![0],
-        vec![1, 2, 3, 7, 8, 100],
-        (0..1000).collect(),
-    ] {
-        assert_eq!(
-            expand_chunk_ranges(&chunk_ranges(&idx), MAX_CHUNK_INDICES),
-            Ok(idx)
-        );
-    }
-    // Any order, overlaps: sorted, each once.
-    assert_eq!(
-        expand_chunk_ranges(&[[9, 9], [2, 4], [3, 5]], 100),
-        Ok(vec![2, 3, 4, 5, 9])
-    );
-    // Backwards, too many, too many through overlaps, huge: refused, without expanding.
-    let e = expand_chunk_ranges(&[[5, 2]], 100).unwrap_err().to_string();
-    assert!(e.contains("5-2 runs backwards"), "{e}");
-    for bad in [
-        vec![[0, 100]],
-        vec![[0, 60], [0, 60]],
-        vec![[0, u64::MAX]],
-        vec![[u64::MAX, u64::MAX], [0, u64::MAX]],
-    ] {
-        let e = expand_chunk_ranges(&bad, 100).unwrap_err().to_string();
-        assert!(e.contains("more than 100 chunks"), "{bad:?}: {e}");
-    }
-    assert_eq!(
-        expand_chunk_ranges(&[[0, 99]], 100).map(|v| v.len()),
-        Ok(100)
-    );
     // A request naming a million chunks in ranges fits a line.
     let every_other: Vec<usize> = (0..MAX_CHUNK_INDICES).step_by(2).take(2000).collect();
     let r = Request::Pause {

@@ -12,7 +12,7 @@ use serde_json::json;
 
 use super::api::Api;
 use super::ChildArgs;
-use crate::output::parse_bytes;
+use tms_units::parse_bytes;
 
 /// The hidden `__demo-child` command. Exit status: 0 after `exit` or end of input; 3 when
 /// libtms.so is not preloaded; 4 when the library cannot start (no usable driver); 1 otherwise.

@@ -2,8 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::client::{Code, Failure};
-use crate::output::printable;
+use crate::failure::{Code, Failure};
+use crate::text::printable;
 
 /// Where `tmsctl demo` looks for the library when no `--lib` is given, in order: `$TMS_LIB`,
 /// then beside this executable (`bin/`) and below its parent (`prefix`): a build tree

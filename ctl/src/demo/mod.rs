@@ -20,7 +20,7 @@ use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
 
-use crate::output::parse_bytes;
+use tms_units::parse_bytes;
 
 mod api;
 mod child;

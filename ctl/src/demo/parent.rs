@@ -11,9 +11,12 @@ use super::library::find_lib;
 use super::spawn::DemoChild;
 use super::table::{free_of, tag_of, Row, Table};
 use super::{DemoArgs, DemoBackend};
-use crate::client::{self, Client, Code, Failure, Folder};
-use crate::output::{human, printable};
-use crate::Ctx;
+use crate::client::{self, Client};
+use crate::ctx::Ctx;
+use crate::failure::{Code, Failure};
+use crate::folder::Folder;
+use crate::output::{error_json, human};
+use crate::text::printable;
 
 /// Print `text` on stdout now (a pipe would hold it back until the end otherwise).
 fn say_now(text: &str) {
@@ -311,7 +314,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         });
         // The failure returned below is told here, in the one document of the command.
         if !ok {
-            report["error"] = crate::error_json(Code::Failed, &failure_message(&problems));
+            report["error"] = error_json(Code::Failed, &failure_message(&problems));
         }
         crate::output::print_json(report);
     } else {

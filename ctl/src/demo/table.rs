@@ -2,7 +2,8 @@
 
 use tms_proto::{OpDone, Status};
 
-use crate::output::{human, human_delta};
+use crate::output::human_delta;
+use tms_units::human_bytes as human;
 
 /// A step of the demo: the process's status after it, and the pause or resume it was.
 pub(super) struct Row {

@@ -1,7 +1,8 @@
 //! Disk backups: each allocation's contents in a file of its own (`disk_file.rs`, Note [Disk
 //! backup files]) in the disk backup folder, which this module finds, prepares and sweeps. File
-//! operations can be made to fail for the tests (`disk_faults.rs`). The names and staleness
-//! rules of the folder's entries are shared with `tmsctl clean` (`tms_proto::disk_layout`).
+//! operations can be made to fail for the tests (`disk_faults.rs`). The folder's layout (the
+//! names, the subfolder, the staleness rules) and its sweep are shared with `tmsctl clean`
+//! (`tms_disk_folder`).
 //!
 //! # Note [The disk backup folder]
 //!
@@ -36,30 +37,27 @@
 //! - The sweep opens only regular files of ours: each candidate is checked with `fstatat`
 //!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
 //!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
-//!   elsewhere. `tmsctl clean` sweeps the same way, by the same rules. Each folder is swept
+//!   elsewhere. `tmsctl clean` sweeps with the same code (`tms_disk_folder::sweep`). Each folder is swept
 //!   when this process first uses it (a recreated folder too).
 //! - The files' contents are checksummed per chunk, so a file changed while paused is never
 //!   silently restored (Note [Disk backup files]).
 
-use std::ffi::{CStr, CString};
-use std::fs::File;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use nix::errno::Errno;
-use nix::fcntl::{AtFlags, Flock, FlockArg, OFlag};
+use nix::fcntl::AtFlags;
 use nix::sys::stat::{FileStat, Mode};
-use nix::unistd::UnlinkatFlags;
 use parking_lot::Mutex;
-use tms_proto::disk_layout::{self, Entry};
+use tms_disk_folder::{files_go_in_directory, open_folder, subfolder_is_private};
 
 use crate::error::{Error, Result};
 
 pub use super::disk_faults::{arm_fault, clear_faults, parse_faults, pending_faults, DiskOp};
 pub use super::disk_file::{DiskFile, DIRECT_ALIGN};
-pub use tms_proto::disk_layout::private_subfolder_name;
+pub use tms_disk_folder::private_subfolder_name;
 
 pub(super) fn io_err(what: String, e: std::io::Error) -> Error {
     if e.raw_os_error() == Some(libc::ENOSPC) {
@@ -109,18 +107,6 @@ impl FileDir {
     }
 }
 
-fn open_dir_at<P: ?Sized + nix::NixPath>(
-    at: impl AsFd,
-    path: &P,
-    follow: bool,
-) -> nix::Result<OwnedFd> {
-    let mut flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
-    if !follow {
-        flags |= OFlag::O_NOFOLLOW;
-    }
-    nix::fcntl::openat(at, path, flags, Mode::empty())
-}
-
 impl BackupDir {
     /// The folder at `path` (relative to the current folder), created when first needed; the
     /// file system is not touched now.
@@ -160,7 +146,7 @@ impl BackupDir {
 
     /// Open the folder the path leads to now, creating what is missing of it (mode 0700).
     fn open_base(&self) -> Result<OwnedFd> {
-        let open = || open_dir_at(nix::fcntl::AT_FDCWD, &self.shown, true);
+        let open = || open_folder(nix::fcntl::AT_FDCWD, &self.shown, true);
         let refused = |e: Errno| match e {
             Errno::ENOTDIR => self.bad("not a directory"),
             e => io_err(
@@ -200,7 +186,7 @@ impl BackupDir {
                 e.into(),
             )
         })?;
-        let in_base = disk_layout::files_go_in_directory(st.st_uid, st.st_mode, euid());
+        let in_base = files_go_in_directory(st.st_uid, st.st_mode, euid());
         if let Some(f) = &*g {
             let now = if in_base {
                 Some(identity(&st))
@@ -255,14 +241,14 @@ impl BackupDir {
             Ok(()) | Err(Errno::EEXIST) => {}
             Err(e) => return Err(io_err(format!("creating {}", shown.display()), e.into())),
         }
-        let fd = open_dir_at(&base_fd, name.as_str(), false).map_err(|e| match e {
+        let fd = open_folder(&base_fd, name.as_str(), false).map_err(|e| match e {
             Errno::ELOOP | Errno::ENOTDIR => refuse("is a symbolic link or not a folder".into()),
             e => io_err(format!("opening {}", shown.display()), e.into()),
         })?;
         let st = nix::sys::stat::fstat(&fd)
             .map_err(|e| io_err(format!("inspecting {}", shown.display()), e.into()))?;
         let mode = st.st_mode & 0o777;
-        if !disk_layout::subfolder_is_private(st.st_uid, mode, me) {
+        if !subfolder_is_private(st.st_uid, mode, me) {
             return Err(refuse(if st.st_uid != me {
                 format!("belongs to uid {}, not {me}", st.st_uid)
             } else {
@@ -314,59 +300,7 @@ fn sweep_once(dir: &FileDir) {
 /// Remove the backup files in `dir` no live process holds; returns how many. Opens nothing but
 /// regular files of ours, never blocks (Note [The disk backup folder]).
 pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
-    let me = euid();
-    let listing = nix::dir::Dir::openat(
-        &dir.fd,
-        ".",
-        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(errno_io)?;
-    let mut names: Vec<(CString, Entry)> = Vec::new();
-    let mut listing = listing;
-    for entry in listing.iter() {
-        let Ok(entry) = entry else { continue };
-        let name: &CStr = entry.file_name();
-        if let Some(kind) = Entry::of(name.to_bytes()) {
-            names.push((name.to_owned(), kind));
-        }
-    }
-    drop(listing);
-    let mut removed = 0;
-    for (name, kind) in names {
-        let Ok(before) =
-            nix::sys::stat::fstatat(&dir.fd, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW)
-        else {
-            continue;
-        };
-        // A regular file of ours (not a link, a FIFO, a file of theirs), and not one being made.
-        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
-            continue;
-        }
-        // Checked again once open: the name may have changed hands since fstatat.
-        let flags = OFlag::O_RDONLY
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_NONBLOCK
-            | OFlag::O_NOCTTY
-            | OFlag::O_CLOEXEC;
-        let Ok(fd) = nix::fcntl::openat(&dir.fd, name.as_c_str(), flags, Mode::empty()) else {
-            continue;
-        };
-        match nix::sys::stat::fstat(&fd) {
-            Ok(st)
-                if disk_layout::is_regular_file_of(st.st_mode, st.st_uid, me)
-                    && st.st_ino == before.st_ino => {}
-            _ => continue,
-        }
-        // Taking the lock proves no process holds it.
-        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
-            if nix::unistd::unlinkat(&dir.fd, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
-                removed += 1;
-            }
-            drop(locked);
-        }
-    }
-    Ok(removed)
+    tms_disk_folder::sweep(dir.fd.as_fd()).map_err(errno_io)
 }
 
 /// Bytes the file system of the folder `dir`'s files go in can still give an unprivileged
@@ -399,7 +333,7 @@ pub fn is_ram_backed(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tms_proto::disk_layout::{file_name, tmp_name};
+    use tms_disk_folder::{file_name, tmp_name};
 
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("tms-disk-{name}-{}", std::process::id()));

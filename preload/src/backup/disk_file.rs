@@ -18,7 +18,7 @@
 //!   the directory removes it. A live process's files are never touched (this holds across pid
 //!   namespaces, where pids mean nothing). Files are made under a temporary name and renamed
 //!   once locked, so no sweep can take a file between its creation and its lock (the names are
-//!   `tms_proto::disk_layout`'s, which `tmsctl clean` shares).
+//!   `tms_disk_folder`'s, which `tmsctl clean` shares).
 //! - The file is cut in chunks of one size (a multiple of [`DIRECT_ALIGN`]) but the last, which
 //!   divide the allocation's (engine Note [Chunked allocations]); the pipeline copies a file
 //!   chunk whole, through the worker's page-locked staging slots, each slot-sized piece one
@@ -43,7 +43,6 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
 use nix::sys::stat::Mode;
 use nix::unistd::UnlinkatFlags;
-use tms_proto::disk_layout;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::backing::{Backing, Dir, UnitIo};
@@ -108,8 +107,8 @@ impl DiskFile {
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
         let base = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
-        let tmp_name = disk_layout::tmp_name(&base);
-        let name = disk_layout::file_name(&base);
+        let tmp_name = tms_disk_folder::tmp_name(&base);
+        let name = tms_disk_folder::file_name(&base);
         let tmp = files.shown.join(&tmp_name);
         let path = files.shown.join(&name);
         let what = |op: &str| format!("{op} disk backup file {}", path.display());

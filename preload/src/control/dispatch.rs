@@ -20,10 +20,11 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use tms_proto::{
-    chunk_ranges, expand_chunk_ranges, Backing, BackupBackend, ChunkRanges, ChunkStatus,
-    DeviceMemory, ErrorKind, Op, OpDone, OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request,
-    Running, Status, TagStatus, MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
+    Backing, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory, ErrorKind, Op, OpDone,
+    OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request, Running, Status, TagStatus,
+    MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
+use tms_units::{chunk_ranges, expand_chunk_ranges};
 
 use crate::backup::BackupKind;
 use crate::engine::{self, Engine, OpReport, OpStats, Pick, Progress, Record, Stats};

@@ -14,13 +14,13 @@
 //! serves one ([`Watch`]): a connection that waits may be closed to make room for a newer one,
 //! and then it gets a [`ErrorKind::Busy`] reply instead of its next answer.
 
-use std::io::{self, Read};
+use std::io;
 use std::os::unix::net::UnixStream;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant};
 
 use tms_proto::{
-    decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, Reply, Request,
+    decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, ReadFault, Reply, Request,
     FEATURE_CHUNKS, FEATURE_JOB_RECORD, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS,
     MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
@@ -206,47 +206,17 @@ impl<'a> Session<'a> {
         let budget = self.limits.max_idle_total.saturating_sub(self.idle);
         let by_budget = budget < self.limits.request_timeout;
         let deadline = t0 + budget.min(self.limits.request_timeout);
-        let expired = || {
-            if by_budget {
-                ReadError::IdleBudget
-            } else {
-                ReadError::Timeout
-            }
-        };
-        let mut chunk = [0u8; 8192];
-        let mut stream = self.client.stream();
-        loop {
-            match self.lines.next_line() {
-                Some(Ok(l)) => return Ok(l),
-                Some(Err(e)) => return Err(ReadError::Proto(e)),
-                None => {}
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(expired());
-            }
-            stream
-                .set_read_timeout(Some(left.max(MIN_TIMEOUT)))
-                .map_err(ReadError::Io)?;
-            match stream.read(&mut chunk) {
-                Ok(0) => {
-                    return Err(ReadError::Closed {
-                        pending: self.lines.pending(),
-                    })
-                }
-                Ok(n) => self.lines.push(&chunk[..n]),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(expired())
-                }
-                Err(e) => return Err(ReadError::Io(e)),
-            }
-        }
+        let left =
+            || Some(deadline.saturating_duration_since(Instant::now())).filter(|l| !l.is_zero());
+        self.lines
+            .read_line(self.client.stream(), left)
+            .map_err(|fault| match fault {
+                ReadFault::TooLong(e) => ReadError::Proto(e),
+                ReadFault::Closed { pending } => ReadError::Closed { pending },
+                ReadFault::Expired | ReadFault::Quiet if by_budget => ReadError::IdleBudget,
+                ReadFault::Expired | ReadFault::Quiet => ReadError::Timeout,
+                ReadFault::Io(e) => ReadError::Io(e),
+            })
     }
 
     /// The notice to a connection closed to make room: sent without waiting, since the

@@ -7,7 +7,7 @@ use std::fmt;
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum ParseError {
-    /// Not a byte count ([`crate::parse_bytes`]).
+    /// Not a byte count ([`parse_bytes`](crate::parse_bytes)).
     ByteSize {
         /// The text given.
         text: String,
@@ -29,7 +29,7 @@ pub enum ParseError {
         /// The index.
         chunk: u64,
     },
-    /// A chunk list in text ([`crate::parse_ranges`]).
+    /// A chunk list in text ([`parse_ranges`](crate::parse_ranges)).
     ChunkList {
         /// The text given.
         text: String,
@@ -99,43 +99,3 @@ impl fmt::Display for ListFault {
 }
 
 impl std::error::Error for ParseError {}
-
-#[cfg(test)]
-mod tests {
-    use crate::{expand_chunk_ranges, parse_bytes, parse_ranges};
-
-    /// The messages, word for word as they were when these were plain strings.
-    #[test]
-    fn each_error_keeps_its_message() {
-        let msg = |e: super::ParseError| e.to_string();
-        assert_eq!(
-            msg(parse_bytes(" 1.5G").unwrap_err()),
-            "\" 1.5G\" is not a byte size (examples: 1048576, 512MiB, 8GiB)"
-        );
-        assert_eq!(
-            msg(expand_chunk_ranges(&[[5, 2]], 10).unwrap_err()),
-            "chunk range 5-2 runs backwards"
-        );
-        assert_eq!(
-            msg(expand_chunk_ranges(&[[0, 10]], 10).unwrap_err()),
-            "more than 10 chunks asked for"
-        );
-        let cases = [
-            ("1,,2", "empty item"),
-            ("x", "\"x\" is not an index"),
-            ("5-2", "range 5-2 runs backwards"),
-            ("0-10", "more than 10 chunks"),
-        ];
-        for (text, why) in cases {
-            assert_eq!(
-                msg(parse_ranges(text, 10).unwrap_err()),
-                format!("chunk list {text:?}: {why} (expected e.g. 8-15,20)")
-            );
-        }
-        // Only where usize is narrower than u64.
-        assert_eq!(
-            msg(super::ParseError::ChunkOutOfRange { chunk: 1 << 40 }),
-            "chunk 1099511627776 is out of range"
-        );
-    }
-}

@@ -1,7 +1,5 @@
-//! The layout of a disk backup folder, as the library makes it and `tmsctl clean` sweeps it:
-//! the names of the files, where they go, and which of them are stale. The I/O that applies
-//! these rules stays with each side (it opens only regular files of ours, never following a
-//! link and never waiting: Note [The disk backup folder] in `preload/src/backup/disk_folder.rs`).
+//! The layout of a disk backup folder, as the library makes it and the sweep reads it: the
+//! names of the files, where they go, and which of them may be stale.
 
 use std::time::{Duration, SystemTime};
 

@@ -1,0 +1,223 @@
+//! Finding the process the user means: in other folders, by pid, of other users, named by its
+//! command line, and what the messages say when there is none.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+
+use crate::common::*;
+
+/// tmsctl with its folder from the defaults: no TMS_SOCKET_DIR, XDG_RUNTIME_DIR `xdg`.
+fn ctl_xdg(sb: &Sandbox, xdg: &Path, args: &[&str]) -> Ran {
+    ctl_with(&tmsctl(), sb, args, |c| {
+        c.env_remove("TMS_SOCKET_DIR").env("XDG_RUNTIME_DIR", xdg);
+    })
+}
+
+#[test]
+fn a_process_with_another_xdg_runtime_dir_is_found() {
+    let sb = sandbox();
+    // The process's XDG_RUNTIME_DIR is not tmsctl's: it listens in run-a/tms.
+    let run_a = private(&sb, "run-a");
+    let run_b = private(&sb, "run-b");
+    let p = Proc::start_with(&sb, &[("XDG_RUNTIME_DIR", run_a.to_str().unwrap())], |c| {
+        c.env_remove("TMS_SOCKET_DIR");
+    });
+    let its_dir = run_a.join("tms");
+    assert_eq!(p.socket().parent(), Some(its_dir.as_path()), "{}", p.ready);
+    let pid = p.pid.to_string();
+
+    // By --pid.
+    let r = ctl_xdg(&sb, &run_b, &["status", "--pid", &pid, "--json"]);
+    assert_eq!(r.json()["pid"].as_u64(), Some(p.pid as u64), "{}", r.dump());
+    let r = ctl_xdg(&sb, &run_b, &["pause", "--pid", &pid, "--tag", "demo"]);
+    assert_eq!(r.code, 0, "{}", r.dump());
+    assert!(
+        r.stdout.starts_with(&format!("pid {pid}: paused")),
+        "{}",
+        r.dump()
+    );
+
+    // By list: its row, and where it listens.
+    let l = ctl_xdg(&sb, &run_b, &["list", "--json"]).json();
+    let row = l
+        .as_array()
+        .and_then(|rows| {
+            rows.iter()
+                .find(|r| r["pid"].as_u64() == Some(p.pid as u64))
+        })
+        .unwrap_or_else(|| panic!("no row of {pid} in {l}"));
+    assert_eq!(row["socket"].as_str(), p.socket().to_str(), "{row}");
+    assert_eq!(row["bytes_paused"].as_u64(), Some(SIZE), "{row}");
+    let l = ctl_xdg(&sb, &run_b, &["list"]);
+    assert!(
+        l.stdout
+            .contains(&format!("pid {pid} listens in {}", its_dir.display())),
+        "{}",
+        l.dump()
+    );
+
+    // By status without --pid: its status, or (other processes of this user listening at the
+    // same time) the list of those it could be, naming it.
+    let r = ctl_xdg(&sb, &run_b, &["status"]);
+    if r.code == 0 {
+        assert!(
+            r.stdout.starts_with(&format!("pid {pid} (")),
+            "{}",
+            r.dump()
+        );
+    } else {
+        let line = r.failed(2);
+        assert!(
+            line.contains(&format!("pid {pid} (")) && line.contains(&its_dir.display().to_string()),
+            "{line}"
+        );
+    }
+}
+
+#[test]
+fn a_process_with_another_tms_socket_dir_is_found_by_pid_and_named() {
+    let sb = sandbox();
+    let elsewhere = sb.tmp.path().join("elsewhere");
+    let p = Proc::start(&sb, &[("TMS_SOCKET_DIR", elsewhere.to_str().unwrap())]);
+    assert_eq!(
+        p.socket().parent(),
+        Some(elsewhere.as_path()),
+        "{}",
+        p.ready
+    );
+    let pid = p.pid.to_string();
+    // tmsctl's folder (sb.dir, named by its TMS_SOCKET_DIR) holds nothing.
+    let r = ok(&sb, &["status", "--pid", &pid, "--json"]).json();
+    assert_eq!(r["pid"].as_u64(), Some(p.pid as u64));
+    // Without --pid only the named folder counts; the message names the process elsewhere.
+    let line = ctl(&sb, &["status"]).failed(3).to_string();
+    assert!(
+        line.contains(&format!("pid {pid} (")) && line.contains(&elsewhere.display().to_string()),
+        "{line}"
+    );
+    assert!(line.contains("--pid"), "{line}");
+}
+
+#[test]
+fn another_users_process_is_refused_by_pid() {
+    if !is_root() {
+        eprintln!("skipped: needs root to start a process as another user (the check itself is unit-tested in ctl/src/find.rs)");
+        return;
+    }
+    let sb = sandbox();
+    let mut other = Command::new("sleep");
+    other.arg("60").uid(65534).gid(65534);
+    let victim = Victim(other.spawn().expect("sleep as 65534"));
+    let line = ctl(&sb, &["status", "--pid", &victim.pid().to_string()])
+        .failed(4)
+        .to_string();
+    assert!(
+        line.contains(&format!(
+            "process {} belongs to uid 65534, not to uid 0",
+            victim.pid()
+        )),
+        "{line}"
+    );
+}
+
+#[test]
+fn pause_and_resume_without_pid_name_the_process() {
+    let sb = sandbox();
+    let p = Proc::start(&sb, &[]);
+    let pid = p.pid.to_string();
+    let r = ok(&sb, &["pause", "--tag", "demo"]);
+    assert!(
+        r.stdout.starts_with(&format!("pid {pid} (")) && r.stdout.contains("__demo-child"),
+        "{}",
+        r.dump()
+    );
+    assert!(r.stdout.contains("): paused tag \"demo\""), "{}", r.dump());
+    let j = ok(&sb, &["resume", "--tag", "demo", "--json"]).json();
+    assert!(
+        j["command"].as_str().unwrap_or("").contains("__demo-child"),
+        "{j}"
+    );
+    // --pid named it already.
+    let r = ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    assert!(
+        r.stdout.starts_with(&format!("pid {pid}: paused")),
+        "{}",
+        r.dump()
+    );
+    ok(&sb, &["resume", "--pid", &pid, "--tag", "demo"]);
+
+    // Several: each is named, and nothing is done.
+    let q = Proc::start(&sb, &[]);
+    let line = ctl(&sb, &["pause"]).failed(2).to_string();
+    for pid in [p.pid, q.pid] {
+        assert!(line.contains(&format!("pid {pid} (")), "{line}");
+    }
+    assert!(line.contains("__demo-child"), "{line}");
+    assert_eq!(
+        tag(&status(&sb, p.pid), "demo")["bytes_paused"].as_u64(),
+        Some(0)
+    );
+}
+
+#[test]
+fn no_socket_messages_name_the_folders_and_what_decides_them() {
+    let sb = sandbox();
+    // Nothing in tmsctl's folder.
+    let line = ctl(&sb, &["status"]).failed(3).to_string();
+    assert!(
+        line.contains(&sb.dir.display().to_string())
+            && line.contains("TMS_SOCKET_DIR")
+            && line.contains("XDG_RUNTIME_DIR"),
+        "{line}"
+    );
+    // A process without the library.
+    let me = std::process::id().to_string();
+    let line = ctl(&sb, &["ping", "--pid", &me]).failed(3).to_string();
+    assert!(
+        line.contains("no control socket")
+            && line.contains("libtms.so is not loaded")
+            && line.contains("XDG_RUNTIME_DIR"),
+        "{line}"
+    );
+    // The library, turned off: its folder (by its environment) and TMS_CONTROL are named.
+    let its = sb.tmp.path().join("its");
+    let off = Proc::start(
+        &sb,
+        &[
+            ("TMS_CONTROL", "0"),
+            ("TMS_SOCKET_DIR", its.to_str().unwrap()),
+        ],
+    );
+    let line = ctl(&sb, &["status", "--pid", &off.pid.to_string()])
+        .failed(3)
+        .to_string();
+    assert!(
+        line.contains(&format!("TMS_SOCKET_DIR={}", its.display())) && line.contains("TMS_CONTROL"),
+        "{line}"
+    );
+    // A folder the library refused (others may enter it): the refusal is named.
+    let open = sb.tmp.path().join("open");
+    std::fs::create_dir(&open).expect("mkdir");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let refused = Proc::start(&sb, &[("TMS_SOCKET_DIR", open.to_str().unwrap())]);
+    assert!(refused.ready["socket"].is_null(), "{}", refused.ready);
+    let line = ctl(&sb, &["status", "--pid", &refused.pid.to_string()])
+        .failed(3)
+        .to_string();
+    assert!(
+        line.contains(&open.display().to_string())
+            && line.contains("refused")
+            && line.contains("0755"),
+        "{line}"
+    );
+    // tmsctl's own folder refused: where it came from is named.
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let line = ctl(&sb, &["status"]).failed(4).to_string();
+    assert!(
+        line.contains("from its TMS_SOCKET_DIR") && line.contains("0777"),
+        "{line}"
+    );
+}

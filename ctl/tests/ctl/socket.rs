@@ -1,0 +1,102 @@
+//! The control socket of a process: there only with pauseable memory and without TMS_CONTROL=0,
+//! left alone by a fork child, removed once stale, and a refused folder that leaves the process
+//! working.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixListener;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::common::*;
+
+#[test]
+fn a_fork_child_leaves_the_parents_socket_alone() {
+    let sb = sandbox();
+    let mut p = Proc::start(&sb, &[]);
+    let sock = p.socket();
+    // The child exits normally (running atexit handlers) after fork.
+    let forked = p.cmd("fork", "FORKED");
+    assert!(forked.ends_with(" 0"), "{forked}");
+    assert!(sock.exists(), "the parent's socket is still there");
+    let entries: Vec<_> = std::fs::read_dir(&sb.dir).expect("ls").flatten().collect();
+    assert_eq!(entries.len(), 1, "no socket of the child: {entries:?}");
+    let r = ok(&sb, &["ping", "--json"]).json();
+    assert_eq!(r["pid"].as_u64(), Some(p.pid as u64));
+    ok(&sb, &["pause"]);
+    ok(&sb, &["resume"]);
+    p.verify();
+}
+
+#[test]
+fn stale_sockets_are_cleaned() {
+    let sb = sandbox();
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let mut gone = Command::new("true").spawn().expect("true");
+    let dead = gone.id();
+    gone.wait().expect("wait");
+    let stale = sb.dir.join(format!("{dead}.sock"));
+    drop(UnixListener::bind(&stale).expect("bind"));
+    assert!(stale.exists());
+    let mut p = Proc::start(&sb, &[]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stale.exists() {
+        assert!(Instant::now() < deadline, "stale socket still there");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    p.verify();
+}
+
+#[test]
+fn no_socket_without_pauseable_memory_or_with_tms_control_0() {
+    let sb = sandbox();
+    let so = libtms();
+    // Programs that never touch CUDA, preloaded, even told every allocation is pauseable.
+    for (prog, args) in [
+        ("/bin/true", vec![]),
+        ("/bin/sh", vec!["-c", "echo hi"]),
+        (tmsctl().to_str().expect("utf-8 path"), vec!["--version"]),
+    ] {
+        let mut cmd = Command::new(prog);
+        cmd.args(&args);
+        let mut cmd = clean(cmd, &sb);
+        cmd.env("LD_PRELOAD", &so)
+            .env("TMS_INIT_ENABLE", "1")
+            .env("TMS_BACKEND", "sim")
+            .env("TMS_LOG", "debug");
+        let o = output_of(cmd);
+        assert!(o.status.success(), "{prog}: {o:?}");
+        assert!(
+            o.stderr.is_empty(),
+            "{prog}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert!(!sb.dir.exists(), "{prog} created {}", sb.dir.display());
+    }
+    // TMS_CONTROL=0: pauseable memory, no socket (and no folder).
+    let mut p = Proc::start(&sb, &[("TMS_CONTROL", "0")]);
+    assert!(p.ready["socket"].is_null(), "{}", p.ready);
+    assert!(
+        p.ready["socket_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("TMS_CONTROL"),
+        "{}",
+        p.ready
+    );
+    assert!(!sb.dir.exists());
+    p.verify();
+}
+
+#[test]
+fn a_refused_socket_folder_leaves_the_process_working() {
+    let sb = sandbox();
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let mut p = Proc::start(&sb, &[]);
+    assert!(p.ready["socket"].is_null(), "{}", p.ready);
+    let why = p.ready["socket_error"].as_str().unwrap_or("").to_string();
+    assert!(why.contains("refusing") && why.contains("0755"), "{why}");
+    assert_eq!(std::fs::read_dir(&sb.dir).expect("ls").count(), 0);
+    p.verify();
+}

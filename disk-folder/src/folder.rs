@@ -1,0 +1,144 @@
+//! The I/O on a disk backup folder: nothing here can be made to block or to follow a link by
+//! what another user plants in the folder (a FIFO, a link, a file of theirs under our names).
+
+use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+
+use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag};
+use nix::sys::stat::{fstat, fstatat, Mode};
+use nix::unistd::{geteuid, unlinkat, UnlinkatFlags};
+use nix::NixPath;
+
+use crate::layout::{is_regular_file_of, Entry};
+
+/// Open the folder at `path` (relative to `at`) without ever blocking: `O_DIRECTORY |
+/// O_NONBLOCK` refuses a FIFO planted there before opening it. Without `follow`, a symbolic link
+/// at `path` is refused too (`O_NOFOLLOW`: the subfolder we make must be a real one).
+pub fn open_folder<P: ?Sized + NixPath>(
+    at: impl AsFd,
+    path: &P,
+    follow: bool,
+) -> nix::Result<OwnedFd> {
+    let mut flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC | OFlag::O_NONBLOCK;
+    if !follow {
+        flags |= OFlag::O_NOFOLLOW;
+    }
+    openat(at, path, flags, Mode::empty())
+}
+
+/// Remove the backup files in the folder `dir` that no live process holds; returns how many.
+/// Opens nothing but regular files of ours, and never blocks: each candidate is checked with
+/// `fstatat` without following links, opened with `O_NOFOLLOW | O_NONBLOCK`, and checked again
+/// with `fstat` (the name may have changed hands meanwhile); a file is stale only when its
+/// `flock` can be taken, which proves that the process that made it is gone.
+pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
+    let me = geteuid().as_raw();
+    let mut listing = nix::dir::Dir::openat(
+        dir,
+        ".",
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+        Mode::empty(),
+    )?;
+    let names: Vec<(CString, Entry)> = listing
+        .iter()
+        .flatten()
+        .filter_map(|e| Entry::of(e.file_name().to_bytes()).map(|k| (e.file_name().to_owned(), k)))
+        .collect();
+    drop(listing);
+    let mut removed = 0;
+    for (name, kind) in names {
+        let Ok(before) = fstatat(dir, name.as_c_str(), AtFlags::AT_SYMLINK_NOFOLLOW) else {
+            continue;
+        };
+        // A regular file of ours (not a link, a FIFO, a file of theirs), and not one being made.
+        if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
+            continue;
+        }
+        let flags = OFlag::O_RDONLY
+            | OFlag::O_NOFOLLOW
+            | OFlag::O_NONBLOCK
+            | OFlag::O_NOCTTY
+            | OFlag::O_CLOEXEC;
+        let Ok(fd) = openat(dir, name.as_c_str(), flags, Mode::empty()) else {
+            continue;
+        };
+        match fstat(&fd) {
+            Ok(st)
+                if is_regular_file_of(st.st_mode, st.st_uid, me) && st.st_ino == before.st_ino => {}
+            _ => continue,
+        }
+        // Taking the lock proves no process holds it.
+        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
+            if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
+                removed += 1;
+            }
+            drop(locked);
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{file_name, tmp_name};
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn a_sweep_takes_only_unlocked_files_of_ours_and_never_blocks() {
+        let d = tempfile::tempdir().unwrap();
+        let at = |n: String| d.path().join(n);
+        let dead = at(file_name("1-dead.bin"));
+        std::fs::write(&dead, b"old").unwrap();
+        // A live process's file: its lock is held.
+        let live = at(file_name("2-live.bin"));
+        std::fs::write(&live, b"live").unwrap();
+        let held =
+            Flock::lock(File::open(&live).unwrap(), FlockArg::LockExclusiveNonblock).unwrap();
+        let young_tmp = at(tmp_name("3-new.bin"));
+        std::fs::write(&young_tmp, b"new").unwrap();
+        // A FIFO under our name (opening it without O_NONBLOCK would block), a link to a file
+        // of ours, and a name that is not ours.
+        let fifo = at(file_name("4-fifo.bin"));
+        nix::unistd::mkfifo(&fifo, Mode::S_IRWXU).unwrap();
+        let link = at(file_name("5-link.bin"));
+        symlink(&live, &link).unwrap();
+        let other = at("unrelated.bin".into());
+        std::fs::write(&other, b"keep").unwrap();
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        assert_eq!(sweep(folder.as_fd()), Ok(1));
+        assert!(!dead.exists());
+        for kept in [&live, &young_tmp, &fifo, &other] {
+            assert!(kept.exists(), "{}", kept.display());
+        }
+        assert!(link.symlink_metadata().is_ok(), "a link is left alone");
+        drop(held);
+        assert_eq!(
+            sweep(folder.as_fd()),
+            Ok(1),
+            "unlocked, the live file goes too"
+        );
+        assert!(!live.exists());
+    }
+
+    #[test]
+    fn a_folder_is_opened_without_blocking_and_a_link_only_when_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, Mode::S_IRWXU).unwrap();
+        assert_eq!(
+            open_folder(nix::fcntl::AT_FDCWD, &fifo, true).err(),
+            Some(nix::errno::Errno::ENOTDIR)
+        );
+        let real = d.path().join("real");
+        std::fs::create_dir(&real).unwrap();
+        let link = d.path().join("link");
+        symlink(&real, &link).unwrap();
+        assert!(open_folder(nix::fcntl::AT_FDCWD, &link, true).is_ok());
+        assert!(matches!(
+            open_folder(nix::fcntl::AT_FDCWD, &link, false).err(),
+            Some(nix::errno::Errno::ELOOP | nix::errno::Errno::ENOTDIR)
+        ));
+    }
+}
