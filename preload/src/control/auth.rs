@@ -11,17 +11,7 @@ use std::fmt;
 use std::os::unix::net::UnixStream;
 
 use super::sys;
-
-/// The peer's credentials as the kernel reports them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct PeerCred {
-    /// Process id of the peer (at connect time).
-    pub pid: i32,
-    /// Its effective uid.
-    pub uid: u32,
-    /// Its effective gid.
-    pub gid: u32,
-}
+pub use super::sys::PeerCred;
 
 /// Why a connection is refused.
 #[derive(Debug)]

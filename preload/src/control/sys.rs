@@ -16,8 +16,6 @@ use std::sync::{Once, OnceLock};
 use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
 
-use super::auth::PeerCred;
-
 /// The effective uid of this process.
 pub fn euid() -> u32 {
     nix::unistd::geteuid().as_raw()
@@ -26,6 +24,17 @@ pub fn euid() -> u32 {
 /// This process's id, as the kernel says now (differs from a cached value after `fork`).
 pub fn getpid() -> i32 {
     nix::unistd::getpid().as_raw()
+}
+
+/// The peer's credentials as the kernel reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PeerCred {
+    /// Process id of the peer (at connect time).
+    pub pid: i32,
+    /// Its effective uid.
+    pub uid: u32,
+    /// Its effective gid.
+    pub gid: u32,
 }
 
 /// The credentials the kernel recorded for the peer of `stream` when it connected.

@@ -58,9 +58,16 @@ pub fn format_from_env() -> LogFormat {
     }
 }
 
+/// The device each line names: given by the runtime (this module knows no runtime, which
+/// starts logging); none until then.
+static DEVICE_OF: std::sync::OnceLock<fn() -> Option<i32>> = std::sync::OnceLock::new();
+
 /// Log to stderr as `TMS_LOG` asks, in the shape `TMS_LOG_FORMAT` asks; nothing when `TMS_LOG`
-/// is unset (`TMS_LOG_FORMAT` is then not read either: it cannot matter).
-pub fn init() {
+/// is unset (`TMS_LOG_FORMAT` is then not read either: it cannot matter). `device_of` tells
+/// the device a line comes from, where the process has one (cheap and lock-free: a line may be
+/// written with any lock of the engine held).
+pub fn init(device_of: fn() -> Option<i32>) {
+    let _ = DEVICE_OF.set(device_of);
     let filter = match std::env::var("TMS_LOG") {
         Ok(f) => f,
         Err(std::env::VarError::NotPresent) => return,
@@ -100,9 +107,8 @@ fn origin() -> Origin {
     Origin {
         // Not cached: getpid after a fork is the child's.
         pid: std::process::id(),
-        // Cheap and lock-free (a line may be written with any lock of the engine held); none
-        // while the runtime is being created, and none in a fork child (the library is off there).
-        device: super::runtime::get_if_started().and_then(|r| r.engine.sole_device()),
+        // None while the runtime is being created, and in a fork child (the library is off).
+        device: DEVICE_OF.get().and_then(|f| f()),
     }
 }
 

@@ -35,7 +35,7 @@ pub fn forked() -> bool {
 /// Log to stderr as `TMS_LOG` (a tracing filter) and `TMS_LOG_FORMAT` ask; nothing when
 /// `TMS_LOG` is unset. The tools built on the engine call it too.
 pub fn init_logging() {
-    super::logging::init();
+    super::logging::init(|| get_if_started().and_then(|r| r.engine.sole_device()));
 }
 
 /// Open the driver `choice` names (auto = cuda).
