@@ -140,15 +140,15 @@
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
 
-// One concept per file; files import one another directly (`super::pick::Pick`), never through
+// One concept per file; files import one another directly (`super::txn::Pick`), never through
 // this facade, which only declares and re-exports.
 mod alloc;
+mod backups;
 mod base;
 mod devices;
 mod inflight;
 mod leases;
 mod pause;
-mod pick;
 mod pinner;
 mod pipeline;
 mod progress;
@@ -168,7 +168,6 @@ mod txn;
 mod types;
 
 pub use base::Engine;
-pub use pick::{Pick, Record};
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backing, Phase, Progress, Which};
 pub use report::OpReport;
@@ -176,6 +175,7 @@ pub use restoring::StreamOf;
 pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
 pub use transfer::LaneProbe;
+pub use txn::{Pick, Record};
 pub use types::{AllocInfo, AllocRequest, Backup, BackupLease, ChunkInfo, State};
 
 #[cfg(test)]

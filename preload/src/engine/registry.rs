@@ -3,10 +3,12 @@
 //! It holds what the hooks ask (is this address ours?) and each allocation's state; the work of
 //! a pause or resume runs outside it, on copies of what it needs (Note [Pause and resume as
 //! transactions] in `mod.rs`). Its lock is held only to read or change entries, never across a
-//! driver call, a copy or a wait.
+//! driver call, a copy or a wait (Note [Locks]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::segment::{clipped, segments, Seg, Span};
 use super::stats;
@@ -188,8 +190,64 @@ impl Allocation {
     }
 }
 
+/// The registry of one engine: the index behind its lock, the condvar on which a free waits for
+/// an allocation in transition, and every tag ever seen.
 #[derive(Default)]
 pub(super) struct Registry {
+    index: Mutex<Index>,
+    /// Notified whenever an allocation leaves a transition (see `Engine::free`).
+    settled: Condvar,
+    /// Every tag an allocation ever had (never cleared). A lock of its own, and a leaf, so
+    /// asking never waits for a pause.
+    tags: Mutex<HashSet<Box<str>>>,
+}
+
+impl Registry {
+    /// The index, under the registry lock (held briefly: Note [Locks]).
+    pub fn lock(&self) -> MutexGuard<'_, Index> {
+        self.index.lock()
+    }
+
+    /// Change the entry a transaction marked.
+    pub fn marked<T>(&self, ptr: DevPtr, f: impl FnOnce(&mut Allocation) -> T) -> T {
+        f(self.lock().marked(ptr))
+    }
+
+    /// Wait, under `index`'s lock, until an allocation leaves a transition.
+    pub fn wait_settled(&self, index: &mut MutexGuard<'_, Index>) {
+        self.settled.wait(index);
+    }
+
+    /// Wake those waiting for an allocation to leave a transition.
+    pub fn notify_settled(&self) {
+        self.settled.notify_all();
+    }
+
+    /// Remember that an allocation had `tag`.
+    pub fn remember_tag(&self, tag: &str) {
+        let mut seen = self.tags.lock();
+        if !seen.contains(tag) {
+            seen.insert(tag.into());
+        }
+    }
+
+    /// Whether an allocation (alive or freed since) ever had `tag`.
+    pub fn tag_known(&self, tag: &str) -> bool {
+        self.tags.lock().contains(tag)
+    }
+
+    /// Log at debug level a pause or resume of a tag no allocation ever had (it is a quiet
+    /// success, like one of a tag whose allocations are all freed).
+    pub fn note_unknown_tag(&self, what: &str, tag: Option<&str>) {
+        if let Some(t) = tag.filter(|t| !self.tag_known(t)) {
+            tracing::debug!("{what} of tag {t:?}: no allocation ever had this tag; nothing to do");
+        }
+    }
+}
+
+/// What the registry lock guards: the allocations, and what is kept per tag and per device.
+#[derive(Default)]
+pub(super) struct Index {
     pub allocs: BTreeMap<DevPtr, Allocation>,
     pub history: HashMap<Arc<str>, stats::History>,
     pub granularity: HashMap<i32, u64>,
@@ -197,7 +255,7 @@ pub(super) struct Registry {
     pub backed: usize,
 }
 
-impl Registry {
+impl Index {
     /// The allocation holding `[addr, addr+len)` within its asked size.
     pub fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
         let not_found = || {
@@ -218,7 +276,7 @@ impl Registry {
         }
     }
 
-    /// [`Registry::containing`], for a chunked allocation only.
+    /// [`Index::containing`], for a chunked allocation only.
     pub fn chunked_containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
         let (start, a) = self.containing(addr, len)?;
         if a.chunk == 0 {
