@@ -56,9 +56,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::base::Engine;
+use super::registry::{describe, Pick};
 use super::report::OpReport;
 use super::restoring::{StreamOf, Tracker};
-use super::txn::{check_tag, describe, Pick};
+use super::txn::check_tag;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 

@@ -140,7 +140,7 @@
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
 
-// One concept per file; files import one another directly (`super::txn::Pick`), never through
+// One concept per file; files import one another directly (`super::registry::Pick`), never through
 // this facade, which only declares and re-exports.
 mod alloc;
 mod backups;
@@ -170,12 +170,12 @@ mod types;
 pub use base::Engine;
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backing, Phase, Progress, Which};
+pub use registry::{Pick, Record};
 pub use report::OpReport;
 pub use restoring::StreamOf;
 pub use segment::{segments, SEGMENT_BYTES};
 pub use stats::{OpStats, Stats, TagStats};
 pub use transfer::LaneProbe;
-pub use txn::{Pick, Record};
 pub use types::{AllocInfo, AllocRequest, Backup, BackupLease, ChunkInfo, State};
 
 #[cfg(test)]

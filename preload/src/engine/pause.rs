@@ -10,11 +10,11 @@ use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
-use super::registry::Index;
+use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::with_earlier;
 use super::segment::{self, Span};
-use super::txn::{describe, Marked, Pick, Slots, Txn};
+use super::txn::{Marked, Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
 use crate::backup::{backing_of, disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
@@ -223,13 +223,13 @@ impl Engine {
         let touched: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         jobs.retain(|j| !j.runs.is_empty());
         let mut retired = vec![(0, 0); jobs.len()];
+        let (rings, tracked) = tx.work();
         let t0 = Instant::now();
         let mut prepared_s = 0.0;
         let result = self
-            .prepare_backups(&mut jobs, cfg, tx.rings(), tag)
+            .prepare_backups(&mut jobs, cfg, rings, tag)
             .and_then(|()| {
                 prepared_s = t0.elapsed().as_secs_f64();
-                let (rings, tracked) = tx.work();
                 tracked.prepared(
                     jobs.iter().map(Job::pipeline_bytes).sum(),
                     Backing {

@@ -9,11 +9,11 @@ use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backing, Counters, Phase, Which};
-use super::registry::Index;
+use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{holds, with_earlier, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
-use super::txn::{Marked, Pick, Slots, Txn};
+use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
@@ -83,9 +83,13 @@ impl Marked for Job {
 /// The mappings a resume made: (job, run, mapping).
 type Made<'d> = Vec<(usize, usize, Mapping<'d>)>;
 
-/// What a resume's commit leaves to give back once the locks are let go.
+/// What a resume's commit did: its numbers, and what it leaves to give back once the locks are
+/// let go.
 #[derive(Default)]
-struct Leftovers {
+struct Committed {
+    tally: Tally,
+    /// Retention was on when the commit read it: backups (and staging slots) are kept.
+    retain: bool,
     /// Host backups no longer needed (no retention).
     released: Vec<Arc<HostBuffer>>,
     /// Host memory of chunks resumed without retention, in buffers their paused neighbours
@@ -162,25 +166,24 @@ impl Engine {
                 earlier.take(),
             );
         }
-        let retain = self.settings.retain();
-        let (tally, leftovers) = match self.restore_jobs(&mut tx, &cfg, pick, track, retain, jobs) {
+        let done = match self.restore_jobs(&mut tx, &cfg, pick, track, jobs) {
             Ok(done) => done,
             Err(e) => return Err(with_earlier(e, earlier)),
         };
-        let slots = if retain || cfg.keep_staging {
+        let slots = if done.retain || cfg.keep_staging {
             Slots::KeepIfUsed
         } else {
             Slots::Take
         };
-        let report = tx.end(slots, tally, |rings, progress| {
+        let report = tx.end(slots, done.tally, |rings, progress| {
             // Giving host memory back: in parallel, and without holding up anyone else. A
             // blocking resume's caller does not wait for it either (`releases.rs`); a
             // non-blocking one's thread does it after the gate opened.
             let t1 = Instant::now();
-            drop_pages(leftovers.drop_pages);
+            drop_pages(done.drop_pages);
             // A leased buffer is its holder's to free (its memory goes with the lease): only
             // our reference goes, and the release waits for no one but holders of a moment.
-            let released = self.leases.unleased(leftovers.released);
+            let released = self.leases.unleased(done.released);
             let anything = !released.is_empty() || !rings.is_empty();
             if track.is_some() && !released.is_empty() {
                 progress.phase(Phase::Releasing);
@@ -224,17 +227,18 @@ impl Engine {
         cfg: &CopyConfig,
         pick: &Pick<'_>,
         track: Option<&Tracker>,
-        retain: bool,
         jobs: Vec<Job>,
-    ) -> Result<(Tally, Leftovers)> {
+    ) -> Result<Committed> {
+        let (rings, tracked) = tx.work();
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
-        tx.tracked().prepared(
+        tracked.prepared(
             jobs.iter().map(Job::pipeline_bytes).sum(),
             Backing {
                 host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
                 disk: jobs.iter().filter(copying).any(Job::on_disk),
             },
         );
+        let progress = tracked.counters();
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
             .iter()
@@ -244,8 +248,7 @@ impl Engine {
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let (rings, tracked) = tx.work();
-        let (made, result) = self.restore_devices(&jobs, rings, cfg, tracked.counters(), track);
+        let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -269,10 +272,10 @@ impl Engine {
                 stays(&jobs)
             )));
         }
-        let done = self.commit(&jobs, made, pick, retain);
+        let done = self.commit(&jobs, made, pick);
         tx.pin_later(
             cfg,
-            retain,
+            done.retain,
             jobs.iter().filter_map(|j| Some((j.ptr, j.host.as_ref()?))),
         );
         Ok(done)
@@ -368,17 +371,14 @@ impl Engine {
     }
 
     /// Record every allocation resumed Active (or Partial) with its new handles, in one step
-    /// under the registry lock; without retention its backup is no longer a snapshot, and
-    /// what is to be given back is returned.
-    fn commit(
-        &self,
-        jobs: &[Job],
-        made: Made<'_>,
-        pick: &Pick<'_>,
-        retain: bool,
-    ) -> (Tally, Leftovers) {
-        let mut tally = Tally::default();
-        let mut left = Leftovers::default();
+    /// under the registry lock; without retention (read now) its backup is no longer a
+    /// snapshot, and what is to be given back is returned.
+    fn commit(&self, jobs: &[Job], made: Made<'_>, pick: &Pick<'_>) -> Committed {
+        let retain = self.settings.retain();
+        let mut left = Committed {
+            retain,
+            ..Committed::default()
+        };
         let mut reg = self.registry.lock();
         for (i, r, m) in made {
             let j = &jobs[i];
@@ -387,7 +387,8 @@ impl Engine {
             for (k, h) in m.commit().into_iter().enumerate() {
                 a.handles[first + k] = Some(h);
             }
-            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
+            left.tally
+                .bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
         }
         if pick.chunk_state {
             // A record is used once, by the allocations that had nothing to resume too (all
@@ -405,7 +406,7 @@ impl Engine {
             let a = reg.marked(j.ptr);
             a.state = a.settled();
             a.arriving = None;
-            tally.allocation(&j.tag);
+            left.tally.allocation(&j.tag);
             // A retained backup stays a complete snapshot (of the last pause).
             if !retain {
                 for &s in &j.segs {
@@ -422,7 +423,7 @@ impl Engine {
         }
         drop(reg);
         self.registry.notify_settled();
-        (tally, left)
+        left
     }
 
     /// Unmap and release what a failed resume made. A segment that cannot be unmapped stays
