@@ -169,7 +169,7 @@ mod types;
 
 pub use base::Engine;
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
-pub use progress::{Backing, Phase, Progress, Which};
+pub use progress::{Backings, Phase, Progress, Which};
 pub use registry::{Pick, Record};
 pub use report::OpReport;
 pub use restoring::StreamOf;

@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backing, Counters, Phase, Which};
+use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::with_earlier;
@@ -232,7 +232,7 @@ impl Engine {
                 prepared_s = t0.elapsed().as_secs_f64();
                 tracked.prepared(
                     jobs.iter().map(Job::pipeline_bytes).sum(),
-                    Backing {
+                    Backings {
                         host: jobs.iter().any(|j| j.host.is_some()),
                         disk: jobs.iter().any(Job::on_disk),
                     },

@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backing, Counters, Phase, Which};
+use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{holds, with_earlier, OpenOnDrop, Tracker};
@@ -233,7 +233,7 @@ impl Engine {
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
         tracked.prepared(
             jobs.iter().map(Job::pipeline_bytes).sum(),
-            Backing {
+            Backings {
                 host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
                 disk: jobs.iter().filter(copying).any(Job::on_disk),
             },
@@ -375,7 +375,16 @@ impl Engine {
     /// snapshot, and what is to be given back is returned.
     fn commit(&self, jobs: &[Job], made: Made<'_>, pick: &Pick<'_>) -> Committed {
         let retain = self.settings.retain();
+        let mut tally = Tally::default();
+        for &(i, r, _) in &made {
+            let j = &jobs[i];
+            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
+        }
+        for j in jobs {
+            tally.allocation(&j.tag);
+        }
         let mut left = Committed {
+            tally,
             retain,
             ..Committed::default()
         };
@@ -387,8 +396,6 @@ impl Engine {
             for (k, h) in m.commit().into_iter().enumerate() {
                 a.handles[first + k] = Some(h);
             }
-            left.tally
-                .bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
         }
         if pick.chunk_state {
             // A record is used once, by the allocations that had nothing to resume too (all
@@ -400,13 +407,10 @@ impl Engine {
                 }
             }
         }
-        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
-        self.restores.settle(jobs.iter().map(|j| j.ptr));
         for j in jobs {
             let a = reg.marked(j.ptr);
             a.state = a.settled();
             a.arriving = None;
-            left.tally.allocation(&j.tag);
             // A retained backup stays a complete snapshot (of the last pause).
             if !retain {
                 for &s in &j.segs {
@@ -421,6 +425,8 @@ impl Engine {
                 }
             }
         }
+        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
+        self.restores.settle(jobs.iter().map(|j| j.ptr));
         drop(reg);
         self.registry.notify_settled();
         left
