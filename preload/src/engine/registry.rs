@@ -336,7 +336,7 @@ pub struct Pick<'a> {
     /// Which record `chunk_state` saves or restores.
     pub record: Record,
     /// A number the caller gives the operation, reported with its progress
-    /// ([`Engine::progress`]) so that the caller can tell its own operation from another's
+    /// ([`super::Engine::progress`]) so that the caller can tell its own operation from another's
     /// (the control server's request number).
     pub label: Option<u64>,
 }
