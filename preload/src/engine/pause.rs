@@ -12,7 +12,7 @@ use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
-use super::restoring::with_earlier;
+use super::restoring::{reported_by, with_earlier};
 use super::segment::{self, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
@@ -198,13 +198,12 @@ impl Engine {
                 .filter(|p| reg.allocs.get(p).is_some_and(|a| a.stuck.is_empty()));
             self.restores.settle(clean);
         }
-        if let Some(e) = earlier {
-            return Err(e.context(format!(
-                "reported by this pause of {}, which has paused them (their memory given back)",
+        reported_by(report, earlier, || {
+            format!(
+                "this pause of {}, which has paused them (their memory given back)",
                 pick.describe()
-            )));
-        }
-        Ok(report)
+            )
+        })
     }
 
     /// The work of a pause on the jobs it marked, which go when it returns (and with them

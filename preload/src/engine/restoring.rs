@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::report::OpReport;
 use crate::driver::{DevPtr, Gate, Stream};
 use crate::error::{Error, Result};
 
@@ -380,6 +381,19 @@ pub(super) fn with_earlier(e: Error, earlier: Option<Error>) -> Error {
     match earlier {
         Some(first) => e.context(format!("{first}; then")),
         None => e,
+    }
+}
+
+/// A pause or resume that succeeded: its report, or the earlier non-blocking resume's failure it
+/// was to report, now `reported by` what `by` says.
+pub(super) fn reported_by(
+    report: OpReport,
+    earlier: Option<Error>,
+    by: impl FnOnce() -> String,
+) -> Result<OpReport> {
+    match earlier {
+        Some(e) => Err(e.context(format!("reported by {}", by()))),
+        None => Ok(report),
     }
 }
 

@@ -11,7 +11,7 @@ use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
-use super::restoring::{holds, with_earlier, OpenOnDrop, Tracker};
+use super::restoring::{holds, reported_by, with_earlier, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
@@ -208,13 +208,12 @@ impl Engine {
             report.seconds,
             report.release_seconds
         );
-        if let Some(e) = earlier {
-            return Err(e.context(format!(
-                "reported by this resume of {}, which has restored them",
+        reported_by(report, earlier, || {
+            format!(
+                "this resume of {}, which has restored them",
                 pick.describe()
-            )));
-        }
-        Ok(report)
+            )
+        })
     }
 
     /// The work of a resume on the jobs it marked, which go when it returns (and with them the
