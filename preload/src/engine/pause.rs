@@ -323,7 +323,6 @@ impl Engine {
                     j.ptr
                 );
                 j.disk = None;
-                drop(old);
             }
         }
         let fresh: Vec<usize> = (0..jobs.len())
