@@ -395,7 +395,7 @@ fn declarations(src: &str) -> (BTreeSet<String>, Vec<(usize, String)>) {
 }
 
 /// Inside `engine/`: `mod.rs` only declares the files and re-exports (it defines nothing);
-/// every file names its siblings directly (`super::pick::Pick`, never an item through its
+/// every file names its siblings directly (`super::registry::Pick`, never an item through its
 /// parent: `super::Pick`), in `engine/` and in its subfolders alike (`pipeline/worker.rs` names
 /// `super::shared::Shared`, not an item of `pipeline.rs`); and the files' `super::<file>` edges
 /// have no cycle. `files` are (path under `engine/`, source).

@@ -1,6 +1,5 @@
 //! Allocating and freeing pauseable memory (the hooks' side of the engine).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use super::base::Engine;
@@ -31,7 +30,7 @@ impl Engine {
     }
 
     pub(super) fn alloc_impl(&self, req: &AllocRequest, pauseable: bool) -> Result<DevPtr> {
-        self.check_sound()?;
+        self.ops.check_sound()?;
         let what = || {
             format!(
                 "allocating {} ({} bytes) on device {} for tag {:?}",
@@ -66,7 +65,7 @@ impl Engine {
             ))
             .context(what()));
         }
-        let margin = self.memory_margin();
+        let margin = self.settings.margin();
         if margin > 0 {
             let info = self.driver.mem_info(req.device).ctx(what)?;
             if info.free < mapped.saturating_add(margin) {
@@ -83,7 +82,7 @@ impl Engine {
         let _scope = DeviceScope::enter(d, req.device).ctx(what)?;
         let ptr = d.reserve(req.device, mapped).ctx(what)?;
         let segment = match req.chunk {
-            0 => self.segment.load(Ordering::Relaxed).max(g),
+            0 => self.settings.segment().max(g),
             c => c,
         };
         let mut m = Mapping::new(
@@ -102,7 +101,7 @@ impl Engine {
             }
             return Err(e.context(what()));
         }
-        let mut reg = self.reg.lock();
+        let mut reg = self.registry.lock();
         reg.backed += usize::from(req.backup.is_some());
         reg.allocs.insert(
             ptr,
@@ -127,47 +126,32 @@ impl Engine {
             },
         );
         // Under the registry lock, so no pause can see the allocation but not its tag.
-        self.remember_tag(&req.tag);
+        self.registry.remember_tag(&req.tag);
         drop(reg);
         tracing::debug!("alloc {ptr:#x} {} tag {:?}", req.size, req.tag);
         Ok(ptr)
     }
 
-    pub(super) fn remember_tag(&self, tag: &str) {
-        let mut seen = self.tags_seen.lock();
-        if !seen.contains(tag) {
-            seen.insert(tag.into());
-        }
-    }
-
     /// True if some allocation of this engine (pauseable or not, alive or freed since) ever had
     /// `tag`. A pause or resume of a tag never seen changes nothing: a typo, perhaps.
     pub fn tag_known(&self, tag: &str) -> bool {
-        self.tags_seen.lock().contains(tag)
-    }
-
-    /// Log at debug level a pause or resume of a tag no allocation ever had (it is a quiet
-    /// success, like one of a tag whose allocations are all freed).
-    pub(super) fn note_unknown_tag(&self, what: &str, tag: Option<&str>) {
-        if let Some(t) = tag.filter(|t| !self.tag_known(t)) {
-            tracing::debug!("{what} of tag {t:?}: no allocation ever had this tag; nothing to do");
-        }
+        self.registry.tag_known(tag)
     }
 
     /// True if `ptr` is the start of a pauseable allocation.
     pub fn owns(&self, ptr: DevPtr) -> bool {
-        self.reg.lock().allocs.contains_key(&ptr)
+        self.registry.lock().allocs.contains_key(&ptr)
     }
 
     /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours. Waits
     /// while a pause or resume is changing this very allocation, never for other work.
     pub fn free(&self, ptr: DevPtr) -> Result<bool> {
         let mut a = {
-            let mut reg = self.reg.lock();
+            let mut reg = self.registry.lock();
             loop {
                 match reg.allocs.get(&ptr) {
                     None => return Ok(false),
-                    Some(a) if a.in_transition() => self.settled.wait(&mut reg),
+                    Some(a) if a.in_transition() => self.registry.wait_settled(&mut reg),
                     Some(_) => break,
                 }
             }
@@ -204,20 +188,19 @@ impl Engine {
                 let e = e.context(what());
                 let mut a = a;
                 a.stuck = stuck;
-                self.reg.lock().allocs.insert(ptr, a);
+                self.registry.lock().allocs.insert(ptr, a);
                 return Err(e);
             }
         };
         // Gone for the caller from here on.
         if a.backup.is_some() {
             let last = {
-                let mut reg = self.reg.lock();
+                let mut reg = self.registry.lock();
                 reg.backed -= 1;
                 reg.backed == 0
             };
-            // A pause or resume running now drops them itself when it ends.
-            if let Some(mut ops) = self.ops.try_lock().filter(|_| last) {
-                self.drop_unused_rings(&mut ops.rings);
+            if last {
+                self.ops.drop_unused_slots(&self.registry);
             }
         }
         if !segs.is_empty() {
@@ -229,8 +212,47 @@ impl Engine {
             }
         }
         d.free_range(ptr, a.mapped).ctx(what)?;
-        self.settle_unrestored(std::iter::once(ptr));
+        self.restores.settle(std::iter::once(ptr));
         tracing::debug!("free {ptr:#x}");
         Ok(true)
+    }
+
+    /// The device's granularity, asked once and kept in the registry.
+    fn granularity(&self, device: i32) -> Result<u64> {
+        if let Some(g) = self.registry.lock().granularity.get(&device) {
+            return Ok(*g);
+        }
+        let g = self.driver.granularity(device)?;
+        if g == 0 || !g.is_power_of_two() {
+            return Err(Error::invalid_state(format!(
+                "device {device} reports granularity {g}"
+            )));
+        }
+        self.registry.lock().granularity.insert(device, g);
+        Ok(g)
+    }
+
+    /// Refuse a chunk size that is not a multiple of the current device's granularity.
+    pub fn check_chunk_size(&self, chunk: u64) -> Result<()> {
+        let device = self.driver.current_device()?;
+        let g = self.granularity(device)?;
+        if chunk == 0 || chunk % g != 0 {
+            return Err(Error::invalid_argument(format!(
+                "chunk size {chunk} bytes: expected a positive multiple of device {device}'s \
+                 granularity ({g} bytes)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_device(&self, device: i32) -> Result<()> {
+        let n = self.driver.device_count()?;
+        if device < 0 || device >= n {
+            return Err(Error::invalid_argument(format!(
+                "device {device} does not exist ({} has {n})",
+                self.driver.name()
+            )));
+        }
+        Ok(())
     }
 }

@@ -1,69 +1,40 @@
-//! The engine object: its fields (each lock is in Note [Locks] in `mod.rs`), construction and
-//! teardown. Its operations live in the files named after them.
+//! The engine object: the owners of its state (each lock is in Note [Locks] in `mod.rs`),
+//! construction, teardown, and the public face of its settings. Its operations live in the
+//! files named after them.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
-use parking_lot::{Condvar, Mutex};
-
-use super::pinner::Pinner;
-use super::pipeline::{CopyConfig, Ring};
-use super::progress;
+use super::leases::Leases;
+use super::pipeline::CopyConfig;
 use super::registry::Registry;
-use super::segment::SEGMENT_BYTES;
-use crate::backup::HostBuffer;
+use super::restoring::Restores;
+use super::settings::Settings;
+use super::txn::Ops;
+use crate::backup::disk::BackupDir;
 use crate::driver::{DevPtr, Driver};
-use crate::error::{Error, Result};
-
-/// Pauses and resumes, one at a time; and what they keep between calls.
-#[derive(Default)]
-pub(super) struct Ops {
-    /// Each device's staging slots.
-    pub(super) rings: BTreeMap<i32, Ring>,
-}
+use crate::error::Result;
 
 /// The registry of pauseable allocations over one driver. Thread-safe.
 pub struct Engine {
     pub(super) driver: Arc<dyn Driver>,
-    pub(super) reg: Mutex<Registry>,
-    /// Notified whenever an allocation leaves a transition (see [`Engine::free`]).
-    pub(super) settled: Condvar,
-    pub(super) ops: Mutex<Ops>,
-    pub(super) retain: AtomicBool,
-    pub(super) margin: AtomicU64,
-    pub(super) segment: AtomicU64,
-    pub(super) copy: Mutex<CopyConfig>,
-    pub(super) pinner: Arc<Pinner>,
-    /// Every tag an allocation ever had (never cleared), for [`Engine::tag_known`]. A lock of
-    /// its own, and a leaf (nothing is taken while it is held), so asking never waits for a
-    /// pause.
-    pub(super) tags_seen: Mutex<HashSet<Box<str>>>,
-    /// Directory of new disk backup files (`None`: `disk_default`).
-    pub(super) disk_dir: Mutex<Option<Arc<crate::backup::disk::BackupDir>>>,
-    /// The default one (`TMS_DISK_BACKUP_DIR`; `None`: the system's temporary directory, resolved
-    /// and kept here on first use).
-    pub(super) disk_default: Mutex<Option<Arc<crate::backup::disk::BackupDir>>>,
-    /// Backups handed out by [`Engine::acquire_cpu_backup`], by lease number.
-    pub(super) leases: Mutex<HashMap<u64, Arc<HostBuffer>>>,
-    pub(super) next_lease: AtomicU64,
-    /// The running pause or resume, for those who watch it ([`Engine::progress`]).
-    pub(super) progress: progress::Tracker,
-    /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
-    /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
-    /// with this message instead of acting on it.
-    pub(super) broken: Mutex<Option<String>>,
+    /// The allocations (`registry.rs`).
+    pub(super) registry: Registry,
+    /// What pauses and resumes share: the operations lock and the staging slots, progress,
+    /// the background pinner and releases, soundness (`txn.rs`).
+    pub(super) ops: Ops,
+    /// Segment size, copy configuration, retention, margin, disk folders (`settings.rs`).
+    pub(super) settings: Settings,
+    /// Backups handed out to callers (`leases.rs`).
+    pub(super) leases: Leases,
+    /// Non-blocking resumes in flight, and those that failed after returning
+    /// (`restoring.rs`).
+    pub(super) restores: Restores,
     /// The one device allocations were asked on so far ([`NO_DEVICE`] before the first,
     /// [`SEVERAL_DEVICES`] once a second shows up): what log lines name, read without a lock
     /// since a line may be written with any of the engine's held.
-    pub(super) device: AtomicI32,
-    /// Non-blocking resumes not known to be finished (Note [Non-blocking resume]); a leaf lock.
-    pub(super) inflight: Mutex<Vec<Arc<super::restoring::Tracker>>>,
-    /// Non-blocking resumes that failed after they returned, with the allocations they left
-    /// unrestored (Note [Non-blocking resume]); a leaf lock.
-    pub(super) failed: Mutex<Vec<super::restoring::FailedRestore>>,
-    /// Host memory being given back after resumes returned (`releases.rs`).
-    pub(super) releases: Arc<super::releases::Releases>,
+    device: AtomicI32,
 }
 
 /// `Engine::device` before any allocation.
@@ -76,25 +47,12 @@ impl Engine {
     pub fn new(driver: Arc<dyn Driver>) -> Self {
         Engine {
             driver,
-            reg: Mutex::new(Registry::default()),
-            settled: Condvar::new(),
-            ops: Mutex::default(),
-            retain: AtomicBool::new(false),
-            margin: AtomicU64::new(0),
-            segment: AtomicU64::new(SEGMENT_BYTES),
-            copy: Mutex::new(CopyConfig::default()),
-            pinner: Arc::default(),
-            tags_seen: Mutex::default(),
-            disk_dir: Mutex::default(),
-            disk_default: Mutex::default(),
-            leases: Mutex::default(),
-            next_lease: AtomicU64::new(1),
-            progress: progress::Tracker::default(),
-            broken: Mutex::new(None),
+            registry: Registry::default(),
+            ops: Ops::default(),
+            settings: Settings::default(),
+            leases: Leases::default(),
+            restores: Restores::default(),
             device: AtomicI32::new(NO_DEVICE),
-            inflight: Mutex::default(),
-            failed: Mutex::default(),
-            releases: Arc::default(),
         }
     }
 
@@ -119,32 +77,90 @@ impl Engine {
         }
     }
 
-    /// Refuse to act after a panic unwound through a pause or resume.
-    pub(super) fn check_sound(&self) -> Result<()> {
-        match &*self.broken.lock() {
-            Some(m) => Err(Error::invalid_state(m.clone())),
-            None => Ok(()),
-        }
-    }
-
     /// The driver underneath.
     pub fn driver(&self) -> &Arc<dyn Driver> {
         &self.driver
     }
+}
 
-    /// The staging slots go with the last allocation that could need them.
-    pub(super) fn drop_unused_rings(&self, rings: &mut BTreeMap<i32, Ring>) {
-        if self.reg.lock().backed == 0 {
-            rings.clear();
-        }
+/// The settings' public face (`settings.rs` keeps them).
+impl Engine {
+    /// Map allocations made from now on in physical segments of at most `bytes` (a power of
+    /// two; the granularity where it is larger). [`super::SEGMENT_BYTES`] by default; tests use small
+    /// segments to exercise the multi-segment paths.
+    pub fn set_segment_bytes(&self, bytes: u64) -> Result<()> {
+        self.settings.set_segment(bytes)
+    }
+
+    /// The segment size set by [`Engine::set_segment_bytes`].
+    pub fn segment_bytes(&self) -> u64 {
+        self.settings.segment()
+    }
+
+    /// Set how backups are copied (used from the next pause or resume on).
+    pub fn set_copy_config(&self, c: CopyConfig) -> Result<()> {
+        self.settings.set_copy(c)
+    }
+
+    /// How backups are copied.
+    pub fn copy_config(&self) -> CopyConfig {
+        self.settings.copy()
+    }
+
+    /// Page-locked bytes held in staging slots.
+    pub fn staging_bytes(&self) -> u64 {
+        self.ops.staging_bytes()
+    }
+
+    /// Keep host backups across resume so the next pause reuses them (consulted at resume).
+    pub fn set_retain_cpu_backup(&self, on: bool) {
+        self.settings.set_retain(on);
+    }
+
+    /// Whether host backups are kept across resume.
+    pub fn retain_cpu_backup(&self) -> bool {
+        self.settings.retain()
+    }
+
+    /// Put the files of disk backups made from now on in `dir` (`None`: back to the default, see
+    /// [`Engine::set_default_disk_backup_dir`]). A relative path is made absolute now, against
+    /// the current folder, so a later `chdir` does not move the files; the folder is created now
+    /// if it is missing (mode 0700), and found again by its path at each new file, so one
+    /// replaced later is used (Note [The disk backup folder]). Files made before stay where
+    /// they are.
+    pub fn set_disk_backup_dir(&self, dir: Option<PathBuf>) -> Result<()> {
+        self.settings.set_disk_dir(dir)
+    }
+
+    /// Make `dir` the default directory of disk backup files (`TMS_DISK_BACKUP_DIR`; `None`: the
+    /// system's temporary directory), and the current one. Made absolute now like
+    /// [`Engine::set_disk_backup_dir`]'s, but created only when first needed: a job may make
+    /// (or wipe and make again) the folder after the library started.
+    pub fn set_default_disk_backup_dir(&self, dir: Option<PathBuf>) -> Result<()> {
+        self.settings.set_default_disk_dir(dir)
+    }
+
+    /// Where new disk backup files go.
+    pub fn disk_backup_dir(&self) -> Result<Arc<BackupDir>> {
+        self.settings.disk_dir()
+    }
+
+    /// Refuse (with out-of-memory) allocations that would leave fewer than `bytes` free.
+    pub fn set_memory_margin(&self, bytes: u64) {
+        self.settings.set_margin(bytes);
+    }
+
+    /// The memory margin in bytes.
+    pub fn memory_margin(&self) -> u64 {
+        self.settings.margin()
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
         // What resumes are still giving back goes with the engine too (`releases.rs`).
-        self.releases.wait();
-        let addrs: Vec<DevPtr> = self.reg.lock().allocs.keys().copied().collect();
+        self.ops.wait_released();
+        let addrs: Vec<DevPtr> = self.registry.lock().allocs.keys().copied().collect();
         for p in addrs {
             if let Err(e) = self.free(p) {
                 tracing::error!("engine teardown: {e}");

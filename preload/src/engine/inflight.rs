@@ -24,7 +24,7 @@
 //!   A copy that fails after the call returned cannot be undone by unmapping: the caller's
 //!   kernels may be queued behind the gate. So the mappings stay (their handles released, the
 //!   segments recorded *stuck*), the allocations stay Paused with their backups intact, the
-//!   gate opens, and the error is kept with the allocations it left unrestored ([`FailedRestore`]):
+//!   gate opens, and the error is kept with the allocations it left unrestored (`Restores`):
 //!   a wait for any of them raises it, every time, until each is paused (which unmaps and gives
 //!   back its memory), resumed (which restores it) or freed; the first of those to act on them
 //!   raises it too if no wait did. Other allocations and tags are not concerned: their pauses,
@@ -56,9 +56,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::base::Engine;
-use super::pick::{describe, Pick};
+use super::registry::{describe, Pick};
 use super::report::OpReport;
-use super::restoring::{FailedRestore, StreamOf, Tracker};
+use super::restoring::{StreamOf, Tracker};
+use super::txn::check_tag;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 
@@ -94,7 +95,7 @@ impl Engine {
     {
         let t0 = Instant::now();
         let e: &Engine = &engine;
-        super::pick::check_tag(tag)?;
+        check_tag(tag)?;
         let pick = |tag| labeled(tag, label);
         let what = format!("resume of {}", describe(tag));
         let gate = match e.driver.gate() {
@@ -105,7 +106,7 @@ impl Engine {
             }
         };
         let tracker = Arc::new(Tracker::new(gate, what.clone()));
-        e.inflight.lock().push(tracker.clone());
+        e.restores.track(tracker.clone());
         let (t, owned_tag, owned_order) = (tracker.clone(), tag.map(str::to_owned), order.to_vec());
         let eng = engine.clone();
         let run = move || {
@@ -129,10 +130,10 @@ impl Engine {
                 tracing::error!("{}: {err}", t.what());
             }
             t.finish(r);
-            eng.inflight.lock().retain(|x| !x.finished());
+            eng.restores.forget_finished();
         };
         if !crate::threads::spawn("tms-resume", run) {
-            e.inflight.lock().retain(|x| !Arc::ptr_eq(x, &tracker));
+            e.restores.untrack(&tracker);
             tracing::warn!("{what}: no thread for it; resuming before returning");
             return e.resume_ordered(&pick(tag), order, None);
         }
@@ -174,18 +175,17 @@ impl Engine {
     /// for any of them is its error, every time, until they are paused, resumed or freed.
     pub fn wait_restored(&self, ptr: Option<DevPtr>, timeout: Option<Duration>) -> Result<bool> {
         let until = timeout.map(|t| Instant::now() + t);
-        let trackers: Vec<Arc<Tracker>> = self.inflight.lock().clone();
-        for t in trackers {
+        for t in self.restores.trackers() {
             match t.wait(ptr, until) {
                 Ok(true) => {}
                 Ok(false) => return Ok(false),
                 Err(e) => {
-                    self.unrestored_error(ptr);
+                    self.restores.failure_at(ptr);
                     return Err(e);
                 }
             }
         }
-        match self.unrestored_error(ptr) {
+        match self.restores.failure_at(ptr) {
             Some(e) => Err(e),
             None => Ok(true),
         }
@@ -195,8 +195,7 @@ impl Engine {
     /// (every allocation, if `None`) is restored by the non-blocking resumes in flight. Nothing
     /// to wait for: nothing is queued. Where the stream cannot wait, the host waits instead.
     pub fn stream_wait_restored(&self, ptr: Option<DevPtr>, on: StreamOf) -> Result<()> {
-        let trackers: Vec<Arc<Tracker>> = self.inflight.lock().clone();
-        for t in trackers {
+        for t in self.restores.trackers() {
             if let Some(v) = t.target(ptr) {
                 if let Err(err) = self
                     .driver
@@ -207,7 +206,7 @@ impl Engine {
                 }
             }
         }
-        match self.unrestored_error(ptr) {
+        match self.restores.failure_at(ptr) {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -216,73 +215,12 @@ impl Engine {
     /// Wait until the host memory that resumes are giving back after they returned is gone
     /// (`releases.rs`); how long that took (zero if nothing was being given back).
     pub fn wait_released(&self) -> Duration {
-        self.releases.wait()
+        self.ops.wait_released()
     }
 
     /// Whether a non-blocking resume that returned is still restoring data.
     pub fn restoring(&self) -> bool {
-        self.inflight.lock().iter().any(|t| t.restoring())
-    }
-
-    /// Keep the failure of a non-blocking resume after its caller returned with the
-    /// allocations (address, size) it left unrestored.
-    pub(super) fn record_unrestored(&self, e: &Error, allocs: impl Iterator<Item = (DevPtr, u64)>) {
-        self.failed.lock().push(FailedRestore {
-            error: e.duplicate(),
-            allocs: allocs.collect(),
-            reported: false,
-        });
-    }
-
-    /// The kept failure concerning the allocation holding `ptr` (any, if `None`), now reported.
-    fn unrestored_error(&self, ptr: Option<DevPtr>) -> Option<Error> {
-        let mut failed = self.failed.lock();
-        let f = failed.iter_mut().find(|f| f.holds(ptr))?;
-        f.reported = true;
-        Some(f.error.duplicate())
-    }
-
-    /// A pause or resume is to act on the allocations at `ptrs`: the first kept failure
-    /// concerning them that nothing reported yet, now reported (the operation acts, then
-    /// raises it: the program ran work on contents that never landed, and must learn it).
-    pub(super) fn report_unrestored(&self, ptrs: impl Iterator<Item = DevPtr>) -> Option<Error> {
-        let mut failed = self.failed.lock();
-        if failed.is_empty() {
-            return None;
-        }
-        let mut out: Option<Error> = None;
-        for p in ptrs {
-            for f in failed.iter_mut().filter(|f| !f.reported) {
-                if f.allocs.contains_key(&p) {
-                    f.reported = true;
-                    out.get_or_insert_with(|| f.error.duplicate());
-                }
-            }
-        }
-        out
-    }
-
-    /// The allocations at `ptrs` were paused, resumed or freed: no longer unrestored.
-    pub(super) fn settle_unrestored(&self, ptrs: impl Iterator<Item = DevPtr>) {
-        let mut failed = self.failed.lock();
-        if failed.is_empty() {
-            return;
-        }
-        for p in ptrs {
-            for f in failed.iter_mut() {
-                f.allocs.remove(&p);
-            }
-        }
-        failed.retain(|f| !f.allocs.is_empty());
-    }
-
-    /// Each kept failure's message, with the addresses of the allocations it concerns.
-    pub(super) fn unrestored(&self) -> Vec<(String, Vec<DevPtr>)> {
-        self.failed
-            .lock()
-            .iter()
-            .map(|f| (f.error.to_string(), f.allocs.keys().copied().collect()))
-            .collect()
+        self.restores.restoring()
     }
 }
 

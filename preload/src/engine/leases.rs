@@ -1,98 +1,52 @@
-//! Host backups handed to callers: copies, unguarded views, and leases that keep a snapshot
-//! alive and unchanged (Note [Pause and resume as transactions], *Backups*).
+//! The leases of host backups handed to callers (`Engine::acquire_cpu_backup` in
+//! `backups.rs`): each keeps its snapshot alive and unchanged until it ends.
 
-use std::sync::atomic::Ordering;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::base::Engine;
-use super::types::BackupLease;
-use crate::backup::{BackupKind, HostBuffer};
-use crate::driver::DevPtr;
-use crate::error::{Error, Result};
+use parking_lot::Mutex;
 
-/// How long handing out a retained pinned backup waits for its background page-locking.
-const PIN_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+use crate::backup::HostBuffer;
 
-impl Engine {
-    /// Copy the host backup covering `[addr, addr+dst.len())` into `dst`. `Ok(false)` when there
-    /// is no complete snapshot (no backup asked; active with the backup released; a pause
-    /// writing it, or one that failed).
-    pub fn copy_cpu_backup(&self, addr: DevPtr, dst: &mut [u8]) -> Result<bool> {
-        // Holding a reference keeps a pause from writing into this buffer meanwhile.
-        let Some((off, host)) = self.snapshot_at(addr, dst.len() as u64)? else {
-            return Ok(false);
-        };
-        dst.copy_from_slice(&host.as_slice()[off..off + dst.len()]);
-        Ok(true)
-    }
+/// The backups handed out by `Engine::acquire_cpu_backup`, by lease number; a leaf lock.
+pub(super) struct Leases {
+    held: Mutex<HashMap<u64, Arc<HostBuffer>>>,
+    next: AtomicU64,
+}
 
-    /// Address of the host backup covering `[addr, addr+len)`, or `None` (see
-    /// [`Engine::copy_cpu_backup`]). Unguarded: the bytes change with the next pause and go with
-    /// a resume without retention or a free. [`Engine::acquire_cpu_backup`] is the safe form.
-    pub fn cpu_backup_ptr(&self, addr: DevPtr, len: u64) -> Result<Option<*const u8>> {
-        Ok(self
-            .snapshot_at(addr, len)?
-            .map(|(off, h)| h.as_ptr().wrapping_add(off)))
-    }
-
-    /// The complete snapshot covering `[addr, addr+len)` and the offset into it, or `None`.
-    pub(super) fn snapshot_at(
-        &self,
-        addr: DevPtr,
-        len: u64,
-    ) -> Result<Option<(usize, Arc<HostBuffer>)>> {
-        let reg = self.reg.lock();
-        let (start, a) = reg.containing(addr, len)?;
-        // containing() proved addr-start+len <= size == host.len().
-        Ok(a.snapshot(addr - start, len)
-            .map(|h| ((addr - start) as usize, h.clone())))
-    }
-
-    /// Hand out the host backup covering `[addr, addr+len)` (a complete snapshot, see
-    /// [`Engine::copy_cpu_backup`]), or `None`. Until [`Engine::release_cpu_backup`] the bytes
-    /// stay mapped and unchanged: a pause writes a new buffer instead, and a resume without
-    /// retention or a free leaves this one to the lease. A retained pinned backup is handed out
-    /// once its background page-locking has finished (bounded by `PIN_WAIT`).
-    pub fn acquire_cpu_backup(&self, addr: DevPtr, len: u64) -> Result<Option<BackupLease>> {
-        let Some((off, host)) = self.snapshot_at(addr, len)? else {
-            return Ok(None);
-        };
-        if host.backend() == BackupKind::Pinned
-            && self.retain_cpu_backup()
-            && host.pinned_bytes() < host.len()
-        {
-            // A view of a retained pinned backup is page-locked memory, as the existing
-            // library's is (callers copy from it asynchronously, or ask the driver about it):
-            // let the page-locking queued for it finish first. Bounded: the pinner is ours.
-            if !self.pinner.wait_idle(PIN_WAIT) {
-                tracing::warn!(
-                    "page-locking the backup of {addr:#x} did not finish within {PIN_WAIT:?}; \
-                     handing it out pageable"
-                );
-            }
-        }
-        let ptr = host.as_ptr().wrapping_add(off);
-        let lease = self.next_lease.fetch_add(1, Ordering::Relaxed);
-        self.leases.lock().insert(lease, host);
-        Ok(Some(BackupLease { ptr, lease }))
-    }
-
-    /// End a lease from [`Engine::acquire_cpu_backup`]; the buffer goes if nothing else holds it.
-    pub fn release_cpu_backup(&self, lease: u64) -> Result<()> {
-        let host = self.leases.lock().remove(&lease);
-        match host {
-            Some(h) => {
-                drop(h);
-                Ok(())
-            }
-            None => Err(Error::not_found(format!(
-                "CPU backup lease {lease} is not held (released already?)"
-            ))),
+impl Default for Leases {
+    fn default() -> Self {
+        Leases {
+            held: Mutex::default(),
+            next: AtomicU64::new(1),
         }
     }
+}
 
-    /// CPU backup leases not yet released.
-    pub fn cpu_backup_leases(&self) -> usize {
-        self.leases.lock().len()
+impl Leases {
+    /// Hand `host` out; the number of its lease.
+    pub fn hand_out(&self, host: Arc<HostBuffer>) -> u64 {
+        let lease = self.next.fetch_add(1, Ordering::Relaxed);
+        self.held.lock().insert(lease, host);
+        lease
+    }
+
+    /// End a lease; its buffer (dropped by the caller, after the lock is let go).
+    pub fn end(&self, lease: u64) -> Option<Arc<HostBuffer>> {
+        self.held.lock().remove(&lease)
+    }
+
+    /// Leases not yet ended.
+    pub fn count(&self) -> usize {
+        self.held.lock().len()
+    }
+
+    /// Of `bufs`, those no lease holds: a leased buffer is its holder's to free.
+    pub fn unleased(&self, bufs: Vec<Arc<HostBuffer>>) -> Vec<Arc<HostBuffer>> {
+        let held = self.held.lock();
+        bufs.into_iter()
+            .filter(|b| !held.values().any(|l| Arc::ptr_eq(l, b)))
+            .collect()
     }
 }

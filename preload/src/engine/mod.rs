@@ -13,8 +13,8 @@
 //! entries, never across a driver call, a copy or a wait, so the hooks' questions (is this
 //! pointer ours? a new allocation, a free of someone else's memory) never wait for a pause: a
 //! thread the GPU's work depends on (a host callback, a proxy thread) keeps running while a pause
-//! synchronizes the device. Pauses and resumes run one at a time (the `ops` lock, which also
-//! holds the staging slots); the hooks never take it.
+//! synchronizes the device. Pauses and resumes run one at a time (the operations lock,
+//! `Ops::slots` in `txn.rs`, which also holds the staging slots); the hooks never wait for it.
 //!
 //! *Pause* marks the tag's active allocations Pausing and works on a copy of what it needs:
 //! backups are prepared (after checking the host can hold them: backups are touched only while
@@ -76,41 +76,53 @@
 //! # Note [Locks]
 //!
 //! Every lock of the library (all `parking_lot` unless said), what it guards, who takes it,
-//! what may be taken while it is held, and what is never done under it. Lock order: `ops` before
-//! `reg`; every other lock is a leaf (nothing else is taken while it is held), except where said.
+//! what may be taken while it is held, and what is never done under it. The engine's locks
+//! belong to the owners of its state (`base.rs`: `Engine::ops`, `registry`, `settings`,
+//! `leases`, `restores`). Lock order: the operations lock before the registry lock; every other
+//! lock is a leaf (nothing else is taken while it is held), except where said.
 //!
-//! - `Engine::ops` (the operations lock): serializes pauses, resumes (`pause.rs`, `resume.rs`)
-//!   and the tools' copies (`with_active`), and owns the staging slots (`Ops::rings`;
-//!   `staging_bytes` reads them). Held for a whole transaction, across driver calls, copies,
-//!   file I/O and device synchronizations. Under it: `reg` (briefly), `progress`'s lock,
-//!   `disk_dir`/`disk_default`, a `BackupDir`'s `files`, the pipeline's locks. The hooks
-//!   (`alloc`, `free`, `owns`) and `stats` never take it. Never taken while holding `reg`. A
-//!   pause or resume enters the pinner's quiet state before taking it.
-//! - `Engine::reg` (the registry lock, with the `settled` condvar): the index of allocations
-//!   (`registry.rs`). Taken briefly by everyone: the hooks, transactions to mark and settle
-//!   allocations, `Settle` (`txn.rs`), `stats`, `free` (which waits on `settled` for an allocation in
-//!   transition). Under it: `tags_seen` only. Never held across a driver call, a copy, file I/O
-//!   or a wait other than `settled`'s, and never while taking `ops`: a thread the device's work
-//!   waits for may be in `cudaFree` while a pause synchronizes the device.
-//! - `Engine::tags_seen`, `copy`, `leases`, `broken`, `disk_dir`, `disk_default`: leaves, each
-//!   guarding its field. A buffer leaving `leases` is dropped after the lock is let go.
-//! - `Tracker::current` (`progress.rs`): the running operation; set and cleared by the
-//!   transaction (under `ops`), read by `progress` watchers. A leaf; never taken with `reg`.
-//! - `Engine::inflight` (the non-blocking resumes not known finished): a leaf, except that it
-//!   may be held while asking each tracker whether it is finished. `Engine::failed` (those that
-//!   failed after returning, with the allocations they left unrestored): a leaf, taken under
-//!   `reg` where it changes with the registry (`keep_mapped`, the commit, the pause's end,
-//!   `stats`), so that the two are seen together. A tracker's `st` (`restoring.rs`, with the
-//!   `cv` condvar) is taken under `inflight` or alone, never the other way round, and may take
-//!   `reg` briefly (an allocation landed: shown so before its waiters are told); callers wait on
-//!   `cv` for the mapping or for data to land, with no other lock held. The resume's own thread
-//!   updates it from the pipeline's callbacks (under `ops`).
+//! - `Ops::slots` (`txn.rs`; the operations lock): serializes pauses and resumes (taken by
+//!   `Txn::begin`, let go by `Txn::end` or the transaction's drop) and the tools' copies
+//!   (`with_active`, through `Ops::exclusive`), and holds each device's staging slots
+//!   (`staging_bytes` reads them). Held for a whole transaction, across driver calls, copies,
+//!   file I/O and device synchronizations. Under it: the registry lock (briefly), the progress
+//!   record's lock, `Restores::failed`, a tracker's `st`, the pinner's `queue` (to hand it
+//!   work), the settings' leaves, a `BackupDir`'s `files`, the pipeline's locks. `alloc`,
+//!   `owns` and `stats` never take it; `free` only tries it, without waiting and with no other
+//!   lock held, to drop the staging slots with the last allocation that has a backup
+//!   (`Ops::drop_unused_slots`). Never taken while holding the registry lock. A pause or resume
+//!   waits for the releases and enters the pinner's quiet state before taking it.
+//! - `Registry::index` (`registry.rs`; the registry lock, with the `settled` condvar): the
+//!   index of allocations. Taken briefly by everyone: the hooks, transactions to mark and settle
+//!   allocations, `Settle` (`txn.rs`), `stats`, `free` (which waits on `settled` for an
+//!   allocation in transition). Under it: `Registry::tags` and `Restores::failed`, nothing
+//!   else. Never held across a driver call, a copy, file I/O or a wait other than `settled`'s,
+//!   and never while taking the operations lock: a thread the device's work waits for may be in
+//!   `cudaFree` while a pause synchronizes the device.
+//! - `Registry::tags`, `Ops::broken`, `Leases::held`, and the settings' `copy`, `disk_dir` and
+//!   `disk_default` (`settings.rs`): leaves, each guarding its field. A buffer leaving `held`
+//!   is dropped after the lock is let go.
+//! - `Tracker::current` (`progress.rs`): the running operation; set by `Txn::begin` under the
+//!   operations lock and cleared when the transaction's progress record goes, at its very end,
+//!   after that lock is let go; read by `progress` watchers. A leaf; never taken with the
+//!   registry lock.
+//! - `Restores::inflight` (`restoring.rs`; the non-blocking resumes not known finished): a leaf,
+//!   except that it may be held while asking each tracker whether it is finished.
+//!   `Restores::failed` (those that failed after returning, with the allocations they left
+//!   unrestored): a leaf, taken under the registry lock where the two change together
+//!   (`keep_mapped`, the commit, the pause's end; `stats` reads both), so that they are seen
+//!   together. A tracker's `st` (`restoring.rs`, with the `cv` condvar) is taken under
+//!   `inflight` or alone, never the other way round, and may take the registry lock briefly (an
+//!   allocation landed: shown so before its waiters are told); callers wait on `cv` for the
+//!   mapping or for data to land, with no other lock held. The resume's own thread updates it
+//!   from the pipeline's callbacks (under the operations lock).
 //! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
 //! - The copy pipeline's `Ready::gate` (with `wake`; `std`'s, for loom: `pipeline/ready.rs`),
 //!   `error` (`pipeline.rs`) and each worker's lane of staging slots (`pipeline/worker.rs`), and
-//!   the job slots of `per_device`: each lives for one pipeline or one call, under `ops`. `gate`
+//!   the job slots of `per_device`: each lives for one pipeline or one call, under the
+//!   operations lock. `gate`
 //!   and `error` are leaves held for a store or a wait; a lane is held by its one worker for the
 //!   whole run, and a job slot by the thread that runs its job, driver calls and copies included
 //!   (nobody else ever wants them).
@@ -135,20 +147,21 @@
 //!   synchronizations wait on it, with no other of the driver's locks held, before they start,
 //!   and stream waits until none of those runs (Note [Non-blocking resume]).
 //! - `Releases::pending` (`releases.rs`, with `done`): the host memory being given back after
-//!   resumes returned. A leaf; transactions wait on `done` before they take anything.
+//!   resumes returned. A leaf; a transaction waits on `done` in its prologue, before it enters
+//!   the pinner's quiet state or takes the operations lock.
 //! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
 
-// One concept per file; files import one another directly (`super::pick::Pick`), never through
-// this facade, which only declares and re-exports.
+// One concept per file; files import one another directly (`super::registry::Pick`), never
+// through this facade, which only declares and re-exports.
 mod alloc;
+mod backups;
 mod base;
 mod devices;
 mod inflight;
 mod leases;
 mod pause;
-mod pick;
 mod pinner;
 mod pipeline;
 mod progress;
@@ -168,9 +181,9 @@ mod txn;
 mod types;
 
 pub use base::Engine;
-pub use pick::{Pick, Record};
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
-pub use progress::{Backing, Phase, Progress, Which};
+pub use progress::{Backings, Phase, Progress, Which};
+pub use registry::{Pick, Record};
 pub use report::OpReport;
 pub use restoring::StreamOf;
 pub use segment::{segments, SEGMENT_BYTES};

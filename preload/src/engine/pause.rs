@@ -4,14 +4,15 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Instant;
 
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
-use super::pick::{describe, Pick};
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backing, Counters, Phase, Which};
-use super::registry::Registry;
+use super::progress::{Backings, Counters, Phase, Which};
+use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
+use super::restoring::{reported_by, with_earlier};
 use super::segment::{self, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
@@ -126,6 +127,22 @@ impl Marked for Job {
     }
 }
 
+/// What a pause's work on its jobs did (`Engine::pause_jobs`).
+struct Paused {
+    /// Its outcome: the first failure stopped it.
+    result: Result<()>,
+    tally: Tally,
+    /// Allocations (not chunked) it released only some segments of before it failed.
+    part_paused: Vec<DevPtr>,
+    /// Every allocation it marked, those with nothing left to pause included.
+    touched: Vec<DevPtr>,
+    /// When it began preparing backups, and how long after that it had prepared them and
+    /// was done with the devices, for the log.
+    t0: Instant,
+    prepared_s: f64,
+    devices_s: f64,
+}
+
 /// Of the host memory that is available, this share is left free (page cache, other
 /// processes' growth): a pause may fill the rest.
 const HOST_HEADROOM_DIVISOR: u64 = 16;
@@ -138,35 +155,88 @@ impl Engine {
 
     /// Pause what `pick` names: the mapped segments (chunks) of the allocations it selects.
     pub fn pause_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        let mut tx = Txn::begin(self, Which::Pause, pick)?;
-        let cfg = tx.cfg;
-        let mut jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick)?;
+        let cfg = self.settings.copy();
+        let jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
-        let earlier = self.report_unrestored(jobs.iter().map(|j| j.ptr));
-        let mut tally = Tally::default();
-        if let Err(e) = self.release_stuck(&mut jobs, &mut tally) {
+        let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
+        let run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
+            Ok(run) => run,
+            Err(e) => {
+                let e = e.context(format!("pause of {}", pick.describe()));
+                return Err(with_earlier(e, earlier));
+            }
+        };
+        let report = tx.end(Slots::KeepIfUsed, run.tally, |_, _| {
+            tracing::debug!(
+                "pause: backups prepared at {:.4} s, devices done at {:.4} s, closed at {:.4} s",
+                run.prepared_s,
+                run.devices_s,
+                run.t0.elapsed().as_secs_f64()
+            );
+            0.0
+        });
+        if let Err(e) = run.result {
             let e = e.context(format!("pause of {}", pick.describe()));
-            return Err(super::resume::with_earlier(e, earlier));
+            let e = self.restore_part_paused(&run.part_paused, e);
+            return Err(with_earlier(e, earlier));
         }
+        tracing::info!(
+            "paused {} ({} allocations){} in {:.3}s",
+            human(report.bytes),
+            report.allocations,
+            report.copies(true),
+            report.seconds
+        );
+        {
+            // Under the registry's lock, as `stats` reads them together.
+            let reg = self.registry.lock();
+            let clean = run
+                .touched
+                .into_iter()
+                .filter(|p| reg.allocs.get(p).is_some_and(|a| a.stuck.is_empty()));
+            self.restores.settle(clean);
+        }
+        reported_by(report, earlier, || {
+            format!(
+                "this pause of {}, which has paused them (their memory given back)",
+                pick.describe()
+            )
+        })
+    }
+
+    /// The work of a pause on the jobs it marked, which go when it returns (and with them
+    /// their references to backups: a resume that follows sees which buffers only the
+    /// registry holds). An error here is one of giving back what a failed resume left mapped,
+    /// before anything else is done; the outcome of the rest is `Paused::result`.
+    fn pause_jobs(
+        &self,
+        tx: &mut Txn<'_>,
+        cfg: &CopyConfig,
+        tag: Option<&str>,
+        mut jobs: Vec<Job>,
+    ) -> Result<Paused> {
+        let mut tally = Tally::default();
+        self.release_stuck(&mut jobs, &mut tally)?;
         let touched: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         jobs.retain(|j| !j.runs.is_empty());
         let mut retired = vec![(0, 0); jobs.len()];
-        let t0 = std::time::Instant::now();
+        let (rings, tracked) = tx.work();
+        let t0 = Instant::now();
         let mut prepared_s = 0.0;
         let result = self
-            .prepare_backups(&mut jobs, &cfg, tx.rings(), pick.tag)
+            .prepare_backups(&mut jobs, cfg, rings, tag)
             .and_then(|()| {
                 prepared_s = t0.elapsed().as_secs_f64();
-                let (rings, tracked) = tx.work();
                 tracked.prepared(
                     jobs.iter().map(Job::pipeline_bytes).sum(),
-                    Backing {
+                    Backings {
                         host: jobs.iter().any(|j| j.host.is_some()),
                         disk: jobs.iter().any(Job::on_disk),
                     },
                 );
-                self.pause_devices(&jobs, rings, &cfg, &mut retired, tracked.counters())
+                self.pause_devices(&jobs, rings, cfg, &mut retired, tracked.counters())
             });
         for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             tally.add(&j.tag, *bytes, *copied, j.on_disk());
@@ -181,50 +251,23 @@ impl Engine {
         } else {
             Vec::new()
         };
-        self.pin_later(
-            &cfg,
+        tx.pin_later(
+            cfg,
+            self.settings.retain(),
             jobs.iter()
                 .zip(&retired)
                 .filter(|(_, r)| r.0 > 0)
                 .filter_map(|(j, _)| Some((j.ptr, j.host.as_ref()?))),
         );
-        let devices_s = t0.elapsed().as_secs_f64();
-        drop(jobs);
-        let (end, _) = tx.close(Slots::KeepIfUsed);
-        tracing::debug!(
-            "pause: backups prepared at {prepared_s:.4} s, devices done at {devices_s:.4} s, \
-             closed at {:.4} s",
-            t0.elapsed().as_secs_f64()
-        );
-        let report = end.report(tally, 0.0, |h| &mut h.last_pause);
-        drop(end);
-        if let Err(e) = result {
-            let e = e.context(format!("pause of {}", pick.describe()));
-            let e = self.restore_part_paused(&part_paused, e);
-            return Err(super::resume::with_earlier(e, earlier));
-        }
-        tracing::info!(
-            "paused {} ({} allocations){} in {:.3}s",
-            human(report.bytes),
-            report.allocations,
-            report.copies(true),
-            report.seconds
-        );
-        {
-            // Under the registry's lock, as `stats` reads them together.
-            let reg = self.reg.lock();
-            let clean = touched
-                .into_iter()
-                .filter(|p| reg.allocs.get(p).is_some_and(|a| a.stuck.is_empty()));
-            self.settle_unrestored(clean);
-        }
-        if let Some(e) = earlier {
-            return Err(e.context(format!(
-                "reported by this pause of {}, which has paused them (their memory given back)",
-                pick.describe()
-            )));
-        }
-        Ok(report)
+        Ok(Paused {
+            result,
+            tally,
+            part_paused,
+            touched,
+            t0,
+            prepared_s,
+            devices_s: t0.elapsed().as_secs_f64(),
+        })
     }
 
     /// Give back the memory of the segments a failed non-blocking resume left mapped (paused
@@ -246,7 +289,7 @@ impl Engine {
                         seg.ptr, seg.mapped, j.tag
                     )
                 })?;
-                self.reg.lock().marked(j.ptr).stuck.retain(|x| *x != s);
+                self.registry.marked(j.ptr, |a| a.stuck.retain(|x| *x != s));
                 bytes += seg.mapped;
             }
             tally.add(&j.tag, bytes, 0, false);
@@ -271,7 +314,7 @@ impl Engine {
         for j in jobs.iter_mut() {
             let unnamed = j.disk.as_ref().is_some_and(|f| !f.linked());
             if j.backup == Some(BackupKind::Disk) && unnamed && !j.file_needed {
-                let old = self.reg.lock().marked(j.ptr).disk.take();
+                let old = self.registry.marked(j.ptr, |a| a.disk.take());
                 tracing::info!(
                     "the disk backup file {} was removed; allocation {:#x} gets a new one",
                     old.as_deref()
@@ -280,7 +323,6 @@ impl Engine {
                     j.ptr
                 );
                 j.disk = None;
-                drop(old);
             }
         }
         let fresh: Vec<usize> = (0..jobs.len())
@@ -317,7 +359,7 @@ impl Engine {
             self.check_host_memory(backups, staging, fresh.len(), tag)?;
         }
         let dir = if fresh.iter().any(is_disk) {
-            let dir = self.disk_backup_dir()?;
+            let dir = self.settings.disk_dir()?;
             check_disk_space(&dir, files, tag)?;
             Some(dir)
         } else {
@@ -333,7 +375,7 @@ impl Engine {
                 };
                 let f = Arc::new(DiskFile::create(dir, j.mapped, j.file_chunk).ctx(what)?);
                 // Kept by the allocation from now on, and reused by every later pause.
-                self.reg.lock().marked(j.ptr).disk = Some(f.clone());
+                self.registry.marked(j.ptr, |a| a.disk = Some(f.clone()));
                 j.disk = Some(f);
                 continue;
             }
@@ -346,7 +388,7 @@ impl Engine {
             }
             let h = Arc::new(h);
             // Kept by the allocation even if this pause fails, for the next one to reuse.
-            self.reg.lock().marked(j.ptr).host = Some(h.clone());
+            self.registry.marked(j.ptr, |a| a.host = Some(h.clone()));
             j.host = Some(h);
         }
         Ok(())
@@ -506,9 +548,7 @@ impl Engine {
         segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
         let released = segment::release_all(d, &segs);
         let first = span.first_segment(j.ptr);
-        {
-            let mut reg = self.reg.lock();
-            let a = reg.marked(j.ptr);
+        self.registry.marked(j.ptr, |a| {
             for s in first..first + hs.len() {
                 a.handles[s] = None;
                 a.saved[s] = j.backed_up();
@@ -516,9 +556,9 @@ impl Engine {
             if last {
                 a.state = a.settled();
             }
-        }
+        });
         if last {
-            self.settled.notify_all();
+            self.registry.notify_settled();
         }
         let (bytes, copied) = j.run_bytes(r);
         done.0 += bytes;
@@ -556,7 +596,7 @@ fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Resu
 /// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
 /// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
 /// a snapshot someone still looks at is never overwritten.
-fn begin_pause(reg: &mut Registry, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job> {
+fn begin_pause(reg: &mut Index, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job> {
     if pick.chunk_state {
         // Every allocation the pick selects, those with nothing left to pause included
         // (chunked or not: a whole allocation is one record of its segments): a resume

@@ -131,9 +131,11 @@ impl Counters {
     }
 }
 
-/// Where an operation's copies go or come from.
+/// Which kinds of backup an operation's copies go to or come from: host memory, disk files,
+/// both or neither. (A backup itself is a `backup::Backing`; the control protocol's one-word
+/// form of this is `tms_proto::Backing`.)
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Backing {
+pub struct Backings {
     /// Host memory (CPU backups).
     pub host: bool,
     /// Disk backup files.
@@ -163,7 +165,7 @@ pub struct Progress {
     /// Of those, bytes copied so far.
     pub bytes_done: u64,
     /// Where the copies go or come from (neither: nothing to copy).
-    pub backing: Backing,
+    pub backing: Backings,
     /// Seconds since it started (after waiting for the operations lock).
     pub seconds: f64,
     /// Seconds since its first bytes were copied (0 before).
@@ -191,7 +193,7 @@ struct Current {
     chunks: Option<Vec<[u64; 2]>>,
     label: Option<u64>,
     thread: u64,
-    backing: Backing,
+    backing: Backings,
     counters: Arc<Counters>,
 }
 
@@ -224,7 +226,7 @@ impl Tracker {
             chunks,
             label: s.label,
             thread: nix::unistd::gettid().as_raw() as u64,
-            backing: Backing::default(),
+            backing: Backings::default(),
             counters: counters.clone(),
         });
         Tracked {
@@ -275,7 +277,7 @@ impl Tracked<'_> {
     }
 
     /// Once its backups are known: how many bytes it copies in all, and where to.
-    pub(super) fn prepared(&self, total: u64, backing: Backing) {
+    pub(super) fn prepared(&self, total: u64, backing: Backings) {
         self.counters.set_total(total);
         if let Some(c) = self
             .tracker
@@ -340,7 +342,7 @@ mod tests {
         });
         a.prepared(
             100,
-            Backing {
+            Backings {
                 host: false,
                 disk: true,
             },

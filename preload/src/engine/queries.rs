@@ -2,10 +2,10 @@
 //! None of them waits for a pause or resume.
 
 use super::base::Engine;
-use super::pick::check_tag;
 use super::progress::Progress;
 use super::segment::segments;
 use super::stats::{self, Stats};
+use super::txn::check_tag;
 use super::types::{AllocInfo, ChunkInfo};
 use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::DevPtr;
@@ -16,19 +16,19 @@ impl Engine {
     /// when none runs. Cheap, and never waits for the operation: a status or a progress
     /// display may ask as often as it likes.
     pub fn progress(&self) -> Option<Progress> {
-        self.progress.snapshot()
+        self.ops.progress()
     }
 
     /// Wait until the background pinner has page-locked what it was given (false on timeout).
     /// Only benchmarks and tests need this: copies never wait for it.
     pub fn wait_for_background_pinning(&self, timeout: std::time::Duration) -> bool {
-        self.pinner.wait_idle(timeout)
+        self.ops.wait_pinned(timeout)
     }
 
     /// The one chunked allocation of `tag`; an error if it has none, or several (named).
     pub fn chunked(&self, tag: &str) -> Result<DevPtr> {
         check_tag(Some(tag))?;
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         let found: Vec<(DevPtr, u64)> = reg
             .allocs
             .iter()
@@ -55,7 +55,7 @@ impl Engine {
     /// The chunked allocation holding `[addr, addr+len)`, and the chunks wholly inside that
     /// range (rounded inward: a chunk only partly inside is left out).
     pub fn chunks_in(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, Vec<usize>)> {
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         let (start, a) = reg.chunked_containing(addr, len.max(1))?;
         let off = addr - start;
         let first = off.div_ceil(a.chunk);
@@ -65,7 +65,7 @@ impl Engine {
 
     /// Layout and states of the chunked allocation at `addr` (its start or any address in it).
     pub fn chunk_info(&self, addr: DevPtr) -> Result<ChunkInfo> {
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         let (start, a) = reg.chunked_containing(addr, 1)?;
         Ok(ChunkInfo {
             addr: start,
@@ -78,7 +78,7 @@ impl Engine {
 
     /// Every allocation, in address order.
     pub fn allocations(&self) -> Vec<AllocInfo> {
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         reg.allocs
             .iter()
             .map(|(p, a)| AllocInfo {
@@ -104,9 +104,9 @@ impl Engine {
 
     /// Per-tag statistics.
     pub fn stats(&self) -> Stats {
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         // Under the registry's lock, as they are changed: a failure shows with its allocations.
-        let failed = self.unrestored();
+        let failed = self.restores.failures();
         let mut s = stats::collect(
             reg.allocs.values().map(|a| {
                 let (active, arriving, unrestored) = a.shown_bytes();
@@ -137,8 +137,8 @@ impl Engine {
         }
         drop(reg);
         s.backend = self.driver.name().to_string();
-        s.retain_cpu_backup = self.retain_cpu_backup();
-        s.memory_margin_bytes = self.memory_margin();
+        s.retain_cpu_backup = self.settings.retain();
+        s.memory_margin_bytes = self.settings.margin();
         s
     }
 }

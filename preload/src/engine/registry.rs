@@ -1,12 +1,15 @@
-//! The registry: a small index of allocations, their owners' questions answered at once.
+//! The registry: a small index of allocations, their owners' questions answered at once, and
+//! what a pause or resume picks from it ([`Pick`]).
 //!
 //! It holds what the hooks ask (is this address ours?) and each allocation's state; the work of
 //! a pause or resume runs outside it, on copies of what it needs (Note [Pause and resume as
 //! transactions] in `mod.rs`). Its lock is held only to read or change entries, never across a
-//! driver call, a copy or a wait.
+//! driver call, a copy or a wait (Note [Locks]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::segment::{clipped, segments, Seg, Span};
 use super::stats;
@@ -15,6 +18,136 @@ use crate::backup::{DiskFile, HostBuffer};
 use crate::driver::{DevPtr, PhysHandle};
 use crate::error::{Error, Result};
 
+/// The registry of one engine: the index behind its lock, the condvar on which a free waits for
+/// an allocation in transition, and every tag ever seen.
+#[derive(Default)]
+pub(super) struct Registry {
+    index: Mutex<Index>,
+    /// Notified whenever an allocation leaves a transition (see `Engine::free`).
+    settled: Condvar,
+    /// Every tag an allocation ever had (never cleared). A lock of its own, and a leaf, so
+    /// asking never waits for a pause.
+    tags: Mutex<HashSet<Box<str>>>,
+}
+
+impl Registry {
+    /// The index, under the registry lock (held briefly: Note [Locks]).
+    pub fn lock(&self) -> MutexGuard<'_, Index> {
+        self.index.lock()
+    }
+
+    /// Change the entry a transaction marked.
+    pub fn marked<T>(&self, ptr: DevPtr, f: impl FnOnce(&mut Allocation) -> T) -> T {
+        f(self.lock().marked(ptr))
+    }
+
+    /// Wait, under `index`'s lock, until an allocation leaves a transition.
+    pub fn wait_settled(&self, index: &mut MutexGuard<'_, Index>) {
+        self.settled.wait(index);
+    }
+
+    /// Wake those waiting for an allocation to leave a transition.
+    pub fn notify_settled(&self) {
+        self.settled.notify_all();
+    }
+
+    /// Remember that an allocation had `tag`.
+    pub fn remember_tag(&self, tag: &str) {
+        let mut seen = self.tags.lock();
+        if !seen.contains(tag) {
+            seen.insert(tag.into());
+        }
+    }
+
+    /// Whether an allocation (alive or freed since) ever had `tag`.
+    pub fn tag_known(&self, tag: &str) -> bool {
+        self.tags.lock().contains(tag)
+    }
+
+    /// Log at debug level a pause or resume of a tag no allocation ever had (it is a quiet
+    /// success, like one of a tag whose allocations are all freed).
+    pub fn note_unknown_tag(&self, what: &str, tag: Option<&str>) {
+        if let Some(t) = tag.filter(|t| !self.tag_known(t)) {
+            tracing::debug!("{what} of tag {t:?}: no allocation ever had this tag; nothing to do");
+        }
+    }
+}
+
+/// What the registry lock guards: the allocations, and what is kept per tag and per device.
+#[derive(Default)]
+pub(super) struct Index {
+    pub allocs: BTreeMap<DevPtr, Allocation>,
+    pub history: HashMap<Arc<str>, stats::History>,
+    pub granularity: HashMap<i32, u64>,
+    /// Allocations with a backup policy: the staging slots go when the last one does.
+    pub backed: usize,
+}
+
+impl Index {
+    /// The allocation holding `[addr, addr+len)` within its asked size.
+    pub fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
+        let not_found = || {
+            Error::not_found(format!(
+                "range {addr:#x}+{len} does not lie inside one pauseable allocation"
+            ))
+        };
+        let (start, a) = self
+            .allocs
+            .range(..=addr)
+            .next_back()
+            .ok_or_else(not_found)?;
+        let end = addr.checked_add(len).ok_or_else(not_found)?;
+        if end <= start + a.size {
+            Ok((*start, a))
+        } else {
+            Err(not_found())
+        }
+    }
+
+    /// [`Index::containing`], for a chunked allocation only.
+    pub fn chunked_containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
+        let (start, a) = self.containing(addr, len)?;
+        if a.chunk == 0 {
+            return Err(Error::invalid_argument(format!(
+                "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
+                a.tag
+            )));
+        }
+        Ok((start, a))
+    }
+
+    /// Start a transaction: on each settled pauseable allocation for which `pick` names
+    /// segments (a non-empty list, sorted), mark it `during` and return what `f` copies out of
+    /// it, in address order.
+    pub fn begin<J>(
+        &mut self,
+        during: State,
+        mut pick: impl FnMut(DevPtr, &Allocation) -> Option<Vec<usize>>,
+        mut f: impl FnMut(DevPtr, &mut Allocation, Vec<usize>) -> J,
+    ) -> Vec<J> {
+        let mut out = Vec::new();
+        for (ptr, a) in self.allocs.iter_mut() {
+            if !a.pauseable || a.resident || a.in_transition() {
+                continue;
+            }
+            let Some(segs) = pick(*ptr, a).filter(|s| !s.is_empty()) else {
+                continue;
+            };
+            a.state = during;
+            out.push(f(*ptr, a, segs));
+        }
+        out
+    }
+
+    /// The entry a transaction marked; it cannot be gone (frees wait for the transition).
+    pub fn marked(&mut self, ptr: DevPtr) -> &mut Allocation {
+        self.allocs
+            .get_mut(&ptr)
+            .expect("an allocation in transition is not freed")
+    }
+}
+
+/// One allocation: where it lies, its tag and backup, and the state of each segment.
 pub(super) struct Allocation {
     pub size: u64,
     pub mapped: u64,
@@ -38,7 +171,7 @@ pub(super) struct Allocation {
     /// while a pause writes it.
     pub saved: Vec<bool>,
     /// Chunk states recorded by a pause asked to save them (true = was active), for a resume
-    /// asked to restore them; one record per [`super::pick::Record`].
+    /// asked to restore them; one record per [`Record`].
     pub kept: [Option<Vec<bool>>; 2],
     /// Paused segments a failed resume could not unmap while undoing (their handles are
     /// released): unmapped before they are mapped again, or before the range is freed.
@@ -188,75 +321,133 @@ impl Allocation {
     }
 }
 
-#[derive(Default)]
-pub(super) struct Registry {
-    pub allocs: BTreeMap<DevPtr, Allocation>,
-    pub history: HashMap<Arc<str>, stats::History>,
-    pub granularity: HashMap<i32, u64>,
-    /// Allocations with a backup policy: the staging slots go when the last one does.
-    pub backed: usize,
+/// What a pause or resume acts on.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Pick<'a> {
+    /// Allocations of this tag (every tag if `None`).
+    pub tag: Option<&'a str>,
+    /// Only the allocation starting here.
+    pub alloc: Option<DevPtr>,
+    /// Only these chunks of it (a chunked allocation; sorted, each once).
+    pub chunks: Option<&'a [usize]>,
+    /// Pause: record which chunks of each allocation were active (a whole allocation: whether
+    /// it was). Resume: bring back only what was so recorded (all, where nothing was recorded).
+    pub chunk_state: bool,
+    /// Which record `chunk_state` saves or restores.
+    pub record: Record,
+    /// A number the caller gives the operation, reported with its progress
+    /// ([`super::Engine::progress`]) so that the caller can tell its own operation from another's
+    /// (the control server's request number).
+    pub label: Option<u64>,
 }
 
-impl Registry {
-    /// The allocation holding `[addr, addr+len)` within its asked size.
-    pub fn containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
-        let not_found = || {
-            Error::not_found(format!(
-                "range {addr:#x}+{len} does not lie inside one pauseable allocation"
-            ))
-        };
-        let (start, a) = self
-            .allocs
-            .range(..=addr)
-            .next_back()
-            .ok_or_else(not_found)?;
-        let end = addr.checked_add(len).ok_or_else(not_found)?;
-        if end <= start + a.size {
-            Ok((*start, a))
-        } else {
-            Err(not_found())
+/// Where a pause saving chunk states records them: the program's record
+/// (`pause(save_chunk_state=True)`), or the one a job-wide operation keeps for its own undo
+/// (`tmsctl pause --atomic`, `distributed.pause`), so that neither overwrites the other's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Record {
+    /// The program's own.
+    #[default]
+    Program,
+    /// A job-wide operation's, for its undo.
+    Job,
+}
+
+impl Record {
+    /// Its index in an allocation's records.
+    pub(super) fn index(self) -> usize {
+        match self {
+            Record::Program => 0,
+            Record::Job => 1,
+        }
+    }
+}
+
+impl<'a> Pick<'a> {
+    /// Every allocation of `tag` (every tag if `None`), whole.
+    pub fn tag(tag: Option<&'a str>) -> Self {
+        Pick {
+            tag,
+            ..Default::default()
         }
     }
 
-    /// [`Registry::containing`], for a chunked allocation only.
-    pub fn chunked_containing(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, &Allocation)> {
-        let (start, a) = self.containing(addr, len)?;
-        if a.chunk == 0 {
-            return Err(Error::invalid_argument(format!(
-                "allocation {start:#x} (tag {:?}) holding {addr:#x} is not chunked",
+    /// These chunks of the chunked allocation at `alloc`.
+    pub fn chunks(alloc: DevPtr, chunks: &'a [usize]) -> Self {
+        Pick {
+            alloc: Some(alloc),
+            chunks: Some(chunks),
+            ..Default::default()
+        }
+    }
+
+    pub(super) fn selects(&self, ptr: DevPtr, a: &Allocation) -> bool {
+        self.tag.is_none_or(|t| &*a.tag == t) && self.alloc.is_none_or(|p| p == ptr)
+    }
+
+    pub(super) fn wants(&self, seg: usize) -> bool {
+        self.chunks.is_none_or(|c| c.binary_search(&seg).is_ok())
+    }
+
+    /// Refuse chunks of an allocation that is not chunked, or that it does not have.
+    pub(super) fn check(&self, reg: &Index) -> Result<()> {
+        let Some(ptr) = self.alloc else {
+            return Ok(());
+        };
+        let a = reg.allocs.get(&ptr).ok_or_else(|| {
+            Error::not_found(format!(
+                "{ptr:#x} is not the start of a pauseable allocation"
+            ))
+        })?;
+        if a.resident {
+            return Err(Error::invalid_state(format!(
+                "allocation {ptr:#x} (tag {:?}) is kept resident (keep_resident): pause and \
+                 resume leave it mapped until it is freed",
                 a.tag
             )));
         }
-        Ok((start, a))
-    }
-
-    /// Start a transaction: on each settled pauseable allocation for which `pick` names
-    /// segments (a non-empty list, sorted), mark it `during` and return what `f` copies out of
-    /// it, in address order.
-    pub fn begin<J>(
-        &mut self,
-        during: State,
-        mut pick: impl FnMut(DevPtr, &Allocation) -> Option<Vec<usize>>,
-        mut f: impl FnMut(DevPtr, &mut Allocation, Vec<usize>) -> J,
-    ) -> Vec<J> {
-        let mut out = Vec::new();
-        for (ptr, a) in self.allocs.iter_mut() {
-            if !a.pauseable || a.resident || a.in_transition() {
-                continue;
-            }
-            let Some(segs) = pick(*ptr, a).filter(|s| !s.is_empty()) else {
-                continue;
-            };
-            a.state = during;
-            out.push(f(*ptr, a, segs));
+        let Some(chunks) = self.chunks else {
+            return Ok(());
+        };
+        if a.chunk == 0 {
+            return Err(Error::invalid_argument(format!(
+                "allocation {ptr:#x} (tag {:?}) is not chunked: it pauses and resumes whole \
+                 (allocate it in a region with a chunk size)",
+                a.tag
+            )));
         }
-        out
+        if !chunks.windows(2).all(|w| w[0] < w[1]) {
+            return Err(Error::invalid_argument(
+                "chunk indices must be sorted and each given once",
+            ));
+        }
+        let n = a.handles.len();
+        if let Some(bad) = chunks.iter().find(|&&c| c >= n) {
+            return Err(Error::invalid_argument(format!(
+                "chunk {bad} of allocation {ptr:#x} (tag {:?}): it has {n} chunks (0 to {})",
+                a.tag,
+                n - 1
+            )));
+        }
+        Ok(())
     }
 
-    /// The entry a transaction marked; it cannot be gone (frees wait for the transition).
-    pub fn marked(&mut self, ptr: DevPtr) -> &mut Allocation {
-        self.allocs
-            .get_mut(&ptr)
-            .expect("an allocation in transition is not freed")
+    pub(super) fn describe(&self) -> String {
+        let mut d = describe(self.tag);
+        if let Some(p) = self.alloc {
+            d = format!("allocation {p:#x}");
+        }
+        if let Some(c) = self.chunks {
+            d = format!("{} of {d}", crate::units::ranges(c));
+        }
+        d
+    }
+}
+
+/// `tag "kv"`, or `all tags`.
+pub(super) fn describe(tag: Option<&str>) -> String {
+    match tag {
+        Some(t) => format!("tag {t:?}"),
+        None => "all tags".to_string(),
     }
 }

@@ -6,7 +6,7 @@
 //! pause and resume skip it (it stays mapped, on the same handles) until it is freed.
 
 use super::base::Engine;
-use super::pick::check_tag;
+use super::txn::check_tag;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
 
@@ -17,7 +17,7 @@ impl Engine {
     /// of it is paused or a pause or resume is changing it: its backing would not be the one
     /// the caller registered.
     pub fn keep_resident(&self, addr: DevPtr) -> Result<u64> {
-        let mut reg = self.reg.lock();
+        let mut reg = self.registry.lock();
         let Ok((start, a)) = reg.containing(addr, 1) else {
             return Ok(0);
         };
@@ -54,7 +54,7 @@ impl Engine {
     /// `tag` (every tag if `None`) acts on: pauseable ones not kept resident.
     pub fn affected_devices(&self, tag: Option<&str>) -> Result<Vec<i32>> {
         check_tag(tag)?;
-        let reg = self.reg.lock();
+        let reg = self.registry.lock();
         let mut out: Vec<i32> = reg
             .allocs
             .values()

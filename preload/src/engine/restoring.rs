@@ -1,11 +1,15 @@
-//! What follows one non-blocking resume from its start to its end: the gate's steps, the
-//! allocations restored so far, the outcome (Note [Non-blocking resume] in `inflight.rs`).
+//! What follows non-blocking resumes (Note [Non-blocking resume] in `inflight.rs`): each one
+//! from its start to its end ([`Tracker`]: the gate's steps, the allocations restored so far,
+//! the outcome), and what the engine keeps of them ([`Restores`]: those in flight, and the
+//! failures after their callers returned, with the allocations they left unrestored).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::report::OpReport;
 use crate::driver::{DevPtr, Gate, Stream};
 use crate::error::{Error, Result};
 
@@ -274,17 +278,136 @@ pub struct StreamOf {
     pub stream: Stream,
 }
 
+/// The non-blocking resumes of one engine: those not known finished, and those that failed
+/// after they returned. Two leaf locks (Note [Locks]); `failed` is taken under the registry's
+/// lock where it changes with it, so that the two are seen together.
+#[derive(Default)]
+pub(super) struct Restores {
+    inflight: Mutex<Vec<Arc<Tracker>>>,
+    failed: Mutex<Vec<FailedRestore>>,
+}
+
+impl Restores {
+    /// Follow `t` until it is finished.
+    pub fn track(&self, t: Arc<Tracker>) {
+        self.inflight.lock().push(t);
+    }
+
+    /// Stop following `t` (its thread never started).
+    pub fn untrack(&self, t: &Arc<Tracker>) {
+        self.inflight.lock().retain(|x| !Arc::ptr_eq(x, t));
+    }
+
+    /// Stop following those finished.
+    pub fn forget_finished(&self) {
+        self.inflight.lock().retain(|x| !x.finished());
+    }
+
+    /// Those not known finished, to wait on with no lock held.
+    pub fn trackers(&self) -> Vec<Arc<Tracker>> {
+        self.inflight.lock().clone()
+    }
+
+    /// Whether one that returned is still restoring data.
+    pub fn restoring(&self) -> bool {
+        self.inflight.lock().iter().any(|t| t.restoring())
+    }
+
+    /// Keep the failure of a non-blocking resume after its caller returned with the
+    /// allocations (address, size) it left unrestored.
+    pub fn keep_failure(&self, e: &Error, allocs: impl Iterator<Item = (DevPtr, u64)>) {
+        self.failed.lock().push(FailedRestore {
+            error: e.duplicate(),
+            allocs: allocs.collect(),
+            reported: false,
+        });
+    }
+
+    /// The kept failure concerning the allocation holding `ptr` (any, if `None`), now reported.
+    pub fn failure_at(&self, ptr: Option<DevPtr>) -> Option<Error> {
+        let mut failed = self.failed.lock();
+        let f = failed.iter_mut().find(|f| f.holds(ptr))?;
+        f.reported = true;
+        Some(f.error.duplicate())
+    }
+
+    /// A pause or resume is to act on the allocations at `ptrs`: the first kept failure
+    /// concerning them that nothing reported yet, now reported (the operation acts, then
+    /// raises it: the program ran work on contents that never landed, and must learn it).
+    pub fn unreported(&self, ptrs: impl Iterator<Item = DevPtr>) -> Option<Error> {
+        let mut failed = self.failed.lock();
+        if failed.is_empty() {
+            return None;
+        }
+        let mut out: Option<Error> = None;
+        for p in ptrs {
+            for f in failed.iter_mut().filter(|f| !f.reported) {
+                if f.allocs.contains_key(&p) {
+                    f.reported = true;
+                    out.get_or_insert_with(|| f.error.duplicate());
+                }
+            }
+        }
+        out
+    }
+
+    /// The allocations at `ptrs` were paused, resumed or freed: no longer unrestored.
+    pub fn settle(&self, ptrs: impl Iterator<Item = DevPtr>) {
+        let mut failed = self.failed.lock();
+        if failed.is_empty() {
+            return;
+        }
+        for p in ptrs {
+            for f in failed.iter_mut() {
+                f.allocs.remove(&p);
+            }
+        }
+        failed.retain(|f| !f.allocs.is_empty());
+    }
+
+    /// Each kept failure's message, with the addresses of the allocations it concerns.
+    pub fn failures(&self) -> Vec<(String, Vec<DevPtr>)> {
+        self.failed
+            .lock()
+            .iter()
+            .map(|f| (f.error.to_string(), f.allocs.keys().copied().collect()))
+            .collect()
+    }
+}
+
+/// A pause's or resume's own failure, with an earlier non-blocking resume's failure it was to
+/// report (`Restores::unreported`).
+pub(super) fn with_earlier(e: Error, earlier: Option<Error>) -> Error {
+    match earlier {
+        Some(first) => e.context(format!("{first}; then")),
+        None => e,
+    }
+}
+
+/// A pause or resume that succeeded: its report, or the earlier non-blocking resume's failure it
+/// was to report, now `reported by` what `by` says.
+pub(super) fn reported_by(
+    report: OpReport,
+    earlier: Option<Error>,
+    by: impl FnOnce() -> String,
+) -> Result<OpReport> {
+    match earlier {
+        Some(e) => Err(e.context(format!("reported by {}", by()))),
+        None => Ok(report),
+    }
+}
+
 /// A non-blocking resume that failed after its caller returned (Note [Non-blocking resume]).
-pub(super) struct FailedRestore {
-    pub(super) error: Error,
+struct FailedRestore {
+    error: Error,
     /// The allocations (address, size) it left unrestored that are still so.
-    pub(super) allocs: BTreeMap<DevPtr, u64>,
+    allocs: BTreeMap<DevPtr, u64>,
     /// A wait, pause or resume raised it.
-    pub(super) reported: bool,
+    reported: bool,
 }
 
 impl FailedRestore {
-    pub(super) fn holds(&self, ptr: Option<DevPtr>) -> bool {
+    fn holds(&self, ptr: Option<DevPtr>) -> bool {
         match ptr {
             None => true,
             Some(p) => self

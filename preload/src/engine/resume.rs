@@ -7,18 +7,17 @@ use std::time::Instant;
 
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
-use super::pick::Pick;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backing, Counters, Phase, Which};
-use super::registry::Registry;
+use super::progress::{Backings, Counters, Phase, Which};
+use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
-use super::restoring::{holds, OpenOnDrop, Tracker};
+use super::restoring::{holds, reported_by, with_earlier, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
-use crate::error::{Error, Result, ResultExt};
+use crate::error::{Result, ResultExt};
 use crate::units::human;
 
 /// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
@@ -84,9 +83,13 @@ impl Marked for Job {
 /// The mappings a resume made: (job, run, mapping).
 type Made<'d> = Vec<(usize, usize, Mapping<'d>)>;
 
-/// What a resume's commit leaves to give back once the locks are let go.
+/// What a resume's commit did: its numbers, and what it leaves to give back once the locks are
+/// let go.
 #[derive(Default)]
-struct Leftovers {
+struct Committed {
+    tally: Tally,
+    /// Retention was on when the commit read it: backups (and staging slots) are kept.
+    retain: bool,
     /// Host backups no longer needed (no retention).
     released: Vec<Arc<HostBuffer>>,
     /// Host memory of chunks resumed without retention, in buffers their paused neighbours
@@ -138,10 +141,10 @@ impl Engine {
         order: &[DevPtr],
         track: Option<&Tracker>,
     ) -> Result<OpReport> {
-        let mut tx = Txn::begin(self, Which::Resume, pick)?;
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick)?;
         // Dropped before the transaction: the gate opens before the operations lock goes.
         let _open = OpenOnDrop(track);
-        let cfg = tx.cfg;
+        let cfg = self.settings.copy();
         let mut jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
         if !order.is_empty() {
             let rank = |j: &Job| {
@@ -154,7 +157,7 @@ impl Engine {
         }
         // A non-blocking resume's failure that nothing reported, on allocations this one
         // restores: raised once they are (by the caller of a non-blocking one once mapped).
-        let mut earlier = self.report_unrestored(jobs.iter().map(|j| j.ptr));
+        let mut earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
         if let Some(t) = track {
             let devices = by_device(jobs.iter().map(Job::device)).len();
             t.begin(
@@ -163,14 +166,78 @@ impl Engine {
                 earlier.take(),
             );
         }
+        let done = match self.restore_jobs(&mut tx, &cfg, pick, track, jobs) {
+            Ok(done) => done,
+            Err(e) => return Err(with_earlier(e, earlier)),
+        };
+        let slots = if done.retain || cfg.keep_staging {
+            Slots::KeepIfUsed
+        } else {
+            Slots::Take
+        };
+        let report = tx.end(slots, done.tally, |rings, progress| {
+            // Giving host memory back: in parallel, and without holding up anyone else. A
+            // blocking resume's caller does not wait for it either (`releases.rs`); a
+            // non-blocking one's thread does it after the gate opened.
+            let t1 = Instant::now();
+            drop_pages(done.drop_pages);
+            // A leased buffer is its holder's to free (its memory goes with the lease): only
+            // our reference goes, and the release waits for no one but holders of a moment.
+            let released = self.leases.unleased(done.released);
+            let anything = !released.is_empty() || !rings.is_empty();
+            if track.is_some() && !released.is_empty() {
+                progress.phase(Phase::Releasing);
+            }
+            let threads = cfg.threads;
+            let give_back = move || {
+                release_parallel(released, threads);
+                drop(rings);
+            };
+            if track.is_some() {
+                give_back();
+            } else if anything {
+                self.ops.release_later(give_back);
+            }
+            t1.elapsed().as_secs_f64()
+        });
+        tracing::info!(
+            "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
+            human(report.bytes),
+            report.allocations,
+            report.copies(false),
+            report.seconds,
+            report.release_seconds
+        );
+        reported_by(report, earlier, || {
+            format!(
+                "this resume of {}, which has restored them",
+                pick.describe()
+            )
+        })
+    }
+
+    /// The work of a resume on the jobs it marked, which go when it returns (and with them the
+    /// copies' references to backups, so that the release that follows sees which buffers only
+    /// it holds): check the files, unmap what failed resumes left mapped, map and restore each
+    /// device's share, commit. Its error is the resume's, saying what stays paused.
+    fn restore_jobs(
+        &self,
+        tx: &mut Txn<'_>,
+        cfg: &CopyConfig,
+        pick: &Pick<'_>,
+        track: Option<&Tracker>,
+        jobs: Vec<Job>,
+    ) -> Result<Committed> {
+        let (rings, tracked) = tx.work();
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
-        tx.tracked().prepared(
+        tracked.prepared(
             jobs.iter().map(Job::pipeline_bytes).sum(),
-            Backing {
+            Backings {
                 host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
                 disk: jobs.iter().filter(copying).any(Job::on_disk),
             },
         );
+        let progress = tracked.counters();
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
             .iter()
@@ -178,12 +245,9 @@ impl Engine {
             .filter_map(|j| j.disk.as_ref())
             .try_for_each(|f| f.check_present());
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
-            let e = e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs)));
-            return Err(with_earlier(e, earlier));
+            return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let (rings, tracked) = tx.work();
-        let progress = tracked.counters();
-        let (made, result) = self.restore_devices(&jobs, rings, &cfg, progress, track);
+        let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -201,74 +265,19 @@ impl Engine {
         }
         if let Err(e) = result {
             let stuck = self.undo(&jobs, made);
-            let e = e.context(format!(
+            return Err(e.context(format!(
                 "resume of {} (undone: {}{stuck})",
                 pick.describe(),
                 stays(&jobs)
-            ));
-            return Err(with_earlier(e, earlier));
-        }
-        let retain = self.retain_cpu_backup();
-        let (tally, leftovers) = self.commit(&jobs, made, pick, retain);
-        if retain {
-            self.pin_later(
-                &cfg,
-                jobs.iter().filter_map(|j| Some((j.ptr, j.host.as_ref()?))),
-            );
-        }
-        // The copies' references go first, so that the release below sees which buffers only
-        // it holds.
-        drop(jobs);
-        let (end, rings) = tx.close(if retain || cfg.keep_staging {
-            Slots::KeepIfUsed
-        } else {
-            Slots::Take
-        });
-        // Giving host memory back: in parallel, and without holding up anyone else. A blocking
-        // resume's caller does not wait for it either (`releases.rs`); a non-blocking one's
-        // thread does it after the gate opened.
-        let t1 = Instant::now();
-        drop_pages(leftovers.drop_pages);
-        let threads = cfg.threads;
-        // A leased buffer is its holder's to free (its memory goes with the lease): only our
-        // reference goes, and the release waits for no one but holders of a moment.
-        let released: Vec<_> = {
-            let leases = self.leases.lock();
-            leftovers
-                .released
-                .into_iter()
-                .filter(|b| !leases.values().any(|l| Arc::ptr_eq(l, b)))
-                .collect()
-        };
-        let anything = !released.is_empty() || !rings.is_empty();
-        if track.is_some() && !released.is_empty() {
-            end.tracked().counters().phase(Phase::Releasing);
-        }
-        let give_back = move || {
-            release_parallel(released, threads);
-            drop(rings);
-        };
-        if track.is_some() {
-            give_back();
-        } else if anything {
-            self.releases.start(give_back);
-        }
-        let report = end.report(tally, t1.elapsed().as_secs_f64(), |h| &mut h.last_resume);
-        tracing::info!(
-            "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
-            human(report.bytes),
-            report.allocations,
-            report.copies(false),
-            report.seconds,
-            report.release_seconds
-        );
-        if let Some(e) = earlier {
-            return Err(e.context(format!(
-                "reported by this resume of {}, which has restored them",
-                pick.describe()
             )));
         }
-        Ok(report)
+        let done = self.commit(&jobs, made, pick);
+        tx.pin_later(
+            cfg,
+            done.retain,
+            jobs.iter().filter_map(|j| Some((j.ptr, j.host.as_ref()?))),
+        );
+        Ok(done)
     }
 
     /// Per device, in parallel: map each run of segments, and copy its backup back while the
@@ -327,7 +336,7 @@ impl Engine {
                         if let Some(t) = track.filter(|_| p + 1 == parts.len()) {
                             // This device's share is mapped, its contents on their way: shown
                             // so before the caller may return (landed ones stay landed).
-                            let mut reg = self.reg.lock();
+                            let mut reg = self.registry.lock();
                             for &i in list {
                                 let j = &jobs[i];
                                 let a = reg.marked(j.ptr);
@@ -342,8 +351,8 @@ impl Engine {
                         if let Some(t) = track {
                             let j = &jobs[parts[p].0];
                             t.item_done(parts[p].0, || {
-                                self.reg.lock().marked(j.ptr).arriving =
-                                    Some((j.segs.clone(), true));
+                                self.registry
+                                    .marked(j.ptr, |a| a.arriving = Some((j.segs.clone(), true)));
                             });
                         }
                         Ok(())
@@ -361,18 +370,24 @@ impl Engine {
     }
 
     /// Record every allocation resumed Active (or Partial) with its new handles, in one step
-    /// under the registry lock; without retention its backup is no longer a snapshot, and
-    /// what is to be given back is returned.
-    fn commit(
-        &self,
-        jobs: &[Job],
-        made: Made<'_>,
-        pick: &Pick<'_>,
-        retain: bool,
-    ) -> (Tally, Leftovers) {
+    /// under the registry lock; without retention (read now) its backup is no longer a
+    /// snapshot, and what is to be given back is returned.
+    fn commit(&self, jobs: &[Job], made: Made<'_>, pick: &Pick<'_>) -> Committed {
+        let retain = self.settings.retain();
         let mut tally = Tally::default();
-        let mut left = Leftovers::default();
-        let mut reg = self.reg.lock();
+        for &(i, r, _) in &made {
+            let j = &jobs[i];
+            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
+        }
+        for j in jobs {
+            tally.allocation(&j.tag);
+        }
+        let mut left = Committed {
+            tally,
+            retain,
+            ..Committed::default()
+        };
+        let mut reg = self.registry.lock();
         for (i, r, m) in made {
             let j = &jobs[i];
             let a = reg.marked(j.ptr);
@@ -380,7 +395,6 @@ impl Engine {
             for (k, h) in m.commit().into_iter().enumerate() {
                 a.handles[first + k] = Some(h);
             }
-            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
         }
         if pick.chunk_state {
             // A record is used once, by the allocations that had nothing to resume too (all
@@ -392,13 +406,10 @@ impl Engine {
                 }
             }
         }
-        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
-        self.settle_unrestored(jobs.iter().map(|j| j.ptr));
         for j in jobs {
             let a = reg.marked(j.ptr);
             a.state = a.settled();
             a.arriving = None;
-            tally.allocation(&j.tag);
             // A retained backup stays a complete snapshot (of the last pause).
             if !retain {
                 for &s in &j.segs {
@@ -413,9 +424,11 @@ impl Engine {
                 }
             }
         }
+        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
+        self.restores.settle(jobs.iter().map(|j| j.ptr));
         drop(reg);
-        self.settled.notify_all();
-        (tally, left)
+        self.registry.notify_settled();
+        left
     }
 
     /// Unmap and release what a failed resume made. A segment that cannot be unmapped stays
@@ -424,7 +437,7 @@ impl Engine {
     fn undo(&self, jobs: &[Job], made: Vec<(usize, usize, Mapping<'_>)>) -> String {
         {
             // Nothing it mapped is shown arriving or landed any more.
-            let mut reg = self.reg.lock();
+            let mut reg = self.registry.lock();
             for j in jobs {
                 reg.marked(j.ptr).arriving = None;
             }
@@ -440,7 +453,7 @@ impl Engine {
         if stuck.is_empty() {
             return String::new();
         }
-        let mut reg = self.reg.lock();
+        let mut reg = self.registry.lock();
         for &(p, s) in &stuck {
             reg.marked(p).stuck.push(s);
         }
@@ -469,14 +482,15 @@ impl Engine {
                 stuck.push((j.ptr, first + k));
             }
         }
-        let mut reg = self.reg.lock();
+        let mut reg = self.registry.lock();
         for (p, s) in stuck {
             reg.marked(p).stuck.push(s);
         }
         for j in jobs {
             reg.marked(j.ptr).arriving = None;
         }
-        self.record_unrestored(e, jobs.iter().map(|j| (j.ptr, j.size)));
+        self.restores
+            .keep_failure(e, jobs.iter().map(|j| (j.ptr, j.size)));
     }
 
     /// Unmap the segments an earlier failed resume left mapped, before mapping them again.
@@ -491,7 +505,7 @@ impl Engine {
                         seg.ptr, seg.mapped
                     )
                 })?;
-                self.reg.lock().marked(j.ptr).stuck.retain(|x| *x != s);
+                self.registry.marked(j.ptr, |a| a.stuck.retain(|x| *x != s));
             }
         }
         Ok(())
@@ -499,7 +513,7 @@ impl Engine {
 }
 
 /// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
-fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
+fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<Job> {
     reg.begin(
         State::Resuming,
         |ptr, a| {
@@ -544,15 +558,6 @@ fn begin_resume(reg: &mut Registry, pick: &Pick<'_>) -> Vec<Job> {
             }
         },
     )
-}
-
-/// A pause's or resume's own failure, with an earlier non-blocking resume's failure it was to
-/// report (Note [Non-blocking resume] in `inflight.rs`).
-pub(super) fn with_earlier(e: Error, earlier: Option<Error>) -> Error {
-    match earlier {
-        Some(first) => e.context(format!("{first}; then")),
-        None => e,
-    }
 }
 
 /// Give back the host memory of chunks resumed without retention, in buffers their paused

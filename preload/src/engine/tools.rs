@@ -64,7 +64,7 @@ impl Engine {
         threads: usize,
         own_streams: bool,
     ) -> Result<transfer::LaneProbe> {
-        let layout = self.copy_config().layout;
+        let layout = self.settings.copy().layout;
         let mut out = transfer::LaneProbe::default();
         self.with_active(addr, len, |_, device, stream| {
             out = transfer::probe_d2h_lanes(
@@ -90,10 +90,10 @@ impl Engine {
         f: impl FnOnce(&dyn Driver, i32, crate::driver::Stream) -> Result<()>,
     ) -> Result<()> {
         // Tools' copies keep pauses and resumes out while they run (not the hooks).
-        let _ops = self.ops.lock();
+        let _ops = self.ops.exclusive();
         let what = || format!("range {addr:#x}+{len}");
         let device = {
-            let reg = self.reg.lock();
+            let reg = self.registry.lock();
             let (start, a) = reg.containing(addr, len)?;
             let r = a.segs_of(addr - start, len);
             if a.in_transition() || a.handles[r].iter().any(Option::is_none) {

@@ -1,41 +1,132 @@
-//! The transaction: what every pause and resume holds from start to end, and lets go of in one
-//! documented order.
+//! The transaction: what every pause and resume holds from start to end and lets go of in one
+//! documented order ([`Txn`]), and what they share ([`Ops`]).
 //!
 //! # Note [Transactions]
 //!
-//! A pause or resume is one [`Txn`], made by [`Txn::begin`] and let go of by dropping it, on
-//! success, error or unwind alike; nothing it holds is dropped by hand elsewhere. It holds, and
-//! lets go of in this order (its fields' order: Rust drops a struct's fields in declaration
-//! order):
+//! A pause or resume is one [`Txn`], made by [`Txn::begin`] and ended by [`Txn::end`], which
+//! consumes it and returns the operation's report; an error or an unwind drops it instead.
+//! Either way nothing it holds is let go of by hand elsewhere, and it lets go in this order (its
+//! fields' order: Rust drops a struct's fields in declaration order; `end` follows it):
 //!
 //! 1. `settle`: the allocations it marked (Pausing, Resuming) that are still in transition go
 //!    back to the state their handles describe, and a `free` waiting for one is woken. First,
 //!    while the operations lock is still held, so that no later transaction ever finds an
 //!    earlier one's allocations in transition.
-//! 2. `ops`: the operations lock, and with it the staging slots. [`Txn::close`] lets it go
-//!    before a resume gives host memory back, which takes long and needs no lock.
+//! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
+//!    resume's, without retention) goes to its caller's closure after the lock is let go,
+//!    with the host memory a resume gives back: that takes long and needs no lock.
 //! 3. `end` ([`Ending`]): the progress record (watchers see the operation to its very end, its
 //!    release phase included), then the pinner's quiet state, then, last, the guard that marks
 //!    the engine broken when a panic unwinds through any of the above.
+//!
+//! Its prologue, [`Txn::begin`], refuses what cannot start (an empty tag, a broken engine),
+//! waits for the host memory earlier resumes are giving back (`releases.rs`), holds the
+//! background pinner quiet (`pinner.rs`), takes the operations lock (waiting for the
+//! transaction running) and starts the progress record (`progress.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use parking_lot::MutexGuard;
+use parking_lot::{Mutex, MutexGuard};
 
-use super::base::{Engine, Ops};
-use super::pick::{check_tag, describe, Pick};
-use super::pinner::Quiet;
+use super::pinner::{Pinner, Quiet};
 use super::pipeline::{CopyConfig, PinMode, Ring};
-use super::progress::{Start, Tracked, Which};
-use super::registry::Registry;
+use super::progress::{self, Counters, Progress, Start, Tracked, Which};
+use super::registry::{describe, Allocation, Index, Pick, Registry};
+use super::releases::Releases;
 use super::report::{OpReport, Tally};
-use super::stats::History;
 use super::types::State;
 use crate::backup::{BackupKind, HostBuffer};
 use crate::driver::DevPtr;
-use crate::error::Result;
+use crate::error::{Error, Result};
+
+/// Refuse `Some("")`: no tag (`None`) is how every tag is named.
+pub(super) fn check_tag(tag: Option<&str>) -> Result<()> {
+    if tag == Some("") {
+        return Err(Error::invalid_argument(
+            "tag must not be empty (no tag means every tag)",
+        ));
+    }
+    Ok(())
+}
+
+/// Each device's staging slots.
+pub(super) type Rings = BTreeMap<i32, Ring>;
+
+/// What pauses and resumes share, and take one at a time: the operations lock (which holds each
+/// device's staging slots), the running one's progress, the background work they wait for or
+/// hold back, and whether a panic unwound through one (Note [Locks] in `mod.rs`).
+#[derive(Default)]
+pub(super) struct Ops {
+    /// The operations lock, and each device's staging slots.
+    slots: Mutex<Rings>,
+    /// The running pause or resume, for those who watch it (`Engine::progress`).
+    progress: progress::Tracker,
+    /// Page-locks retained pinned backups between transactions.
+    pinner: Arc<Pinner>,
+    /// Host memory being given back after resumes returned.
+    releases: Arc<Releases>,
+    /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
+    /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
+    /// with this message instead of acting on it.
+    broken: Mutex<Option<String>>,
+}
+
+impl Ops {
+    /// Refuse to act after a panic unwound through a pause or resume.
+    pub fn check_sound(&self) -> Result<()> {
+        match &*self.broken.lock() {
+            Some(m) => Err(Error::invalid_state(m.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The operations lock, for the tools' copies: no pause or resume runs while it is held.
+    pub fn exclusive(&self) -> MutexGuard<'_, Rings> {
+        self.slots.lock()
+    }
+
+    /// Page-locked bytes held in staging slots.
+    pub fn staging_bytes(&self) -> u64 {
+        self.slots.lock().values().map(Ring::bytes).sum()
+    }
+
+    /// The last allocation with a backup is gone: the staging slots go too, unless a
+    /// transaction runs (it drops them itself when it ends).
+    pub fn drop_unused_slots(&self, registry: &Registry) {
+        if let Some(mut slots) = self.slots.try_lock() {
+            clear_if_unused(&mut slots, registry);
+        }
+    }
+
+    /// The running pause or resume, if any.
+    pub fn progress(&self) -> Option<Progress> {
+        self.progress.snapshot()
+    }
+
+    /// Wait until the background pinner has page-locked what it was given (false on timeout).
+    pub fn wait_pinned(&self, timeout: Duration) -> bool {
+        self.pinner.wait_idle(timeout)
+    }
+
+    /// Wait until the host memory resumes are giving back is gone; how long that took.
+    pub fn wait_released(&self) -> Duration {
+        self.releases.wait()
+    }
+
+    /// Give host memory back on a thread of its own (`releases.rs`).
+    pub fn release_later(&self, work: impl FnOnce() + Send + 'static) {
+        self.releases.start(work);
+    }
+}
+
+/// The staging slots go with the last allocation that could need them.
+fn clear_if_unused(slots: &mut Rings, registry: &Registry) {
+    if registry.lock().backed == 0 {
+        slots.clear();
+    }
+}
 
 /// One allocation's share of a transaction, as the transaction copied it out of the registry.
 pub(super) trait Marked {
@@ -45,7 +136,7 @@ pub(super) trait Marked {
     fn tag(&self) -> &Arc<str>;
 }
 
-/// What the staging slots become when a transaction closes.
+/// What the staging slots become when a transaction ends.
 pub(super) enum Slots {
     /// Kept for the next transaction, unless no allocation with a backup is left.
     KeepIfUsed,
@@ -56,46 +147,46 @@ pub(super) enum Slots {
 /// A running pause or resume (Note [Transactions]).
 pub(super) struct Txn<'e> {
     settle: Settle<'e>,
-    ops: MutexGuard<'e, Ops>,
+    slots: MutexGuard<'e, Rings>,
     end: Ending<'e>,
-    /// The copy configuration, read once when the transaction began.
-    pub cfg: CopyConfig,
 }
 
-/// What a transaction holds after [`Txn::close`]: its progress record, the pinner's quiet
-/// state and the unwind guard, in that drop order.
-pub(super) struct Ending<'e> {
+/// What a transaction holds until its very end: its progress record, the pinner's quiet state
+/// and the unwind guard, in that drop order.
+struct Ending<'e> {
     tracked: Tracked<'e>,
     _quiet: Quiet<'e>,
     _unwind: BreakOnUnwind<'e>,
-    engine: &'e Engine,
+    which: Which,
+    ops: &'e Ops,
+    registry: &'e Registry,
     t0: Instant,
 }
 
 impl<'e> Txn<'e> {
-    /// Refuse what cannot start (an empty tag, a broken engine), then take what every
-    /// transaction holds: the unwind guard, the pinner's quiet state, the operations lock (a
-    /// transaction waits here for the one running) and the progress record.
-    pub(super) fn begin(engine: &'e Engine, which: Which, pick: &Pick<'_>) -> Result<Txn<'e>> {
+    /// The prologue (Note [Transactions]): refuse what cannot start, then take what every
+    /// transaction holds, in order: the unwind guard, the pinner's quiet state, the operations
+    /// lock (a transaction waits here for the one running) and the progress record.
+    pub(super) fn begin(
+        ops: &'e Ops,
+        registry: &'e Registry,
+        which: Which,
+        pick: &Pick<'_>,
+    ) -> Result<Txn<'e>> {
         let tag = pick.tag;
         check_tag(tag)?;
-        engine.check_sound()?;
-        let (what, during) = match which {
-            Which::Pause => ("pause", State::Pausing),
-            Which::Resume => ("resume", State::Resuming),
-        };
+        ops.check_sound()?;
         let unwind = BreakOnUnwind {
-            engine,
-            what: format!("a {what} of {}", describe(tag)),
+            ops,
+            which,
+            tag: tag.map(str::to_owned),
         };
-        engine.note_unknown_tag(what, tag);
         // The memory an earlier resume is giving back goes first (`releases.rs`).
-        engine.releases.wait();
-        let quiet = engine.pinner.quiet();
+        ops.releases.wait();
+        let quiet = ops.pinner.quiet();
         let t0 = Instant::now();
-        let cfg = engine.copy_config();
-        let ops = engine.ops.lock();
-        let tracked = engine.progress.begin(Start {
+        let slots = ops.slots.lock();
+        let tracked = ops.progress.begin(Start {
             which,
             tag,
             chunks: pick.chunks,
@@ -103,19 +194,23 @@ impl<'e> Txn<'e> {
         });
         Ok(Txn {
             settle: Settle {
-                engine,
+                registry,
                 ptrs: Vec::new(),
-                during,
+                during: match which {
+                    Which::Pause => State::Pausing,
+                    Which::Resume => State::Resuming,
+                },
             },
-            ops,
+            slots,
             end: Ending {
                 tracked,
                 _quiet: quiet,
                 _unwind: unwind,
-                engine,
+                which,
+                ops,
+                registry,
                 t0,
             },
-            cfg,
         })
     }
 
@@ -125,10 +220,12 @@ impl<'e> Txn<'e> {
     pub(super) fn mark<J: Marked>(
         &mut self,
         pick: &Pick<'_>,
-        f: impl FnOnce(&mut Registry) -> Vec<J>,
+        f: impl FnOnce(&mut Index) -> Vec<J>,
     ) -> Result<Vec<J>> {
+        let registry = self.settle.registry;
+        registry.note_unknown_tag(verb(self.end.which), pick.tag);
         let jobs = {
-            let mut reg = self.end.engine.reg.lock();
+            let mut reg = registry.lock();
             pick.check(&reg)?;
             let jobs = f(&mut reg);
             self.settle.ptrs = jobs.iter().map(Marked::ptr).collect();
@@ -141,137 +238,30 @@ impl<'e> Txn<'e> {
         Ok(jobs)
     }
 
-    /// The progress record.
-    pub(super) fn tracked(&self) -> &Tracked<'e> {
-        &self.end.tracked
+    /// What the work uses: each device's staging slots, and the progress record.
+    pub(super) fn work(&mut self) -> (&mut Rings, &Tracked<'e>) {
+        (&mut self.slots, &self.end.tracked)
     }
 
-    /// Each device's staging slots.
-    pub(super) fn rings(&mut self) -> &mut BTreeMap<i32, Ring> {
-        &mut self.ops.rings
-    }
-
-    /// The same, and the progress record, for the copies.
-    pub(super) fn work(&mut self) -> (&mut BTreeMap<i32, Ring>, &Tracked<'e>) {
-        (&mut self.ops.rings, &self.end.tracked)
-    }
-
-    /// Settle what is still in transition and let go of the operations lock (Note
-    /// [Transactions]); the staging slots go as `slots` says.
-    pub(super) fn close(self, slots: Slots) -> (Ending<'e>, BTreeMap<i32, Ring>) {
-        let Txn {
-            settle,
-            mut ops,
-            end,
-            cfg: _,
-        } = self;
-        drop(settle);
-        let rings = match slots {
-            Slots::KeepIfUsed => {
-                end.engine.drop_unused_rings(&mut ops.rings);
-                BTreeMap::new()
-            }
-            Slots::Take => std::mem::take(&mut ops.rings),
-        };
-        drop(ops);
-        (end, rings)
-    }
-}
-
-impl Ending<'_> {
-    /// The progress record.
-    pub(super) fn tracked(&self) -> &Tracked<'_> {
-        &self.tracked
-    }
-
-    /// The operation's report, its time taken now, recorded per tag in `slot` of the history
-    /// that `stats` shows.
-    pub(super) fn report(
-        &self,
-        tally: Tally,
-        release_seconds: f64,
-        slot: impl Fn(&mut History) -> &mut Option<OpReport>,
-    ) -> OpReport {
-        let Tally {
-            mut report,
-            per_tag,
-        } = tally;
-        report.release_seconds = release_seconds;
-        report.seconds = self.t0.elapsed().as_secs_f64();
-        let mut reg = self.engine.reg.lock();
-        for (t, mut r) in per_tag {
-            r.seconds = report.seconds;
-            r.release_seconds = report.release_seconds;
-            *slot(reg.history.entry(t).or_default()) = Some(r);
-        }
-        report
-    }
-}
-
-/// Marks the engine broken if a panic unwinds through the operation it guards.
-struct BreakOnUnwind<'a> {
-    engine: &'a Engine,
-    what: String,
-}
-
-impl Drop for BreakOnUnwind<'_> {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            tracing::error!("a panic (a bug) unwound through {}", self.what);
-            *self.engine.broken.lock() = Some(format!(
-                "torch-memory-saver stopped after an internal error (a bug) during {}: its record \
-                 of the device may be wrong, so it no longer pauses, resumes or allocates; \
-                 restart the process",
-                self.what
-            ));
-        }
-    }
-}
-
-/// Returns the allocations a transaction marked, and that are still in transition when it ends
-/// (by error or unwind), to the state they came from, and wakes those waiting for them.
-struct Settle<'a> {
-    engine: &'a Engine,
-    ptrs: Vec<DevPtr>,
-    during: State,
-}
-
-impl Drop for Settle<'_> {
-    fn drop(&mut self) {
-        {
-            // What a pause wrote for segments it did not retire is not marked saved (the pause
-            // cleared that when it began), so the handles tell all.
-            let mut reg = self.engine.reg.lock();
-            for p in &self.ptrs {
-                if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
-                    a.state = a.settled();
-                    a.arriving = None;
-                }
-            }
-        }
-        self.engine.settled.notify_all();
-    }
-}
-
-impl Engine {
-    /// Hand retained pinned backups that are not page-locked yet to the background pinner: the
-    /// chunks of them that lie wholly in what the backup holds (page-locking touches every page,
-    /// so a chunked allocation with only some chunks saved would otherwise pin host memory for
-    /// chunks never saved).
+    /// Hand retained pinned backups that are not page-locked yet to the background pinner
+    /// (with `retain` on and pinning in the background): the chunks of them that lie wholly in
+    /// what the backup holds (page-locking touches every page, so a chunked allocation with
+    /// only some chunks saved would otherwise pin host memory for chunks never saved).
     pub(super) fn pin_later<'a>(
         &self,
         cfg: &CopyConfig,
+        retain: bool,
         hosts: impl Iterator<Item = (DevPtr, &'a Arc<HostBuffer>)>,
     ) {
-        if cfg.pin != PinMode::Background || !self.retain_cpu_backup() {
+        if cfg.pin != PinMode::Background || !retain {
             return;
         }
         let todo = {
-            let reg = self.reg.lock();
+            let reg = self.settle.registry.lock();
             hosts
                 .filter(|(_, h)| h.backend() == BackupKind::Pinned)
                 .filter_map(|(p, h)| {
-                    let a = reg.allocs.get(&p)?;
+                    let a: &Allocation = reg.allocs.get(&p)?;
                     let chunks: Vec<usize> = h
                         .chunks_within(&a.saved_ranges())
                         .into_iter()
@@ -282,6 +272,116 @@ impl Engine {
                 })
                 .collect()
         };
-        self.pinner.enqueue(todo);
+        self.end.ops.pinner.enqueue(todo);
+    }
+
+    /// End the transaction (Note [Transactions]): settle what is still in transition, let go of
+    /// the operations lock (the staging slots going as `slots` says), hand what was taken to
+    /// `after` with the progress counters, then record the report, its time taken now and the
+    /// seconds `after` returns spent releasing, per tag in the history that `stats` shows, and
+    /// let go of the rest.
+    pub(super) fn end(
+        self,
+        slots: Slots,
+        tally: Tally,
+        after: impl FnOnce(Rings, &Counters) -> f64,
+    ) -> OpReport {
+        let Txn {
+            settle,
+            slots: mut held,
+            end,
+        } = self;
+        drop(settle);
+        let taken = match slots {
+            Slots::KeepIfUsed => {
+                clear_if_unused(&mut held, end.registry);
+                Rings::new()
+            }
+            Slots::Take => std::mem::take(&mut *held),
+        };
+        drop(held);
+        let release_seconds = after(taken, end.tracked.counters());
+        end.report(tally, release_seconds)
+    }
+}
+
+impl Ending<'_> {
+    /// The operation's report, recorded per tag; then everything left is let go of.
+    fn report(self, tally: Tally, release_seconds: f64) -> OpReport {
+        let Tally {
+            mut report,
+            per_tag,
+        } = tally;
+        report.release_seconds = release_seconds;
+        report.seconds = self.t0.elapsed().as_secs_f64();
+        let mut reg = self.registry.lock();
+        for (t, mut r) in per_tag {
+            r.seconds = report.seconds;
+            r.release_seconds = report.release_seconds;
+            let h = reg.history.entry(t).or_default();
+            *match self.which {
+                Which::Pause => &mut h.last_pause,
+                Which::Resume => &mut h.last_resume,
+            } = Some(r);
+        }
+        report
+    }
+}
+
+/// `"pause"` or `"resume"`.
+fn verb(which: Which) -> &'static str {
+    match which {
+        Which::Pause => "pause",
+        Which::Resume => "resume",
+    }
+}
+
+/// Marks the engine broken if a panic unwinds through the operation it guards.
+struct BreakOnUnwind<'a> {
+    ops: &'a Ops,
+    which: Which,
+    tag: Option<String>,
+}
+
+impl Drop for BreakOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let what = format!(
+                "a {} of {}",
+                verb(self.which),
+                describe(self.tag.as_deref())
+            );
+            tracing::error!("a panic (a bug) unwound through {what}");
+            *self.ops.broken.lock() = Some(format!(
+                "torch-memory-saver stopped after an internal error (a bug) during {what}: its \
+                 record of the device may be wrong, so it no longer pauses, resumes or \
+                 allocates; restart the process"
+            ));
+        }
+    }
+}
+
+/// Returns the allocations a transaction marked, and that are still in transition when it ends
+/// (by error or unwind), to the state they came from, and wakes those waiting for them.
+struct Settle<'a> {
+    registry: &'a Registry,
+    ptrs: Vec<DevPtr>,
+    during: State,
+}
+
+impl Drop for Settle<'_> {
+    fn drop(&mut self) {
+        {
+            // What a pause wrote for segments it did not retire is not marked saved (the pause
+            // cleared that when it began), so the handles tell all.
+            let mut reg = self.registry.lock();
+            for p in &self.ptrs {
+                if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
+                    a.state = a.settled();
+                    a.arriving = None;
+                }
+            }
+        }
+        self.registry.notify_settled();
     }
 }
