@@ -21,7 +21,7 @@ pub const SOURCE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/hip/libamdh
 
 /// `hipMemRelease` keeps memory while its range stays reserved (ROCm 7.2).
 pub const QUIRK_RELEASE_HOLDS: u32 = 1;
-/// `hipMemAddressReserve` ignores the address asked for.
+/// `hipMemAddressReserve` never gives the address asked for (as if another reservation had it).
 pub const QUIRK_IGNORE_ADDRESS: u32 = 2;
 /// `hipMemSetAccess` refuses a range that does not start its reservation (ROCm 7.2).
 pub const QUIRK_TAIL_ACCESS: u32 = 4;

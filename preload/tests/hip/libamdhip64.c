@@ -74,7 +74,7 @@ typedef void *hipDeviceptr_t;
 /* hipMemRelease does not give the memory back while the range it was mapped in stays reserved
    (ROCm 7.2): it goes when that range is freed. */
 #define HIPSIM_QUIRK_RELEASE_HOLDS 1u
-/* hipMemAddressReserve ignores the address asked for. */
+/* hipMemAddressReserve never gives the address asked for (as if another reservation had it). */
 #define HIPSIM_QUIRK_IGNORE_ADDRESS 2u
 /* hipMemSetAccess fails with hipErrorInvalidValue for a range with mappings before it in its
    reservation (ROCm 7.2: it adds up mappings from the reservation's first one). */
@@ -701,31 +701,39 @@ static void *map_none(void *at, size_t len, int flags) {
     return mmap(at, len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | flags, -1, 0);
 }
 
-/* A free, aligned place of `size` bytes in the aperture: `want` if it is one, else the first. */
-static uintptr_t place(size_t size, size_t align, uintptr_t want) {
+static int taken(uintptr_t at, size_t size) {
+    for (struct reservation *r = reservations; r; r = r->next) {
+        if (r->start < at + size && at < r->start + r->size) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* A free, aligned place of `size` bytes in the aperture: `want` if it is one (and not to be
+   avoided), else the first, never overlapping `avoid` bytes at `want` where `avoid` is set. */
+static uintptr_t place(size_t size, size_t align, uintptr_t want, size_t avoid) {
     uintptr_t end = aperture + aperture_size;
-    if (want && want % align == 0 && want >= aperture && want + size <= end) {
-        int free_there = 1;
+    if (want && !avoid && want % align == 0 && want >= aperture && want + size <= end &&
+        !taken(want, size)) {
+        return want;
+    }
+    for (uintptr_t at = (aperture + align - 1) / align * align; at + size <= end;) {
+        uintptr_t next = 0;
         for (struct reservation *r = reservations; r; r = r->next) {
-            if (r->start < want + size && want < r->start + r->size) {
-                free_there = 0;
+            if (r->start < at + size && at < r->start + r->size && r->start + r->size > next) {
+                next = r->start + r->size;
             }
         }
-        if (free_there) {
-            return want;
+        if (avoid && want < at + size && at < want + avoid && want + avoid > next) {
+            next = want + avoid;
         }
+        if (!next) {
+            return at;
+        }
+        at = (next + align - 1) / align * align;
     }
-    /* The list is kept in address order. */
-    uintptr_t at = (aperture + align - 1) / align * align;
-    for (struct reservation *r = reservations; r; r = r->next) {
-        if (at + size <= r->start) {
-            break;
-        }
-        if (r->start + r->size > at) {
-            at = (r->start + r->size + align - 1) / align * align;
-        }
-    }
-    return at + size <= end ? at : 0;
+    return 0;
 }
 
 hipError_t hipMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr,
@@ -739,20 +747,17 @@ hipError_t hipMemAddressReserve(void **ptr, size_t size, size_t alignment, void 
         return leave(hipErrorInvalidValue);
     }
     size_t align = alignment > granularity ? alignment : granularity;
-    uintptr_t want = (quirks & HIPSIM_QUIRK_IGNORE_ADDRESS) ? 0 : (uintptr_t)addr;
-    uintptr_t p = place(size, align, want);
+    /* Ignoring the address is modelled as another reservation holding it. */
+    size_t avoid = (quirks & HIPSIM_QUIRK_IGNORE_ADDRESS) && addr ? size : 0;
+    uintptr_t p = place(size, align, (uintptr_t)addr, avoid);
     struct reservation *r = p ? calloc(1, sizeof *r) : NULL;
     if (!r) {
         return leave(hipErrorOutOfMemory);
     }
     r->start = p;
     r->size = size;
-    struct reservation **at = &reservations;
-    while (*at && (*at)->start < p) {
-        at = &(*at)->next;
-    }
-    r->next = *at;
-    *at = r;
+    r->next = reservations;
+    reservations = r;
     books.reservations++;
     *ptr = (void *)p;
     return leave(hipSuccess);
