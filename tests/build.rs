@@ -41,7 +41,8 @@ fn main() {
     let fake_src = c_dir.join("fake_cudart.c");
     let prog_src = c_dir.join("e2e_prog.c");
     let header = include.join("tms.h");
-    for p in [&fake_src, &prog_src, &header] {
+    let dlsym_header = c_dir.join("tms_dlsym.h");
+    for p in [&fake_src, &prog_src, &header, &dlsym_header] {
         println!("cargo:rerun-if-changed={}", path_str(p));
     }
     println!("cargo:rerun-if-changed=build.rs");

@@ -16,7 +16,6 @@
 #define TMS_DECLARE_HIP_INTERPOSERS
 #include "tms.h"
 
-#include <dlfcn.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -44,8 +43,7 @@ long hipsim_calls(const char *call);
     X(tms_resume)                                                                            \
     X(tms_stats_json)
 
-#define DECLARE_POINTER(name) static __typeof__(&name) p_##name;
-TMS_FUNCTIONS(DECLARE_POINTER)
+#include "tms_dlsym.h"
 
 static int failures;
 
@@ -84,15 +82,7 @@ int main(int argc, char **argv) {
         return 2;
     }
     const char *backend = argv[1];
-    int ok = 1;
-#define LOAD_POINTER(name)                                                                   \
-    p_##name = (__typeof__(&name))dlsym(RTLD_DEFAULT, #name);                                \
-    if (p_##name == NULL) {                                                                  \
-        printf("FAIL: %s not found: is libtms.so preloaded (LD_PRELOAD)?\n", #name);         \
-        ok = 0;                                                                              \
-    }
-    TMS_FUNCTIONS(LOAD_POINTER)
-    if (!ok) {
+    if (!load_api()) {
         return 1;
     }
     /* Before the library starts the runtime: 64 MiB, 2 MiB granularity, ROCm 7.2's release. */

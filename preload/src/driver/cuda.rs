@@ -463,21 +463,19 @@ impl Driver for CudaDriver {
 
     fn stream(&self, device: i32) -> Result<Stream> {
         let i = self.check_device(device)?;
-        if let Some(s) = self.streams[i].get() {
-            return Ok(Stream(*s as u64));
-        }
-        let _scope = super::DeviceScope::enter(self, device)?;
-        let mut s: sys::CUstream = std::ptr::null_mut();
-        cu(
-            "cuStreamCreate",
-            // SAFETY: _scope made the device's context current; &mut s is a valid handle to
-            // write. Flag 1 (non-blocking) keeps the stream from serialising with the legacy
-            // default stream that PyTorch's work may use.
-            unsafe { sys::cuStreamCreate(&mut s, 1) },
-            || format!("device {device}"),
-        )?;
-        // A racing thread may create a second stream; the loser's stream is kept alive unused.
-        Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
+        super::kept_stream(&self.streams[i], || {
+            let _scope = super::DeviceScope::enter(self, device)?;
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            cu(
+                "cuStreamCreate",
+                // SAFETY: _scope made the device's context current; &mut s is a valid handle to
+                // write. Flag 1 (non-blocking) keeps the stream from serialising with the legacy
+                // default stream that PyTorch's work may use.
+                unsafe { sys::cuStreamCreate(&mut s, 1) },
+                || format!("device {device}"),
+            )?;
+            Ok(s as usize)
+        })
     }
 
     fn gate(&self) -> Result<Gate> {

@@ -173,6 +173,19 @@ pub(crate) fn device_index(device: i32, devices: i32) -> Result<usize> {
     Ok(device as usize)
 }
 
+/// The engine's stream kept in `cell`, made by `make` on first use. A racing thread may make a
+/// second one; the loser's stream is kept alive unused.
+pub(crate) fn kept_stream(
+    cell: &std::sync::OnceLock<usize>,
+    make: impl FnOnce() -> Result<usize>,
+) -> Result<Stream> {
+    if let Some(s) = cell.get() {
+        return Ok(Stream(*s as u64));
+    }
+    let s = make()?;
+    Ok(Stream(*cell.get_or_init(|| s) as u64))
+}
+
 /// Symbolic name of a CUDA driver status, for the codes this library meets.
 pub fn cuda_error_name(code: i32) -> &'static str {
     match code {

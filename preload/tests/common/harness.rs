@@ -100,30 +100,29 @@ pub fn run(setup: Setup, body: impl FnOnce(Harness)) {
     body(Harness::new(&setup));
 }
 
+/// Whether the test `name` is skipped, for `why`: on a CUDA run, saying so.
+fn skipped_on_cuda(name: &str, why: &str) -> bool {
+    let skip = Kind::current() == Kind::Cuda;
+    if skip {
+        // Past the output capture: the GPU run's log tells what did not run there.
+        let _ = writeln!(std::io::stderr(), "{name}: skipped on CUDA ({why})");
+    }
+    skip
+}
+
 /// Run `body` on the HIP driver over a fresh copy of the double; skipped under CUDA (a GPU run
 /// is about the GPU; the CPU runs cover this).
 pub fn run_hip(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
-    if Kind::current() == Kind::Cuda {
-        let _ = writeln!(
-            std::io::stderr(),
-            "{name}: skipped on CUDA (it runs on the HIP test double on CPU runs)"
-        );
-        return;
+    if !skipped_on_cuda(name, "it runs on the HIP test double on CPU runs") {
+        body(Harness::on_hip(&setup));
     }
-    body(Harness::on_hip(&setup));
 }
 
 /// Run `body` on the sim; skipped under CUDA (see [`engine_test!`]).
 pub fn run_sim_only(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
-    if Kind::current() == Kind::Cuda {
-        // Past the output capture: the GPU run's log tells what did not run there.
-        let _ = writeln!(
-            std::io::stderr(),
-            "{name}: skipped on CUDA (it needs the simulated device's hooks)"
-        );
-        return;
+    if !skipped_on_cuda(name, "it needs the simulated device's hooks") {
+        body(Harness::on_sim(&setup));
     }
-    body(Harness::on_sim(&setup));
 }
 
 /// `engine_test! { fn name(h) [setup] { body } }`: a `#[test]` running `body` with `h`, a

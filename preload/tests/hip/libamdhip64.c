@@ -231,6 +231,15 @@ static hipError_t leave(hipError_t rc) {
     return rc;
 }
 
+/* enter(call), returning from the caller with the code of a fault armed for it. */
+#define ENTER(call)                                                                          \
+    do {                                                                                     \
+        hipError_t fault_ = enter(call);                                                     \
+        if (fault_ != hipSuccess) {                                                          \
+            return leave(fault_);                                                            \
+        }                                                                                    \
+    } while (0)
+
 static int valid_device(int d) { return d >= 0 && d < devices; }
 
 static int multiple(uint64_t v) { return v > 0 && v % granularity == 0; }
@@ -553,17 +562,20 @@ hipError_t hipInit(unsigned int flags) {
     return leave(rc);
 }
 
-hipError_t hipDriverGetVersion(int *v) {
-    hipError_t rc = enter("hipDriverGetVersion");
+/* A call that answers one int, `value`, in `out`. */
+static hipError_t answer_int(const char *call, int *out, int value) {
+    hipError_t rc = enter(call);
     if (rc == hipSuccess) {
-        if (!v) {
+        if (!out) {
             rc = hipErrorInvalidValue;
         } else {
-            *v = version;
+            *out = value;
         }
     }
     return leave(rc);
 }
+
+hipError_t hipDriverGetVersion(int *v) { return answer_int("hipDriverGetVersion", v, version); }
 
 hipError_t hipGetDeviceCount(int *n) {
     hipError_t rc = enter("hipGetDeviceCount");
@@ -582,17 +594,7 @@ hipError_t hipGetDeviceCount(int *n) {
     return leave(rc);
 }
 
-hipError_t hipGetDevice(int *d) {
-    hipError_t rc = enter("hipGetDevice");
-    if (rc == hipSuccess) {
-        if (!d) {
-            rc = hipErrorInvalidValue;
-        } else {
-            *d = current_device;
-        }
-    }
-    return leave(rc);
-}
+hipError_t hipGetDevice(int *d) { return answer_int("hipGetDevice", d, current_device); }
 
 hipError_t hipSetDevice(int d) {
     hipError_t rc = enter("hipSetDevice");
@@ -738,10 +740,7 @@ static uintptr_t place(size_t size, size_t align, uintptr_t want, size_t avoid) 
 
 hipError_t hipMemAddressReserve(void **ptr, size_t size, size_t alignment, void *addr,
                                 unsigned long long flags) {
-    hipError_t rc = enter("hipMemAddressReserve");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemAddressReserve");
     if (!ptr || !multiple(size) || flags != 0 || (alignment & (alignment - 1)) != 0 ||
         (uintptr_t)addr % granularity != 0) {
         return leave(hipErrorInvalidValue);
@@ -754,9 +753,7 @@ hipError_t hipMemAddressReserve(void **ptr, size_t size, size_t alignment, void 
     if (!r) {
         return leave(hipErrorOutOfMemory);
     }
-    r->start = p;
-    r->size = size;
-    r->next = reservations;
+    *r = (struct reservation){.start = p, .size = size, .next = reservations};
     reservations = r;
     books.reservations++;
     *ptr = (void *)p;
@@ -764,10 +761,7 @@ hipError_t hipMemAddressReserve(void **ptr, size_t size, size_t alignment, void 
 }
 
 hipError_t hipMemAddressFree(void *ptr, size_t size) {
-    hipError_t rc = enter("hipMemAddressFree");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemAddressFree");
     uintptr_t start = (uintptr_t)ptr;
     struct reservation **at = &reservations;
     while (*at && (*at)->start != start) {
@@ -797,10 +791,7 @@ hipError_t hipMemAddressFree(void *ptr, size_t size) {
 
 hipError_t hipMemCreate(hipMemGenericAllocationHandle_t *handle, size_t size,
                         const hipMemAllocationProp *prop, unsigned long long flags) {
-    hipError_t rc = enter("hipMemCreate");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemCreate");
     if (!handle || !good_prop(prop) || flags != 0 || !multiple(size)) {
         return leave(hipErrorInvalidValue);
     }
@@ -823,10 +814,7 @@ hipError_t hipMemCreate(hipMemGenericAllocationHandle_t *handle, size_t size,
         close(fd);
         return leave(hipErrorOutOfMemory);
     }
-    h->fd = fd;
-    h->size = size;
-    h->device = d;
-    h->next = physs;
+    *h = (struct phys){.fd = fd, .size = size, .device = d, .next = physs};
     physs = h;
     live[d] += size;
     books.handles++;
@@ -835,10 +823,7 @@ hipError_t hipMemCreate(hipMemGenericAllocationHandle_t *handle, size_t size,
 }
 
 hipError_t hipMemRelease(hipMemGenericAllocationHandle_t handle) {
-    hipError_t rc = enter("hipMemRelease");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemRelease");
     if (!phys_live(handle)) {
         return leave(hipErrorInvalidValue);
     }
@@ -850,10 +835,7 @@ hipError_t hipMemRelease(hipMemGenericAllocationHandle_t handle) {
 
 hipError_t hipMemMap(void *ptr, size_t size, size_t offset, hipMemGenericAllocationHandle_t handle,
                      unsigned long long flags) {
-    hipError_t rc = enter("hipMemMap");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemMap");
     uintptr_t p = (uintptr_t)ptr;
     if (!ptr || offset != 0 || flags != 0 || !multiple(size) || p % granularity != 0 ||
         !phys_live(handle) || handle->size < size) {
@@ -876,10 +858,7 @@ hipError_t hipMemMap(void *ptr, size_t size, size_t offset, hipMemGenericAllocat
         free(m);
         return leave(hipErrorOutOfMemory);
     }
-    m->start = p;
-    m->size = size;
-    m->phys = handle;
-    m->next = mappings;
+    *m = (struct mapping){.start = p, .size = size, .phys = handle, .next = mappings};
     mappings = m;
     handle->maps++;
     handle->reservation = r->start;
@@ -888,10 +867,7 @@ hipError_t hipMemMap(void *ptr, size_t size, size_t offset, hipMemGenericAllocat
 }
 
 hipError_t hipMemUnmap(void *ptr, size_t size) {
-    hipError_t rc = enter("hipMemUnmap");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemUnmap");
     struct mapping **at = &mappings;
     while (*at && (*at)->start != (uintptr_t)ptr) {
         at = &(*at)->next;
@@ -912,10 +888,7 @@ hipError_t hipMemUnmap(void *ptr, size_t size) {
 }
 
 hipError_t hipMemSetAccess(void *ptr, size_t size, const hipMemAccessDesc *desc, size_t count) {
-    hipError_t rc = enter("hipMemSetAccess");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMemSetAccess");
     uintptr_t p = (uintptr_t)ptr, end = p + size;
     if (!desc || count == 0 || size == 0 || !mapping_at(p)) {
         return leave(hipErrorInvalidValue);
@@ -962,10 +935,7 @@ hipError_t hipMemSetAccess(void *ptr, size_t size, const hipMemAccessDesc *desc,
 /* ---- streams, events, copies -------------------------------------------------------------- */
 
 hipError_t hipStreamCreateWithFlags(hipStream_t *stream, unsigned int flags) {
-    hipError_t rc = enter("hipStreamCreateWithFlags");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipStreamCreateWithFlags");
     struct stream *s = NULL;
     if (!stream || flags > 1 || !(s = calloc(1, sizeof *s))) {
         return leave(hipErrorInvalidValue);
@@ -988,10 +958,7 @@ hipError_t hipStreamSynchronize(hipStream_t stream) {
 
 hipError_t hipStreamWaitValue32(hipStream_t stream, void *ptr, uint32_t value, unsigned int flags,
                                 uint32_t mask) {
-    hipError_t rc = enter("hipStreamWaitValue32");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipStreamWaitValue32");
     struct stream *s = stream_of(stream);
     if (!s) {
         return leave(hipErrorInvalidHandle);
@@ -1029,10 +996,7 @@ static struct event *event_of(hipEvent_t e) {
 }
 
 hipError_t hipEventCreateWithFlags(hipEvent_t *event, unsigned flags) {
-    hipError_t rc = enter("hipEventCreateWithFlags");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipEventCreateWithFlags");
     struct event *e = NULL;
     if (!event || (flags & ~0x7u) || !(e = calloc(1, sizeof *e))) {
         return leave(hipErrorInvalidValue);
@@ -1062,10 +1026,7 @@ hipError_t hipEventSynchronize(hipEvent_t event) {
 }
 
 hipError_t hipEventDestroy(hipEvent_t event) {
-    hipError_t rc = enter("hipEventDestroy");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipEventDestroy");
     for (struct event **at = &events; *at; at = &(*at)->next) {
         if (*at == event) {
             *at = event->next;
@@ -1097,10 +1058,7 @@ hipError_t hipMemcpyHtoDAsync(hipDeviceptr_t dst, void *src, size_t len, hipStre
 /* ---- host memory -------------------------------------------------------------------------- */
 
 hipError_t hipHostRegister(void *ptr, size_t len, unsigned int flags) {
-    hipError_t rc = enter("hipHostRegister");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipHostRegister");
     uintptr_t p = (uintptr_t)ptr;
     if (!ptr || len == 0 || (flags & ~0xfu)) {
         return leave(hipErrorInvalidValue);
@@ -1118,10 +1076,7 @@ hipError_t hipHostRegister(void *ptr, size_t len, unsigned int flags) {
 }
 
 hipError_t hipHostUnregister(void *ptr) {
-    hipError_t rc = enter("hipHostUnregister");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipHostUnregister");
     struct range *r = take_range(&registered, (uintptr_t)ptr);
     if (!r) {
         return leave(hipErrorHostMemoryNotRegistered);
@@ -1132,10 +1087,7 @@ hipError_t hipHostUnregister(void *ptr) {
 }
 
 hipError_t hipHostMalloc(void **ptr, size_t size, unsigned int flags) {
-    hipError_t rc = enter("hipHostMalloc");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipHostMalloc");
     /* Portable, Mapped, WriteCombined, NumaUser, Coherent, NonCoherent. */
     if (!ptr || size == 0 || (flags & ~(0x7u | 0xe0000000u))) {
         return leave(hipErrorInvalidValue);
@@ -1185,10 +1137,7 @@ hipError_t hipHostFree(void *ptr) {
 /* ---- hipMalloc and hipFree: ordinary memory, below libtms.so's interposers ---------------- */
 
 hipError_t hipMalloc(void **ptr, size_t size) {
-    hipError_t rc = enter("hipMalloc");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipMalloc");
     books.malloc_calls++;
     void *p = NULL;
     if (!ptr) {
@@ -1204,10 +1153,7 @@ hipError_t hipMalloc(void **ptr, size_t size) {
 }
 
 hipError_t hipFree(void *ptr) {
-    hipError_t rc = enter("hipFree");
-    if (rc != hipSuccess) {
-        return leave(rc);
-    }
+    ENTER("hipFree");
     books.free_calls++;
     if (!ptr) {
         return leave(hipSuccess);

@@ -529,17 +529,16 @@ impl Driver for HipDriver {
 
     fn stream(&self, device: i32) -> Result<Stream> {
         let i = self.check_device(device)?;
-        if let Some(s) = self.streams[i].get() {
-            return Ok(Stream(*s as u64));
-        }
-        let _scope = DeviceScope::enter(self, device)?;
-        let mut s: *mut c_void = std::ptr::null_mut();
-        // SAFETY: _scope made the device current; &mut s is a valid handle to write. A
-        // non-blocking stream does not serialise with the null stream PyTorch's work may use.
-        let r = unsafe { (self.api.stream_create_with_flags)(&mut s, api::STREAM_NON_BLOCKING) };
-        self.hip("hipStreamCreateWithFlags", r, || format!("device {device}"))?;
-        // A racing thread may create a second stream; the loser's stream is kept alive unused.
-        Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
+        super::kept_stream(&self.streams[i], || {
+            let _scope = DeviceScope::enter(self, device)?;
+            let mut s: *mut c_void = std::ptr::null_mut();
+            // SAFETY: _scope made the device current; &mut s is a valid handle to write. A
+            // non-blocking stream does not serialise with the null stream PyTorch's work uses.
+            let r =
+                unsafe { (self.api.stream_create_with_flags)(&mut s, api::STREAM_NON_BLOCKING) };
+            self.hip("hipStreamCreateWithFlags", r, || format!("device {device}"))?;
+            Ok(s as usize)
+        })
     }
 
     fn thread_stream(&self) -> Option<Stream> {
