@@ -230,11 +230,12 @@ impl HipDriver {
     /// given and free (a hint: the runtime may place it elsewhere). Callers hold `addresses`.
     fn reserve_at(&self, device: i32, size: u64, at: DevPtr) -> Result<DevPtr> {
         let align = self.granularity(device)?;
-        let mut p: *mut c_void = std::ptr::null_mut();
-        let r =
-            // SAFETY: &mut p is a valid pointer to write; reserving touches no existing memory,
-            // and an address asked for is only a request.
-            unsafe { (self.api.mem_address_reserve)(&mut p, size as usize, align as usize, at as *mut c_void, 0) };
+        let (mut p, hint): (*mut c_void, *mut c_void) = (std::ptr::null_mut(), at as *mut c_void);
+        // SAFETY: &mut p is a valid pointer to write; reserving touches no existing memory, and
+        // an address asked for is only a request.
+        let r = unsafe {
+            (self.api.mem_address_reserve)(&mut p, size as usize, align as usize, hint, 0)
+        };
         self.hip("hipMemAddressReserve", r, || {
             format!("device {device}, {size} bytes, at {at:#x}")
         })?;
