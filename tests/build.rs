@@ -3,10 +3,12 @@
 //! - `tests/c/fake_cudart.c` into `$OUT_DIR/libcudart.so`, a fake CUDA runtime that counts
 //!   the `cudaMalloc`/`cudaFree` calls reaching it;
 //! - `tests/c/e2e_prog.c` into `$OUT_DIR/e2e_prog`, linked against that fake runtime, which the
-//!   tests run with `LD_PRELOAD=libtms.so`.
+//!   tests run with `LD_PRELOAD=libtms.so`;
+//! - the HIP test double `preload/tests/hip/libamdhip64.c` into `$OUT_DIR/hip/libamdhip64.so`,
+//!   and `tests/c/e2e_hip.c` into `$OUT_DIR/e2e_hip`, linked against it.
 //!
-//! The paths are passed to the tests as `TMS_TEST_FAKE_CUDART`, `TMS_TEST_E2E_PROG` and
-//! `TMS_TEST_OUT_DIR` (read with `env!`).
+//! The paths are passed to the tests as `TMS_TEST_FAKE_CUDART`, `TMS_TEST_E2E_PROG`,
+//! `TMS_TEST_E2E_HIP` and `TMS_TEST_OUT_DIR` (read with `env!`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -39,7 +41,8 @@ fn main() {
     let fake_src = c_dir.join("fake_cudart.c");
     let prog_src = c_dir.join("e2e_prog.c");
     let header = include.join("tms.h");
-    for p in [&fake_src, &prog_src, &header] {
+    let dlsym_header = c_dir.join("tms_dlsym.h");
+    for p in [&fake_src, &prog_src, &header, &dlsym_header] {
         println!("cargo:rerun-if-changed={}", path_str(p));
     }
     println!("cargo:rerun-if-changed=build.rs");
@@ -100,6 +103,42 @@ fn main() {
     let mut args: Vec<&str> = warn.to_vec();
     args.extend(["-o", path_str(&local_main), path_str(&main_src), "-ldl"]);
     cc(&args, "the RTLD_LOCAL test program");
+
+    // The HIP test double, and a program that calls hipMalloc, linked against it.
+    let hip_src = manifest.join("../preload/tests/hip/libamdhip64.c");
+    let hip_prog_src = c_dir.join("e2e_hip.c");
+    println!("cargo:rerun-if-changed={}", path_str(&hip_src));
+    println!("cargo:rerun-if-changed={}", path_str(&hip_prog_src));
+    let hip_dir = out.join("hip");
+    std::fs::create_dir_all(&hip_dir).expect("create $OUT_DIR/hip");
+    let hip = hip_dir.join("libamdhip64.so");
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        "-shared",
+        "-fPIC",
+        "-Wl,-soname,libamdhip64.so",
+        "-o",
+        path_str(&hip),
+        path_str(&hip_src),
+    ]);
+    cc(&args, "the HIP test double");
+    let hip_prog = out.join("e2e_hip");
+    let hip_lib_dir = format!("-L{}", path_str(&hip_dir));
+    let hip_rpath = format!("-Wl,-rpath,{}", path_str(&hip_dir));
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        &include_flag,
+        "-o",
+        path_str(&hip_prog),
+        path_str(&hip_prog_src),
+        "-Wl,--no-as-needed",
+        &hip_lib_dir,
+        "-lamdhip64",
+        &hip_rpath,
+        "-ldl",
+    ]);
+    cc(&args, "the HIP end-to-end test program");
+    println!("cargo:rustc-env=TMS_TEST_E2E_HIP={}", path_str(&hip_prog));
 
     println!("cargo:rustc-env=TMS_TEST_FAKE_CUDART={}", path_str(&fake));
     println!("cargo:rustc-env=TMS_TEST_E2E_PROG={}", path_str(&prog));

@@ -6,9 +6,9 @@
  * host (CPU) backup of the contents across the pause.
  *
  * Two ways to use it:
- *  - preload mode: LD_PRELOAD=libtms.so interposes cudaMalloc/cudaFree. Allocations made
- *    by a thread inside a region (tms_region_enter, or TMS_INIT_ENABLE=1) are pauseable;
- *    everything else goes to the real CUDA runtime unchanged.
+ *  - preload mode: LD_PRELOAD=libtms.so interposes cudaMalloc/cudaFree (hipMalloc/hipFree
+ *    on ROCm). Allocations made by a thread inside a region (tms_region_enter, or
+ *    TMS_INIT_ENABLE=1) are pauseable; everything else goes to the real runtime unchanged.
  *  - direct calls: link with -ltms (or dlsym the symbols when the library is preloaded).
  *
  * Conventions:
@@ -29,8 +29,9 @@
  *
  * Environment (read once, at first use): TMS_INIT_ENABLE, TMS_INIT_TAG,
  * TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND (pinned|mmap),
- * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|sim), TMS_LOG,
+ * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|hip|sim), TMS_LOG,
  * TMS_LOG_FORMAT (text|json);
+ * for ROCm: TMS_HIP_LIBRARY, TMS_HIP_RESERVE_AGAIN;
  * for the simulated device: TMS_SIM_CAPACITY, TMS_SIM_DEVICES, TMS_SIM_GRANULARITY,
  * TMS_SIM_FAULTS.
  *
@@ -58,7 +59,7 @@ extern "C" {
 #define TMS_OK 0
 /* Out of memory (device or host); the state is unchanged and the call may be retried. */
 #define TMS_ERR_OUT_OF_MEMORY 1
-/* A CUDA driver call failed (the message names the call and its error). */
+/* A CUDA or HIP driver call failed (the message names the call and its error). */
 #define TMS_ERR_DRIVER 2
 /* Bad argument (NULL where a value is required, empty tag, malformed setting, ...). */
 #define TMS_ERR_INVALID_ARGUMENT 3
@@ -725,6 +726,36 @@ int cudaMalloc(void **dev_ptr, size_t size);
  */
 int cudaFree(void *ptr);
 #endif /* TMS_DECLARE_CUDA_INTERPOSERS */
+
+/* ---- HIP runtime interposers (preload mode on ROCm) ---------------------------------- */
+
+/*
+ * libtms.so also exports hipMalloc and hipFree with the HIP runtime's signatures (its status
+ * codes are the CUDA runtime's numbers for every status they return). They are declared only
+ * when TMS_DECLARE_HIP_INTERPOSERS is defined, so that this header can be included next to
+ * hip_runtime_api.h.
+ */
+#ifdef TMS_DECLARE_HIP_INTERPOSERS
+
+/**
+ * Interposed `hipMalloc`: pauseable memory inside a region, the real HIP runtime's outside (2 =
+ * `hipErrorOutOfMemory` when pauseable memory runs out, with the reason in
+ * `tms_last_error()`).
+ *
+ * # Safety
+ * As the HIP runtime's `hipMalloc`: `ptr` points to writable storage for one pointer.
+ */
+int hipMalloc(void **ptr, size_t size);
+
+/**
+ * Interposed `hipFree`: frees pauseable allocations, hands every other pointer to the HIP
+ * runtime.
+ *
+ * # Safety
+ * As the HIP runtime's `hipFree`.
+ */
+int hipFree(void *ptr);
+#endif /* TMS_DECLARE_HIP_INTERPOSERS */
 
 #ifdef __cplusplus
 } /* extern "C" */

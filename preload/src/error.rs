@@ -149,7 +149,7 @@ pub mod status {
             code: DRIVER,
             symbol: c"TMS_ERR_DRIVER",
             python: Some("DriverError"),
-            meaning: "A CUDA driver call failed (the message names the call and its error).",
+            meaning: "A CUDA or HIP driver call failed (the message names the call and its error).",
         },
         Status {
             code: INVALID_ARGUMENT,

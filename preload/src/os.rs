@@ -1,5 +1,6 @@
 //! Host memory as the operating system gives it: anonymous mappings, the page size, and how much
-//! more the process may take before the kernel's out-of-memory killer steps in.
+//! more the process may take before the kernel's out-of-memory killer steps in; and the shared
+//! objects the loader has in the process.
 
 use crate::error::{Error, Result};
 
@@ -74,6 +75,39 @@ pub(crate) fn munmap(ptr: *mut u8, len: u64) -> Result<()> {
         return Err(Error::last_os(format!("munmap of {len} bytes at {ptr:p}")));
     }
     Ok(())
+}
+
+/// Paths of the shared objects loaded in this process whose path contains `part`, in the
+/// loader's order (a runtime a library loaded into a local scope is found here, where
+/// `dlsym(RTLD_DEFAULT)` does not see it).
+pub(crate) fn loaded_objects(part: &[u8]) -> Vec<std::ffi::CString> {
+    struct Search<'a> {
+        part: &'a [u8],
+        found: Vec<std::ffi::CString>,
+    }
+    unsafe extern "C" fn visit(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        data: *mut libc::c_void,
+    ) -> libc::c_int {
+        // SAFETY: the loader passes a valid info record; data is the Search passed below.
+        let (info, s) = unsafe { (&*info, &mut *(data as *mut Search<'_>)) };
+        if !info.dlpi_name.is_null() {
+            // SAFETY: dlpi_name is a NUL-terminated path owned by the loader.
+            let n = unsafe { std::ffi::CStr::from_ptr(info.dlpi_name) };
+            if !s.part.is_empty() && n.to_bytes().windows(s.part.len()).any(|w| w == s.part) {
+                s.found.push(n.to_owned());
+            }
+        }
+        0
+    }
+    let mut s = Search {
+        part,
+        found: Vec::new(),
+    };
+    // SAFETY: visit only reads the loader's records and pushes to the Search we own.
+    unsafe { libc::dl_iterate_phdr(Some(visit), (&mut s as *mut Search<'_>).cast()) };
+    s.found
 }
 
 /// How much more host memory the process can fill, and what bounds it.

@@ -128,9 +128,11 @@ engine_test! {
     /// Each harness, and each `again`, is an engine of its own; what it writes it reads back,
     /// and ending it gives everything back.
     fn a_harness_gives_each_test_an_engine_of_its_own(h) {
-        assert_eq!(h.is_cuda(), std::env::var(DRIVER_VAR).as_deref() == Ok("cuda"));
+        let cuda_run = std::env::var(DRIVER_VAR).as_deref() == Ok("cuda");
+        assert_eq!(h.is_cuda(), cuda_run && !h.is_hip());
         assert_eq!(h.pick(1, 2), if h.is_cuda() { 2 } else { 1 });
-        assert_eq!(h.driver().name(), h.pick("sim", "cuda"));
+        let want = if h.is_hip() { "hip" } else { h.pick("sim", "cuda") };
+        assert_eq!(h.driver().name(), want);
         let g = h.g();
         let p = h.e.alloc(&req(g + 5, "t")).unwrap();
         let data = pattern((g + 5) as usize, 3);

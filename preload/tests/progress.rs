@@ -17,10 +17,14 @@ const SIZE: u64 = 16 * MIB;
 /// On a GPU: about a tenth of a second of copies each way at link speed, more to disk.
 const GPU_SIZE: u64 = 1 << 30;
 
-/// The size of the allocation to watch; on the sim, the link's bandwidth set to `bandwidth`.
+/// The size of the allocation to watch; on the sim and the HIP double, the link's bandwidth set
+/// to `bandwidth`.
 fn watched(h: &Harness, bandwidth: u64) -> u64 {
     if let Some(sim) = h.sim() {
         sim.set_bandwidth(Some(bandwidth));
+    }
+    if let Some(hip) = h.hip() {
+        hip.set_bandwidth(bandwidth);
     }
     h.pick(SIZE, GPU_SIZE)
 }

@@ -66,7 +66,7 @@ def test_a_patch_of_entrypoint_is_xpu_reaches_the_implementation(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(hip=None, cuda="12.9")))
     monkeypatch.setattr(entrypoint, "is_xpu", lambda: True)
     assert impl._is_xpu is True
-    with pytest.raises(ValueError, match="not supported on ROCm/XPU"):
+    with pytest.raises(ValueError, match="'mmap' is not supported on XPU"):
         saver._cpu_backup_backend(True, "mmap")
     with pytest.raises(ValueError, match="not supported on XPU"):
         with saver.region(enable_cpu_backup=True, cpu_backup_backend="pinned"):

@@ -122,10 +122,10 @@ def test_backup_arguments_are_refused_in_the_existing_librarys_words(monkeypatch
             with t.region(enable_cpu_backup=True, cpu_backup_backend=backend):
                 pass
     monkeypatch.setattr(entrypoint, "is_xpu", lambda: False)
+    # ROCm takes pageable backups, which the existing library refuses there: they go through
+    # page-locked staging buffers, which HIP registers as CUDA does.
     monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(hip="6.2", cuda=None)))
-    with pytest.raises(ValueError, match="not supported on ROCm"):
-        with t.region(enable_cpu_backup=True, cpu_backup_backend="mmap"):
-            pass
+    assert t._cpu_backup_backend(True, "mmap") == "mmap"
 
 
 def test_enabled_initialises_nothing():

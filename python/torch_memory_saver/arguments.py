@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import operator
 import os
-import sys
 from typing import Any, Callable, Optional
 
 from .errors import InvalidArgumentError, UnsupportedError
@@ -62,16 +61,15 @@ def set_xpu_check(check: Callable[[], Any]) -> None:
     _xpu_check = check
 
 
-def _platform() -> tuple:
-    """``(xpu, rocm)``, read at call time: the XPU check (``entrypoint.is_xpu``, a module name
-    integrations patch) and the ``torch.version.hip`` of the torch in use."""
-    torch = sys.modules.get("torch")
-    return bool(_xpu_check()), bool(getattr(getattr(torch, "version", None), "hip", None))
+def _is_xpu() -> bool:
+    """Whether the accelerator is an XPU, read at call time (``entrypoint.is_xpu``, a module name
+    integrations patch). ROCm needs no check of its own: every setting works there."""
+    return bool(_xpu_check())
 
 
 def resolve_cpu_backup_backend(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
     """The host memory a region's CPU backups go to: ``backend`` where given (``"pinned"`` or
-    ``"mmap"``; refused without ``enable_cpu_backup``, and ``"mmap"`` on ROCm/XPU), else
+    ``"mmap"``; refused without ``enable_cpu_backup``, and ``"mmap"`` on XPU), else
     ``TMS_INIT_CPU_BACKUP_BACKEND``, else ``"pinned"``; None without a CPU backup. Errors are
     :class:`InvalidArgumentError` (a ``ValueError``) in the existing library's words."""
     if backend is not None:
@@ -81,9 +79,11 @@ def resolve_cpu_backup_backend(enable_cpu_backup: Any, backend: Any) -> Optional
             raise InvalidArgumentError(
                 f"cpu_backup_backend={backend!r} requires enable_cpu_backup=True (there is no backup to put in it)"
             )
-        if backend == "mmap" and any(_platform()):
+        # ROCm takes it (the existing library refuses it there): pageable backups are filled and
+        # read through page-locked staging buffers, which HIP registers as CUDA does.
+        if backend == "mmap" and _is_xpu():
             raise InvalidArgumentError(
-                "cpu_backup_backend='mmap' is not supported on ROCm/XPU (pageable backups need CUDA); use 'pinned'"
+                "cpu_backup_backend='mmap' is not supported on XPU (pageable backups need CUDA or ROCm); use 'pinned'"
             )
         return backend
     if not enable_cpu_backup:
@@ -98,7 +98,7 @@ def resolve_cpu_backup_backend(enable_cpu_backup: Any, backend: Any) -> Optional
 
 def _check_backup(enable_cpu_backup: Any, backend: Any) -> Optional[str]:
     """A region's explicit backend, checked (None where not given: the library's default)."""
-    if backend is not None and _platform()[0]:
+    if backend is not None and _is_xpu():
         raise InvalidArgumentError(
             "cpu_backup_backend is not supported on XPU (torch_memory_saver works on CUDA devices)"
         )

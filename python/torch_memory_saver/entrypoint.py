@@ -250,7 +250,7 @@ class TorchMemorySaver:
         """The host memory a region with these arguments backs up to: the given backend, else
         ``TMS_INIT_CPU_BACKUP_BACKEND``, else ``"pinned"``; None without a CPU backup. Raises
         ``ValueError`` (:class:`InvalidArgumentError`) for a backend without
-        ``enable_cpu_backup``, an unknown one, or ``"mmap"`` on ROCm/XPU."""
+        ``enable_cpu_backup``, an unknown one, or ``"mmap"`` on XPU."""
         return resolve_cpu_backup_backend(enable_cpu_backup, cpu_backup_backend)
 
     @property
@@ -315,7 +315,7 @@ class TorchMemorySaver:
         ``enable_disk_backup``, ``cpu_backup_backend``); ``chunk_size`` is keyword-only. Bad
         backup arguments raise :class:`InvalidArgumentError` (a ``ValueError``) in the existing
         library's words: a backend that ``requires enable_cpu_backup``, any backend ``not
-        supported on XPU``, ``"mmap"`` ``not supported on ROCm``.
+        supported on XPU``. ``"mmap"`` works on ROCm too (the existing library refuses it there).
 
         ``chunk_size=N`` (bytes; 0 or None, the default: not chunked) makes each allocation an
         elastic one: one reserved address range backed by independent physical chunks of ``N``

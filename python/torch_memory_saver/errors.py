@@ -34,7 +34,7 @@ class OutOfMemoryError(TorchMemorySaverError):
 
 
 class DriverError(TorchMemorySaverError):
-    """A CUDA driver call failed (other than out of memory)."""
+    """A CUDA or HIP driver call failed (other than out of memory)."""
 
 
 class InvalidArgumentError(TorchMemorySaverError, ValueError):

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from .arguments import _U64_MAX, _address, _platform
+from .arguments import _U64_MAX, _address, _is_xpu
 from .binary_wrapper import BinaryWrapper
 from .chunks import _Chunks
 from .cpu_backup import _CpuBackups
@@ -98,7 +98,7 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups):
     @property
     def _is_xpu(self) -> bool:
         """Whether the accelerator is an Intel XPU (``entrypoint.is_xpu``, read now)."""
-        return _platform()[0]
+        return _is_xpu()
 
     @property
     def _device_module(self) -> Any:

@@ -61,22 +61,7 @@ long fake_cuda_live(void);
     X(tms_get_cpu_backup)                                                                    \
     X(tms_stats_json)
 
-#define DECLARE_POINTER(name) static __typeof__(&name) p_##name;
-TMS_FUNCTIONS(DECLARE_POINTER)
-
-static int load_api(void) {
-    int ok = 1;
-#define LOAD_POINTER(name)                                                                   \
-    p_##name = (__typeof__(&name))dlsym(RTLD_DEFAULT, #name);                                \
-    if (p_##name == NULL) {                                                                  \
-        printf("FAIL: %s not found: is libtms.so preloaded (LD_PRELOAD)?\n", #name);         \
-        ok = 0;                                                                              \
-    }
-    TMS_FUNCTIONS(LOAD_POINTER)
-#undef LOAD_POINTER
-    fflush(stdout);
-    return ok;
-}
+#include "tms_dlsym.h"
 
 /* ---- Checks and reporting ------------------------------------------------------------ */
 

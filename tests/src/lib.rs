@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 pub const FAKE_CUDART: &str = env!("TMS_TEST_FAKE_CUDART");
 /// The end-to-end C program built by `build.rs`.
 pub const E2E_PROG: &str = env!("TMS_TEST_E2E_PROG");
+/// The HIP end-to-end C program built by `build.rs`, linked against the HIP test double.
+pub const E2E_HIP: &str = env!("TMS_TEST_E2E_HIP");
 /// The folder `build.rs` wrote into.
 pub const BUILD_OUT_DIR: &str = env!("TMS_TEST_OUT_DIR");
 

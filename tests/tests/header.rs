@@ -76,8 +76,8 @@ fn header_declares_exactly_the_exported_functions() {
         stale.is_empty(),
         "declared in tms.h but not exported: {stale:?}"
     );
-    // Everything else the library exports is the CUDA interposers, declared (guarded) too,
-    // and the existing library's one name without the prefix.
+    // Everything else the library exports is the CUDA and HIP interposers, declared (guarded)
+    // too, and the existing library's one name without the prefix.
     assert_eq!(exported, declared, "exports and declarations differ");
     let others: BTreeSet<_> = exported.difference(&tms(&exported)).cloned().collect();
     assert_eq!(
@@ -85,6 +85,8 @@ fn header_declares_exactly_the_exported_functions() {
         BTreeSet::from([
             "cudaFree".to_string(),
             "cudaMalloc".to_string(),
+            "hipFree".to_string(),
+            "hipMalloc".to_string(),
             "set_memory_margin_bytes".to_string()
         ])
     );
@@ -213,12 +215,19 @@ fn header_compiles_on_its_own() {
             "-std=c11",
             "-pedantic",
             "-DTMS_DECLARE_CUDA_INTERPOSERS",
+            "-DTMS_DECLARE_HIP_INTERPOSERS",
         ],
     );
     syntax_check("c++", &["-x", "c++", "-std=c++11", "-pedantic"]);
     syntax_check(
         "c++",
-        &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_CUDA_INTERPOSERS"],
+        &[
+            "-x",
+            "c++",
+            "-std=c++17",
+            "-DTMS_DECLARE_CUDA_INTERPOSERS",
+            "-DTMS_DECLARE_HIP_INTERPOSERS",
+        ],
     );
 }
 

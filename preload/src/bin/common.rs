@@ -10,13 +10,13 @@ use tms::process::settings::BackendChoice;
 use tms::process::settings::ProcessSettings;
 use tms::AllocRequest;
 
-/// The driver `TMS_BACKEND` asks for; with `auto`, CUDA where a driver and device exist, else
-/// the simulated device (`sim_capacity` bytes), saying so.
+/// The driver `TMS_BACKEND` asks for; with `auto`, CUDA or HIP where a driver and device exist,
+/// else the simulated device (`sim_capacity` bytes), saying so.
 pub fn choose_driver(sim_capacity: u64) -> Result<Arc<dyn Driver>, String> {
     let ps = ProcessSettings::from_env().map_err(|e| e.to_string())?;
     match ps.backend {
         BackendChoice::Auto => {
-            match open_driver(BackendChoice::Cuda) {
+            match open_driver(BackendChoice::Auto) {
                 Ok(d) => Ok(d),
                 Err(e) => {
                     println!("No usable GPU here ({e}).");
@@ -33,7 +33,7 @@ pub fn choose_driver(sim_capacity: u64) -> Result<Arc<dyn Driver>, String> {
                 sim(sim_capacity)
             }
         }
-        BackendChoice::Cuda => open_driver(BackendChoice::Cuda).map_err(|e| e.to_string()),
+        c @ (BackendChoice::Cuda | BackendChoice::Hip) => open_driver(c).map_err(|e| e.to_string()),
     }
 }
 

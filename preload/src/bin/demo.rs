@@ -29,7 +29,7 @@ fn main() -> ExitCode {
 fn run() -> Result<bool, String> {
     let size = match std::env::args().nth(1) {
         Some(a) if a == "-h" || a == "--help" => {
-            println!("usage: tms-demo [SIZE]   (default 1GiB)\nEnvironment: TMS_BACKEND=auto|cuda|sim, TMS_SIM_CAPACITY");
+            println!("usage: tms-demo [SIZE]   (default 1GiB)\nEnvironment: TMS_BACKEND=auto|cuda|hip|sim, TMS_SIM_CAPACITY");
             return Ok(true);
         }
         Some(a) => parse_bytes(&a).map_err(|e| e.to_string())?,

@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
+use super::gate::{GateCell, GATED_WAIT};
 use super::{
     check, DevPtr, DeviceToken, Driver, Event, Gate, GateWaits, MemInfo, PhysHandle, Stream,
 };
@@ -69,7 +70,7 @@ pub struct CudaDriver {
     contexts: Vec<OnceLock<usize>>,
     streams: Vec<OnceLock<usize>>,
     /// The gate, or why there is none (made once, on first use).
-    gate: OnceLock<std::result::Result<Gate, String>>,
+    gate: GateCell,
     /// Streams waiting for the gate, kept apart from device-wide calls.
     gate_waits: GateWaits,
 }
@@ -111,10 +112,15 @@ fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
 }
 
 impl CudaDriver {
+    /// Whether the CUDA driver library can be opened (a machine with an NVIDIA driver).
+    pub fn present() -> bool {
+        // SAFETY: probing only dlopens candidate library names.
+        unsafe { sys::is_culib_present() }
+    }
+
     /// Open the driver, check every entry point, initialise it and count devices.
     pub fn load() -> Result<Self> {
-        // SAFETY: probing only dlopens candidate library names.
-        if !unsafe { sys::is_culib_present() } {
+        if !Self::present() {
             return Err(Error::unsupported(
                 "no CUDA driver library (libcuda.so.1) could be opened; set TMS_BACKEND=sim to use the simulated device",
             ));
@@ -155,7 +161,7 @@ impl CudaDriver {
             version,
             contexts: (0..n).map(|_| OnceLock::new()).collect(),
             streams: (0..n).map(|_| OnceLock::new()).collect(),
-            gate: OnceLock::new(),
+            gate: GateCell::default(),
             gate_waits: GateWaits::new(GATED_WAIT),
         })
     }
@@ -166,13 +172,7 @@ impl CudaDriver {
     }
 
     fn check_device(&self, device: i32) -> Result<usize> {
-        if device < 0 || device >= self.devices {
-            return Err(Error::invalid_argument(format!(
-                "device {device} does not exist (this machine has {})",
-                self.devices
-            )));
-        }
-        Ok(device as usize)
+        super::device_index(device, self.devices)
     }
 
     fn primary_context(&self, device: i32) -> Result<sys::CUcontext> {
@@ -201,27 +201,11 @@ impl CudaDriver {
     }
 }
 
-/// Longest wait of a page-lock, unlock or synchronization for streams waiting on the gate, and
-/// of a stream wait for those calls ([`GateWaits`]).
-const GATED_WAIT: std::time::Duration = std::time::Duration::from_secs(120);
-
 impl CudaDriver {
     /// Keep a call that waits for the whole device apart from streams waiting on the gate
-    /// ([`GateWaits`]): the guard to hold across it. After [`GATED_WAIT`] the call goes ahead
-    /// (logged), unguarded.
+    /// ([`GateWaits`]): the guard to hold across it.
     fn device_wide(&self, call: &str) -> Option<super::gate::DeviceWide<'_>> {
-        let gate = self.gate.get().and_then(|g| g.as_ref().ok().copied());
-        match self.gate_waits.device_wide(gate) {
-            Ok(g) => Some(g),
-            Err(waits) => {
-                tracing::warn!(
-                    "{call}: {} streams still wait for a resume after {} s; going ahead",
-                    waits.len(),
-                    GATED_WAIT.as_secs()
-                );
-                None
-            }
-        }
+        self.gate_waits.device_wide_or_warn(self.gate.made(), call)
     }
 
     /// A word of page-locked, device-mapped host memory usable from every context.
@@ -479,31 +463,23 @@ impl Driver for CudaDriver {
 
     fn stream(&self, device: i32) -> Result<Stream> {
         let i = self.check_device(device)?;
-        if let Some(s) = self.streams[i].get() {
-            return Ok(Stream(*s as u64));
-        }
-        let _scope = super::DeviceScope::enter(self, device)?;
-        let mut s: sys::CUstream = std::ptr::null_mut();
-        cu(
-            "cuStreamCreate",
-            // SAFETY: _scope made the device's context current; &mut s is a valid handle to
-            // write. Flag 1 (non-blocking) keeps the stream from serialising with the legacy
-            // default stream that PyTorch's work may use.
-            unsafe { sys::cuStreamCreate(&mut s, 1) },
-            || format!("device {device}"),
-        )?;
-        // A racing thread may create a second stream; the loser's stream is kept alive unused.
-        Ok(Stream(*self.streams[i].get_or_init(|| s as usize) as u64))
+        super::kept_stream(&self.streams[i], || {
+            let _scope = super::DeviceScope::enter(self, device)?;
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            cu(
+                "cuStreamCreate",
+                // SAFETY: _scope made the device's context current; &mut s is a valid handle to
+                // write. Flag 1 (non-blocking) keeps the stream from serialising with the legacy
+                // default stream that PyTorch's work may use.
+                unsafe { sys::cuStreamCreate(&mut s, 1) },
+                || format!("device {device}"),
+            )?;
+            Ok(s as usize)
+        })
     }
 
     fn gate(&self) -> Result<Gate> {
-        match self
-            .gate
-            .get_or_init(|| self.make_gate().map_err(|e| e.to_string()))
-        {
-            Ok(g) => Ok(*g),
-            Err(e) => Err(Error::unsupported(format!("no resume gate: {e}"))),
-        }
+        self.gate.get_or_make(|| self.make_gate())
     }
 
     fn stream_wait_gate(&self, device: i32, stream: Stream, gate: Gate, value: u32) -> Result<()> {

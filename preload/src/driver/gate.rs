@@ -1,6 +1,8 @@
-//! The resume gate (a word devices wait on) and [`GateWaits`], which keeps the streams waiting
-//! on it apart from the calls that wait for a whole device.
+//! The resume gate (a word devices wait on), [`GateCell`] (a driver's gate, made once), and
+//! [`GateWaits`], which keeps the streams waiting on it apart from the calls that wait for a
+//! whole device.
 
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -52,6 +54,30 @@ impl Gate {
         (self.value().wrapping_sub(v) as i32) >= 0
     }
 }
+
+/// A driver's gate, made on its first use and kept for the process's life, or why it could not
+/// be made (asked once: a device without stream waits stays without them).
+#[derive(Default)]
+pub struct GateCell(OnceLock<std::result::Result<Gate, String>>);
+
+impl GateCell {
+    /// The gate, made by `make` on the first call.
+    pub fn get_or_make(&self, make: impl FnOnce() -> Result<Gate>) -> Result<Gate> {
+        match self.0.get_or_init(|| make().map_err(|e| e.to_string())) {
+            Ok(g) => Ok(*g),
+            Err(e) => Err(Error::unsupported(format!("no resume gate: {e}"))),
+        }
+    }
+
+    /// The gate, if it was made.
+    pub fn made(&self) -> Option<Gate> {
+        self.0.get().and_then(|g| g.as_ref().ok().copied())
+    }
+}
+
+/// How long a driver of a real device lets a page-lock, unlock or synchronization wait for the
+/// streams waiting on the gate, and a stream wait for those calls ([`GateWaits`]).
+pub const GATED_WAIT: Duration = Duration::from_secs(120);
 
 /// A stream made to wait for the gate: its device, the stream, the value waited for.
 pub type GateWait = (i32, Stream, u32);
@@ -134,6 +160,22 @@ impl GateWaits {
             }
             // The gate is raised by a plain store, which wakes nobody: look again soon.
             self.changed.wait_for(&mut s, Duration::from_micros(200));
+        }
+    }
+
+    /// [`GateWaits::device_wide`] for the driver call `call`: after the limit, the call goes
+    /// ahead unguarded and says so in the log.
+    pub fn device_wide_or_warn(&self, gate: Option<Gate>, call: &str) -> Option<DeviceWide<'_>> {
+        match self.device_wide(gate) {
+            Ok(g) => Some(g),
+            Err(waits) => {
+                tracing::warn!(
+                    "{call}: {} streams still wait for a resume after {} s; going ahead",
+                    waits.len(),
+                    self.limit.as_secs()
+                );
+                None
+            }
         }
     }
 

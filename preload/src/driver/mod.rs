@@ -1,12 +1,14 @@
-//! The device primitives the engine needs, as one small trait (the platform contract), with two
-//! implementations: [`cuda`] (the CUDA driver API, opened at run time) and [`sim`] (host memory
-//! standing in for a device, with capacity limits and fault injection).
+//! The device primitives the engine needs, as one small trait (the platform contract), with three
+//! implementations: [`cuda`] (the CUDA driver API, opened at run time), [`hip`] (AMD's HIP
+//! runtime, opened at run time) and [`sim`] (host memory standing in for a device, with capacity
+//! limits and fault injection).
 //!
 //! Preconditions are stated per method; the engine is the only caller and upholds them. Every
 //! method reports failure as an [`Error`](crate::Error) naming the driver call.
 
 pub mod cuda;
 pub mod gate;
+pub mod hip;
 pub mod sim;
 
 pub use gate::{Gate, GateWaits};
@@ -44,7 +46,7 @@ pub struct DeviceToken(pub u64, pub u64);
 
 /// The device primitives. Implementations are thread-safe.
 pub trait Driver: Send + Sync {
-    /// `"cuda"` or `"sim"`.
+    /// `"cuda"`, `"hip"` or `"sim"`.
     fn name(&self) -> &'static str;
     /// Number of devices.
     fn device_count(&self) -> Result<i32>;
@@ -159,6 +161,29 @@ impl Drop for DeviceScope<'_> {
     fn drop(&mut self) {
         self.driver.pop_device(self.token);
     }
+}
+
+/// `device` as an index, if it is one of the `devices` the machine has.
+pub(crate) fn device_index(device: i32, devices: i32) -> Result<usize> {
+    if device < 0 || device >= devices {
+        return Err(crate::error::Error::invalid_argument(format!(
+            "device {device} does not exist (this machine has {devices})"
+        )));
+    }
+    Ok(device as usize)
+}
+
+/// The engine's stream kept in `cell`, made by `make` on first use. A racing thread may make a
+/// second one; the loser's stream is kept alive unused.
+pub(crate) fn kept_stream(
+    cell: &std::sync::OnceLock<usize>,
+    make: impl FnOnce() -> Result<usize>,
+) -> Result<Stream> {
+    if let Some(s) = cell.get() {
+        return Ok(Stream(*s as u64));
+    }
+    let s = make()?;
+    Ok(Stream(*cell.get_or_init(|| s) as u64))
 }
 
 /// Symbolic name of a CUDA driver status, for the codes this library meets.

@@ -1,13 +1,15 @@
-//! `cudaMalloc`/`cudaFree` interposers (preload mode) and PyTorch's pluggable-allocator entry
-//! points (torch mode).
+//! `cudaMalloc`/`cudaFree` and `hipMalloc`/`hipFree` interposers (preload mode) and PyTorch's
+//! pluggable-allocator entry points (torch mode).
 //!
-//! Outside a region both interposers hand the call to the next definition in link order (the
-//! real CUDA runtime), found with `dlsym(RTLD_NEXT)`. Inside one, allocations come from the
-//! engine, which uses only the driver API, so it never calls back into `cudaMalloc`. A
-//! per-thread reentrancy flag makes any nested call pass through regardless.
+//! Outside a region the interposers hand the call to the next definition in link order (the
+//! real CUDA or HIP runtime), found with `dlsym(RTLD_NEXT)`. Inside one, allocations come from
+//! the engine, which uses only the driver API, so it never calls back into `cudaMalloc` or
+//! `hipMalloc`. A per-thread reentrancy flag makes any nested call pass through regardless.
+//! The HIP runtime's status codes are the CUDA runtime's numbers for every status returned
+//! here (success 0, invalid value 1, out of memory 2, not initialized 3, unknown 999).
 
 use std::cell::Cell;
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_void, CStr};
 use std::sync::OnceLock;
 
 use libc::ssize_t;
@@ -49,94 +51,124 @@ impl Drop for Reentry {
     }
 }
 
-fn next_symbol(name: &'static std::ffi::CStr, slot: &'static OnceLock<usize>) -> usize {
-    if let Some(p) = slot.get() {
-        return *p;
-    }
-    // Not cached when absent: the runtime may be loaded later (or promoted to global scope).
-    match find_symbol(name) {
-        0 => 0,
-        p => *slot.get_or_init(|| p),
-    }
+/// The runtime whose allocation calls an interposer stands in for.
+#[derive(Clone, Copy)]
+enum Rt {
+    Cuda,
+    Hip,
 }
 
-/// The CUDA runtime's definition of `name`: the next one in link order, or, when the runtime
-/// was loaded into a local scope (a dependency of a library opened with `RTLD_LOCAL`, as Python
-/// extension modules are), the one in any loaded `libcudart`.
-fn find_symbol(name: &'static std::ffi::CStr) -> usize {
-    // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
-    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
-    if p != 0 {
-        return p;
+/// The runtimes' `malloc` and `free`, once found.
+static SLOTS: [[OnceLock<usize>; 2]; 2] = [
+    [OnceLock::new(), OnceLock::new()],
+    [OnceLock::new(), OnceLock::new()],
+];
+
+impl Rt {
+    /// Its `malloc` and `free` entry points.
+    fn names(self) -> [&'static CStr; 2] {
+        match self {
+            Rt::Cuda => [c"cudaMalloc", c"cudaFree"],
+            Rt::Hip => [c"hipMalloc", c"hipFree"],
+        }
     }
-    let mut found: Vec<std::ffi::CString> = Vec::new();
-    unsafe extern "C" fn visit(
-        info: *mut libc::dl_phdr_info,
-        _size: usize,
-        data: *mut c_void,
-    ) -> c_int {
-        // SAFETY: the loader passes a valid info record; data is the Vec passed below.
-        let (info, out) = unsafe { (&*info, &mut *(data as *mut Vec<std::ffi::CString>)) };
-        if !info.dlpi_name.is_null() {
-            // SAFETY: dlpi_name is a NUL-terminated path owned by the loader.
-            let n = unsafe { std::ffi::CStr::from_ptr(info.dlpi_name) };
-            if n.to_bytes().windows(9).any(|w| w == b"libcudart") {
-                out.push(n.to_owned());
+
+    /// What the library defining them is called (a part of its file name).
+    fn library(self) -> &'static [u8] {
+        match self {
+            Rt::Cuda => b"libcudart",
+            Rt::Hip => b"libamdhip64",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Rt::Cuda => "CUDA runtime",
+            Rt::Hip => "HIP runtime",
+        }
+    }
+
+    /// Our own interposers, never the answer of a look-up.
+    fn ours(self) -> [usize; 2] {
+        match self {
+            Rt::Cuda => [
+                cudaMalloc as *const () as usize,
+                cudaFree as *const () as usize,
+            ],
+            Rt::Hip => [
+                hipMalloc as *const () as usize,
+                hipFree as *const () as usize,
+            ],
+        }
+    }
+
+    /// The runtime's entry point `k` (0: malloc, 1: free), 0 where none is loaded. Not cached
+    /// when absent: the runtime may be loaded later (or promoted to global scope).
+    fn next_symbol(self, k: usize) -> usize {
+        let slot = &SLOTS[self as usize][k];
+        if let Some(p) = slot.get() {
+            return *p;
+        }
+        match self.find_symbol(self.names()[k]) {
+            0 => 0,
+            p => *slot.get_or_init(|| p),
+        }
+    }
+
+    /// The runtime's definition of `name`: the next one in link order, or, when the runtime
+    /// was loaded into a local scope (a dependency of a library opened with `RTLD_LOCAL`, as
+    /// Python extension modules are), the one in any loaded copy of the runtime's library.
+    fn find_symbol(self, name: &'static CStr) -> usize {
+        // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only looks the symbol up.
+        let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) } as usize;
+        if p != 0 {
+            return p;
+        }
+        for lib in crate::os::loaded_objects(self.library()) {
+            // SAFETY: RTLD_NOLOAD only returns a handle to an object that is already loaded.
+            let h = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+            if h.is_null() {
+                continue;
+            }
+            // SAFETY: h is a valid handle; the lookup has no side effects. The handle's extra
+            // reference is dropped right after: the object stays loaded by its original owner.
+            let p = unsafe {
+                let p = libc::dlsym(h, name.as_ptr()) as usize;
+                libc::dlclose(h);
+                p
+            };
+            if p != 0 && !self.ours().contains(&p) {
+                return p;
             }
         }
         0
     }
-    // SAFETY: visit only reads the loader's records and pushes to the Vec we own.
-    unsafe {
-        libc::dl_iterate_phdr(
-            Some(visit),
-            (&mut found as *mut Vec<std::ffi::CString>).cast(),
-        )
-    };
-    for lib in found {
-        // SAFETY: RTLD_NOLOAD only returns a handle to an object that is already loaded.
-        let h = unsafe { libc::dlopen(lib.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
-        if h.is_null() {
-            continue;
-        }
-        // SAFETY: h is a valid handle; the lookup has no side effects. The handle's extra
-        // reference is dropped right after: the object stays loaded by its original owner.
-        let p = unsafe {
-            let p = libc::dlsym(h, name.as_ptr()) as usize;
-            libc::dlclose(h);
-            p
-        };
-        if p != 0 && p != cudaMalloc as *const () as usize && p != cudaFree as *const () as usize {
-            return p;
-        }
+
+    /// No runtime below provides entry point `k`: say so, as the runtime would not start.
+    fn missing(self, k: usize) -> c_int {
+        set_last_error(&Error::unsupported(format!(
+            "no {} below torch-memory-saver provides {}",
+            self.what(),
+            self.names()[k].to_string_lossy()
+        )));
+        CUDA_ERROR_INITIALIZATION
     }
-    0
 }
 
-fn real_malloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
-    static SLOT: OnceLock<usize> = OnceLock::new();
-    let p = next_symbol(c"cudaMalloc", &SLOT);
-    if p == 0 {
-        set_last_error(&Error::unsupported(
-            "no CUDA runtime below torch-memory-saver provides cudaMalloc",
-        ));
-        return CUDA_ERROR_INITIALIZATION;
+fn real_malloc(rt: Rt, dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+    match rt.next_symbol(0) {
+        0 => rt.missing(0),
+        // SAFETY: p is the runtime's next malloc in link order, with the runtime's signature.
+        p => unsafe { std::mem::transmute::<usize, MallocFn>(p)(dev_ptr, size) },
     }
-    // SAFETY: p is the next cudaMalloc in link order, with the runtime's signature.
-    unsafe { std::mem::transmute::<usize, MallocFn>(p)(dev_ptr, size) }
 }
 
-fn real_free(ptr: *mut c_void) -> c_int {
-    static SLOT: OnceLock<usize> = OnceLock::new();
-    let p = next_symbol(c"cudaFree", &SLOT);
-    if p == 0 {
-        set_last_error(&Error::unsupported(
-            "no CUDA runtime below torch-memory-saver provides cudaFree",
-        ));
-        return CUDA_ERROR_INITIALIZATION;
+fn real_free(rt: Rt, ptr: *mut c_void) -> c_int {
+    match rt.next_symbol(1) {
+        0 => rt.missing(1),
+        // SAFETY: p is the runtime's next free in link order, with the runtime's signature.
+        p => unsafe { std::mem::transmute::<usize, FreeFn>(p)(ptr) },
     }
-    // SAFETY: p is the next cudaFree in link order, with the runtime's signature.
-    unsafe { std::mem::transmute::<usize, FreeFn>(p)(ptr) }
 }
 
 /// Print a failure the user must know about (bad settings, a runtime that cannot start) once
@@ -190,20 +222,20 @@ fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int,
     }
 }
 
-fn malloc_impl(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+fn malloc_impl(rt: Rt, dev_ptr: *mut *mut c_void, size: usize) -> c_int {
     let Some(_guard) = Reentry::enter() else {
-        return real_malloc(dev_ptr, size);
+        return real_malloc(rt, dev_ptr, size);
     };
     if dev_ptr.is_null() || runtime::forked() {
-        return real_malloc(dev_ptr, size);
+        return real_malloc(rt, dev_ptr, size);
     }
     match settings::in_region() {
         Ok(true) => {}
-        Ok(false) => return real_malloc(dev_ptr, size),
+        Ok(false) => return real_malloc(rt, dev_ptr, size),
         Err(e) => {
             // Malformed TMS_* settings: say so once, then stay out of the way.
             report_once(&SETTINGS_REPORTED, &e);
-            return real_malloc(dev_ptr, size);
+            return real_malloc(rt, dev_ptr, size);
         }
     }
     if size == 0 {
@@ -224,20 +256,20 @@ fn malloc_impl(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
     }
 }
 
-fn free_impl(ptr: *mut c_void) -> c_int {
+fn free_impl(rt: Rt, ptr: *mut c_void) -> c_int {
     let Some(_guard) = Reentry::enter() else {
-        return real_free(ptr);
+        return real_free(rt, ptr);
     };
     if ptr.is_null() {
-        return real_free(ptr);
+        return real_free(rt, ptr);
     }
     // Never start the runtime just to free: if it never started, nothing here is ours.
-    let Some(rt) = runtime::get_if_started() else {
-        return real_free(ptr);
+    let Some(run) = runtime::get_if_started() else {
+        return real_free(rt, ptr);
     };
-    match rt.engine.free(ptr as u64) {
+    match run.engine.free(ptr as u64) {
         Ok(true) => CUDA_SUCCESS,
-        Ok(false) => real_free(ptr),
+        Ok(false) => real_free(rt, ptr),
         Err(e) => {
             tracing::error!("{e}");
             set_last_error(&e);
@@ -254,7 +286,7 @@ fn free_impl(ptr: *mut c_void) -> c_int {
 /// As the CUDA runtime's `cudaMalloc`: `dev_ptr` points to writable storage for one pointer.
 #[no_mangle]
 pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
-    catch(CUDA_ERROR_UNKNOWN, || malloc_impl(dev_ptr, size))
+    catch(CUDA_ERROR_UNKNOWN, || malloc_impl(Rt::Cuda, dev_ptr, size))
 }
 
 /// Interposed `cudaFree`: frees pauseable allocations, hands every other pointer to the runtime.
@@ -263,7 +295,28 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
 /// As the CUDA runtime's `cudaFree`.
 #[no_mangle]
 pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
-    catch(CUDA_ERROR_UNKNOWN, || free_impl(ptr))
+    catch(CUDA_ERROR_UNKNOWN, || free_impl(Rt::Cuda, ptr))
+}
+
+/// Interposed `hipMalloc`: pauseable memory inside a region, the real HIP runtime's outside (2 =
+/// `hipErrorOutOfMemory` when pauseable memory runs out, with the reason in
+/// `tms_last_error()`).
+///
+/// # Safety
+/// As the HIP runtime's `hipMalloc`: `ptr` points to writable storage for one pointer.
+#[no_mangle]
+pub unsafe extern "C" fn hipMalloc(ptr: *mut *mut c_void, size: usize) -> c_int {
+    catch(CUDA_ERROR_UNKNOWN, || malloc_impl(Rt::Hip, ptr, size))
+}
+
+/// Interposed `hipFree`: frees pauseable allocations, hands every other pointer to the HIP
+/// runtime.
+///
+/// # Safety
+/// As the HIP runtime's `hipFree`.
+#[no_mangle]
+pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> c_int {
+    catch(CUDA_ERROR_UNKNOWN, || free_impl(Rt::Hip, ptr))
 }
 
 /// PyTorch's pluggable-allocator `malloc`: allocate `size` bytes of pauseable memory on `device`,

@@ -1,5 +1,6 @@
-//! The interposed CUDA runtime entry points and PyTorch's pluggable-allocator entry points.
+//! The interposed CUDA and HIP runtime entry points and PyTorch's pluggable-allocator entry
+//! points.
 
 mod interpose;
 
-pub use interpose::{cudaFree, cudaMalloc, tms_torch_free, tms_torch_malloc};
+pub use interpose::{cudaFree, cudaMalloc, hipFree, hipMalloc, tms_torch_free, tms_torch_malloc};

@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 
 use super::settings::{self, BackendChoice, StickyError};
 use crate::driver::cuda::CudaDriver;
+use crate::driver::hip::{HipDriver, HipSettings};
 use crate::driver::sim::SimDriver;
 use crate::driver::Driver;
 use crate::engine::Engine;
@@ -38,11 +39,24 @@ pub fn init_logging() {
     super::logging::init(|| get_if_started().and_then(|r| r.engine.sole_device()));
 }
 
-/// Open the driver `choice` names (auto = cuda).
+/// Open the driver `choice` names. Auto: CUDA where its driver library opens (whether or not
+/// it then starts), else HIP where its runtime opens.
 pub fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
     Ok(match choice {
         BackendChoice::Sim => Arc::new(SimDriver::from_env()?),
-        BackendChoice::Cuda | BackendChoice::Auto => Arc::new(CudaDriver::load()?),
+        BackendChoice::Cuda => Arc::new(CudaDriver::load()?),
+        BackendChoice::Hip => Arc::new(HipDriver::load()?),
+        BackendChoice::Auto if CudaDriver::present() => Arc::new(CudaDriver::load()?),
+        BackendChoice::Auto => match HipDriver::find(&HipSettings::from_env()?)? {
+            Some(d) => Arc::new(d),
+            None => {
+                return Err(Error::unsupported(
+                    "neither the CUDA driver library (libcuda.so.1) nor the HIP runtime \
+                     (libamdhip64.so) could be opened; set TMS_BACKEND=sim to use the simulated \
+                     device",
+                ))
+            }
+        },
     })
 }
 

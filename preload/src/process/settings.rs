@@ -8,7 +8,9 @@
 //! - `TMS_INIT_CPU_BACKUP_BACKEND=pinned|mmap`: default host memory for backups.
 //! - `TMS_RETAIN_CPU_BACKUP=1`: keep host backups across resume.
 //! - `TMS_MEMORY_MARGIN_BYTES=N`: refuse pauseable allocations leaving less than N bytes free.
-//! - `TMS_BACKEND=auto|cuda|sim`: which driver (auto = cuda).
+//! - `TMS_BACKEND=auto|cuda|hip|sim`: which driver (auto = cuda where the CUDA driver library
+//!   opens, else hip where the HIP runtime does).
+//! - `TMS_HIP_LIBRARY=PATH`, `TMS_HIP_RESERVE_AGAIN=0|1`: the HIP driver's (`driver/hip/`).
 //! - `TMS_COPY_THREADS=N`: copy workers per device (default: the cores, at most 16).
 //! - `TMS_COPY_CHUNK=BYTES`: unit of copy work and of page-locking (default 64 MiB).
 //! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 4 MiB).
@@ -24,6 +26,7 @@ use std::sync::OnceLock;
 use parking_lot::RwLock;
 
 use crate::backup::BackupKind;
+use crate::driver::hip::HipSettings;
 use crate::driver::sim::SimDriver;
 use crate::engine::{CopyConfig, PinMode};
 use crate::error::{Error, Result};
@@ -32,10 +35,13 @@ use crate::units::{env_parsed, parse_bytes, parse_flag, var_parsed};
 /// Which driver the runtime opens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendChoice {
-    /// The CUDA driver (the default).
+    /// The CUDA driver where its library opens, else the HIP runtime where it opens (the
+    /// default).
     Auto,
     /// The CUDA driver, explicitly.
     Cuda,
+    /// The HIP runtime (ROCm), explicitly.
+    Hip,
     /// The simulated device.
     Sim,
 }
@@ -45,9 +51,10 @@ impl BackendChoice {
         match s.trim() {
             "" | "auto" => Ok(BackendChoice::Auto),
             "cuda" => Ok(BackendChoice::Cuda),
+            "hip" => Ok(BackendChoice::Hip),
             "sim" => Ok(BackendChoice::Sim),
             other => Err(Error::invalid_argument(format!(
-                "unknown backend {other:?}: expected auto, cuda or sim"
+                "unknown backend {other:?}: expected auto, cuda, hip or sim"
             ))),
         }
     }
@@ -194,10 +201,16 @@ impl ProcessSettings {
         };
         let backend_choice =
             env_parsed("TMS_BACKEND", BackendChoice::parse)?.unwrap_or(BackendChoice::Auto);
-        if backend_choice == BackendChoice::Sim {
-            // Checked here, with the other settings, so that a malformed one leaves the process
-            // alone (allocations pass through) as any malformed TMS_* variable does.
-            SimDriver::settings_from_env()?;
+        // Checked here, with the other settings, so that a malformed one leaves the process
+        // alone (allocations pass through) as any malformed TMS_* variable does.
+        match backend_choice {
+            BackendChoice::Sim => {
+                SimDriver::settings_from_env()?;
+            }
+            BackendChoice::Hip => {
+                HipSettings::from_env()?;
+            }
+            BackendChoice::Auto | BackendChoice::Cuda => {}
         }
         let region = RegionSettings {
             enabled: env_parsed("TMS_INIT_ENABLE", parse_flag)?.unwrap_or(false),
@@ -472,8 +485,9 @@ mod tests {
     #[test]
     fn backend_choice_parses() {
         assert_eq!(BackendChoice::parse("sim").unwrap(), BackendChoice::Sim);
+        assert_eq!(BackendChoice::parse("hip").unwrap(), BackendChoice::Hip);
         assert_eq!(BackendChoice::parse("").unwrap(), BackendChoice::Auto);
         let e = BackendChoice::parse("gpu").unwrap_err().to_string();
-        assert!(e.contains("auto, cuda or sim"), "{e}");
+        assert!(e.contains("auto, cuda, hip or sim"), "{e}");
     }
 }

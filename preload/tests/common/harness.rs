@@ -1,13 +1,17 @@
-//! One test body, two drivers: [`engine_test!`] makes a `#[test]` that runs its body on the
+//! One test body, three drivers: [`engine_test!`] makes a `#[test]` that runs its body on the
 //! simulated device, or on the CUDA driver when `TMS_TEST_DRIVER=cuda` (a GPU machine, with
-//! binaries built by `scripts/engine-test-bins`). The body reaches the device only through the
-//! [`Harness`], which on the sim is exact (raw access to device memory, the sim's counters) and
-//! on CUDA uses what the driver can tell: copies through the engine, and device memory as
-//! `cuMemGetInfo` reports it, within [`cuda_slack`] bytes. Under CUDA the tests of a binary run
-//! one at a time (one GPU; memory measured by difference).
+//! binaries built by `scripts/engine-test-bins`), and a second one, `name::on_hip`, that runs it
+//! on the HIP driver over the HIP test double (`hip.rs`: no AMD GPU; skipped on GPU runs). The
+//! body reaches the device only through the [`Harness`], which on the sim and the double is
+//! exact (raw access to device memory, their books) and on CUDA uses what the driver can tell:
+//! copies through the engine, and device memory as `cuMemGetInfo` reports it, within
+//! [`cuda_slack`] bytes. Under CUDA the tests of a binary run one at a time (one GPU; memory
+//! measured by difference). The HIP driver frees and reserves again the address range of what
+//! it pauses (its way around a ROCm 7.2 bug, on by default), so every body runs through that
+//! too; `tests/hip.rs` has the double behave as ROCm 7.2 does.
 //!
 //! A test that needs the sim's hooks (faults, holds, bandwidth, capacity) is `sim_only`: under
-//! CUDA it is skipped and says so.
+//! CUDA it is skipped and says so, and it has no HIP twin.
 //!
 //! `TMS_TEST_DRIVER` other than `sim` or `cuda`, or `cuda` where no CUDA driver can be used,
 //! ends the test binary at its first harness test with one message and exit status 2 (not a
@@ -22,9 +26,10 @@ use tms::driver::sim::SimDriver;
 use tms::driver::{DeviceScope, Driver};
 use tms::engine::Engine;
 
-use super::invariants::{assert_invariants, check_invariants, check_registry, Expect};
+use super::hip::HipDouble;
+use super::invariants::{check_books, check_registry, Books, Expect};
 use super::setup::Setup;
-use super::{read_raw, write_raw};
+use super::{read_books, write_books};
 
 /// The environment variable that picks the driver: `sim` (the default) or `cuda`.
 pub const DRIVER_VAR: &str = "TMS_TEST_DRIVER";
@@ -95,22 +100,36 @@ pub fn run(setup: Setup, body: impl FnOnce(Harness)) {
     body(Harness::new(&setup));
 }
 
+/// Whether the test `name` is skipped, for `why`: on a CUDA run, saying so.
+fn skipped_on_cuda(name: &str, why: &str) -> bool {
+    let skip = Kind::current() == Kind::Cuda;
+    if skip {
+        // Past the output capture: the GPU run's log tells what did not run there.
+        let _ = writeln!(std::io::stderr(), "{name}: skipped on CUDA ({why})");
+    }
+    skip
+}
+
+/// Run `body` on the HIP driver over a fresh copy of the double; skipped under CUDA (a GPU run
+/// is about the GPU; the CPU runs cover this).
+pub fn run_hip(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
+    if !skipped_on_cuda(name, "it runs on the HIP test double on CPU runs") {
+        body(Harness::on_hip(&setup));
+    }
+}
+
 /// Run `body` on the sim; skipped under CUDA (see [`engine_test!`]).
 pub fn run_sim_only(name: &str, setup: Setup, body: impl FnOnce(Harness)) {
-    if Kind::current() == Kind::Cuda {
-        // Past the output capture: the GPU run's log tells what did not run there.
-        let _ = writeln!(
-            std::io::stderr(),
-            "{name}: skipped on CUDA (it needs the simulated device's hooks)"
-        );
-        return;
+    if !skipped_on_cuda(name, "it needs the simulated device's hooks") {
+        body(Harness::on_sim(&setup));
     }
-    body(Harness::on_sim(&setup));
 }
 
 /// `engine_test! { fn name(h) [setup] { body } }`: a `#[test]` running `body` with `h`, a
 /// [`Harness`] of `setup` (an expression; [`Setup::default`] if left out) on the driver
-/// `TMS_TEST_DRIVER` picks. `sim_only fn` instead: on the sim only.
+/// `TMS_TEST_DRIVER` picks, and `name::on_hip`, the same on the HIP driver over its test double
+/// (the body is a function in a module `name`, which sees the file's names). `sim_only fn`
+/// instead: on the sim only.
 #[allow(unused_macros)]
 macro_rules! engine_test {
     ($(#[$attr:meta])* fn $name:ident($h:ident) $([$setup:expr])? $body:block) => {
@@ -120,7 +139,23 @@ macro_rules! engine_test {
             #[allow(unused_variables)]
             let setup = $crate::common::setup::Setup::default();
             $(let setup = $setup;)?
-            $crate::common::harness::run(setup, |$h: $crate::common::harness::Harness| $body)
+            $crate::common::harness::run(setup, $name::body)
+        }
+
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+
+            pub(super) fn body($h: $crate::common::harness::Harness) $body
+
+            $(#[$attr])*
+            #[test]
+            fn on_hip() {
+                #[allow(unused_variables)]
+                let setup = $crate::common::setup::Setup::default();
+                $(let setup = $setup;)?
+                $crate::common::harness::run_hip(concat!(stringify!($name), "::on_hip"), setup, body)
+            }
         }
     };
     ($(#[$attr:meta])* sim_only fn $name:ident($h:ident) $([$setup:expr])? $body:block) => {
@@ -161,7 +196,7 @@ pub fn run_proptest<S: proptest::strategy::Strategy>(
 
 /// CUDA: the driver, and each device's free memory when the harness was made.
 struct Gpu {
-    driver: Arc<CudaDriver>,
+    driver: Arc<dyn Driver>,
     baseline: Vec<u64>,
 }
 
@@ -197,6 +232,7 @@ pub struct Harness {
     driver: Arc<dyn Driver>,
     sim: Option<Arc<SimDriver>>,
     gpu: Option<Gpu>,
+    hip: Option<Arc<HipDouble>>,
     devices: i32,
     granularity: u64,
     dir: Option<tempfile::TempDir>,
@@ -214,7 +250,22 @@ impl Harness {
     /// An engine of `setup` on a fresh simulated machine.
     pub fn on_sim(setup: &Setup) -> Harness {
         let sim = setup.sim();
-        Harness::build(setup, sim.clone(), Some(sim), None, setup.devices)
+        let mut h = Harness::build(setup, sim.clone(), setup.devices);
+        h.sim = Some(sim);
+        h
+    }
+
+    /// An engine of `setup` on the HIP driver over a fresh copy of the test double, which
+    /// behaves as HIP documents (`tests/hip.rs` has it behave as ROCm 7.2 does). The driver
+    /// frees and reserves again the range of what it pauses, as it does by default.
+    pub fn on_hip(setup: &Setup) -> Harness {
+        let mut double = HipDouble::new(setup, 0);
+        let driver = double
+            .driver(true)
+            .unwrap_or_else(|e| panic!("the HIP driver over the test double: {e}"));
+        let mut h = Harness::build(setup, driver, setup.devices);
+        h.hip = Some(Arc::new(double));
+        h
     }
 
     fn on_cuda(setup: &Setup) -> Harness {
@@ -229,16 +280,12 @@ impl Harness {
             driver: driver.clone(),
             baseline,
         };
-        Harness::build(setup, driver, None, Some(gpu), devices)
+        let mut h = Harness::build(setup, driver, devices);
+        h.gpu = Some(gpu);
+        h
     }
 
-    fn build(
-        setup: &Setup,
-        driver: Arc<dyn Driver>,
-        sim: Option<Arc<SimDriver>>,
-        gpu: Option<Gpu>,
-        devices: i32,
-    ) -> Harness {
+    fn build(setup: &Setup, driver: Arc<dyn Driver>, devices: i32) -> Harness {
         let granularity = driver.granularity(0).unwrap();
         let e = setup.engine(driver.clone());
         let dir = setup.disk.then(|| tempfile::tempdir().unwrap());
@@ -249,19 +296,23 @@ impl Harness {
             e,
             setup: setup.clone(),
             driver,
-            sim,
-            gpu,
+            sim: None,
+            gpu: None,
+            hip: None,
             devices,
             granularity,
             dir,
         }
     }
 
-    /// A fresh engine (and on the sim a fresh machine) of the same setup.
+    /// A fresh engine (and on the sim or the double a fresh machine) of the same setup.
     pub fn again(&self) -> Harness {
-        match self.sim {
-            Some(_) => Harness::on_sim(&self.setup),
-            None => Harness::on_cuda(&self.setup),
+        if self.sim.is_some() {
+            Harness::on_sim(&self.setup)
+        } else if self.hip.is_some() {
+            Harness::on_hip(&self.setup)
+        } else {
+            Harness::on_cuda(&self.setup)
         }
     }
 
@@ -269,12 +320,32 @@ impl Harness {
         self.gpu.is_some()
     }
 
-    /// `sim` on the simulated device, `cuda` on a GPU (sizes, timeouts, case counts).
+    /// On the HIP driver over its test double.
+    pub fn is_hip(&self) -> bool {
+        self.hip.is_some()
+    }
+
+    /// `sim` on the simulated device and the HIP double (small machines), `cuda` on a GPU
+    /// (sizes, timeouts, case counts).
     pub fn pick<T>(&self, sim: T, cuda: T) -> T {
         if self.is_cuda() {
             cuda
         } else {
             sim
+        }
+    }
+
+    /// The HIP test double, on the HIP driver (`None` elsewhere).
+    pub fn hip(&self) -> Option<&Arc<HipDouble>> {
+        self.hip.as_ref()
+    }
+
+    /// The device's books where a test can read them exactly (the sim, the HIP double).
+    fn books(&self) -> Option<&dyn Books> {
+        match (&self.sim, &self.hip) {
+            (Some(sim), _) => Some(&**sim),
+            (None, Some(hip)) => Some(&**hip),
+            (None, None) => None,
         }
     }
 
@@ -317,11 +388,12 @@ impl Harness {
             .path()
     }
 
-    /// Write `data` to active device memory at `addr` (on the sim straight into its memory,
-    /// calling no driver primitive; on CUDA through the engine, which refuses paused ranges).
+    /// Write `data` to active device memory at `addr` (on the sim and the HIP double straight
+    /// into its memory, calling no driver primitive; on CUDA through the engine, which refuses
+    /// paused ranges).
     pub fn write(&self, addr: u64, data: &[u8]) {
-        match &self.sim {
-            Some(sim) => write_raw(sim, addr, data),
+        match self.books() {
+            Some(dev) => write_books(dev, addr, data),
             None => self
                 .e
                 .write_bytes(addr, data)
@@ -331,8 +403,8 @@ impl Harness {
 
     /// Read `len` bytes of active device memory at `addr` (as [`Harness::write`]).
     pub fn read(&self, addr: u64, len: usize) -> Vec<u8> {
-        match &self.sim {
-            Some(sim) => read_raw(sim, addr, len),
+        match self.books() {
+            Some(dev) => read_books(dev, addr, len),
             None => {
                 let mut v = vec![0u8; len];
                 self.e
@@ -343,16 +415,16 @@ impl Harness {
         }
     }
 
-    /// Whether `addr` is mapped and accessible, where the driver can tell (the sim).
+    /// Whether `addr` is mapped and accessible, where the device can tell (the sim, the double).
     pub fn accessible(&self, addr: u64) -> Option<bool> {
-        self.sim.as_ref().map(|s| s.is_accessible(addr))
+        self.books().map(|d| d.accessible(addr))
     }
 
-    /// On the sim: the first and last byte of `[addr, addr+len)` are accessible, or neither
-    /// (`want` false). Nothing on CUDA, which cannot tell without touching the range.
+    /// On the sim and the double: the first and last byte of `[addr, addr+len)` are accessible,
+    /// or neither (`want` false). Nothing on CUDA, which cannot tell without touching the range.
     pub fn assert_accessible(&self, addr: u64, len: u64, want: bool, ctx: &str) {
-        if let Some(sim) = &self.sim {
-            let got = (sim.is_accessible(addr), sim.is_accessible(addr + len - 1));
+        if let Some(dev) = self.books() {
+            let got = (dev.accessible(addr), dev.accessible(addr + len - 1));
             assert_eq!(
                 got,
                 (want, want),
@@ -361,20 +433,21 @@ impl Harness {
         }
     }
 
-    /// Device bytes in use on `device`: the sim's live bytes, or on CUDA what `cuMemGetInfo`
-    /// says was taken since the harness was made.
+    /// Device bytes in use on `device`: the sim's or the double's live bytes, or on CUDA what
+    /// `cuMemGetInfo` says was taken since the harness was made.
     pub fn live_bytes(&self, device: i32) -> u64 {
-        match (&self.sim, &self.gpu) {
-            (Some(sim), _) => sim.live_bytes(device),
+        match (self.books(), &self.gpu) {
+            (Some(dev), _) => dev.live_bytes(device),
             (None, Some(gpu)) => gpu.used(device).max(0) as u64,
             (None, None) => unreachable!(),
         }
     }
 
-    /// `device` holds `want` bytes: exactly on the sim, within [`cuda_slack`] on CUDA.
+    /// `device` holds `want` bytes: exactly on the sim and the double, within [`cuda_slack`]
+    /// on CUDA.
     pub fn check_live_bytes(&self, device: i32, want: u64) -> Result<(), String> {
-        match (&self.sim, &self.gpu) {
-            (Some(sim), _) => match sim.live_bytes(device) {
+        match (self.books(), &self.gpu) {
+            (Some(dev), _) => match dev.live_bytes(device) {
                 got if got == want => Ok(()),
                 got => Err(format!(
                     "device {device} holds {got} bytes, expected {want}"
@@ -385,10 +458,11 @@ impl Harness {
         }
     }
 
-    /// [`Harness::check_live_bytes`]; on the sim an `assert_eq!` of the live bytes.
+    /// [`Harness::check_live_bytes`]; on the sim and the double an `assert_eq!` of the live
+    /// bytes.
     pub fn assert_live_bytes(&self, device: i32, want: u64, ctx: &str) {
-        match &self.sim {
-            Some(sim) => assert_eq!(sim.live_bytes(device), want, "{ctx}"),
+        match self.books() {
+            Some(dev) => assert_eq!(dev.live_bytes(device), want, "{ctx}"),
             None => {
                 if let Err(m) = self.check_live_bytes(device, want) {
                     panic!("{ctx}: {m}");
@@ -397,11 +471,11 @@ impl Harness {
         }
     }
 
-    /// The registry tells the truth: on the sim, [`check_invariants`] with `expect`; on CUDA,
-    /// every allocation settled and each device holding the registry's active bytes.
+    /// The registry tells the truth: on the sim and the double, [`check_books`] with `expect`;
+    /// on CUDA, every allocation settled and each device holding the registry's active bytes.
     pub fn check_invariants(&self, expect: &Expect) -> Result<(), String> {
-        match (&self.sim, &self.gpu) {
-            (Some(sim), _) => check_invariants(&self.e, sim, expect),
+        match (self.books(), &self.gpu) {
+            (Some(dev), _) => check_books(&self.e, dev, expect),
             (None, Some(gpu)) => {
                 let infos = check_registry(&self.e)?;
                 for d in 0..self.devices {
@@ -420,20 +494,15 @@ impl Harness {
 
     /// [`Harness::check_invariants`], failing the test with `ctx`.
     pub fn assert_invariants(&self, expect: &Expect, ctx: &str) {
-        match &self.sim {
-            Some(sim) => assert_invariants(&self.e, sim, expect, ctx),
-            None => {
-                if let Err(m) = self.check_invariants(expect) {
-                    panic!("{ctx}: {m}");
-                }
-            }
+        if let Err(m) = self.check_invariants(expect) {
+            panic!("{ctx}: {m}");
         }
     }
 
     /// The engine holds nothing on the device (see [`Ended::released`]), and no allocation.
     pub fn assert_nothing_held(&self, ctx: &str) {
         assert!(self.e.allocations().is_empty(), "{ctx}: allocations left");
-        if let Err(m) = nothing_held(self.sim.as_deref(), self.gpu.as_ref()) {
+        if let Err(m) = nothing_held(self.books(), self.gpu.as_ref()) {
             panic!("{ctx}: {m}");
         }
     }
@@ -442,26 +511,30 @@ impl Harness {
     /// folder to check what it left.
     pub fn end(self) -> Ended {
         let Harness {
-            e, sim, gpu, dir, ..
+            e,
+            sim,
+            gpu,
+            hip,
+            dir,
+            ..
         } = self;
         let e = Arc::try_unwrap(e)
             .unwrap_or_else(|_| panic!("the engine is still shared when the test ends it"));
         drop(e);
-        Ended { sim, gpu, dir }
+        Ended { sim, gpu, hip, dir }
     }
 }
 
-/// On the sim no device memory, handle, mapping, reservation or page-locked byte; on CUDA no
-/// device memory taken since the harness was made.
-fn nothing_held(sim: Option<&SimDriver>, gpu: Option<&Gpu>) -> Result<(), String> {
-    if let Some(sim) = sim {
-        let devices = sim.config().devices;
-        let live: Vec<u64> = (0..devices).map(|d| sim.live_bytes(d)).collect();
+/// On the sim and the double no device memory, handle, mapping, reservation or page-locked
+/// byte; on CUDA no device memory taken since the harness was made.
+fn nothing_held(dev: Option<&dyn Books>, gpu: Option<&Gpu>) -> Result<(), String> {
+    if let Some(dev) = dev {
+        let live: Vec<u64> = (0..dev.devices()).map(|d| dev.live_bytes(d)).collect();
         let left = (
-            sim.live_handles(),
-            sim.live_mappings(),
-            sim.live_reservations(),
-            sim.pinned_bytes(),
+            dev.live_handles(),
+            dev.live_mappings(),
+            dev.live_reservations(),
+            dev.pinned_bytes(),
         );
         if live.iter().any(|b| *b != 0) || left != (0, 0, 0, 0) {
             return Err(format!(
@@ -503,6 +576,7 @@ fn warm_up(d: &dyn Driver, device: i32) -> tms::Result<u64> {
 pub struct Ended {
     sim: Option<Arc<SimDriver>>,
     gpu: Option<Gpu>,
+    hip: Option<Arc<HipDouble>>,
     dir: Option<tempfile::TempDir>,
 }
 
@@ -524,10 +598,16 @@ impl Ended {
         std::fs::read_dir(self.dir()).unwrap().count()
     }
 
-    /// Everything the engine held is given back: on the sim no device memory, handle, mapping,
-    /// reservation or page-locked byte; on CUDA device memory back to where it began.
+    /// Everything the engine held is given back: on the sim and the double no device memory,
+    /// handle, mapping, reservation or page-locked byte; on CUDA device memory back to where it
+    /// began.
     pub fn released(&self) -> Result<(), String> {
-        nothing_held(self.sim.as_deref(), self.gpu.as_ref())
+        let dev: Option<&dyn Books> = match (&self.sim, &self.hip) {
+            (Some(sim), _) => Some(&**sim),
+            (None, Some(hip)) => Some(&**hip),
+            (None, None) => None,
+        };
+        nothing_held(dev, self.gpu.as_ref())
     }
 
     pub fn assert_released(&self, ctx: &str) {

@@ -1,7 +1,8 @@
 //! The one check that the engine's registry tells the truth: every allocation settled (no call
-//! left one in transition), and the simulated device holding exactly what the registry implies
+//! left one in transition), and the device holding exactly what the registry implies
 //! (accessible ranges, physical bytes, handles, mappings, reservations, page-locked host bytes),
-//! no more: only the leaks a test says the engine may have made.
+//! no more: only the leaks a test says the engine may have made. The device is one whose books
+//! a test can read: the simulated device, or the HIP test double ([`Books`]).
 
 use std::collections::BTreeMap;
 
@@ -49,6 +50,57 @@ impl Leaks {
     }
 }
 
+/// A device whose books a test can read exactly.
+pub trait Books {
+    /// What it is, for messages.
+    fn what(&self) -> &'static str;
+    fn devices(&self) -> i32;
+    /// Whether `addr` lies in a mapped, accessible range.
+    fn accessible(&self, addr: u64) -> bool;
+    fn live_bytes(&self, device: i32) -> u64;
+    fn live_mappings(&self) -> usize;
+    fn live_handles(&self) -> usize;
+    fn live_reservations(&self) -> usize;
+    fn pinned_bytes(&self) -> u64;
+    /// Copies queued and not run yet.
+    fn queued_copies(&self) -> usize;
+    /// Copies whose host side was pageable.
+    fn pageable_copies(&self) -> u64;
+}
+
+impl Books for SimDriver {
+    fn what(&self) -> &'static str {
+        "the sim"
+    }
+    fn devices(&self) -> i32 {
+        self.config().devices
+    }
+    fn accessible(&self, addr: u64) -> bool {
+        self.is_accessible(addr)
+    }
+    fn live_bytes(&self, device: i32) -> u64 {
+        SimDriver::live_bytes(self, device)
+    }
+    fn live_mappings(&self) -> usize {
+        SimDriver::live_mappings(self)
+    }
+    fn live_handles(&self) -> usize {
+        SimDriver::live_handles(self)
+    }
+    fn live_reservations(&self) -> usize {
+        SimDriver::live_reservations(self)
+    }
+    fn pinned_bytes(&self) -> u64 {
+        SimDriver::pinned_bytes(self)
+    }
+    fn queued_copies(&self) -> usize {
+        SimDriver::queued_copies(self)
+    }
+    fn pageable_copies(&self) -> u64 {
+        SimDriver::pageable_copies(self)
+    }
+}
+
 /// What to check besides the registry against the device.
 #[derive(Clone, Debug, Default)]
 pub struct Expect {
@@ -68,7 +120,7 @@ impl Expect {
 }
 
 /// Each allocation's ranges that must be mapped (`true`) or not, as (offset, length).
-fn ranges(e: &Engine, sim: &SimDriver, i: &AllocInfo) -> Result<Vec<(u64, u64, bool)>, String> {
+fn ranges(e: &Engine, dev: &dyn Books, i: &AllocInfo) -> Result<Vec<(u64, u64, bool)>, String> {
     if i.chunk > 0 {
         let c = e
             .chunk_info(i.addr)
@@ -82,12 +134,12 @@ fn ranges(e: &Engine, sim: &SimDriver, i: &AllocInfo) -> Result<Vec<(u64, u64, b
     }
     if i.state == State::Partial {
         // Not chunked: a failed pause left some of its segments paused. Which ones the engine
-        // does not say; those the sim maps must add up to what the registry counts.
+        // does not say; those the device maps must add up to what the registry counts.
         let seg = e.segment_bytes();
         let segs: Vec<(u64, u64, bool)> = (0..i.mapped.div_ceil(seg))
             .map(|k| {
                 let (off, len) = (k * seg, seg.min(i.mapped - k * seg));
-                (off, len, sim.is_accessible(i.addr + off))
+                (off, len, dev.accessible(i.addr + off))
             })
             .collect();
         let (n, bytes) = segs
@@ -97,8 +149,11 @@ fn ranges(e: &Engine, sim: &SimDriver, i: &AllocInfo) -> Result<Vec<(u64, u64, b
         if (n, bytes) != (i.handles, i.active_bytes) {
             return Err(format!(
                 "{:#x}: partial with {} handles and {} bytes mapped in the registry, {n} \
-                 segments and {bytes} bytes in the sim",
-                i.addr, i.handles, i.active_bytes
+                 segments and {bytes} bytes in {}",
+                i.addr,
+                i.handles,
+                i.active_bytes,
+                dev.what()
             ));
         }
         return Ok(segs);
@@ -145,25 +200,31 @@ pub fn check_registry(e: &Engine) -> Result<Vec<AllocInfo>, String> {
 
 /// The registry tells the truth and `sim` holds exactly what it implies, plus `expect`'s leaks.
 pub fn check_invariants(e: &Engine, sim: &SimDriver, expect: &Expect) -> Result<(), String> {
+    check_books(e, sim, expect)
+}
+
+/// [`check_invariants`] of any device `dev` with [`Books`].
+pub fn check_books(e: &Engine, dev: &dyn Books, expect: &Expect) -> Result<(), String> {
     // Of an engine at rest: host memory a resume is giving back after it returned goes first.
     e.wait_released();
     let infos = check_registry(e)?;
     let mut active: BTreeMap<i32, u64> = BTreeMap::new();
     let (mut handles, mut pinned) = (0, 0);
     for i in &infos {
-        for (off, len, mapped) in ranges(e, sim, i)? {
+        for (off, len, mapped) in ranges(e, dev, i)? {
             let (first, last) = (i.addr + off, i.addr + off + len - 1);
-            let seen = (sim.is_accessible(first), sim.is_accessible(last));
+            let seen = (dev.accessible(first), dev.accessible(last));
             if seen != (mapped, mapped) {
                 return Err(format!(
-                    "{:#x}+{off:#x} ({len} bytes) is {:?} in the registry but {} in the sim",
+                    "{:#x}+{off:#x} ({len} bytes) is {:?} in the registry but {} in {}",
                     i.addr,
                     i.state,
                     match seen {
                         (true, true) => "accessible",
                         (false, false) => "not accessible",
                         _ => "partly accessible",
-                    }
+                    },
+                    dev.what()
                 ));
             }
         }
@@ -173,52 +234,54 @@ pub fn check_invariants(e: &Engine, sim: &SimDriver, expect: &Expect) -> Result<
     }
     pinned += e.staging_bytes();
     let l = &expect.leaks;
-    for d in 0..sim.config().devices {
+    for d in 0..dev.devices() {
         let want = active.get(&d).copied().unwrap_or(0);
         if let Some(leaked) = l.bytes_on(d) {
-            if sim.live_bytes(d) != want + leaked {
+            if dev.live_bytes(d) != want + leaked {
                 return Err(format!(
                     "device {d}: live bytes {} != mapped bytes of active allocations {want} + \
                      leaks {l:?}",
-                    sim.live_bytes(d)
+                    dev.live_bytes(d)
                 ));
             }
         }
     }
     let counts = [
-        ("mappings", sim.live_mappings(), handles),
-        ("handles", sim.live_handles(), handles + l.handles),
+        ("mappings", dev.live_mappings(), handles),
+        ("handles", dev.live_handles(), handles + l.handles),
         (
             "reservations",
-            sim.live_reservations(),
+            dev.live_reservations(),
             infos.len() + l.reservations,
         ),
     ];
     for (what, got, want) in counts {
         if got != want {
             return Err(format!(
-                "{what}: the sim holds {got}, the registry implies {want} (leaks {l:?})"
+                "{what}: {} holds {got}, the registry implies {want} (leaks {l:?})",
+                dev.what()
             ));
         }
     }
-    if sim.pinned_bytes() != pinned + l.pinned {
+    if dev.pinned_bytes() != pinned + l.pinned {
         return Err(format!(
-            "pinned bytes: the sim holds {}, the registry implies {pinned} (backups and staging \
+            "pinned bytes: {} holds {}, the registry implies {pinned} (backups and staging \
              slots; leaks {l:?})",
-            sim.pinned_bytes()
+            dev.what(),
+            dev.pinned_bytes()
         ));
     }
     if expect.copies_done {
-        if sim.queued_copies() != 0 {
+        if dev.queued_copies() != 0 {
             return Err(format!(
                 "{} copies left queued after an operation",
-                sim.queued_copies()
+                dev.queued_copies()
             ));
         }
-        if sim.pageable_copies() != 0 {
+        if dev.pageable_copies() != 0 {
             return Err(format!(
                 "{} copies of a backup used pageable memory",
-                sim.pageable_copies()
+                dev.pageable_copies()
             ));
         }
     }

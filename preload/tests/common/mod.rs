@@ -1,12 +1,14 @@
 //! Helpers shared by the engine's integration tests: the setup of a test's machine and engine
-//! (`setup.rs`), the harness that runs a test body on the sim or on CUDA (`harness.rs`), the
-//! check that the device holds what the registry implies (`invariants.rs`), reproducible data,
-//! and reads and writes of simulated device memory that call no driver primitive (so armed
-//! faults are not consumed by the test itself).
+//! (`setup.rs`), the harness that runs a test body on the sim, on CUDA, or on the HIP driver
+//! over its test double (`harness.rs`, `hip.rs`), the check that the device holds what the
+//! registry implies (`invariants.rs`), reproducible data, and reads and writes of device memory
+//! that is host memory, calling no driver primitive (so armed faults are not consumed by the
+//! test itself).
 
 #![allow(dead_code)]
 
 pub mod harness;
+pub mod hip;
 pub mod invariants;
 pub mod setup;
 
@@ -15,7 +17,7 @@ pub(crate) use harness::engine_test;
 #[allow(unused_imports)]
 pub use harness::{run_proptest, Harness};
 #[allow(unused_imports)]
-pub use invariants::{assert_invariants, check_invariants, Expect, Leaks};
+pub use invariants::{assert_invariants, check_invariants, Books, Expect, Leaks};
 #[allow(unused_imports)]
 pub use setup::{sim_engine, Setup};
 
@@ -43,25 +45,35 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 
 /// Write straight into simulated device memory (it is host memory).
 pub fn write_raw(sim: &SimDriver, addr: u64, data: &[u8]) {
-    let last = addr + data.len() as u64 - 1;
-    assert!(
-        sim.is_accessible(addr) && sim.is_accessible(last),
-        "writing {addr:#x}+{}: not accessible",
-        data.len()
-    );
-    // SAFETY: the sim says the whole range is mapped read/write.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+    write_books(sim, addr, data)
 }
 
 /// Read straight from simulated device memory.
 pub fn read_raw(sim: &SimDriver, addr: u64, len: usize) -> Vec<u8> {
+    read_books(sim, addr, len)
+}
+
+/// Write straight into device memory that is host memory (the sim's or the HIP double's).
+pub fn write_books(dev: &dyn Books, addr: u64, data: &[u8]) {
+    let last = addr + data.len() as u64 - 1;
+    assert!(
+        dev.accessible(addr) && dev.accessible(last),
+        "writing {addr:#x}+{}: not accessible",
+        data.len()
+    );
+    // SAFETY: the device's books say the whole range is mapped read/write host memory.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) }
+}
+
+/// Read straight from device memory that is host memory (the sim's or the HIP double's).
+pub fn read_books(dev: &dyn Books, addr: u64, len: usize) -> Vec<u8> {
     let last = addr + len as u64 - 1;
     assert!(
-        sim.is_accessible(addr) && sim.is_accessible(last),
+        dev.accessible(addr) && dev.accessible(last),
         "reading {addr:#x}+{len}: not accessible"
     );
     let mut v = vec![0u8; len];
-    // SAFETY: the sim says the whole range is mapped read/write.
+    // SAFETY: the device's books say the whole range is mapped read/write host memory.
     unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), len) }
     v
 }

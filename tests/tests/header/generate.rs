@@ -18,9 +18,9 @@ const INTRO: &str = "\
  * host (CPU) backup of the contents across the pause.
  *
  * Two ways to use it:
- *  - preload mode: LD_PRELOAD=libtms.so interposes cudaMalloc/cudaFree. Allocations made
- *    by a thread inside a region (tms_region_enter, or TMS_INIT_ENABLE=1) are pauseable;
- *    everything else goes to the real CUDA runtime unchanged.
+ *  - preload mode: LD_PRELOAD=libtms.so interposes cudaMalloc/cudaFree (hipMalloc/hipFree
+ *    on ROCm). Allocations made by a thread inside a region (tms_region_enter, or
+ *    TMS_INIT_ENABLE=1) are pauseable; everything else goes to the real runtime unchanged.
  *  - direct calls: link with -ltms (or dlsym the symbols when the library is preloaded).
  *
  * Conventions:
@@ -41,8 +41,9 @@ const INTRO: &str = "\
  *
  * Environment (read once, at first use): TMS_INIT_ENABLE, TMS_INIT_TAG,
  * TMS_INIT_ENABLE_CPU_BACKUP, TMS_INIT_CPU_BACKUP_BACKEND (pinned|mmap),
- * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|sim), TMS_LOG,
+ * TMS_RETAIN_CPU_BACKUP, TMS_MEMORY_MARGIN_BYTES, TMS_BACKEND (auto|cuda|hip|sim), TMS_LOG,
  * TMS_LOG_FORMAT (text|json);
+ * for ROCm: TMS_HIP_LIBRARY, TMS_HIP_RESERVE_AGAIN;
  * for the simulated device: TMS_SIM_CAPACITY, TMS_SIM_DEVICES, TMS_SIM_GRANULARITY,
  * TMS_SIM_FAULTS.
  *
@@ -225,6 +226,16 @@ declared only when TMS_DECLARE_CUDA_INTERPOSERS is defined, so that this header 
 included next to cuda_runtime_api.h (whose cudaError_t return type differs).",
         guard: Some("TMS_DECLARE_CUDA_INTERPOSERS"),
         items: &["cudaMalloc", "cudaFree"],
+    },
+    Section {
+        title: "HIP runtime interposers (preload mode on ROCm)",
+        prose: "\
+libtms.so also exports hipMalloc and hipFree with the HIP runtime's signatures (its status
+codes are the CUDA runtime's numbers for every status they return). They are declared only
+when TMS_DECLARE_HIP_INTERPOSERS is defined, so that this header can be included next to
+hip_runtime_api.h.",
+        guard: Some("TMS_DECLARE_HIP_INTERPOSERS"),
+        items: &["hipMalloc", "hipFree"],
     },
 ];
 
