@@ -483,6 +483,27 @@ int tms_read_bytes(uint64_t addr, void *dst, uint64_t len);
  */
 int tms_control_socket(char *buf, size_t cap, size_t *out_len);
 
+/**
+ * Export the memory of the active allocation holding `addr` for another process to import
+ * (`cuMemImportFromShareableHandle` with a POSIX file descriptor), one file descriptor per
+ * physical segment: the first `capacity` go to `fds`, `offsets` and `lens` (each NULL or
+ * writable for `capacity` entries), and `*out_count` (or NULL) says how many there are. With
+ * too little room nothing is exported: `TMS_ERR_BUFFER_TOO_SMALL`, `*out_count` the room
+ * needed. The descriptors are the caller's to close. Only for memory made while
+ * `TMS_SHAREABLE=1`; an importer keeps the memory alive (a pause then gives it back only once
+ * every importer released it), and a resume maps new memory that earlier exports do not reach.
+ *
+ * # Safety
+ * `fds`, `offsets` and `lens` are NULL or writable for `capacity` entries; `out_count` is NULL
+ * or writable.
+ */
+int tms_export(uint64_t addr,
+               int *fds,
+               uint64_t *offsets,
+               uint64_t *lens,
+               uint64_t capacity,
+               uint64_t *out_count);
+
 /* ---- The existing torch_memory_saver library's names --------------------------------- */
 
 /*

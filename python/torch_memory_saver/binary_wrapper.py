@@ -85,6 +85,10 @@ _SIGNATURES = {
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_get_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
     "tms_last_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
+    "tms_export": (
+        ctypes.c_int,
+        [ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), _c_u64_p, _c_u64_p, ctypes.c_uint64, _c_u64_p],
+    ),
     # The existing library's names (booleans travel as int 0/1; see tms.h).
     "tms_set_interesting_region": (ctypes.c_int, [ctypes.c_int]),
     "tms_get_interesting_region": (ctypes.c_bool, []),

@@ -406,6 +406,18 @@ class TorchMemorySaver:
         self._ensure_initialized()
         return self._impl.keep_resident(tensor)
 
+    def export_memory(self, tensor: "Union[torch.Tensor, int]") -> "list[tuple[int, int, int]]":
+        """Export the device memory of the active allocation holding ``tensor`` (a tensor or a
+        device address) for another process to import: one ``(offset, length, fd)`` per
+        physical segment, ``fd`` a POSIX file descriptor the caller owns (send it with
+        ``socket.send_fds``; the importer calls ``cuMemImportFromShareableHandle`` and maps
+        it). Only for memory made while ``TMS_SHAREABLE=1`` (else :class:`DriverError` naming
+        the setting); a paused allocation is refused. An importer keeps the memory alive: a
+        pause gives it back only once every importer has released its import, and a resume maps
+        new memory that earlier exports do not reach (export again)."""
+        self._ensure_initialized()
+        return self._impl.export_memory(tensor)
+
     # ---------------------------------------------------------------- pause / resume
 
     def pause(

@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from .arguments import _U64_MAX, _address, _is_xpu
+from .arguments import _U64_MAX, _address, _is_xpu, _tensor_or_address
 from .binary_wrapper import BinaryWrapper
 from .chunks import _Chunks
 from .cpu_backup import _CpuBackups
@@ -161,6 +161,21 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups):
         if size.value:
             logger.info("keeping the allocation holding %#x resident (%d bytes)", addr, size.value)
         return size.value
+
+    def export_memory(self, tensor: Any) -> list:
+        """See ``TorchMemorySaver.export_memory``."""
+        addr = _tensor_or_address(tensor)
+        lib = self._library()
+        need = ctypes.c_uint64(0)
+        status = lib.tms_export(addr, None, None, None, 0, ctypes.byref(need))
+        if status not in (0, 9):  # 9: TMS_ERR_BUFFER_TOO_SMALL, the count asked for
+            lib.check(status)
+        n = need.value
+        fds = (ctypes.c_int * max(n, 1))()
+        offsets = (ctypes.c_uint64 * max(n, 1))()
+        lens = (ctypes.c_uint64 * max(n, 1))()
+        lib.check(lib.tms_export(addr, fds, offsets, lens, n, ctypes.byref(need)))
+        return [(int(offsets[i]), int(lens[i]), int(fds[i])) for i in range(need.value)]
 
     def _affected_devices(self, tag: Optional[str]) -> list:
         """The devices a pause or resume of ``tag`` (every tag if None) acts on, ascending.

@@ -11,6 +11,8 @@
 //! never changed behind its back.
 
 use std::ffi::{c_void, CStr};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::sys;
@@ -53,6 +55,9 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoDAsync_v2",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
+    "cuDeviceGetAttribute",
+    "cuMemGetAllocationPropertiesFromHandle",
+    "cuMemExportToShareableHandle",
 ];
 
 /// Entry points only a non-blocking resume needs ([`Driver::gate`]): probed when it first asks,
@@ -73,6 +78,11 @@ pub struct CudaDriver {
     gate: GateCell,
     /// Streams waiting for the gate, kept apart from device-wide calls.
     gate_waits: GateWaits,
+    /// What `create` asks for (`MemoryFlags`, bit 0 rdma, bit 1 shareable).
+    flags: AtomicU8,
+    /// Per device: GPUDirect RDMA with VMM, and POSIX file descriptor handles, supported.
+    rdma_ok: Vec<OnceLock<bool>>,
+    fd_ok: Vec<OnceLock<bool>>,
 }
 
 fn error_name(code: sys::CUresult) -> String {
@@ -103,11 +113,17 @@ fn location(device: i32) -> sys::CUmemLocation {
     l
 }
 
-fn alloc_prop(device: i32) -> sys::CUmemAllocationProp {
-    // SAFETY: plain old data; zero means no handle types, no flags, which is what we want.
+/// Device memory of `device`, RDMA-capable and exportable as a file descriptor as asked.
+fn alloc_prop(device: i32, rdma: bool, fd: bool) -> sys::CUmemAllocationProp {
+    // SAFETY: plain old data; zero means no handle types, no flags, the rest set below.
     let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     p.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
     p.location = location(device);
+    p.allocFlags.gpuDirectRDMACapable = u8::from(rdma);
+    if fd {
+        p.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    }
     p
 }
 
@@ -163,7 +179,43 @@ impl CudaDriver {
             streams: (0..n).map(|_| OnceLock::new()).collect(),
             gate: GateCell::default(),
             gate_waits: GateWaits::new(GATED_WAIT),
+            flags: AtomicU8::new(0),
+            rdma_ok: (0..n).map(|_| OnceLock::new()).collect(),
+            fd_ok: (0..n).map(|_| OnceLock::new()).collect(),
         })
+    }
+
+    /// Whether `device` has `attr` (a yes/no attribute), asked once; an error is a no.
+    fn has(&self, cache: &[OnceLock<bool>], device: i32, attr: sys::CUdevice_attribute) -> bool {
+        let Ok(i) = self.check_device(device) else {
+            return false;
+        };
+        *cache[i].get_or_init(|| {
+            let mut v = 0;
+            // SAFETY: the symbol was checked at load and the device index above; &mut v is a
+            // valid int to write.
+            let r = unsafe { sys::cuDeviceGetAttribute(&mut v, attr, device) };
+            r == sys::CUresult::CUDA_SUCCESS && v != 0
+        })
+    }
+
+    /// The properties `create` gives memory of `device` now.
+    fn prop(&self, device: i32) -> sys::CUmemAllocationProp {
+        use sys::CUdevice_attribute as A;
+        let f = self.flags.load(Ordering::Relaxed);
+        let rdma = f & 1 != 0
+            && self.has(
+                &self.rdma_ok,
+                device,
+                A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED,
+            );
+        let fd = f & 2 != 0
+            && self.has(
+                &self.fd_ok,
+                device,
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            );
+        alloc_prop(device, rdma, fd)
     }
 
     /// The driver's CUDA version, e.g. 13000.
@@ -336,7 +388,7 @@ impl Driver for CudaDriver {
 
     fn granularity(&self, device: i32) -> Result<u64> {
         self.check_device(device)?;
-        let prop = alloc_prop(device);
+        let prop = self.prop(device);
         let mut g = 0usize;
         cu(
             "cuMemGetAllocationGranularity",
@@ -394,7 +446,7 @@ impl Driver for CudaDriver {
 
     fn create(&self, device: i32, size: u64) -> Result<PhysHandle> {
         self.check_device(device)?;
-        let prop = alloc_prop(device);
+        let prop = self.prop(device);
         let mut h: sys::CUmemGenericAllocationHandle = 0;
         cu(
             "cuMemCreate",
@@ -404,6 +456,54 @@ impl Driver for CudaDriver {
             || format!("device {device}, {size} bytes"),
         )?;
         Ok(PhysHandle(h))
+    }
+
+    fn set_memory_flags(&self, flags: super::MemoryFlags) {
+        let bits = u8::from(flags.rdma) | u8::from(flags.shareable) << 1;
+        self.flags.store(bits, Ordering::Relaxed);
+    }
+
+    fn handle_props(&self, handle: PhysHandle) -> Result<super::MemoryFlags> {
+        // SAFETY: plain old data the call overwrites.
+        let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        cu(
+            "cuMemGetAllocationPropertiesFromHandle",
+            // SAFETY: the symbol was checked at load; handle came from create() and is not
+            // released (the engine's contract); &mut p is a valid struct to write.
+            unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut p, handle.0) },
+            || format!("handle {:#x}", handle.0),
+        )?;
+        // A bit set of handle types.
+        let fd = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+        Ok(super::MemoryFlags {
+            rdma: p.allocFlags.gpuDirectRDMACapable != 0,
+            shareable: p.requestedHandleTypes.0 & fd != 0,
+        })
+    }
+
+    fn export(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        let mut fd: std::ffi::c_int = -1;
+        cu(
+            "cuMemExportToShareableHandle",
+            // SAFETY: the symbol was checked at load; handle came from create() and is not
+            // released; for a POSIX file descriptor the driver writes an int at the pointer.
+            unsafe {
+                sys::cuMemExportToShareableHandle(
+                    (&mut fd as *mut std::ffi::c_int).cast(),
+                    handle.0,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+            },
+            || {
+                format!(
+                    "handle {:#x} (memory is exportable only where TMS_SHAREABLE=1 made it so)",
+                    handle.0
+                )
+            },
+        )?;
+        // SAFETY: the driver returned a new file descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     fn release(&self, handle: PhysHandle) -> Result<()> {

@@ -141,6 +141,36 @@ pub trait Driver: Send + Sync {
     fn host_memory(&self) -> Option<crate::os::HostMemory> {
         crate::os::host_memory()
     }
+    /// Make the physical memory of later [`Driver::create`] calls as `flags` ask, where the
+    /// device can (a driver that cannot ignores them: [`Driver::handle_props`] says what a
+    /// handle got).
+    fn set_memory_flags(&self, _flags: MemoryFlags) {}
+    /// What the physical memory of `handle` was made with.
+    fn handle_props(&self, _handle: PhysHandle) -> Result<MemoryFlags> {
+        Err(crate::error::Error::unsupported(format!(
+            "the {} driver cannot read a handle's properties",
+            self.name()
+        )))
+    }
+    /// A POSIX file descriptor another process can import `handle`'s memory with (the memory
+    /// stays alive while an importer holds it, pauses notwithstanding). Only for memory made
+    /// with [`MemoryFlags::shareable`].
+    fn export(&self, _handle: PhysHandle) -> Result<std::os::fd::OwnedFd> {
+        Err(crate::error::Error::unsupported(format!(
+            "the {} driver cannot export memory",
+            self.name()
+        )))
+    }
+}
+
+/// How physical memory is made (`TMS_RDMA`, `TMS_SHAREABLE`), and what a handle got.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryFlags {
+    /// Usable by GPUDirect RDMA (a NIC registers it for NCCL or UCX over InfiniBand), where the
+    /// device supports it with virtual memory management.
+    pub rdma: bool,
+    /// Exportable as a POSIX file descriptor ([`Driver::export`]), where the device supports it.
+    pub shareable: bool,
 }
 
 /// RAII scope that keeps a device current on this thread and restores the previous one.

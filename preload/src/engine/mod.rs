@@ -159,6 +159,7 @@ mod alloc;
 mod backups;
 mod base;
 mod devices;
+mod export;
 mod inflight;
 mod leases;
 mod pause;
@@ -181,6 +182,7 @@ mod txn;
 mod types;
 
 pub use base::Engine;
+pub use export::Exported;
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backings, Phase, Progress, Which};
 pub use registry::{Pick, Record};

@@ -18,6 +18,7 @@ use status::{entry, write_out};
 
 mod args;
 mod chunks;
+mod export;
 mod progress;
 mod restore;
 mod status;
@@ -25,7 +26,7 @@ mod upstream;
 
 // Every export is also `tms::ffi::NAME` in Rust (tmsctl's demo checks its function types against
 // them).
-pub use self::{chunks::*, progress::*, restore::*, status::*, upstream::*};
+pub use self::{chunks::*, export::*, progress::*, restore::*, status::*, upstream::*};
 
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
 /// driver's name (`cuda` or `sim`) into `buf`.

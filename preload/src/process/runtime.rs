@@ -68,6 +68,7 @@ fn init() -> Result<Runtime> {
     });
     let ps = settings::process()?;
     let driver = open_driver(ps.backend)?;
+    driver.set_memory_flags(ps.memory);
     let engine = Engine::new(driver);
     engine.set_retain_cpu_backup(ps.retain_cpu_backup);
     engine.set_memory_margin(ps.memory_margin);

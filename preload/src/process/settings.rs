@@ -121,6 +121,8 @@ pub struct ProcessSettings {
     pub disk_dir: Option<std::path::PathBuf>,
     /// `TMS_DISK_FAULTS` (a testing aid: fail chosen file operations of disk backups).
     pub disk_faults: Vec<(crate::backup::disk::DiskOp, u64, i32)>,
+    /// `TMS_RDMA` (default on) and `TMS_SHAREABLE` (default off): how pauseable memory is made.
+    pub memory: crate::driver::MemoryFlags,
 }
 
 /// The copy settings from the environment, over the defaults.
@@ -239,6 +241,10 @@ impl ProcessSettings {
             memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
             backend: backend_choice,
             copy: copy_config_from_env()?,
+            memory: crate::driver::MemoryFlags {
+                rdma: env_parsed("TMS_RDMA", parse_flag)?.unwrap_or(true),
+                shareable: env_parsed("TMS_SHAREABLE", parse_flag)?.unwrap_or(false),
+            },
         })
     }
 }

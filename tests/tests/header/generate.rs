@@ -165,7 +165,12 @@ TMS_ERR_NOT_FOUND if the range does not lie inside one pauseable allocation.",
         title: "Contents and the control socket",
         prose: "",
         guard: None,
-        items: &["tms_write_bytes", "tms_read_bytes", "tms_control_socket"],
+        items: &[
+            "tms_write_bytes",
+            "tms_read_bytes",
+            "tms_control_socket",
+            "tms_export",
+        ],
     },
     Section {
         title: "The existing torch_memory_saver library's names",

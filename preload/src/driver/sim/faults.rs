@@ -49,11 +49,14 @@ pub enum Prim {
     Gate,
     /// [`Driver::stream_wait_gate`](crate::driver::Driver::stream_wait_gate)
     StreamWait,
+    /// [`Driver::export`](crate::driver::Driver::export) and
+    /// [`Driver::handle_props`](crate::driver::Driver::handle_props)
+    Export,
 }
 
 impl Prim {
     /// Every primitive, for exhaustive fault-injection tests.
-    pub const ALL: [Prim; 19] = [
+    pub const ALL: [Prim; 20] = [
         Prim::Reserve,
         Prim::FreeRange,
         Prim::Create,
@@ -73,6 +76,7 @@ impl Prim {
         Prim::MemInfo,
         Prim::Gate,
         Prim::StreamWait,
+        Prim::Export,
     ];
 
     /// The name used in `TMS_SIM_FAULTS`.
@@ -97,6 +101,7 @@ impl Prim {
             Prim::MemInfo => "mem_info",
             Prim::Gate => "gate",
             Prim::StreamWait => "stream_wait",
+            Prim::Export => "export",
         }
     }
 
@@ -122,6 +127,7 @@ impl Prim {
             Prim::MemInfo => "cuMemGetInfo",
             Prim::Gate => "cuMemHostAlloc",
             Prim::StreamWait => "cuStreamWaitValue32",
+            Prim::Export => "cuMemExportToShareableHandle",
         }
     }
 

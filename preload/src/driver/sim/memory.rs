@@ -10,10 +10,11 @@
 //! The functions here act once the primitive was entered (counted, faults and device checked).
 
 use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{FromRawFd, OwnedFd};
 
 use super::faults::{driver_err, invalid, Prim};
 use super::SimDriver;
-use crate::driver::{DevPtr, PhysHandle};
+use crate::driver::{DevPtr, MemoryFlags, PhysHandle};
 use crate::error::{Error, Result};
 
 struct Handle {
@@ -22,6 +23,8 @@ struct Handle {
     device: i32,
     released: bool,
     maps: u32,
+    /// What it was made with (the simulated device supports both flags).
+    flags: MemoryFlags,
 }
 
 struct Reservation {
@@ -42,6 +45,8 @@ pub(super) struct Memory {
     reservations: BTreeMap<u64, Reservation>,
     mappings: BTreeMap<u64, Mapping>,
     next_handle: u64,
+    /// What `create` gives memory.
+    pub(super) flags: MemoryFlags,
 }
 
 impl Memory {
@@ -52,6 +57,7 @@ impl Memory {
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             next_handle: 1,
+            flags: MemoryFlags::default(),
         }
     }
 
@@ -166,10 +172,53 @@ impl Memory {
                 device,
                 released: false,
                 maps: 0,
+                flags: self.flags,
             },
         );
         self.live[device as usize] += size;
         Ok(PhysHandle(id))
+    }
+
+    /// What `handle`'s memory was made with.
+    pub(super) fn props(&self, handle: PhysHandle) -> Result<MemoryFlags> {
+        match self.handles.get(&handle.0) {
+            Some(h) if !h.released => Ok(h.flags),
+            _ => Err(invalid(
+                Prim::Export,
+                format!("handle {} is not live", handle.0),
+            )),
+        }
+    }
+
+    /// A file descriptor of `handle`'s memory (its memfd, duplicated), as an exported handle.
+    pub(super) fn export(&self, handle: PhysHandle) -> Result<OwnedFd> {
+        let h = match self.handles.get(&handle.0) {
+            Some(h) if !h.released => h,
+            _ => {
+                return Err(invalid(
+                    Prim::Export,
+                    format!("handle {} is not live", handle.0),
+                ))
+            }
+        };
+        if !h.flags.shareable {
+            return Err(driver_err(
+                Prim::Export,
+                1,
+                format!(
+                    "handle {}: made without a shareable handle type (TMS_SHAREABLE=1 makes \
+                     memory exportable)",
+                    handle.0
+                ),
+            ));
+        }
+        // SAFETY: h.fd is the handle's open memfd; dup has no other preconditions.
+        let fd = unsafe { libc::fcntl(h.fd, libc::F_DUPFD_CLOEXEC, 0) };
+        if fd < 0 {
+            return Err(Error::last_os("sim export: dup"));
+        }
+        // SAFETY: fd was just made and nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
     pub(super) fn release(&mut self, handle: PhysHandle) -> Result<()> {

@@ -245,6 +245,22 @@ impl Driver for SimDriver {
         g.mem.release(handle)
     }
 
+    fn set_memory_flags(&self, flags: super::MemoryFlags) {
+        self.inner.lock().mem.flags = flags;
+    }
+
+    fn handle_props(&self, handle: PhysHandle) -> Result<super::MemoryFlags> {
+        let mut g = self.inner.lock();
+        g.enter(Prim::Export, || format!("handle {}", handle.0))?;
+        g.mem.props(handle)
+    }
+
+    fn export(&self, handle: PhysHandle) -> Result<std::os::fd::OwnedFd> {
+        let mut g = self.inner.lock();
+        g.enter(Prim::Export, || format!("handle {}", handle.0))?;
+        g.mem.export(handle)
+    }
+
     fn map(&self, ptr: DevPtr, size: u64, handle: PhysHandle) -> Result<()> {
         let mut g = self.inner.lock();
         g.enter(Prim::Map, || {
