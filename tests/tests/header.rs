@@ -76,12 +76,18 @@ fn header_declares_exactly_the_exported_functions() {
         stale.is_empty(),
         "declared in tms.h but not exported: {stale:?}"
     );
-    // Everything else the library exports is the CUDA interposers, declared (guarded) too,
-    // and the existing library's one name without the prefix.
+    // Everything else the library exports is the CUDA and NCCL interposers, declared (guarded)
+    // too, and the existing library's one name without the prefix.
     assert_eq!(exported, declared, "exports and declarations differ");
     let others: BTreeSet<_> = exported.difference(&tms(&exported)).cloned().collect();
+    let nccl: BTreeSet<String> = others
+        .iter()
+        .filter(|n| n.starts_with("nccl"))
+        .cloned()
+        .collect();
+    assert_eq!(nccl.len(), 15, "the NCCL interposers: {nccl:?}");
     assert_eq!(
-        others,
+        others.difference(&nccl).cloned().collect::<BTreeSet<_>>(),
         BTreeSet::from([
             "cudaFree".to_string(),
             "cudaMalloc".to_string(),
@@ -219,6 +225,20 @@ fn header_compiles_on_its_own() {
     syntax_check(
         "c++",
         &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_CUDA_INTERPOSERS"],
+    );
+    syntax_check(
+        "cc",
+        &[
+            "-x",
+            "c",
+            "-std=c11",
+            "-pedantic",
+            "-DTMS_DECLARE_NCCL_INTERPOSERS",
+        ],
+    );
+    syntax_check(
+        "c++",
+        &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_NCCL_INTERPOSERS"],
     );
 }
 

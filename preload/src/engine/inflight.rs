@@ -56,6 +56,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::base::Engine;
+use super::progress::Which;
 use super::registry::{describe, Pick};
 use super::report::OpReport;
 use super::restoring::{StreamOf, Tracker};
@@ -93,9 +94,29 @@ impl Engine {
     where
         E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
     {
+        check_tag(tag)?;
+        let e: &Engine = &engine;
+        // NCCL's communicators (their tag, or every tag with the setting on) are resumed
+        // before this returns: the program may use them as soon as it does.
+        let pick = labeled(tag, label);
+        e.with_comms_of(Which::Resume, &pick, || {
+            Self::resume_nonblocking_memory(engine.clone(), tag, order, stream, label)
+        })
+    }
+
+    /// [`Engine::resume_nonblocking_labeled`] of the allocations.
+    fn resume_nonblocking_memory<E>(
+        engine: E,
+        tag: Option<&str>,
+        order: &[DevPtr],
+        stream: Option<StreamOf>,
+        label: Option<u64>,
+    ) -> Result<OpReport>
+    where
+        E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
+    {
         let t0 = Instant::now();
         let e: &Engine = &engine;
-        check_tag(tag)?;
         let pick = |tag| labeled(tag, label);
         let what = format!("resume of {}", describe(tag));
         let gate = match e.driver.gate() {

@@ -14,6 +14,9 @@
 //! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 4 MiB).
 //! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
 //! - `TMS_PIN=background|inline|never`: when pinned backups are page-locked (default background).
+//! - `TMS_NCCL_IN_ALL=1`: pauses and resumes of every tag include NCCL's communicators.
+//! - `TMS_NCCL_REGISTERED=keep|refuse`: what pauses do with allocations holding buffers NCCL
+//!   registered (default keep).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
 //! - `TMS_LOG_FORMAT=text|json`: the shape of those lines (default text); every line names the
 //!   pid that wrote it and, where its pauseable memory is on one device, that device.
@@ -25,7 +28,7 @@ use parking_lot::RwLock;
 
 use crate::backup::BackupKind;
 use crate::driver::sim::SimDriver;
-use crate::engine::{CopyConfig, PinMode};
+use crate::engine::{reserved_tag, CopyConfig, PinMode, Registered, NCCL_TAG};
 use crate::error::{Error, Result};
 use crate::units::{env_parsed, parse_bytes, parse_flag, var_parsed};
 
@@ -83,8 +86,12 @@ impl RegionSettings {
         self.cpu_backup.then_some(self.backend)
     }
 
-    /// Refuse a CPU and a disk backup at once.
+    /// Refuse a CPU and a disk backup at once, and a pauseable region with the tag reserved
+    /// for NCCL's communicators.
     pub fn check(&self) -> Result<()> {
+        if self.enabled && self.tag == NCCL_TAG {
+            return Err(Error::invalid_argument(reserved_tag()));
+        }
         if self.cpu_backup && self.disk_backup {
             return Err(Error::invalid_argument(format!(
                 "region {:?}: enable_cpu_backup and enable_disk_backup are mutually exclusive \
@@ -114,6 +121,10 @@ pub struct ProcessSettings {
     pub disk_dir: Option<std::path::PathBuf>,
     /// `TMS_DISK_FAULTS` (a testing aid: fail chosen file operations of disk backups).
     pub disk_faults: Vec<(crate::backup::disk::DiskOp, u64, i32)>,
+    /// `TMS_NCCL_IN_ALL`: pauses and resumes of every tag include NCCL's communicators.
+    pub nccl_in_all: bool,
+    /// `TMS_NCCL_REGISTERED`: what pauses do with allocations holding buffers NCCL registered.
+    pub nccl_registered: Registered,
 }
 
 /// The copy settings from the environment, over the defaults.
@@ -189,6 +200,10 @@ impl ProcessSettings {
                     "environment variable TMS_INIT_TAG is empty",
                 ))
             }
+            Some(t) if t == NCCL_TAG => {
+                return Err(Error::invalid_argument(reserved_tag())
+                    .context("environment variable TMS_INIT_TAG"))
+            }
             Some(t) => t,
             None => "default".to_string(),
         };
@@ -226,6 +241,9 @@ impl ProcessSettings {
             memory_margin: env_parsed("TMS_MEMORY_MARGIN_BYTES", parse_bytes)?.unwrap_or(0),
             backend: backend_choice,
             copy: copy_config_from_env()?,
+            nccl_in_all: env_parsed("TMS_NCCL_IN_ALL", parse_flag)?.unwrap_or(false),
+            nccl_registered: env_parsed("TMS_NCCL_REGISTERED", Registered::parse)?
+                .unwrap_or_default(),
         })
     }
 }
@@ -313,6 +331,7 @@ pub fn push_region(r: RegionSettings) -> Result<()> {
     if r.tag.is_empty() {
         return Err(Error::invalid_argument("a region's tag must not be empty"));
     }
+    r.check()?;
     STACK
         .try_with(|s| s.borrow_mut().push(r))
         .map_err(|_| Error::invalid_state("thread is exiting"))
