@@ -3,7 +3,10 @@
 //! - `tests/c/fake_cudart.c` into `$OUT_DIR/libcudart.so`, a fake CUDA runtime that counts
 //!   the `cudaMalloc`/`cudaFree` calls reaching it;
 //! - `tests/c/e2e_prog.c` into `$OUT_DIR/e2e_prog`, linked against that fake runtime, which the
-//!   tests run with `LD_PRELOAD=libtms.so`.
+//!   tests run with `LD_PRELOAD=libtms.so`;
+//! - `tests/c/fake_nccl.c`, a test double of NCCL, into `$OUT_DIR/nccl/libnccl.so.2` (with
+//!   `ncclCommSuspend`) and `$OUT_DIR/nccl-old/libnccl.so.2` (without), and
+//!   `tests/c/nccl_prog.c` into `$OUT_DIR/nccl_prog`, linked against both fakes.
 //!
 //! The paths are passed to the tests as `TMS_TEST_FAKE_CUDART`, `TMS_TEST_E2E_PROG` and
 //! `TMS_TEST_OUT_DIR` (read with `env!`).
@@ -39,7 +42,7 @@ fn main() {
     let fake_src = c_dir.join("fake_cudart.c");
     let prog_src = c_dir.join("e2e_prog.c");
     let header = include.join("tms.h");
-    for p in [&fake_src, &prog_src, &header] {
+    for p in [&fake_src, &prog_src, &header, &c_dir.join("checks.h")] {
         println!("cargo:rerun-if-changed={}", path_str(p));
     }
     println!("cargo:rerun-if-changed=build.rs");
@@ -100,6 +103,52 @@ fn main() {
     let mut args: Vec<&str> = warn.to_vec();
     args.extend(["-o", path_str(&local_main), path_str(&main_src), "-ldl"]);
     cc(&args, "the RTLD_LOCAL test program");
+
+    // The NCCL test double, as an NCCL with ncclCommSuspend (2.29.7) and one without (2.21.5),
+    // each `libnccl.so.2` in a folder of its own: the NCCL test program finds one through
+    // LD_LIBRARY_PATH (its own run path holds only the fake CUDA runtime).
+    let nccl_src = c_dir.join("fake_nccl.c");
+    let nccl_prog_src = c_dir.join("nccl_prog.c");
+    for f in ["fake_nccl.c", "fake_nccl.h", "nccl_prog.c", "checks.h"] {
+        println!("cargo:rerun-if-changed={}", path_str(&c_dir.join(f)));
+    }
+    let nccl_dirs = [("nccl", None), ("nccl-old", Some("-DFAKE_NCCL_NO_SUSPEND"))];
+    for (dir, define) in nccl_dirs {
+        let d = out.join(dir);
+        std::fs::create_dir_all(&d).expect("make the fake NCCL's folder");
+        let so = d.join("libnccl.so.2");
+        let mut args: Vec<&str> = warn.to_vec();
+        args.extend(define);
+        args.extend([
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libnccl.so.2",
+            "-o",
+            path_str(&so),
+            path_str(&nccl_src),
+            "-Wl,--no-as-needed",
+            &lib_dir,
+            "-lcudart",
+            &rpath,
+        ]);
+        cc(&args, "the NCCL test double");
+    }
+    let nccl_lib = out.join("nccl/libnccl.so.2");
+    let nccl_prog = out.join("nccl_prog");
+    let mut args: Vec<&str> = warn.to_vec();
+    args.extend([
+        &include_flag,
+        "-o",
+        path_str(&nccl_prog),
+        path_str(&nccl_prog_src),
+        "-Wl,--no-as-needed",
+        path_str(&nccl_lib),
+        &lib_dir,
+        "-lcudart",
+        &rpath,
+        "-ldl",
+    ]);
+    cc(&args, "the NCCL test program");
 
     println!("cargo:rustc-env=TMS_TEST_FAKE_CUDART={}", path_str(&fake));
     println!("cargo:rustc-env=TMS_TEST_E2E_PROG={}", path_str(&prog));

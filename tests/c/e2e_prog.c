@@ -18,6 +18,7 @@
 #define _GNU_SOURCE
 #define TMS_DECLARE_CUDA_INTERPOSERS
 #include "tms.h"
+#include "checks.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -61,70 +62,15 @@ long fake_cuda_live(void);
     X(tms_get_cpu_backup)                                                                    \
     X(tms_stats_json)
 
-#define DECLARE_POINTER(name) static __typeof__(&name) p_##name;
 TMS_FUNCTIONS(DECLARE_POINTER)
 
 static int load_api(void) {
     int ok = 1;
-#define LOAD_POINTER(name)                                                                   \
-    p_##name = (__typeof__(&name))dlsym(RTLD_DEFAULT, #name);                                \
-    if (p_##name == NULL) {                                                                  \
-        printf("FAIL: %s not found: is libtms.so preloaded (LD_PRELOAD)?\n", #name);         \
-        ok = 0;                                                                              \
-    }
-    TMS_FUNCTIONS(LOAD_POINTER)
-#undef LOAD_POINTER
+#define LOAD_ONE(name) LOAD_POINTER(RTLD_DEFAULT, name, ok)
+    TMS_FUNCTIONS(LOAD_ONE)
+#undef LOAD_ONE
     fflush(stdout);
     return ok;
-}
-
-/* ---- Checks and reporting ------------------------------------------------------------ */
-
-static int failures;
-static const char *who = "";
-
-__attribute__((format(printf, 2, 3))) static void check(int ok, const char *fmt, ...) {
-    va_list ap;
-    printf("%s%s: ", ok ? "PASS" : "FAIL", who);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    fflush(stdout);
-    if (!ok) {
-        failures++;
-    }
-}
-
-static const char *last_error(void) {
-    static char buf[8192];
-    buf[0] = 0;
-    p_tms_last_error(buf, sizeof buf);
-    return buf;
-}
-
-static void report_error(const char *label) {
-    printf("ERROR %s %s\n", label, last_error());
-    fflush(stdout);
-}
-
-/* Print the engine's statistics as "STATS <label> <json>", exercising the too-small-buffer
- * protocol on the way. */
-static void print_stats(const char *label) {
-    size_t need = 0;
-    int rc = p_tms_stats_json(NULL, 0, &need);
-    check(rc == TMS_ERR_BUFFER_TOO_SMALL && need > 0,
-          "tms_stats_json(NULL, 0) reports TMS_ERR_BUFFER_TOO_SMALL and the length (rc %d, %zu)",
-          rc, need);
-    char *buf = malloc(need + 1);
-    size_t len = 0;
-    rc = buf ? p_tms_stats_json(buf, need + 1, &len) : -1;
-    check(rc == TMS_OK && len == need, "tms_stats_json(%s) (rc %d)", label, rc);
-    if (rc == TMS_OK) {
-        printf("STATS %s %s\n", label, buf);
-        fflush(stdout);
-    }
-    free(buf);
 }
 
 static void print_region(const char *label) {
@@ -136,16 +82,6 @@ static void print_region(const char *label) {
         printf("REGION %s %s\n", label, buf);
         fflush(stdout);
     }
-}
-
-static int finish(const char *mode) {
-    if (failures == 0) {
-        printf("RESULT: PASS %s\n", mode);
-    } else {
-        printf("RESULT: FAIL %s (%d failed checks)\n", mode, failures);
-    }
-    fflush(stdout);
-    return failures == 0 ? 0 : 1;
 }
 
 /* ---- Patterns ------------------------------------------------------------------------ */

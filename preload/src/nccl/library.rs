@@ -185,6 +185,7 @@ impl Loaded {
         if rc == NCCL_SUCCESS {
             return Ok(());
         }
+        // What NCCL said, if anything (the caller names the communicator).
         let said = last_error().map_or(String::new(), |f| {
             // SAFETY: ncclGetLastError returns NULL or a NUL-terminated string NCCL owns.
             let p = unsafe { f(comm as *mut c_void) };
@@ -192,19 +193,12 @@ impl Loaded {
                 return String::new();
             }
             // SAFETY: as above; copied before anything else calls NCCL.
-            let s = unsafe { CStr::from_ptr(p) }.to_string_lossy();
-            if s.trim().is_empty() {
-                String::new()
-            } else {
-                format!(": {}", s.trim())
-            }
+            unsafe { CStr::from_ptr(p) }
+                .to_string_lossy()
+                .trim()
+                .to_string()
         });
-        Err(Error::driver(
-            call,
-            rc,
-            result_name(rc),
-            format!("communicator {comm:#x}{said}"),
-        ))
+        Err(Error::driver(call, rc, result_name(rc), said))
     }
 }
 

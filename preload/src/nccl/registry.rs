@@ -262,7 +262,10 @@ fn undone(pause: bool, n: usize, failed: &[(usize, Error)]) -> String {
         return format!("no communicator was {did} by this call");
     }
     if failed.is_empty() {
-        return format!("the {n} communicators it had {did} were {undo}");
+        return match n {
+            1 => format!("the communicator it had {did} was {undo}"),
+            _ => format!("the {n} communicators it had {did} were {undo}"),
+        };
     }
     let each: Vec<String> = failed
         .iter()
@@ -513,7 +516,7 @@ mod tests {
         c.suspend(&d).unwrap();
         let e = c.resume(&d).unwrap_err().to_string();
         assert!(e.contains("resuming communicator 0x2 (2 of 2)"), "{e}");
-        assert!(e.contains("were suspended again"), "{e}");
+        assert!(e.contains("was suspended again"), "{e}");
         assert_eq!(c.stats(&d).unwrap().suspended, 2);
     }
 
