@@ -466,7 +466,7 @@ mod tests {
         let e = c.suspend(&d).unwrap_err().to_string();
         assert!(e.contains("suspending communicator 0xa (2 of 3)"), "{e}");
         assert!(
-            e.contains("the 1 communicators it had suspended were resumed"),
+            e.contains("the communicator it had suspended was resumed"),
             "{e}"
         );
         // In the order they were made, and the first undone.
