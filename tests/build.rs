@@ -65,6 +65,8 @@ fn main() {
     let include_flag = format!("-I{}", path_str(&include));
     let lib_dir = format!("-L{}", path_str(&out));
     let rpath = format!("-Wl,-rpath,{}", path_str(&out));
+    // Linked against the fake runtime, found at run time in its folder.
+    let cudart = ["-Wl,--no-as-needed", &lib_dir, "-lcudart", &rpath];
     let mut args: Vec<&str> = warn.to_vec();
     args.extend([
         "-pthread",
@@ -72,12 +74,9 @@ fn main() {
         "-o",
         path_str(&prog),
         path_str(&prog_src),
-        "-Wl,--no-as-needed",
-        &lib_dir,
-        "-lcudart",
-        &rpath,
-        "-ldl",
     ]);
+    args.extend(cudart);
+    args.push("-ldl");
     cc(&args, "the end-to-end test program");
 
     // A runtime user opened with RTLD_LOCAL, and the program that opens it.
@@ -93,11 +92,8 @@ fn main() {
         "-o",
         path_str(&user),
         path_str(&user_src),
-        "-Wl,--no-as-needed",
-        &lib_dir,
-        "-lcudart",
-        &rpath,
     ]);
+    args.extend(cudart);
     cc(&args, "the RTLD_LOCAL runtime user");
     let local_main = out.join("local_main");
     let mut args: Vec<&str> = warn.to_vec();
@@ -126,11 +122,8 @@ fn main() {
             "-o",
             path_str(&so),
             path_str(&nccl_src),
-            "-Wl,--no-as-needed",
-            &lib_dir,
-            "-lcudart",
-            &rpath,
         ]);
+        args.extend(cudart);
         cc(&args, "the NCCL test double");
     }
     let nccl_lib = out.join("nccl/libnccl.so.2");
@@ -141,13 +134,10 @@ fn main() {
         "-o",
         path_str(&nccl_prog),
         path_str(&nccl_prog_src),
-        "-Wl,--no-as-needed",
         path_str(&nccl_lib),
-        &lib_dir,
-        "-lcudart",
-        &rpath,
-        "-ldl",
     ]);
+    args.extend(cudart);
+    args.push("-ldl");
     cc(&args, "the NCCL test program");
 
     println!("cargo:rustc-env=TMS_TEST_FAKE_CUDART={}", path_str(&fake));

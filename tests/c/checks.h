@@ -26,6 +26,17 @@
         ok = 0;                                                                              \
     }
 
+/* static int load_api(void *handle): every function of LIST (an X-macro of names) into its
+ * pointer, from HANDLE; 0 (each missing one said) when some is missing. */
+#define LOAD_FROM_HANDLE(name) LOAD_POINTER(handle, name, ok)
+#define DEFINE_LOAD_API(LIST)                                                                \
+    static int load_api(void *handle) {                                                      \
+        int ok = 1;                                                                          \
+        LIST(LOAD_FROM_HANDLE)                                                               \
+        fflush(stdout);                                                                      \
+        return ok;                                                                           \
+    }
+
 DECLARE_POINTER(tms_last_error)
 DECLARE_POINTER(tms_stats_json)
 

@@ -64,14 +64,7 @@ long fake_cuda_live(void);
 
 TMS_FUNCTIONS(DECLARE_POINTER)
 
-static int load_api(void) {
-    int ok = 1;
-#define LOAD_ONE(name) LOAD_POINTER(RTLD_DEFAULT, name, ok)
-    TMS_FUNCTIONS(LOAD_ONE)
-#undef LOAD_ONE
-    fflush(stdout);
-    return ok;
-}
+DEFINE_LOAD_API(TMS_FUNCTIONS)
 
 static void print_region(const char *label) {
     char buf[1024];
@@ -596,7 +589,7 @@ int main(int argc, char **argv) {
                 argv[0]);
         return 2;
     }
-    if (!load_api()) {
+    if (!load_api(RTLD_DEFAULT)) {
         printf("RESULT: FAIL %s (libtms.so API not found)\n", argv[1]);
         return 1;
     }

@@ -39,14 +39,7 @@ long fake_cuda_live(void);
 
 TMS_FUNCTIONS(DECLARE_POINTER)
 
-static int load_api(void *handle) {
-    int ok = 1;
-#define LOAD_ONE(name) LOAD_POINTER(handle, name, ok)
-    TMS_FUNCTIONS(LOAD_ONE)
-#undef LOAD_ONE
-    fflush(stdout);
-    return ok;
-}
+DEFINE_LOAD_API(TMS_FUNCTIONS)
 
 static ncclComm_t make_comm(void) {
     ncclUniqueId id;

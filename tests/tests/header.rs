@@ -211,35 +211,15 @@ fn syntax_check(compiler: &str, args: &[&str]) {
 #[test]
 fn header_compiles_on_its_own() {
     syntax_check("cc", &["-x", "c", "-std=c99", "-pedantic"]);
-    syntax_check(
-        "cc",
-        &[
-            "-x",
-            "c",
-            "-std=c11",
-            "-pedantic",
-            "-DTMS_DECLARE_CUDA_INTERPOSERS",
-        ],
-    );
     syntax_check("c++", &["-x", "c++", "-std=c++11", "-pedantic"]);
-    syntax_check(
-        "c++",
-        &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_CUDA_INTERPOSERS"],
-    );
-    syntax_check(
-        "cc",
-        &[
-            "-x",
-            "c",
-            "-std=c11",
-            "-pedantic",
-            "-DTMS_DECLARE_NCCL_INTERPOSERS",
-        ],
-    );
-    syntax_check(
-        "c++",
-        &["-x", "c++", "-std=c++17", "-DTMS_DECLARE_NCCL_INTERPOSERS"],
-    );
+    // Each guarded section of interposers, declared.
+    for define in [
+        "-DTMS_DECLARE_CUDA_INTERPOSERS",
+        "-DTMS_DECLARE_NCCL_INTERPOSERS",
+    ] {
+        syntax_check("cc", &["-x", "c", "-std=c11", "-pedantic", define]);
+        syntax_check("c++", &["-x", "c++", "-std=c++17", define]);
+    }
 }
 
 const LINK_PROG: &str = r#"

@@ -449,23 +449,11 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     Ok(Reply::Region(region_info(&r)))
 }
 
-/// The communicators' numbers on the wire.
-fn nccl_status(c: &CommStats) -> NcclStatus {
-    NcclStatus {
-        version: c.version.clone(),
-        unsupported: c.unsupported.clone(),
-        communicators: c.communicators as u64,
-        suspended: c.suspended as u64,
-        suspendable_bytes: c.suspendable_bytes,
-        suspended_bytes: c.suspended_bytes,
-        persistent_bytes: c.persistent_bytes,
-        total_bytes: c.total_bytes,
-        error: c.error.clone(),
-        registered_buffers: c.registered_buffers as u64,
-        registered_bytes: c.registered_bytes,
-        in_all_tags: c.in_all_tags,
-        registered_policy: c.registered_policy.to_string(),
-    }
+/// The communicators' numbers on the wire: the protocol's fields are the engine's, by name.
+fn nccl_status(c: &CommStats) -> Option<NcclStatus> {
+    let wire = serde_json::to_value(c).and_then(serde_json::from_value);
+    wire.map_err(|e| tracing::error!("the tag nccl's numbers on the wire: {e}"))
+        .ok()
 }
 
 fn timing(o: &Option<OpStats>) -> Option<OpTiming> {
@@ -566,7 +554,7 @@ fn full_status(host: &dyn Host) -> Status {
                 disk_backup_bytes: t.disk_backup_bytes,
                 last_pause: timing(&t.last_pause),
                 last_resume: timing(&t.last_resume),
-                nccl: t.nccl.as_ref().map(nccl_status),
+                nccl: t.nccl.as_ref().and_then(nccl_status),
             })
             .collect(),
         tags_omitted: 0,

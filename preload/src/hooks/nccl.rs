@@ -11,7 +11,7 @@
 use std::ffi::{c_char, c_int, c_void};
 
 use super::interpose::Reentry;
-use crate::nccl::library::{entry_point, NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_SYSTEM_ERROR};
+use crate::nccl::library::{symbol, NCCL_IN_PROGRESS, NCCL_SUCCESS, NCCL_SYSTEM_ERROR};
 use crate::nccl::{communicators, Communicators};
 use crate::process::boundary::catch;
 use crate::process::runtime;
@@ -60,6 +60,21 @@ type DeregisterFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type WindowRegisterFn =
     unsafe extern "C" fn(*mut c_void, *mut c_void, usize, *mut *mut c_void, c_int) -> c_int;
 type MemAllocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+
+/// Declares `fn $f() -> Option<$ty>`: NCCL's entry point `$name`, found once. `$ty` must be
+/// its signature in nccl.h.
+macro_rules! entry_point {
+    ($f:ident, $name:literal, $ty:ty) => {
+        fn $f() -> Option<$ty> {
+            static SLOT: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+            match symbol($name, &SLOT) {
+                0 => None,
+                // SAFETY: NCCL's entry point of this name has this signature (nccl.h).
+                p => Some(unsafe { std::mem::transmute::<usize, $ty>(p) }),
+            }
+        }
+    };
+}
 
 entry_point!(real_init_rank, c"ncclCommInitRank", InitRankFn);
 entry_point!(
@@ -133,9 +148,12 @@ fn making(out: *mut *mut c_void, n: c_int, call: impl FnOnce() -> c_int) -> c_in
     rc
 }
 
-/// `comm` ends: it leaves the registry (once no call of ours on it runs) before NCCL ends it.
-fn ends(comm: *mut c_void) {
+/// `comm` ends through `f`: it leaves the registry (once no call of ours on it runs) before
+/// NCCL ends it.
+fn ending(comm: *mut c_void, f: CommFn) -> c_int {
     note(|c| c.gone(comm as usize));
+    // SAFETY: `f` is NCCL's call of this interposer's name, given the caller's argument.
+    unsafe { f(comm) }
 }
 
 /// Interposed `ncclCommInitRank`.
@@ -298,9 +316,7 @@ pub unsafe extern "C" fn ncclCommFinalize(comm: *mut c_void) -> c_int {
     let Some(f) = real_finalize() else {
         return absent("ncclCommFinalize");
     };
-    ends(comm);
-    // SAFETY: the caller's argument, handed on as it came.
-    unsafe { f(comm) }
+    ending(comm, f)
 }
 
 /// Interposed `ncclCommDestroy`.
@@ -312,9 +328,7 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> c_int {
     let Some(f) = real_destroy() else {
         return absent("ncclCommDestroy");
     };
-    ends(comm);
-    // SAFETY: the caller's argument, handed on as it came.
-    unsafe { f(comm) }
+    ending(comm, f)
 }
 
 /// Interposed `ncclCommAbort`.
@@ -326,28 +340,38 @@ pub unsafe extern "C" fn ncclCommAbort(comm: *mut c_void) -> c_int {
     let Some(f) = real_abort() else {
         return absent("ncclCommAbort");
     };
-    ends(comm);
-    // SAFETY: the caller's argument, handed on as it came.
-    unsafe { f(comm) }
+    ending(comm, f)
 }
 
-/// A registration `call` made: `[buff, buff+size)` as the handle at `out`.
-fn registered(
+/// Run `register`, NCCL's `call` registering `[buff, buff+size)` for `comm` with its handle at
+/// `out`; then note the registration.
+fn registering(
     call: &'static str,
-    rc: c_int,
     comm: *mut c_void,
-    buff: *mut c_void,
-    size: usize,
+    (buff, size): (*mut c_void, usize),
     out: *mut *mut c_void,
-) {
-    if (rc != NCCL_SUCCESS && rc != NCCL_IN_PROGRESS) || out.is_null() {
-        return;
+    register: impl FnOnce() -> c_int,
+) -> c_int {
+    let rc = register();
+    if (rc == NCCL_SUCCESS || rc == NCCL_IN_PROGRESS) && !out.is_null() {
+        // SAFETY: NCCL wrote the handle at `out` (non-null, checked).
+        let handle = unsafe { *out } as usize;
+        if handle != 0 {
+            note(|c| c.registered(call, comm as usize, handle, buff as u64, size as u64));
+        }
     }
-    // SAFETY: NCCL wrote the handle at `out` (non-null, checked).
-    let handle = unsafe { *out } as usize;
-    if handle != 0 {
-        note(|c| c.registered(call, comm as usize, handle, buff as u64, size as u64));
+    rc
+}
+
+/// Undo the registration `handle` of `comm` through `f` (NCCL's deregistration of its kind);
+/// once NCCL has, it is forgotten.
+fn deregistering(comm: *mut c_void, handle: *mut c_void, f: DeregisterFn) -> c_int {
+    // SAFETY: `f` is NCCL's call of this interposer's name, given the caller's arguments.
+    let rc = unsafe { f(comm, handle) };
+    if rc == NCCL_SUCCESS {
+        note(|c| c.deregistered(handle as usize));
     }
+    rc
 }
 
 /// Interposed `ncclCommRegister`: the buffer is noted until deregistered, so that pauses keep
@@ -366,9 +390,9 @@ pub unsafe extern "C" fn ncclCommRegister(
         return absent("ncclCommRegister");
     };
     // SAFETY: the caller's arguments, handed on as they came.
-    let rc = unsafe { f(comm, buff, size, handle) };
-    registered("ncclCommRegister", rc, comm, buff, size, handle);
-    rc
+    registering("ncclCommRegister", comm, (buff, size), handle, || unsafe {
+        f(comm, buff, size, handle)
+    })
 }
 
 /// Interposed `ncclCommDeregister`.
@@ -380,12 +404,7 @@ pub unsafe extern "C" fn ncclCommDeregister(comm: *mut c_void, handle: *mut c_vo
     let Some(f) = real_deregister() else {
         return absent("ncclCommDeregister");
     };
-    // SAFETY: the caller's arguments, handed on as they came.
-    let rc = unsafe { f(comm, handle) };
-    if rc == NCCL_SUCCESS {
-        note(|c| c.deregistered(handle as usize));
-    }
-    rc
+    deregistering(comm, handle, f)
 }
 
 /// Interposed `ncclCommWindowRegister`: noted as `ncclCommRegister`'s buffers are.
@@ -404,9 +423,13 @@ pub unsafe extern "C" fn ncclCommWindowRegister(
         return absent("ncclCommWindowRegister");
     };
     // SAFETY: the caller's arguments, handed on as they came.
-    let rc = unsafe { f(comm, buff, size, win, win_flags) };
-    registered("ncclCommWindowRegister", rc, comm, buff, size, win);
-    rc
+    registering(
+        "ncclCommWindowRegister",
+        comm,
+        (buff, size),
+        win,
+        || unsafe { f(comm, buff, size, win, win_flags) },
+    )
 }
 
 /// Interposed `ncclCommWindowDeregister`.
@@ -418,12 +441,7 @@ pub unsafe extern "C" fn ncclCommWindowDeregister(comm: *mut c_void, win: *mut c
     let Some(f) = real_window_deregister() else {
         return absent("ncclCommWindowDeregister");
     };
-    // SAFETY: the caller's arguments, handed on as they came.
-    let rc = unsafe { f(comm, win) };
-    if rc == NCCL_SUCCESS {
-        note(|c| c.deregistered(win as usize));
-    }
-    rc
+    deregistering(comm, win, f)
 }
 
 /// Interposed `ncclMemAlloc`: memory meant for registration is never pauseable (where NCCL

@@ -128,22 +128,6 @@ pub fn symbol(name: &'static CStr, slot: &'static OnceLock<usize>) -> usize {
     }
 }
 
-/// Declares `fn $f() -> Option<$ty>`: NCCL's entry point `$name`, where there is one. `$ty`
-/// must be its signature in nccl.h.
-macro_rules! entry_point {
-    ($f:ident, $name:literal, $ty:ty) => {
-        fn $f() -> Option<$ty> {
-            static SLOT: ::std::sync::OnceLock<usize> = ::std::sync::OnceLock::new();
-            match $crate::nccl::library::symbol($name, &SLOT) {
-                0 => None,
-                // SAFETY: NCCL's entry point of this name has this signature (nccl.h).
-                p => Some(unsafe { ::std::mem::transmute::<usize, $ty>(p) }),
-            }
-        }
-    };
-}
-pub(crate) use entry_point;
-
 type VersionFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 type SuspendFn = unsafe extern "C" fn(*mut c_void, c_int) -> c_int;
 type CommFn = unsafe extern "C" fn(*mut c_void) -> c_int;
@@ -151,42 +135,84 @@ type MemStatsFn = unsafe extern "C" fn(*mut c_void, c_int, *mut u64) -> c_int;
 type CommIntFn = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
 type LastErrorFn = unsafe extern "C" fn(*mut c_void) -> *const c_char;
 
-entry_point!(get_version, c"ncclGetVersion", VersionFn);
-entry_point!(comm_suspend, c"ncclCommSuspend", SuspendFn);
-entry_point!(comm_resume, c"ncclCommResume", CommFn);
-entry_point!(comm_mem_stats, c"ncclCommMemStats", MemStatsFn);
-entry_point!(comm_cu_device, c"ncclCommCuDevice", CommIntFn);
-entry_point!(comm_async_error, c"ncclCommGetAsyncError", CommIntFn);
-entry_point!(last_error, c"ncclGetLastError", LastErrorFn);
+/// NCCL's `name` as a function of type `F`, where there is one.
+///
+/// # Safety
+/// `F` is the function pointer type nccl.h gives `name`.
+unsafe fn entry<F: Copy>(name: &CStr) -> Option<F> {
+    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<usize>()) };
+    match lookup(name) {
+        0 => None,
+        // SAFETY: a non-null address of NCCL's `name`, whose type is `F` (our caller's promise).
+        p => Some(unsafe { std::mem::transmute_copy::<usize, F>(&p) }),
+    }
+}
 
-/// The NCCL of this process.
-pub struct Loaded;
+/// The calls the library makes of NCCL, as the NCCL loaded has them.
+#[derive(Clone, Copy)]
+struct Calls {
+    version: Option<VersionFn>,
+    suspend: Option<SuspendFn>,
+    resume: Option<CommFn>,
+    mem_stats: Option<MemStatsFn>,
+    cu_device: Option<CommIntFn>,
+    async_error: Option<CommIntFn>,
+    last_error: Option<LastErrorFn>,
+}
 
-impl Loaded {
+impl Calls {
+    /// Found once NCCL is loaded (an NCCL that lacks some lacks them for good); looked for
+    /// again at each use until then.
+    fn get() -> Calls {
+        static FOUND: OnceLock<Calls> = OnceLock::new();
+        if let Some(c) = FOUND.get() {
+            return *c;
+        }
+        // SAFETY: each name with its type in nccl.h.
+        let c = unsafe {
+            Calls {
+                version: entry(c"ncclGetVersion"),
+                suspend: entry(c"ncclCommSuspend"),
+                resume: entry(c"ncclCommResume"),
+                mem_stats: entry(c"ncclCommMemStats"),
+                cu_device: entry(c"ncclCommCuDevice"),
+                async_error: entry(c"ncclCommGetAsyncError"),
+                last_error: entry(c"ncclGetLastError"),
+            }
+        };
+        if c.version.is_some() {
+            return *FOUND.get_or_init(|| c);
+        }
+        c
+    }
+
+    /// `call`, where this NCCL has it.
+    fn need<F>(f: Option<F>, call: &str) -> Result<F> {
+        f.ok_or_else(|| Error::unsupported(format!("the NCCL loaded has no {call}")))
+    }
+
     /// The outcome of `call` on `comm`, once it is over: a non-blocking communicator answers
     /// `ncclInProgress` and finishes in the background, which its async error tells.
-    fn finished(call: &'static str, comm: usize, mut rc: c_int) -> Result<()> {
-        if rc == NCCL_IN_PROGRESS {
-            if let Some(f) = comm_async_error() {
-                loop {
-                    // SAFETY: comm is a live communicator (the registry keeps it so while it
-                    // calls), rc a plain out-parameter.
-                    let r = unsafe { f(comm as *mut c_void, &mut rc) };
-                    if r != NCCL_SUCCESS {
-                        rc = r;
-                    }
-                    if rc != NCCL_IN_PROGRESS {
-                        break;
-                    }
-                    std::thread::sleep(Duration::from_millis(1));
+    fn finished(self, call: &'static str, comm: usize, mut rc: c_int) -> Result<()> {
+        if let (NCCL_IN_PROGRESS, Some(f)) = (rc, self.async_error) {
+            loop {
+                // SAFETY: comm is a live communicator (the registry keeps it so while it calls),
+                // rc a plain out-parameter.
+                let r = unsafe { f(comm as *mut c_void, &mut rc) };
+                if r != NCCL_SUCCESS {
+                    rc = r;
                 }
+                if rc != NCCL_IN_PROGRESS {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
         if rc == NCCL_SUCCESS {
             return Ok(());
         }
         // What NCCL said, if anything (the caller names the communicator).
-        let said = last_error().map_or(String::new(), |f| {
+        let said = self.last_error.map_or(String::new(), |f| {
             // SAFETY: ncclGetLastError returns NULL or a NUL-terminated string NCCL owns.
             let p = unsafe { f(comm as *mut c_void) };
             if p.is_null() {
@@ -202,42 +228,49 @@ impl Loaded {
     }
 }
 
+/// The NCCL of this process.
+pub struct Loaded;
+
 impl Library for Loaded {
     fn version(&self) -> Option<i32> {
-        let f = get_version()?;
+        let f = Calls::get().version?;
         let mut v: c_int = 0;
         // SAFETY: v is a plain out-parameter.
         (unsafe { f(&mut v) } == NCCL_SUCCESS).then_some(v)
     }
 
     fn can_suspend(&self) -> bool {
-        comm_suspend().is_some() && comm_resume().is_some() && comm_mem_stats().is_some()
+        let c = Calls::get();
+        c.suspend.is_some() && c.resume.is_some() && c.mem_stats.is_some()
     }
 
     fn suspend(&self, comm: usize) -> Result<()> {
-        let f = comm_suspend().ok_or_else(|| Error::unsupported("no ncclCommSuspend"))?;
+        let c = Calls::get();
+        let f = Calls::need(c.suspend, "ncclCommSuspend")?;
         // SAFETY: comm is a live communicator (the registry keeps it so while it calls).
         let rc = unsafe { f(comm as *mut c_void, SUSPEND_MEM) };
-        Self::finished("ncclCommSuspend", comm, rc)
+        c.finished("ncclCommSuspend", comm, rc)
     }
 
     fn resume(&self, comm: usize) -> Result<()> {
-        let f = comm_resume().ok_or_else(|| Error::unsupported("no ncclCommResume"))?;
+        let c = Calls::get();
+        let f = Calls::need(c.resume, "ncclCommResume")?;
         // SAFETY: as for suspend.
         let rc = unsafe { f(comm as *mut c_void) };
-        Self::finished("ncclCommResume", comm, rc)
+        c.finished("ncclCommResume", comm, rc)
     }
 
     fn mem_stat(&self, comm: usize, stat: MemStat) -> Result<u64> {
-        let f = comm_mem_stats().ok_or_else(|| Error::unsupported("no ncclCommMemStats"))?;
+        let c = Calls::get();
+        let f = Calls::need(c.mem_stats, "ncclCommMemStats")?;
         let mut v = 0u64;
         // SAFETY: as for suspend; v is a plain out-parameter.
         let rc = unsafe { f(comm as *mut c_void, stat as c_int, &mut v) };
-        Self::finished("ncclCommMemStats", comm, rc).map(|()| v)
+        c.finished("ncclCommMemStats", comm, rc).map(|()| v)
     }
 
     fn device(&self, comm: usize) -> Option<i32> {
-        let f = comm_cu_device()?;
+        let f = Calls::get().cu_device?;
         let mut d: c_int = -1;
         // SAFETY: as for suspend; d is a plain out-parameter.
         (unsafe { f(comm as *mut c_void, &mut d) } == NCCL_SUCCESS && d >= 0).then_some(d)
