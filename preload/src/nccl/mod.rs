@@ -31,9 +31,9 @@
 //! the engine (the operations lock), so it never overlaps a pause or resume of memory. Where
 //! the NCCL loaded lacks the calls, the tag says so with the version found
 //! (`NCCL 2.21.5 has no ncclCommSuspend (needs ≥ 2.29.7)`), a pause of the tag fails with
-//! that, and nothing else changes. Every rank has to pause the tag (`distributed.pause("nccl")`
-//! does); a failure on one rank only can leave the others waiting inside NCCL, which the
-//! library cannot undo from one process.
+//! that, and nothing else changes. Every rank has to pause the tag
+//! (`distributed.pause("nccl", group=gloo_group)` does); a failure on one rank only can leave
+//! the others waiting inside NCCL, which the library cannot undo from one process.
 //!
 //! *Registered buffers.* NCCL's user-buffer registration (`ncclCommRegister`,
 //! `ncclCommWindowRegister`) holds the buffer's physical memory (and shares it with peers, or
