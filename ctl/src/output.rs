@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde_json::{json, Value};
 use tms_proto::{
-    Backing, ChunkRanges, ChunkStatus, Op, OpDone, OpTiming, Phase, RegionInfo, Running, Status,
+    Backing, ChunkRanges, ChunkStatus, NcclStatus, Op, OpDone, OpTiming, Phase, RegionInfo,
+    Running, Status,
 };
 use tms_units::{format_chunk_ranges, format_ranges};
 
@@ -15,6 +16,9 @@ use crate::text::json_line;
 // The demo names these here.
 pub use crate::text::{printable, quoted};
 pub use tms_units::human_bytes as human;
+
+/// The tag of NCCL's communicators.
+const NCCL_TAG: &str = "nccl";
 
 /// A signed change in bytes, `+1.00 GiB` / `-512.00 MiB` / `0 B`.
 pub fn human_delta(from: u64, to: u64) -> String {
@@ -235,6 +239,11 @@ pub fn status(s: &Status, command: &str) -> String {
             );
         }
     }
+    for t in &s.tags {
+        if let Some(n) = &t.nccl {
+            let _ = writeln!(o, "{}", nccl(&t.tag, n));
+        }
+    }
     if s.tags_omitted > 0 {
         let _ = writeln!(
             o,
@@ -243,6 +252,59 @@ pub fn status(s: &Status, command: &str) -> String {
             if s.tags_omitted == 1 { "" } else { "s" }
         );
     }
+    o
+}
+
+/// The tag of NCCL's communicators (`NcclStatus`) under the status table: how many, what NCCL
+/// can give back and has, its registered buffers and the settings.
+pub fn nccl(tag: &str, n: &NcclStatus) -> String {
+    let plural = |k: u64| if k == 1 { "" } else { "s" };
+    let mut o = format!(
+        "tag {}: {} NCCL communicator{}",
+        quoted(tag),
+        n.communicators,
+        plural(n.communicators)
+    );
+    if n.suspended > 0 {
+        let _ = write!(o, " ({} suspended)", n.suspended);
+    }
+    if let Some(why) = &n.unsupported {
+        let _ = write!(o, ": {}", printable(why));
+    } else {
+        if let Some(v) = &n.version {
+            let _ = write!(o, ", NCCL {}", printable(v));
+        }
+        let _ = write!(
+            o,
+            ": {} suspendable ({} given back), {} persistent, {} in all",
+            human(n.suspendable_bytes),
+            human(n.suspended_bytes),
+            human(n.persistent_bytes),
+            human(n.total_bytes)
+        );
+    }
+    if let Some(e) = &n.error {
+        let _ = write!(o, "; numbers not read: {}", printable(e));
+    }
+    if n.registered_buffers > 0 {
+        let _ = write!(
+            o,
+            "; {} registered buffer{} ({}), {} by pauses",
+            n.registered_buffers,
+            plural(n.registered_buffers),
+            human(n.registered_bytes),
+            if n.registered_policy == "refuse" {
+                "refused"
+            } else {
+                "kept resident"
+            }
+        );
+    }
+    let _ = write!(
+        o,
+        "; pauses of every tag {} it",
+        if n.in_all_tags { "include" } else { "leave" }
+    );
     o
 }
 
@@ -262,9 +324,12 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
         None if chunk_state => format!("{tag}{state}"),
         None => tag,
     };
-    if d.allocations == 0 {
+    if d.allocations == 0 && d.communicators == 0 {
         if d.chunks.is_some() {
             return format!("pid {pid}: {what}: nothing to do (all {verb} already)");
+        }
+        if d.tag.as_deref() == Some(NCCL_TAG) {
+            return format!("pid {pid}: {what}: nothing to do (no communicator to be {verb})");
         }
         return format!("pid {pid}: {what}: nothing to do (no allocation to be {verb})");
     }
@@ -274,10 +339,18 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
             human(d.bytes)
         )
     } else {
+        let count = |n: u64, one: &str| format!("{n} {one}{}", if n == 1 { "" } else { "s" });
+        let units = match (d.allocations, d.communicators) {
+            (a, 0) => count(a, "allocation"),
+            (0, c) => count(c, "NCCL communicator"),
+            (a, c) => format!(
+                "{} and {}",
+                count(a, "allocation"),
+                count(c, "NCCL communicator")
+            ),
+        };
         format!(
-            "pid {pid}: {verb} {what}: {} allocation{}, {} of device memory {noun}",
-            d.allocations,
-            if d.allocations == 1 { "" } else { "s" },
+            "pid {pid}: {verb} {what}: {units}, {} of device memory {noun}",
             human(d.bytes)
         )
     };
@@ -357,6 +430,13 @@ pub fn unknown_tag(pid: u32, d: &OpDone, tag: Option<&str>) -> String {
         Op::Resume => "resumed",
     };
     let tag = tag.or(d.tag.as_deref()).unwrap_or("");
+    if tag == NCCL_TAG {
+        return format!(
+            "process {pid}: torch-memory-saver knows no NCCL communicator of it, so nothing was \
+             {verb} (preloaded, it sees those the process makes; in torch mode, those the \
+             program handed over)"
+        );
+    }
     format!(
         "process {pid}: no allocation of it ever had tag {}, so nothing was {verb} (a typo? \
          `tmsctl status --pid {pid}` lists its tags)",
@@ -623,6 +703,77 @@ mod tests {
     }
 
     #[test]
+    fn nccl_communicators_in_words() {
+        let mut d = OpDone {
+            op: tms_proto::Op::Pause,
+            tag: Some("nccl".into()),
+            chunks: None,
+            allocations: 0,
+            bytes: 3 << 29,
+            copied_bytes: 0,
+            disk_copied_bytes: Some(0),
+            seconds: 0.25,
+            unknown_tag: false,
+            pending_bytes: 0,
+            communicators: 2,
+        };
+        assert_eq!(
+            done(7, &d, false),
+            "pid 7: paused tag \"nccl\": 2 NCCL communicators, 1.50 GiB of device memory \
+             released, in 0.250 s"
+        );
+        d.tag = None;
+        d.allocations = 1;
+        assert!(done(7, &d, false)
+            .starts_with("pid 7: paused every tag: 1 allocation and 2 NCCL communicators, "));
+        d.tag = Some("nccl".into());
+        d.allocations = 0;
+        d.communicators = 0;
+        assert_eq!(
+            done(7, &d, false),
+            "pid 7: tag \"nccl\": nothing to do (no communicator to be paused)"
+        );
+        assert!(unknown_tag(7, &d, None).contains("knows no NCCL communicator"));
+        let mut n = NcclStatus {
+            version: Some("2.29.7".into()),
+            communicators: 2,
+            suspended: 1,
+            suspendable_bytes: 1 << 30,
+            suspended_bytes: 1 << 29,
+            persistent_bytes: 64 << 20,
+            total_bytes: (1 << 30) + (64 << 20),
+            registered_buffers: 1,
+            registered_bytes: 16 << 20,
+            registered_policy: "keep".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            nccl("nccl", &n),
+            "tag \"nccl\": 2 NCCL communicators (1 suspended), NCCL 2.29.7: 1.00 GiB \
+             suspendable (512.00 MiB given back), 64.00 MiB persistent, 1.06 GiB in all; 1 \
+             registered buffer (16.00 MiB), kept resident by pauses; pauses of every tag leave it"
+        );
+        n.unsupported = Some("NCCL 2.21.5 has no ncclCommSuspend (needs \u{2265} 2.29.7)".into());
+        n.registered_buffers = 0;
+        n.suspended = 0;
+        n.in_all_tags = true;
+        assert_eq!(
+            nccl("nccl", &n),
+            "tag \"nccl\": 2 NCCL communicators: NCCL 2.21.5 has no ncclCommSuspend (needs \
+             \u{2265} 2.29.7); pauses of every tag include it"
+        );
+        let s = Status {
+            tags: vec![tms_proto::TagStatus {
+                tag: "nccl".into(),
+                nccl: Some(n),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        assert!(status(&s, "x").contains("\ntag \"nccl\": 2 NCCL communicators: NCCL 2.21.5"));
+    }
+
+    #[test]
     fn chunk_operations_and_states_in_words() {
         let mut d = OpDone {
             op: tms_proto::Op::Pause,
@@ -635,6 +786,7 @@ mod tests {
             seconds: 0.5,
             unknown_tag: false,
             pending_bytes: 0,
+            communicators: 0,
         };
         assert_eq!(
             done(7, &d, false),

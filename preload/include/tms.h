@@ -160,6 +160,9 @@ int tms_region_current(char *buf, size_t cap, size_t *out_len);
 /**
  * Pause every active allocation of `tag` (NULL or `""`: every tag): back up the contents where
  * a CPU backup was asked, then give the device memory back. Touching a paused range faults.
+ * The tag `"nccl"` suspends NCCL's communicators instead (every tag includes them only where
+ * `tms_nccl_set_in_all` asked); an allocation holding a buffer NCCL registered stays mapped
+ * (or the pause fails: `tms_nccl_set_registered`).
  *
  * # Safety
  * `tag` is NULL or a NUL-terminated string.
@@ -169,7 +172,7 @@ int tms_pause(const char *tag);
 /**
  * Resume every paused allocation of `tag` (NULL or `""`: every tag) at the same addresses,
  * restoring backed-up contents. Out of memory leaves the tag paused with its backups; call
- * again once memory is free.
+ * again once memory is free. The tag `"nccl"` resumes NCCL's communicators.
  *
  * # Safety
  * `tag` is NULL or a NUL-terminated string.
@@ -639,6 +642,63 @@ int tms_keep_resident_ex(uint64_t ptr, uint64_t *out_size);
  */
 int tms_affected_devices(const char *tag, int *out, int capacity);
 
+/* ---- NCCL's communicators (the tag "nccl") ------------------------------------------- */
+
+/*
+ * tms_pause("nccl") suspends every live NCCL communicator (ncclCommSuspend, NCCL 2.29.7 or
+ * newer), all or none, and tms_resume("nccl") resumes them; tms_stats_json gives their numbers
+ * in the tag's entry. Preloaded, the library sees communicators made and ended (the NCCL
+ * interposers below); others are handed over with tms_nccl_adopt.
+ */
+
+/**
+ * Hand over the NCCL communicators at `comms` (`n` of them, `ncclComm_t` values): those the
+ * library cannot see being made (torch mode, where PyTorch loaded NCCL before the library; NCCL
+ * opened by the program through a handle of its own). They replace those handed over before
+ * (`n` = 0 hands over none); communicators seen being made (preload mode) stay. Each must stay
+ * alive until handed over no more, or this is called again without it: the library suspends
+ * and resumes them with the tag `"nccl"`.
+ *
+ * # Safety
+ * `comms` is readable for `n` entries (or `n` is 0).
+ */
+int tms_nccl_adopt(const uint64_t *comms, size_t n);
+
+/**
+ * Whether pauses and resumes of every tag (`tms_pause(NULL)`, `tms_resume(NULL)`) include
+ * NCCL's communicators (`on != 0`; off by default, or as `TMS_NCCL_IN_ALL` says): the program
+ * must not use a suspended communicator.
+ */
+int tms_nccl_set_in_all(int on);
+
+/**
+ * Whether pauses and resumes of every tag include NCCL's communicators, into `*out` (0 or 1).
+ *
+ * # Safety
+ * `out` is writable.
+ */
+int tms_nccl_get_in_all(int *out);
+
+/**
+ * What a pause does with an allocation holding a buffer NCCL registered
+ * (`ncclCommRegister`, `ncclCommWindowRegister`): `"keep"` (the default, or as
+ * `TMS_NCCL_REGISTERED` says) leaves it mapped until it is deregistered; `"refuse"` fails the
+ * pause before it changes anything, naming the buffer.
+ *
+ * # Safety
+ * `policy` is a NUL-terminated string.
+ */
+int tms_nccl_set_registered(const char *policy);
+
+/**
+ * What a pause does with an allocation holding a buffer NCCL registered (`"keep"` or
+ * `"refuse"`), into `buf`.
+ *
+ * # Safety
+ * `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.
+ */
+int tms_nccl_get_registered(char *buf, size_t cap, size_t *out_len);
+
 /* ---- Chunked allocations by tag (the existing library's names) ----------------------- */
 
 /*
@@ -777,6 +837,170 @@ int hipMalloc(void **ptr, size_t size);
  */
 int hipFree(void *ptr);
 #endif /* TMS_DECLARE_HIP_INTERPOSERS */
+
+/* ---- NCCL interposers (preload mode) ------------------------------------------------- */
+
+/*
+ * libtms.so also exports these NCCL entry points with NCCL's signatures (ncclResult_t as int,
+ * ncclComm_t and ncclWindow_t as void *, ncclConfig_t * as void *): each calls NCCL's own and
+ * notes the communicators made and ended and the buffers registered. They are declared only
+ * when TMS_DECLARE_NCCL_INTERPOSERS is defined, so that this header can be included next to
+ * nccl.h.
+ */
+#ifdef TMS_DECLARE_NCCL_INTERPOSERS
+
+/**
+ * `ncclUniqueId`: 128 opaque bytes, passed by value.
+ */
+typedef struct ncclUniqueId {
+  /**
+   * NCCL's bytes.
+   */
+  char internal[128];
+} ncclUniqueId;
+
+/**
+ * Interposed `ncclCommInitRank`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommInitRank(void **comm, int nranks, struct ncclUniqueId comm_id, int rank);
+
+/**
+ * Interposed `ncclCommInitRankConfig`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommInitRankConfig(void **comm,
+                           int nranks,
+                           struct ncclUniqueId comm_id,
+                           int rank,
+                           void *config);
+
+/**
+ * Interposed `ncclCommInitAll`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommInitAll(void **comm, int ndev, const int *devlist);
+
+/**
+ * Interposed `ncclCommInitRankScalable`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommInitRankScalable(void **newcomm,
+                             int nranks,
+                             int myrank,
+                             int n_id,
+                             struct ncclUniqueId *comm_ids,
+                             void *config);
+
+/**
+ * Interposed `ncclCommSplit`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommSplit(void *comm, int color, int key, void **newcomm, void *config);
+
+/**
+ * Interposed `ncclCommShrink`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommShrink(void *comm,
+                   int *exclude_ranks_list,
+                   int exclude_ranks_count,
+                   void **newcomm,
+                   void *config,
+                   int shrink_flags);
+
+/**
+ * Interposed `ncclCommGrow`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommGrow(void *comm,
+                 int n_ranks,
+                 const struct ncclUniqueId *unique_id,
+                 int rank,
+                 void **newcomm,
+                 void *config);
+
+/**
+ * Interposed `ncclCommFinalize`: the communicator leaves the registry (only its destruction
+ * may follow).
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommFinalize(void *comm);
+
+/**
+ * Interposed `ncclCommDestroy`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommDestroy(void *comm);
+
+/**
+ * Interposed `ncclCommAbort`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommAbort(void *comm);
+
+/**
+ * Interposed `ncclCommRegister`: the buffer is noted until deregistered, so that pauses keep
+ * (or refuse to pause) the allocation holding it.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommRegister(void *comm, void *buff, size_t size, void **handle);
+
+/**
+ * Interposed `ncclCommDeregister`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommDeregister(void *comm, void *handle);
+
+/**
+ * Interposed `ncclCommWindowRegister`: noted as `ncclCommRegister`'s buffers are.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommWindowRegister(void *comm, void *buff, size_t size, void **win, int win_flags);
+
+/**
+ * Interposed `ncclCommWindowDeregister`.
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclCommWindowDeregister(void *comm, void *win);
+
+/**
+ * Interposed `ncclMemAlloc`: memory meant for registration is never pauseable (where NCCL
+ * falls back to `cudaMalloc`, that call passes through).
+ *
+ * # Safety
+ * As NCCL's.
+ */
+int ncclMemAlloc(void **ptr, size_t size);
+#endif /* TMS_DECLARE_NCCL_INTERPOSERS */
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -10,6 +10,8 @@
 //! - [`process`]: the one process-wide [`Runtime`], the settings (the environment's, each
 //!   thread's regions), and what every entry point needs at the FFI boundary (panics caught,
 //!   the thread's last error).
+//! - [`nccl`]: NCCL's communicators and the buffers they registered, which the engine pauses as
+//!   the reserved tag `nccl`.
 //! - [`engine`]: registry of allocations, tags, pause/resume transactions, statistics.
 //! - [`backup`]: where paused contents wait (host buffers, page-locked or not).
 //! - [`driver`]: the device primitives as a trait, with the CUDA and simulated implementations.
@@ -25,6 +27,7 @@ pub mod engine;
 pub mod error;
 pub mod ffi;
 pub mod hooks;
+pub mod nccl;
 pub mod os;
 pub mod process;
 pub mod threads;

@@ -1,5 +1,5 @@
 //! The library's top-level modules form layers, and dependencies point down only:
-//! `hooks`, `ffi` → `control` → `process` → `engine` → `driver`, with `error`, `units` and
+//! `hooks`, `ffi` → `control` → `process` → `nccl` → `engine` → `driver`, with `error`, `units` and
 //! `threads` beneath them all. Checked on the sources: every `crate::<module>` a module's files
 //! name (in `use` lines and paths, comments and literals excepted; a name the crate root
 //! re-exports counts as the module it comes from) must be an edge of [`ALLOWED`], and
@@ -15,26 +15,32 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "hooks",
         &[
-            "control", "process", "engine", "backup", "driver", "os", "error", "units", "threads",
+            "control", "process", "nccl", "engine", "backup", "driver", "os", "error", "units",
+            "threads",
         ],
     ),
     (
         "ffi",
         &[
-            "control", "process", "engine", "backup", "driver", "os", "error", "units", "threads",
+            "control", "process", "nccl", "engine", "backup", "driver", "os", "error", "units",
+            "threads",
         ],
     ),
     (
         "control",
         &[
-            "process", "engine", "backup", "driver", "os", "error", "units", "threads",
+            "process", "nccl", "engine", "backup", "driver", "os", "error", "units", "threads",
         ],
     ),
     (
         "process",
         &[
-            "engine", "backup", "driver", "os", "error", "units", "threads",
+            "nccl", "engine", "backup", "driver", "os", "error", "units", "threads",
         ],
+    ),
+    (
+        "nccl",
+        &["engine", "driver", "os", "error", "units", "threads"],
     ),
     (
         "engine",

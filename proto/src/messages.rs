@@ -262,6 +262,56 @@ pub struct TagStatus {
     /// Last resume that touched the tag.
     #[serde(default)]
     pub last_resume: Option<OpTiming>,
+    /// The tag `nccl` only: NCCL's communicators (its allocations count communicators, its
+    /// bytes NCCL's own). Absent from every other tag, and from servers that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<NcclStatus>,
+}
+
+/// NCCL's communicators, as the status of the tag `nccl` reports them
+/// (`ncclCommMemStats`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NcclStatus {
+    /// The NCCL the process loaded (`2.29.7`); absent where none was found.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub version: Option<String>,
+    /// Why the communicators cannot be suspended (an NCCL without `ncclCommSuspend`); absent
+    /// where they can.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unsupported: Option<String>,
+    /// Live communicators known to the library.
+    #[serde(default)]
+    pub communicators: u64,
+    /// Of those, suspended.
+    #[serde(default)]
+    pub suspended: u64,
+    /// Device memory NCCL can give back, all communicators.
+    #[serde(default)]
+    pub suspendable_bytes: u64,
+    /// Of that, given back now (the suspended communicators').
+    #[serde(default)]
+    pub suspended_bytes: u64,
+    /// Device memory NCCL keeps while suspended.
+    #[serde(default)]
+    pub persistent_bytes: u64,
+    /// Device memory NCCL tracks.
+    #[serde(default)]
+    pub total_bytes: u64,
+    /// The first failure to read those numbers, where one failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Buffers registered with NCCL (`ncclCommRegister`, `ncclCommWindowRegister`).
+    #[serde(default)]
+    pub registered_buffers: u64,
+    /// Their bytes.
+    #[serde(default)]
+    pub registered_bytes: u64,
+    /// A pause or resume of every tag includes the communicators.
+    #[serde(default)]
+    pub in_all_tags: bool,
+    /// What a pause does with an allocation holding a registered buffer: `keep` or `refuse`.
+    #[serde(default)]
+    pub registered_policy: String,
 }
 
 /// Free and total memory of one device, as the driver reports it.
@@ -494,6 +544,10 @@ pub struct OpDone {
     /// (zero) otherwise.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pending_bytes: u64,
+    /// NCCL communicators suspended or resumed (the tag `nccl`; their bytes are in `bytes`).
+    /// Absent (zero) otherwise, and from servers that predate it.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub communicators: u64,
 }
 
 /// The chunks of one chunked allocation and their states.

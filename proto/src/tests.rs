@@ -229,6 +229,44 @@ fn messages_quote_little_of_the_input() {
     assert!(m.len() < 400, "{} bytes", m.len());
 }
 
+/// The tag `nccl`'s numbers and a pause's communicators travel; a tag without them, and a
+/// reply of a server that predates them, leave them out and read as none.
+#[test]
+fn nccl_numbers_are_optional_both_ways() {
+    let plain = TagStatus {
+        tag: "kv".into(),
+        ..Default::default()
+    };
+    let j = serde_json::to_string(&plain).unwrap();
+    assert!(!j.contains("nccl"), "{j}");
+    let nccl = TagStatus {
+        tag: "nccl".into(),
+        nccl: Some(NcclStatus {
+            version: Some("2.29.7".into()),
+            communicators: 2,
+            suspended: 2,
+            suspendable_bytes: 1 << 30,
+            suspended_bytes: 1 << 30,
+            registered_policy: "keep".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let back: TagStatus = serde_json::from_str(&serde_json::to_string(&nccl).unwrap()).unwrap();
+    assert_eq!(back, nccl);
+    let older: TagStatus = serde_json::from_str(
+        r#"{"tag":"kv","allocations":1,"active_allocations":1,"paused_allocations":0,
+            "bytes_requested":1,"bytes_active":2,"bytes_paused":0,"host_backup_bytes":0}"#,
+    )
+    .unwrap();
+    assert_eq!(older.nccl, None);
+    let done: OpDone = serde_json::from_str(
+        r#"{"op":"pause","allocations":1,"bytes":2,"copied_bytes":0,"seconds":0.5}"#,
+    )
+    .unwrap();
+    assert_eq!(done.communicators, 0);
+}
+
 #[test]
 fn replies_round_trip() {
     let status = Status {
@@ -280,6 +318,7 @@ fn replies_round_trip() {
             seconds: 0.25,
             unknown_tag: false,
             pending_bytes: 0,
+            communicators: 0,
         }),
         Reply::Done(OpDone {
             op: Op::Resume,
@@ -292,6 +331,7 @@ fn replies_round_trip() {
             seconds: 0.01,
             unknown_tag: false,
             pending_bytes: 3 << 20,
+            communicators: 0,
         }),
         Reply::Chunks(ChunkStatus {
             tag: "kv".into(),

@@ -116,6 +116,12 @@ _SIGNATURES = {
     "tms_keep_resident": (ctypes.c_size_t, [ctypes.c_void_p]),
     "tms_keep_resident_ex": (ctypes.c_int, [ctypes.c_uint64, _c_u64_p]),
     "tms_affected_devices": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.c_int]),
+    # NCCL's communicators (the tag "nccl").
+    "tms_nccl_adopt": (ctypes.c_int, [_c_u64_p, ctypes.c_size_t]),
+    "tms_nccl_set_in_all": (ctypes.c_int, [ctypes.c_int]),
+    "tms_nccl_get_in_all": (ctypes.c_int, [ctypes.POINTER(ctypes.c_int)]),
+    "tms_nccl_set_registered": (ctypes.c_int, [ctypes.c_char_p]),
+    "tms_nccl_get_registered": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
 }
 
 BUFFER_TOO_SMALL = 9

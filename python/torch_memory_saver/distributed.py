@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, List, Optional
 
 from .arguments import JOB_RECORD, chunk_arguments
-from .errors import InvalidStateError, TorchMemorySaverError, UnsupportedError
+from .errors import InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
 
 __all__ = [
     "pause",
@@ -366,16 +366,42 @@ def _target(tag_or_tensor: Any) -> str:
     return f"the allocation at {int(tag_or_tensor.data_ptr()):#x}"
 
 
+def _not_over_nccl(tag: Optional[str], group: Any) -> None:
+    """Refuse, before acting, a pause or resume that suspends NCCL's communicators (the tag
+    ``"nccl"``, or every tag with ``nccl_in_all_tags``) agreeing over a group whose collectives
+    run on NCCL: the ranks could not agree over a suspended communicator."""
+    tag = _norm_tag(tag)
+    if tag != "nccl" and not (tag is None and _saver().nccl_in_all_tags):
+        return
+    import torch.distributed as dist
+
+    try:
+        backend = str(dist.get_backend(group)).lower()
+    except Exception:  # noqa: BLE001 - _torch_group says what is wrong with the group
+        return
+    if "nccl" in backend and "gloo" not in backend:
+        raise InvalidArgumentError(
+            f"{_what_tag(tag)} suspends NCCL's communicators, so the ranks cannot agree over an NCCL group: "
+            "pass a group of another backend, e.g. group=torch.distributed.new_group(backend='gloo')"
+        )
+
+
 def pause(tag: Optional[str] = None, group: Any = None) -> Outcome:
     """Pause ``tag`` (every tag if None) on every rank of ``group`` (the default group if None),
     or on none: see the module's documentation. Returns every rank's :class:`Outcome`; raises
-    :class:`DistributedError` on every rank if any rank failed."""
-    return _pause_tag(tag, *_torch_group(group))
+    :class:`DistributedError` on every rank if any rank failed. The tag ``"nccl"`` (NCCL's
+    communicators) needs a ``group`` that is not NCCL's (gloo): NCCL's suspend waits for every
+    rank of each communicator, and the ranks then agree over that group."""
+    gather = _torch_group(group)
+    _not_over_nccl(tag, group)
+    return _pause_tag(tag, *gather)
 
 
 def resume(tag: Optional[str] = None, group: Any = None) -> Outcome:
     """Resume ``tag`` (every tag if None) on every rank of ``group``, or on none."""
-    return _resume_tag(tag, *_torch_group(group))
+    gather = _torch_group(group)
+    _not_over_nccl(tag, group)
+    return _resume_tag(tag, *gather)
 
 
 def pause_chunks(

@@ -280,6 +280,48 @@ class TorchMemorySaver:
         self._ensure_initialized()
         self._impl.memory_margin_bytes = n
 
+    @property
+    def nccl_in_all_tags(self) -> bool:
+        """Whether :meth:`pause` and :meth:`resume` of every tag also suspend and resume NCCL's
+        communicators (the tag ``"nccl"``). Off by default (``TMS_NCCL_IN_ALL=1`` turns it on):
+        the program must not use a suspended communicator, so it asks for this itself."""
+        self._ensure_initialized()
+        return self._impl.nccl_in_all_tags
+
+    @nccl_in_all_tags.setter
+    def nccl_in_all_tags(self, on: bool) -> None:
+        self._ensure_initialized()
+        self._impl.nccl_in_all_tags = on
+
+    @property
+    def nccl_registered_buffers(self) -> str:
+        """What a pause does with an allocation holding a buffer NCCL registered
+        (``ncclCommRegister``, ``ncclCommWindowRegister``; new memory at the same address would
+        leave NCCL on the old one): ``"keep"`` (the default, or ``TMS_NCCL_REGISTERED``) leaves
+        it mapped until it is deregistered; ``"refuse"`` makes the pause raise
+        :class:`InvalidStateError` naming the buffer, before it changes anything."""
+        self._ensure_initialized()
+        return self._impl.nccl_registered_buffers
+
+    @nccl_registered_buffers.setter
+    def nccl_registered_buffers(self, policy: str) -> None:
+        self._ensure_initialized()
+        self._impl.nccl_registered_buffers = policy
+
+    def add_nccl_communicators(self, comms: "Iterable[Any]") -> None:
+        """Hand over NCCL communicators the library cannot see being made: those of a handle of
+        NCCL the program opened itself (pynccl wrappers). ``ncclComm_t`` values as ints, or
+        objects with a ``comm`` attribute or ``_comm_ptr()`` giving one. PyTorch's process groups
+        are handed over without this. Each must stay alive while handed over."""
+        self._ensure_initialized()
+        self._impl.add_nccl_communicators(comms)
+
+    def remove_nccl_communicators(self, comms: "Optional[Iterable[Any]]" = None) -> None:
+        """Take back communicators given to :meth:`add_nccl_communicators` (all if None), before
+        destroying them."""
+        self._ensure_initialized()
+        self._impl.remove_nccl_communicators(comms)
+
     # ---------------------------------------------------------------- regions
 
     def region(
@@ -444,7 +486,12 @@ class TorchMemorySaver:
         from the helper thread once the callback returns). Whatever it raises, ``KeyboardInterrupt``
         and ``SystemExit`` included, is logged, it is not called again, and the pause's outcome
         stands. A pause that lasts more than 2 s is also logged at INFO every 5 s (the
-        ``torch_memory_saver`` logger)."""
+        ``torch_memory_saver`` logger).
+
+        ``pause("nccl")`` suspends every NCCL communicator of the process instead (NCCL 2.29.7
+        or newer; all or none; every rank of each must do so too); every tag includes them
+        only with :attr:`nccl_in_all_tags`. An allocation holding a buffer NCCL registered
+        stays mapped, or the pause is refused (:attr:`nccl_registered_buffers`)."""
         self._ensure_initialized()
         return self._impl.pause(tag=tag, **_given(save_chunk_state=save_chunk_state, progress=progress))
 
@@ -480,7 +527,10 @@ class TorchMemorySaver:
         :meth:`wait` for it raises the error until the tag is paused (which gives the memory
         back) or resumed, and if none did, that pause or resume raises it once it has acted
         (``stats()`` shows ``failed_restore``). Work on other streams is not ordered: make them
-        :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``."""
+        :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``.
+
+        ``resume("nccl")`` resumes NCCL's communicators (before any memory, when every tag
+        includes them: :attr:`nccl_in_all_tags`)."""
         self._ensure_initialized()
         return self._impl.resume(
             tag=tag,
@@ -631,7 +681,12 @@ class TorchMemorySaver:
         GiB/s, and the part of a resume spent releasing host memory). While a non-blocking
         resume restores: ``restoring_allocations`` and ``bytes_restoring`` (held, neither active
         nor paused); after one failed once it returned: ``failed_restore`` (its error) and
-        ``bytes_unrestored`` (memory still held until a pause or resume of the tag)."""
+        ``bytes_unrestored`` (memory still held until a pause or resume of the tag). Once the
+        process has NCCL communicators, the tag ``"nccl"`` counts them as its allocations,
+        NCCL's memory as its bytes, and ``nccl`` holds NCCL's own numbers (``version``,
+        ``unsupported``, ``communicators``, ``suspended``, ``suspendable_bytes``,
+        ``suspended_bytes``, ``persistent_bytes``, ``total_bytes``, ``registered_buffers``,
+        ``in_all_tags``, ``registered_policy``)."""
         self._ensure_initialized()
         return self._impl.stats()
 

@@ -164,12 +164,15 @@ class _PauseResume:
     library."""
 
     _library: Callable[[], BinaryWrapper]
+    # From ``nccl._Nccl``: hands the library the communicators it cannot see being made.
+    _hand_over_nccl: Callable[[Optional[str]], None]
 
     def pause(self, tag: Optional[str] = None, save_chunk_state: Any = False, *, progress: Any = None) -> None:
         """Give back the device memory of ``tag`` (every tag if None), backing up contents where
         the region asked for it. Pausing what is paused does nothing. See
         ``TorchMemorySaver.pause`` for ``save_chunk_state`` and ``progress``."""
         tag = _check_tag(tag, optional=True)
+        self._hand_over_nccl(tag)
         lib = self._library()
         what = "all tags" if tag is None else f"tag {tag!r}"
         t0 = time.perf_counter()
@@ -194,6 +197,7 @@ class _PauseResume:
         paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
         for ``restore_chunk_state``, ``progress``, ``non_blocking`` and ``order``."""
         tag = _check_tag(tag, optional=True)
+        self._hand_over_nccl(tag)
         if non_blocking or order is not None:
             return self._resume_nonblocking(tag, restore_chunk_state, progress, non_blocking, order)
         lib = self._library()

@@ -1,7 +1,7 @@
 """The implementation behind ``torch_memory_saver.entrypoint.TorchMemorySaver``, one per hook
 mode: its library and settings, residency, statistics; and, from a module each, regions and
-graph captures (``regions``), pause and resume (``pause_resume``), chunk calls (``chunks``) and
-CPU backup views (``cpu_backup``)."""
+graph captures (``regions``), pause and resume (``pause_resume``), chunk calls (``chunks``),
+CPU backup views (``cpu_backup``) and NCCL's communicators (``nccl``)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from .chunks import _Chunks
 from .cpu_backup import _CpuBackups
 from .errors import InternalError, InvalidArgumentError, InvalidStateError, LibraryNotFoundError
 from .hooks import HookUtilBase
+from .nccl import _Nccl
 from .pause_resume import _PauseResume
 from .regions import _PoolMap, _Regions
 
@@ -26,7 +27,7 @@ __all__ = ["_TorchMemorySaverImpl"]
 logger = logging.getLogger("torch_memory_saver")
 
 
-class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups):
+class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl):
     """What ``torch_memory_saver.torch_memory_saver`` does, in one hook mode."""
 
     def __init__(self, hook_mode: str = "preload") -> None:
@@ -38,6 +39,8 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups):
         self._mem_pools: _PoolMap = _PoolMap()
         self._graph_pools: _PoolMap = _PoolMap()
         self._local = threading.local()
+        self._nccl_extra: list = []
+        self._nccl_handed = False
 
     # ---------------------------------------------------------------- configuration
 
@@ -202,6 +205,7 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups):
         bytes active/paused (counting chunks), host backup bytes (and how many of them are
         page-locked), and the last pause/resume (seconds, bytes, GiB/s, and the part of a
         resume spent releasing host memory)."""
+        self._hand_over_nccl(None)
         lib = self._library()
         return json.loads(lib.call_string(lib.tms_stats_json))
 

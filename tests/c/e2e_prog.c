@@ -18,6 +18,7 @@
 #define _GNU_SOURCE
 #define TMS_DECLARE_CUDA_INTERPOSERS
 #include "tms.h"
+#include "checks.h"
 
 #include <dlfcn.h>
 #include <pthread.h>
@@ -61,56 +62,9 @@ long fake_cuda_live(void);
     X(tms_get_cpu_backup)                                                                    \
     X(tms_stats_json)
 
-#include "tms_dlsym.h"
+TMS_FUNCTIONS(DECLARE_POINTER)
 
-/* ---- Checks and reporting ------------------------------------------------------------ */
-
-static int failures;
-static const char *who = "";
-
-__attribute__((format(printf, 2, 3))) static void check(int ok, const char *fmt, ...) {
-    va_list ap;
-    printf("%s%s: ", ok ? "PASS" : "FAIL", who);
-    va_start(ap, fmt);
-    vprintf(fmt, ap);
-    va_end(ap);
-    printf("\n");
-    fflush(stdout);
-    if (!ok) {
-        failures++;
-    }
-}
-
-static const char *last_error(void) {
-    static char buf[8192];
-    buf[0] = 0;
-    p_tms_last_error(buf, sizeof buf);
-    return buf;
-}
-
-static void report_error(const char *label) {
-    printf("ERROR %s %s\n", label, last_error());
-    fflush(stdout);
-}
-
-/* Print the engine's statistics as "STATS <label> <json>", exercising the too-small-buffer
- * protocol on the way. */
-static void print_stats(const char *label) {
-    size_t need = 0;
-    int rc = p_tms_stats_json(NULL, 0, &need);
-    check(rc == TMS_ERR_BUFFER_TOO_SMALL && need > 0,
-          "tms_stats_json(NULL, 0) reports TMS_ERR_BUFFER_TOO_SMALL and the length (rc %d, %zu)",
-          rc, need);
-    char *buf = malloc(need + 1);
-    size_t len = 0;
-    rc = buf ? p_tms_stats_json(buf, need + 1, &len) : -1;
-    check(rc == TMS_OK && len == need, "tms_stats_json(%s) (rc %d)", label, rc);
-    if (rc == TMS_OK) {
-        printf("STATS %s %s\n", label, buf);
-        fflush(stdout);
-    }
-    free(buf);
-}
+DEFINE_LOAD_API(TMS_FUNCTIONS)
 
 static void print_region(const char *label) {
     char buf[1024];
@@ -121,16 +75,6 @@ static void print_region(const char *label) {
         printf("REGION %s %s\n", label, buf);
         fflush(stdout);
     }
-}
-
-static int finish(const char *mode) {
-    if (failures == 0) {
-        printf("RESULT: PASS %s\n", mode);
-    } else {
-        printf("RESULT: FAIL %s (%d failed checks)\n", mode, failures);
-    }
-    fflush(stdout);
-    return failures == 0 ? 0 : 1;
 }
 
 /* ---- Patterns ------------------------------------------------------------------------ */
@@ -645,7 +589,7 @@ int main(int argc, char **argv) {
                 argv[0]);
         return 2;
     }
-    if (!load_api()) {
+    if (!load_api(RTLD_DEFAULT)) {
         printf("RESULT: FAIL %s (libtms.so API not found)\n", argv[1]);
         return 1;
     }

@@ -227,7 +227,12 @@ pub fn run(mut cmd: Command) -> Run {
 /// A command for the end-to-end program in `mode`, preloaded with libtms.so on the simulated
 /// device (64 MiB, 2 MiB granularity) and nothing else from the environment's `TMS_*`.
 pub fn e2e_command(mode: &str) -> Command {
-    let mut cmd = Command::new(E2E_PROG);
+    preloaded_command(Path::new(E2E_PROG), mode)
+}
+
+/// A command for the test program `prog` in `mode`, preloaded as [`e2e_command`]'s.
+pub fn preloaded_command(prog: &Path, mode: &str) -> Command {
+    let mut cmd = Command::new(prog);
     cmd.arg(mode);
     scrub_env(&mut cmd);
     cmd.env("LD_PRELOAD", libtms())

@@ -76,12 +76,18 @@ fn header_declares_exactly_the_exported_functions() {
         stale.is_empty(),
         "declared in tms.h but not exported: {stale:?}"
     );
-    // Everything else the library exports is the CUDA and HIP interposers, declared (guarded)
+    // Everything else the library exports is the CUDA, HIP and NCCL interposers, declared (guarded)
     // too, and the existing library's one name without the prefix.
     assert_eq!(exported, declared, "exports and declarations differ");
     let others: BTreeSet<_> = exported.difference(&tms(&exported)).cloned().collect();
+    let nccl: BTreeSet<String> = others
+        .iter()
+        .filter(|n| n.starts_with("nccl"))
+        .cloned()
+        .collect();
+    assert_eq!(nccl.len(), 15, "the NCCL interposers: {nccl:?}");
     assert_eq!(
-        others,
+        others.difference(&nccl).cloned().collect::<BTreeSet<_>>(),
         BTreeSet::from([
             "cudaFree".to_string(),
             "cudaMalloc".to_string(),
@@ -207,28 +213,16 @@ fn syntax_check(compiler: &str, args: &[&str]) {
 #[test]
 fn header_compiles_on_its_own() {
     syntax_check("cc", &["-x", "c", "-std=c99", "-pedantic"]);
-    syntax_check(
-        "cc",
-        &[
-            "-x",
-            "c",
-            "-std=c11",
-            "-pedantic",
-            "-DTMS_DECLARE_CUDA_INTERPOSERS",
-            "-DTMS_DECLARE_HIP_INTERPOSERS",
-        ],
-    );
     syntax_check("c++", &["-x", "c++", "-std=c++11", "-pedantic"]);
-    syntax_check(
-        "c++",
-        &[
-            "-x",
-            "c++",
-            "-std=c++17",
-            "-DTMS_DECLARE_CUDA_INTERPOSERS",
-            "-DTMS_DECLARE_HIP_INTERPOSERS",
-        ],
-    );
+    // Each guarded section of interposers, declared.
+    for define in [
+        "-DTMS_DECLARE_CUDA_INTERPOSERS",
+        "-DTMS_DECLARE_HIP_INTERPOSERS",
+        "-DTMS_DECLARE_NCCL_INTERPOSERS",
+    ] {
+        syntax_check("cc", &["-x", "c", "-std=c11", "-pedantic", define]);
+        syntax_check("c++", &["-x", "c++", "-std=c++17", define]);
+    }
 }
 
 const LINK_PROG: &str = r#"

@@ -20,14 +20,14 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use tms_proto::{
-    Backing, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory, ErrorKind, Op, OpDone,
-    OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request, Running, Status, TagStatus,
+    Backing, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory, ErrorKind, NcclStatus, Op,
+    OpDone, OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request, Running, Status, TagStatus,
     MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
 use tms_units::{chunk_ranges, expand_chunk_ranges};
 
 use crate::backup::BackupKind;
-use crate::engine::{self, Engine, OpReport, OpStats, Pick, Progress, Record, Stats};
+use crate::engine::{self, CommStats, Engine, OpReport, OpStats, Pick, Progress, Record, Stats};
 use crate::error::{status, Error, Result};
 use crate::process::settings::RegionSettings;
 
@@ -262,6 +262,7 @@ fn op(
             seconds: finite(r.seconds),
             unknown_tag,
             pending_bytes: r.pending,
+            communicators: r.communicators as u64,
         })
     };
     let Some(ranges) = chunks else {
@@ -448,6 +449,13 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     Ok(Reply::Region(region_info(&r)))
 }
 
+/// The communicators' numbers on the wire: the protocol's fields are the engine's, by name.
+fn nccl_status(c: &CommStats) -> Option<NcclStatus> {
+    let wire = serde_json::to_value(c).and_then(serde_json::from_value);
+    wire.map_err(|e| tracing::error!("the tag nccl's numbers on the wire: {e}"))
+        .ok()
+}
+
 fn timing(o: &Option<OpStats>) -> Option<OpTiming> {
     o.map(|o| OpTiming {
         allocations: o.allocations as u64,
@@ -546,6 +554,7 @@ fn full_status(host: &dyn Host) -> Status {
                 disk_backup_bytes: t.disk_backup_bytes,
                 last_pause: timing(&t.last_pause),
                 last_resume: timing(&t.last_resume),
+                nccl: t.nccl.as_ref().and_then(nccl_status),
             })
             .collect(),
         tags_omitted: 0,

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use super::base::Engine;
+use super::comms::{reserved_tag, NCCL_TAG};
 use super::registry::Allocation;
 use super::segment::{self, Mapping, Span};
 use super::types::{AllocRequest, State};
@@ -44,6 +45,9 @@ impl Engine {
             return Err(
                 Error::invalid_argument("a pauseable allocation of 0 bytes").context(what())
             );
+        }
+        if pauseable && req.tag == NCCL_TAG {
+            return Err(Error::invalid_argument(reserved_tag()).context(what()));
         }
         self.check_device(req.device).ctx(what)?;
         self.note_device(req.device);
@@ -135,7 +139,7 @@ impl Engine {
     /// True if some allocation of this engine (pauseable or not, alive or freed since) ever had
     /// `tag`. A pause or resume of a tag never seen changes nothing: a typo, perhaps.
     pub fn tag_known(&self, tag: &str) -> bool {
-        self.registry.tag_known(tag)
+        self.registry.tag_known(tag) || (tag == NCCL_TAG && self.comms.seen())
     }
 
     /// True if `ptr` is the start of a pauseable allocation.

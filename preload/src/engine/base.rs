@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
+use super::comms::{Comms, NoComms};
 use super::leases::Leases;
 use super::pipeline::CopyConfig;
 use super::registry::Registry;
@@ -31,6 +32,8 @@ pub struct Engine {
     /// Non-blocking resumes in flight, and those that failed after returning
     /// (`restoring.rs`).
     pub(super) restores: Restores,
+    /// NCCL's communicators, the reserved tag (`comms.rs`).
+    pub(super) comms: Arc<dyn Comms>,
     /// The one device allocations were asked on so far ([`NO_DEVICE`] before the first,
     /// [`SEVERAL_DEVICES`] once a second shows up): what log lines name, read without a lock
     /// since a line may be written with any of the engine's held.
@@ -52,6 +55,7 @@ impl Engine {
             settings: Settings::default(),
             leases: Leases::default(),
             restores: Restores::default(),
+            comms: Arc::new(NoComms),
             device: AtomicI32::new(NO_DEVICE),
         }
     }

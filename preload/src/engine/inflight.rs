@@ -56,6 +56,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::base::Engine;
+use super::progress::Which;
 use super::registry::{describe, Pick};
 use super::report::OpReport;
 use super::restoring::{StreamOf, Tracker};
@@ -93,80 +94,85 @@ impl Engine {
     where
         E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
     {
-        let t0 = Instant::now();
-        let e: &Engine = &engine;
         check_tag(tag)?;
-        let pick = |tag| labeled(tag, label);
-        let what = format!("resume of {}", describe(tag));
-        let gate = match e.driver.gate() {
-            Ok(g) => g,
-            Err(err) => {
-                tracing::warn!("{what}: blocking instead of non-blocking: {err}");
+        let e: &Engine = &engine;
+        // NCCL's communicators (their tag, or every tag with the setting on) are resumed
+        // before this returns: the program may use them as soon as it does.
+        let pick = labeled(tag, label);
+        e.with_comms_of(Which::Resume, &pick, || {
+            let t0 = Instant::now();
+            let pick = |tag| labeled(tag, label);
+            let what = format!("resume of {}", describe(tag));
+            let gate = match e.driver.gate() {
+                Ok(g) => g,
+                Err(err) => {
+                    tracing::warn!("{what}: blocking instead of non-blocking: {err}");
+                    return e.resume_ordered(&pick(tag), order, None);
+                }
+            };
+            let tracker = Arc::new(Tracker::new(gate, what.clone()));
+            e.restores.track(tracker.clone());
+            let (t, owned_tag, owned_order) = (tracker.clone(), tag.map(str::to_owned), order.to_vec());
+            let eng = engine.clone();
+            let run = move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    eng.resume_ordered(
+                        &labeled(owned_tag.as_deref(), label),
+                        &owned_order,
+                        Some(&t),
+                    )
+                }));
+                let r = match r {
+                    Ok(r) => r.map(|_| ()),
+                    Err(p) => Err(Error::internal(format!(
+                        "{}: a panic (a bug): {}",
+                        t.what(),
+                        crate::error::panic_message(&*p)
+                    ))),
+                };
+                if let Err(err) = &r {
+                    // A failure after the return was kept for the next call (resume.rs).
+                    tracing::error!("{}: {err}", t.what());
+                }
+                t.finish(r);
+                eng.restores.forget_finished();
+            };
+            if !crate::threads::spawn("tms-resume", run) {
+                e.restores.untrack(&tracker);
+                tracing::warn!("{what}: no thread for it; resuming before returning");
                 return e.resume_ordered(&pick(tag), order, None);
             }
-        };
-        let tracker = Arc::new(Tracker::new(gate, what.clone()));
-        e.restores.track(tracker.clone());
-        let (t, owned_tag, owned_order) = (tracker.clone(), tag.map(str::to_owned), order.to_vec());
-        let eng = engine.clone();
-        let run = move || {
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                eng.resume_ordered(
-                    &labeled(owned_tag.as_deref(), label),
-                    &owned_order,
-                    Some(&t),
-                )
-            }));
-            let r = match r {
-                Ok(r) => r.map(|_| ()),
-                Err(p) => Err(Error::internal(format!(
-                    "{}: a panic (a bug): {}",
-                    t.what(),
-                    crate::error::panic_message(&*p)
-                ))),
+            tracker.wait_mapped()?;
+            let earlier = tracker.take_earlier();
+            let (n, bytes, mut pending, end) = tracker.summary();
+            if let Some(st) = stream.filter(|_| n > 0) {
+                if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
+                    // The program's work must not overtake the restore: wait for it here instead.
+                    tracing::warn!("{what}: the stream cannot wait for it ({err}); waiting here");
+                    tracker.wait(None, None)?;
+                    pending = 0;
+                }
+            }
+            tracing::info!(
+                "{what}: mapped {n} allocations in {:.3}s, {} still being restored",
+                t0.elapsed().as_secs_f64(),
+                crate::units::human(pending)
+            );
+            let report = OpReport {
+                allocations: n,
+                bytes,
+                pending,
+                seconds: t0.elapsed().as_secs_f64(),
+                ..OpReport::default()
             };
-            if let Err(err) = &r {
-                // A failure after the return was kept for the next call (resume.rs).
-                tracing::error!("{}: {err}", t.what());
+            match earlier {
+                // The restore goes on: the call raises what an earlier one left unreported.
+                Some(err) => Err(err.context(format!(
+                    "reported by this {what}, which is restoring them (wait() tells when they landed)"
+                ))),
+                None => Ok(report),
             }
-            t.finish(r);
-            eng.restores.forget_finished();
-        };
-        if !crate::threads::spawn("tms-resume", run) {
-            e.restores.untrack(&tracker);
-            tracing::warn!("{what}: no thread for it; resuming before returning");
-            return e.resume_ordered(&pick(tag), order, None);
-        }
-        tracker.wait_mapped()?;
-        let earlier = tracker.take_earlier();
-        let (n, bytes, mut pending, end) = tracker.summary();
-        if let Some(st) = stream.filter(|_| n > 0) {
-            if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
-                // The program's work must not overtake the restore: wait for it here instead.
-                tracing::warn!("{what}: the stream cannot wait for it ({err}); waiting here");
-                tracker.wait(None, None)?;
-                pending = 0;
-            }
-        }
-        tracing::info!(
-            "{what}: mapped {n} allocations in {:.3}s, {} still being restored",
-            t0.elapsed().as_secs_f64(),
-            crate::units::human(pending)
-        );
-        let report = OpReport {
-            allocations: n,
-            bytes,
-            pending,
-            seconds: t0.elapsed().as_secs_f64(),
-            ..OpReport::default()
-        };
-        match earlier {
-            // The restore goes on: the call raises what an earlier one left unreported.
-            Some(err) => Err(err.context(format!(
-                "reported by this {what}, which is restoring them (wait() tells when they landed)"
-            ))),
-            None => Ok(report),
-        }
+        })
     }
 
     /// Block until what non-blocking resumes are restoring into the allocation holding `ptr`

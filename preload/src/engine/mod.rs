@@ -149,6 +149,13 @@
 //! - `Releases::pending` (`releases.rs`, with `done`): the host memory being given back after
 //!   resumes returned. A leaf; a transaction waits on `done` in its prologue, before it enters
 //!   the pinner's quiet state or takes the operations lock.
+//! - `Communicators::state` (`nccl/registry.rs`, with the `idle` condvar): NCCL's communicators
+//!   and registered buffers. A leaf, held for a few field changes, never across an NCCL call:
+//!   a suspend, resume or read of numbers marks its communicators busy under it and calls NCCL
+//!   after letting go. Taken by the NCCL interposers (ending a communicator waits on `idle`
+//!   while a call of ours is on that one), by the tag's transactions (under the operations
+//!   lock, which it never takes), by pauses of memory (their registrations, before the
+//!   registry lock), and by `stats` (after it lets go of the registry lock).
 //! - `OnceLock`s (the runtime, the process settings, the control socket's state, the CUDA
 //!   driver's contexts and streams, the interposed symbols) are set once and never waited on
 //!   after that.
@@ -158,10 +165,12 @@
 mod alloc;
 mod backups;
 mod base;
+mod comms;
 mod devices;
 mod export;
 mod inflight;
 mod leases;
+mod nccl_tag;
 mod pause;
 mod pinner;
 mod pipeline;
@@ -182,6 +191,8 @@ mod txn;
 mod types;
 
 pub use base::Engine;
+pub use comms::{reserved_tag, CommStats, Comms, CommsDone, NoComms};
+pub use comms::{Registered, Registration, NCCL_TAG};
 pub use export::Exported;
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backings, Phase, Progress, Which};

@@ -1,7 +1,7 @@
 //! The pause transaction (Note [Pause and resume as transactions] in `mod.rs`; what it holds:
 //! Note [Transactions] in `txn.rs`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -153,11 +153,19 @@ impl Engine {
         self.pause_pick(&Pick::tag(tag))
     }
 
-    /// Pause what `pick` names: the mapped segments (chunks) of the allocations it selects.
+    /// Pause what `pick` names: the mapped segments (chunks) of the allocations it selects,
+    /// and NCCL's communicators where it names their tag (`comms.rs`).
     pub fn pause_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
+        self.with_comms_of(Which::Pause, pick, || self.pause_memory(pick))
+    }
+
+    /// The pause transaction of the allocations `pick` selects.
+    fn pause_memory(&self, pick: &Pick<'_>) -> Result<OpReport> {
         let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick)?;
         let cfg = self.settings.copy();
-        let jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg))?;
+        // Before anything is marked: a refusal changes nothing.
+        let kept = self.registered_kept(pick)?;
+        let jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg, &kept))?;
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
@@ -596,7 +604,14 @@ fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Resu
 /// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
 /// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
 /// a snapshot someone still looks at is never overwritten.
-fn begin_pause(reg: &mut Index, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job> {
+/// Mark what `pick` selects Pausing, but the allocations in `kept` (holding buffers NCCL
+/// registered), which stay as they are.
+fn begin_pause(
+    reg: &mut Index,
+    pick: &Pick<'_>,
+    cfg: &CopyConfig,
+    kept: &BTreeSet<DevPtr>,
+) -> Vec<Job> {
     if pick.chunk_state {
         // Every allocation the pick selects, those with nothing left to pause included
         // (chunked or not: a whole allocation is one record of its segments): a resume
@@ -612,7 +627,7 @@ fn begin_pause(reg: &mut Index, pick: &Pick<'_>, cfg: &CopyConfig) -> Vec<Job> {
     reg.begin(
         State::Pausing,
         |ptr, a| {
-            pick.selects(ptr, a).then(|| {
+            (pick.selects(ptr, a) && !kept.contains(&ptr)).then(|| {
                 (0..a.handles.len())
                     .filter(|&s| (a.handles[s].is_some() || a.stuck.contains(&s)) && pick.wants(s))
                     .collect()

@@ -2,9 +2,10 @@
 //! None of them waits for a pause or resume.
 
 use super::base::Engine;
+use super::comms::{CommStats, NCCL_TAG};
 use super::progress::Progress;
 use super::segment::segments;
-use super::stats::{self, Stats};
+use super::stats::{self, Stats, TagStats};
 use super::txn::check_tag;
 use super::types::{AllocInfo, ChunkInfo};
 use crate::backup::{DiskFile, HostBuffer};
@@ -136,9 +137,38 @@ impl Engine {
             }
         }
         drop(reg);
+        if let Some(c) = self.comm_stats() {
+            nccl_entry(&mut s, c);
+        }
         s.backend = self.driver.name().to_string();
         s.retain_cpu_backup = self.settings.retain();
         s.memory_margin_bytes = self.settings.margin();
         s
     }
+}
+
+/// The communicators' numbers as the reserved tag's entry (made where its history has none):
+/// its allocations count communicators, its bytes NCCL's own.
+fn nccl_entry(s: &mut Stats, c: CommStats) {
+    let at = match s.tags.binary_search_by(|t| t.tag.as_str().cmp(NCCL_TAG)) {
+        Ok(i) => i,
+        Err(i) => {
+            s.tags.insert(
+                i,
+                TagStats {
+                    tag: NCCL_TAG.to_string(),
+                    ..Default::default()
+                },
+            );
+            i
+        }
+    };
+    let t = &mut s.tags[at];
+    t.allocations = c.communicators;
+    t.active_allocations = c.communicators - c.suspended;
+    t.paused_allocations = c.suspended;
+    t.bytes_requested = c.total_bytes;
+    t.bytes_paused = c.suspended_bytes;
+    t.bytes_active = c.total_bytes.saturating_sub(c.suspended_bytes);
+    t.nccl = Some(c);
 }

@@ -23,6 +23,8 @@ pub struct OpReport {
     pub disk_copied: u64,
     /// Of `bytes`, those a non-blocking resume was still restoring when it returned.
     pub pending: u64,
+    /// NCCL communicators suspended or resumed (their bytes are in `bytes`).
+    pub communicators: usize,
 }
 
 impl OpReport {
@@ -70,6 +72,15 @@ impl Tally {
         let t = self.per_tag.entry(tag.clone()).or_default();
         for r in [t, &mut self.report] {
             r.allocations += 1;
+        }
+    }
+
+    /// `n` communicators of `tag` changed state, `bytes` of device memory with them.
+    pub(super) fn communicators(&mut self, tag: &Arc<str>, n: usize, bytes: u64) {
+        let t = self.per_tag.entry(tag.clone()).or_default();
+        for r in [t, &mut self.report] {
+            r.communicators += n;
+            r.bytes += bytes;
         }
     }
 

@@ -127,9 +127,9 @@ impl Engine {
     }
 
     /// Resume what `pick` names: the paused segments (chunks) of the allocations it selects, at
-    /// the same addresses.
+    /// the same addresses, and NCCL's communicators where it names their tag (`comms.rs`).
     pub fn resume_pick(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        self.resume_ordered(pick, &[], None)
+        self.with_comms_of(Which::Resume, pick, || self.resume_ordered(pick, &[], None))
     }
 
     /// The resume transaction, restoring first the allocations holding the addresses in

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::comms::Registered;
 use super::pipeline::CopyConfig;
 use super::segment::SEGMENT_BYTES;
 use crate::backup::disk::BackupDir;
@@ -25,6 +26,10 @@ pub(super) struct Settings {
     /// The default one (`TMS_DISK_BACKUP_DIR`; `None`: the system's temporary folder, resolved
     /// and kept here on first use).
     disk_default: Mutex<Option<Arc<BackupDir>>>,
+    /// Pauses and resumes of every tag include NCCL's communicators.
+    nccl_in_all: AtomicBool,
+    /// Pauses leave allocations holding a buffer NCCL registered mapped (else they refuse).
+    keep_registered: AtomicBool,
 }
 
 impl Default for Settings {
@@ -36,6 +41,8 @@ impl Default for Settings {
             margin: AtomicU64::new(0),
             disk_dir: Mutex::default(),
             disk_default: Mutex::default(),
+            nccl_in_all: AtomicBool::new(false),
+            keep_registered: AtomicBool::new(true),
         }
     }
 }
@@ -62,6 +69,17 @@ impl Settings {
     /// Keep host backups across resume (consulted at resume).
     pub fn set_retain(&self, on: bool) {
         self.retain.store(on, Ordering::Relaxed);
+    }
+
+    /// Include NCCL's communicators in pauses and resumes of every tag.
+    pub fn set_nccl_in_all(&self, on: bool) {
+        self.nccl_in_all.store(on, Ordering::Relaxed);
+    }
+
+    /// What pauses do with allocations holding a buffer NCCL registered.
+    pub fn set_registered(&self, p: Registered) {
+        self.keep_registered
+            .store(p == Registered::Keep, Ordering::Relaxed);
     }
 
     /// Refuse allocations that would leave fewer than `bytes` free.
@@ -98,6 +116,20 @@ impl Settings {
     /// Whether host backups are kept across resume.
     pub fn retain(&self) -> bool {
         self.retain.load(Ordering::Relaxed)
+    }
+
+    /// Whether pauses and resumes of every tag include NCCL's communicators.
+    pub fn nccl_in_all(&self) -> bool {
+        self.nccl_in_all.load(Ordering::Relaxed)
+    }
+
+    /// What pauses do with allocations holding a buffer NCCL registered.
+    pub fn registered(&self) -> Registered {
+        if self.keep_registered.load(Ordering::Relaxed) {
+            Registered::Keep
+        } else {
+            Registered::Refuse
+        }
     }
 
     /// The memory margin in bytes.

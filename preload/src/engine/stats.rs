@@ -4,6 +4,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::Arc;
 
+use super::comms::CommStats;
 use super::report::OpReport;
 use crate::units::human;
 
@@ -111,6 +112,10 @@ pub struct TagStats {
     pub last_pause: Option<OpStats>,
     /// Last resume that touched the tag.
     pub last_resume: Option<OpStats>,
+    /// The reserved tag's own numbers: NCCL's communicators (`comms.rs`). Absent from every
+    /// other tag.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nccl: Option<CommStats>,
 }
 
 /// Statistics of the whole engine.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use super::*;
 use crate::driver::sim::{Prim, SimConfig, SimDriver};
 use crate::driver::{DevPtr, Driver};
+use crate::engine::stats::TagStats;
 
 const G: u64 = 2 << 20;
 
@@ -156,4 +157,160 @@ fn the_copy_probe_counts_its_pieces_and_fails_cleanly() {
     e.pause(Some("t")).unwrap();
     let r = e.probe_d2h_lanes(p, 40 * G, G, 2, false).unwrap_err();
     assert!(r.to_string().contains("paused"), "{r}");
+}
+
+/// Communicators that count their suspends and resumes, with registrations given by the test.
+#[derive(Default)]
+struct FakeComms {
+    regs: parking_lot::Mutex<Vec<Registration>>,
+    suspended: std::sync::atomic::AtomicBool,
+    fail: std::sync::atomic::AtomicBool,
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Comms for FakeComms {
+    fn seen(&self) -> bool {
+        true
+    }
+    fn unsupported(&self) -> Option<String> {
+        None
+    }
+    fn registrations(&self) -> Vec<Registration> {
+        self.regs.lock().clone()
+    }
+    fn suspend(&self, _: &dyn Driver) -> crate::error::Result<CommsDone> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.calls.fetch_add(1, SeqCst);
+        if self.fail.load(SeqCst) {
+            return Err(crate::error::Error::invalid_state("refused by the test"));
+        }
+        let n = usize::from(!self.suspended.swap(true, SeqCst));
+        Ok(CommsDone {
+            communicators: n,
+            bytes: 100 * n as u64,
+        })
+    }
+    fn resume(&self, _: &dyn Driver) -> crate::error::Result<CommsDone> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.calls.fetch_add(1, SeqCst);
+        let n = usize::from(self.suspended.swap(false, SeqCst));
+        Ok(CommsDone {
+            communicators: n,
+            bytes: 100 * n as u64,
+        })
+    }
+    fn stats(&self, _: &dyn Driver) -> Option<CommStats> {
+        let s = self.suspended.load(std::sync::atomic::Ordering::SeqCst);
+        Some(CommStats {
+            communicators: 1,
+            suspended: usize::from(s),
+            suspendable_bytes: 100,
+            suspended_bytes: if s { 100 } else { 0 },
+            total_bytes: 110,
+            ..Default::default()
+        })
+    }
+}
+
+fn with_fake_comms() -> (Arc<Engine>, Arc<FakeComms>) {
+    let (_, e) = setup(64 * G);
+    let c = Arc::new(FakeComms::default());
+    (Arc::new(e.with_comms(c.clone())), c)
+}
+
+fn nccl_stats(e: &Engine) -> TagStats {
+    e.stats()
+        .tags
+        .into_iter()
+        .find(|t| t.tag == NCCL_TAG)
+        .expect("an entry for the tag")
+}
+
+/// The reserved tag suspends and resumes the communicators, and only it (unless asked): other
+/// tags and every tag leave them; the stats show them as the tag's entry.
+#[test]
+fn the_reserved_tag_suspends_the_communicators_and_every_tag_only_when_asked() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let (e, c) = with_fake_comms();
+    let p = e.alloc(&req(G, "kv", Backup::None)).unwrap();
+    assert!(e.tag_known(NCCL_TAG));
+    let r = e.pause(None).unwrap();
+    assert_eq!((r.allocations, r.communicators), (1, 0));
+    assert_eq!(c.calls.load(SeqCst), 0, "every tag leaves them by default");
+    e.resume(None).unwrap();
+    let r = e.pause(Some(NCCL_TAG)).unwrap();
+    assert_eq!((r.allocations, r.communicators, r.bytes), (0, 1, 100));
+    assert_eq!(e.allocations()[0].state, State::Active, "memory untouched");
+    let t = nccl_stats(&e);
+    assert_eq!((t.allocations, t.paused_allocations), (1, 1));
+    assert_eq!((t.bytes_paused, t.bytes_active), (100, 10));
+    assert_eq!(t.last_pause.unwrap().bytes, 100);
+    assert_eq!(t.nccl.as_ref().unwrap().registered_policy, "keep");
+    e.resume(Some(NCCL_TAG)).unwrap();
+    // With the setting: after the memory on pause, before it on resume.
+    e.set_nccl_in_all(true);
+    let r = e.pause(None).unwrap();
+    assert_eq!((r.allocations, r.communicators, r.bytes), (1, 1, G + 100));
+    let r = e.resume(None).unwrap();
+    assert_eq!((r.allocations, r.communicators), (1, 1));
+    // A failure of the communicators' step after the memory paused says so.
+    c.fail.store(true, SeqCst);
+    let err = e.pause(None).unwrap_err().to_string();
+    assert!(err.contains("refused by the test"), "{err}");
+    assert!(err.contains("the allocations were paused"), "{err}");
+    c.fail.store(false, SeqCst);
+    let r = Engine::resume_nonblocking(e.clone(), None, &[], None).unwrap();
+    assert_eq!(r.communicators, 0, "they were never suspended");
+    e.wait_restored(None, None).unwrap();
+    e.free(p).unwrap();
+    // The tag is reserved.
+    let err = e.alloc(&req(G, NCCL_TAG, Backup::None)).unwrap_err();
+    assert!(err.to_string().contains("reserved"), "{err}");
+}
+
+/// An allocation holding a buffer NCCL registered stays mapped (keep), or the pause fails
+/// before it changes anything, naming the buffer and both remedies (refuse); deregistered, it
+/// pauses again.
+#[test]
+fn registered_buffers_are_kept_resident_or_refused() {
+    let (e, c) = with_fake_comms();
+    let reg = e.alloc(&req(2 * G, "kv", Backup::None)).unwrap();
+    let other = e.alloc(&req(G, "kv", Backup::None)).unwrap();
+    *c.regs.lock() = vec![Registration {
+        addr: reg + 4096,
+        len: 8192,
+        how: "ncclCommRegister on communicator 0x1".into(),
+    }];
+    let state = |p| {
+        e.allocations()
+            .into_iter()
+            .find(|a| a.addr == p)
+            .unwrap()
+            .state
+    };
+    let r = e.pause(Some("kv")).unwrap();
+    assert_eq!(r.allocations, 1);
+    assert_eq!((state(reg), state(other)), (State::Active, State::Paused));
+    e.resume(Some("kv")).unwrap();
+
+    e.set_registered_policy(Registered::Refuse);
+    let err = e.pause(None).unwrap_err();
+    assert_eq!(*err.kind(), crate::error::ErrorKind::InvalidState);
+    let m = err.to_string();
+    for want in [
+        format!("allocation {reg:#x} ({} bytes, tag \"kv\")", 2 * G),
+        format!(
+            "{:#x}, 8192 bytes, ncclCommRegister on communicator 0x1",
+            reg + 4096
+        ),
+        "ncclCommDeregister".to_string(),
+        "TMS_NCCL_REGISTERED=keep".to_string(),
+    ] {
+        assert!(m.contains(&want), "{want:?} not in {m}");
+    }
+    assert_eq!(state(other), State::Active, "a refusal changes nothing");
+
+    e.set_registered_policy(Registered::Keep);
+    c.regs.lock().clear();
+    assert_eq!(e.pause(Some("kv")).unwrap().allocations, 2);
 }

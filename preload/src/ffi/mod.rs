@@ -19,6 +19,7 @@ use status::{entry, write_out};
 mod args;
 mod chunks;
 mod export;
+mod nccl;
 mod progress;
 mod restore;
 mod status;
@@ -26,7 +27,7 @@ mod upstream;
 
 // Every export is also `tms::ffi::NAME` in Rust (tmsctl's demo checks its function types against
 // them).
-pub use self::{chunks::*, export::*, progress::*, restore::*, status::*, upstream::*};
+pub use self::{chunks::*, export::*, nccl::*, progress::*, restore::*, status::*, upstream::*};
 
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
 /// driver's name (`cuda` or `sim`) into `buf`.
@@ -144,6 +145,9 @@ pub unsafe extern "C" fn tms_region_current(
 
 /// Pause every active allocation of `tag` (NULL or `""`: every tag): back up the contents where
 /// a CPU backup was asked, then give the device memory back. Touching a paused range faults.
+/// The tag `"nccl"` suspends NCCL's communicators instead (every tag includes them only where
+/// `tms_nccl_set_in_all` asked); an allocation holding a buffer NCCL registered stays mapped
+/// (or the pause fails: `tms_nccl_set_registered`).
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
@@ -159,7 +163,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
 
 /// Resume every paused allocation of `tag` (NULL or `""`: every tag) at the same addresses,
 /// restoring backed-up contents. Out of memory leaves the tag paused with its backups; call
-/// again once memory is free.
+/// again once memory is free. The tag `"nccl"` resumes NCCL's communicators.
 ///
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.

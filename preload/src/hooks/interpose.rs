@@ -34,10 +34,10 @@ thread_local! {
 }
 
 /// Marks this thread as inside the library; `None` if it already was (or its locals are gone).
-struct Reentry;
+pub(super) struct Reentry;
 
 impl Reentry {
-    fn enter() -> Option<Reentry> {
+    pub(super) fn enter() -> Option<Reentry> {
         match INSIDE.try_with(|f| f.replace(true)) {
             Ok(false) => Some(Reentry),
             _ => None,

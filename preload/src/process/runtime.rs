@@ -9,7 +9,7 @@ use crate::driver::cuda::CudaDriver;
 use crate::driver::hip::{HipDriver, HipSettings};
 use crate::driver::sim::SimDriver;
 use crate::driver::Driver;
-use crate::engine::Engine;
+use crate::engine::{Comms, Engine};
 use crate::error::{Error, Result};
 
 /// The process-wide state.
@@ -69,7 +69,10 @@ fn init() -> Result<Runtime> {
     let ps = settings::process()?;
     let driver = open_driver(ps.backend)?;
     driver.set_memory_flags(ps.memory);
-    let engine = Engine::new(driver);
+    let comms: Arc<dyn Comms> = crate::nccl::communicators().clone();
+    let engine = Engine::new(driver).with_comms(comms);
+    engine.set_nccl_in_all(ps.nccl_in_all);
+    engine.set_registered_policy(ps.nccl_registered);
     engine.set_retain_cpu_backup(ps.retain_cpu_backup);
     engine.set_memory_margin(ps.memory_margin);
     engine.set_copy_config(ps.copy)?;

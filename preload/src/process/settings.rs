@@ -16,6 +16,9 @@
 //! - `TMS_STAGING_SLOT=BYTES`: size of each staging slot, two per worker (default 4 MiB).
 //! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
 //! - `TMS_PIN=background|inline|never`: when pinned backups are page-locked (default background).
+//! - `TMS_NCCL_IN_ALL=1`: pauses and resumes of every tag include NCCL's communicators.
+//! - `TMS_NCCL_REGISTERED=keep|refuse`: what pauses do with allocations holding buffers NCCL
+//!   registered (default keep).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
 //! - `TMS_LOG_FORMAT=text|json`: the shape of those lines (default text); every line names the
 //!   pid that wrote it and, where its pauseable memory is on one device, that device.
@@ -28,7 +31,7 @@ use parking_lot::RwLock;
 use crate::backup::BackupKind;
 use crate::driver::hip::HipSettings;
 use crate::driver::sim::SimDriver;
-use crate::engine::{CopyConfig, PinMode};
+use crate::engine::{reserved_tag, CopyConfig, PinMode, Registered, NCCL_TAG};
 use crate::error::{Error, Result};
 use crate::units::{env_parsed, parse_bytes, parse_flag, var_parsed};
 
@@ -90,8 +93,12 @@ impl RegionSettings {
         self.cpu_backup.then_some(self.backend)
     }
 
-    /// Refuse a CPU and a disk backup at once.
+    /// Refuse a CPU and a disk backup at once, and a pauseable region with the tag reserved
+    /// for NCCL's communicators.
     pub fn check(&self) -> Result<()> {
+        if self.enabled && self.tag == NCCL_TAG {
+            return Err(Error::invalid_argument(reserved_tag()));
+        }
         if self.cpu_backup && self.disk_backup {
             return Err(Error::invalid_argument(format!(
                 "region {:?}: enable_cpu_backup and enable_disk_backup are mutually exclusive \
@@ -123,6 +130,10 @@ pub struct ProcessSettings {
     pub disk_faults: Vec<(crate::backup::disk::DiskOp, u64, i32)>,
     /// `TMS_RDMA` (default on) and `TMS_SHAREABLE` (default off): how pauseable memory is made.
     pub memory: crate::driver::MemoryFlags,
+    /// `TMS_NCCL_IN_ALL`: pauses and resumes of every tag include NCCL's communicators.
+    pub nccl_in_all: bool,
+    /// `TMS_NCCL_REGISTERED`: what pauses do with allocations holding buffers NCCL registered.
+    pub nccl_registered: Registered,
 }
 
 /// The copy settings from the environment, over the defaults.
@@ -198,6 +209,10 @@ impl ProcessSettings {
                     "environment variable TMS_INIT_TAG is empty",
                 ))
             }
+            Some(t) if t == NCCL_TAG => {
+                return Err(Error::invalid_argument(reserved_tag())
+                    .context("environment variable TMS_INIT_TAG"))
+            }
             Some(t) => t,
             None => "default".to_string(),
         };
@@ -245,6 +260,9 @@ impl ProcessSettings {
                 rdma: env_parsed("TMS_RDMA", parse_flag)?.unwrap_or(true),
                 shareable: env_parsed("TMS_SHAREABLE", parse_flag)?.unwrap_or(false),
             },
+            nccl_in_all: env_parsed("TMS_NCCL_IN_ALL", parse_flag)?.unwrap_or(false),
+            nccl_registered: env_parsed("TMS_NCCL_REGISTERED", Registered::parse)?
+                .unwrap_or_default(),
         })
     }
 }
@@ -332,6 +350,7 @@ pub fn push_region(r: RegionSettings) -> Result<()> {
     if r.tag.is_empty() {
         return Err(Error::invalid_argument("a region's tag must not be empty"));
     }
+    r.check()?;
     STACK
         .try_with(|s| s.borrow_mut().push(r))
         .map_err(|_| Error::invalid_state("thread is exiting"))

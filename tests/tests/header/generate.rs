@@ -203,6 +203,22 @@ process.",
         ],
     },
     Section {
+        title: "NCCL's communicators (the tag \"nccl\")",
+        prose: "\
+tms_pause(\"nccl\") suspends every live NCCL communicator (ncclCommSuspend, NCCL 2.29.7 or
+newer), all or none, and tms_resume(\"nccl\") resumes them; tms_stats_json gives their numbers
+in the tag's entry. Preloaded, the library sees communicators made and ended (the NCCL
+interposers below); others are handed over with tms_nccl_adopt.",
+        guard: None,
+        items: &[
+            "tms_nccl_adopt",
+            "tms_nccl_set_in_all",
+            "tms_nccl_get_in_all",
+            "tms_nccl_set_registered",
+            "tms_nccl_get_registered",
+        ],
+    },
+    Section {
         title: "Chunked allocations by tag (the existing library's names)",
         prose: "\
 The tag must have exactly one chunked allocation; the arrays need room for every chunk.",
@@ -241,6 +257,34 @@ when TMS_DECLARE_HIP_INTERPOSERS is defined, so that this header can be included
 hip_runtime_api.h.",
         guard: Some("TMS_DECLARE_HIP_INTERPOSERS"),
         items: &["hipMalloc", "hipFree"],
+    },
+    Section {
+        title: "NCCL interposers (preload mode)",
+        prose: "\
+libtms.so also exports these NCCL entry points with NCCL's signatures (ncclResult_t as int,
+ncclComm_t and ncclWindow_t as void *, ncclConfig_t * as void *): each calls NCCL's own and
+notes the communicators made and ended and the buffers registered. They are declared only
+when TMS_DECLARE_NCCL_INTERPOSERS is defined, so that this header can be included next to
+nccl.h.",
+        guard: Some("TMS_DECLARE_NCCL_INTERPOSERS"),
+        items: &[
+            "ncclUniqueId",
+            "ncclCommInitRank",
+            "ncclCommInitRankConfig",
+            "ncclCommInitAll",
+            "ncclCommInitRankScalable",
+            "ncclCommSplit",
+            "ncclCommShrink",
+            "ncclCommGrow",
+            "ncclCommFinalize",
+            "ncclCommDestroy",
+            "ncclCommAbort",
+            "ncclCommRegister",
+            "ncclCommDeregister",
+            "ncclCommWindowRegister",
+            "ncclCommWindowDeregister",
+            "ncclMemAlloc",
+        ],
     },
 ];
 
@@ -327,6 +371,10 @@ fn declarations() -> Result<BTreeMap<String, String>, String> {
         .export
         .rename
         .insert("TmsProgress".into(), "tms_progress".into());
+    config
+        .export
+        .rename
+        .insert("NcclUniqueId".into(), "ncclUniqueId".into());
     // The existing library's `bool` arguments and results travel as an int of 0 or 1
     // (ffi/upstream.rs says why); C callers see its `bool` prototypes.
     config.export.rename.insert("CBool".into(), "bool".into());
