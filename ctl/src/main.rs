@@ -22,6 +22,7 @@ mod output;
 mod procfs;
 mod progress;
 mod socket;
+mod status_view;
 mod text;
 
 use std::process::ExitCode;

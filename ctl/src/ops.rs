@@ -19,6 +19,7 @@ use crate::find;
 use crate::output::{self, json_error, op_words, print_json, with_pid};
 use crate::procfs::{command_line, short_command};
 use crate::progress;
+use crate::status_view;
 use crate::text::{one_line, printable, printable_lines, quoted};
 
 /// What one process answered, for both output forms.
@@ -308,7 +309,11 @@ pub fn region(ctx: &Ctx, sel: &Select, update: Option<RegionUpdate>) -> anyhow::
         })?;
         Ok(Outcome::new(
             with_pid(c.pid(), &r),
-            format!("pid {}: default region: {}", c.pid(), output::region(&r)),
+            format!(
+                "pid {}: default region: {}",
+                c.pid(),
+                status_view::region(&r)
+            ),
         ))
     })
 }
@@ -319,7 +324,7 @@ pub fn status(ctx: &Ctx, sel: &Select) -> anyhow::Result<()> {
         let s = status_of(c)?;
         Ok(Outcome::new(
             serde_json::to_value(&s).unwrap_or(Value::Null),
-            output::status(&s, &command_line(c.pid())),
+            status_view::status(&s, &command_line(c.pid())),
         ))
     })
 }
