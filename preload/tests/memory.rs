@@ -48,13 +48,20 @@ fn alloc(e: &Engine, size: u64, tag: &str, backup: Backup) -> u64 {
     .unwrap()
 }
 
-/// Resident set size of this process in bytes (`/proc/self/statm`: anonymous, file and shared
-/// memory pages, which is where the sim's memfd pages count).
+/// Resident set size of this process in bytes (`VmRSS` of `/proc/self/status`: anonymous, file
+/// and shared memory, which is where the sim's memfd pages count). In kB, not pages: qemu-user
+/// emulating a larger page size than its host's reports the host's pages.
 fn rss() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/statm").unwrap();
-    let pages: u64 = s.split_whitespace().nth(1).unwrap().parse().unwrap();
-    // SAFETY: sysconf has no preconditions.
-    pages * unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64
+    let s = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = s.lines().find_map(|l| l.strip_prefix("VmRSS:")).unwrap();
+    let kib: u64 = line
+        .trim()
+        .strip_suffix("kB")
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    kib * 1024
 }
 
 struct Rng(u64);
