@@ -4,17 +4,54 @@
 
 use crate::error::{Error, Result};
 
-/// Size of a transparent huge page on x86-64 and most arm64 kernels.
+/// Alignment of host buffers that ask for transparent huge pages: the PMD size of kernels with
+/// 4 KiB pages (x86-64, most arm64). Kernels with 64 KiB pages (common on Grace) have 512 MiB
+/// PMD pages; 2 MiB is a multiple of their page size too, so this stays correct there, and the
+/// advice still lets the kernel use huge pages wherever a large buffer covers an aligned 512 MiB
+/// (and its smaller multi-size huge pages where enabled).
 pub(crate) const HUGE_PAGE: u64 = 2 << 20;
 
-/// The system's page size.
-pub(crate) fn page_size() -> u64 {
+/// The system's page size (4 KiB on x86-64; 4, 16 or 64 KiB on arm64 kernels). Host memory
+/// handed to the kernel or the driver in whole pages (page-locking, `madvise`, chunk and slot
+/// sizes) is sized and aligned by it, never by a constant.
+pub fn page_size() -> u64 {
+    #[cfg(test)]
+    if let Some(p) = test_page::get() {
+        return p;
+    }
     // SAFETY: sysconf has no preconditions.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {
         p as u64
     } else {
         4096
+    }
+}
+
+/// Unit tests pretend a larger page size than the machine's, on their own thread: a multiple
+/// of the real one, so what is sized by it is still valid for the kernel.
+#[cfg(test)]
+pub(crate) mod test_page {
+    use std::cell::Cell;
+
+    thread_local! {
+        static PAGE: Cell<Option<u64>> = const { Cell::new(None) };
+    }
+
+    pub(super) fn get() -> Option<u64> {
+        PAGE.with(Cell::get)
+    }
+
+    /// Run `f` with [`super::page_size`] answering `page` on this thread.
+    pub(crate) fn with<R>(page: u64, f: impl FnOnce() -> R) -> R {
+        struct Reset(Option<u64>);
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                PAGE.with(|p| p.set(self.0));
+            }
+        }
+        let _reset = Reset(PAGE.with(|p| p.replace(Some(page))));
+        f()
     }
 }
 

@@ -27,8 +27,11 @@ use tms::driver::sim::{Prim, SimDriver};
 use tms::engine::{AllocInfo, AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::{Backup, Error};
 
-/// Sim granularity: small, so thousands of cases stay fast in debug builds.
-const G: u64 = 16 << 10;
+/// Sim granularity: small, so thousands of cases stay fast in debug builds, but a multiple of
+/// the page size (64 KiB on some arm64 kernels), as the sim's granularity must be.
+fn g() -> u64 {
+    (16 << 10u64).max(tms::os::page_size())
+}
 const CAPACITY: u64 = 1 << 30;
 /// Fault codes tried: CUDA_ERROR_UNKNOWN and CUDA_ERROR_OUT_OF_MEMORY.
 const CODES: [i32; 2] = [999, 2];
@@ -37,10 +40,14 @@ const PINNED: Backup = Some(BackupKind::Pinned);
 const MMAP: Backup = Some(BackupKind::Mmap);
 
 /// The three allocations of the operation under test: odd sizes, two devices.
-const SIZES: [u64; 3] = [G + 1, 2 * G - 7, 3 * G + 4097];
+fn sizes() -> [u64; 3] {
+    [g() + 1, 2 * g() - 7, 3 * g() + 4097]
+}
 const DEVICES: [i32; 3] = [0, 1, 0];
 /// A bystander of another tag ("u"), with a pinned backup.
-const BYSTANDER: u64 = G / 2 + 3;
+fn bystander() -> u64 {
+    g() / 2 + 3
+}
 
 /// Compare without dumping megabytes on failure.
 fn assert_same(got: &[u8], want: &[u8], what: &str) {
@@ -86,7 +93,7 @@ impl Fx {
         let setup = common::Setup::default()
             .devices(2)
             .capacity(CAPACITY)
-            .granularity(G)
+            .granularity(g())
             .copy(CopyConfig {
                 threads: 1,
                 pin: PinMode::Inline,
@@ -112,7 +119,7 @@ impl Fx {
         self.t.push(Tracked {
             addr,
             size,
-            mapped: size.next_multiple_of(G),
+            mapped: size.next_multiple_of(g()),
             device,
             tag: tag.to_string(),
             backup,
@@ -403,8 +410,8 @@ fn setup(case: &Case) -> Setup {
     };
     match *case {
         Case::Alloc { margin } => {
-            fx.add(G + 5, 0, "t", PINNED);
-            fx.add(2 * G, 1, "u", PINNED);
+            fx.add(g() + 5, 0, "t", PINNED);
+            fx.add(2 * g(), 1, "u", PINNED);
             fx.e.pause(Some("u")).unwrap();
             if margin {
                 fx.e.set_memory_margin(1);
@@ -420,9 +427,9 @@ fn setup(case: &Case) -> Setup {
             retained,
         } => {
             for k in 0..3 {
-                fx.add(SIZES[k], DEVICES[k], "t", backups[k]);
+                fx.add(sizes()[k], DEVICES[k], "t", backups[k]);
             }
-            fx.add(BYSTANDER, 1, "u", PINNED);
+            fx.add(bystander(), 1, "u", PINNED);
             if retained {
                 fx.e.set_retain_cpu_backup(true);
                 fx.e.pause(None).unwrap();
@@ -438,9 +445,9 @@ fn setup(case: &Case) -> Setup {
             retain,
         } => {
             for k in 0..3 {
-                fx.add(SIZES[k], DEVICES[k], "t", backups[k]);
+                fx.add(sizes()[k], DEVICES[k], "t", backups[k]);
             }
-            fx.add(BYSTANDER, 1, "u", PINNED);
+            fx.add(bystander(), 1, "u", PINNED);
             fx.e.pause(Case::selector(all)).unwrap();
             fx.mark_lost();
             fx.e.set_retain_cpu_backup(retain);
@@ -450,9 +457,9 @@ fn setup(case: &Case) -> Setup {
         Case::Free { backups, paused } => {
             let mut order = Vec::new();
             for k in 0..3 {
-                order.push(fx.add(SIZES[k], DEVICES[k], &format!("f{k}"), backups[k]));
+                order.push(fx.add(sizes()[k], DEVICES[k], &format!("f{k}"), backups[k]));
             }
-            fx.add(BYSTANDER, 1, "u", PINNED);
+            fx.add(bystander(), 1, "u", PINNED);
             for (k, _) in paused.iter().enumerate().filter(|(_, p)| **p) {
                 fx.e.pause(Some(&format!("f{k}"))).unwrap();
             }
@@ -466,7 +473,11 @@ fn setup(case: &Case) -> Setup {
 fn op(case: &Case, fx: &mut Fx, order: &[u64]) -> Result<(), Error> {
     match *case {
         Case::Alloc { .. } => {
-            let reqs = [(G / 2 + 1, 1, PINNED), (2 * G + 3, 0, None), (1, 1, MMAP)];
+            let reqs = [
+                (g() / 2 + 1, 1, PINNED),
+                (2 * g() + 3, 0, None),
+                (1, 1, MMAP),
+            ];
             for (size, device, backup) in reqs {
                 let addr = fx.e.alloc(&AllocRequest {
                     size,
@@ -504,7 +515,7 @@ fn run(case: &Case, prim: Prim, nth: u64, code: i32) -> bool {
     let pinned_candidates: BTreeSet<u64> = before
         .values()
         .filter(|i| i.backup.is_some())
-        .map(|i| i.size.next_multiple_of(4096))
+        .map(|i| i.size.next_multiple_of(tms::os::page_size()))
         .chain([slot])
         .collect();
     let pinned_before = fx.sim.pinned_bytes();
@@ -874,9 +885,9 @@ fn faults_on_free() {
 fn failed_resume_keeps_backups_and_a_retry_restores() {
     for prim in [Prim::Create, Prim::Map, Prim::SetAccess, Prim::CopyH2D] {
         let mut fx = Fx::new();
-        let a = fx.add(SIZES[0], 0, "t", PINNED);
-        let b = fx.add(SIZES[1], 1, "t", MMAP);
-        let c = fx.add(SIZES[2], 0, "t", PINNED);
+        let a = fx.add(sizes()[0], 0, "t", PINNED);
+        let b = fx.add(sizes()[1], 1, "t", MMAP);
+        let c = fx.add(sizes()[2], 0, "t", PINNED);
         fx.e.pause(Some("t")).unwrap();
         let live = (fx.sim.live_bytes(0), fx.sim.live_bytes(1));
         fx.sim.arm_fault(prim, 2, 999);
@@ -915,7 +926,7 @@ fn failed_resume_keeps_backups_and_a_retry_restores() {
 #[test]
 fn failed_unmap_in_pause_claims_no_valid_backup() {
     let mut fx = Fx::new();
-    let a = fx.add(SIZES[0], 0, "t", PINNED);
+    let a = fx.add(sizes()[0], 0, "t", PINNED);
     fx.sim.arm_fault(Prim::Unmap, 1, 999);
     let err = fx.e.pause(Some("t")).unwrap_err();
     assert!(err.to_string().contains("cuMemUnmap"), "{err}");

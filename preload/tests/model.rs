@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 
 use common::{engine_test, pattern, run_proptest, Expect, Harness, Setup};
 use proptest::prelude::*;
-use tms::backup::disk::{self, DiskOp};
+use tms::backup::disk::{self, DiskOp, DIRECT_ALIGN};
 use tms::backup::BackupKind;
 use tms::backup::HostLayout;
 use tms::driver::sim::Prim;
@@ -82,23 +82,25 @@ fn size_strategy(g: u64) -> impl Strategy<Value = u64> {
 }
 
 /// Copy settings from one worker and whole allocations per chunk to several workers cutting
-/// allocations into many chunks and staging slots, page-locking or not.
+/// allocations into many chunks and staging slots, page-locking or not. Host chunks and slots
+/// are multiples of the system's page size, disk chunks of the disk's unit.
 fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
+    let page = tms::os::page_size();
     (
         1..=4usize,
-        prop_oneof![Just(4096u64), Just(16 << 10), Just(64 << 20)],
-        prop_oneof![Just(4096u64), Just(8 << 10), Just(1 << 20)],
+        prop_oneof![Just(page), Just(4 * page), Just(64 << 20)],
+        prop_oneof![Just(page), Just(2 * page), Just(1 << 20)],
         (
             any::<bool>(),
             any::<bool>(),
-            prop_oneof![Just(4096u64), Just(1 << 20)],
+            prop_oneof![Just(page), Just(1 << 20)],
         ),
         prop_oneof![
             Just(PinMode::Background),
             Just(PinMode::Inline),
             Just(PinMode::Never)
         ],
-        prop_oneof![Just(0u64), Just(4096), Just(3 * 4096)],
+        prop_oneof![Just(0u64), Just(DIRECT_ALIGN), Just(3 * DIRECT_ALIGN)],
     )
         .prop_map(
             |(threads, chunk, slot, (hugepages, streaming, save_slot), pin, disk_chunk)| {
@@ -660,7 +662,7 @@ fn check(h: &Harness, m: &Model) -> Result<(), TestCaseError> {
         // Pinned backups are page-locked in whole pages: inline by the first pause; in the
         // background only once retained (all of it once the pinner is idle, or for a chunked
         // allocation the host chunks lying in saved chunks); never otherwise.
-        let whole = a.size.next_multiple_of(4096);
+        let whole = a.size.next_multiple_of(tms::os::page_size());
         let pinned_backup = a.host && a.backup == Some(BackupKind::Pinned);
         let locked = i.host_pinned_bytes;
         match mode {

@@ -31,8 +31,15 @@ use tms::driver::sim::{Prim, SimDriver};
 use tms::engine::{AllocRequest, CopyConfig, Engine, PinMode, State};
 use tms::Backup;
 
-/// The sim's granularity.
-const G: u64 = 16 << 10;
+/// The sim's granularity: small, but a multiple of the page size (the sim's must be).
+fn g() -> u64 {
+    (16 << 10u64).max(page())
+}
+
+/// The system's page size: the unit of host chunks and staging slots.
+fn page() -> u64 {
+    tms::os::page_size()
+}
 
 struct Alloc {
     addr: u64,
@@ -51,16 +58,20 @@ struct Fx {
     dir: tempfile::TempDir,
 }
 
-const SIZES: [u64; 8] = [
-    1,
-    G - 1,
-    3 * G + 5,
-    9 * G,
-    17 * G + 4097,
-    5 * G,
-    40 * G + 3,
-    13 * G + 1,
-];
+fn sizes() -> [u64; 8] {
+    let g = g();
+    [
+        1,
+        g - 1,
+        3 * g + 5,
+        9 * g,
+        17 * g + 4097,
+        5 * g,
+        40 * g + 3,
+        13 * g + 1,
+    ]
+}
+
 const BACKUPS: [Backup; 4] = [
     Some(BackupKind::Pinned),
     Some(BackupKind::Mmap),
@@ -68,37 +79,37 @@ const BACKUPS: [Backup; 4] = [
     Some(BackupKind::Disk),
 ];
 
-/// Two devices of 64 MiB in granules of [`G`].
+/// Two devices of 64 MiB in granules of [`g`].
 fn two() -> Setup {
     Setup::default()
         .devices(2)
         .capacity(64 << 20)
-        .granularity(G)
+        .granularity(g())
 }
 
 fn fx(pin: PinMode, retain: bool) -> Fx {
     let (sim, e) = common::sim_engine(&two().copy(CopyConfig {
         threads: 3,
         layout: HostLayout {
-            chunk: 2 * 4096,
+            chunk: 2 * page(),
             hugepages: false,
             streaming: false,
         },
-        slot: 4096,
-        save_slot: 4096,
+        slot: page(),
+        save_slot: page(),
         pin,
-        disk_chunk: 2 * 4096,
+        disk_chunk: 2 * page(),
         keep_staging: false,
         save_streams: false,
     }));
     e.set_retain_cpu_backup(retain);
     // Small physical segments: the larger allocations have several.
-    e.set_segment_bytes(4 * G).unwrap();
+    e.set_segment_bytes(4 * g()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     e.set_disk_backup_dir(Some(dir.path().to_path_buf()))
         .unwrap();
     let mut allocs = Vec::new();
-    for (k, size) in SIZES.iter().enumerate() {
+    for (k, size) in sizes().iter().enumerate() {
         let backup = BACKUPS[k % 4];
         let addr = e
             .alloc(&AllocRequest {
@@ -140,7 +151,7 @@ impl Fx {
                     handles += i.handles;
                     assert_eq!(
                         i.handles as u64,
-                        i.mapped.div_ceil(4 * G),
+                        i.mapped.div_ceil(4 * g()),
                         "{ctx}: {:#x}: one handle per segment",
                         a.addr
                     );
@@ -510,12 +521,12 @@ engine_test! {
             e.set_copy_config(CopyConfig {
                 threads,
                 // Streaming stores on half the cases (odd slots), plain copies on the other.
-                layout: HostLayout { chunk: chunk_pages * 4096, hugepages: false, streaming: slot_pages % 2 == 1 },
-                slot: slot_pages * 4096,
+                layout: HostLayout { chunk: chunk_pages * page(), hugepages: false, streaming: slot_pages % 2 == 1 },
+                slot: slot_pages * page(),
                 // Saves in smaller pieces than the slot on some cases.
-                save_slot: slot_pages.div_ceil(2) * 4096,
+                save_slot: slot_pages.div_ceil(2) * page(),
                 pin,
-                disk_chunk: chunk_pages * 4096,
+                disk_chunk: chunk_pages * page(),
                 // Slots kept after resumes without retention on some cases.
                 keep_staging: threads % 2 == 0,
                 // Pauses on the workers' own streams (on a GPU) on some cases.

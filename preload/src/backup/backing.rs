@@ -107,12 +107,15 @@ mod tests {
     use crate::backup::HostLayout;
     use crate::driver::sim::{SimConfig, SimDriver};
     use crate::driver::Driver;
+    use crate::os::page_size;
 
-    const PAGE: usize = 4096;
+    /// Disk files' unit of alignment ([`DIRECT_ALIGN`](crate::backup::disk::DIRECT_ALIGN));
+    /// host buffers are sized in the system's pages instead.
+    const BLOCK: usize = crate::backup::disk::DIRECT_ALIGN as usize;
 
-    /// Page-aligned bytes, as `O_DIRECT` needs (the pipeline's staging slots are).
+    /// Bytes aligned as `O_DIRECT` needs (the pipeline's staging slots are: page-aligned).
     #[repr(align(4096))]
-    struct Pages([u8; 2 * PAGE]);
+    struct Blocks([u8; 2 * BLOCK]);
 
     fn driver() -> Arc<dyn Driver> {
         Arc::new(SimDriver::new(SimConfig::default()).unwrap())
@@ -162,13 +165,14 @@ mod tests {
 
     #[test]
     fn a_pageable_host_buffer_is_copied_through_the_slots_in_any_part_of_a_chunk() {
-        let h = host(BackupKind::Mmap, 3 * PAGE as u64, 2 * PAGE as u64);
+        let page = page_size();
+        let h = host(BackupKind::Mmap, 3 * page, 2 * page);
         let b: &dyn Backing = &h;
         assert_eq!(
             (b.kind(), b.len(), b.chunks()),
-            (BackupKind::Mmap, 3 * 4096, 2)
+            (BackupKind::Mmap, 3 * page, 2)
         );
-        assert_eq!(b.chunk_span(1), (8192, 4096));
+        assert_eq!(b.chunk_span(1), (2 * page, page));
         assert!(
             b.direct(0, 0, true).unwrap().is_none(),
             "pageable: never straight"
@@ -179,53 +183,57 @@ mod tests {
         let mut back = vec![0u8; 3000];
         restore(b, 0, 100, &mut back, 700).unwrap();
         assert_eq!(back, data);
-        let e = save(b, 1, 3 * PAGE as u64 - 10, &data[..20], 20).unwrap_err();
+        let e = save(b, 1, 3 * page - 10, &data[..20], 20).unwrap_err();
         assert!(e.to_string().contains("host buffer"), "{e}");
     }
 
     #[test]
     fn a_pinned_host_buffer_is_copied_straight_once_page_locked() {
-        let h = host(BackupKind::Pinned, 4 * PAGE as u64, 2 * PAGE as u64);
+        let page = page_size();
+        let h = host(BackupKind::Pinned, 4 * page, 2 * page);
         let b: &dyn Backing = &h;
         assert!(
-            b.direct(1, 8192, false).unwrap().is_none(),
+            b.direct(1, 2 * page, false).unwrap().is_none(),
             "not page-locked yet"
         );
         let p = b
-            .direct(1, 8192 + 16, true)
+            .direct(1, 2 * page + 16, true)
             .unwrap()
             .expect("page-locked now");
-        assert_eq!(p.cast_const(), h.as_ptr().wrapping_add(8192 + 16));
+        assert_eq!(
+            p.cast_const(),
+            h.as_ptr().wrapping_add(2 * page as usize + 16)
+        );
         assert!(h.is_pinned(1) && !h.is_pinned(0));
-        assert!(b.direct(1, 8192, false).unwrap().is_some());
-        assert!(b.direct(0, 4 * PAGE as u64, false).is_err(), "past the end");
+        assert!(b.direct(1, 2 * page, false).unwrap().is_some());
+        assert!(b.direct(0, 4 * page, false).is_err(), "past the end");
     }
 
     #[test]
     fn a_disk_file_is_copied_in_whole_chunks_and_checksummed() {
         let d = folder("disk");
         let dir = BackupDir::new(&d).unwrap();
-        let f = DiskFile::create(&dir, 3 * PAGE as u64, 2 * PAGE as u64).unwrap();
+        let f = DiskFile::create(&dir, 3 * BLOCK as u64, 2 * BLOCK as u64).unwrap();
         let b: &dyn Backing = &f;
         assert_eq!(
             (b.kind(), b.len(), b.chunks()),
-            (BackupKind::Disk, 3 * 4096, 2)
+            (BackupKind::Disk, 3 * BLOCK as u64, 2)
         );
         assert!(
             b.direct(0, 0, true).unwrap().is_none(),
             "files: always staged"
         );
-        let mut data = Box::new(Pages([0; 2 * PAGE]));
+        let mut data = Box::new(Blocks([0; 2 * BLOCK]));
         data.0
             .iter_mut()
             .enumerate()
             .for_each(|(i, x)| *x = i as u8);
-        save(b, 0, 0, &data.0, PAGE).unwrap();
-        save(b, 1, 2 * PAGE as u64, &data.0[..PAGE], PAGE).unwrap();
-        let mut back = Box::new(Pages([0; 2 * PAGE]));
-        restore(b, 0, 0, &mut back.0, PAGE).unwrap();
+        save(b, 0, 0, &data.0, BLOCK).unwrap();
+        save(b, 1, 2 * BLOCK as u64, &data.0[..BLOCK], BLOCK).unwrap();
+        let mut back = Box::new(Blocks([0; 2 * BLOCK]));
+        restore(b, 0, 0, &mut back.0, BLOCK).unwrap();
         assert_eq!(back.0, data.0);
-        let e = save(b, 0, 0, &data.0[..PAGE], PAGE).unwrap_err();
+        let e = save(b, 0, 0, &data.0[..BLOCK], BLOCK).unwrap_err();
         assert!(e.to_string().contains("cuts disk backup chunk 0"), "{e}");
         // Chunk 1 changes on disk while paused: its checksum no longer holds.
         {
@@ -234,14 +242,14 @@ mod tests {
                 .write(true)
                 .open(f.path())
                 .unwrap();
-            file.write_all_at(b"changed", 2 * PAGE as u64 + 5).unwrap();
+            file.write_all_at(b"changed", 2 * BLOCK as u64 + 5).unwrap();
         }
-        let e = restore(b, 1, 2 * PAGE as u64, &mut back.0[..PAGE], PAGE).unwrap_err();
+        let e = restore(b, 1, 2 * BLOCK as u64, &mut back.0[..BLOCK], BLOCK).unwrap_err();
         assert!(
             e.to_string().contains("changed on disk while paused"),
             "{e}"
         );
-        restore(b, 0, 0, &mut back.0, PAGE).unwrap();
+        restore(b, 0, 0, &mut back.0, BLOCK).unwrap();
         drop(f);
         std::fs::remove_dir_all(&d).unwrap();
     }
@@ -250,9 +258,10 @@ mod tests {
     fn an_allocation_with_both_backups_is_copied_to_host_memory() {
         let d = folder("both");
         let dir = BackupDir::new(&d).unwrap();
-        let h = Some(Arc::new(host(BackupKind::Mmap, PAGE as u64, PAGE as u64)));
+        let page = page_size();
+        let h = Some(Arc::new(host(BackupKind::Mmap, page, page)));
         let f = Some(Arc::new(
-            DiskFile::create(&dir, PAGE as u64, PAGE as u64).unwrap(),
+            DiskFile::create(&dir, BLOCK as u64, BLOCK as u64).unwrap(),
         ));
         let kind = |h, f| backing_of(h, f).map(|b| b.kind());
         assert_eq!(kind(&h, &f), Some(BackupKind::Mmap));

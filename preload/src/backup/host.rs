@@ -597,3 +597,69 @@ unsafe fn copy(streaming: bool, src: *const u8, dst: *mut u8, n: usize) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Host buffers on a kernel with 64 KiB pages (common on arm64 servers such as Grace),
+    //! pretended on this thread whatever this machine's page size: whatever is handed to the
+    //! kernel or the driver in whole pages follows the page size; nothing assumes 4 KiB.
+
+    use super::*;
+    use crate::driver::sim::{SimConfig, SimDriver};
+    use crate::os::test_page;
+
+    const PAGE: u64 = 64 << 10;
+
+    fn layout(chunk: u64, hugepages: bool) -> HostLayout {
+        HostLayout {
+            chunk,
+            hugepages,
+            streaming: false,
+        }
+    }
+
+    #[test]
+    fn buffers_are_sized_locked_and_given_back_in_64_kib_pages() {
+        test_page::with(PAGE, || {
+            let d: Arc<dyn Driver> = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+            let small = HostBuffer::new(
+                d.clone(),
+                0,
+                BackupKind::Mmap,
+                PAGE,
+                layout(16 << 10, false),
+            );
+            let e = small.err().expect("a chunk of 16 KiB");
+            assert!(e.to_string().contains("page size 65536"), "{e}");
+            let g = SimConfig {
+                granularity: 16 << 10,
+                ..SimConfig::default()
+            };
+            assert!(SimDriver::new(g).is_err(), "the sim's granularity too");
+
+            // Mapped, and its last chunk page-locked, in whole pages (huge-page aligned here, so
+            // that the sim's check of page-locked ranges sees a real 64 KiB boundary).
+            let len = (2 << 20) + 100;
+            let h =
+                HostBuffer::new(d.clone(), 0, BackupKind::Pinned, len, layout(PAGE, true)).unwrap();
+            assert_eq!((h.map_len, h.chunks()), ((2 << 20) + PAGE, 33));
+            assert_eq!(h.chunk_span(32), (2 << 20, 100));
+            h.pin(32).unwrap();
+            assert_eq!(h.pinned_bytes(), PAGE, "the last chunk's whole page");
+            drop(h);
+
+            // Part of a buffer given back: only the whole pages inside the range go.
+            let mut h =
+                HostBuffer::new(d, 0, BackupKind::Mmap, 4 * PAGE, layout(2 * PAGE, false)).unwrap();
+            h.as_mut_slice().fill(7);
+            h.drop_pages(PAGE / 2, 2 * PAGE);
+            let (s, p) = (h.as_slice(), PAGE as usize);
+            assert!(
+                s[..p].iter().all(|&b| b == 7),
+                "before the first whole page"
+            );
+            assert!(s[p..2 * p].iter().all(|&b| b == 0), "the one whole page");
+            assert!(s[2 * p..].iter().all(|&b| b == 7), "a part of a page kept");
+        })
+    }
+}

@@ -527,7 +527,7 @@ fn rss_bytes() -> u64 {
                 .nth(1)
                 .and_then(|v| v.parse::<u64>().ok())
         })
-        .map_or(0, |pages| pages * 4096)
+        .map_or(0, |pages| pages * tms::os::page_size())
 }
 
 /// How long the device is left alone between a pause and the resume of the rows that show what

@@ -137,7 +137,7 @@ pub(crate) fn limits(
     let threads = host_threads();
     let chunk = e.copy_config().layout.chunk;
     let small = HostLayout {
-        chunk: total.next_multiple_of(4096),
+        chunk: total.next_multiple_of(tms::os::page_size()),
         hugepages: false,
         streaming: false,
     };

@@ -125,3 +125,46 @@ impl CopyConfig {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::os::test_page;
+
+    #[test]
+    fn sizes_are_checked_against_the_page_size() {
+        // A kernel with 64 KiB pages, pretended on this thread: 4 KiB multiples are refused.
+        test_page::with(64 << 10, || {
+            let ok = CopyConfig {
+                layout: HostLayout {
+                    chunk: 3 << 16,
+                    ..HostLayout::default()
+                },
+                slot: 64 << 10,
+                save_slot: 64 << 10,
+                ..CopyConfig::default()
+            };
+            ok.validate().unwrap();
+            for bad in [
+                CopyConfig {
+                    layout: HostLayout {
+                        chunk: 16 << 10,
+                        ..HostLayout::default()
+                    },
+                    ..ok
+                },
+                CopyConfig {
+                    slot: 4 << 10,
+                    ..ok
+                },
+                CopyConfig {
+                    save_slot: 68 << 10,
+                    ..ok
+                },
+            ] {
+                let e = bad.validate().unwrap_err().to_string();
+                assert!(e.contains("page size 65536"), "{e}");
+            }
+        })
+    }
+}
