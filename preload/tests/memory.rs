@@ -222,21 +222,26 @@ engine_test! {
         fill_stream(sim, p, BIG, 4);
         e.pause(None).unwrap();
         e.resume(None).unwrap();
-        check_stream(sim, p, BIG, 4, "after a non-retaining resume");
+        // Read before any other call into the engine (one might wait for a release): a
+        // pageable backup is gone when the resume returns.
         let back = rss();
+        check_stream(sim, p, BIG, 4, "after a non-retaining resume");
         assert_eq!(e.allocations()[0].host_bytes, 0);
         assert_eq!(
             e.staging_bytes(),
             0,
             "staging slots go with the last backup"
         );
+        // The page-locked staging slots may still be on their way out (a thread frees them).
         assert!(
-            near(back),
-            "non-retaining resume: {:.1} MiB, pre-pause {:.1}",
+            back <= base + staging + BIG / 10,
+            "non-retaining resume: {:.1} MiB, pre-pause {:.1} (staging {:.1})",
             mib(back),
-            mib(base)
+            mib(base),
+            mib(staging)
         );
-        assert!(retained - back >= BIG * 9 / 10);
+        assert!(near(rss()), "once the staging slots are gone too");
+        assert!(retained - back >= BIG * 8 / 10);
         assert!(e.free(p).unwrap());
     }
 }

@@ -156,7 +156,7 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
             cdll = tms._impl._binary_wrapper.cdll
             lib = tms._impl._binary_wrapper
             assert lib.tms_get_interesting_region() is True and lib.tms_get_current_tag() == b"outer"
-            assert lib.tms_get_enable_cpu_backup() is True and lib.tms_get_cpu_backup_backend() == b""
+            assert lib.tms_get_enable_cpu_backup() is True and lib.tms_get_cpu_backup_backend() == b"pinned"
             # DeepEP's patch, as slime and miles call it (no types declared on their side).
             original = cdll.tms_get_interesting_region()
             cdll.tms_set_interesting_region(False)

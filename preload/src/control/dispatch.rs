@@ -433,7 +433,6 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
             BackupBackend::Pinned => BackupKind::Pinned,
             BackupBackend::Mmap => BackupKind::Mmap,
         };
-        r.backend_named = true;
     }
     // The check every other way of setting a region makes: a region with both would report
     // one backup and apply the other, and every C setter of threads without a region of their

@@ -15,7 +15,7 @@ use super::restoring::{holds, reported_by, with_earlier, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Marked, Slots, Txn};
 use super::types::{BufferRanges, State};
-use crate::backup::{backing_of, release_parallel, DiskFile, HostBuffer};
+use crate::backup::{backing_of, release_parallel, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
@@ -184,13 +184,20 @@ impl Engine {
             // A leased buffer is its holder's to free (its memory goes with the lease): only
             // our reference goes, and the release waits for no one but holders of a moment.
             let released = self.leases.unleased(done.released);
-            let anything = !released.is_empty() || !rings.is_empty();
             if track.is_some() && !released.is_empty() {
                 progress.phase(Phase::Releasing);
             }
             let threads = cfg.threads;
+            // Pageable (mmap) backups exist so that the kernel gets their pages back: they go
+            // before the resume returns, so a caller that reads its resident set right after
+            // sees them gone. Page-locked ones, slower to unregister, go on a thread.
+            let (now, later): (Vec<_>, Vec<_>) = released
+                .into_iter()
+                .partition(|b| b.backend() == BackupKind::Mmap);
+            let anything = !later.is_empty() || !rings.is_empty();
+            release_parallel(now, threads);
             let give_back = move || {
-                release_parallel(released, threads);
+                release_parallel(later, threads);
                 drop(rings);
             };
             if track.is_some() {

@@ -75,7 +75,7 @@ pub unsafe extern "C" fn tms_region_enter(
         // callers' promise), as opt_str needs.
         let backend = unsafe { opt_str(backend, "backend") }?;
         let cur = settings::current_region()?;
-        let (backend, backend_named) = match backend {
+        let backend = match backend {
             Some(b) => {
                 let b = BackupKind::parse(b)?;
                 if cpu_backup == 0 {
@@ -84,12 +84,9 @@ pub unsafe extern "C" fn tms_region_enter(
                         b.as_str()
                     )));
                 }
-                (b, true)
+                b
             }
-            None => {
-                let p = &settings::process()?.region;
-                (p.backend, p.backend_named)
-            }
+            None => settings::process()?.region.backend,
         };
         settings::push_region(settings::RegionSettings {
             enabled: enabled != 0,
@@ -100,7 +97,6 @@ pub unsafe extern "C" fn tms_region_enter(
                 cur.cpu_backup
             },
             backend,
-            backend_named,
             // A new pauseable region asks for a disk backup with tms_set_enable_disk_backup.
             disk_backup: enabled == 0 && cur.disk_backup,
             // And a chunk size with tms_set_chunk_size.

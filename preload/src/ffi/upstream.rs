@@ -156,27 +156,20 @@ pub unsafe extern "C" fn tms_set_cpu_backup_backend(backend: *const c_char) -> c
     entry(|| {
         // SAFETY: `backend` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as opt_str needs.
-        let (backend, named) = match unsafe { opt_str(backend, "backend") }? {
-            Some(b) => (BackupKind::parse(b)?, true),
-            None => {
-                let p = &settings::process()?.region;
-                (p.backend, p.backend_named)
-            }
+        let backend = match unsafe { opt_str(backend, "backend") }? {
+            Some(b) => BackupKind::parse(b)?,
+            None => settings::process()?.region.backend,
         };
-        settings::update_region(|r| {
-            r.backend = backend;
-            r.backend_named = named;
-        })
+        settings::update_region(|r| r.backend = backend)
     })
 }
 
-/// `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups where a
-/// region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND` named it; `""` for the built-in default
-/// (pinned), as the existing library reports it; NULL on failure.
+/// `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups, as a
+/// region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND` named it, else the default (`"pinned"`, as
+/// the existing library reports it, with or without a CPU backup); NULL on failure.
 #[no_mangle]
 pub extern "C" fn tms_get_cpu_backup_backend() -> *const c_char {
     catch(std::ptr::null(), || match settings::current_region() {
-        Ok(r) if !r.backend_named => c"".as_ptr(),
         Ok(r) => {
             let name: &'static CStr = match r.backend {
                 BackupKind::Mmap => c"mmap",

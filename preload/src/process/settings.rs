@@ -74,10 +74,6 @@ pub struct RegionSettings {
     pub cpu_backup: bool,
     /// In this kind of host memory (`Pinned` or `Mmap`).
     pub backend: BackupKind,
-    /// The backend was named (by the region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND`) rather
-    /// than the built-in default: `tms_get_cpu_backup_backend` reports `""` for the latter, as
-    /// the existing library does.
-    pub backend_named: bool,
     /// They keep a disk backup across pause (never together with `cpu_backup`).
     pub disk_backup: bool,
     /// They are chunked allocations of chunks of this many bytes (0: not chunked).
@@ -201,8 +197,8 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
 impl ProcessSettings {
     /// Read every `TMS_*` variable; the first malformed one is the error.
     pub fn from_env() -> Result<Self> {
-        let named = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", BackupKind::parse)?;
-        let backend = named.unwrap_or(BackupKind::Pinned);
+        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", BackupKind::parse)?
+            .unwrap_or(BackupKind::Pinned);
         let tag = match env_parsed("TMS_INIT_TAG", |t| Ok(t.to_string()))? {
             Some(t) if t.is_empty() => {
                 return Err(Error::invalid_argument(
@@ -234,7 +230,6 @@ impl ProcessSettings {
             tag,
             cpu_backup: env_parsed("TMS_INIT_ENABLE_CPU_BACKUP", parse_flag)?.unwrap_or(false),
             backend,
-            backend_named: named.is_some(),
             disk_backup: env_parsed("TMS_INIT_ENABLE_DISK_BACKUP", parse_flag)?.unwrap_or(false),
             chunk: 0,
         };
@@ -400,7 +395,6 @@ mod tests {
             tag: tag.into(),
             cpu_backup: false,
             backend: BackupKind::Pinned,
-            backend_named: false,
             disk_backup: false,
             chunk: 0,
         }

@@ -48,7 +48,6 @@ fn host_over_shared(d: Arc<SimDriver>) -> &'static TestHost {
             tag: "default".into(),
             cpu_backup: false,
             backend: BackupKind::Pinned,
-            backend_named: false,
             disk_backup: false,
             chunk: 0,
         }),
