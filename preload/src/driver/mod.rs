@@ -7,6 +7,7 @@
 //! method reports failure as an [`Error`](crate::Error) naming the driver call.
 
 pub mod cuda;
+pub mod digest;
 pub mod gate;
 pub mod hip;
 pub mod sim;
@@ -145,6 +146,24 @@ pub trait Driver: Send + Sync {
     /// device can (a driver that cannot ignores them: [`Driver::handle_props`] says what a
     /// handle got).
     fn set_memory_flags(&self, _flags: MemoryFlags) {}
+    /// The digests ([`digest`]) of each `piece`-byte piece of `[ptr, ptr+len)` (the last may
+    /// be shorter), computed on `device` once the work queued on `stream` before is done, keyed
+    /// by `seed`. The range is mapped and accessible; `len` and `piece` are multiples of 8.
+    /// Drivers that cannot say `Unsupported`, and the engine then copies everything.
+    fn digest(
+        &self,
+        _device: i32,
+        _ptr: DevPtr,
+        _len: u64,
+        _piece: u64,
+        _seed: u64,
+        _stream: Stream,
+    ) -> Result<Vec<digest::Digest>> {
+        Err(crate::error::Error::unsupported(format!(
+            "the {} driver cannot digest device memory",
+            self.name()
+        )))
+    }
     /// What the physical memory of `handle` was made with.
     fn handle_props(&self, _handle: PhysHandle) -> Result<MemoryFlags> {
         Err(crate::error::Error::unsupported(format!(

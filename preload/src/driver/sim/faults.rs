@@ -52,11 +52,13 @@ pub enum Prim {
     /// [`Driver::export`](crate::driver::Driver::export) and
     /// [`Driver::handle_props`](crate::driver::Driver::handle_props)
     Export,
+    /// [`Driver::digest`](crate::driver::Driver::digest)
+    Digest,
 }
 
 impl Prim {
     /// Every primitive, for exhaustive fault-injection tests.
-    pub const ALL: [Prim; 20] = [
+    pub const ALL: [Prim; 21] = [
         Prim::Reserve,
         Prim::FreeRange,
         Prim::Create,
@@ -77,6 +79,7 @@ impl Prim {
         Prim::Gate,
         Prim::StreamWait,
         Prim::Export,
+        Prim::Digest,
     ];
 
     /// The name used in `TMS_SIM_FAULTS`.
@@ -102,6 +105,7 @@ impl Prim {
             Prim::Gate => "gate",
             Prim::StreamWait => "stream_wait",
             Prim::Export => "export",
+            Prim::Digest => "digest",
         }
     }
 
@@ -128,6 +132,7 @@ impl Prim {
             Prim::Gate => "cuMemHostAlloc",
             Prim::StreamWait => "cuStreamWaitValue32",
             Prim::Export => "cuMemExportToShareableHandle",
+            Prim::Digest => "cuLaunchKernel",
         }
     }
 

@@ -329,6 +329,33 @@ impl Driver for SimDriver {
             .stream_wait((device, stream, value), || Ok(()))
     }
 
+    fn digest(
+        &self,
+        device: i32,
+        ptr: DevPtr,
+        len: u64,
+        piece: u64,
+        seed: u64,
+        stream: Stream,
+    ) -> Result<Vec<super::digest::Digest>> {
+        let mut g = self.inner.lock();
+        g.enter(Prim::Digest, || format!("{len} bytes at {ptr:#x}"))?;
+        self.check_device(Prim::Digest, device)?;
+        let g = &mut *g;
+        g.streams.run_stream(&g.mem, stream)?;
+        if !g.mem.covered(ptr, len) {
+            return Err(driver_err(
+                Prim::Digest,
+                700,
+                format!("digesting {ptr:#x}+{len}, which is not mapped and accessible"),
+            ));
+        }
+        // SAFETY: an accessible mapping of `len` bytes (checked just now), which stays mapped
+        // while the lock is held (mapping calls take it).
+        let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
+        Ok(super::digest::pieces(data, piece, seed))
+    }
+
     fn stream_sync(&self, stream: Stream) -> Result<()> {
         let mut g = self.inner.lock();
         // A failed wait leaves the queued work alone, as on a GPU, where the work runs on
