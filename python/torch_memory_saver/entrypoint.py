@@ -257,9 +257,9 @@ class TorchMemorySaver:
     def retain_cpu_backup(self) -> bool:
         """Keep host backups across resume, so the next pause reuses them instead of allocating
         host memory again. Consulted at resume; setting it to False frees nothing at once.
-        Without it, a resume returns once the contents are on the device and gives the host
-        memory back right after, on a thread of its own (the next pause or resume waits for
-        that)."""
+        Without it, a resume gives the host memory back: pageable (``"mmap"``) backups before
+        it returns, page-locked ones right after, on a thread of its own (slower to unregister;
+        the next pause or resume waits for that)."""
         self._ensure_initialized()
         return self._impl.retain_cpu_backup
 
