@@ -1,5 +1,5 @@
 //! Native smoke test of the engine on whichever driver is chosen (CUDA on a GPU machine, the
-//! sim elsewhere), without PyTorch. Prints one line per check and a summary last; exits
+//! sim elsewhere), without PyTorch; and of the driver's device digest (`smoke_digest.rs`). Prints one line per check and a summary last; exits
 //! non-zero if any check fails.
 //!
 //! Usage: `tms-smoke [SIZE]` (default 1GiB: the size of the large allocations).
@@ -7,6 +7,7 @@
 #[path = "common.rs"]
 #[allow(dead_code)]
 mod common;
+mod smoke_digest;
 
 use common::{req, s};
 
@@ -272,7 +273,10 @@ fn run(driver: &Arc<dyn Driver>, size: u64, c: &mut Checks) -> Result<(), String
     }
     e.set_memory_margin(0);
 
-    // 6. Nothing left behind.
+    // 6. The device digest against its definition, and its speed.
+    smoke_digest::run(driver, &e, size, c)?;
+
+    // 7. Nothing left behind.
     let end = common::free_bytes(d, 0);
     c.check(
         "everything freed",

@@ -23,6 +23,8 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+mod digest_kernel;
+
 /// Every driver entry point this module calls, by the symbol cudarc loads for it.
 const SYMBOLS: &[&str] = &[
     "cuInit",
@@ -58,6 +60,10 @@ const SYMBOLS: &[&str] = &[
     "cuDeviceGetAttribute",
     "cuMemGetAllocationPropertiesFromHandle",
     "cuMemExportToShareableHandle",
+    "cuModuleLoadDataEx",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuMemAlloc_v2",
 ];
 
 /// Entry points only a non-blocking resume needs ([`Driver::gate`]): probed when it first asks,
@@ -83,6 +89,8 @@ pub struct CudaDriver {
     /// Per device: GPUDirect RDMA with VMM, and POSIX file descriptor handles, supported.
     rdma_ok: Vec<OnceLock<bool>>,
     fd_ok: Vec<OnceLock<bool>>,
+    /// Per device: the digest kernel and its scratch buffer, made on first use.
+    digests: Vec<parking_lot::Mutex<digest_kernel::Slot>>,
 }
 
 fn error_name(code: sys::CUresult) -> String {
@@ -182,6 +190,7 @@ impl CudaDriver {
             flags: AtomicU8::new(0),
             rdma_ok: (0..n).map(|_| OnceLock::new()).collect(),
             fd_ok: (0..n).map(|_| OnceLock::new()).collect(),
+            digests: (0..n).map(|_| Default::default()).collect(),
         })
     }
 
@@ -461,6 +470,18 @@ impl Driver for CudaDriver {
     fn set_memory_flags(&self, flags: super::MemoryFlags) {
         let bits = u8::from(flags.rdma) | u8::from(flags.shareable) << 1;
         self.flags.store(bits, Ordering::Relaxed);
+    }
+
+    fn digest(
+        &self,
+        device: i32,
+        ptr: DevPtr,
+        len: u64,
+        piece: u64,
+        seed: u64,
+        stream: Stream,
+    ) -> Result<Vec<super::digest::Digest>> {
+        self.digest_pieces(device, ptr, len, piece, seed, stream)
     }
 
     fn handle_props(&self, handle: PhysHandle) -> Result<super::MemoryFlags> {
