@@ -11,6 +11,24 @@ use crate::error::{Error, Result};
 /// (and its smaller multi-size huge pages where enabled).
 pub(crate) const HUGE_PAGE: u64 = 2 << 20;
 
+/// Fill `buf` with the kernel's random bytes (`getrandom`).
+pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
+    let mut done = 0;
+    while done < buf.len() {
+        // SAFETY: writes at most `buf.len() - done` bytes into `buf` past `done`, all ours.
+        let n = unsafe { libc::getrandom(buf[done..].as_mut_ptr().cast(), buf.len() - done, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("getrandom", e));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
 /// The system's page size (4 KiB on x86-64; 4, 16 or 64 KiB on arm64 kernels). Host memory
 /// handed to the kernel or the driver in whole pages (page-locking, `madvise`, chunk and slot
 /// sizes) is sized and aligned by it, never by a constant.

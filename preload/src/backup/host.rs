@@ -59,6 +59,8 @@ pub struct HostBuffer {
     /// Chunk `i` was saved into since its pages were last handed out ([`Backing::fresh`]).
     written: Box<[AtomicBool]>,
     retired: AtomicBool,
+    /// The digests of the pieces it holds (`digests.rs`).
+    digests: super::Digests,
     driver: Arc<dyn Driver>,
     /// The device whose context page-locks the memory: the device of the allocation backed up
     /// (or of the staging ring), so a helper thread without a context of its own never creates
@@ -118,6 +120,7 @@ impl HostBuffer {
             wanted: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             written: (0..chunks).map(|_| AtomicBool::new(false)).collect(),
             retired: AtomicBool::new(false),
+            digests: super::Digests::default(),
             driver,
             device,
         })
@@ -151,6 +154,11 @@ impl HostBuffer {
     /// Kind of memory asked for.
     pub fn backend(&self) -> BackupKind {
         self.backend
+    }
+
+    /// What it knows of its pieces' contents.
+    pub fn digests(&self) -> &super::Digests {
+        &self.digests
     }
 
     /// Number of chunks.
@@ -326,6 +334,7 @@ impl HostBuffer {
     pub fn drop_pages(&self, off: u64, len: u64) {
         let page = crate::os::page_size();
         let end = (off + len).min(self.len);
+        self.digests.forget(off, len);
         for i in 0..self.chunks() {
             let (c, n) = self.chunk_span(i);
             let a = off.max(c).next_multiple_of(page);
@@ -360,8 +369,9 @@ impl HostBuffer {
         }
     }
 
-    /// The contents, for writing.
+    /// The contents, for writing (what the digests knew of them is forgotten).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.digests.forget(0, self.len);
         // SAFETY: as in as_slice, and &mut self makes the borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len as usize) }
     }
@@ -373,6 +383,7 @@ impl HostBuffer {
         if off >= end {
             return;
         }
+        self.digests.forget(off, end - off);
         // SAFETY: off..end lies inside both live mappings; two buffers never overlap; nothing
         // else reads or writes this one yet (the caller made it), and `src` is only read.
         unsafe {

@@ -3,12 +3,14 @@
 //! through what each kind of backup says of itself ([`Backing`]).
 
 pub mod backing;
+pub mod digests;
 pub mod disk;
 mod disk_faults;
 mod disk_file;
 pub mod host;
 
 pub use backing::{backing_of, Backing, Dir, UnitIo};
+pub use digests::Digests;
 pub use disk::DiskFile;
 pub use host::{release_parallel, HostBuffer, HostLayout};
 

@@ -222,7 +222,7 @@ impl Engine {
     }
 
     /// The device's granularity, asked once and kept in the registry.
-    fn granularity(&self, device: i32) -> Result<u64> {
+    pub(super) fn granularity(&self, device: i32) -> Result<u64> {
         if let Some(g) = self.registry.lock().granularity.get(&device) {
             return Ok(*g);
         }

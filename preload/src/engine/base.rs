@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
 use super::comms::{Comms, NoComms};
+use super::digests::Checks;
 use super::leases::Leases;
 use super::pipeline::CopyConfig;
 use super::registry::Registry;
@@ -124,6 +125,17 @@ impl Engine {
     /// Whether host backups are kept across resume.
     pub fn retain_cpu_backup(&self) -> bool {
         self.settings.retain()
+    }
+
+    /// What pauses and resumes of `tag` (`None`: of every tag without checks of its own) check
+    /// with digests (Note [Skipping unchanged memory] in `digests.rs`), from the next on.
+    pub fn set_checks(&self, tag: Option<&str>, checks: Checks) {
+        self.settings.checks.set(tag, checks);
+    }
+
+    /// What pauses and resumes of `tag` check with digests.
+    pub fn checks(&self, tag: &str) -> Checks {
+        self.settings.checks.of(tag)
     }
 
     /// Put the files of disk backups made from now on in `dir` (`None`: back to the default, see

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
+use super::digests::Digested;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{describe, Index, Pick};
@@ -229,7 +230,7 @@ impl Engine {
         self.release_stuck(&mut jobs, &mut tally)?;
         let touched: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         jobs.retain(|j| !j.runs.is_empty());
-        let mut retired = vec![(0, 0); jobs.len()];
+        let mut retired = vec![(0, 0, 0); jobs.len()];
         let (rings, tracked) = tx.work();
         let t0 = Instant::now();
         let mut prepared_s = 0.0;
@@ -246,8 +247,10 @@ impl Engine {
                 );
                 self.pause_devices(&jobs, rings, cfg, &mut retired, tracked.counters())
             });
-        for (j, (bytes, copied)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
-            tally.add(&j.tag, *bytes, *copied, j.on_disk());
+        for (j, (bytes, copied, unchanged)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
+            // Pieces found unchanged are in the backup already: not copied.
+            tally.add(&j.tag, *bytes, *copied - *unchanged, j.on_disk());
+            tally.unchanged(&j.tag, *unchanged);
         }
         // Allocations (not chunked) this pause released only some segments of before it failed.
         let part_paused: Vec<DevPtr> = if result.is_err() {
@@ -441,7 +444,7 @@ impl Engine {
         jobs: &[Job],
         rings: &mut BTreeMap<i32, Ring>,
         cfg: &CopyConfig,
-        retired: &mut [(u64, u64)],
+        retired: &mut [(u64, u64, u64)],
         progress: &Counters,
     ) -> Result<()> {
         let mut groups = by_device(jobs.iter().map(Job::device));
@@ -451,7 +454,7 @@ impl Engine {
         }
         let work = device_work(&groups, rings);
         let results = per_device(work, |(device, list, ring)| {
-            let mut done = vec![(0, 0); list.len()];
+            let mut done = vec![(0, 0, 0); list.len()];
             let r = self.pause_device(device, jobs, list, ring, cfg, &mut done, progress);
             (list.clone(), done, r)
         });
@@ -471,7 +474,7 @@ impl Engine {
         list: &[usize],
         ring: &mut Ring,
         cfg: &CopyConfig,
-        done: &mut [(u64, u64)],
+        done: &mut [(u64, u64, u64)],
         progress: &Counters,
     ) -> Result<()> {
         let d = &*self.driver;
@@ -479,6 +482,17 @@ impl Engine {
         progress.phase(Phase::Synchronizing);
         d.synchronize(device)
             .ctx(|| format!("synchronizing device {device}"))?;
+        // What changed since each backup took it (Note [Skipping unchanged memory]).
+        let piece = self.granularity(device)?;
+        let digested: Vec<Digested> = list
+            .iter()
+            .map(|&i| {
+                let j = &jobs[i];
+                let spans: Vec<Span> = j.runs.iter().map(|r| r.0).collect();
+                let host = j.host.as_deref();
+                self.digest_for_pause(device, host, &j.tag, (j.ptr, j.size), &spans, piece)
+            })
+            .collect();
         // One item per run: (index in `list`, run).
         let parts: Vec<(usize, usize)> = list
             .iter()
@@ -489,7 +503,7 @@ impl Engine {
             .iter()
             .map(|&(k, r)| {
                 let j = &jobs[list[k]];
-                Item::over(j.ptr, &j.runs[r].0, j.target())
+                Item::over(j.ptr, &j.runs[r].0, j.target()).only(digested[k].changed.as_ref())
             })
             .collect();
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
@@ -508,12 +522,16 @@ impl Engine {
             |p| {
                 let (k, r) = parts[p];
                 left[k] -= 1;
+                let j = &jobs[list[k]];
+                digested[k].record(j.host.as_deref(), r, piece);
+                let skipped = j.run_bytes(r).1.saturating_sub(items[p].copy_bytes());
                 if progress.copied_all() {
                     // What is left is unmapping and releasing (of runs without a backup, or
                     // saved already); until then the copies are what takes the time.
                     progress.phase(Phase::Releasing);
                 }
-                self.retire(&jobs[list[k]], r, left[k] == 0, &mut done[k])
+                done[k].2 += skipped;
+                self.retire(j, r, left[k] == 0, &mut done[k])
             },
         )
     }
@@ -545,7 +563,7 @@ impl Engine {
     /// record its segments paused (the allocation settled, after its `last` run). If only the
     /// release fails, the run is paused all the same (unmapped, its contents in the backup) and
     /// the handle is reported.
-    fn retire(&self, j: &Job, r: usize, last: bool, done: &mut (u64, u64)) -> Result<()> {
+    fn retire(&self, j: &Job, r: usize, last: bool, done: &mut (u64, u64, u64)) -> Result<()> {
         let d = &*self.driver;
         if let Some(f) = &j.disk {
             // The device memory goes only once its contents are really on disk.

@@ -72,7 +72,7 @@ use worker::worker;
 
 pub(super) use crate::backup::Dir;
 pub use config::{CopyConfig, PinMode, MAX_WORKERS};
-pub(super) use item::{Item, Target};
+pub(super) use item::{Changed, Item, Target};
 pub(super) use shared::Timing;
 pub(super) use worker::new_slot;
 pub(super) use worker::Ring;

@@ -335,6 +335,9 @@ pub struct Pick<'a> {
     pub chunk_state: bool,
     /// Which record `chunk_state` saves or restores.
     pub record: Record,
+    /// Resume: check what came back against the backup (as the tag's `Checks::verify` does),
+    /// failing where the driver cannot digest.
+    pub verify: bool,
     /// A number the caller gives the operation, reported with its progress
     /// ([`super::Engine::progress`]) so that the caller can tell its own operation from another's
     /// (the control server's request number).

@@ -25,6 +25,12 @@ pub struct OpReport {
     pub pending: u64,
     /// NCCL communicators suspended or resumed (their bytes are in `bytes`).
     pub communicators: usize,
+    /// Bytes a pause found unchanged since its retained backup took them, and did not copy
+    /// (not in `copied`).
+    pub unchanged: u64,
+    /// Bytes a resume restored and found identical to the backup (Note [Skipping unchanged
+    /// memory]).
+    pub verified: u64,
 }
 
 impl OpReport {
@@ -46,6 +52,12 @@ impl OpReport {
                 human(self.disk_copied),
                 if pause { "written to" } else { "read from" }
             ));
+        }
+        if self.unchanged > 0 {
+            parts.push(format!("{} unchanged, not copied", human(self.unchanged)));
+        }
+        if self.verified > 0 {
+            parts.push(format!("{} verified", human(self.verified)));
         }
         if parts.is_empty() {
             String::new()
@@ -81,6 +93,22 @@ impl Tally {
         for r in [t, &mut self.report] {
             r.communicators += n;
             r.bytes += bytes;
+        }
+    }
+
+    /// `bytes` of `tag` were found unchanged and not copied.
+    pub(super) fn unchanged(&mut self, tag: &Arc<str>, bytes: u64) {
+        let t = self.per_tag.entry(tag.clone()).or_default();
+        for r in [t, &mut self.report] {
+            r.unchanged += bytes;
+        }
+    }
+
+    /// `bytes` of `tag` were restored and verified.
+    pub(super) fn verified(&mut self, tag: &Arc<str>, bytes: u64) {
+        let t = self.per_tag.entry(tag.clone()).or_default();
+        for r in [t, &mut self.report] {
+            r.verified += bytes;
         }
     }
 

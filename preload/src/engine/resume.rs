@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
+use super::digests::Restored;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{Index, Pick};
@@ -255,6 +256,27 @@ impl Engine {
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
         let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track);
+        // What came back, checked against the backups where asked (Note [Skipping unchanged
+        // memory]); a difference fails the resume like any other failure.
+        let restored: Vec<Restored<'_>> = jobs
+            .iter()
+            .filter_map(|j| Some((j, j.host.as_deref()?)))
+            .flat_map(|(j, host)| {
+                j.runs
+                    .iter()
+                    .filter(|r| r.1)
+                    .map(move |&(span, _)| Restored {
+                        device: span.device,
+                        ptr: j.ptr,
+                        size: j.size,
+                        tag: &j.tag,
+                        span,
+                        host,
+                    })
+            })
+            .collect();
+        let verified = result.and_then(|()| self.verify_restored(&restored, pick.verify));
+        let result = verified.as_ref().map(|_| ()).map_err(|e| e.duplicate());
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -278,7 +300,12 @@ impl Engine {
                 stays(&jobs)
             )));
         }
-        let done = self.commit(&jobs, made, pick);
+        let mut done = self.commit(&jobs, made, pick);
+        for (r, bytes) in restored.iter().zip(verified.unwrap_or_default()) {
+            if bytes > 0 {
+                done.tally.verified(&Arc::from(r.tag), bytes);
+            }
+        }
         tx.pin_later(
             cfg,
             done.retain,

@@ -30,6 +30,8 @@ pub(super) struct Settings {
     nccl_in_all: AtomicBool,
     /// Pauses leave allocations holding a buffer NCCL registered mapped (else they refuse).
     keep_registered: AtomicBool,
+    /// What pauses and resumes check with digests, per tag (`digests.rs`).
+    pub(super) checks: super::digests::Policy,
 }
 
 impl Default for Settings {
@@ -43,6 +45,7 @@ impl Default for Settings {
             disk_default: Mutex::default(),
             nccl_in_all: AtomicBool::new(false),
             keep_registered: AtomicBool::new(true),
+            checks: super::digests::Policy::default(),
         }
     }
 }

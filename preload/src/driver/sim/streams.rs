@@ -49,6 +49,9 @@ pub(super) struct Streams {
     lost: HashSet<u64>,
     next_event: u64,
     pageable_copies: u64,
+    /// Host-to-device copies still to corrupt (one bit of their first byte flipped), as a
+    /// faulty link or memory would: what a verified resume must catch.
+    corrupt_h2d: u64,
 }
 
 /// The stream of `device` (one per device).
@@ -156,6 +159,12 @@ impl Streams {
             // keeps the host range alive and untouched until this synchronization (the copy
             // contract of Driver::copy_d2h / copy_h2d).
             unsafe { std::ptr::copy_nonoverlapping(src, dst, q.len as usize) };
+            if !q.to_host && q.len > 0 && self.corrupt_h2d > 0 {
+                self.corrupt_h2d -= 1;
+                // SAFETY: the first byte of the device range just written (accessible, checked
+                // above).
+                unsafe { *dst ^= 1 };
+            }
         }
         Ok(())
     }
@@ -246,6 +255,11 @@ impl SimDriver {
     /// through the driver's slow pageable path).
     pub fn pageable_copies(&self) -> u64 {
         self.inner.lock().streams.pageable_copies
+    }
+
+    /// Corrupt the next `n` host-to-device copies (one bit of each one's first byte).
+    pub fn corrupt_next_h2d(&self, n: u64) {
+        self.inner.lock().streams.corrupt_h2d = n;
     }
 
     /// Copies queued and not yet run by a synchronization.

@@ -19,6 +19,42 @@ pub(in crate::engine) struct Item<'a> {
     pub off: u64,
     pub len: u64,
     pub target: Option<Target<'a>>,
+    /// Only these pieces are copied (a pause that skips unchanged memory); all where `None`.
+    pub changed: Option<&'a Changed>,
+}
+
+/// Which pieces of an allocation (bytes `k·piece .. (k+1)·piece` of it) a pause copies: the
+/// others hold what its backup holds already (Note [Skipping unchanged memory]).
+pub(in crate::engine) struct Changed {
+    pub piece: u64,
+    pub changed: Vec<bool>,
+}
+
+impl Changed {
+    /// Bytes of `a..a + n` in changed pieces.
+    pub(in crate::engine) fn bytes_within(&self, a: u64, n: u64) -> u64 {
+        self.within(a, n).iter().map(|p| p.1).sum()
+    }
+
+    /// The parts of bytes `a..a + n` of the allocation in changed pieces, merged where they
+    /// touch: `(offset, length)`.
+    fn within(&self, a: u64, n: u64) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        let end = a + n;
+        let mut k = a / self.piece;
+        while k * self.piece < end {
+            let (s, e) = ((k * self.piece).max(a), ((k + 1) * self.piece).min(end));
+            // A piece beyond what was digested is copied.
+            if self.changed.get(k as usize).copied().unwrap_or(true) {
+                match out.last_mut() {
+                    Some(last) if last.0 + last.1 == s => last.1 += e - s,
+                    _ => out.push((s, e - s)),
+                }
+            }
+            k += 1;
+        }
+        out
+    }
 }
 
 impl<'a> Item<'a> {
@@ -29,7 +65,14 @@ impl<'a> Item<'a> {
             off: span.ptr - dev,
             len: span.mapped,
             target,
+            changed: None,
         }
+    }
+
+    /// Of this item, only the pieces `changed` names are copied.
+    pub(in crate::engine) fn only(mut self, changed: Option<&'a Changed>) -> Self {
+        self.changed = changed;
+        self
     }
 
     /// Bytes the workers copy for this item.
@@ -57,6 +100,28 @@ impl<'a> Item<'a> {
                 let (a, b) = (o.max(self.off), (o + n).min(end));
                 (a < b).then_some((k, a, b - a))
             })
+            .flat_map(|(k, a, n)| match self.changed {
+                None => vec![(k, a, n)],
+                Some(c) => c.within(a, n).into_iter().map(|(a, n)| (k, a, n)).collect(),
+            })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Changed;
+
+    #[test]
+    fn only_changed_pieces_are_kept_and_neighbours_merged() {
+        let c = Changed {
+            piece: 4,
+            changed: vec![true, true, false, true, false],
+        };
+        assert_eq!(c.within(0, 20), vec![(0, 8), (12, 4)]);
+        assert_eq!(c.within(2, 4), vec![(2, 4)]);
+        assert_eq!(c.within(8, 4), vec![]);
+        // Beyond the digested pieces everything is copied.
+        assert_eq!(c.within(16, 12), vec![(20, 8)]);
     }
 }

@@ -1,0 +1,384 @@
+//! Skipping unchanged memory at pause, and checking what a resume brought back.
+//!
+//! Note [Skipping unchanged memory]
+//! ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+//! In RL the frozen parts of a model (a reference model, a LoRA base, a draft model, weights
+//! between two updates) are paused and resumed every step while their bytes never change. With
+//! a retained host backup the backup still holds those bytes after the resume, so a pause
+//! that knew which pieces changed could copy only those. The device tells us: a pause digests
+//! each piece of what it pauses on the GPU (`Driver::digest`, a kernel reading at the device's
+//! memory bandwidth, far above the link's), compares with the digest the backup recorded when
+//! it took that piece, and copies only the pieces that differ. Pieces are of the device's
+//! allocation granularity, so a run of segments is always whole pieces.
+//!
+//! A backup's digest of a piece is valid only while the backup holds exactly the bytes
+//! digested (`backup/digests.rs`): a pause forgets the digests of the pieces it is about to
+//! copy before it copies them and records the new ones once the run is copied, so a pause
+//! that fails part-way leaves those pieces unknown (copied next time), never wrongly known.
+//! Anything else that writes a backup, or gives its pages back, forgets them too.
+//!
+//! A resume may check its work the same way: after its copies it digests what it restored and
+//! compares with the backup's digests (those recorded at the pause; for pieces whose digest is
+//! not known, the backup's bytes digested on the host with the same function). A mismatch
+//! fails the resume, which undoes itself as for any failure: the allocation stays paused with
+//! its backup, and nothing is lost.
+//!
+//! Both are settings per tag (`Checks`), off by default until measured; a driver that cannot
+//! digest (HIP) copies everything and checks nothing, saying so once in the log.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+use super::base::Engine;
+use super::pipeline::Changed;
+use super::segment::Span;
+use crate::backup::HostBuffer;
+use crate::driver::digest::{self, Digest};
+use crate::driver::DevPtr;
+use crate::error::{Error, ErrorKind, Result};
+
+/// What pauses and resumes of a tag check with digests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Checks {
+    /// A pause copies only the pieces that changed since its retained host backup took them.
+    pub skip_unchanged: bool,
+    /// A resume digests what it restored and fails if it differs from the backup.
+    pub verify: bool,
+}
+
+/// The checks of every tag: a default, and the tags set otherwise.
+pub(super) struct Policy {
+    default: Mutex<Checks>,
+    tags: Mutex<BTreeMap<String, Checks>>,
+    /// A random key for this process's digests (Note [Skipping unchanged memory]).
+    seed: u64,
+    /// The driver said once that it cannot digest.
+    unsupported_said: AtomicBool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            default: Mutex::default(),
+            tags: Mutex::default(),
+            seed: random_seed(),
+            unsupported_said: AtomicBool::new(false),
+        }
+    }
+}
+
+/// A key nobody outside the process knows, so contents cannot be built to collide.
+fn random_seed() -> u64 {
+    let mut b = [0u8; 8];
+    if crate::os::random_bytes(&mut b).is_err() {
+        // Without the kernel's randomness: time and address, still unknown in advance.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        return digest::fmix64(t ^ (&b as *const _ as u64));
+    }
+    u64::from_le_bytes(b)
+}
+
+impl Policy {
+    /// Set the checks of `tag` (`None`: the default, for every tag not set on its own).
+    pub(super) fn set(&self, tag: Option<&str>, checks: Checks) {
+        match tag {
+            None => *self.default.lock() = checks,
+            Some(t) => {
+                self.tags.lock().insert(t.to_string(), checks);
+            }
+        }
+    }
+
+    /// The checks of `tag`.
+    pub(super) fn of(&self, tag: &str) -> Checks {
+        self.tags
+            .lock()
+            .get(tag)
+            .copied()
+            .unwrap_or_else(|| *self.default.lock())
+    }
+
+    /// The key of this process's digests.
+    pub(super) fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// A digest failed: `Ok(None)` where the driver cannot digest (said once in the log), so
+    /// the caller copies everything; any other failure is the caller's error.
+    pub(super) fn unsupported_or(&self, e: Error) -> Result<Option<Vec<Digest>>> {
+        if !matches!(e.kind(), ErrorKind::Unsupported) {
+            return Err(e);
+        }
+        if !self.unsupported_said.swap(true, Ordering::Relaxed) {
+            tracing::warn!("{e}: pauses copy all memory, and resumes are not verified");
+        }
+        Ok(None)
+    }
+}
+
+/// What a pause learned of one allocation by digesting the runs it pauses.
+pub(super) struct Digested {
+    /// The pieces to copy (`None`: all of them).
+    pub(super) changed: Option<Changed>,
+    /// Per run, where it starts in the allocation and its new digests, for the backup to
+    /// record once the run is copied (`None`: nothing digested).
+    runs: Vec<Option<(u64, Vec<Digest>)>>,
+    /// Bytes of pieces found unchanged, which the pause does not copy.
+    pub(super) unchanged: u64,
+}
+
+impl Digested {
+    /// Nothing digested: everything is copied.
+    pub(super) fn none(runs: usize) -> Self {
+        Digested {
+            changed: None,
+            runs: (0..runs).map(|_| None).collect(),
+            unchanged: 0,
+        }
+    }
+
+    /// Run `r` is copied into `host`: it now holds what was digested.
+    pub(super) fn record(&self, host: Option<&HostBuffer>, r: usize, piece: u64) {
+        if let (Some(h), Some(Some((off, ds)))) = (host, self.runs.get(r)) {
+            h.digests().set(*off, piece, ds);
+        }
+    }
+}
+
+/// Where a run's digests reach: bytes `off .. off + len` of the allocation, whole 8-byte words
+/// of what the backup holds. A piece holding a tail of fewer than 8 bytes (an allocation of a
+/// size not a multiple of 8) is always copied, since its digest does not cover it all.
+pub(super) fn digest_range(span: &Span, base: DevPtr, size: u64) -> (u64, u64, bool) {
+    let off = span.ptr - base;
+    let backed = span.backed(base, size);
+    (off, backed / 8 * 8, backed % 8 != 0)
+}
+
+impl Engine {
+    /// Digest the runs a pause of the allocation at `ptr` (`size` bytes, tag `tag`) is about
+    /// to copy into `host`, on `device` (current, synchronized), in pieces of `piece` bytes;
+    /// forget, in the backup, the digests of what the copy will change. Failures of the digest
+    /// itself only cost the skipping: everything is then copied (Note [Skipping unchanged
+    /// memory]).
+    pub(super) fn digest_for_pause(
+        &self,
+        device: i32,
+        host: Option<&HostBuffer>,
+        tag: &str,
+        (ptr, size): (DevPtr, u64),
+        spans: &[Span],
+        piece: u64,
+    ) -> Digested {
+        let mut out = Digested::none(spans.len());
+        let Some(h) = host else {
+            return out;
+        };
+        let checks = self.settings.checks.of(tag);
+        let forget_all = |h: &HostBuffer| {
+            for s in spans {
+                h.digests().forget(s.ptr - ptr, s.mapped);
+            }
+        };
+        if !(checks.skip_unchanged || checks.verify) {
+            forget_all(h);
+            return out;
+        }
+        let pieces = size.div_ceil(piece) as usize;
+        let mut mask = vec![true; pieces];
+        for (r, s) in spans.iter().enumerate() {
+            let (off, len, tail) = digest_range(s, ptr, size);
+            if len == 0 {
+                continue;
+            }
+            let now = match self.digest(device, ptr + off, len, piece) {
+                Ok(Some(now)) => now,
+                Ok(None) => {
+                    forget_all(h);
+                    return Digested::none(spans.len());
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "digesting allocation {ptr:#x} (tag {tag:?}) for a pause: {e}; it is \
+                         copied whole"
+                    );
+                    forget_all(h);
+                    return Digested::none(spans.len());
+                }
+            };
+            let first = (off / piece) as usize;
+            if checks.skip_unchanged {
+                let known = h.digests().get(off, len, piece);
+                for (k, c) in changed(&known, &now).into_iter().enumerate() {
+                    mask[first + k] = c;
+                }
+                if tail {
+                    // The piece holding the last bytes, which no digest covers whole.
+                    if let Some(last) = mask.get_mut(((off + len) / piece) as usize) {
+                        *last = true;
+                    }
+                }
+            }
+            for (k, _) in now.iter().enumerate().filter(|(k, _)| mask[first + k]) {
+                h.digests().forget((first + k) as u64 * piece, piece);
+            }
+            out.runs[r] = Some((off, now));
+        }
+        if checks.skip_unchanged {
+            let c = Changed {
+                piece,
+                changed: mask,
+            };
+            out.unchanged = spans
+                .iter()
+                .map(|s| {
+                    let backed = s.backed(ptr, size);
+                    backed - c.bytes_within(s.ptr - ptr, backed)
+                })
+                .sum();
+            out.changed = Some(c);
+        }
+        out
+    }
+
+    /// The digests of `len` bytes at `ptr` on `device`, in pieces of `piece` bytes, on the
+    /// engine's stream; `None` where the driver cannot digest.
+    pub(super) fn digest(
+        &self,
+        device: i32,
+        ptr: DevPtr,
+        len: u64,
+        piece: u64,
+    ) -> Result<Option<Vec<Digest>>> {
+        let d = &*self.driver;
+        let stream = d.stream(device)?;
+        match d.digest(device, ptr, len, piece, self.settings.checks.seed(), stream) {
+            Ok(ds) => Ok(Some(ds)),
+            Err(e) => self.settings.checks.unsupported_or(e),
+        }
+    }
+}
+
+/// One run a resume restored from a host backup, to verify.
+pub(super) struct Restored<'a> {
+    pub(super) device: i32,
+    pub(super) ptr: DevPtr,
+    pub(super) size: u64,
+    pub(super) tag: &'a str,
+    pub(super) span: Span,
+    pub(super) host: &'a HostBuffer,
+}
+
+impl Engine {
+    /// Check each run a resume restored against its backup (Note [Skipping unchanged memory]):
+    /// the bytes verified of each run, or an error naming the allocation and the first piece that differs.
+    /// `asked`: the caller asked for it (else the tag's checks do), so a driver that cannot
+    /// digest is an error rather than a skipped check.
+    pub(super) fn verify_restored(&self, runs: &[Restored<'_>], asked: bool) -> Result<Vec<u64>> {
+        let mut verified = vec![0; runs.len()];
+        for (i, r) in runs.iter().enumerate() {
+            if !(asked || self.settings.checks.of(r.tag).verify) {
+                continue;
+            }
+            let piece = self.granularity(r.device)?;
+            let (off, len, _) = digest_range(&r.span, r.ptr, r.size);
+            if len == 0 {
+                continue;
+            }
+            let Some(now) = self.digest(r.device, r.ptr + off, len, piece)? else {
+                if asked {
+                    return Err(Error::unsupported(format!(
+                        "verifying the resume of allocation {:#x} (tag {:?}): the {} driver \
+                         cannot digest device memory; resume without verifying",
+                        r.ptr,
+                        r.tag,
+                        self.driver.name()
+                    )));
+                }
+                continue;
+            };
+            let known = r.host.digests().get(off, len, piece);
+            let bytes = r.host.as_slice();
+            for (k, d) in now.iter().enumerate() {
+                let a = off + k as u64 * piece;
+                let b = (a + piece).min(off + len);
+                let want = match known.get(k).copied().flatten() {
+                    Some(w) => w,
+                    None => {
+                        digest::piece(&bytes[a as usize..b as usize], self.settings.checks.seed())
+                    }
+                };
+                if want != *d {
+                    return Err(Error::driver(
+                        "tms_digest",
+                        0,
+                        "DIGEST_MISMATCH",
+                        format!(
+                            "verifying the resume of allocation {:#x} ({} bytes, tag {:?}): bytes \
+                             {a}..{b} of it (piece {}) differ from its backup after the restore",
+                            r.ptr,
+                            r.size,
+                            r.tag,
+                            a / piece
+                        ),
+                    ));
+                }
+            }
+            verified[i] = len;
+        }
+        Ok(verified)
+    }
+}
+
+/// The pieces whose new digest differs from the known one (all where none is known).
+pub(super) fn changed(known: &[Option<Digest>], now: &[Digest]) -> Vec<bool> {
+    now.iter()
+        .enumerate()
+        .map(|(k, d)| known.get(k).copied().flatten() != Some(*d))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tag_of_its_own_overrides_the_default() {
+        let p = Policy::default();
+        assert_eq!(p.of("kv"), Checks::default());
+        let on = Checks {
+            skip_unchanged: true,
+            verify: false,
+        };
+        p.set(None, on);
+        assert_eq!(p.of("kv"), on);
+        p.set(Some("kv"), Checks::default());
+        assert_eq!((p.of("kv"), p.of("weights")), (Checks::default(), on));
+        assert_ne!(
+            Policy::default().seed(),
+            p.seed(),
+            "a key of its own per engine"
+        );
+    }
+
+    #[test]
+    fn unknown_and_different_digests_are_changed() {
+        let known = [Some([1, 1]), None, Some([3, 3])];
+        assert_eq!(
+            changed(&known, &[[1, 1], [2, 2], [4, 3], [5, 5]]),
+            vec![false, true, true, true]
+        );
+    }
+
+    #[test]
+    fn unsupported_is_quiet_other_errors_are_not() {
+        let p = Policy::default();
+        let r = p.unsupported_or(Error::unsupported("no digests here"));
+        assert!(matches!(r, Ok(None)));
+        let r = p.unsupported_or(Error::invalid_argument("bad"));
+        assert!(matches!(r.unwrap_err().kind(), ErrorKind::InvalidArgument));
+    }
+}

@@ -1,0 +1,241 @@
+//! Skipping unchanged memory and verified resumes (Note [Skipping unchanged memory]): a pause
+//! with a retained host backup copies only the pieces that changed since the backup took them,
+//! and never misses one (many cycles of random changes, several copy workers); a resume that
+//! checks what came back fails on a difference and keeps the backup; a pause that fails
+//! part-way leaves nothing wrongly known. Runs on the sim, the HIP double (which cannot digest:
+//! everything is copied) and, in the GPU suite, on CUDA (the digest kernel).
+
+mod common;
+
+use common::{engine_test, pattern, req, Harness, Setup};
+use tms::backup::BackupKind;
+use tms::driver::sim::Prim;
+use tms::engine::{Checks, Pick, State};
+
+const BOTH: Checks = Checks {
+    skip_unchanged: true,
+    verify: true,
+};
+
+/// Pieces of 64 KiB on the sim (a GPU's are 2 MiB), copied by 4 workers in small pieces.
+fn setup() -> Setup {
+    Setup::default()
+        .capacity(1 << 30)
+        .granularity(64 << 10)
+        .small_pieces(4)
+}
+
+/// The device's piece (its granularity).
+fn piece(h: &Harness) -> u64 {
+    h.pick(64 << 10, 2 << 20)
+}
+
+/// Allocations of `sizes` under `tag` with pinned backups, filled with `pattern`s.
+fn filled(h: &Harness, tag: &str, sizes: &[u64]) -> (Vec<u64>, Vec<Vec<u8>>) {
+    let mut ptrs = Vec::new();
+    let mut model = Vec::new();
+    for (i, &s) in sizes.iter().enumerate() {
+        let p = h.e.alloc(&req(s, tag, Some(BackupKind::Pinned))).unwrap();
+        let m = pattern(s as usize, 40 + i as u64);
+        h.e.write_bytes(p, &m).unwrap();
+        ptrs.push(p);
+        model.push(m);
+    }
+    (ptrs, model)
+}
+
+fn check(h: &Harness, ptrs: &[u64], model: &[Vec<u8>], what: &str) {
+    for (i, (p, m)) in ptrs.iter().zip(model).enumerate() {
+        let mut got = vec![0u8; m.len()];
+        h.e.read_bytes(*p, &mut got).unwrap();
+        if let Some(at) = got.iter().zip(m).position(|(a, b)| a != b) {
+            panic!("{what}: allocation {i} differs at byte {at} of {}", m.len());
+        }
+    }
+}
+
+engine_test! {
+    fn a_pause_copies_only_what_changed_since_its_retained_backup(h) [setup()] {
+        let e = &h.e;
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(Some("frozen"), BOTH);
+        // The middle one ends in 3 bytes no digest covers: its last piece is always copied.
+        let sizes = [8 * g, 5 * g + 3, g];
+        let total: u64 = sizes.iter().sum();
+        let (ptrs, mut model) = filled(&h, "frozen", &sizes);
+        let digests = !h.is_hip();
+
+        let r = e.pause(Some("frozen")).unwrap();
+        assert_eq!((r.copied, r.unchanged), (total, 0), "a new backup takes everything");
+        let r = e.resume(Some("frozen")).unwrap();
+        assert_eq!(r.verified, if digests { total - 3 } else { 0 });
+        check(&h, &ptrs, &model, "after the first cycle");
+
+        let r = e.pause(Some("frozen")).unwrap();
+        if digests {
+            assert_eq!((r.copied, r.unchanged), (3, total - 3), "only the tail again");
+        } else {
+            assert_eq!((r.copied, r.unchanged), (total, 0), "no digests: all copied");
+        }
+        e.resume(Some("frozen")).unwrap();
+        check(&h, &ptrs, &model, "after an unchanged cycle");
+
+        // One byte of one piece, and a range across two pieces of another allocation.
+        let at = 3 * g + 17;
+        model[0][at as usize] ^= 0x5a;
+        e.write_bytes(ptrs[0] + at, &model[0][at as usize..at as usize + 1]).unwrap();
+        let (a, n) = (g - 5, 10);
+        for b in &mut model[1][a as usize..(a + n) as usize] {
+            *b = b.wrapping_add(1);
+        }
+        e.write_bytes(ptrs[1] + a, &model[1][a as usize..(a + n) as usize]).unwrap();
+        let r = e.pause(Some("frozen")).unwrap();
+        if digests {
+            assert_eq!(r.copied, 3 * g + 3, "the three pieces changed, and the tail");
+        }
+        assert_eq!(r.copied + r.unchanged, total);
+        e.resume(Some("frozen")).unwrap();
+        check(&h, &ptrs, &model, "after changes");
+
+        // Another tag keeps the default: no digests, everything copied.
+        let (optr, omodel) = filled(&h, "other", &[2 * g]);
+        e.pause(Some("other")).unwrap();
+        e.resume(Some("other")).unwrap();
+        let r = e.pause(Some("other")).unwrap();
+        assert_eq!((r.copied, r.unchanged, r.verified), (2 * g, 0, 0));
+        e.resume(Some("other")).unwrap();
+        check(&h, &optr, &omodel, "the other tag");
+    }
+}
+
+engine_test! {
+    fn random_changes_over_many_cycles_are_never_missed(h) [setup()] {
+        let e = &h.e;
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(None, BOTH);
+        let sizes = [16 * g, 7 * g + 8, 3 * g + 5];
+        let (ptrs, mut model) = filled(&h, "t", &sizes);
+        let total: u64 = sizes.iter().sum();
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n.max(1)
+        };
+        for cycle in 0..h.pick(40, 12) {
+            // Some cycles change nothing; others a few ranges of any length and place.
+            let changes = next(4);
+            for _ in 0..changes {
+                let i = next(3) as usize;
+                let len = model[i].len() as u64;
+                let at = next(len);
+                let most = if next(2) == 0 { 8 } else { 3 * g };
+                let n = 1 + next((len - at).min(most));
+                for b in &mut model[i][at as usize..(at + n) as usize] {
+                    *b = b.wrapping_mul(31).wrapping_add(cycle as u8 + 1);
+                }
+                e.write_bytes(ptrs[i] + at, &model[i][at as usize..(at + n) as usize])
+                    .unwrap();
+            }
+            let r = e.pause(None).unwrap();
+            assert_eq!(r.copied + r.unchanged, total, "cycle {cycle}");
+            if changes == 0 && !h.is_hip() {
+                // Only the tail piece of the last allocation (5 bytes no digest covers).
+                assert_eq!(r.copied, 5, "cycle {cycle}: nothing changed");
+            }
+            e.resume(None).unwrap();
+            check(&h, &ptrs, &model, &format!("cycle {cycle}"));
+        }
+    }
+}
+
+engine_test! {
+    sim_only fn a_restore_that_brings_back_other_bytes_fails_and_keeps_the_backup(h) [setup()] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let g = piece(&h);
+        e.set_checks(Some("kv"), Checks { skip_unchanged: false, verify: true });
+        let (ptrs, model) = filled(&h, "kv", &[4 * g]);
+        e.pause(Some("kv")).unwrap();
+        sim.corrupt_next_h2d(1);
+        let err = e.resume(Some("kv")).unwrap_err().to_string();
+        assert!(
+            err.contains("differ from its backup after the restore") && err.contains("tag \"kv\""),
+            "{err}"
+        );
+        assert!(err.contains("stays paused") || err.contains("undone"), "{err}");
+        let a = &e.allocations()[0];
+        assert_eq!((a.state, a.host_bytes), (State::Paused, 4 * g), "paused, backup kept");
+        let r = e.resume(Some("kv")).unwrap();
+        assert_eq!(r.verified, 4 * g);
+        check(&h, &ptrs, &model, "after the retry");
+
+        // Asked for by the caller, on a tag that does not check: the same, and the digests of
+        // the backup, unknown without the setting, are taken on the host.
+        let (optr, omodel) = filled(&h, "plain", &[3 * g + 8]);
+        e.pause(Some("plain")).unwrap();
+        sim.corrupt_next_h2d(1);
+        let pick = Pick { tag: Some("plain"), verify: true, ..Pick::default() };
+        let err = e.resume_pick(&pick).unwrap_err().to_string();
+        assert!(err.contains("bytes 0..") && err.contains("piece 0"), "{err}");
+        let r = e.resume_pick(&pick).unwrap();
+        assert_eq!(r.verified, 3 * g + 8);
+        check(&h, &optr, &omodel, "plain, after the retry");
+        // Unasked, a corrupted restore of that tag goes unseen: the check is what finds it.
+        e.pause(Some("plain")).unwrap();
+        sim.corrupt_next_h2d(1);
+        assert_eq!(e.resume(Some("plain")).unwrap().verified, 0);
+    }
+}
+
+engine_test! {
+    sim_only fn a_pause_that_fails_part_way_leaves_nothing_wrongly_known(h) [setup()] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(None, BOTH);
+        // Several backup chunks (1 MiB here), so that the pause fails with some copied.
+        let (ptrs, mut model) = filled(&h, "t", &[64 * g]);
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        // Change every piece, then fail the pause at its third copy: some pieces of the backup
+        // are new, some old, none may be taken for known.
+        let before = model[0].clone();
+        for (k, b) in model[0].iter_mut().enumerate().step_by(g as usize / 2) {
+            *b ^= 0xff;
+            e.write_bytes(ptrs[0] + k as u64, &[*b]).unwrap();
+        }
+        sim.arm_fault(Prim::CopyD2H, 3, 999);
+        assert!(e.pause(None).is_err());
+        assert_eq!(e.allocations()[0].state, State::Active);
+        // The device goes back to what the backup's old digests describe: the pieces the failed
+        // pause wrote must not be taken for unchanged.
+        e.write_bytes(ptrs[0], &before).unwrap();
+        model[0] = before;
+        let r = e.pause(None).unwrap();
+        assert!(r.copied > 0, "what the failed pause wrote is copied again");
+        e.resume(None).unwrap();
+        check(&h, &ptrs, &model, "after the failed pause and a good one");
+    }
+}
+
+engine_test! {
+    fn a_driver_that_cannot_digest_refuses_an_asked_check_and_loses_nothing(h) [setup()] {
+        let e = &h.e;
+        let g = piece(&h);
+        let (ptrs, model) = filled(&h, "t", &[2 * g]);
+        e.pause(None).unwrap();
+        let pick = Pick { verify: true, ..Pick::default() };
+        if h.is_hip() {
+            let err = e.resume_pick(&pick).unwrap_err().to_string();
+            assert!(err.contains("cannot digest device memory"), "{err}");
+            assert_eq!(e.allocations()[0].state, State::Paused);
+            e.resume(None).unwrap();
+        } else {
+            assert_eq!(e.resume_pick(&pick).unwrap().verified, 2 * g);
+        }
+        check(&h, &ptrs, &model, "resumed");
+    }
+}
