@@ -217,6 +217,7 @@ fn undo(
                 chunk_state: true,
                 job_record: c.hello.has(FEATURE_JOB_RECORD),
                 no_wait: false,
+                verify: false,
             }
         }
         // A resume that fails undoes itself in the process (all or nothing); one that outlasted
@@ -266,6 +267,7 @@ fn undo(
                     chunk_state: false,
                     job_record: false,
                     no_wait: false,
+                    verify: false,
                 },
                 Op::Resume => Request::Pause {
                     tag,

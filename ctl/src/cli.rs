@@ -241,6 +241,11 @@ pub enum Cmd {
         /// --atomic).
         #[arg(long, conflicts_with_all = ["chunks", "restore_chunk_state", "atomic"])]
         no_wait: bool,
+        /// Check what came back: digest the restored memory on the device and compare it with
+        /// the CPU backups. A difference fails the resume, which leaves the memory paused with
+        /// its backups (nothing is lost; run it again). Not with --no-wait.
+        #[arg(long, conflicts_with = "no_wait")]
+        verify: bool,
         #[command(flatten)]
         show: ShowProgress,
         #[command(flatten)]

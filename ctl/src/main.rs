@@ -84,6 +84,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             chunks,
             restore_chunk_state,
             no_wait,
+            verify,
             show,
             atomic,
         } => pause_or_resume(
@@ -95,6 +96,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 chunk_state: restore_chunk_state,
                 job_record: false,
                 no_wait,
+                verify,
             },
             show,
             atomic.atomic,

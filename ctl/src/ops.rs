@@ -7,7 +7,7 @@ use std::time::Instant;
 use serde_json::{json, Value};
 use tms_proto::{
     ChunkRanges, ChunkStatus, Op, OpDone, RegionInfo, RegionUpdate, Reply, Request, Status,
-    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS,
+    FEATURE_CHUNKS, FEATURE_NO_WAIT, FEATURE_PROGRESS, FEATURE_VERIFY,
 };
 use tms_units::format_ranges;
 
@@ -162,6 +162,17 @@ pub fn run_one(
             format!(
                 "process {}: its library ({}) predates resume --no-wait (resume without it, \
                  or use a newer libtms.so)",
+                c.pid(),
+                printable(&c.hello.software)
+            ),
+        ));
+    }
+    if matches!(req, Request::Resume { verify: true, .. }) && !c.hello.has(FEATURE_VERIFY) {
+        return Err(Failure::new(
+            Code::Failed,
+            format!(
+                "process {}: its library ({}) predates resume --verify (resume without it, or \
+                 use a newer libtms.so)",
                 c.pid(),
                 printable(&c.hello.software)
             ),

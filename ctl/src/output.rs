@@ -144,6 +144,12 @@ pub fn done(pid: u32, d: &OpDone, chunk_state: bool) -> String {
         )
     };
     s.push_str(&copies(d));
+    if d.unchanged_bytes > 0 {
+        let _ = write!(s, ", {} unchanged (not copied)", human(d.unchanged_bytes));
+    }
+    if d.verified_bytes > 0 {
+        let _ = write!(s, ", {} verified", human(d.verified_bytes));
+    }
     let _ = write!(s, ", in {:.3} s", d.seconds);
     if d.pending_bytes > 0 {
         let _ = write!(
@@ -389,6 +395,8 @@ mod tests {
             unknown_tag: false,
             pending_bytes: 0,
             communicators: 0,
+            unchanged_bytes: 0,
+            verified_bytes: 0,
         };
         assert_eq!(
             done(7, &d, false),

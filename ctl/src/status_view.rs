@@ -352,6 +352,8 @@ mod tests {
             unknown_tag: false,
             pending_bytes: 0,
             communicators: 2,
+            unchanged_bytes: 0,
+            verified_bytes: 0,
         };
         assert_eq!(
             done(7, &d, false),

@@ -200,6 +200,42 @@ int tms_pause_ex(const char *tag, int save_chunk_state);
  */
 int tms_resume_ex(const char *tag, int restore_chunk_state);
 
+/* ---- Skipping unchanged memory, verified resumes ------------------------------------- */
+
+/**
+ * What pauses and resumes of `tag` check with digests (NULL or `""`: every tag without a
+ * setting of its own; `TMS_SKIP_UNCHANGED`, `TMS_VERIFY_RESUME` at start), from the next on:
+ * `skip_unchanged` 1: a pause with a retained CPU backup copies only the pieces of memory
+ * that changed since that backup took them (found by digesting them on the device);
+ * `verify` 1: a resume digests what it restored and fails, staying paused with the backups,
+ * where it differs. Each 0 or 1. A driver that cannot digest (HIP) copies everything and
+ * skips the checks.
+ *
+ * # Safety
+ * `tag` is NULL or a NUL-terminated string.
+ */
+int tms_set_checks(const char *tag, int skip_unchanged, int verify);
+
+/**
+ * What pauses and resumes of `tag` check (NULL or `""`: the default), into `*skip_unchanged`
+ * and `*verify` (0 or 1; each NULL or writable).
+ *
+ * # Safety
+ * `tag` is NULL or a NUL-terminated string; the outputs are NULL or writable.
+ */
+int tms_get_checks(const char *tag, int *skip_unchanged, int *verify);
+
+/**
+ * `tms_resume(tag)` that checks what came back against the CPU backups whatever the tag's
+ * setting: where it differs the resume fails (`TMS_ERR_DRIVER`, naming the allocation and the
+ * bytes) and undoes itself, the memory staying paused with its backups; a driver that cannot
+ * digest fails it with `TMS_ERR_UNSUPPORTED` the same way.
+ *
+ * # Safety
+ * `tag` is NULL or a NUL-terminated string.
+ */
+int tms_resume_verified(const char *tag);
+
 /* ---- Non-blocking resume ------------------------------------------------------------- */
 
 /**
@@ -562,9 +598,9 @@ bool tms_get_enable_cpu_backup(void);
 int tms_set_cpu_backup_backend(const char *backend);
 
 /**
- * `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups where a
- * region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND` named it; `""` for the built-in default
- * (pinned), as the existing library reports it; NULL on failure.
+ * `"pinned"` or `"mmap"` (static strings): host memory of this thread's CPU backups, as a
+ * region, a setter or `TMS_INIT_CPU_BACKUP_BACKEND` named it, else the default (`"pinned"`, as
+ * the existing library reports it, with or without a CPU backup); NULL on failure.
  */
 const char *tms_get_cpu_backup_backend(void);
 

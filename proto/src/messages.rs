@@ -34,6 +34,11 @@ pub const FEATURE_NO_WAIT: &str = "no_wait";
 /// there for its undo, leaving the program's own record (`pause(save_chunk_state=True)`) alone.
 pub const FEATURE_JOB_RECORD: &str = "job_record";
 
+/// The feature of servers that check a resume's contents against the backups
+/// ([`Request::Resume`]'s `verify`, [`OpDone::verified_bytes`]) and skip unchanged memory at
+/// pause ([`OpDone::unchanged_bytes`]).
+pub const FEATURE_VERIFY: &str = "verify";
+
 /// The first message in each direction.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hello {
@@ -161,6 +166,10 @@ pub enum Request {
         /// [`FEATURE_NO_WAIT`].
         #[serde(default, skip_serializing_if = "std::ops::Not::not")]
         no_wait: bool,
+        /// Check what came back against the backups, failing (and staying paused) on a
+        /// difference. Servers with [`FEATURE_VERIFY`].
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        verify: bool,
     },
     /// The chunks of the one chunked allocation of `tag` and which are active; answered by
     /// [`Reply::Chunks`]. Servers with [`FEATURE_CHUNKS`].
@@ -548,6 +557,14 @@ pub struct OpDone {
     /// Absent (zero) otherwise, and from servers that predate it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub communicators: u64,
+    /// A pause: bytes found unchanged since the retained backup took them, not copied (not in
+    /// `copied_bytes`). Absent (zero) otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub unchanged_bytes: u64,
+    /// A resume: bytes checked against the backups after the restore. Absent (zero)
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub verified_bytes: u64,
 }
 
 /// The chunks of one chunked allocation and their states.

@@ -41,6 +41,7 @@ fn requests_have_the_documented_shape() {
             chunk_state: false,
             job_record: false,
             no_wait: false,
+            verify: false,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\"}\n"
     );
@@ -60,6 +61,7 @@ fn requests_have_the_documented_shape() {
             chunk_state: true,
             job_record: false,
             no_wait: false,
+            verify: false,
         }),
         "{\"op\":\"resume\",\"chunk_state\":true}\n"
     );
@@ -70,6 +72,7 @@ fn requests_have_the_documented_shape() {
             chunk_state: false,
             job_record: false,
             no_wait: true,
+            verify: false,
         }),
         "{\"op\":\"resume\",\"tag\":\"kv\",\"no_wait\":true}\n"
     );
@@ -319,6 +322,8 @@ fn replies_round_trip() {
             unknown_tag: false,
             pending_bytes: 0,
             communicators: 0,
+            unchanged_bytes: 0,
+            verified_bytes: 0,
         }),
         Reply::Done(OpDone {
             op: Op::Resume,
@@ -332,6 +337,8 @@ fn replies_round_trip() {
             unknown_tag: false,
             pending_bytes: 3 << 20,
             communicators: 0,
+            unchanged_bytes: 0,
+            verified_bytes: 1 << 20,
         }),
         Reply::Chunks(ChunkStatus {
             tag: "kv".into(),
@@ -469,6 +476,7 @@ fn arb_request() -> impl Strategy<Value = Request> {
                 chunk_state,
                 job_record: false,
                 no_wait,
+                verify: false,
             }
         ),
         "\\PC{0,24}".prop_map(|tag| Request::Chunks { tag }),
@@ -630,6 +638,7 @@ fn requests_of_older_clients_still_parse() {
                 chunk_state: false,
                 job_record: false,
                 no_wait: false,
+                verify: false,
             },
         ),
         (

@@ -85,6 +85,9 @@ _SIGNATURES = {
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_get_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
     "tms_last_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
+    "tms_set_checks": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]),
+    "tms_get_checks": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]),
+    "tms_resume_verified": (ctypes.c_int, [ctypes.c_char_p]),
     "tms_export": (
         ctypes.c_int,
         [ctypes.c_uint64, ctypes.POINTER(ctypes.c_int), _c_u64_p, _c_u64_p, ctypes.c_uint64, _c_u64_p],

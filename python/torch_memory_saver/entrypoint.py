@@ -503,6 +503,7 @@ class TorchMemorySaver:
         progress: Optional[Callable[[int, int, str], Any]] = None,
         non_blocking: Optional[bool] = None,
         order: "Optional[Iterable[torch.Tensor]]" = None,
+        verify: Optional[bool] = None,
     ) -> None:
         """Take device memory back for ``tag`` (every tag if None or ``""``), at the same
         addresses, and restore backups. On out of memory raises :class:`OutOfMemoryError` and
@@ -530,12 +531,52 @@ class TorchMemorySaver:
         :meth:`wait`. Not with ``restore_chunk_state`` or ``progress``.
 
         ``resume("nccl")`` resumes NCCL's communicators (before any memory, when every tag
-        includes them: :attr:`nccl_in_all_tags`)."""
+        includes them: :attr:`nccl_in_all_tags`).
+
+        ``verify=True`` checks what came back whatever the tag's setting (:meth:`set_checks`):
+        the restored memory is digested on the device and compared with the CPU backups; where
+        it differs, :class:`DriverError` names the allocation and the bytes, and the tag stays
+        paused with its backups (nothing is lost: resume again). Not with ``non_blocking``."""
         self._ensure_initialized()
         return self._impl.resume(
             tag=tag,
-            **_given(restore_chunk_state=restore_chunk_state, progress=progress, non_blocking=non_blocking, order=order),
+            **_given(
+                restore_chunk_state=restore_chunk_state,
+                progress=progress,
+                non_blocking=non_blocking,
+                order=order,
+                verify=verify or None,
+            ),
         )
+
+    def set_checks(
+        self,
+        tag: Optional[str] = None,
+        *,
+        skip_unchanged: Optional[bool] = None,
+        verify: Optional[bool] = None,
+    ) -> None:
+        """What pauses and resumes of ``tag`` check with digests of the memory taken on the
+        device (``tag=None``: every tag without a setting of its own; at start
+        ``TMS_SKIP_UNCHANGED`` and ``TMS_VERIFY_RESUME``, both off). Each argument left out
+        keeps its value.
+
+        ``skip_unchanged=True``: a pause of memory whose CPU backup was retained
+        (:attr:`retain_cpu_backup`) copies only the pieces (2 MiB on current GPUs) that changed
+        since that backup took them, for parts of a model that stay frozen between pauses.
+        ``verify=True``: a resume digests what it restored and fails where it differs from the
+        backup, as ``resume(verify=True)`` does. A 128-bit digest per piece, keyed per process:
+        a changed piece is taken for unchanged only by a collision of both 64-bit halves
+        (docs/design.md). On a device that cannot digest (ROCm for now) everything is copied
+        and nothing checked."""
+        self._ensure_initialized()
+        self._impl.set_checks(tag, skip_unchanged=skip_unchanged, verify=verify)
+
+    def get_checks(self, tag: Optional[str] = None) -> dict:
+        """What pauses and resumes of ``tag`` (None: the default) check:
+        ``{"skip_unchanged": bool, "verify": bool}``."""
+        self._ensure_initialized()
+        return self._impl.get_checks(tag)
 
     def wait(
         self,

@@ -191,12 +191,18 @@ class _PauseResume:
         progress: Any = None,
         non_blocking: Any = False,
         order: Any = None,
+        verify: Any = False,
     ) -> None:
         """Take device memory back for ``tag`` (every tag if None), at the same addresses, and
         restore backups. On out of memory raises :class:`OutOfMemoryError` and the tag stays
         paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
-        for ``restore_chunk_state``, ``progress``, ``non_blocking`` and ``order``."""
+        for ``restore_chunk_state``, ``progress``, ``non_blocking``, ``order`` and ``verify``."""
         tag = _check_tag(tag, optional=True)
+        if verify and (non_blocking or order is not None or restore_chunk_state):
+            raise InvalidArgumentError(
+                "resume(verify=True) waits for what it checks, of whole tags: not with non_blocking, order or "
+                "restore_chunk_state"
+            )
         self._hand_over_nccl(tag)
         if non_blocking or order is not None:
             return self._resume_nonblocking(tag, restore_chunk_state, progress, non_blocking, order)
@@ -204,11 +210,37 @@ class _PauseResume:
         what = "all tags" if tag is None else f"tag {tag!r}"
         t0 = time.perf_counter()
         with _Watch(lib, f"resume of {what}", progress):
-            if restore_chunk_state:
+            if verify:
+                lib.check(lib.tms_resume_verified(_enc(tag)))
+            elif restore_chunk_state:
                 lib.check(lib.tms_resume_ex(_enc(tag), _record(restore_chunk_state)))
             else:
                 lib.check(lib.tms_resume(_enc(tag)))
         logger.info("resumed %s in %.3f s", what, time.perf_counter() - t0)
+
+    def set_checks(self, tag: Optional[str] = None, *, skip_unchanged: Any = None, verify: Any = None) -> None:
+        """See ``TorchMemorySaver.set_checks``."""
+        tag = _check_tag(tag, optional=True)
+        for name, v in (("skip_unchanged", skip_unchanged), ("verify", verify)):
+            if v is not None and not isinstance(v, bool):
+                raise InvalidArgumentError(f"{name} must be True, False or None, not {v!r}")
+        now = self.get_checks(tag)
+        lib = self._library()
+        lib.check(
+            lib.tms_set_checks(
+                _enc(tag),
+                int(now["skip_unchanged"] if skip_unchanged is None else skip_unchanged),
+                int(now["verify"] if verify is None else verify),
+            )
+        )
+
+    def get_checks(self, tag: Optional[str] = None) -> dict:
+        """See ``TorchMemorySaver.get_checks``."""
+        tag = _check_tag(tag, optional=True)
+        lib = self._library()
+        skip, verify = ctypes.c_int(0), ctypes.c_int(0)
+        lib.check(lib.tms_get_checks(_enc(tag), ctypes.byref(skip), ctypes.byref(verify)))
+        return {"skip_unchanged": bool(skip.value), "verify": bool(verify.value)}
 
     def _resume_nonblocking(self, tag: Optional[str], restore_chunk_state: Any, progress: Any,
                             non_blocking: Any, order: Any) -> None:

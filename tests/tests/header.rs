@@ -362,7 +362,7 @@ fn header_links_against_libtms_and_the_answers_match() {
             "init 0 sim 3",
             "active 1",
             "exit 4",
-            "upstream-start 0 default 0 ",
+            "upstream-start 0 default 0 pinned",
             "upstream-off 0 0",
             "upstream-enter 0 1 kv 1 mmap",
             "upstream-set 0 weights 0 pinned",

@@ -231,6 +231,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             chunk_state: false,
             job_record: false,
             no_wait: false,
+            verify: false,
         },
         ctx.timeout,
         show,

@@ -62,6 +62,12 @@ fn drives_a_preloaded_process_through_every_operation() {
     assert_eq!(free(&s2), free(&s0));
     p.verify();
 
+    // resume --verify: what came back is digested and compared with the backup.
+    ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
+    let r = ok(&sb, &["resume", "--pid", &pid, "--tag", "demo", "--verify"]);
+    assert!(r.stdout.contains("8.00 MiB verified"), "{}", r.stdout);
+    p.verify();
+
     // resume --no-wait: answered once the memory is mapped; the contents land in the process
     // (its verify reads through the library, after the restore).
     ok(&sb, &["pause", "--pid", &pid, "--tag", "demo"]);
@@ -309,6 +315,7 @@ fn chunks_of_a_preloaded_process() {
             "cannot be used with",
         ),
         (&["resume", "--no-wait", "--atomic"], "cannot be used with"),
+        (&["resume", "--no-wait", "--verify"], "cannot be used with"),
     ] {
         let line = ctl(&sb, args).failed(2).to_string();
         assert!(

@@ -76,17 +76,17 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             chunks,
             chunk_state,
             job_record,
-        } => {
-            state(chunk_state, job_record).and_then(|r| op(host, Op::Pause, tag, chunks, r, false))
-        }
+        } => state(chunk_state, job_record)
+            .and_then(|r| op(host, Op::Pause, tag, chunks, r, (false, false))),
         Request::Resume {
             tag,
             chunks,
             chunk_state,
             job_record,
             no_wait,
+            verify,
         } => state(chunk_state, job_record)
-            .and_then(|r| op(host, Op::Resume, tag, chunks, r, no_wait)),
+            .and_then(|r| op(host, Op::Resume, tag, chunks, r, (no_wait, verify))),
         Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
             .default_region()
@@ -223,14 +223,15 @@ fn state(chunk_state: bool, job_record: bool) -> Result<Option<Record>> {
 
 /// A pause or resume; `record`: the chunk states it saves or restores; `no_wait`: a resume
 /// answered once the memory is mapped (Note [Non-blocking resume] in the engine), of a whole
-/// tag only.
+/// tag only; `verify`: a resume that checks what came back (Note [Skipping unchanged memory]),
+/// which waits for it.
 fn op(
     host: &dyn Host,
     which: Op,
     tag: Option<String>,
     chunks: Option<ChunkRanges>,
     record: Option<Record>,
-    no_wait: bool,
+    (no_wait, verify): (bool, bool),
 ) -> Result<Reply> {
     let chunk_state = record.is_some();
     if no_wait && (chunks.is_some() || chunk_state) {
@@ -238,11 +239,17 @@ fn op(
             "a resume without waiting takes a whole tag: not with chunks or chunk_state",
         ));
     }
+    if no_wait && verify {
+        return Err(Error::invalid_argument(
+            "a verified resume waits for what it checks: not with no_wait",
+        ));
+    }
     let in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
     let e = host.engine();
     let run = |pick: &Pick<'_>| {
         let pick = Pick {
             label: Some(in_flight.0),
+            verify,
             ..*pick
         };
         match which {
@@ -263,6 +270,8 @@ fn op(
             unknown_tag,
             pending_bytes: r.pending,
             communicators: r.communicators as u64,
+            unchanged_bytes: r.unchanged,
+            verified_bytes: r.verified,
         })
     };
     let Some(ranges) = chunks else {

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use tms_proto::{
     decode_request, encode, ErrorKind, Hello, LineBuffer, ProtoError, ReadFault, Reply, Request,
     FEATURE_CHUNKS, FEATURE_JOB_RECORD, FEATURE_NO_WAIT, FEATURE_OPERATIONS, FEATURE_PROGRESS,
-    MAX_LINE_BYTES, PROTOCOL_VERSION,
+    FEATURE_VERIFY, MAX_LINE_BYTES, PROTOCOL_VERSION,
 };
 
 use super::auth::{authenticate, AuthenticatedClient};
@@ -313,6 +313,7 @@ impl<'a> Session<'a> {
                         FEATURE_PROGRESS.to_string(),
                         FEATURE_NO_WAIT.to_string(),
                         FEATURE_JOB_RECORD.to_string(),
+                        FEATURE_VERIFY.to_string(),
                     ],
                 })
             }

@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Arc;
 
+use super::checks::Checks;
 use super::comms::{Comms, NoComms};
-use super::digests::Checks;
 use super::leases::Leases;
 use super::pipeline::CopyConfig;
 use super::registry::Registry;

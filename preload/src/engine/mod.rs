@@ -165,6 +165,7 @@
 mod alloc;
 mod backups;
 mod base;
+mod checks;
 mod comms;
 mod devices;
 mod digests;
@@ -192,9 +193,9 @@ mod txn;
 mod types;
 
 pub use base::Engine;
+pub use checks::Checks;
 pub use comms::{reserved_tag, CommStats, Comms, CommsDone, NoComms};
 pub use comms::{Registered, Registration, NCCL_TAG};
-pub use digests::Checks;
 pub use export::Exported;
 pub use pipeline::{CopyConfig, PinMode, MAX_WORKERS};
 pub use progress::{Backings, Phase, Progress, Which};

@@ -31,7 +31,7 @@ pub(super) struct Settings {
     /// Pauses leave allocations holding a buffer NCCL registered mapped (else they refuse).
     keep_registered: AtomicBool,
     /// What pauses and resumes check with digests, per tag (`digests.rs`).
-    pub(super) checks: super::digests::Policy,
+    pub(super) checks: super::checks::Policy,
 }
 
 impl Default for Settings {
@@ -45,7 +45,7 @@ impl Default for Settings {
             disk_default: Mutex::default(),
             nccl_in_all: AtomicBool::new(false),
             keep_registered: AtomicBool::new(true),
-            checks: super::digests::Policy::default(),
+            checks: super::checks::Policy::default(),
         }
     }
 }

@@ -46,6 +46,10 @@ pub struct OpStats {
     pub release_seconds: f64,
     /// `copied_bytes` (or `bytes` when nothing was copied) over `seconds`, in GiB/s.
     pub gib_per_s: f64,
+    /// A pause: bytes found unchanged since the retained backup took them, not copied.
+    pub unchanged_bytes: u64,
+    /// A resume: bytes checked against the backup after the restore.
+    pub verified_bytes: u64,
 }
 
 impl From<OpReport> for OpStats {
@@ -57,6 +61,8 @@ impl From<OpReport> for OpStats {
             copied_bytes: r.copied,
             seconds: r.seconds,
             release_seconds: r.release_seconds,
+            unchanged_bytes: r.unchanged,
+            verified_bytes: r.verified,
             gib_per_s: if r.seconds > 0.0 {
                 moved as f64 / r.seconds / (1u64 << 30) as f64
             } else {

@@ -17,6 +17,7 @@ use args::{buffer_len, opt_str, tag_or_all};
 use status::{entry, write_out};
 
 mod args;
+mod checks;
 mod chunks;
 mod export;
 mod nccl;

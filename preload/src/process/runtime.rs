@@ -72,6 +72,7 @@ fn init() -> Result<Runtime> {
     let comms: Arc<dyn Comms> = crate::nccl::communicators().clone();
     let engine = Engine::new(driver).with_comms(comms);
     engine.set_nccl_in_all(ps.nccl_in_all);
+    engine.set_checks(None, ps.checks);
     engine.set_registered_policy(ps.nccl_registered);
     engine.set_retain_cpu_backup(ps.retain_cpu_backup);
     engine.set_memory_margin(ps.memory_margin);

@@ -17,6 +17,8 @@
 //! - `TMS_HOST_HUGEPAGES=0|1`: ask for transparent huge pages for host backups (default 1).
 //! - `TMS_PIN=background|inline|never`: when pinned backups are page-locked (default background).
 //! - `TMS_NCCL_IN_ALL=1`: pauses and resumes of every tag include NCCL's communicators.
+//! - `TMS_SKIP_UNCHANGED=0|1`, `TMS_VERIFY_RESUME=0|1`: what pauses and resumes of every tag
+//!   check with digests (default 0, 0; per tag: `tms_set_checks`).
 //! - `TMS_NCCL_REGISTERED=keep|refuse`: what pauses do with allocations holding buffers NCCL
 //!   registered (default keep).
 //! - `TMS_LOG=filter`: logging to stderr (`info`, `tms=debug`, ...).
@@ -128,6 +130,8 @@ pub struct ProcessSettings {
     pub memory: crate::driver::MemoryFlags,
     /// `TMS_NCCL_IN_ALL`: pauses and resumes of every tag include NCCL's communicators.
     pub nccl_in_all: bool,
+    /// `TMS_SKIP_UNCHANGED` and `TMS_VERIFY_RESUME`: the default checks of every tag.
+    pub checks: crate::engine::Checks,
     /// `TMS_NCCL_REGISTERED`: what pauses do with allocations holding buffers NCCL registered.
     pub nccl_registered: Registered,
 }
@@ -256,6 +260,10 @@ impl ProcessSettings {
                 shareable: env_parsed("TMS_SHAREABLE", parse_flag)?.unwrap_or(false),
             },
             nccl_in_all: env_parsed("TMS_NCCL_IN_ALL", parse_flag)?.unwrap_or(false),
+            checks: crate::engine::Checks {
+                skip_unchanged: env_parsed("TMS_SKIP_UNCHANGED", parse_flag)?.unwrap_or(false),
+                verify: env_parsed("TMS_VERIFY_RESUME", parse_flag)?.unwrap_or(false),
+            },
             nccl_registered: env_parsed("TMS_NCCL_REGISTERED", Registered::parse)?
                 .unwrap_or_default(),
         })

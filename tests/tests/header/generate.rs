@@ -98,6 +98,12 @@ const SECTIONS: &[Section] = &[
         items: &["tms_pause", "tms_resume", "tms_pause_ex", "tms_resume_ex"],
     },
     Section {
+        title: "Skipping unchanged memory, verified resumes",
+        prose: "",
+        guard: None,
+        items: &["tms_set_checks", "tms_get_checks", "tms_resume_verified"],
+    },
+    Section {
         title: "Non-blocking resume",
         prose: "",
         guard: None,

@@ -38,6 +38,7 @@ fn chunk_op(which: Op, tag: &str, chunks: &[[u64; 2]]) -> Request {
             chunk_state: false,
             job_record: false,
             no_wait: false,
+            verify: false,
         },
     }
 }
@@ -171,6 +172,7 @@ fn chunks_pause_and_resume_through_the_server() {
         chunk_state: true,
         job_record: false,
         no_wait: false,
+        verify: false,
     }));
     assert_eq!((d.bytes, d.copied_bytes), (6 << 20, 6 << 20));
     assert_eq!(states(&mut c, "kv"), "0111");
@@ -242,6 +244,7 @@ fn bad_chunk_requests_are_refused_and_change_nothing() {
             chunk_state: false,
             job_record: false,
             no_wait: false,
+            verify: false,
         },
     ] {
         refused(

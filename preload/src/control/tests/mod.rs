@@ -200,6 +200,7 @@ fn resume(tag: Option<String>) -> Request {
         chunk_state: false,
         job_record: false,
         no_wait: false,
+        verify: false,
     }
 }
 

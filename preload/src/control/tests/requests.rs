@@ -321,6 +321,7 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
         chunk_state: false,
         job_record: false,
         no_wait: true,
+        verify: false,
     };
     let Reply::Done(d) = c.ask(&no_wait) else {
         panic!()
@@ -341,6 +342,7 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
             chunk_state: false,
             job_record: false,
             no_wait: true,
+            verify: false,
         },
         Request::Resume {
             tag: Some("kv".into()),
@@ -348,12 +350,26 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
             chunk_state: true,
             job_record: false,
             no_wait: true,
+            verify: false,
+        },
+        // A verified resume waits for what it checks.
+        Request::Resume {
+            tag: Some("kv".into()),
+            chunks: None,
+            chunk_state: false,
+            job_record: false,
+            no_wait: true,
+            verify: true,
         },
     ] {
         let Reply::Error(e) = c.ask(&bad) else {
             panic!()
         };
         assert_eq!(e.kind, ErrorKind::InvalidArgument, "{}", e.message);
-        assert!(e.message.contains("whole tag"), "{}", e.message);
+        assert!(
+            e.message.contains("whole tag") || e.message.contains("not with no_wait"),
+            "{}",
+            e.message
+        );
     }
 }

@@ -331,6 +331,7 @@ fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_pau
         chunk_state: false,
         job_record: false,
         no_wait: true,
+        verify: false,
     }));
     assert_eq!(d.allocations, 3);
     let (t, ops) = tag_of(&mut c);

@@ -1,0 +1,85 @@
+"""Skipping unchanged memory and verified resumes through the Python API (set_checks,
+get_checks, resume(verify=True)), on the simulated device in a preloaded subprocess, and
+tmsctl resume --verify."""
+
+from __future__ import annotations
+
+MIB = 1 << 20
+
+
+def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
+    r = preloaded(
+        """
+        assert tms.get_checks() == {"skip_unchanged": False, "verify": False}
+        tms.set_checks(skip_unchanged=True)
+        tms.set_checks("kv", verify=True)
+        assert tms.get_checks() == {"skip_unchanged": True, "verify": False}
+        # A tag of its own starts from the default it had then, and keeps what is not given.
+        assert tms.get_checks("kv") == {"skip_unchanged": True, "verify": True}
+        tms.set_checks(skip_unchanged=False)
+        assert tms.get_checks("kv") == {"skip_unchanged": True, "verify": True}
+        assert tms.get_checks("other") == {"skip_unchanged": False, "verify": False}
+        for bad in (dict(verify=1), dict(skip_unchanged="yes")):
+            try:
+                tms.set_checks("kv", **bad)
+            except tms_pkg.InvalidArgumentError as e:
+                print("refused", e)
+        try:
+            tms.resume("kv", verify=True, non_blocking=True)
+        except tms_pkg.InvalidArgumentError as e:
+            print("refused", e)
+        print("ok")
+        """
+    )
+    out = r.stdout.splitlines()
+    assert out[-1] == "ok", r.stdout
+    assert sum(line.startswith("refused") for line in out) == 3, r.stdout
+    assert "verify must be True, False or None, not 1" in r.stdout
+    assert "not with non_blocking" in r.stdout
+
+
+def test_unchanged_memory_is_not_copied_and_a_bad_backup_is_caught(preloaded):
+    r = preloaded(
+        """
+        n = 8 * (1 << 20)
+        tms.retain_cpu_backup = True
+        tms.set_checks("frozen", skip_unchanged=True, verify=True)
+        with tms.region(tag="frozen", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        data = bytearray(os.urandom(n))
+        ctypes.memmove(p, bytes(data), n)
+        tms.pause("frozen")
+        assert tag_stats("frozen")["last_pause"]["copied_bytes"] == n
+        tms.resume("frozen")
+        assert tag_stats("frozen")["last_resume"]["verified_bytes"] == n
+        tms.pause("frozen")
+        last = tag_stats("frozen")["last_pause"]
+        assert (last["copied_bytes"], last["unchanged_bytes"]) == (0, n), last
+        tms.resume("frozen")
+        # One byte changed: its piece alone is copied, and comes back.
+        ctypes.memmove(p + 5 * (1 << 20) + 7, b"\\x42", 1)
+        data[5 * (1 << 20) + 7] = 0x42
+        tms.pause("frozen")
+        last = tag_stats("frozen")["last_pause"]
+        assert 0 < last["copied_bytes"] < n and last["copied_bytes"] + last["unchanged_bytes"] == n, last
+        # The backup changes while paused (a stray write): the verified resume refuses it.
+        lib = tms._impl._binary_wrapper
+        ptr = ctypes.c_void_p()
+        assert lib.tms_get_cpu_backup(p, n, ctypes.byref(ptr)) == 0 and ptr.value
+        ctypes.memmove(ptr.value + 3, b"\\x00", 1)
+        try:
+            tms.resume("frozen")
+            print("not refused")
+        except tms_pkg.DriverError as e:
+            print("refused", e)
+        assert tag_stats("frozen")["paused_allocations"] == 1
+        ctypes.memmove(ptr.value + 3, bytes(data[3:4]), 1)
+        tms.resume("frozen", verify=True)
+        assert ctypes.string_at(p, n) == bytes(data)
+        assert cuda_free(p) == 0
+        print("ok")
+        """
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout
+    assert "refused" in r.stdout and "differ from its backup after the restore" in r.stdout, r.stdout
