@@ -13,7 +13,7 @@
 //! Prints a table; asserts nothing about time.
 //!
 //! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]
-//! [--no-many] [--no-chunks | --chunks-only] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]`
+//! [--no-many] [--no-chunks | --chunks-only] [--checks] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]`
 //! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT;
 //! `--no-many` skips the latter with backup; `--chunks-only` runs only the limits and the
 //! chunked scenarios; `--segment` sets the
@@ -21,6 +21,8 @@
 //! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
 //! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
 
+#[path = "bench_checks.rs"]
+mod checks;
 #[path = "bench_disk.rs"]
 mod disk;
 
@@ -116,6 +118,8 @@ struct Opts {
     disk_only: bool,
     /// The chunked-allocation scenarios.
     chunks: bool,
+    /// The skip-unchanged and verify scenarios (`bench_checks.rs`).
+    checks: bool,
     /// Idle time between a pause and the resume that follows it (the driver's own work after a
     /// release, such as clearing the memory given back, is over by then).
     settle: std::time::Duration,
@@ -123,7 +127,7 @@ struct Opts {
 
 fn usage() -> &'static str {
     "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
-     [--no-chunks | --chunks-only] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]   (default 16GiB 512)"
+     [--no-chunks | --chunks-only] [--checks] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -138,6 +142,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
         disk: None,
         disk_only: false,
         chunks: true,
+        checks: false,
         settle: std::time::Duration::ZERO,
     };
     let mut positional = 0;
@@ -152,6 +157,7 @@ fn parse_args() -> Result<Option<Opts>, String> {
             "--no-plain" => o.plain = false,
             "--no-many" => o.many = false,
             "--no-chunks" => o.chunks = false,
+            "--checks" => o.checks = true,
             "--chunks-only" => {
                 o.backends.clear();
                 o.plain = false;
@@ -316,6 +322,9 @@ fn run(driver: &Arc<dyn Driver>, e: &Engine, o: &Opts, t: &mut Table) -> Result<
     }
     if o.chunks {
         chunk_scenarios(driver, e, o, &lim, t)?;
+    }
+    if o.checks {
+        checks::run(driver, e, o, &lim, t)?;
     }
     Ok(())
 }
