@@ -18,7 +18,7 @@ use tms::backup::disk::{self, DiskOp, DIRECT_ALIGN};
 use tms::backup::BackupKind;
 use tms::backup::HostLayout;
 use tms::driver::sim::Prim;
-use tms::engine::{AllocRequest, CopyConfig, Engine, Pick, PinMode, State};
+use tms::engine::{AllocRequest, Checks, CopyConfig, Engine, Pick, PinMode, State};
 use tms::Backup;
 
 /// The sim's granularity: the model's unit of size (a GPU's own granularity there).
@@ -69,6 +69,15 @@ enum Op {
         pause: bool,
     },
     SetRetain(bool),
+    /// Change a few bytes of a defined active unit of the `pick`-th allocation with anything
+    /// so (the small changes that pauses skipping unchanged memory must never miss).
+    Poke {
+        pick: usize,
+        at: u64,
+        seed: u64,
+    },
+    /// What pauses and resumes of every tag check with digests: skip unchanged, verify.
+    SetChecks(bool, bool),
 }
 
 /// Sizes around multiples of the granularity `g`.
@@ -143,6 +152,8 @@ fn op_strategy(g: u64) -> impl Strategy<Value = Op> {
         4 => (any::<usize>(), any::<u64>(), any::<bool>())
             .prop_map(|(pick, mask, pause)| Op::Chunks { pick, mask, pause }),
         1 => any::<bool>().prop_map(Op::SetRetain),
+        3 => (any::<usize>(), any::<u64>(), any::<u64>()).prop_map(|(pick, at, seed)| Op::Poke { pick, at, seed }),
+        1 => (any::<bool>(), any::<bool>()).prop_map(|(s, v)| Op::SetChecks(s, v)),
     ]
 }
 
@@ -519,8 +530,9 @@ fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCas
                 bytes += b;
                 copied += c;
             }
+            // Pieces found unchanged are not copied: they count as what the backup took.
             prop_assert_eq!(
-                (r.allocations, r.bytes, r.copied),
+                (r.allocations, r.bytes, r.copied + r.unchanged),
                 (n, bytes, copied),
                 "pause report"
             );
@@ -576,7 +588,7 @@ fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCas
                     (1, b, c)
                 };
                 prop_assert_eq!(
-                    (r.allocations, r.bytes, r.copied),
+                    (r.allocations, r.bytes, r.copied + r.unchanged),
                     want,
                     "pause chunks report"
                 );
@@ -590,6 +602,34 @@ fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCas
             e.set_retain_cpu_backup(*on);
             m.retain = *on;
         }
+        Op::Poke { pick, at, seed } => {
+            let some: Vec<(u64, usize)> = m
+                .allocs
+                .iter()
+                .flat_map(|(p, a)| {
+                    (0..a.active.len())
+                        .filter(|&u| a.active[u] && a.defined[u])
+                        .map(move |u| (*p, u))
+                })
+                .collect();
+            if !some.is_empty() {
+                let (p, u) = some[pick % some.len()];
+                let a = m.allocs.get_mut(&p).unwrap();
+                let (off, len) = a.span(u);
+                let n = (1 + seed % 16).min(len);
+                let o = off + at % (len - n + 1);
+                let data = pattern(n as usize, *seed);
+                h.write(p + o, &data);
+                a.contents[o as usize..(o + n) as usize].copy_from_slice(&data);
+            }
+        }
+        Op::SetChecks(skip_unchanged, verify) => e.set_checks(
+            None,
+            Checks {
+                skip_unchanged: *skip_unchanged,
+                verify: *verify,
+            },
+        ),
     }
     Ok(())
 }
@@ -738,12 +778,19 @@ engine_test! {
             prop::collection::vec(op_strategy(g), 1..=50),
             copy_config_strategy(),
             prop_oneof![Just(g), Just(2 * g), Just(1u64 << 30)],
+            any::<bool>(),
         );
-        run_proptest(h.pick(128, 16), strategy, |(ops, cfg, segment)| {
+        run_proptest(h.pick(128, 16), strategy, |(ops, cfg, segment, checked)| {
             let h = h.again();
             let mut m = Model::new(&h);
             h.e.set_copy_config(cfg).unwrap();
             h.e.set_segment_bytes(segment).unwrap();
+            if checked {
+                // Half the cases start retaining and skipping unchanged memory, so that pauses
+                // of retained backups after small changes (Poke) are common.
+                step(&h, &mut m, &Op::SetRetain(true), false).unwrap();
+                step(&h, &mut m, &Op::SetChecks(true, true), false).unwrap();
+            }
             for (n, op) in ops.iter().enumerate() {
                 step(&h, &mut m, op, false)
                     .map_err(|err| TestCaseError::fail(format!("step {n} {op:?}: {err}")))?;

@@ -65,7 +65,10 @@ fn digest_rate(
 }
 
 fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Result<(), String> {
-    println!("\nskip-unchanged and verify, pinned backup retained, {n} x {}", human(size));
+    println!(
+        "\nskip-unchanged and verify, pinned backup retained, {n} x {}",
+        human(size)
+    );
     let tag = format!("checks-{n}");
     let ptrs: Vec<DevPtr> = (0..n)
         .map(|_| s(e.alloc(&req(size, &tag, Some(BackupKind::Pinned)))))
@@ -80,9 +83,12 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
     s(e.pause(Some(&tag)))?;
     s(e.resume(Some(&tag)))?;
     e.wait_for_background_pinning(std::time::Duration::from_secs(120));
-    t.timed(format!("{tag}: pause, retained, copying all"), bytes, d2h, || {
-        e.pause(Some(&tag))
-    })?;
+    t.timed(
+        format!("{tag}: pause, retained, copying all"),
+        bytes,
+        d2h,
+        || e.pause(Some(&tag)),
+    )?;
     t.timed(format!("{tag}: resume, retained"), bytes, h2d, || {
         e.resume(Some(&tag))
     })?;
@@ -92,13 +98,19 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
     };
     e.set_checks(Some(&tag), skip);
     // The first pause with the setting digests and copies everything: the backup learns.
-    t.timed(format!("{tag}: pause, skip on, learning"), bytes, d2h, || {
-        e.pause(Some(&tag))
-    })?;
+    t.timed(
+        format!("{tag}: pause, skip on, learning"),
+        bytes,
+        d2h,
+        || e.pause(Some(&tag)),
+    )?;
     s(e.resume(Some(&tag)))?;
-    let r = t.timed(format!("{tag}: pause, skip on, nothing changed"), bytes, d2h, || {
-        e.pause(Some(&tag))
-    })?;
+    let r = t.timed(
+        format!("{tag}: pause, skip on, nothing changed"),
+        bytes,
+        d2h,
+        || e.pause(Some(&tag)),
+    )?;
     println!(
         "  {} unchanged, {} copied",
         human(r.unchanged),
@@ -106,9 +118,12 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
     );
     s(e.resume(Some(&tag)))?;
     device_patterns(e, &ptrs, size, 8, false)?;
-    let r = t.timed(format!("{tag}: pause, skip on, all changed"), bytes, d2h, || {
-        e.pause(Some(&tag))
-    })?;
+    let r = t.timed(
+        format!("{tag}: pause, skip on, all changed"),
+        bytes,
+        d2h,
+        || e.pause(Some(&tag)),
+    )?;
     println!(
         "  {} unchanged, {} copied",
         human(r.unchanged),
@@ -121,9 +136,12 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
             verify: true,
         },
     );
-    let r = t.timed(format!("{tag}: resume, retained, verified"), bytes, h2d, || {
-        e.resume(Some(&tag))
-    })?;
+    let r = t.timed(
+        format!("{tag}: resume, retained, verified"),
+        bytes,
+        h2d,
+        || e.resume(Some(&tag)),
+    )?;
     println!("  {} verified", human(r.verified));
     e.set_checks(Some(&tag), OFF);
     e.set_retain_cpu_backup(false);
