@@ -239,3 +239,28 @@ engine_test! {
         check(&h, &ptrs, &model, "resumed");
     }
 }
+
+engine_test! {
+    sim_only fn a_non_blocking_resume_that_brings_back_other_bytes_fails_its_waits(h) [setup()] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let g = piece(&h);
+        e.set_checks(Some("kv"), Checks { skip_unchanged: false, verify: true });
+        let (ptrs, model) = filled(&h, "kv", &[6 * g]);
+        e.pause(Some("kv")).unwrap();
+        sim.corrupt_next_h2d(1);
+        // Checked after it returned: the waits raise it, the memory stays paused with its
+        // backup, and a resume then restores it.
+        tms::Engine::resume_nonblocking(e.clone(), Some("kv"), &[], None).unwrap();
+        let err = e
+            .wait_restored(None, Some(std::time::Duration::from_secs(30)))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("differ from its backup after the restore"), "{err}");
+        assert!(e.wait_restored(Some(ptrs[0]), None).is_err(), "every wait, until resumed");
+        assert_eq!(e.allocations()[0].host_bytes, 6 * g, "the backup is kept");
+        let r = e.resume(Some("kv")).unwrap();
+        assert_eq!(r.verified, 6 * g);
+        assert!(e.wait_restored(None, None).unwrap());
+        check(&h, &ptrs, &model, "after the resume");
+    }
+}

@@ -187,63 +187,57 @@ pub(super) struct Restored<'a> {
 }
 
 impl Engine {
-    /// Check each run a resume restored against its backup (Note [Skipping unchanged memory]):
-    /// the bytes verified of each run, or an error naming the allocation and the first piece that differs.
-    /// `asked`: the caller asked for it (else the tag's checks do), so a driver that cannot
-    /// digest is an error rather than a skipped check.
-    pub(super) fn verify_restored(&self, runs: &[Restored<'_>], asked: bool) -> Result<Vec<u64>> {
-        let mut verified = vec![0; runs.len()];
-        for (i, r) in runs.iter().enumerate() {
-            if !(asked || self.settings.checks.of(r.tag).verify) {
-                continue;
-            }
-            let piece = self.granularity(r.device)?;
-            let (off, len, _) = digest_range(&r.span, r.ptr, r.size);
-            if len == 0 {
-                continue;
-            }
-            let Some(now) = self.digest(r.device, r.ptr + off, len, piece)? else {
-                if asked {
-                    return Err(Error::unsupported(format!(
-                        "verifying the resume of allocation {:#x} (tag {:?}): the {} driver \
-                         cannot digest device memory; resume without verifying",
-                        r.ptr,
-                        r.tag,
-                        self.driver.name()
-                    )));
-                }
-                continue;
-            };
-            let known = r.host.digests().get(off, len, piece);
-            let bytes = r.host.as_slice();
-            for (k, d) in now.iter().enumerate() {
-                let a = off + k as u64 * piece;
-                let b = (a + piece).min(off + len);
-                let want = match known.get(k).copied().flatten() {
-                    Some(w) => w,
-                    None => {
-                        digest::piece(&bytes[a as usize..b as usize], self.settings.checks.seed())
-                    }
-                };
-                if want != *d {
-                    return Err(Error::driver(
-                        "tms_digest",
-                        0,
-                        "DIGEST_MISMATCH",
-                        format!(
-                            "verifying the resume of allocation {:#x} ({} bytes, tag {:?}): bytes \
-                             {a}..{b} of it (piece {}) differ from its backup after the restore",
-                            r.ptr,
-                            r.size,
-                            r.tag,
-                            a / piece
-                        ),
-                    ));
-                }
-            }
-            verified[i] = len;
+    /// Check a run a resume restored against its backup (Note [Skipping unchanged memory]):
+    /// the bytes verified (0 where not asked), or an error naming the allocation and the first
+    /// piece that differs. `asked`: the caller asked for it (else the tag's checks do), so a
+    /// driver that cannot digest is an error rather than a skipped check.
+    pub(super) fn verify_run(&self, r: &Restored<'_>, asked: bool) -> Result<u64> {
+        if !(asked || self.settings.checks.of(r.tag).verify) {
+            return Ok(0);
         }
-        Ok(verified)
+        let piece = self.granularity(r.device)?;
+        let (off, len, _) = digest_range(&r.span, r.ptr, r.size);
+        if len == 0 {
+            return Ok(0);
+        }
+        let Some(now) = self.digest(r.device, r.ptr + off, len, piece)? else {
+            if asked {
+                return Err(Error::unsupported(format!(
+                    "verifying the resume of allocation {:#x} (tag {:?}): the {} driver cannot \
+                     digest device memory; resume without verifying",
+                    r.ptr,
+                    r.tag,
+                    self.driver.name()
+                )));
+            }
+            return Ok(0);
+        };
+        let known = r.host.digests().get(off, len, piece);
+        let bytes = r.host.as_slice();
+        for (k, d) in now.iter().enumerate() {
+            let a = off + k as u64 * piece;
+            let b = (a + piece).min(off + len);
+            let want = match known.get(k).copied().flatten() {
+                Some(w) => w,
+                None => digest::piece(&bytes[a as usize..b as usize], self.settings.checks.seed()),
+            };
+            if want != *d {
+                return Err(Error::driver(
+                    "tms_digest",
+                    0,
+                    "DIGEST_MISMATCH",
+                    format!(
+                        "verifying the resume of allocation {:#x} ({} bytes, tag {:?}): bytes \
+                         {a}..{b} of it (piece {}) differ from its backup after the restore",
+                        r.ptr,
+                        r.size,
+                        r.tag,
+                        a / piece
+                    ),
+                ));
+            }
+        }
+        Ok(len)
     }
 }
 

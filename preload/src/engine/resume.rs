@@ -2,6 +2,7 @@
 //! Note [Transactions] in `txn.rs`).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -255,28 +256,9 @@ impl Engine {
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track);
-        // What came back, checked against the backups where asked (Note [Skipping unchanged
-        // memory]); a difference fails the resume like any other failure.
-        let restored: Vec<Restored<'_>> = jobs
-            .iter()
-            .filter_map(|j| Some((j, j.host.as_deref()?)))
-            .flat_map(|(j, host)| {
-                j.runs
-                    .iter()
-                    .filter(|r| r.1)
-                    .map(move |&(span, _)| Restored {
-                        device: span.device,
-                        ptr: j.ptr,
-                        size: j.size,
-                        tag: &j.tag,
-                        span,
-                        host,
-                    })
-            })
-            .collect();
-        let verified = result.and_then(|()| self.verify_restored(&restored, pick.verify));
-        let result = verified.as_ref().map(|_| ()).map_err(|e| e.duplicate());
+        let verified: Vec<AtomicU64> = jobs.iter().map(|_| AtomicU64::new(0)).collect();
+        let checks = (pick.verify, verified.as_slice());
+        let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track, checks);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -301,9 +283,10 @@ impl Engine {
             )));
         }
         let mut done = self.commit(&jobs, made, pick);
-        for (r, bytes) in restored.iter().zip(verified.unwrap_or_default()) {
-            if bytes > 0 {
-                done.tally.verified(&Arc::from(r.tag), bytes);
+        for (j, bytes) in jobs.iter().zip(&verified) {
+            match bytes.load(Ordering::Relaxed) {
+                0 => {}
+                b => done.tally.verified(&j.tag, b),
             }
         }
         tx.pin_later(
@@ -324,6 +307,7 @@ impl Engine {
         cfg: &CopyConfig,
         progress: &Counters,
         track: Option<&Tracker>,
+        (asked, verified): (bool, &[AtomicU64]),
     ) -> (Made<'d>, Result<()>) {
         let groups = by_device(jobs.iter().map(Job::device));
         progress.phase(Phase::Mapping);
@@ -382,6 +366,22 @@ impl Engine {
                         Ok(())
                     },
                     |p| {
+                        // What came back is checked before anyone is told it landed (Note
+                        // [Skipping unchanged memory]): a difference fails the resume.
+                        let (i, r) = parts[p];
+                        let j = &jobs[i];
+                        if let (Some(host), true) = (j.host.as_deref(), j.runs[r].1) {
+                            let run = Restored {
+                                device,
+                                ptr: j.ptr,
+                                size: j.size,
+                                tag: &j.tag,
+                                span: j.runs[r].0,
+                                host,
+                            };
+                            let bytes = self.verify_run(&run, asked)?;
+                            verified[i].fetch_add(bytes, Ordering::Relaxed);
+                        }
                         if let Some(t) = track {
                             let j = &jobs[parts[p].0];
                             t.item_done(parts[p].0, || {
