@@ -97,38 +97,25 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
         verify: false,
     };
     e.set_checks(Some(&tag), skip);
+    // A pause with skipping on, its row, and what it copied.
+    let skipping = |t: &mut Table, what: &str| -> Result<(), String> {
+        let r = t.timed(format!("{tag}: pause, skip on, {what}"), bytes, d2h, || {
+            e.pause(Some(&tag))
+        })?;
+        println!(
+            "  {} unchanged, {} copied",
+            human(r.unchanged),
+            human(r.copied)
+        );
+        Ok(())
+    };
     // The first pause with the setting digests and copies everything: the backup learns.
-    t.timed(
-        format!("{tag}: pause, skip on, learning"),
-        bytes,
-        d2h,
-        || e.pause(Some(&tag)),
-    )?;
+    skipping(t, "learning")?;
     s(e.resume(Some(&tag)))?;
-    let r = t.timed(
-        format!("{tag}: pause, skip on, nothing changed"),
-        bytes,
-        d2h,
-        || e.pause(Some(&tag)),
-    )?;
-    println!(
-        "  {} unchanged, {} copied",
-        human(r.unchanged),
-        human(r.copied)
-    );
+    skipping(t, "nothing changed")?;
     s(e.resume(Some(&tag)))?;
     device_patterns(e, &ptrs, size, 8, false)?;
-    let r = t.timed(
-        format!("{tag}: pause, skip on, all changed"),
-        bytes,
-        d2h,
-        || e.pause(Some(&tag)),
-    )?;
-    println!(
-        "  {} unchanged, {} copied",
-        human(r.unchanged),
-        human(r.copied)
-    );
+    skipping(t, "all changed")?;
     e.set_checks(
         Some(&tag),
         Checks {
