@@ -83,3 +83,27 @@ def test_unchanged_memory_is_not_copied_and_a_bad_backup_is_caught(preloaded):
     )
     assert r.stdout.strip().endswith("ok"), r.stdout
     assert "refused" in r.stdout and "differ from its backup after the restore" in r.stdout, r.stdout
+
+
+def test_the_environment_sets_the_default_and_a_bad_value_is_named(preloaded):
+    r = preloaded(
+        """
+        assert tms.get_checks() == {"skip_unchanged": True, "verify": True}
+        assert tms.get_checks("any") == {"skip_unchanged": True, "verify": True}
+        print("ok")
+        """,
+        TMS_SKIP_UNCHANGED="1",
+        TMS_VERIFY_RESUME="1",
+    )
+    assert r.stdout.strip() == "ok"
+    r = preloaded(
+        """
+        try:
+            tms.get_checks()
+            raise SystemExit("should fail")
+        except tms_pkg.InvalidArgumentError as e:
+            print("MSG", e)
+        """,
+        TMS_VERIFY_RESUME="sometimes",
+    )
+    assert "TMS_VERIFY_RESUME" in r.stdout and "sometimes" in r.stdout, r.stdout
