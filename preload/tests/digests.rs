@@ -264,3 +264,27 @@ engine_test! {
         check(&h, &ptrs, &model, "after the resume");
     }
 }
+
+engine_test! {
+    sim_only fn a_digest_that_fails_costs_the_skipping_or_the_resume_never_data(h) [setup()] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(None, BOTH);
+        let (ptrs, model) = filled(&h, "t", &[4 * g]);
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        // At a pause: everything is copied, and the pause succeeds.
+        sim.arm_fault(Prim::Digest, 1, 999);
+        let r = e.pause(None).unwrap();
+        assert_eq!((r.copied, r.unchanged), (4 * g, 0));
+        // At a verified resume: the resume fails and stays paused with its backup; the next
+        // one succeeds.
+        sim.arm_fault(Prim::Digest, 1, 999);
+        let err = e.resume(None).unwrap_err().to_string();
+        assert!(err.contains("cuLaunchKernel"), "{err}");
+        assert_eq!(e.allocations()[0].state, State::Paused);
+        assert_eq!(e.resume(None).unwrap().verified, 4 * g);
+        check(&h, &ptrs, &model, "after the failures");
+    }
+}

@@ -26,6 +26,8 @@ pub(super) struct Policy {
     seed: u64,
     /// The driver said once that it cannot digest.
     unsupported_said: AtomicBool,
+    /// A digest failed once already (said in the log at warning level; later ones at debug).
+    failure_said: AtomicBool,
 }
 
 impl Default for Policy {
@@ -35,6 +37,7 @@ impl Default for Policy {
             tags: Mutex::default(),
             seed: random_seed(),
             unsupported_said: AtomicBool::new(false),
+            failure_said: AtomicBool::new(false),
         }
     }
 }
@@ -75,6 +78,19 @@ impl Policy {
     /// The key of this process's digests.
     pub(super) fn seed(&self) -> u64 {
         self.seed
+    }
+
+    /// A pause could not digest and copies everything: `what` in the log, at warning level
+    /// the first time only (a kernel that cannot load would otherwise say so at every pause).
+    pub(super) fn digest_failed(&self, what: impl FnOnce() -> String) {
+        if self.failure_said.swap(true, Ordering::Relaxed) {
+            tracing::debug!("{}", what());
+        } else {
+            tracing::warn!(
+                "{} (further such failures are logged at debug level)",
+                what()
+            );
+        }
     }
 
     /// A digest failed: `Ok(None)` where the driver cannot digest (said once in the log), so

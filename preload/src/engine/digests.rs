@@ -115,10 +115,12 @@ impl Engine {
                     return Digested::none(spans.len());
                 }
                 Err(e) => {
-                    tracing::warn!(
-                        "digesting allocation {ptr:#x} (tag {tag:?}) for a pause: {e}; it is \
-                         copied whole"
-                    );
+                    self.settings.checks.digest_failed(|| {
+                        format!(
+                            "digesting allocation {ptr:#x} (tag {tag:?}) for a pause: {e}; it \
+                             is copied whole"
+                        )
+                    });
                     forget_all(h);
                     return Digested::none(spans.len());
                 }
