@@ -12,7 +12,7 @@ use tms::units::human;
 use tms::Engine;
 
 use super::common::{req, s};
-use super::{device_patterns, vs, Limits, Opts, Table};
+use super::{check_and_free, device_patterns, vs, Limits, Opts, Table};
 
 const OFF: Checks = Checks {
     skip_unchanged: false,
@@ -134,12 +134,6 @@ fn scenario(e: &Engine, n: u64, size: u64, lim: &Limits, t: &mut Table) -> Resul
     e.set_retain_cpu_backup(false);
     s(e.pause(Some(&tag)))?;
     s(e.resume(Some(&tag)))?;
-    for (p, same) in ptrs.iter().zip(device_patterns(e, &ptrs, size, 8, true)?) {
-        if !same {
-            t.problems
-                .push(format!("{tag}: contents of {p:#x} differ after the cycles"));
-        }
-        s(e.free(*p))?;
-    }
+    check_and_free(e, t, &tag, &ptrs, size, 8)?;
     Ok(())
 }

@@ -21,7 +21,7 @@ use tms::units::human;
 use tms::Engine;
 
 use super::common::{req, s};
-use super::{device_patterns, rss_bytes, vs, Opts, Table};
+use super::{check_and_free, device_patterns, rss_bytes, vs, Opts, Table};
 
 /// Disk bandwidth in GiB/s: the best of the ways measured, and what achieved it.
 #[derive(Default)]
@@ -441,13 +441,7 @@ fn scenario(
             human(rss_bytes())
         );
     }
-    for (p, same) in ptrs.iter().zip(device_patterns(e, &ptrs, size, 7, true)?) {
-        if !same {
-            t.problems
-                .push(format!("{tag}: contents of {p:#x} differ after the cycles"));
-        }
-        s(e.free(*p))?;
-    }
+    check_and_free(e, t, &tag, &ptrs, size, 7)?;
     let left = files_bytes(dir);
     if left != 0 {
         t.problems.push(format!(
