@@ -23,7 +23,7 @@ use std::time::Duration;
 use common::{engine_test, Harness, Setup};
 use parking_lot::RwLock;
 use tms::backup::BackupKind;
-use tms::engine::{AllocRequest, State};
+use tms::engine::{AllocRequest, Checks, State};
 use tms::Backup;
 
 /// The sim's granularity (a GPU has its own).
@@ -246,63 +246,79 @@ engine_test! {
     fn workers_and_a_pauser_keep_contents_and_accounting(h)
         [Setup::default().devices(2).capacity(1 << 30).granularity(G)]
     {
-        let hang_check = h.pick(HANG_CHECK.0, HANG_CHECK.1);
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        let watchdog = std::thread::spawn(move || {
-            // Disconnected: the test failed (panicked) on its own; only a timeout is a hang.
-            if let Err(mpsc::RecvTimeoutError::Timeout) =
-                done_rx.recv_timeout(Duration::from_secs(hang_check))
-            {
-                eprintln!("concurrency test: not done after {hang_check} s (deadlock?), aborting");
-                std::process::abort();
-            }
-        });
-
-        let shared = Shared {
-            g: h.g(),
-            h,
-            gates: (0..WORKERS).map(|_| RwLock::new(())).collect(),
-            workers_done: AtomicUsize::new(0),
-            rounds_nonempty: AtomicUsize::new(0),
-            requests_served: AtomicUsize::new(0),
-        };
-        let (req_tx, req_rx) = mpsc::channel();
-        std::thread::scope(|s| {
-            let sh = &shared;
-            let pauser = s.spawn(move || sh.pauser(req_rx));
-            let workers: Vec<_> = (0..WORKERS)
-                .map(|i| {
-                    let tx = req_tx.clone();
-                    s.spawn(move || sh.worker(i, tx))
-                })
-                .collect();
-            drop(req_tx);
-            for w in workers {
-                if let Err(p) = w.join() {
-                    // A worker failed: let the pauser finish, then report the worker's panic.
-                    sh.workers_done.store(WORKERS, Ordering::Release);
-                    let _ = pauser.join();
-                    std::panic::resume_unwind(p);
-                }
-            }
-            pauser.join().expect("pauser thread");
-        });
-
-        let requested = WORKERS * ITERS.div_ceil(REQUEST_EVERY);
-        assert_eq!(
-            shared.requests_served.load(Ordering::Relaxed),
-            requested,
-            "every requested cross-thread round was served"
-        );
-        assert!(shared.rounds_nonempty.load(Ordering::Relaxed) >= requested);
-        assert!(shared.h.e.allocations().is_empty(), "everything freed");
-        shared.h.assert_nothing_held("final accounting");
-        let stats = shared.h.e.stats();
-        assert!(stats
-            .tags
-            .iter()
-            .all(|t| t.bytes_active == 0 && t.bytes_paused == 0));
-        done_tx.send(()).unwrap();
-        watchdog.join().unwrap();
+        workers_and_a_pauser(h);
     }
+}
+
+engine_test! {
+    /// The same with retained backups, pauses skipping unchanged memory and resumes checking
+    /// what came back (Note [Skipping unchanged memory]): rounds that change nothing skip.
+    fn workers_and_a_pauser_skipping_and_verifying(h)
+        [Setup::default().devices(2).capacity(1 << 30).granularity(G)]
+    {
+        h.e.set_retain_cpu_backup(true);
+        h.e.set_checks(None, Checks { skip_unchanged: true, verify: true });
+        workers_and_a_pauser(h);
+    }
+}
+
+fn workers_and_a_pauser(h: Harness) {
+    let hang_check = h.pick(HANG_CHECK.0, HANG_CHECK.1);
+    let (done_tx, done_rx) = mpsc::channel::<()>();
+    let watchdog = std::thread::spawn(move || {
+        // Disconnected: the test failed (panicked) on its own; only a timeout is a hang.
+        if let Err(mpsc::RecvTimeoutError::Timeout) =
+            done_rx.recv_timeout(Duration::from_secs(hang_check))
+        {
+            eprintln!("concurrency test: not done after {hang_check} s (deadlock?), aborting");
+            std::process::abort();
+        }
+    });
+
+    let shared = Shared {
+        g: h.g(),
+        h,
+        gates: (0..WORKERS).map(|_| RwLock::new(())).collect(),
+        workers_done: AtomicUsize::new(0),
+        rounds_nonempty: AtomicUsize::new(0),
+        requests_served: AtomicUsize::new(0),
+    };
+    let (req_tx, req_rx) = mpsc::channel();
+    std::thread::scope(|s| {
+        let sh = &shared;
+        let pauser = s.spawn(move || sh.pauser(req_rx));
+        let workers: Vec<_> = (0..WORKERS)
+            .map(|i| {
+                let tx = req_tx.clone();
+                s.spawn(move || sh.worker(i, tx))
+            })
+            .collect();
+        drop(req_tx);
+        for w in workers {
+            if let Err(p) = w.join() {
+                // A worker failed: let the pauser finish, then report the worker's panic.
+                sh.workers_done.store(WORKERS, Ordering::Release);
+                let _ = pauser.join();
+                std::panic::resume_unwind(p);
+            }
+        }
+        pauser.join().expect("pauser thread");
+    });
+
+    let requested = WORKERS * ITERS.div_ceil(REQUEST_EVERY);
+    assert_eq!(
+        shared.requests_served.load(Ordering::Relaxed),
+        requested,
+        "every requested cross-thread round was served"
+    );
+    assert!(shared.rounds_nonempty.load(Ordering::Relaxed) >= requested);
+    assert!(shared.h.e.allocations().is_empty(), "everything freed");
+    shared.h.assert_nothing_held("final accounting");
+    let stats = shared.h.e.stats();
+    assert!(stats
+        .tags
+        .iter()
+        .all(|t| t.bytes_active == 0 && t.bytes_paused == 0));
+    done_tx.send(()).unwrap();
+    watchdog.join().unwrap();
 }
