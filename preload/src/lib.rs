@@ -30,6 +30,8 @@ pub mod hooks;
 pub mod nccl;
 pub mod os;
 pub mod process;
+#[cfg(test)]
+mod test_data;
 pub mod threads;
 pub mod units;
 

@@ -114,18 +114,7 @@ pub fn pieces(data: &[u8], piece_len: u64, seed: u64) -> Vec<Digest> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn data(n: usize, seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..n)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    }
+    use crate::test_data::pattern as data;
 
     #[test]
     fn every_single_word_change_is_seen() {

@@ -7,6 +7,7 @@ use super::*;
 use crate::driver::sim::{Prim, SimConfig, SimDriver};
 use crate::driver::{DevPtr, Driver};
 use crate::engine::stats::TagStats;
+use crate::test_data::pattern;
 
 const G: u64 = 2 << 20;
 
@@ -44,18 +45,6 @@ fn read(sim: &SimDriver, ptr: DevPtr, len: usize) -> Vec<u8> {
     unsafe { sim.copy_d2h(v.as_mut_ptr(), ptr, len as u64, s).unwrap() }
     sim.stream_sync(s).unwrap();
     v
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// A byte copy that fails (its wait, or a later piece) returns only once nothing it queued is

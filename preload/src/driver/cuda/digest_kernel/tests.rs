@@ -82,15 +82,7 @@ fn run_kernel(data: &[u8], piece: u64, seed: u64, launch: u64) -> Vec<u64> {
 
 #[test]
 fn kernel_computes_the_definition() {
-    let mut x = 0x2545_F491_4F6C_DD1Du64;
-    let data: Vec<u8> = (0..3 * BLOCK_BYTES)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect();
+    let data = crate::test_data::pattern(3 * BLOCK_BYTES as usize, 0x2545_F491_4F6C_DD1D);
     let seed = 0x0123_4567_89AB_CDEF;
     let words = |n: u64| 8 * n;
     // Short blocks whose threads have 16 or 15 words (two rounds of eight; one, then seven
