@@ -371,7 +371,7 @@ impl HostBuffer {
 
     /// The contents, for writing (what the digests knew of them is forgotten).
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.digests.forget(0, self.len);
+        self.digests.clear();
         // SAFETY: as in as_slice, and &mut self makes the borrow exclusive.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len as usize) }
     }

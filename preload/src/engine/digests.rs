@@ -41,8 +41,6 @@ pub(super) struct Digested {
     /// Per run, where it starts in the allocation and its new digests, for the backup to
     /// record once the run is copied (`None`: nothing digested).
     runs: Vec<Option<(u64, Vec<Digest>)>>,
-    /// Bytes of pieces found unchanged, which the pause does not copy.
-    pub(super) unchanged: u64,
 }
 
 impl Digested {
@@ -51,7 +49,6 @@ impl Digested {
         Digested {
             changed: None,
             runs: (0..runs).map(|_| None).collect(),
-            unchanged: 0,
         }
     }
 
@@ -144,18 +141,10 @@ impl Engine {
             out.runs[r] = Some((off, now));
         }
         if checks.skip_unchanged {
-            let c = Changed {
+            out.changed = Some(Changed {
                 piece,
                 changed: mask,
-            };
-            out.unchanged = spans
-                .iter()
-                .map(|s| {
-                    let backed = s.backed(ptr, size);
-                    backed - c.bytes_within(s.ptr - ptr, backed)
-                })
-                .sum();
-            out.changed = Some(c);
+            });
         }
         out
     }

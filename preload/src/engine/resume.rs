@@ -383,8 +383,7 @@ impl Engine {
                             verified[i].fetch_add(bytes, Ordering::Relaxed);
                         }
                         if let Some(t) = track {
-                            let j = &jobs[parts[p].0];
-                            t.item_done(parts[p].0, || {
+                            t.item_done(i, || {
                                 self.registry
                                     .marked(j.ptr, |a| a.arriving = Some((j.segs.clone(), true)));
                             });

@@ -31,11 +31,6 @@ pub(in crate::engine) struct Changed {
 }
 
 impl Changed {
-    /// Bytes of `a..a + n` in changed pieces.
-    pub(in crate::engine) fn bytes_within(&self, a: u64, n: u64) -> u64 {
-        self.within(a, n).iter().map(|p| p.1).sum()
-    }
-
     /// The parts of bytes `a..a + n` of the allocation in changed pieces, merged where they
     /// touch: `(offset, length)`.
     fn within(&self, a: u64, n: u64) -> Vec<(u64, u64)> {
