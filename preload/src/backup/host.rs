@@ -72,10 +72,12 @@ pub struct HostBuffer {
 // it) and nothing in it is tied to a thread: `ptr` is the only field that is not Send, and the
 // driver page-locks and unlocks from any thread, in `device`'s context.
 unsafe impl Send for HostBuffer {}
-// SAFETY: what `&self` methods change is atomics (chunk states, wanted, retired), and each chunk's
-// page-locking is claimed by a compare-exchange of its state, so two threads never register or
-// unregister the same pages. The bytes are written through `&self` only by the pipeline's copy
-// workers of one transaction, each in a chunk of its own (see HostBuffer::base), and by
+// SAFETY: what `&self` methods change is atomics (chunk states, wanted, retired) and the digests
+// (behind their own lock), and each chunk's page-locking is claimed by a compare-exchange of its
+// state, so two threads never register or unregister the same pages. The bytes are written
+// through `&self` only by the pipeline's copy workers of one transaction, each in a unit of its
+// own (disjoint bytes; a pause skipping unchanged pieces may give one chunk several units; see
+// HostBuffer::base), and by
 // copy_from into a buffer nobody else holds yet. A reader holds an Arc of its own, and a pause
 // writes into a retained buffer only while the registry's Arc is the only one.
 unsafe impl Sync for HostBuffer {}
@@ -132,7 +134,7 @@ impl HostBuffer {
     }
 
     /// Start of the buffer for writing through a shared reference: the copy pipeline's workers
-    /// write disjoint chunks of it at once. Callers guarantee no other reference reads or writes
+    /// write disjoint ranges of it at once (each unit of work its own). Callers guarantee no other reference reads or writes
     /// those bytes meanwhile: the engine's operations lock is held for the whole pause or resume,
     /// so no other transaction uses or releases the buffer, and a pause writes only a buffer that
     /// no reader holds (a new one, or a retained one whose only holder is the registry). The
