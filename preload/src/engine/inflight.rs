@@ -149,7 +149,11 @@ impl Engine {
                 if let Err(err) = e.driver.stream_wait_gate(st.device, st.stream, gate, end) {
                     // The program's work must not overtake the restore: wait for it here instead.
                     tracing::warn!("{what}: the stream cannot wait for it ({err}); waiting here");
-                    tracker.wait(None, None)?;
+                    if let Err(err) = tracker.wait_all_own() {
+                        // Raised here: reported, as a wait would have.
+                        let _ = e.restores.unreported(tracker.ptrs().into_iter());
+                        return Err(err);
+                    }
                     pending = 0;
                 }
             }

@@ -272,6 +272,7 @@ impl Engine {
                 t.what()
             ));
             self.keep_mapped(&jobs, made, &e);
+            t.failure_kept();
             return Err(e);
         }
         if let Err(e) = result {
