@@ -174,7 +174,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // What resumes are still giving back goes with the engine too (`releases.rs`).
+        // What resumes are still giving back goes with the engine too (Note [Releases] in `background.rs`).
         self.ops.wait_released();
         let addrs: Vec<DevPtr> = self.registry.lock().allocs.keys().copied().collect();
         for p in addrs {

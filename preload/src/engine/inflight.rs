@@ -223,7 +223,7 @@ impl Engine {
     }
 
     /// Wait until the host memory that resumes are giving back after they returned is gone
-    /// (`releases.rs`); how long that took (zero if nothing was being given back).
+    /// (Note [Releases] in `background.rs`); how long that took (zero if nothing was being given back).
     pub fn wait_released(&self) -> Duration {
         self.ops.wait_released()
     }

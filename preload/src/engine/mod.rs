@@ -116,7 +116,7 @@
 //!   allocation landed: shown so before its waiters are told); callers wait on `cv` for the
 //!   mapping or for data to land, with no other lock held. The resume's own thread updates it
 //!   from the pipeline's callbacks (under the operations lock).
-//! - `Pinner::queue` (`pinner.rs`, with the `idle` and `ops_done` condvars): the background
+//! - `Pinner::queue` (`background.rs`, with the `idle` and `ops_done` condvars): the background
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
 //! - The copy pipeline's `Ready::gate` (with `wake`; `std`'s, for loom: `pipeline/ready.rs`),
@@ -146,7 +146,7 @@
 //!   running; a leaf, never held across a driver call). Page-locking, unlocking and device
 //!   synchronizations wait on it, with no other of the driver's locks held, before they start,
 //!   and stream waits until none of those runs (Note [Non-blocking resume]).
-//! - `Releases::pending` (`releases.rs`, with `done`): the host memory being given back after
+//! - `Releases::pending` (`background.rs`, with `done`): the host memory being given back after
 //!   resumes returned. A leaf; a transaction waits on `done` in its prologue, before it enters
 //!   the pinner's quiet state or takes the operations lock.
 //! - `Communicators::state` (`nccl/registry.rs`, with the `idle` condvar): NCCL's communicators
@@ -163,6 +163,7 @@
 // One concept per file; files import one another directly (`super::registry::Pick`), never
 // through this facade, which only declares and re-exports.
 mod alloc;
+mod background;
 mod backups;
 mod base;
 mod checks;
@@ -174,12 +175,10 @@ mod inflight;
 mod leases;
 mod nccl_tag;
 mod pause;
-mod pinner;
 mod pipeline;
 mod progress;
 mod queries;
 mod registry;
-mod releases;
 mod report;
 mod resident;
 mod restoring;

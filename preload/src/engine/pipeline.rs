@@ -26,7 +26,7 @@
 //!   an H200 host: 3 GiB/s in one call, 4 GiB/s from 16 threads), far below the link, while
 //!   filling fresh memory through the slots runs at 25 GiB/s. So a first pause always goes
 //!   through the slots, and pinned backups that are retained are page-locked afterwards by a
-//!   background thread (`pinner.rs`, [`PinMode::Background`]); later cycles copy them straight.
+//!   background thread (`background.rs`, [`PinMode::Background`]); later cycles copy them straight.
 //! - The coordinator prepares items in order while the workers copy what is prepared already: a
 //!   resume maps allocation i+1 (or the next segment of a large allocation) while what is
 //!   mapped is being copied. It publishes what is prepared, and the workers wait for it,

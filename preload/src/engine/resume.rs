@@ -179,7 +179,7 @@ impl Engine {
         };
         let report = tx.end(slots, done.tally, |rings, progress| {
             // Giving host memory back: in parallel, and without holding up anyone else. A
-            // blocking resume's caller does not wait for it either (`releases.rs`); a
+            // blocking resume's caller does not wait for it either (Note [Releases] in `background.rs`); a
             // non-blocking one's thread does it after the gate opened.
             let t1 = Instant::now();
             drop_pages(done.drop_pages);

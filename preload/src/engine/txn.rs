@@ -20,8 +20,8 @@
 //!    the engine broken when a panic unwinds through any of the above.
 //!
 //! Its prologue, [`Txn::begin`], refuses what cannot start (an empty tag, a broken engine),
-//! waits for the host memory earlier resumes are giving back (`releases.rs`), holds the
-//! background pinner quiet (`pinner.rs`), takes the operations lock (waiting for the
+//! waits for the host memory earlier resumes are giving back and holds the background pinner
+//! quiet (both in `background.rs`), takes the operations lock (waiting for the
 //! transaction running) and starts the progress record (`progress.rs`).
 
 use std::collections::BTreeMap;
@@ -30,11 +30,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, MutexGuard};
 
-use super::pinner::{Pinner, Quiet};
+use super::background::{Pinner, Quiet, Releases};
 use super::pipeline::{CopyConfig, PinMode, Ring};
 use super::progress::{self, Counters, Progress, Start, Tracked, Which};
 use super::registry::{describe, Allocation, Index, Pick, Registry};
-use super::releases::Releases;
 use super::report::{OpReport, Tally};
 use super::types::State;
 use crate::backup::{BackupKind, HostBuffer};
@@ -115,7 +114,7 @@ impl Ops {
         self.releases.wait()
     }
 
-    /// Give host memory back on a thread of its own (`releases.rs`).
+    /// Give host memory back on a thread of its own (Note [Releases] in `background.rs`).
     pub fn release_later(&self, work: impl FnOnce() + Send + 'static) {
         self.releases.start(work);
     }
@@ -181,7 +180,7 @@ impl<'e> Txn<'e> {
             which,
             tag: tag.map(str::to_owned),
         };
-        // The memory an earlier resume is giving back goes first (`releases.rs`).
+        // The memory an earlier resume is giving back goes first (Note [Releases]).
         ops.releases.wait();
         let quiet = ops.pinner.quiet();
         let t0 = Instant::now();
