@@ -277,6 +277,27 @@ class Tally:
             self.failures.append(f"{campaign}: {what}")
         return ok
 
+    def finish(self, kind: str, title: str, t0: float, how: str) -> int:
+        """Print the count per `kind` (campaign, sweep), the failures and the summary line last;
+        the exit status."""
+        print()
+        for name in sorted(self.counts):
+            tried, held = self.counts[name]
+            print(f"{kind} {name}: {tried} checks, {held} held")
+        tried = sum(c[0] for c in self.counts.values())
+        held = sum(c[1] for c in self.counts.values())
+        for f in self.failures:
+            print("BROKE", f)
+        print(f"{title}: {held} of {tried} checks held in {time.monotonic() - t0:.0f} s ({how})")
+        return 0 if tried and held == tried else 1
+
+
+def find_ctl() -> str | None:
+    """tmsctl from TMS_BIN_DIR, else the one on PATH (the wheel's)."""
+    bin_dir = os.environ.get("TMS_BIN_DIR")
+    ctl = (str(Path(bin_dir, "tmsctl").resolve()) if bin_dir else None) or shutil.which("tmsctl")
+    return ctl if ctl and os.access(ctl, os.X_OK) else None
+
 
 def env_for(mode: str, lib: str, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TMS_") and k != "LD_PRELOAD"}
@@ -470,9 +491,8 @@ def main() -> int:
     import torch_memory_saver as pkg
 
     lib = pkg.get_binary_path()
-    bin_dir = os.environ.get("TMS_BIN_DIR")
-    ctl = (str(Path(bin_dir, "tmsctl").resolve()) if bin_dir else None) or shutil.which("tmsctl")
-    if not ctl or not os.access(ctl, os.X_OK):
+    ctl = find_ctl()
+    if not ctl:
         print("no tmsctl (set TMS_BIN_DIR or install the wheel)")
         return 1
     print(f"seed {a.seed}; library {lib}; tmsctl {ctl}", flush=True)
@@ -489,16 +509,7 @@ def main() -> int:
                 fn()
             except Exception as e:  # a campaign that could not run is a failure, never a pass
                 t.check(name, False, f"{mode}: campaign stopped: {type(e).__name__}: {e}")
-    print()
-    for name in sorted(t.counts):
-        tried, held = t.counts[name]
-        print(f"campaign {name}: {tried} checks, {held} held")
-    tried = sum(c[0] for c in t.counts.values())
-    held = sum(c[1] for c in t.counts.values())
-    for f in t.failures:
-        print("BROKE", f)
-    print(f"FAULT CAMPAIGNS: {held} of {tried} checks held in {time.monotonic() - t0:.0f} s (seed {a.seed})")
-    return 0 if tried and held == tried else 1
+    return t.finish("campaign", "FAULT CAMPAIGNS", t0, f"seed {a.seed}")
 
 
 if __name__ == "__main__":

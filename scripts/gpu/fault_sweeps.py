@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_campaign import GIB, MIB, Proc, Tally, env_for  # noqa: E402
+from fault_campaign import GIB, MIB, Proc, Tally, env_for, find_ctl  # noqa: E402
 
 # A process holding tags, answering JSON lines on stdin: on a GPU through PyTorch (either hook
 # mode), on the simulated device through cudaMalloc (LD_PRELOAD).
@@ -414,9 +414,8 @@ def main() -> int:
     import torch_memory_saver as pkg
 
     lib = pkg.get_binary_path()
-    bin_dir = os.environ.get("TMS_BIN_DIR")
-    ctl = (str(Path(bin_dir, "tmsctl").resolve()) if bin_dir else None) or shutil.which("tmsctl")
-    if not ctl or not os.access(ctl, os.X_OK):
+    ctl = find_ctl()
+    if not ctl:
         print("no tmsctl (set TMS_BIN_DIR or install the wheel)")
         return 1
     modes = (a.modes or ("preload" if a.device == "sim" else "preload,torch")).split(",")
@@ -444,16 +443,7 @@ def main() -> int:
                 t.check(name, False, f"{mode}: sweep stopped: {type(e).__name__}: {e}")
             finally:
                 shutil.rmtree(root, ignore_errors=True)
-    print()
-    for name in sorted(t.counts):
-        tried, held = t.counts[name]
-        print(f"sweep {name}: {tried} checks, {held} held")
-    tried = sum(c[0] for c in t.counts.values())
-    held = sum(c[1] for c in t.counts.values())
-    for f in t.failures:
-        print("BROKE", f)
-    print(f"FAULT SWEEPS: {held} of {tried} checks held in {time.monotonic() - t0:.0f} s (seed {a.seed}, {a.device})")
-    return 0 if tried and held == tried else 1
+    return t.finish("sweep", "FAULT SWEEPS", t0, f"seed {a.seed}, {a.device}")
 
 
 if __name__ == "__main__":
