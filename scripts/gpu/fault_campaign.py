@@ -67,8 +67,6 @@ def tag_state(tag):
             return {k: t[k] for k in ("active_allocations", "paused_allocations", "host_backup_bytes")}
     return None
 
-def err(e):
-    return {"ok": False, "error": type(e).__module__ + "." + type(e).__name__, "msg": str(e)[:400]}
 
 def do(c):
     cmd = c["cmd"]
@@ -84,27 +82,6 @@ def do(c):
         sums[c["tag"]] = [checksum(t) for t in ts]
         torch.cuda.synchronize()
         return {"ok": True}
-    if cmd in ("pause", "resume"):
-        try:
-            getattr(tms, cmd)(c["tag"])
-            return {"ok": True}
-        except Exception as e:
-            return err(e)
-    if cmd == "resume_many":
-        # Several tags resumed at once from as many threads.
-        out = {}
-        def one(tag):
-            try:
-                tms.resume(tag)
-                out[tag] = {"ok": True}
-            except Exception as e:
-                out[tag] = err(e)
-        th = [threading.Thread(target=one, args=(t,)) for t in c["tags"]]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join()
-        return {"ok": True, "each": out}
     if cmd == "state":
         return {"ok": True, "state": tag_state(c["tag"])}
     if cmd == "state_bytes":
@@ -144,7 +121,40 @@ def do(c):
         torch.cuda.synchronize()
         held.clear()
         return {"ok": True, "results": res}
+    return common(c)
+"""
+
+# The end of every worker: `do` answers one JSON command a line, until "exit", and leaves the
+# commands every worker answers alike to `common`.
+SERVE = r"""
+def common(c):
+    cmd = c["cmd"]
+    if cmd in ("pause", "resume"):
+        try:
+            getattr(tms, cmd)(c["tag"])
+            return {"ok": True}
+        except Exception as e:
+            return err(e)
+    if cmd == "resume_many":
+        # Several tags resumed at once from as many threads, without blocking if asked.
+        out = {}
+        kw = {"non_blocking": True} if c.get("non_blocking") else {}
+        def one(tag):
+            try:
+                tms.resume(tag, **kw)
+                out[tag] = {"ok": True}
+            except Exception as e:
+                out[tag] = err(e)
+        th = [threading.Thread(target=one, args=(t,)) for t in c["tags"]]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join()
+        return {"ok": True, "each": out}
     raise ValueError("unknown command " + cmd)
+
+def err(e):
+    return {"ok": False, "error": type(e).__module__ + "." + type(e).__name__, "msg": str(e)[:1000]}
 
 print(json.dumps({"ready": os.getpid()}), flush=True)
 for line in sys.stdin:
@@ -157,6 +167,7 @@ for line in sys.stdin:
         r = err(e)
     print(json.dumps(r), flush=True)
 """
+WORKER += SERVE
 
 HOG = r"""
 import json, sys, torch

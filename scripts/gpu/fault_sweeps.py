@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_campaign import GIB, MIB, Proc, Tally, env_for, find_ctl  # noqa: E402
+from fault_campaign import GIB, MIB, SERVE, Proc, Tally, env_for, find_ctl  # noqa: E402
 
 # A process holding tags, answering JSON lines on stdin: on a GPU through PyTorch (either hook
 # mode), on the simulated device through cudaMalloc (LD_PRELOAD).
@@ -92,9 +92,6 @@ def state(tag):
             return {k: t.get(k) for k in keys}
     return None
 
-def err(e):
-    return {"ok": False, "error": type(e).__name__, "msg": str(e)[:500]}
-
 def do(c):
     cmd = c["cmd"]
     if cmd == "alloc":
@@ -107,27 +104,6 @@ def do(c):
             torch.cuda.synchronize()
         held[c["tag"]] = [(o, n, digest(o, n)) for o, _, n in out]
         return {"ok": True}
-    if cmd in ("pause", "resume"):
-        try:
-            getattr(tms, cmd)(c["tag"])
-            return {"ok": True}
-        except Exception as e:
-            return err(e)
-    if cmd == "resume_nb":
-        # Each tag resumed without blocking, from a thread of its own.
-        out = {}
-        def one(tag):
-            try:
-                tms.resume(tag, non_blocking=True)
-                out[tag] = {"ok": True}
-            except Exception as e:
-                out[tag] = err(e)
-        th = [threading.Thread(target=one, args=(t,)) for t in c["tags"]]
-        for t in th:
-            t.start()
-        for t in th:
-            t.join()
-        return {"ok": True, "each": out}
     if cmd == "wait":
         try:
             landed = [tms.wait(o, timeout=c["secs"]) for o, _, _ in held[c["tag"]]]
@@ -143,19 +119,9 @@ def do(c):
         return {"ok": not bad, "changed": bad}
     if cmd == "free":
         return {"ok": True, "free": free()}
-    raise ValueError("unknown command " + cmd)
-
-print(json.dumps({"ready": os.getpid()}), flush=True)
-for line in sys.stdin:
-    c = json.loads(line)
-    if c["cmd"] == "exit":
-        break
-    try:
-        r = do(c)
-    except Exception as e:
-        r = err(e)
-    print(json.dumps(r), flush=True)
+    return common(c)
 """
+WORKER += SERVE
 
 
 class Setup:
@@ -257,7 +223,7 @@ def sweep_d(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
             for tag in tags:
                 assert s.ask(w, cmd="pause", tag=tag)["ok"]
             free0 = s.ask(w, cmd="free")["free"]
-            each = s.ask(w, cmd="resume_nb", tags=tags)["each"]
+            each = s.ask(w, cmd="resume_many", tags=tags, non_blocking=True)["each"]
             for tag in tags:
                 n = len(SIZES[tag])
                 res = each[tag]
