@@ -40,7 +40,6 @@ MIB = 1 << 20
 
 WORKER = r"""
 import json, os, sys, threading, torch
-import torch_memory_saver as pkg
 from torch_memory_saver import torch_memory_saver as tms
 tms.hook_mode = os.environ["FC_MODE"]
 torch.cuda.init()
@@ -107,7 +106,7 @@ def do(c):
                 with lock:
                     held.append(t)
                     res.append("ok")
-            except torch.OutOfMemoryError as e:
+            except torch.OutOfMemoryError:
                 with lock:
                     res.append("oom")
             except Exception as e:

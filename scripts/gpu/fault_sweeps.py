@@ -46,7 +46,6 @@ from fault_campaign import GIB, MIB, SERVE, Proc, Tally, env_for, find_ctl  # no
 # mode), on the simulated device through cudaMalloc (LD_PRELOAD).
 WORKER = r"""
 import ctypes, hashlib, json, os, random, sys, threading
-import torch_memory_saver as pkg
 from torch_memory_saver import torch_memory_saver as tms
 CUDA = os.environ["FS_DEVICE"] == "cuda"
 if CUDA:
