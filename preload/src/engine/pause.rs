@@ -15,7 +15,7 @@ use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{reported_by, with_earlier};
 use super::segment::{self, Span};
-use super::txn::{Marked, Slots, Txn};
+use super::txn::{Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
 use crate::backup::{backing_of, disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
@@ -45,6 +45,7 @@ struct Job {
     file_needed: bool,
     /// Paused segments a failed resume left mapped (index and where): unmapped first.
     stuck: Vec<(usize, Span)>,
+    device: i32,
     /// A buffer others hold that has the contents of the allocation's paused segments: copied
     /// (those byte ranges) into the new buffer before anything is paused.
     carry: Option<BufferRanges>,
@@ -75,10 +76,6 @@ impl Job {
             .iter()
             .map(|(span, _)| Item::over(self.ptr, span, self.target()).copy_bytes())
             .sum()
-    }
-
-    fn device(&self) -> i32 {
-        self.runs[0].0.device
     }
 
     /// Device bytes of run `r`, and the bytes of it the backup holds.
@@ -115,16 +112,6 @@ impl Job {
                 n => format!(" and {} more", n - 1),
             }
         )
-    }
-}
-
-impl Marked for Job {
-    fn ptr(&self) -> DevPtr {
-        self.ptr
-    }
-
-    fn tag(&self) -> &Arc<str> {
-        &self.tag
     }
 }
 
@@ -238,13 +225,11 @@ impl Engine {
             .prepare_backups(&mut jobs, cfg, rings, tag)
             .and_then(|()| {
                 prepared_s = t0.elapsed().as_secs_f64();
-                tracked.prepared(
-                    jobs.iter().map(Job::pipeline_bytes).sum(),
-                    Backings {
-                        host: jobs.iter().any(|j| j.host.is_some()),
-                        disk: jobs.iter().any(Job::on_disk),
-                    },
-                );
+                let backings = Backings {
+                    host: jobs.iter().any(|j| j.host.is_some()),
+                    disk: jobs.iter().any(Job::on_disk),
+                };
+                tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
                 self.pause_devices(&jobs, rings, cfg, &mut retired, tracked.counters())
             });
         for (j, (bytes, copied, unchanged)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
@@ -359,7 +344,7 @@ impl Engine {
             .map(|&i| jobs[i].mapped)
             .sum();
         if backups > 0 || files > 0 {
-            let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].device()).collect();
+            let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].device).collect();
             devices.sort_unstable();
             devices.dedup();
             let slots = 2 * cfg.threads as u64 * cfg.slot;
@@ -390,7 +375,7 @@ impl Engine {
                 j.disk = Some(f);
                 continue;
             }
-            let h = HostBuffer::new(self.driver.clone(), j.device(), kind, j.size, cfg.layout)
+            let h = HostBuffer::new(self.driver.clone(), j.device, kind, j.size, cfg.layout)
                 .ctx(what)?;
             if let Some((old, ranges)) = j.carry.take() {
                 for (off, len) in ranges {
@@ -447,7 +432,7 @@ impl Engine {
         retired: &mut [(u64, u64, u64)],
         progress: &Counters,
     ) -> Result<()> {
-        let mut groups = by_device(jobs.iter().map(Job::device));
+        let mut groups = by_device(jobs.iter().map(|j| j.device));
         for list in groups.values_mut() {
             // Those with nothing to copy are retired first.
             list.sort_by_key(|&i| (jobs[i].backed_up(), jobs[i].ptr));
@@ -629,7 +614,7 @@ fn begin_pause(
     pick: &Pick<'_>,
     cfg: &CopyConfig,
     kept: &BTreeSet<DevPtr>,
-) -> Vec<Job> {
+) -> Vec<(DevPtr, Job)> {
     if pick.chunk_state {
         // Every allocation the pick selects, those with nothing left to pause included
         // (chunked or not: a whole allocation is one record of its segments): a resume
@@ -676,6 +661,7 @@ fn begin_pause(
                     file_needed: true,
                     carry: None,
                     stuck,
+                    device: a.device,
                 };
             }
             for &s in &segs {
@@ -750,6 +736,7 @@ fn begin_pause(
                 file_needed,
                 carry,
                 stuck,
+                device: a.device,
             }
         },
     )

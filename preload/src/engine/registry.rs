@@ -117,14 +117,14 @@ impl Index {
     }
 
     /// Start a transaction: on each settled pauseable allocation for which `pick` names
-    /// segments (a non-empty list, sorted), mark it `during` and return what `f` copies out of
-    /// it, in address order.
+    /// segments (a non-empty list, sorted), mark it `during` and return its address with what
+    /// `f` copies out of it, in address order.
     pub fn begin<J>(
         &mut self,
         during: State,
         mut pick: impl FnMut(DevPtr, &Allocation) -> Option<Vec<usize>>,
         mut f: impl FnMut(DevPtr, &mut Allocation, Vec<usize>) -> J,
-    ) -> Vec<J> {
+    ) -> Vec<(DevPtr, J)> {
         let mut out = Vec::new();
         for (ptr, a) in self.allocs.iter_mut() {
             if !a.pauseable || a.resident || a.in_transition() {
@@ -134,7 +134,7 @@ impl Index {
                 continue;
             };
             a.state = during;
-            out.push(f(*ptr, a, segs));
+            out.push((*ptr, f(*ptr, a, segs)));
         }
         out
     }

@@ -15,10 +15,10 @@ use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{holds, reported_by, with_earlier, OpenOnDrop, Tracker};
 use super::segment::{self, Mapping, Span};
-use super::txn::{Marked, Slots, Txn};
+use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, release_parallel, BackupKind, DiskFile, HostBuffer};
-use crate::driver::{DevPtr, DeviceScope};
+use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
 
@@ -38,6 +38,11 @@ struct Job {
     host: Option<Arc<HostBuffer>>,
     /// Or the file holding it.
     disk: Option<Arc<DiskFile>>,
+    device: i32,
+    /// Its backup is a file (a host buffer is preferred where it has both, as by the copies).
+    on_disk: bool,
+    /// Bytes copied back into each run.
+    copied: Vec<u64>,
 }
 
 impl Job {
@@ -45,40 +50,11 @@ impl Job {
         backing_of(&self.host, &self.disk).filter(|_| self.runs[r].1)
     }
 
-    fn device(&self) -> i32 {
-        self.runs[0].0.device
-    }
-
-    /// Its backup is a file (a host buffer is preferred where it has both, as by the copies).
-    fn on_disk(&self) -> bool {
-        self.host.is_none() && self.disk.is_some()
-    }
-
     /// Bytes the copy pipeline moves for this job.
     fn pipeline_bytes(&self) -> u64 {
         (0..self.runs.len())
             .map(|r| Item::over(self.ptr, &self.runs[r].0, self.target(r)).copy_bytes())
             .sum()
-    }
-
-    /// Bytes copied back into run `r`.
-    fn copied(&self, r: usize) -> u64 {
-        let (s, saved) = &self.runs[r];
-        if *saved && (self.host.is_some() || self.disk.is_some()) {
-            s.backed(self.ptr, self.size)
-        } else {
-            0
-        }
-    }
-}
-
-impl Marked for Job {
-    fn ptr(&self) -> DevPtr {
-        self.ptr
-    }
-
-    fn tag(&self) -> &Arc<str> {
-        &self.tag
     }
 }
 
@@ -161,7 +137,7 @@ impl Engine {
         // restores: raised once they are (by the caller of a non-blocking one once mapped).
         let mut earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
         if let Some(t) = track {
-            let devices = by_device(jobs.iter().map(Job::device)).len();
+            let devices = by_device(jobs.iter().map(|j| j.device)).len();
             t.begin(
                 jobs.iter().map(|j| (j.ptr, j.size, j.runs.len())).collect(),
                 devices,
@@ -237,15 +213,14 @@ impl Engine {
         track: Option<&Tracker>,
         jobs: Vec<Job>,
     ) -> Result<Committed> {
-        let (rings, tracked) = tx.work();
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
-        tracked.prepared(
-            jobs.iter().map(Job::pipeline_bytes).sum(),
-            Backings {
-                host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
-                disk: jobs.iter().filter(copying).any(Job::on_disk),
-            },
-        );
+        let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
+        let backings = Backings {
+            host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
+            disk: jobs.iter().filter(copying).any(|j| j.on_disk),
+        };
+        let (rings, tracked) = tx.work();
+        tracked.prepared(bytes, backings);
         let progress = tracked.counters();
         // A file that is gone or cut short fails the resume before anything is mapped.
         let present = jobs
@@ -310,8 +285,8 @@ impl Engine {
         track: Option<&Tracker>,
         (asked, verified): (bool, &[AtomicU64]),
     ) -> (Made<'d>, Result<()>) {
-        let groups = by_device(jobs.iter().map(Job::device));
         progress.phase(Phase::Mapping);
+        let groups = by_device(jobs.iter().map(|j| j.device));
         let d = &*self.driver;
         let work = device_work(&groups, rings);
         let results = per_device(work, |(device, list, ring)| {
@@ -411,22 +386,25 @@ impl Engine {
         let mut tally = Tally::default();
         for &(i, r, _) in &made {
             let j = &jobs[i];
-            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied(r), j.on_disk());
+            tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied[r], j.on_disk);
         }
         for j in jobs {
             tally.allocation(&j.tag);
         }
+        // The new handles, each run's with the index of its first segment.
+        let handles: Vec<(usize, usize, Vec<PhysHandle>)> = made
+            .into_iter()
+            .map(|(i, r, m)| (i, jobs[i].runs[r].0.first_segment(jobs[i].ptr), m.commit()))
+            .collect();
         let mut left = Committed {
             tally,
             retain,
             ..Committed::default()
         };
         let mut reg = self.registry.lock();
-        for (i, r, m) in made {
-            let j = &jobs[i];
-            let a = reg.marked(j.ptr);
-            let first = j.runs[r].0.first_segment(j.ptr);
-            for (k, h) in m.commit().into_iter().enumerate() {
+        for (i, first, hs) in handles {
+            let a = reg.marked(jobs[i].ptr);
+            for (k, h) in hs.into_iter().enumerate() {
                 a.handles[first + k] = Some(h);
             }
         }
@@ -531,7 +509,7 @@ impl Engine {
     fn unmap_stuck(&self, jobs: &[Job]) -> Result<()> {
         let d = &*self.driver;
         for j in jobs.iter().filter(|j| !j.stuck.is_empty()) {
-            let _scope = DeviceScope::enter(d, j.device())?;
+            let _scope = DeviceScope::enter(d, j.device)?;
             for &(s, seg) in &j.stuck {
                 d.unmap(seg.ptr, seg.mapped).ctx(|| {
                     format!(
@@ -547,7 +525,7 @@ impl Engine {
 }
 
 /// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
-fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<Job> {
+fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<(DevPtr, Job)> {
     reg.begin(
         State::Resuming,
         |ptr, a| {
@@ -579,6 +557,11 @@ fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<Job> {
                 }
             }
             let any_saved = runs.iter().any(|r| r.1);
+            let backed = any_saved && (a.host.is_some() || a.disk.is_some());
+            let copied = runs
+                .iter()
+                .map(|(s, saved)| if *saved && backed { s.backed(ptr, a.size) } else { 0 })
+                .collect();
             Job {
                 ptr,
                 size: a.size,
@@ -589,6 +572,9 @@ fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<Job> {
                 stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
                 host: a.host.clone().filter(|_| any_saved),
                 disk: a.disk.clone().filter(|_| any_saved),
+                device: span.device,
+                on_disk: any_saved && a.host.is_none() && a.disk.is_some(),
+                copied,
             }
         },
     )

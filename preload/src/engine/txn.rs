@@ -127,14 +127,6 @@ fn clear_if_unused(slots: &mut Rings, registry: &Registry) {
     }
 }
 
-/// One allocation's share of a transaction, as the transaction copied it out of the registry.
-pub(super) trait Marked {
-    /// The allocation's address.
-    fn ptr(&self) -> DevPtr;
-    /// Its tag.
-    fn tag(&self) -> &Arc<str>;
-}
-
 /// What the staging slots become when a transaction ends.
 pub(super) enum Slots {
     /// Kept for the next transaction, unless no allocation with a backup is left.
@@ -214,25 +206,27 @@ impl<'e> Txn<'e> {
     }
 
     /// Mark what `pick` selects: `f` marks the allocations in the registry (under its lock,
-    /// after `pick` is checked against it) and copies out what the work needs. From here until
-    /// the transaction settles them, they are this transaction's.
-    pub(super) fn mark<J: Marked>(
+    /// after `pick` is checked against it: `Index::begin`) and copies out what the work needs.
+    /// From here until the transaction settles them, they are this transaction's.
+    pub(super) fn mark<J>(
         &mut self,
         pick: &Pick<'_>,
-        f: impl FnOnce(&mut Index) -> Vec<J>,
+        f: impl FnOnce(&mut Index) -> Vec<(DevPtr, J)>,
     ) -> Result<Vec<J>> {
         let registry = self.settle.registry;
         registry.note_unknown_tag(verb(self.end.which), pick.tag);
-        let jobs = {
-            let mut reg = registry.lock();
-            pick.check(&reg)?;
-            let jobs = f(&mut reg);
-            self.settle.ptrs = jobs.iter().map(Marked::ptr).collect();
-            jobs
+        let mut reg = registry.lock();
+        pick.check(&reg)?;
+        let (ptrs, jobs): (Vec<DevPtr>, Vec<J>) = f(&mut reg).into_iter().unzip();
+        // Chunks of an allocation named by its address: the progress shows its tag.
+        let shown = match (pick.tag, ptrs.first().filter(|_| pick.alloc.is_some())) {
+            (None, Some(p)) => Some(reg.marked(*p).tag.clone()),
+            _ => None,
         };
-        if let (None, Some(j)) = (pick.tag, jobs.first().filter(|_| pick.alloc.is_some())) {
-            // Chunks of an allocation named by its address: the progress shows its tag.
-            self.end.tracked.set_tag(j.tag());
+        self.settle.ptrs = ptrs;
+        drop(reg);
+        if let Some(tag) = shown {
+            self.end.tracked.set_tag(&tag);
         }
         Ok(jobs)
     }
