@@ -286,8 +286,9 @@ impl Tracker {
     }
 }
 
-/// Opens the gate when a resume transaction ends in any way; declared after the transaction,
-/// so it runs before the operations lock is let go.
+/// Opens the gate when a resume transaction ends in any way: a field of the transaction
+/// (`txn.rs`), dropped before the operations lock is let go.
+#[derive(Default)]
 pub(super) struct OpenOnDrop<'t>(pub Option<&'t Tracker>);
 
 impl Drop for OpenOnDrop<'_> {

@@ -13,7 +13,7 @@ use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Which};
 use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
-use super::restoring::{holds, reported_by, with_earlier, OpenOnDrop, Tracker};
+use super::restoring::{holds, reported_by, with_earlier, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
@@ -120,8 +120,7 @@ impl Engine {
         track: Option<&Tracker>,
     ) -> Result<OpReport> {
         let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick)?;
-        // Dropped before the transaction: the gate opens before the operations lock goes.
-        let _open = OpenOnDrop(track);
+        tx.open_at_end(track);
         let cfg = self.settings.copy();
         let mut jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
         if !order.is_empty() {
@@ -560,7 +559,13 @@ fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<(DevPtr, Job)> {
             let backed = any_saved && (a.host.is_some() || a.disk.is_some());
             let copied = runs
                 .iter()
-                .map(|(s, saved)| if *saved && backed { s.backed(ptr, a.size) } else { 0 })
+                .map(|(s, saved)| {
+                    if *saved && backed {
+                        s.backed(ptr, a.size)
+                    } else {
+                        0
+                    }
+                })
                 .collect();
             Job {
                 ptr,

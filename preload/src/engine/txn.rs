@@ -11,7 +11,9 @@
 //! 1. `settle`: the allocations it marked (Pausing, Resuming) that are still in transition go
 //!    back to the state their handles describe, and a `free` waiting for one is woken. First,
 //!    while the operations lock is still held, so that no later transaction ever finds an
-//!    earlier one's allocations in transition.
+//!    earlier one's allocations in transition. With it, `gate`: a non-blocking resume's gate
+//!    opens (Note [Non-blocking resume] in `inflight.rs`), so that the next resume's base is
+//!    right and no stream waits for it forever.
 //! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
 //!    resume's, without retention) goes to its caller's closure after the lock is let go,
 //!    with the host memory a resume gives back: that takes long and needs no lock.
@@ -35,6 +37,7 @@ use super::pipeline::{CopyConfig, PinMode, Ring};
 use super::progress::{self, Counters, Progress, Start, Tracked, Which};
 use super::registry::{describe, Allocation, Index, Pick, Registry};
 use super::report::{OpReport, Tally};
+use super::restoring::{OpenOnDrop, Tracker};
 use super::types::State;
 use crate::backup::{BackupKind, HostBuffer};
 use crate::driver::DevPtr;
@@ -138,6 +141,7 @@ pub(super) enum Slots {
 /// A running pause or resume (Note [Transactions]).
 pub(super) struct Txn<'e> {
     settle: Settle<'e>,
+    gate: OpenOnDrop<'e>,
     slots: MutexGuard<'e, Rings>,
     end: Ending<'e>,
 }
@@ -192,6 +196,7 @@ impl<'e> Txn<'e> {
                     Which::Resume => State::Resuming,
                 },
             },
+            gate: OpenOnDrop::default(),
             slots,
             end: Ending {
                 tracked,
@@ -203,6 +208,11 @@ impl<'e> Txn<'e> {
                 t0,
             },
         })
+    }
+
+    /// A non-blocking resume's transaction: its gate opens when it ends, however it ends.
+    pub(super) fn open_at_end(&mut self, track: Option<&'e Tracker>) {
+        self.gate = OpenOnDrop(track);
     }
 
     /// Mark what `pick` selects: `f` marks the allocations in the registry (under its lock,
@@ -281,10 +291,12 @@ impl<'e> Txn<'e> {
     ) -> OpReport {
         let Txn {
             settle,
+            gate,
             slots: mut held,
             end,
         } = self;
         drop(settle);
+        drop(gate);
         let taken = match slots {
             Slots::KeepIfUsed => {
                 clear_if_unused(&mut held, end.registry);
