@@ -35,7 +35,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::backup::HostBuffer;
+use super::types::BufferRanges;
+use crate::backup::{release_parallel, BackupKind, HostBuffer};
 
 /// Releases running on their own threads.
 #[derive(Default)]
@@ -91,6 +92,69 @@ impl Releases {
             self.done.wait(&mut n);
         }
         t0.elapsed()
+    }
+}
+
+/// What a resume gives back once its transaction let go of the operations lock.
+pub(super) struct GiveBack<R> {
+    /// Host backups no longer needed, none of them leased.
+    pub released: Vec<Arc<HostBuffer>>,
+    /// Host memory of chunks resumed without retention, in buffers their paused neighbours
+    /// still need.
+    pub drop_pages: Vec<BufferRanges>,
+    /// What goes with the page-locked backups (the staging slots the transaction took).
+    pub with: Option<R>,
+    /// Threads to release on (the copy workers').
+    pub threads: usize,
+}
+
+impl Releases {
+    /// Give back what a resume no longer needs, in parallel and without holding up anyone
+    /// else: the pages of chunks now (while the transaction still holds the pinner quiet: it
+    /// must not page-lock them meanwhile); pageable (mmap) backups now too, since they exist so
+    /// that the kernel gets their pages back (a caller reading its resident set right after
+    /// the resume sees them gone); page-locked ones, slower to unregister, and `with` on a
+    /// thread of their own, or here if `here`. The seconds spent here.
+    pub(super) fn give_back<R: Send + 'static>(
+        self: &Arc<Self>,
+        g: GiveBack<R>,
+        here: bool,
+    ) -> f64 {
+        let t0 = Instant::now();
+        drop_pages(g.drop_pages);
+        let threads = g.threads;
+        let (now, later): (Vec<_>, Vec<_>) = g
+            .released
+            .into_iter()
+            .partition(|b| b.backend() == BackupKind::Mmap);
+        let anything = !later.is_empty() || g.with.is_some();
+        release_parallel(now, threads);
+        let with = g.with;
+        let rest = move || {
+            release_parallel(later, threads);
+            drop(with);
+        };
+        if here {
+            rest();
+        } else if anything {
+            self.start(rest);
+        }
+        t0.elapsed().as_secs_f64()
+    }
+}
+
+/// Give back the host memory of chunks resumed without retention, in buffers their paused
+/// neighbours still need. Here, while the pinner is still held quiet by the transaction (it
+/// must not page-lock these chunks meanwhile).
+fn drop_pages(bufs: Vec<BufferRanges>) {
+    for (h, ranges) in bufs {
+        // The registry's reference and this one: no lease or reader from before the resume
+        // (later ones only read chunks the backup holds, never these).
+        if Arc::strong_count(&h) == 2 {
+            for (off, len) in ranges {
+                h.drop_pages(off, len);
+            }
+        }
     }
 }
 

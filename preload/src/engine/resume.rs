@@ -4,8 +4,8 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
+use super::background::GiveBack;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::digests::Restored;
@@ -17,7 +17,7 @@ use super::restoring::{holds, reported_by, with_earlier, Tracker};
 use super::segment::{self, Mapping, Span};
 use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
-use crate::backup::{backing_of, release_parallel, BackupKind, DiskFile, HostBuffer};
+use crate::backup::{backing_of, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
@@ -153,36 +153,21 @@ impl Engine {
             Slots::Take
         };
         let report = tx.end(slots, done.tally, |rings, progress| {
-            // Giving host memory back: in parallel, and without holding up anyone else. A
-            // blocking resume's caller does not wait for it either (Note [Releases] in `background.rs`); a
-            // non-blocking one's thread does it after the gate opened.
-            let t1 = Instant::now();
-            drop_pages(done.drop_pages);
             // A leased buffer is its holder's to free (its memory goes with the lease): only
             // our reference goes, and the release waits for no one but holders of a moment.
             let released = self.leases.unleased(done.released);
             if track.is_some() && !released.is_empty() {
                 progress.phase(Phase::Releasing);
             }
-            let threads = cfg.threads;
-            // Pageable (mmap) backups exist so that the kernel gets their pages back: they go
-            // before the resume returns, so a caller that reads its resident set right after
-            // sees them gone. Page-locked ones, slower to unregister, go on a thread.
-            let (now, later): (Vec<_>, Vec<_>) = released
-                .into_iter()
-                .partition(|b| b.backend() == BackupKind::Mmap);
-            let anything = !later.is_empty() || !rings.is_empty();
-            release_parallel(now, threads);
-            let give_back = move || {
-                release_parallel(later, threads);
-                drop(rings);
+            let g = GiveBack {
+                released,
+                drop_pages: done.drop_pages,
+                with: (!rings.is_empty()).then_some(rings),
+                threads: cfg.threads,
             };
-            if track.is_some() {
-                give_back();
-            } else if anything {
-                self.ops.release_later(give_back);
-            }
-            t1.elapsed().as_secs_f64()
+            // A blocking resume's caller does not wait for it (Note [Releases]); a non-blocking
+            // one's thread does it, after the gate opened.
+            self.ops.releases.give_back(g, track.is_some())
         });
         tracing::info!(
             "resumed {} ({} allocations){} in {:.3}s ({:.3}s releasing host memory)",
@@ -583,19 +568,4 @@ fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<(DevPtr, Job)> {
             }
         },
     )
-}
-
-/// Give back the host memory of chunks resumed without retention, in buffers their paused
-/// neighbours still need. Here, while the pinner is still held quiet by the transaction (it
-/// must not page-lock these chunks meanwhile).
-fn drop_pages(bufs: Vec<BufferRanges>) {
-    for (h, ranges) in bufs {
-        // The registry's reference and this one: no lease or reader from before the resume
-        // (later ones only read chunks the backup holds, never these).
-        if Arc::strong_count(&h) == 2 {
-            for (off, len) in ranges {
-                h.drop_pages(off, len);
-            }
-        }
-    }
 }

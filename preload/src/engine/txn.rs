@@ -68,7 +68,7 @@ pub(super) struct Ops {
     /// Page-locks retained pinned backups between transactions.
     pinner: Arc<Pinner>,
     /// Host memory being given back after resumes returned.
-    releases: Arc<Releases>,
+    pub(super) releases: Arc<Releases>,
     /// Set when a panic (a bug) unwound through a pause or resume: the registry may then no
     /// longer describe the device truly, so pause, resume and new pauseable allocations refuse
     /// with this message instead of acting on it.
@@ -115,11 +115,6 @@ impl Ops {
     /// Wait until the host memory resumes are giving back is gone; how long that took.
     pub fn wait_released(&self) -> Duration {
         self.releases.wait()
-    }
-
-    /// Give host memory back on a thread of its own (Note [Releases] in `background.rs`).
-    pub fn release_later(&self, work: impl FnOnce() + Send + 'static) {
-        self.releases.start(work);
     }
 }
 
