@@ -109,13 +109,14 @@ impl Pipeline<'_, '_> {
         prepare: impl FnMut(usize, &dyn Fn(u64)) -> Result<()>,
         on_done: impl FnMut(usize) -> Result<()>,
     ) -> Result<()> {
+        let ready = Ready::new();
         let sh = Shared {
             driver: self.driver,
             device: self.device,
             dir: self.dir,
             cfg: self.cfg,
             queue: Queue::new(self.items),
-            ready: Ready::new(),
+            ready,
             timing: Timing::new(self.progress),
             error: Mutex::new(None),
             pin_inline: self.cfg.pin == PinMode::Inline && !self.lock_pages_first,

@@ -288,14 +288,11 @@ impl Tracker {
 
 /// Opens the gate when a resume transaction ends in any way: a field of the transaction
 /// (`txn.rs`), dropped before the operations lock is let go.
-#[derive(Default)]
-pub(super) struct OpenOnDrop<'t>(pub Option<&'t Tracker>);
+pub(super) struct OpenOnDrop<'t>(pub &'t Tracker);
 
 impl Drop for OpenOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(t) = self.0 {
-            t.open();
-        }
+        self.0.open();
     }
 }
 

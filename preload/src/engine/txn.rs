@@ -136,7 +136,7 @@ pub(super) enum Slots {
 /// A running pause or resume (Note [Transactions]).
 pub(super) struct Txn<'e> {
     settle: Settle<'e>,
-    gate: OpenOnDrop<'e>,
+    gate: Option<OpenOnDrop<'e>>,
     slots: MutexGuard<'e, Rings>,
     end: Ending<'e>,
 }
@@ -191,7 +191,7 @@ impl<'e> Txn<'e> {
                     Which::Resume => State::Resuming,
                 },
             },
-            gate: OpenOnDrop::default(),
+            gate: None,
             slots,
             end: Ending {
                 tracked,
@@ -207,7 +207,7 @@ impl<'e> Txn<'e> {
 
     /// A non-blocking resume's transaction: its gate opens when it ends, however it ends.
     pub(super) fn open_at_end(&mut self, track: Option<&'e Tracker>) {
-        self.gate = OpenOnDrop(track);
+        self.gate = track.map(OpenOnDrop);
     }
 
     /// Mark what `pick` selects: `f` marks the allocations in the registry (under its lock,
