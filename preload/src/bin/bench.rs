@@ -13,11 +13,12 @@
 //! Prints a table; asserts nothing about time.
 //!
 //! Usage: `tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain]
-//! [--no-many] [--no-chunks | --chunks-only] [--checks] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]`
-//! (default 16GiB 512: one allocation of TOTAL, and COUNT allocations of TOTAL/COUNT;
-//! `--no-many` skips the latter with backup; `--chunks-only` runs only the limits and the
-//! chunked scenarios; `--segment` sets the
-//! engine's physical segment size, for experiments; `TMS_LOG=tms=debug` logs pipeline phases). The copy
+//! [--no-many] [--no-chunks | --chunks-only] [--checks | --checks-only] [--segment BYTES]
+//! [--settle MS] [--disk DIR [--disk-only]]` (default 16GiB 512: one allocation of TOTAL, and
+//! COUNT allocations of TOTAL/COUNT; `--no-many` skips the latter with backup; `--chunks-only`
+//! runs only the limits and the chunked scenarios, `--checks-only` only the limits and the
+//! skip-unchanged and verify ones; `--segment` sets the engine's physical segment size, for
+//! experiments; `TMS_LOG=tms=debug` logs pipeline phases). The copy
 //! settings come from the `TMS_COPY_*`/`TMS_STAGING_SLOT`/`TMS_HOST_HUGEPAGES`/`TMS_PIN`
 //! variables. On the sim use small sizes, e.g. `tms-bench 64MiB 8`.
 
@@ -127,7 +128,8 @@ struct Opts {
 
 fn usage() -> &'static str {
     "usage: tms-bench [TOTAL] [COUNT] [--no-limits] [--backend pinned|mmap] [--no-plain] [--no-many] \
-     [--no-chunks | --chunks-only] [--checks] [--segment BYTES] [--settle MS] [--disk DIR [--disk-only]]   (default 16GiB 512)"
+     [--no-chunks | --chunks-only] [--checks | --checks-only] [--segment BYTES] [--settle MS] \
+     [--disk DIR [--disk-only]]   (default 16GiB 512)"
 }
 
 fn parse_args() -> Result<Option<Opts>, String> {
@@ -158,6 +160,12 @@ fn parse_args() -> Result<Option<Opts>, String> {
             "--no-many" => o.many = false,
             "--no-chunks" => o.chunks = false,
             "--checks" => o.checks = true,
+            "--checks-only" => {
+                o.backends.clear();
+                o.plain = false;
+                o.chunks = false;
+                o.checks = true;
+            }
             "--chunks-only" => {
                 o.backends.clear();
                 o.plain = false;
