@@ -199,7 +199,7 @@ impl Tracker {
     /// Whether data it promised is still on its way.
     pub(super) fn restoring(&self) -> bool {
         let s = self.st.lock();
-        s.mapped && s.done.is_none() && s.prefix < s.jobs.len()
+        s.mapped && s.done.is_none() && !s.kept && s.prefix < s.jobs.len()
     }
 
     /// Wait until everything is mapped (`Ok`) or the resume ended before that (its result).
@@ -466,7 +466,9 @@ mod tests {
         // and the thread recording its outcome; a wait then must not raise the failure again.
         let t = tracker();
         t.device_mapped();
+        assert!(t.restoring());
         t.failure_kept();
+        assert!(!t.restoring(), "its data is not on its way any more");
         t.finish(Err(failure()));
         assert!(t.wait(None, None).unwrap());
         assert!(t.wait(Some(0x10_0000), None).unwrap());
