@@ -5,7 +5,9 @@ under LD_PRELOAD (no GPU, no torch: scripts/test does so with a few rounds).
 
 D. Non-blocking resume, a disk read failing part way: a fresh worker per round, its k-th disk
    read made to fail (`TMS_DISK_FAULTS=read:k:EIO`, k swept over the resume's reads and beyond),
-   1, 2 or 4 copy workers, one tag resumed or two at once from two threads. Each resumed tag must
+   1, 2 or 4 copy workers, one tag resumed or two at once from two threads; in some rounds the
+   device is first filled (another tag) to leave room for only part of the tag, so the mapping
+   fails before the call returns (OutOfMemoryError, nothing held). Each resumed tag must
    end in one of three true states: the call raised and the tag is still paused (a blocking
    resume then restores it intact); or the data landed (`wait()` True, contents intact); or the
    restore failed after the call returned, and then `wait()` raises, again on a second call,
@@ -70,6 +72,26 @@ def make(n, seed):
     ctypes.memmove(p.value, random.Random(seed).randbytes(n), n)
     return p.value, p.value
 
+hog = []
+
+def make_empty(n):
+    # An allocation of n bytes, contents undefined; MemoryError where none is had.
+    if CUDA:
+        try:
+            t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError as e:
+            raise MemoryError(str(e))
+        return t, t.data_ptr()
+    p = ctypes.c_void_p(0)
+    rc = libc.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n))
+    if rc != 0:
+        raise MemoryError(f"cudaMalloc({n}) = {rc}")
+    return p.value, p.value
+
+def drop(o):
+    if not CUDA:
+        libc.cudaFree(ctypes.c_void_p(o))
+
 def digest(obj, n):
     if CUDA:
         v = obj.view(torch.int64)
@@ -118,6 +140,30 @@ def do(c):
         return {"ok": not bad, "changed": bad}
     if cmd == "free":
         return {"ok": True, "free": free()}
+    if cmd == "hog":
+        # Fill the device with pauseable allocations of `unit` bytes (tag "hog", no backup)
+        # until one fails, then give back about `room` bytes of them.
+        hog.clear()
+        while True:
+            try:
+                with tms.region(tag="hog"):
+                    o, _ = make_empty(c["unit"])
+                hog.append(o)
+            except (MemoryError, RuntimeError):
+                break
+        filled = len(hog)
+        for _ in range(-(-c["room"] // c["unit"])):
+            if hog:
+                drop(hog.pop())
+        if CUDA:
+            torch.cuda.empty_cache()
+        return {"ok": True, "filled": filled, "kept": len(hog)}
+    if cmd == "unhog":
+        while hog:
+            drop(hog.pop())
+        if CUDA:
+            torch.cuda.empty_cache()
+        return {"ok": True}
     return common(c)
 """
 WORKER += SERVE
@@ -134,6 +180,8 @@ class Setup:
         self.unit = MIB if self.sim else 128 * MIB
         self.chunk_mb = 1 if self.sim else 64
         self.ctl_timeout = 2 if self.sim else 5
+        # What the device is filled with, a piece at a time, where a sweep wants it nearly full.
+        self.hog_unit = 2 * MIB if self.sim else 256 * MIB
         self.ask_timeout = 60 if self.sim else 300
 
     def env(self, mode: str, **extra: str) -> dict:
@@ -210,8 +258,11 @@ def sweep_d(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
         reads = sum(sum(SIZES[x]) * s.unit // (s.chunk_mb * MIB) for x in tags)
         k = rng.randint(1, reads + 2)
         first = rng.choice(["wait", "pause"])
+        # Or the device has room for only part of the tag: the mapping fails before the return.
+        short = 0.0 if two or rng.random() < 0.7 else rng.uniform(0.2, 0.8)
         what = (f"{mode} round {r}: read {k} of {reads} fails, {threads} copy worker(s), "
-                f"{'two tags from two threads' if two else 'one tag'}, then {first}")
+                f"{'two tags from two threads' if two else 'one tag'}, then {first}"
+                + (f", room for {short:.0%} of the tag" if short else ""))
         w = s.worker(mode, f"worker[{mode}]", TMS_DISK_FAULTS=f"read:{k}:EIO",
                      TMS_COPY_THREADS=str(threads), TMS_DISK_BACKUP_CHUNK_MB=str(s.chunk_mb))
         try:
@@ -222,7 +273,19 @@ def sweep_d(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
             for tag in tags:
                 assert s.ask(w, cmd="pause", tag=tag)["ok"]
             free0 = s.ask(w, cmd="free")["free"]
+            if short:
+                room = int(short * sum(SIZES["a"]) * s.unit)
+                h = s.ask(w, cmd="hog", room=room, unit=s.hog_unit)
+                t.check("D", h["ok"] and h["filled"] > h["kept"], f"{what}: the device filled: {h}")
             each = s.ask(w, cmd="resume_many", tags=tags, non_blocking=True)["each"]
+            if short:
+                res = each["a"]
+                st = s.ask(w, cmd="state", tag="a")["state"]
+                s.ask(w, cmd="unhog")
+                t.check("D", not res["ok"] and res["error"].endswith("OutOfMemoryError")
+                        and st["paused_allocations"] == len(SIZES["a"]) and st["bytes_unrestored"] == 0
+                        and st["active_allocations"] == 0,
+                        f"{what}: the call raised {res.get('error')} before returning, nothing held: {st}")
             for tag in tags:
                 n = len(SIZES[tag])
                 res = each[tag]
