@@ -358,6 +358,8 @@ def sweep_e(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
         peers = [spawn(i) for i in range(3)]
         for r in range(rounds):
             op = rng.choice(["pause", "resume"])
+            # Every peer is active here (each round ends so): the device's free memory then.
+            free0 = s.ask(peers[0], cmd="free")["free"]
             if op == "resume":
                 for p in peers:
                     assert s.ask(p, cmd="pause", tag="kv")["ok"]
@@ -366,7 +368,6 @@ def sweep_e(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
             delay = rng.uniform(0, 0.3 if s.sim else 1.5)
             what = f"{mode} round {r}: {op} --atomic, peer {victim.p.pid} {fault}"
             before = {p.p.pid: paused(p) for p in peers}
-            free0 = s.ask(peers[0], cmd="free")["free"]
             if fault == "stop before":
                 victim.p.send_signal(signal.SIGSTOP)
             job = subprocess.Popen(
@@ -418,7 +419,9 @@ def sweep_e(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> N
                 t.check("E", v["ok"] and not paused(p), f"{what}: peer {p.p.pid} resumed intact ({v})")
             if fault == "kill during" and free0 is not None:
                 deadline = time.monotonic() + 30
-                want = free0 + (0 if before[victim.p.pid] else sum(sizes)) - 512 * MIB
+                # The live peers are active again, as at the round's start; the killed one's
+                # memory is back.
+                want = free0 + sum(sizes) - 512 * MIB
                 got = s.ask(live[0], cmd="free")["free"]
                 while got < want and time.monotonic() < deadline:
                     time.sleep(0.5)
