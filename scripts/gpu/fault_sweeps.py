@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_campaign import GIB, MIB, SERVE, Proc, Tally, env_for, find_ctl  # noqa: E402
+from fault_campaign import GIB, HOG, MIB, SERVE, Proc, Tally, env_for, find_ctl  # noqa: E402
 
 # A process holding tags, answering JSON lines on stdin: on a GPU through PyTorch (either hook
 # mode), on the simulated device through cudaMalloc (LD_PRELOAD).
@@ -76,12 +76,6 @@ hog = []
 
 def make_empty(n):
     # An allocation of n bytes, contents undefined; MemoryError where none is had.
-    if CUDA:
-        try:
-            t = torch.empty(n, dtype=torch.uint8, device="cuda")
-        except torch.OutOfMemoryError as e:
-            raise MemoryError(str(e))
-        return t, t.data_ptr()
     p = ctypes.c_void_p(0)
     rc = libc.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(n))
     if rc != 0:
@@ -89,8 +83,7 @@ def make_empty(n):
     return p.value, p.value
 
 def drop(o):
-    if not CUDA:
-        libc.cudaFree(ctypes.c_void_p(o))
+    libc.cudaFree(ctypes.c_void_p(o))
 
 def digest(obj, n):
     if CUDA:
@@ -141,8 +134,9 @@ def do(c):
     if cmd == "free":
         return {"ok": True, "free": free()}
     if cmd == "hog":
-        # Fill the device with pauseable allocations of `unit` bytes (tag "hog", no backup)
-        # until one fails, then give back about `room` bytes of them.
+        # The simulated device only (each process has its own): fill it with pauseable
+        # allocations of `unit` bytes (tag "hog", no backup) until one fails, then give back
+        # about `room` bytes of them. On a GPU another process takes the memory (HOG).
         hog.clear()
         while True:
             try:
@@ -155,14 +149,10 @@ def do(c):
         for _ in range(-(-c["room"] // c["unit"])):
             if hog:
                 drop(hog.pop())
-        if CUDA:
-            torch.cuda.empty_cache()
         return {"ok": True, "filled": filled, "kept": len(hog)}
     if cmd == "unhog":
         while hog:
             drop(hog.pop())
-        if CUDA:
-            torch.cuda.empty_cache()
         return {"ok": True}
     return common(c)
 """
@@ -180,8 +170,6 @@ class Setup:
         self.unit = MIB if self.sim else 128 * MIB
         self.chunk_mb = 1 if self.sim else 64
         self.ctl_timeout = 2 if self.sim else 5
-        # What the device is filled with, a piece at a time, where a sweep wants it nearly full.
-        self.hog_unit = 2 * MIB if self.sim else 256 * MIB
         self.ask_timeout = 60 if self.sim else 300
 
     def env(self, mode: str, **extra: str) -> dict:
@@ -249,76 +237,112 @@ def landed_or_raised(s: Setup, t: Tally, w: Proc, tag: str, what: str, free0) ->
 SIZES = {"a": [4, 2, 6], "b": [3, 5], "c": [2]}
 
 
+class Room:
+    """Leaves the device room for only part of a tag: on the simulated device the worker fills
+    its own (each process has one), on a GPU another process takes the memory."""
+
+    def __init__(self, s: Setup) -> None:
+        self.s = s
+        self.hog = None if s.sim else Proc(HOG, env_for("none", s.lib), "hog")
+
+    def leave(self, w: Proc, room: int) -> tuple[bool, str]:
+        if self.hog is None:
+            h = self.s.ask(w, cmd="hog", room=room, unit=2 * MIB)
+            return h["ok"] and h["filled"] > h["kept"], f"{h}"
+        h = self.hog.ask(cmd="leave", bytes=room)
+        return h["ok"] and h["free"] < room + 512 * MIB, f"{h['free'] / MIB:.0f} MiB free"
+
+    def back(self, w: Proc) -> None:
+        if self.hog is None:
+            self.s.ask(w, cmd="unhog")
+        else:
+            self.hog.ask(cmd="release")
+
+    def close(self) -> None:
+        if self.hog is not None:
+            self.hog.close()
+
+
 def sweep_d(s: Setup, t: Tally, mode: str, rounds: int, rng: random.Random) -> None:
     counts: dict[str, int] = {}
-    for r in range(rounds):
-        threads = rng.choice([1, 2, 4])
-        two = rng.random() < 0.4
-        tags = ["a", "b"] if two else ["a"]
-        reads = sum(sum(SIZES[x]) * s.unit // (s.chunk_mb * MIB) for x in tags)
-        k = rng.randint(1, reads + 2)
-        first = rng.choice(["wait", "pause"])
-        # Or the device has room for only part of the tag: the mapping fails before the return.
-        short = 0.0 if two or rng.random() < 0.7 else rng.uniform(0.2, 0.8)
-        what = (f"{mode} round {r}: read {k} of {reads} fails, {threads} copy worker(s), "
-                f"{'two tags from two threads' if two else 'one tag'}, then {first}"
-                + (f", room for {short:.0%} of the tag" if short else ""))
-        w = s.worker(mode, f"worker[{mode}]", TMS_DISK_FAULTS=f"read:{k}:EIO",
-                     TMS_COPY_THREADS=str(threads), TMS_DISK_BACKUP_CHUNK_MB=str(s.chunk_mb))
-        try:
-            for i, tag in enumerate(("a", "b", "c")):
-                backup = "cpu" if tag == "c" else "disk"
-                sizes = [m * s.unit for m in SIZES[tag]]
-                assert s.ask(w, cmd="alloc", tag=tag, sizes=sizes, backup=backup, seed=31 * r + i)["ok"]
-            for tag in tags:
-                assert s.ask(w, cmd="pause", tag=tag)["ok"]
-            free0 = s.ask(w, cmd="free")["free"]
-            if short:
-                room = int(short * sum(SIZES["a"]) * s.unit)
-                h = s.ask(w, cmd="hog", room=room, unit=s.hog_unit)
-                t.check("D", h["ok"] and h["filled"] > h["kept"], f"{what}: the device filled: {h}")
-            each = s.ask(w, cmd="resume_many", tags=tags, non_blocking=True)["each"]
-            if short:
-                res = each["a"]
-                st = s.ask(w, cmd="state", tag="a")["state"]
-                s.ask(w, cmd="unhog")
-                t.check("D", not res["ok"] and res["error"].endswith("OutOfMemoryError")
-                        and st["paused_allocations"] == len(SIZES["a"]) and st["bytes_unrestored"] == 0
-                        and st["active_allocations"] == 0,
-                        f"{what}: the call raised {res.get('error')} before returning, nothing held: {st}")
-            for tag in tags:
-                n = len(SIZES[tag])
-                res = each[tag]
-                if not res["ok"]:
-                    st = s.ask(w, cmd="state", tag=tag)["state"]
-                    ok, how = resume_intact(s, w, tag)
-                    t.check("D", st["paused_allocations"] == n and st["bytes_unrestored"] == 0 and ok,
-                            f"{what}: {tag} raised before returning ({res['error']}: "
-                            f"{res['msg'][:120]}), still paused ({st}); then {how}")
-                    outcome = "raised before the return"
-                elif first == "wait":
-                    outcome = landed_or_raised(s, t, w, tag, what, free0)
-                    if outcome != "landed":
-                        ok, how = resume_intact(s, w, tag)
-                        t.check("D", ok, f"{what}: {tag} after the failure: {how}")
-                else:
-                    p = s.ask(w, cmd="pause", tag=tag)
-                    st = s.ask(w, cmd="state", tag=tag)["state"]
-                    reported = not p["ok"] and "failed after it returned" in p["msg"]
-                    t.check("D", (p["ok"] or reported) and st["paused_allocations"] == n
-                            and st["bytes_unrestored"] == 0,
-                            f"{what}: the pause first {'raised the failure' if reported else p}, {tag} paused: {st}")
-                    ok, how = resume_intact(s, w, tag)
-                    t.check("D", ok, f"{what}: {tag} after the pause: {how}")
-                    outcome = "failed after the return (pause first)" if reported else "landed (pause first)"
-                counts[outcome] = counts.get(outcome, 0) + 1
-            v = s.ask(w, cmd="verify", tag="c")
-            t.check("D", v["ok"], f"{what}: tag c intact at the end")
-        except Exception as e:  # a round that could not run is a failure, never a pass
-            t.check("D", False, f"{what}: stopped: {type(e).__name__}: {e}")
-        finally:
-            w.close()
+    room_for = Room(s)
+    try:
+        for r in range(rounds):
+            sweep_d_round(s, t, mode, r, rng, room_for, counts)
+    finally:
+        room_for.close()
     print(f"sweep D [{mode}] outcomes: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), flush=True)
+
+
+def sweep_d_round(s: Setup, t: Tally, mode: str, r: int, rng: random.Random, room_for: Room,
+                  counts: dict[str, int]) -> None:
+    threads = rng.choice([1, 2, 4])
+    two = rng.random() < 0.4
+    tags = ["a", "b"] if two else ["a"]
+    reads = sum(sum(SIZES[x]) * s.unit // (s.chunk_mb * MIB) for x in tags)
+    k = rng.randint(1, reads + 2)
+    first = rng.choice(["wait", "pause"])
+    # Or the device has room for only part of the tag: the mapping fails before the return.
+    short = 0.0 if two or rng.random() < 0.7 else rng.uniform(0.2, 0.8)
+    what = (f"{mode} round {r}: read {k} of {reads} fails, {threads} copy worker(s), "
+            f"{'two tags from two threads' if two else 'one tag'}, then {first}"
+            + (f", room for {short:.0%} of the tag" if short else ""))
+    w = s.worker(mode, f"worker[{mode}]", TMS_DISK_FAULTS=f"read:{k}:EIO",
+                 TMS_COPY_THREADS=str(threads), TMS_DISK_BACKUP_CHUNK_MB=str(s.chunk_mb))
+    try:
+        for i, tag in enumerate(("a", "b", "c")):
+            backup = "cpu" if tag == "c" else "disk"
+            sizes = [m * s.unit for m in SIZES[tag]]
+            assert s.ask(w, cmd="alloc", tag=tag, sizes=sizes, backup=backup, seed=31 * r + i)["ok"]
+        for tag in tags:
+            assert s.ask(w, cmd="pause", tag=tag)["ok"]
+        free0 = s.ask(w, cmd="free")["free"]
+        if short:
+            ok, how = room_for.leave(w, int(short * sum(SIZES["a"]) * s.unit))
+            t.check("D", ok, f"{what}: the device filled: {how}")
+        each = s.ask(w, cmd="resume_many", tags=tags, non_blocking=True)["each"]
+        if short:
+            res = each["a"]
+            st = s.ask(w, cmd="state", tag="a")["state"]
+            room_for.back(w)
+            # Out of memory mapping, or the armed read if it failed first (the pipeline copies
+            # item i while it maps item i+1): either way before the return.
+            t.check("D", not res["ok"]
+                    and st["paused_allocations"] == len(SIZES["a"]) and st["bytes_unrestored"] == 0
+                    and st["active_allocations"] == 0,
+                    f"{what}: the call raised {res.get('error')} before returning, nothing held: {st}")
+        for tag in tags:
+            n = len(SIZES[tag])
+            res = each[tag]
+            if not res["ok"]:
+                st = s.ask(w, cmd="state", tag=tag)["state"]
+                ok, how = resume_intact(s, w, tag)
+                t.check("D", st["paused_allocations"] == n and st["bytes_unrestored"] == 0 and ok,
+                        f"{what}: {tag} raised before returning ({res['error']}: "
+                        f"{res['msg'][:120]}), still paused ({st}); then {how}")
+                outcome = "raised before the return"
+            elif first == "wait":
+                outcome = landed_or_raised(s, t, w, tag, what, free0)
+                if outcome != "landed":
+                    ok, how = resume_intact(s, w, tag)
+                    t.check("D", ok, f"{what}: {tag} after the failure: {how}")
+            else:
+                p = s.ask(w, cmd="pause", tag=tag)
+                st = s.ask(w, cmd="state", tag=tag)["state"]
+                reported = not p["ok"] and "failed after it returned" in p["msg"]
+                t.check("D", (p["ok"] or reported) and st["paused_allocations"] == n
+                        and st["bytes_unrestored"] == 0,
+                        f"{what}: the pause first {'raised the failure' if reported else p}, {tag} paused: {st}")
+                ok, how = resume_intact(s, w, tag)
+                t.check("D", ok, f"{what}: {tag} after the pause: {how}")
+                outcome = "failed after the return (pause first)" if reported else "landed (pause first)"
+            counts[outcome] = counts.get(outcome, 0) + 1
+        v = s.ask(w, cmd="verify", tag="c")
+        t.check("D", v["ok"], f"{what}: tag c intact at the end")
+    except Exception as e:  # a round that could not run is a failure, never a pass
+        t.check("D", False, f"{what}: stopped: {type(e).__name__}: {e}")
+    finally:
+        w.close()
 
 
 def ctl_json(s: Setup, *args: str, timeout: float = 60) -> tuple[int, dict, str]:
