@@ -302,11 +302,17 @@ class Tally:
         return 0 if tried and held == tried else 1
 
 
-def find_ctl() -> str | None:
-    """tmsctl from TMS_BIN_DIR, else the one on PATH (the wheel's)."""
+def artefacts() -> tuple[str, str] | None:
+    """The installed package's library, and tmsctl from TMS_BIN_DIR, else the one on PATH (the
+    wheel's); None, said why, where there is no tmsctl."""
+    import torch_memory_saver as pkg
+
     bin_dir = os.environ.get("TMS_BIN_DIR")
     ctl = (str(Path(bin_dir, "tmsctl").resolve()) if bin_dir else None) or shutil.which("tmsctl")
-    return ctl if ctl and os.access(ctl, os.X_OK) else None
+    if not ctl or not os.access(ctl, os.X_OK):
+        print("no tmsctl (set TMS_BIN_DIR or install the wheel)")
+        return None
+    return pkg.get_binary_path(), ctl
 
 
 def env_for(mode: str, lib: str, **extra: str) -> dict:
@@ -498,13 +504,10 @@ def main() -> int:
     ap.add_argument("--modes", default="preload,torch")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("FC_SEED", "0")) or int(time.time()))
     a = ap.parse_args()
-    import torch_memory_saver as pkg
-
-    lib = pkg.get_binary_path()
-    ctl = find_ctl()
-    if not ctl:
-        print("no tmsctl (set TMS_BIN_DIR or install the wheel)")
+    found = artefacts()
+    if found is None:
         return 1
+    lib, ctl = found
     print(f"seed {a.seed}; library {lib}; tmsctl {ctl}", flush=True)
     rng = random.Random(a.seed)
     t = Tally()

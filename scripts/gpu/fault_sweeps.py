@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fault_campaign import GIB, HOG, MIB, SERVE, Proc, Tally, env_for, find_ctl  # noqa: E402
+from fault_campaign import GIB, HOG, MIB, SERVE, Proc, Tally, artefacts, env_for  # noqa: E402
 
 # A process holding tags, answering JSON lines on stdin: on a GPU through PyTorch (either hook
 # mode), on the simulated device through cudaMalloc (LD_PRELOAD).
@@ -466,13 +466,10 @@ def main() -> int:
     ap.add_argument("--sweeps", default="D,E")
     ap.add_argument("--seed", type=int, default=int(os.environ.get("FC_SEED", "0")) or int(time.time()))
     a = ap.parse_args()
-    import torch_memory_saver as pkg
-
-    lib = pkg.get_binary_path()
-    ctl = find_ctl()
-    if not ctl:
-        print("no tmsctl (set TMS_BIN_DIR or install the wheel)")
+    found = artefacts()
+    if found is None:
         return 1
+    lib, ctl = found
     modes = (a.modes or ("preload" if a.device == "sim" else "preload,torch")).split(",")
     if a.device == "sim" and modes != ["preload"]:
         print("the simulated device runs under LD_PRELOAD only (--modes preload)")
