@@ -12,7 +12,7 @@ use std::time::Duration;
 use common::{pattern, read_raw, write_raw};
 use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimDriver, PANIC};
-use tms::engine::{AllocRequest, Engine, State};
+use tms::engine::{AllocRequest, Engine, Pick, State};
 use tms::threads::fail_next_spawns;
 
 const MIB: u64 = 1 << 20;
@@ -89,6 +89,21 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
         let e = f.e.clone();
         bounded("a resume without threads", move || e.resume(None)).unwrap();
         fail_next_spawns(0);
+        f.check_contents();
+        // A verified resume digests on the host what the backups recorded no digest of, on
+        // the copy workers' number of threads: the parts no thread was had for, here.
+        f.e.pause(None).unwrap();
+        fail_next_spawns(refused);
+        let e = f.e.clone();
+        let r = bounded("a verified resume without threads", move || {
+            e.resume_pick(&Pick {
+                verify: true,
+                ..Pick::default()
+            })
+        })
+        .unwrap();
+        fail_next_spawns(0);
+        assert_eq!(r.verified, 18 * MIB, "every byte checked");
         f.check_contents();
     }
 

@@ -255,16 +255,25 @@ impl Engine {
         }
         let mut out = vec![[0u64; 2]; n];
         let per = n.div_ceil(threads);
+        let fill = |i: usize, part: &mut [Digest]| {
+            for (j, d) in part.iter_mut().enumerate() {
+                *d = of(i * per + j);
+            }
+        };
+        // Parts no thread could be had for (`threads::spawn_scoped` says so instead of
+        // panicking): done here once the others are.
+        let mut left = Vec::new();
         std::thread::scope(|sc| {
             for (i, part) in out.chunks_mut(per).enumerate() {
-                let of = &of;
-                sc.spawn(move || {
-                    for (j, d) in part.iter_mut().enumerate() {
-                        *d = of(i * per + j);
-                    }
-                });
+                let fill = &fill;
+                if crate::threads::spawn_scoped(sc, "tms-digest", move || fill(i, part)).is_none() {
+                    left.push(i);
+                }
             }
         });
+        for i in left {
+            fill(i, &mut out[i * per..((i + 1) * per).min(n)]);
+        }
         out
     }
 }
