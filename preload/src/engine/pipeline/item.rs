@@ -86,7 +86,7 @@ impl<'a> Item<'a> {
             0 => 0,
             _ => (self.off / t.chunk_span(0).1.max(1)) as usize,
         };
-        (first..t.chunks())
+        let parts = (first..t.chunks())
             .map_while(|k| {
                 let (o, n) = t.chunk_span(k);
                 (o < end).then_some((k, o, n))
@@ -94,12 +94,13 @@ impl<'a> Item<'a> {
             .filter_map(|(k, o, n)| {
                 let (a, b) = (o.max(self.off), (o + n).min(end));
                 (a < b).then_some((k, a, b - a))
-            })
-            .flat_map(|(k, a, n)| match self.changed {
-                None => vec![(k, a, n)],
-                Some(c) => c.within(a, n).into_iter().map(|(a, n)| (k, a, n)).collect(),
-            })
-            .collect()
+            });
+        match self.changed {
+            None => parts.collect(),
+            Some(c) => parts
+                .flat_map(|(k, a, n)| c.within(a, n).into_iter().map(move |(a, n)| (k, a, n)))
+                .collect(),
+        }
     }
 }
 
