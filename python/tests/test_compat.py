@@ -9,6 +9,7 @@ import importlib
 import os
 import platform
 import sys
+import textwrap
 import zipfile
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch_memory_saver as tms_pkg
 from torch_memory_saver import utils
 
-from conftest import clean_env, run_py
+from conftest import SIM_ALLOC, clean_env, run_py
 
 STEMS = [f"torch_memory_saver_hook_mode_{m}{c}" for m in ("preload", "torch") for c in ("", "_cu12", "_cu13")]
 
@@ -210,6 +211,47 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
     )
     assert r.stdout.strip().endswith("OK"), r.stdout
     assert "NOTFOUND" in r.stdout and "0x3039" in r.stdout, r.stdout
+
+
+def test_get_cpu_backup_is_none_where_there_is_nothing_to_back_up(preloaded):
+    # slime asks for every parameter's backup (zero_copy=True) and falls back on None, as the
+    # existing library answers for a tensor outside its allocations. With torch on the CPU, a
+    # tensor over simulated device memory stands in for a CUDA one: only its address is used.
+    pytest.importorskip("torch")
+    r = preloaded(
+        SIM_ALLOC
+        + textwrap.dedent(
+            """
+        import torch
+        n = 1 << 20
+        p, data = alloc("w", n, 3, enable_cpu_backup=True)
+        def over(addr, size):
+            return torch.frombuffer((ctypes.c_uint8 * size).from_address(addr), dtype=torch.uint8)
+        t = over(p, n)
+        assert tms.get_cpu_backup(t) is None, "active, never paused"
+        tms.pause("w")
+        for zero_copy in (False, True):
+            b = tms.get_cpu_backup(t, zero_copy=zero_copy)
+            assert b.shape == t.shape and ctypes.string_at(b.data_ptr(), n) == data
+            part = tms.get_cpu_backup(over(p + 4096, 256).view(torch.int32), zero_copy=zero_copy)
+            assert part.dtype == torch.int32 and ctypes.string_at(part.data_ptr(), 256) == data[4096:4352]
+            # Made outside every region, across the allocation's end, or empty: nothing to back up.
+            for nothing in (torch.arange(64), over(p + n - 8, 16), t[10:10]):
+                assert tms.get_cpu_backup(nothing, zero_copy=zero_copy) is None
+        del b, part
+        for bad, err in ((torch.arange(64).view(8, 8).t(), tms_pkg.InvalidArgumentError), ("x", TypeError)):
+            try:
+                tms.get_cpu_backup(bad)
+                raise SystemExit(f"{bad!r} was taken")
+            except err:
+                pass
+        tms.resume("w")
+        assert intact(p, data)
+        print("OK")
+        """
+        )
+    )
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr
 
 
 def test_empty_tag_means_every_tag_and_truthy_backup_flags(preloaded):

@@ -328,11 +328,8 @@ def test_get_cpu_backup_disable_and_margin(mode):
         del t, c, z, part
         torch.cuda.empty_cache()  # so the next tensor cannot reuse a freed pauseable block
         outside = torch.empty(16 << 20, device="cuda")
-        try:
-            tms.get_cpu_backup(outside)
-            raise SystemExit("should raise")
-        except tms_pkg.NotFoundError:
-            pass
+        # Nothing to back up, as the existing library answers (integrations fall back on None).
+        assert tms.get_cpu_backup(outside) is None and tms.get_cpu_backup(outside, zero_copy=True) is None
         # disable(): inside a region, not pauseable
         with tms.region(tag="d"):
             r = torch.empty(GIB, dtype=torch.uint8, device="cuda")

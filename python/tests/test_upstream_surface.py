@@ -267,6 +267,18 @@ assert ("ctx", False) not in pools and not any(k[0] == "ctx" for k in pools)
 new = enter("ctx")
 assert new is not old, "the rebuilt context's region got the dropped pool"
 
+# A weight arena replaces the tag's pool by the 0.0.9 key once its tensors moved: the tag's next
+# region allocates from the new pool, and nothing holds the old one any more.
+arena = MemPool()
+pools[("ctx", False)] = arena
+assert pools[("ctx", False)] is arena and enter("ctx") is arena
+assert [k for k in pools if k[0] == "ctx"] == [("ctx", False, False, "", 0)], list(pools)
+assert all(v is not new for v in dict.values(pools)), "the replaced pool is still held"
+# A key that covers no pool is kept as given; a full key is set as it is.
+pools[("fresh", True)] = "P"
+assert dict.__contains__(pools, ("fresh", True)) and pools[("fresh", True)] == "P"
+del pools[("fresh", True)]
+
 # An earlier key names every pool it covers: both backends of a backed-up tag, two devices.
 a = enter("w", enable_cpu_backup=True)
 b = enter("w", enable_cpu_backup=True, cpu_backup_backend="mmap")

@@ -7,7 +7,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .binary_wrapper import BinaryWrapper
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, NotFoundError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -37,12 +37,14 @@ class _CpuBackups:
     def get_cpu_backup(self, tensor: "torch.Tensor", zero_copy: bool = False) -> "Optional[torch.Tensor]":
         """The host backup of ``tensor`` as a CPU tensor of the same dtype and shape, or None
         where there is no complete snapshot (no backup enabled; active with the backup released;
-        a pause writing it, or one that failed). While paused it holds the contents; while
-        active with ``retain_cpu_backup`` it holds the last pause's. A copy by default; with
+        a pause writing it, or one that failed) and where there is nothing to back up: a tensor
+        that does not lie inside one pauseable allocation (made outside every region, or
+        spanning two), or an empty one. Integrations ask for every parameter and fall back on
+        None, as the existing library answers. While paused it holds the contents; while active
+        with ``retain_cpu_backup`` it holds the last pause's. A copy by default; with
         ``zero_copy=True`` a view of the backup itself, which keeps that memory mapped and
         unchanged for as long as the view lives (a later pause writes a new buffer, a resume or
-        free leaves this one to the view). ``tensor`` must be contiguous and lie inside one
-        pauseable allocation."""
+        free leaves this one to the view). ``tensor`` must be contiguous."""
         import torch
 
         if not isinstance(tensor, torch.Tensor):
@@ -51,7 +53,15 @@ class _CpuBackups:
             raise InvalidArgumentError("get_cpu_backup needs a contiguous tensor")
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
-            raise InvalidArgumentError("get_cpu_backup of an empty tensor")
+            return None
+        try:
+            return self._backup_of(tensor, nbytes, zero_copy)
+        except NotFoundError:
+            return None
+
+    def _backup_of(self, tensor: "torch.Tensor", nbytes: int, zero_copy: bool) -> "Optional[torch.Tensor]":
+        import torch
+
         lib = self._library()
         if not zero_copy:
             host = torch.empty(nbytes, dtype=torch.uint8)

@@ -140,10 +140,12 @@ class _PoolMap(dict):
     the existing library keys it. A key of the shape an earlier version of the existing library
     used names every pool it covers, for the callers written against it: ``(tag,
     enable_cpu_backup)`` (0.0.9), ``(tag, enable_cpu_backup, device)`` and ``(tag,
-    enable_cpu_backup, enable_disk_backup, device)``. ``in``, ``get``, ``[]``, ``pop`` and
-    ``del`` take them: ``pop`` and ``del`` drop every pool covered (so the next region of the tag
-    gets a new pool, never a cached block of the old one); ``get``, ``[]`` and ``pop`` give the
-    pool where one is covered, a list of them where several are."""
+    enable_cpu_backup, enable_disk_backup, device)``. ``in``, ``get``, ``[]``, ``[] =``, ``pop``
+    and ``del`` take them: ``pop`` and ``del`` drop every pool covered (so the next region of the
+    tag gets a new pool, never a cached block of the old one); ``[] =`` puts the pool given in
+    place of every pool covered (the tag's next region allocates from it, and the old pool can
+    go), and is kept under the key as given where it covers none; ``get``, ``[]`` and ``pop``
+    give the pool where one is covered, a list of them where several are."""
 
     # Which places of a full key each earlier shape holds, by its length.
     _OLDER_SHAPES = {2: (0, 1), 3: (0, 1, 4), 4: (0, 1, 2, 4)}
@@ -169,6 +171,10 @@ class _PoolMap(dict):
         if not covered:  # None: a key as it is; []: an earlier shape that covers nothing
             return dict.__getitem__(self, key)
         return self._one_or_all([dict.__getitem__(self, k) for k in covered])
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        for k in self._covered(key) or [key]:
+            dict.__setitem__(self, k, value)
 
     def get(self, key: Any, default: Any = None) -> Any:
         try:
