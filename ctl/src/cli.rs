@@ -243,7 +243,8 @@ pub enum Cmd {
         no_wait: bool,
         /// Check what came back: digest the restored memory on the device and compare it with
         /// the CPU backups. A difference fails the resume, which leaves the memory paused with
-        /// its backups (nothing is lost; run it again). Not with --no-wait.
+        /// its backups (nothing is lost; run it again). Memory restored from disk backups is
+        /// refused (their checksums are checked as they are read). Not with --no-wait.
         #[arg(long, conflicts_with = "no_wait")]
         verify: bool,
         #[command(flatten)]

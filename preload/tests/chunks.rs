@@ -547,3 +547,35 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    /// Chunks resumed with retention, then the rest without (the buffer goes): a later pause of
+    /// one chunk makes a new buffer, which holds that chunk only. The others were never copied
+    /// into it: no backup of theirs is handed out (not the new buffer's zeros), none counted.
+    fn chunks_retained_in_a_released_buffer_are_not_offered_from_the_next_one(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        e.set_retain_cpu_backup(true);
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 5);
+        h.write(p, &data);
+        e.pause(Some("kv")).unwrap();
+        e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+        e.set_retain_cpu_backup(false);
+        e.resume_pick(&Pick::chunks(p, &[2, 3])).unwrap();
+        let mut got = vec![0u8; g as usize];
+        assert!(!e.copy_cpu_backup(p, &mut got).unwrap(), "the buffer went with the resume");
+        e.pause_pick(&Pick::chunks(p, &[2])).unwrap();
+        assert!(
+            !e.copy_cpu_backup(p, &mut got).unwrap(),
+            "chunk 0 offered from a buffer it was never copied into"
+        );
+        assert!(e.copy_cpu_backup(p + 2 * g, &mut got).unwrap());
+        assert!(got[..] == data[(2 * g) as usize..(3 * g) as usize], "chunk 2's backup");
+        let t = e.stats().tags.into_iter().find(|t| &*t.tag == "kv").unwrap();
+        assert_eq!(t.host_backup_bytes, g, "host memory of the one chunk held");
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, (4 * g) as usize) == data);
+    }
+}

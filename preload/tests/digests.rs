@@ -288,3 +288,103 @@ engine_test! {
         check(&h, &ptrs, &model, "after the failures");
     }
 }
+
+/// A caller writes `n` bytes of `v` at `ptr`, a backup it was handed.
+fn scribble(ptr: *const u8, n: usize, v: u8) {
+    // SAFETY: `ptr` is a view of a live host backup at least `n` bytes long, which the test
+    // holds (a lease) or which nothing else touches meanwhile (an unguarded pointer).
+    unsafe { std::ptr::write_bytes(ptr.cast_mut(), v, n) };
+}
+
+engine_test! {
+    fn a_backup_handed_out_for_writing_is_copied_whole_at_the_next_pause(h) [setup()] {
+        let e = &h.e;
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(Some("w"), BOTH);
+        let (ptrs, model) = filled(&h, "w", &[4 * g, 4 * g]);
+        e.pause(Some("w")).unwrap();
+        e.resume(Some("w")).unwrap();
+        // While active, a lease's holder writes into the last pause's snapshot and lets it go;
+        // a caller of the unguarded pointer writes too. Unchanged device memory must not be
+        // taken for what the backup holds now.
+        let l = e.acquire_cpu_backup(ptrs[0] + 64, 64).unwrap().expect("a retained snapshot");
+        scribble(l.ptr, 16, 0xee);
+        e.release_cpu_backup(l.lease).unwrap();
+        let p = e.cpu_backup_ptr(ptrs[1], 4 * g).unwrap().expect("a retained snapshot");
+        scribble(p.wrapping_add(g as usize + 5), 3, 0xee);
+        let r = e.pause(Some("w")).unwrap();
+        assert_eq!((r.copied, r.unchanged), (8 * g, 0), "both backups were written by callers");
+        e.resume(Some("w")).unwrap();
+        check(&h, &ptrs, &model, "after a pause that followed the callers' writes");
+        // The unguarded pointer still reaches the reused buffer: that one is always copied
+        // whole; the leased one is known again.
+        scribble(p, 8, 0x11);
+        let r = e.pause(Some("w")).unwrap();
+        let digests = !h.is_hip();
+        let skipped = if digests { 4 * g } else { 0 };
+        assert_eq!((r.copied, r.unchanged), (8 * g - skipped, skipped));
+        e.resume(Some("w")).unwrap();
+        check(&h, &ptrs, &model, "after a write through the pointer kept");
+    }
+}
+
+engine_test! {
+    fn a_verified_resume_from_a_disk_backup_is_refused_and_stays_paused(h) [setup().disk()] {
+        let e = &h.e;
+        let g = piece(&h);
+        let p = e.alloc(&req(4 * g, "opt", Some(BackupKind::Disk))).unwrap();
+        let m = pattern((4 * g) as usize, 9);
+        e.write_bytes(p, &m).unwrap();
+        e.pause(Some("opt")).unwrap();
+        let asked = Pick { tag: Some("opt"), verify: true, ..Pick::default() };
+        let err = e.resume_pick(&asked).unwrap_err().to_string();
+        assert!(err.contains("restored from its disk backup"), "{err}");
+        assert_eq!(e.allocations()[0].state, State::Paused, "refused before anything was mapped");
+        // The tag's own setting leaves disk backups to their checksums: the resume goes on.
+        e.set_checks(Some("opt"), BOTH);
+        let r = e.resume(Some("opt")).unwrap();
+        assert_eq!(r.verified, 0);
+        check(&h, &[p], &[m], "after the resume without the check");
+    }
+}
+
+engine_test! {
+    /// A non-blocking resume of a tag that verifies digests what it restored after its caller
+    /// returned, while the caller's stream waits for it: what digesting needs first (on CUDA
+    /// the kernel's loading, which may wait for the device's queued work; device-wide on the
+    /// sim) is made ready before the caller returns, or the restore would wait for itself.
+    fn a_non_blocking_resume_that_verifies_is_ready_to_digest_before_it_returns(h) [setup()] {
+        let e = &h.e;
+        let g = piece(&h);
+        let (ptrs, model) = filled(&h, "kv", &[6 * g, 2 * g]);
+        // Checking is turned on once paused: the restore's digests are the first.
+        e.pause(Some("kv")).unwrap();
+        e.set_checks(Some("kv"), Checks { skip_unchanged: false, verify: true });
+        let stream = tms::engine::StreamOf {
+            device: h.device(0),
+            stream: tms::driver::Stream(if h.sim().is_some() { 0x5151 } else { 0 }),
+        };
+        // On the sim no copy completes (so nothing is digested) until the caller has returned
+        // and its stream waits.
+        let sim = h.sim();
+        if let Some(sim) = sim {
+            sim.hold(Prim::EventSync, None);
+        }
+        let r = tms::Engine::resume_nonblocking(e.clone(), Some("kv"), &[], Some(stream));
+        if let Some(sim) = sim {
+            assert_eq!(sim.gated_streams().len(), 1, "the caller's stream waits");
+            sim.unhold(Prim::EventSync, None);
+        }
+        r.unwrap();
+        assert!(e.wait_restored(None, Some(std::time::Duration::from_secs(30))).unwrap());
+        check(&h, &ptrs, &model, "after the resume");
+        // A pause waits for the resume's end, which records what it verified.
+        e.pause(Some("kv")).unwrap();
+        let t = e.stats().tags.into_iter().find(|t| &*t.tag == "kv").unwrap();
+        let verified = t.last_resume.map(|r| r.verified_bytes);
+        assert_eq!(verified, Some(if h.is_hip() { 0 } else { 8 * g }));
+        e.resume(Some("kv")).unwrap();
+        check(&h, &ptrs, &model, "after the next cycle");
+    }
+}

@@ -171,3 +171,36 @@ def test_what_a_callback_may_do(preloaded):
         **SLOW,
     )
     assert r.stdout.strip() == "ok", r.stderr
+
+
+def test_a_pause_that_skips_unchanged_memory_counts_only_what_it_copies(preloaded):
+    # 8 MiB retained, skip-unchanged on, 2 pieces changed: the progress goes up to the bytes
+    # the pause copies, never to the 8 MiB it digests.
+    r = preloaded(
+        WATCH
+        + textwrap.dedent(
+            """
+        n = 8 << 20
+        tms.retain_cpu_backup = True
+        tms.set_checks("w", skip_unchanged=True)
+        with tms.region(tag="w", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        ctypes.memmove(p, os.urandom(n), n)
+        tms.pause("w")
+        tms.resume("w")
+        for k in range(2):
+            ctypes.memmove(p + k * (4 << 20), b"x", 1)
+        tms.pause("w", progress=progress)
+        copied = tag_stats("w")["last_pause"]["copied_bytes"]
+        assert 0 < copied < n, copied
+        assert moving("copying_to_host"), calls
+        assert all(c[1] == copied for c in calls), (copied, calls)
+        assert calls[-1] == (copied, copied, "done"), calls
+        tms.resume("w")
+        print("OK")
+        """
+        ),
+        **SLOW,
+    )
+    assert r.stdout.strip().endswith("OK"), r.stdout

@@ -484,6 +484,10 @@ impl Driver for CudaDriver {
         self.digest_pieces(device, ptr, len, piece, seed, stream)
     }
 
+    fn prepare_digest(&self, device: i32) -> Result<()> {
+        self.prepare_digest_kernel(device)
+    }
+
     fn handle_props(&self, handle: PhysHandle) -> Result<super::MemoryFlags> {
         // SAFETY: plain old data the call overwrites.
         let mut p: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };

@@ -164,6 +164,14 @@ pub trait Driver: Send + Sync {
             self.name()
         )))
     }
+    /// Make ready on `device` what [`Driver::digest`] needs (on CUDA the kernel, JIT-compiled,
+    /// and its scratch memory), which may wait for the device's queued work: a non-blocking
+    /// resume does it before its caller returns, since its digests then run while the
+    /// caller's stream waits for the resume (Note [Non-blocking resume]). Drivers that cannot
+    /// digest have nothing to make.
+    fn prepare_digest(&self, _device: i32) -> Result<()> {
+        Ok(())
+    }
     /// What the physical memory of `handle` was made with.
     fn handle_props(&self, _handle: PhysHandle) -> Result<MemoryFlags> {
         Err(crate::error::Error::unsupported(format!(

@@ -29,10 +29,13 @@ impl Engine {
     /// Address of the host backup covering `[addr, addr+len)`, or `None` (see
     /// [`Engine::copy_cpu_backup`]). Unguarded: the bytes change with the next pause and go with
     /// a resume without retention or a free. [`Engine::acquire_cpu_backup`] is the safe form.
+    /// The caller may write through it at any time, so no pause skips any of the buffer again
+    /// (Note [Skipping unchanged memory]): they copy it whole.
     pub fn cpu_backup_ptr(&self, addr: DevPtr, len: u64) -> Result<Option<*const u8>> {
-        Ok(self
-            .snapshot_at(addr, len)?
-            .map(|(off, h)| h.as_ptr().wrapping_add(off)))
+        Ok(self.snapshot_at(addr, len)?.map(|(off, h)| {
+            h.digests().expose();
+            h.as_ptr().wrapping_add(off)
+        }))
     }
 
     /// The complete snapshot covering `[addr, addr+len)` and the offset into it, or `None`.
@@ -71,6 +74,9 @@ impl Engine {
                 );
             }
         }
+        // The holder may write into what it is handed (Python's zero-copy view is writable): a
+        // pause skips none of it until it copied it again (and none of the buffer, once let go).
+        host.digests().distrust(off as u64, len);
         let ptr = host.as_ptr().wrapping_add(off);
         let lease = self.leases.hand_out(host);
         Ok(Some(BackupLease { ptr, lease }))
@@ -80,6 +86,7 @@ impl Engine {
     pub fn release_cpu_backup(&self, lease: u64) -> Result<()> {
         match self.leases.end(lease) {
             Some(h) => {
+                h.digests().distrust_all();
                 drop(h);
                 Ok(())
             }

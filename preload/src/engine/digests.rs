@@ -15,7 +15,12 @@
 //! digested (`backup/digests.rs`): a pause forgets the digests of the pieces it is about to
 //! copy before it copies them and records the new ones once the run is copied, so a pause
 //! that fails part-way leaves those pieces unknown (copied next time), never wrongly known.
-//! Anything else that writes a backup, or gives its pages back, forgets them too.
+//! Anything else of ours that writes a backup, or gives its pages back, forgets them too. A
+//! caller handed a view may write through it: a pause skips nothing of a lease's range (of the
+//! whole buffer once it is released) until it copied it again, nor anything of a buffer whose
+//! address was given out unguarded (`tms_get_cpu_backup`), ever. Those writes are the caller's
+//! to make, but a verified resume still compares with what the pause copied out: a backup
+//! changed after its pause fails it.
 //!
 //! A resume may check its work the same way: after its copies it digests what it restored and
 //! compares with the backup's digests (those recorded at the pause; for pieces whose digest is
@@ -124,7 +129,7 @@ impl Engine {
             };
             let first = (off / piece) as usize;
             if checks.skip_unchanged {
-                let known = h.digests().get(off, len, piece);
+                let known = h.digests().trusted(off, len, piece);
                 for (k, c) in changed(&known, &now).into_iter().enumerate() {
                     mask[first + k] = c;
                 }

@@ -491,6 +491,21 @@ impl Engine {
                 Item::over(j.ptr, &j.runs[r].0, j.target()).only(digested[k].changed.as_ref())
             })
             .collect();
+        // The total counted every byte: what is unchanged comes off it, so that the progress
+        // shown reaches its end.
+        let unchanged: u64 = items
+            .iter()
+            .filter(|it| it.changed.is_some())
+            .map(|it| {
+                Item {
+                    changed: None,
+                    ..*it
+                }
+                .copy_bytes()
+                    - it.copy_bytes()
+            })
+            .sum();
+        progress.skipped(unchanged);
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
         Pipeline {
             driver: &self.driver,
@@ -674,6 +689,7 @@ fn begin_pause(
             });
             let mut carry = None;
             if !reuse {
+                let replaced = a.host.is_some();
                 if let Some(old) = a.host.take() {
                     // Paused segments have their contents only there: carried over.
                     let span = a.span(ptr);
@@ -684,11 +700,14 @@ fn begin_pause(
                             (sub.ptr - ptr, sub.backed(ptr, a.size))
                         })
                         .collect();
-                    // Active segments' retained contents are not carried: no longer saved.
+                    carry = (!ranges.is_empty()).then_some((old, ranges));
+                }
+                // Active segments' retained contents are not carried (nor held, where no
+                // buffer is left and no file): no longer saved.
+                if replaced || a.disk.is_none() {
                     for s in 0..a.saved.len() {
                         a.saved[s] &= a.handles[s].is_none();
                     }
-                    carry = (!ranges.is_empty()).then_some((old, ranges));
                 }
             }
             if a.backup != Some(BackupKind::Disk) {

@@ -125,6 +125,15 @@ impl Counters {
         self.total.store(bytes, Ordering::Relaxed);
     }
 
+    /// `bytes` of the total need no copy after all (unchanged since their backup took them).
+    pub(super) fn skipped(&self, bytes: u64) {
+        let _ = self
+            .total
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                Some(t.saturating_sub(bytes))
+            });
+    }
+
     /// True once the copies are all done (or there were none).
     pub(super) fn copied_all(&self) -> bool {
         self.done.load(Ordering::Relaxed) >= self.total.load(Ordering::Relaxed)

@@ -206,12 +206,16 @@ impl Engine {
         let (rings, tracked) = tx.work();
         tracked.prepared(bytes, backings);
         let progress = tracked.counters();
-        // A file that is gone or cut short fails the resume before anything is mapped.
-        let present = jobs
-            .iter()
-            .filter(|j| j.runs.iter().any(|r| r.1))
-            .filter_map(|j| j.disk.as_ref())
-            .try_for_each(|f| f.check_present());
+        // A check that cannot be made, or a file that is gone or cut short, fails the resume
+        // before anything is mapped.
+        let present = verifiable(pick, &jobs)
+            .and_then(|()| self.ready_to_verify(pick, track, &jobs))
+            .and_then(|()| {
+                jobs.iter()
+                    .filter(|j| j.runs.iter().any(|r| r.1))
+                    .filter_map(|j| j.disk.as_ref())
+                    .try_for_each(|f| f.check_present())
+            });
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
@@ -413,7 +417,14 @@ impl Engine {
                 }
                 // Paused chunks still need it.
                 if a.state == State::Active {
-                    left.released.extend(a.host.take());
+                    if let Some(h) = a.host.take() {
+                        left.released.push(h);
+                        // Chunks resumed earlier with retention were a snapshot in it: gone
+                        // with it (a file, where there is one, still holds theirs).
+                        if a.disk.is_none() {
+                            a.saved.fill(false);
+                        }
+                    }
                 } else if let Some(h) = &a.host {
                     let ranges = j.runs.iter().map(|(s, _)| (s.ptr - j.ptr, s.mapped));
                     left.drop_pages.push((h.clone(), ranges.collect()));
@@ -489,6 +500,33 @@ impl Engine {
             .keep_failure(e, jobs.iter().map(|j| (j.ptr, j.size)));
     }
 
+    /// A non-blocking resume digests what it restores after its caller returned, while the
+    /// caller's stream waits for it: the driver makes ready to digest (on CUDA, loading the
+    /// kernel, which may wait for the device's queued work) before then, on each device where
+    /// a run will be verified.
+    fn ready_to_verify(
+        &self,
+        pick: &Pick<'_>,
+        track: Option<&Tracker>,
+        jobs: &[Job],
+    ) -> Result<()> {
+        if track.is_none() {
+            return Ok(());
+        }
+        let checked = |j: &&Job| {
+            j.host.is_some()
+                && j.runs.iter().any(|r| r.1)
+                && (pick.verify || self.settings.checks.of(&j.tag).verify)
+        };
+        let devices: std::collections::BTreeSet<i32> =
+            jobs.iter().filter(checked).map(|j| j.device).collect();
+        devices.into_iter().try_for_each(|d| {
+            self.driver
+                .prepare_digest(d)
+                .ctx(|| format!("making ready to verify the restore on device {d}"))
+        })
+    }
+
     /// Unmap the segments an earlier failed resume left mapped, before mapping them again.
     fn unmap_stuck(&self, jobs: &[Job]) -> Result<()> {
         let d = &*self.driver;
@@ -505,6 +543,22 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// A check the caller asked for (`Pick::verify`) compares with CPU backups: a resume from a
+/// disk file is refused rather than left unchecked (the file's chunks are checked against their
+/// checksums as they are read; a tag's own `verify` setting leaves them to that).
+fn verifiable(pick: &Pick<'_>, jobs: &[Job]) -> Result<()> {
+    let from_disk = |j: &&Job| j.on_disk && j.runs.iter().any(|r| r.1);
+    match jobs.iter().find(from_disk).filter(|_| pick.verify) {
+        None => Ok(()),
+        Some(j) => Err(crate::error::Error::unsupported(format!(
+            "verifying the resume of allocation {:#x} (tag {:?}): it is restored from its disk \
+             backup, whose chunks are checked against their checksums as they are read; a \
+             verified resume compares with CPU backups. Resume without verifying",
+            j.ptr, j.tag
+        ))),
     }
 }
 

@@ -416,6 +416,15 @@ impl CudaDriver {
         Ok(())
     }
 
+    /// [`Driver::prepare_digest`](crate::driver::Driver::prepare_digest): the kernel and
+    /// scratch buffer made now, if they are not yet.
+    pub(super) fn prepare_digest_kernel(&self, device: i32) -> Result<()> {
+        let i = self.check_device(device)?;
+        let _scope = crate::driver::DeviceScope::enter(self, device)?;
+        let mut slot = self.digests[i].lock();
+        self.loaded(&mut slot, device).map(|_| ())
+    }
+
     /// The kernel and scratch buffer in `device`'s context (current), made on first use.
     fn loaded(&self, slot: &mut Slot, device: i32) -> Result<Loaded> {
         if let Some(e) = &slot.failed {

@@ -64,6 +64,9 @@ pub struct SimDriver {
     gate: std::sync::OnceLock<Gate>,
     /// Streams made to wait for the gate, kept apart from device-wide calls.
     gate_waits: GateWaits,
+    /// Per device, whether digesting is ready: as the kernel's loading on a GPU, making it
+    /// ready is device-wide.
+    digest_ready: Vec<std::sync::atomic::AtomicBool>,
 }
 
 thread_local! {
@@ -81,12 +84,24 @@ impl SimDriver {
             faults: Faults::default(),
         };
         Ok(SimDriver {
-            cfg,
             inner: Mutex::new(inner),
             gates: Gates::new(),
             gate: std::sync::OnceLock::new(),
             gate_waits: GateWaits::new(GATED_WAIT),
+            digest_ready: (0..cfg.devices).map(|_| Default::default()).collect(),
+            cfg,
         })
+    }
+
+    /// Ready to digest on `device` (a valid one), made so on first use: a device-wide call, as
+    /// the CUDA kernel's loading may wait for the device's queued work.
+    fn ready_to_digest(&self, device: i32) -> Result<()> {
+        let ready = &self.digest_ready[device as usize];
+        if !ready.load(std::sync::atomic::Ordering::Acquire) {
+            let _fence = self.device_wide(Prim::Digest)?;
+            ready.store(true, std::sync::atomic::Ordering::Release);
+        }
+        Ok(())
     }
 
     fn check_device(&self, prim: Prim, device: i32) -> Result<()> {
@@ -338,9 +353,10 @@ impl Driver for SimDriver {
         seed: u64,
         stream: Stream,
     ) -> Result<Vec<super::digest::Digest>> {
+        self.check_device(Prim::Digest, device)?;
+        self.ready_to_digest(device)?;
         let mut g = self.inner.lock();
         g.enter(Prim::Digest, || format!("{len} bytes at {ptr:#x}"))?;
-        self.check_device(Prim::Digest, device)?;
         let g = &mut *g;
         g.streams.run_stream(&g.mem, stream)?;
         if !g.mem.covered(ptr, len) {
@@ -354,6 +370,11 @@ impl Driver for SimDriver {
         // while the lock is held (mapping calls take it).
         let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, len as usize) };
         Ok(super::digest::pieces(data, piece, seed))
+    }
+
+    fn prepare_digest(&self, device: i32) -> Result<()> {
+        self.check_device(Prim::Digest, device)?;
+        self.ready_to_digest(device)
     }
 
     fn stream_sync(&self, stream: Stream) -> Result<()> {
