@@ -198,6 +198,19 @@ impl Engine {
         jobs: Vec<Job>,
     ) -> Result<Committed> {
         let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
+        // A check that cannot be made, or a file that is gone or cut short, fails the resume
+        // before anything is mapped.
+        let present = verifiable(pick, &jobs)
+            .and_then(|()| self.ready_to_verify(pick, track, &jobs))
+            .and_then(|()| {
+                jobs.iter()
+                    .filter(copying)
+                    .filter_map(|j| j.disk.as_ref())
+                    .try_for_each(|f| f.check_present())
+            });
+        if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
+            return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
+        }
         let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
         let backings = Backings {
             host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
@@ -206,19 +219,6 @@ impl Engine {
         let (rings, tracked) = tx.work();
         tracked.prepared(bytes, backings);
         let progress = tracked.counters();
-        // A check that cannot be made, or a file that is gone or cut short, fails the resume
-        // before anything is mapped.
-        let present = verifiable(pick, &jobs)
-            .and_then(|()| self.ready_to_verify(pick, track, &jobs))
-            .and_then(|()| {
-                jobs.iter()
-                    .filter(|j| j.runs.iter().any(|r| r.1))
-                    .filter_map(|j| j.disk.as_ref())
-                    .try_for_each(|f| f.check_present())
-            });
-        if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
-            return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
-        }
         let verified: Vec<AtomicU64> = jobs.iter().map(|_| AtomicU64::new(0)).collect();
         let checks = (pick.verify, verified.as_slice());
         let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track, checks);
