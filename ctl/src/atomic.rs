@@ -13,7 +13,9 @@
 //!   would resume everything);
 //! - a whole-tag resume is undone by pausing the tag, which is exact only where nothing of the
 //!   tag was active before: elsewhere the undo is skipped and said so (nothing is lost: the tag
-//!   stays resumed). A resume that fails undoes itself in the process (it is all or nothing);
+//!   stays resumed). A resume that fails undoes itself in the process (it is all or nothing),
+//!   unless it did its work and then failed to report an earlier failed restore: the failed
+//!   process is paused again wherever its tag took memory back;
 //! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
 //!   changed (read before and after with `chunks`);
 //! - a process whose operation was still running at `--timeout` (exit 7) is undone only once
@@ -220,9 +222,10 @@ fn undo(
                 verify: false,
             }
         }
-        // A resume that fails undoes itself in the process (all or nothing); one that outlasted
-        // --timeout and then took memory back is paused again.
-        Undo::PauseAgain if here == Here::Running => {
+        // A resume that fails undoes itself in the process (all or nothing), but one that did
+        // its work and then reported an earlier failure (a non-blocking restore's) took memory
+        // back, as may one that outlasted --timeout: what took memory back is paused again.
+        Undo::PauseAgain if failed_here => {
             let s = status_of(&mut c)?;
             let took = s
                 .tags
@@ -239,7 +242,6 @@ fn undo(
                 job_record: false,
             }
         }
-        Undo::PauseAgain if failed_here => return Ok(None),
         Undo::PauseAgain => Request::Pause {
             tag,
             chunks: None,
@@ -325,7 +327,8 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         }
     }
     let Some((failed_sock, f, failed_undo)) = failure else {
-        // Every process did it: print as without --atomic.
+        // Every process did it: printed as without --atomic; the JSON keeps the shape of a
+        // failure's (nothing failed, nothing undone).
         let mut items = Vec::new();
         for d in &done {
             let pid = d.sock.pid();
@@ -334,13 +337,20 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
                 (json, text) = name_target(pid, json, &text);
             }
             if ctx.json {
-                items.push(json);
+                items.push(json!({"pid": pid, "done": json, "undo": null}));
             } else {
                 println!("{}", printable_lines(&text));
             }
         }
         if ctx.json {
-            print_json(json!({"atomic": true, "ok": true, "processes": items}));
+            print_json(json!({
+                "atomic": true,
+                "ok": true,
+                "failed": null,
+                "processes": items,
+                "not_asked": [],
+                "every_process_as_before": null,
+            }));
         }
         return Ok(());
     };

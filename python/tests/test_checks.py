@@ -28,12 +28,23 @@ def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
             tms.resume("kv", verify=True, non_blocking=True)
         except tms_pkg.InvalidArgumentError as e:
             print("refused", e)
+        for bad in ("yes", 1):
+            try:
+                tms.resume("kv", verify=bad)
+            except tms_pkg.InvalidArgumentError as e:
+                print("refused", e)
+        try:
+            tms.wait(timeout="x")
+        except tms_pkg.InvalidArgumentError as e:
+            print("refused", e)
         print("ok")
         """
     )
     out = r.stdout.splitlines()
     assert out[-1] == "ok", r.stdout
-    assert sum(line.startswith("refused") for line in out) == 3, r.stdout
+    assert sum(line.startswith("refused") for line in out) == 6, r.stdout
+    assert "verify must be True or False, not 'yes'" in r.stdout
+    assert "timeout must be a number of seconds >= 0, not 'x'" in r.stdout
     assert "verify must be True, False or None, not 1" in r.stdout
     assert "not with non_blocking" in r.stdout
 
@@ -58,8 +69,9 @@ def test_unchanged_memory_is_not_copied_and_a_bad_backup_is_caught(preloaded):
         assert (last["copied_bytes"], last["unchanged_bytes"]) == (0, n), last
         tms.resume("frozen")
         # One byte changed: its piece alone is copied, and comes back.
-        ctypes.memmove(p + 5 * (1 << 20) + 7, b"\\x42", 1)
-        data[5 * (1 << 20) + 7] = 0x42
+        # (Flipped, not set: random bytes may hold any given value already.)
+        data[5 * (1 << 20) + 7] ^= 0xFF
+        ctypes.memmove(p + 5 * (1 << 20) + 7, bytes(data[5 * (1 << 20) + 7 :][:1]), 1)
         tms.pause("frozen")
         last = tag_stats("frozen")["last_pause"]
         assert 0 < last["copied_bytes"] < n and last["copied_bytes"] + last["unchanged_bytes"] == n, last
@@ -67,7 +79,7 @@ def test_unchanged_memory_is_not_copied_and_a_bad_backup_is_caught(preloaded):
         lib = tms._impl._binary_wrapper
         ptr = ctypes.c_void_p()
         assert lib.tms_get_cpu_backup(p, n, ctypes.byref(ptr)) == 0 and ptr.value
-        ctypes.memmove(ptr.value + 3, b"\\x00", 1)
+        ctypes.memmove(ptr.value + 3, bytes([data[3] ^ 0xFF]), 1)
         try:
             tms.resume("frozen")
             print("not refused")

@@ -186,7 +186,7 @@ def test_a_pause_that_skips_unchanged_memory_counts_only_what_it_copies(preloade
         with tms.region(tag="w", enable_cpu_backup=True):
             rc, p = cuda_malloc(n)
         assert rc == 0
-        ctypes.memmove(p, os.urandom(n), n)
+        ctypes.memmove(p, bytes(n), n)
         tms.pause("w")
         tms.resume("w")
         for k in range(2):

@@ -241,8 +241,8 @@ class TorchMemorySaver:
     def available(self) -> bool:
         """True when the package can work in this process in the current hook mode: in preload
         mode, libtms.so is in ``LD_PRELOAD``; in torch mode, the library file is found. False
-        means regions would raise :class:`LibraryNotFoundError` (which says how to fix it),
-        while pausing and resuming would find nothing to do. Loads nothing."""
+        means regions, pauses, resumes and ``stats()`` would raise
+        :class:`LibraryNotFoundError` (which says how to fix it). Loads nothing."""
         self._ensure_initialized()
         return bool(getattr(self._impl, "available", True))
 
@@ -536,7 +536,10 @@ class TorchMemorySaver:
         ``verify=True`` checks what came back whatever the tag's setting (:meth:`set_checks`):
         the restored memory is digested on the device and compared with the CPU backups; where
         it differs, :class:`DriverError` names the allocation and the bytes, and the tag stays
-        paused with its backups (nothing is lost: resume again). Not with ``non_blocking``."""
+        paused with its backups (nothing is lost: resume again). Memory restored from a disk
+        backup raises :class:`UnsupportedError` before anything is mapped (a file's chunks are
+        checked against their checksums as they are read). ``True`` or ``False`` only; not with
+        ``non_blocking``."""
         self._ensure_initialized()
         return self._impl.resume(
             tag=tag,

@@ -198,6 +198,8 @@ class _PauseResume:
         paused with its backups: free memory and call again. See ``TorchMemorySaver.resume``
         for ``restore_chunk_state``, ``progress``, ``non_blocking``, ``order`` and ``verify``."""
         tag = _check_tag(tag, optional=True)
+        if verify is not True and verify is not False:
+            raise InvalidArgumentError(f"verify must be True or False, not {verify!r}")
         if verify and (non_blocking or order is not None or restore_chunk_state):
             raise InvalidArgumentError(
                 "resume(verify=True) waits for what it checks, of whole tags: not with non_blocking, order or "
@@ -276,7 +278,10 @@ class _PauseResume:
         if timeout is None:
             ms = -1
         else:
-            t = float(timeout)
+            try:
+                t = float(timeout)
+            except (TypeError, ValueError):
+                t = float("nan")
             if not t >= 0:
                 raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
             ms = int(t * 1000)

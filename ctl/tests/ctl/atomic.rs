@@ -254,3 +254,61 @@ fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
     ok(&sb, &["resume", "--tag", "demo", "--restore-chunk-state"]);
     assert_eq!(states(&sb), "1011", "the program's record, not the job's");
 }
+
+/// A process whose `--no-wait` restore failed after the answer (its tag unrestored: neither
+/// active nor paused) is asked to resume under --atomic: its resume restores the memory, then
+/// reports that earlier failure. It changed, so the undo pauses it again with the others, and
+/// "every process is as before" is then true; the next resume brings every pattern back.
+#[test]
+fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
+    let sb = sandbox();
+    let mut a = Proc::start(&sb, &[]);
+    // Its first copy to the device writes its pattern; the second is the restore.
+    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "copy_h2d:2")]);
+    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    let bp = b.pid.to_string();
+    ok(&sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tag(&status(&sb, b.pid), "demo")["failed_restore"].is_null() {
+        assert!(
+            Instant::now() < deadline,
+            "no failed restore in {}",
+            status(&sb, b.pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = ctl(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    assert_eq!(r.code, 1, "{}", r.dump());
+    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
+    assert_eq!(j["every_process_as_before"], true, "{j}");
+    let undo_of_b = j["processes"]
+        .as_array()
+        .and_then(|v| v.iter().find(|i| i["pid"] == b.pid))
+        .map(|i| i["undo"]["op"].clone());
+    assert_eq!(undo_of_b, Some(Value::from("pause")), "{j}");
+    for p in [&a, &b] {
+        assert_eq!(demo_bytes_active(&sb, p), 0, "pid {}: {}", p.pid, r.dump());
+    }
+    let r = ok(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    let j = r.json();
+    assert_eq!(j["ok"], true, "{j}");
+    assert!(
+        j["failed"].is_null() && j["every_process_as_before"].is_null(),
+        "{j}"
+    );
+    assert_eq!(j["not_asked"], Value::Array(Vec::new()), "{j}");
+    for i in j["processes"].as_array().expect("processes") {
+        assert_eq!(i["done"]["op"], "resume", "{j}");
+        assert!(i["undo"].is_null(), "{j}");
+    }
+    a.verify();
+    b.verify();
+}
