@@ -332,8 +332,14 @@ fn no_socket(
                 }
                 None => m.push_str("; its environment cannot be read"),
             }
-            if env.is_some_and(Environment::control_off) {
-                m.push_str("; its TMS_CONTROL turns the socket off");
+            if let Some(v) = env
+                .filter(|e| e.control_off())
+                .and_then(Environment::control)
+            {
+                m.push_str(&format!(
+                    "; its TMS_CONTROL ({}) keeps the socket off",
+                    crate::text::quoted(&v)
+                ));
             } else {
                 m.push_str(
                     "; the library listens once it has started (a pauseable allocation or a \

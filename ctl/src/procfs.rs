@@ -252,15 +252,22 @@ impl Environment {
         )
     }
 
-    /// `TMS_CONTROL` turns the server off (`0`, `false`, `no`, `off` or empty, as the library
-    /// reads it).
+    /// `TMS_CONTROL` keeps the server off: any value but `1`, `true`, `yes` or `on` (the library
+    /// reads `0`, `false`, `no`, `off` and empty as off, and starts no server on a malformed one).
     pub fn control_off(&self) -> bool {
         self.tms_control.as_ref().is_some_and(|v| {
-            matches!(
+            !matches!(
                 v.to_string_lossy().trim().to_ascii_lowercase().as_str(),
-                "0" | "false" | "no" | "off" | ""
+                "1" | "true" | "yes" | "on"
             )
         })
+    }
+
+    /// `TMS_CONTROL`'s value, where set.
+    pub fn control(&self) -> Option<String> {
+        self.tms_control
+            .as_ref()
+            .map(|v| v.to_string_lossy().into_owned())
     }
 }
 
@@ -402,6 +409,15 @@ mod tests {
             e.describe(),
             "TMS_SOCKET_DIR unset, XDG_RUNTIME_DIR=/run/user/7"
         );
+        for (v, off) in [
+            ("off", true),
+            ("maybe", true),
+            (" On ", false),
+            ("1", false),
+        ] {
+            let e = Environment::parse(format!("TMS_CONTROL={v}\0").as_bytes());
+            assert_eq!(e.control_off(), off, "{v:?}");
+        }
         let e = Environment::parse(b"TMS_SOCKET_DIR=/s\0XDG_RUNTIME_DIR=/run/user/7\0A=B=C");
         assert_eq!(e.socket_dir(7), PathBuf::from("/s"));
         assert!(!e.control_off());

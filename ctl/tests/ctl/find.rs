@@ -181,12 +181,13 @@ fn no_socket_messages_name_the_folders_and_what_decides_them() {
             && line.contains("XDG_RUNTIME_DIR"),
         "{line}"
     );
-    // The library, turned off: its folder (by its environment) and TMS_CONTROL are named.
+    // The library, turned off (by a malformed value, which the library reads as off too): its
+    // folder (by its environment) and TMS_CONTROL are named.
     let its = sb.tmp.path().join("its");
     let off = Proc::start(
         &sb,
         &[
-            ("TMS_CONTROL", "0"),
+            ("TMS_CONTROL", "maybe"),
             ("TMS_SOCKET_DIR", its.to_str().unwrap()),
         ],
     );
@@ -194,7 +195,8 @@ fn no_socket_messages_name_the_folders_and_what_decides_them() {
         .failed(3)
         .to_string();
     assert!(
-        line.contains(&format!("TMS_SOCKET_DIR={}", its.display())) && line.contains("TMS_CONTROL"),
+        line.contains(&format!("TMS_SOCKET_DIR={}", its.display()))
+            && line.contains("its TMS_CONTROL (\"maybe\") keeps the socket off"),
         "{line}"
     );
     // A folder the library refused (others may enter it): the refusal is named.
