@@ -216,8 +216,11 @@ def landed_or_raised(s: Setup, t: Tally, w: Proc, tag: str, what: str, free0) ->
         return "landed"
     again = s.ask(w, cmd="wait", tag=tag, secs=s.ask_timeout / 2)
     st = s.ask(w, cmd="state", tag=tag)["state"]
+    # What landed before the failure stays restored (active); the rest is unrestored: held,
+    # neither active nor paused. The pause below keeps the landed contents (resume_intact).
     t.check("D", not again["ok"] and st["failed_restore"] and st["bytes_unrestored"] > 0
-            and st["bytes_paused"] == 0 and st["active_allocations"] == 0,
+            and st["bytes_paused"] == 0 and st["active_allocations"] < n
+            and st["active_allocations"] + st["paused_allocations"] == n,
             f"{what}: {tag} failed after the return: wait raised {first['error']}, again "
             f"{'raised' if not again['ok'] else 'DID NOT'}; {st}")
     # Other tags run as ever.

@@ -46,6 +46,11 @@ impl Engine {
     ) -> Result<Option<(usize, Arc<HostBuffer>)>> {
         let reg = self.registry.lock();
         let (start, a) = reg.containing(addr, len)?;
+        // Restored by a non-blocking resume without retention, not yet settled: shown active,
+        // so its backup, which that resume gives back, is not offered.
+        if matches!(a.arriving, Some((_, true))) && !self.settings.retain() {
+            return Ok(None);
+        }
         // containing() proved addr-start+len <= size == host.len().
         Ok(a.snapshot(addr - start, len)
             .map(|h| ((addr - start) as usize, h.clone())))

@@ -24,7 +24,8 @@
 //!   call's error, exactly as for a blocking resume (everything stays paused with its backups).
 //!   A copy that fails after the call returned cannot be undone by unmapping: the caller's
 //!   kernels may be queued behind the gate. So the mappings stay (their handles released, the
-//!   segments recorded *stuck*), the allocations stay Paused with their backups intact, the
+//!   segments recorded *stuck*), the allocations not yet restored stay Paused with their
+//!   backups intact (those that landed, which a wait has said so of, are committed), the
 //!   gate opens, and the error is kept with the allocations it left unrestored (`Restores`):
 //!   a wait for any of them raises it, every time, until each is paused (which unmaps and gives
 //!   back its memory), resumed (which restores it) or freed; the first of those to act on them

@@ -140,6 +140,12 @@ impl Tracker {
         &self.what
     }
 
+    /// Per allocation, in the resume's order, whether it landed (its waits return).
+    pub(super) fn landed_jobs(&self) -> Vec<bool> {
+        let s = self.st.lock();
+        (0..s.jobs.len()).map(|k| s.landed(k)).collect()
+    }
+
     /// Whether the caller may have returned: a failure now is kept for later.
     pub(super) fn returned(&self) -> bool {
         self.st.lock().mapped

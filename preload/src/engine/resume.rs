@@ -209,6 +209,7 @@ impl Engine {
                     .try_for_each(|f| f.check_present())
             });
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
+            self.settle_unstuck(&jobs);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
         let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
@@ -234,19 +235,34 @@ impl Engine {
                  them",
                 t.what()
             ));
-            self.keep_mapped(&jobs, made, &e);
+            // What landed is restored: its waits said so, and the program may have written it
+            // since. Those allocations are committed; the failure belongs to the others.
+            let landed = t.landed_jobs();
+            let (done_made, kept_made): (Made<'_>, Made<'_>) =
+                made.into_iter().partition(|m| landed[m.0]);
+            self.keep_mapped(&jobs, kept_made, &e, &|i| !landed[i]);
             t.failure_kept();
+            let done = self.commit(&jobs, done_made, pick, &|i| landed[i]);
+            drop(jobs);
+            let g = GiveBack {
+                released: self.leases.unleased(done.released),
+                drop_pages: done.drop_pages,
+                with: None::<()>,
+                threads: cfg.threads,
+            };
+            self.ops.releases.give_back(g, false);
             return Err(e);
         }
         if let Err(e) = result {
             let stuck = self.undo(&jobs, made);
+            self.settle_unstuck(&jobs);
             return Err(e.context(format!(
                 "resume of {} (undone: {}{stuck})",
                 pick.describe(),
                 stays(&jobs)
             )));
         }
-        let mut done = self.commit(&jobs, made, pick);
+        let mut done = self.commit(&jobs, made, pick, &|_| true);
         for (j, bytes) in jobs.iter().zip(&verified) {
             match bytes.load(Ordering::Relaxed) {
                 0 => {}
@@ -368,21 +384,32 @@ impl Engine {
 
     /// Record every allocation resumed Active (or Partial) with its new handles, in one step
     /// under the registry lock; without retention (read now) its backup is no longer a
-    /// snapshot, and what is to be given back is returned.
-    fn commit(&self, jobs: &[Job], made: Made<'_>, pick: &Pick<'_>) -> Committed {
+    /// snapshot, and what is to be given back is returned. Only the jobs `only` names (`made`
+    /// holds theirs alone).
+    fn commit(
+        &self,
+        all: &[Job],
+        made: Made<'_>,
+        pick: &Pick<'_>,
+        only: &dyn Fn(usize) -> bool,
+    ) -> Committed {
         let retain = self.settings.retain();
         let mut tally = Tally::default();
         for &(i, r, _) in &made {
-            let j = &jobs[i];
+            let j = &all[i];
             tally.bytes(&j.tag, j.runs[r].0.mapped, j.copied[r], j.on_disk);
         }
-        for j in jobs {
+        let jobs: Vec<&Job> = (0..all.len())
+            .filter(|&i| only(i))
+            .map(|i| &all[i])
+            .collect();
+        for j in &jobs {
             tally.allocation(&j.tag);
         }
         // The new handles, each run's with the index of its first segment.
         let handles: Vec<(usize, usize, Vec<PhysHandle>)> = made
             .into_iter()
-            .map(|(i, r, m)| (i, jobs[i].runs[r].0.first_segment(jobs[i].ptr), m.commit()))
+            .map(|(i, r, m)| (i, all[i].runs[r].0.first_segment(all[i].ptr), m.commit()))
             .collect();
         let mut left = Committed {
             tally,
@@ -391,7 +418,7 @@ impl Engine {
         };
         let mut reg = self.registry.lock();
         for (i, first, hs) in handles {
-            let a = reg.marked(jobs[i].ptr);
+            let a = reg.marked(all[i].ptr);
             for (k, h) in hs.into_iter().enumerate() {
                 a.handles[first + k] = Some(h);
             }
@@ -406,7 +433,7 @@ impl Engine {
                 }
             }
         }
-        for j in jobs {
+        for j in &jobs {
             let a = reg.marked(j.ptr);
             a.state = a.settled();
             a.arriving = None;
@@ -471,12 +498,19 @@ impl Engine {
         )
     }
 
-    /// What a non-blocking resume that failed after returning made stays mapped, for the
-    /// caller's queued work to find mapped memory: the handles are released (the memory goes
+    /// What a non-blocking resume that failed after returning made for the jobs `only` names
+    /// (`made` holds theirs alone: those that had not landed) stays mapped, for the caller's
+    /// queued work to find mapped memory: the handles are released (the memory goes
     /// once unmapped) and every segment is recorded stuck, for the next pause, resume or free
     /// to unmap. The allocations stay paused with their backups, and `e` is kept for them (in
     /// the same step, so that nobody sees one without the other).
-    fn keep_mapped(&self, jobs: &[Job], made: Made<'_>, e: &crate::error::Error) {
+    fn keep_mapped(
+        &self,
+        jobs: &[Job],
+        made: Made<'_>,
+        e: &crate::error::Error,
+        only: &dyn Fn(usize) -> bool,
+    ) {
         let d = &*self.driver;
         let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
         for (i, r, m) in made {
@@ -489,15 +523,19 @@ impl Engine {
                 stuck.push((j.ptr, first + k));
             }
         }
+        let kept: Vec<&Job> = (0..jobs.len())
+            .filter(|&i| only(i))
+            .map(|i| &jobs[i])
+            .collect();
         let mut reg = self.registry.lock();
         for (p, s) in stuck {
             reg.marked(p).stuck.push(s);
         }
-        for j in jobs {
+        for j in &kept {
             reg.marked(j.ptr).arriving = None;
         }
         self.restores
-            .keep_failure(e, jobs.iter().map(|j| (j.ptr, j.size)));
+            .keep_failure(e, kept.iter().map(|j| (j.ptr, j.size)));
     }
 
     /// A non-blocking resume digests what it restores after its caller returned, while the
@@ -525,6 +563,18 @@ impl Engine {
                 .prepare_digest(d)
                 .ctx(|| format!("making ready to verify the restore on device {d}"))
         })
+    }
+
+    /// After a failed resume: allocations it leaves with nothing mapped (no stuck segment) are
+    /// as a pause leaves them, so an earlier non-blocking resume's failure kept for them is
+    /// settled (that failure was reported, by a wait or by this resume's error).
+    fn settle_unstuck(&self, jobs: &[Job]) {
+        let reg = self.registry.lock();
+        let clear = jobs
+            .iter()
+            .filter(|j| reg.allocs.get(&j.ptr).is_some_and(|a| a.stuck.is_empty()));
+        // Under the registry lock, as `stats` reads them together.
+        self.restores.settle(clear.map(|j| j.ptr));
     }
 
     /// Unmap the segments an earlier failed resume left mapped, before mapping them again.

@@ -361,9 +361,11 @@ fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_pau
         assert!(Instant::now() < deadline, "the resume never ended");
         std::thread::sleep(Duration::from_millis(5));
     };
-    assert_eq!(
-        (t.bytes_unrestored, t.bytes_paused, t.bytes_active),
-        (6 << 20, 0, 0),
+    // The failed allocation is unrestored; the others may have landed first (restored).
+    assert!(
+        t.bytes_unrestored >= 2 << 20
+            && t.bytes_unrestored + t.bytes_active == 6 << 20
+            && t.bytes_paused == 0,
         "{t:?}"
     );
     let msg = t.failed_restore.expect("the failure is shown");
