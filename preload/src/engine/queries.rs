@@ -73,7 +73,7 @@ impl Engine {
             tag: a.tag.to_string(),
             chunk: a.chunk,
             layout: segments(a.mapped, a.segment).collect(),
-            active: a.handles.iter().map(Option::is_some).collect(),
+            active: a.shown_active(),
         })
     }
 

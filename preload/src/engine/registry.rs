@@ -219,6 +219,18 @@ impl Allocation {
         }
     }
 
+    /// Per segment, whether a caller is shown it active: mapped, or restored by a non-blocking
+    /// resume that has not settled yet.
+    pub fn shown_active(&self) -> Vec<bool> {
+        let mut v: Vec<bool> = self.handles.iter().map(Option::is_some).collect();
+        if let Some((segs, true)) = &self.arriving {
+            for &s in segs {
+                v[s] = true;
+            }
+        }
+        v
+    }
+
     /// Device bytes mapped now, as a caller is shown them: `(active, arriving, unrestored)`.
     /// Active: mapped segments, and those a non-blocking resume restored; arriving: mapped by
     /// one still restoring them; unrestored: left mapped by one that failed after its caller

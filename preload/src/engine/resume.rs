@@ -364,8 +364,13 @@ impl Engine {
                         }
                         if let Some(t) = track {
                             t.item_done(i, || {
-                                self.registry
-                                    .marked(j.ptr, |a| a.arriving = Some((j.segs.clone(), true)));
+                                self.registry.marked(j.ptr, |a| {
+                                    a.arriving = Some((j.segs.clone(), true));
+                                    // Restored: an earlier failure kept for it is over now,
+                                    // before any wait is told it landed (under the registry
+                                    // lock, as `stats` reads them together).
+                                    self.restores.settle(std::iter::once(j.ptr));
+                                });
                             });
                         }
                         Ok(())
