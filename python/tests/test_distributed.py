@@ -390,3 +390,105 @@ print("OK", out.ok)
     assert "TYPE pause_chunks() needs the chunk indices" in r.stdout, r.stdout
     assert "TYPE pause_chunks() got the chunk indices twice" in r.stdout, r.stdout
     assert r.stdout.strip().endswith("OK True"), r.stdout
+
+
+def test_a_resume_of_every_tag_undoes_the_tags_it_changed(tmp_path, libtms):
+    # Tag "a" paused, tag "b" wholly active on every rank; rank 1's resume of every tag fails.
+    # The resume changed only "a" (an active tag is left as it is), so pausing "a" again undoes
+    # it exactly: every rank is as before, and says so (before, the undo was skipped whole
+    # because "b" was active, and the job stayed half resumed).
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        pa, da = alloc("a", 8 * MIB, RANK, enable_cpu_backup=True)
+        pb, db = alloc("b", 4 * MIB, RANK + 5, enable_cpu_backup=True)
+        tms.pause("a")
+        if RANK == 1:
+            def failing(*a, **k):
+                raise tms_pkg.OutOfMemoryError("injected: the device is full")
+            tms.resume = failing
+        r = attempt(tmsd._resume_tag, None)
+        b = tag_stats("b")
+        report(tag="a", step="resume", b=(b["active_allocations"], b["paused_allocations"]), **r)
+        """,
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (first,) = r["results"]
+        assert not first["ok"] and first["failed"] == [1], (rank, first)
+        assert "every rank undid it" in first["msg"] and "skipped" not in first["msg"], (rank, first)
+        assert (first["active"], first["paused"]) == (0, 1), (rank, first)
+        assert first["b"] == [1, 0], (rank, first)
+
+
+def test_an_undo_never_calls_a_rank_with_memory_being_restored_as_before(tmp_path, libtms):
+    # Rank 0's own non-blocking resume of "w" is still restoring (a slow link) when the job's
+    # resume of "w" starts; rank 1's fails. A pause would not bring rank 0 back to "restoring":
+    # its undo is skipped and said so, the message names it, and its restore completes.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("w", 64 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        if RANK == 0:
+            tms.resume("w", non_blocking=True)
+            assert tag_stats("w")["restoring_allocations"] == 1, tag_stats("w")
+        if RANK == 1:
+            def failing(*a, **k):
+                raise tms_pkg.OutOfMemoryError("injected: the device is full")
+            tms.resume = failing
+        r = attempt(tmsd._resume_tag, "w")
+        landed = tms.wait() if RANK == 0 else None
+        report(tag="w", step="resume", landed=landed, intact=intact(p, data) if RANK == 0 else None, **r)
+        """,
+        per_rank_env={0: {"TMS_SIM_BANDWIDTH": "32MiB"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (first,) = r["results"]
+        assert not first["ok"] and first["failed"] == [1], (rank, first)
+        assert "not every rank could undo it" in first["msg"] and "rank 0: skipped" in first["msg"], (rank, first)
+        assert "restoring" in first["msg"], (rank, first)
+    zero = res[0]["results"][0]
+    assert zero["landed"] is True and zero["intact"] and (zero["active"], zero["paused"]) == (1, 0), zero
+
+
+def test_an_undo_names_a_rank_whose_unrestored_memory_the_call_settled(tmp_path, libtms):
+    # Rank 0's own non-blocking resume of "w" failed after it returned: "w" is unrestored (its
+    # memory held, the failure kept). The job's pause gives that memory back and settles the
+    # failure; rank 1's pause fails, and the undo restores rank 0's record, paused: not as
+    # before, and the message says so instead of "every rank is as before".
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        if RANK == 0:
+            tms.resume("w", non_blocking=True)
+            try:
+                tms.wait()
+            except tms_pkg.TorchMemorySaverError:
+                pass
+            assert tag_stats("w")["bytes_unrestored"] == 8 * MIB, tag_stats("w")
+        else:
+            tms.resume("w")
+            def failing(*a, **k):
+                raise tms_pkg.OutOfMemoryError("injected: the host is full")
+            tms.pause = failing
+        r = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", **r)
+        """,
+        per_rank_env={0: {"TMS_SIM_FAULTS": "copy_h2d:1"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (first,) = r["results"]
+        assert not first["ok"] and first["failed"] == [1], (rank, first)
+        assert "not every rank could undo it" in first["msg"], (rank, first)
+        assert "rank 0: done, but not as before for 'w'" in first["msg"], (rank, first)

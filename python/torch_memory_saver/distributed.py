@@ -23,9 +23,15 @@ and why.
   save_chunk_state=True)`` does) and its undo brings back only those, so an allocation that was
   paused before the call stays paused. The record is the job's own: one the program made with
   ``pause(save_chunk_state=True)`` is left as it was.
-- A resume of a tag that was partly active before the call cannot be undone exactly (pausing the
-  tag would also pause what was active before). Such a rank skips its undo and the error says so
-  (``undo`` of that rank is ``"skipped: ..."``); its tag stays resumed, nothing lost.
+- A resume is undone tag by tag: a tag wholly paused before is paused again, a wholly active one
+  was not changed. A tag that was partly active before the call cannot be undone exactly
+  (pausing it would also pause what was active before), nor one whose memory a non-blocking
+  resume of the rank's own was restoring: such a rank skips their undo and the error says so
+  (``undo`` of that rank is ``"skipped: ..."``); they stay resumed, nothing lost. A chunk call
+  waits first for such a restore to end.
+- Memory a failed non-blocking resume left unrestored (``bytes_unrestored``) is given back by a
+  pause, which settles that failure: the undo cannot bring it back, so that rank's ``undo`` says
+  ``"done, but not as before for ..."`` and the error does not claim every rank is as before.
 - Timeouts are the group's (``init_process_group(timeout=...)``). If the collective itself fails
   (a rank died, a timeout), no rank can know the others' outcomes: each surviving rank undoes its
   own action and raises :class:`DistributedError` with the group's error as ``__cause__``, saying
@@ -47,7 +53,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from .arguments import JOB_RECORD, chunk_arguments
 from .errors import InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
@@ -288,23 +294,47 @@ def _norm_tag(tag: Optional[str]) -> Optional[str]:
     return None if tag == "" else tag
 
 
+def _tags_before(tag: Optional[str]) -> Dict[str, dict]:
+    """Each tag's numbers (``tag``'s, or every tag's if None), as an undo needs them."""
+    return {t["tag"]: t for t in _saver().stats()["tags"] if tag is None or t["tag"] == tag}
+
+
+def _unrestored(t: dict) -> bool:
+    """Memory of the tag that a non-blocking resume is restoring, or left unrestored when it
+    failed: neither active nor paused, which no undo can bring back."""
+    return bool(t.get("restoring_allocations", 0) or t.get("bytes_unrestored", 0) or t.get("failed_restore"))
+
+
+def _not_undone(what: List[str]) -> Optional[str]:
+    if not what:
+        return None
+    return (
+        f"done, but not as before for {', '.join(what)}: a non-blocking resume was restoring it or had "
+        "left it unrestored before the call, and the call and its undo settled it paused"
+    )
+
+
 def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     tms = _saver()
     tag = _norm_tag(tag)
     here: dict = {}
 
     def act() -> None:
+        here["tags"] = _tags_before(tag)
         here["before"] = _active_bytes(tag)
         here["failed"] = True
         tms.pause(tag, save_chunk_state=JOB_RECORD)
         here["failed"] = False
 
-    def undo() -> None:
+    def undo() -> Optional[str]:
         # A pause that failed having changed nothing may have recorded nothing either, and a
         # restoring resume without a record resumes everything: leave such a rank alone.
         if "before" not in here or (here["failed"] and _active_bytes(tag) == here["before"]):
-            return
+            return None
         tms.resume(tag, restore_chunk_state=JOB_RECORD)
+        # Memory a failed non-blocking resume left unrestored was given back by the pause, and
+        # its failure settled: the record restores it paused, which it was not.
+        return _not_undone([repr(n) for n, t in here["tags"].items() if _unrestored(t)])
 
     return _agree("pause", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
 
@@ -312,27 +342,38 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
 def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     tms = _saver()
     tag = _norm_tag(tag)
-    partly: List[str] = []
+    here: Dict[str, dict] = {}
 
     def act() -> None:
-        # A resume is undone by pausing the tag, which is exact only if nothing a pause takes
-        # was active: allocations kept resident stay mapped through it.
-        partly.extend(
-            t["tag"]
-            for t in tms.stats()["tags"]
-            if (tag is None or t["tag"] == tag)
-            and (t["active_allocations"] - t.get("resident_allocations", 0) or t.get("partial_allocations", 0))
-        )
+        here.update(_tags_before(tag))
         tms.resume(tag)
 
     def undo() -> Optional[str]:
+        # Each tag is undone on its own: one wholly paused before is paused again; one wholly
+        # active (allocations kept resident aside, which stay mapped through a pause) was not
+        # changed; one partly active, or being restored, cannot be undone exactly (a pause
+        # would take what was active before too) and is left resumed, and said so.
+        partly, restoring = [], []
+        for name, t in here.items():
+            active = t["active_allocations"] - t.get("resident_allocations", 0)
+            if _unrestored(t):
+                restoring.append(repr(name))
+            elif t.get("partial_allocations", 0) or (active and t["paused_allocations"]):
+                partly.append(repr(name))
+            elif t["paused_allocations"]:
+                tms.pause(name)
+        notes = []
         if partly:
-            return (
-                f"skipped: {', '.join(repr(t) for t in partly)} had active memory before the resume, which "
-                "a pause would take too; left resumed"
+            notes.append(
+                f"{', '.join(partly)} had active memory before the resume, which a pause would take too; "
+                "left resumed"
             )
-        tms.pause(tag)
-        return None
+        if restoring:
+            notes.append(
+                f"{', '.join(restoring)} had memory a non-blocking resume was restoring or had left "
+                "unrestored; left as the resume made it"
+            )
+        return f"skipped: {'; '.join(notes)}" if notes else None
 
     return _agree("resume", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
 
@@ -345,7 +386,11 @@ def _chunk_op(
 
     def act_here() -> Any:
         # Inside the action, so that a bad target fails this rank through the agreement
-        # instead of leaving the others waiting in it.
+        # instead of leaving the others waiting in it. Chunks a non-blocking resume is still
+        # restoring would read as paused: it is waited for first (its failure, if any, is
+        # this rank's).
+        if any(t.get("restoring_allocations", 0) for t in tms.stats()["tags"]):
+            tms.wait()
         before.extend(tms.get_chunk_states(target))
         return act()
 
