@@ -49,6 +49,12 @@ def report(**kw):
     kw.update(active=s["active_allocations"], paused=s["paused_allocations"])
     print("RESULT " + json.dumps(kw), flush=True)
 
+def fail_here(name, why):
+    # This rank's own `tms.<name>` fails, out of memory (injected).
+    def failing(*a, **k):
+        raise tms_pkg.OutOfMemoryError(f"injected: {why}")
+    setattr(tms, name, failing)
+
 def attempt(f, *a):
     try:
         out = f(*a, gather, RANK)
@@ -161,9 +167,7 @@ def test_a_resume_undo_is_not_blocked_by_an_allocation_kept_resident(tmp_path, l
         tms.pause("r")
         assert tag_stats("r")["resident_allocations"] == 1, tag_stats("r")
         if RANK == 1:
-            def failing(*a, **k):
-                raise tms_pkg.OutOfMemoryError("injected: the device is full")
-            tms.resume = failing
+            fail_here("resume", "the device is full")
         a = attempt(tmsd._resume_tag, "r")
         report(tag="r", step="resume", **a)
         """,
@@ -240,9 +244,7 @@ def test_a_pause_undo_leaves_what_was_paused_before_alone(tmp_path, libtms):
         p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)  # made active in a paused tag
         if RANK == 1:
             # Fails before pausing anything, as a pause refused for host memory does.
-            def failing(*a, **k):
-                raise tms_pkg.OutOfMemoryError("injected: host memory is short")
-            tms.pause = failing
+            fail_here("pause", "host memory is short")
         a = attempt(tmsd._pause_tag, "w")
         report(tag="w", step="pause", intact=intact(p, data), **a)
         """,
@@ -406,9 +408,7 @@ def test_a_resume_of_every_tag_undoes_the_tags_it_changed(tmp_path, libtms):
         pb, db = alloc("b", 4 * MIB, RANK + 5, enable_cpu_backup=True)
         tms.pause("a")
         if RANK == 1:
-            def failing(*a, **k):
-                raise tms_pkg.OutOfMemoryError("injected: the device is full")
-            tms.resume = failing
+            fail_here("resume", "the device is full")
         r = attempt(tmsd._resume_tag, None)
         b = tag_stats("b")
         report(tag="a", step="resume", b=(b["active_allocations"], b["paused_allocations"]), **r)
@@ -438,9 +438,7 @@ def test_an_undo_never_calls_a_rank_with_memory_being_restored_as_before(tmp_pat
             tms.resume("w", non_blocking=True)
             assert tag_stats("w")["restoring_allocations"] == 1, tag_stats("w")
         if RANK == 1:
-            def failing(*a, **k):
-                raise tms_pkg.OutOfMemoryError("injected: the device is full")
-            tms.resume = failing
+            fail_here("resume", "the device is full")
         r = attempt(tmsd._resume_tag, "w")
         landed = tms.wait() if RANK == 0 else None
         report(tag="w", step="resume", landed=landed, intact=intact(p, data) if RANK == 0 else None, **r)
@@ -478,9 +476,7 @@ def test_an_undo_names_a_rank_whose_unrestored_memory_the_call_settled(tmp_path,
             assert tag_stats("w")["bytes_unrestored"] == 8 * MIB, tag_stats("w")
         else:
             tms.resume("w")
-            def failing(*a, **k):
-                raise tms_pkg.OutOfMemoryError("injected: the host is full")
-            tms.pause = failing
+            fail_here("pause", "the host is full")
         r = attempt(tmsd._pause_tag, "w")
         report(tag="w", step="pause", **r)
         """,
