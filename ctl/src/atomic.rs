@@ -5,7 +5,8 @@
 //! The processes are asked in turn; at the first failure the rest are not asked, and each
 //! process that changed is brought back to where it was:
 //!
-//! - a whole-tag pause is sent with `chunk_state` (the process records which allocations and
+//! - a whole-tag pause (which gives back memory a failed non-blocking resume left unrestored,
+//!   and no undo brings that back: said so) is sent with `chunk_state` (the process records which allocations and
 //!   chunks were active), and undone by a resume that restores that record: what was paused
 //!   before stays paused, and the contents come back from the backups the pause wrote. A process
 //!   whose own pause failed part-way is undone the same way, if its active bytes changed (a
@@ -15,7 +16,9 @@
 //!   tag was active before: elsewhere the undo is skipped and said so (nothing is lost: the tag
 //!   stays resumed). A resume that fails undoes itself in the process (it is all or nothing),
 //!   unless it did its work and then failed to report an earlier failed restore: the failed
-//!   process is paused again wherever its tag took memory back;
+//!   process is paused again wherever its tag took memory back. Memory a non-blocking resume
+//!   is restoring is left alone (a pause would take it from the program waiting for it);
+//!   memory one left unrestored is paused, given back, which is not as before and said so;
 //! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
 //!   changed (read before and after with `chunks`);
 //! - a process whose operation was still running at `--timeout` (exit 7) is undone only once
@@ -47,12 +50,16 @@ use crate::text::{one_line, printable_lines, quoted};
 /// How one process's operation is undone, decided before it acts.
 enum Undo {
     /// Resume restoring the state the pause recorded; `before` is the tag's active bytes
-    /// before the pause (a failed pause that changed nothing is left alone).
-    Restore { before: u64 },
-    /// Pause the tag again (a resume of a tag wholly paused before).
-    PauseAgain,
-    /// Cannot be undone exactly; why.
-    Skip(String),
+    /// before the pause (a failed pause that changed nothing is left alone); `unsettled`, the
+    /// tags whose memory a failed non-blocking resume had left unrestored, which the pause gives
+    /// back (settling that failure) and no undo brings back.
+    Restore { before: u64, unsettled: Vec<String> },
+    /// Pause the tag again (a resume of a tag wholly paused before); `unsettled` as for
+    /// `Restore`: memory left unrestored before is paused too, not brought back to that.
+    PauseAgain { unsettled: Vec<String> },
+    /// Cannot be undone exactly; why. `before`: the active bytes of the tags asked for, before
+    /// (a process whose own operation failed and changed nothing needs no undo).
+    Skip { why: String, before: u64 },
     /// The opposite operation on the chunks whose state changed from these.
     Chunks(Vec<bool>),
 }
@@ -102,6 +109,10 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
     match which {
         Op::Pause => {
             let before = active_bytes(c, tag.as_deref())?;
+            let unsettled = selected_tags(&status_of(c)?, tag.as_deref())
+                .filter(|t| t.bytes_unrestored > 0 || t.failed_restore.is_some())
+                .map(|t| quoted(&t.tag))
+                .collect();
             Ok((
                 Request::Pause {
                     tag,
@@ -109,30 +120,59 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
                     chunk_state: true,
                     job_record: c.hello.has(FEATURE_JOB_RECORD),
                 },
-                Undo::Restore { before },
+                Undo::Restore { before, unsettled },
             ))
         }
         Op::Resume => {
             let s = status_of(c)?;
-            let partly: Vec<String> = s
-                .tags
-                .iter()
-                .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
-                .filter(|t| takes_something(t))
-                .map(|t| quoted(&t.tag))
-                .collect();
-            let undo = if partly.is_empty() {
-                Undo::PauseAgain
+            let before = selected_tags(&s, tag.as_deref())
+                .map(|t| t.bytes_active)
+                .sum();
+            let names = |f: &dyn Fn(&tms_proto::TagStatus) -> bool| -> Vec<String> {
+                selected_tags(&s, tag.as_deref())
+                    .filter(|t| f(t))
+                    .map(|t| quoted(&t.tag))
+                    .collect()
+            };
+            let partly = names(&takes_something);
+            // Memory a non-blocking resume of the process's own is restoring is its to have:
+            // a pause would take it from under the program, which waits for it.
+            let restoring = names(&|t| t.restoring_allocations > 0);
+            let undo = if !restoring.is_empty() {
+                Undo::Skip {
+                    why: format!(
+                        "not undone: {} had memory a non-blocking resume was restoring before \
+                         the resume; left as the resume made it",
+                        restoring.join(", ")
+                    ),
+                    before,
+                }
+            } else if partly.is_empty() {
+                let unsettled = names(&|t| t.bytes_unrestored > 0 || t.failed_restore.is_some());
+                Undo::PauseAgain { unsettled }
             } else {
-                Undo::Skip(format!(
-                    "not undone: {} had active memory before the resume, which a pause would \
-                     take too; left resumed",
-                    partly.join(", ")
-                ))
+                Undo::Skip {
+                    why: format!(
+                        "not undone: {} had active memory before the resume, which a pause \
+                         would take too; left resumed",
+                        partly.join(", ")
+                    ),
+                    before,
+                }
             };
             Ok((req.clone(), undo))
         }
     }
+}
+
+/// The tags of `s` that `tag` selects (every one if `None`).
+fn selected_tags<'a>(
+    s: &'a tms_proto::Status,
+    tag: Option<&'a str>,
+) -> impl Iterator<Item = &'a tms_proto::TagStatus> {
+    s.tags
+        .iter()
+        .filter(move |t| tag.is_none_or(|x| x == t.tag))
 }
 
 /// Whether a pause of tag `t` would take anything: active allocations not kept resident (a
@@ -177,7 +217,17 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
     }
 }
 
-/// Undo on the process of `sock`; the undo's own result, or why there was nothing to do.
+/// What an undo did on one process.
+enum Undid {
+    /// It ran: its result.
+    Ran(OpDone),
+    /// Nothing had changed there: nothing to undo.
+    Nothing,
+    /// Changed, and not undone: why.
+    Kept(String),
+}
+
+/// Undo on the process of `sock`.
 fn undo(
     ctx: &Ctx,
     show: progress::Show,
@@ -185,7 +235,7 @@ fn undo(
     req: &Request,
     how: &Undo,
     here: Here,
-) -> Result<Option<OpDone>> {
+) -> Result<Undid> {
     let Some((which, tag, _, _)) = asked(req) else {
         return Err(Failure::new(
             Code::Failed,
@@ -208,10 +258,16 @@ fn undo(
     // Now ended: what it changed is what is undone.
     let failed_here = here != Here::Succeeded;
     let back = match how {
-        Undo::Skip(_) => return Ok(None),
-        Undo::Restore { before } => {
+        // A resume that failed undid itself in the process, unless it took memory back.
+        Undo::Skip { before, .. }
+            if failed_here && active_bytes(&mut c, tag.as_deref())? == *before =>
+        {
+            return Ok(Undid::Nothing)
+        }
+        Undo::Skip { why, .. } => return Ok(Undid::Kept(why.clone())),
+        Undo::Restore { before, .. } => {
             if failed_here && active_bytes(&mut c, tag.as_deref())? == *before {
-                return Ok(None);
+                return Ok(Undid::Nothing);
             }
             Request::Resume {
                 tag,
@@ -225,7 +281,7 @@ fn undo(
         // A resume that fails undoes itself in the process (all or nothing), but one that did
         // its work and then reported an earlier failure (a non-blocking restore's) took memory
         // back, as may one that outlasted --timeout: what took memory back is paused again.
-        Undo::PauseAgain if failed_here => {
+        Undo::PauseAgain { .. } if failed_here => {
             let s = status_of(&mut c)?;
             let took = s
                 .tags
@@ -233,7 +289,7 @@ fn undo(
                 .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
                 .any(takes_something);
             if !took {
-                return Ok(None);
+                return Ok(Undid::Nothing);
             }
             Request::Pause {
                 tag,
@@ -242,7 +298,7 @@ fn undo(
                 job_record: false,
             }
         }
-        Undo::PauseAgain => Request::Pause {
+        Undo::PauseAgain { .. } => Request::Pause {
             tag,
             chunks: None,
             chunk_state: false,
@@ -259,7 +315,7 @@ fn undo(
                 .map(|(i, _)| i)
                 .collect();
             if changed.is_empty() {
-                return Ok(None);
+                return Ok(Undid::Nothing);
             }
             let chunks = Some(chunk_ranges(&changed));
             match which {
@@ -280,7 +336,7 @@ fn undo(
             }
         }
     };
-    run_one(ctx, true, show, &mut c, &back).map(Some)
+    run_one(ctx, true, show, &mut c, &back).map(Undid::Ran)
 }
 
 /// The undo's result line without its "pid P: " (the line it goes on has it).
@@ -375,18 +431,28 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         let pid = sock.pid();
         let result = undo(ctx, show, sock, req, how, here);
         let (undo_json, line) = match (&result, how) {
-            (Ok(Some(u)), _) => {
+            (Ok(Undid::Ran(u)), how) => {
+                if let Undo::Restore { unsettled, .. } | Undo::PauseAgain { unsettled } = how {
+                    if !unsettled.is_empty() {
+                        kept.push(format!(
+                            "process {pid}: {} had memory a failed non-blocking resume left \
+                             unrestored, which is now paused (given back, that failure settled), \
+                             not as before",
+                            unsettled.join(", ")
+                        ));
+                    }
+                }
                 undone.push(pid);
                 (
                     with_pid(pid, u),
                     format!("undone: {}", undone_words(pid, u)),
                 )
             }
-            (Ok(None), Undo::Skip(why)) => {
+            (Ok(Undid::Kept(why)), _) => {
                 kept.push(format!("process {pid}: {why}"));
                 (json!({"skipped": why}), why.clone())
             }
-            (Ok(None), _) => (
+            (Ok(Undid::Nothing), _) => (
                 json!({"skipped": "nothing had changed"}),
                 "nothing to undo (nothing had changed)".to_string(),
             ),

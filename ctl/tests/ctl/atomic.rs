@@ -257,8 +257,10 @@ fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
 
 /// A process whose `--no-wait` restore failed after the answer (its tag unrestored: neither
 /// active nor paused) is asked to resume under --atomic: its resume restores the memory, then
-/// reports that earlier failure. It changed, so the undo pauses it again with the others, and
-/// "every process is as before" is then true; the next resume brings every pattern back.
+/// reports that earlier failure. It changed, so the undo pauses it again with the others (before,
+/// it was left resumed, as "nothing had changed", in a job claimed as before). Paused is not
+/// "unrestored" (the memory is given back, the failure settled): tmsctl says that process is not
+/// as before. The next resume brings every pattern back.
 #[test]
 fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
     let sb = sandbox();
@@ -285,7 +287,13 @@ fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
     assert_eq!(r.code, 1, "{}", r.dump());
     let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
     assert_eq!(j["failed"]["pid"], b.pid, "{j}");
-    assert_eq!(j["every_process_as_before"], true, "{j}");
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    assert!(
+        summary.contains(&format!("process {}", b.pid)) && summary.contains("not as before"),
+        "{}",
+        r.dump()
+    );
     let undo_of_b = j["processes"]
         .as_array()
         .and_then(|v| v.iter().find(|i| i["pid"] == b.pid))
@@ -311,4 +319,115 @@ fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
     }
     a.verify();
     b.verify();
+}
+
+/// A process whose `--no-wait` restore is still under way when `resume --atomic` asks it: its
+/// memory is being restored, neither paused nor active, and a pause would not bring it back to
+/// that. When another process fails, its undo is skipped and said so, and tmsctl does not claim
+/// every process as before (before, it paused the memory being restored and claimed so).
+#[test]
+fn an_atomic_resume_never_calls_a_process_restoring_memory_as_before() {
+    let sb = sandbox();
+    let mut a = Proc::start(&sb, &[("TMS_SIM_BANDWIDTH", "4MiB")]);
+    let b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "create:2:oom")]);
+    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    ok(
+        &sb,
+        &[
+            "resume",
+            "--pid",
+            &a.pid.to_string(),
+            "--tag",
+            "demo",
+            "--no-wait",
+        ],
+    );
+    let r = ctl(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    assert_eq!(r.code, 1, "{}", r.dump());
+    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    assert!(
+        summary.contains("NOT every process is as before")
+            && summary.contains(&format!("process {}", a.pid))
+            && summary.contains("was restoring"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(demo_bytes_active(&sb, &a), SIZE, "a's restore went on");
+    a.verify();
+}
+
+/// Each process's tag is partly active (a new allocation beside the paused one), so a resume
+/// cannot be undone exactly: the processes that resumed are left resumed and said so. The one
+/// whose resume failed (out of memory) undid it itself and is as before: "nothing to undo", not
+/// "left resumed" (before, it was listed as not as before too).
+#[test]
+fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
+    let sb = sandbox();
+    let mut ps = three_with_a_faulty_last(&sb, "create:3:oom");
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    for p in ps.iter_mut() {
+        let pid = p.pid.to_string();
+        ok(
+            &sb,
+            &[
+                "region",
+                "--pid",
+                &pid,
+                "--enable",
+                "--tag",
+                "demo",
+                "--cpu-backup",
+            ],
+        );
+        assert!(p.cmd("malloc 2MiB", "MALLOC").starts_with("0 0x"));
+    }
+    let r = ctl(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    assert_eq!(r.code, 1, "{}", r.dump());
+    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let undo_of = |pid: u32| {
+        j["processes"]
+            .as_array()
+            .and_then(|v| v.iter().find(|i| i["pid"] == pid))
+            .map(|i| {
+                i["undo"]["skipped"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .unwrap_or_default()
+    };
+    for p in &ps[..2] {
+        assert!(undo_of(p.pid).contains("left resumed"), "{j}");
+    }
+    assert_eq!(undo_of(ps[2].pid), "nothing had changed", "{j}");
+    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    assert!(
+        !summary.contains(&format!("process {}: not undone", ps[2].pid)),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(
+        demo_bytes_active(&sb, &ps[2]),
+        2 << 20,
+        "as before: the new allocation only"
+    );
+    ok(
+        &sb,
+        &["resume", "--pid", &ps[2].pid.to_string(), "--tag", "demo"],
+    );
+    for p in ps.iter_mut() {
+        p.verify();
+    }
 }
