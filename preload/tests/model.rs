@@ -245,8 +245,12 @@ impl MAlloc {
             }
         }
         if self.state() == State::Active {
-            // A file stays (reused by the next pause); host memory only if retained.
+            // A file stays (reused by the next pause); host memory only if retained, and what
+            // it held of the chunks resumed earlier goes with it.
             self.host = self.backup.is_some() && (retain || self.disk());
+            if !self.host {
+                self.saved.fill(false);
+            }
         }
         (bytes, copied)
     }
