@@ -40,8 +40,7 @@ fn atomic_pause_is_undone_everywhere_when_one_process_fails() {
         &sb,
         &["pause", "--all", "--atomic", "--tag", "demo", "--json"],
     );
-    assert_eq!(r.code, 1, "{}", r.dump());
-    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    let j = r.json_exit(1);
     assert_eq!(j["ok"], false, "{j}");
     assert_eq!(j["every_process_as_before"], true, "{j}");
     assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
@@ -55,7 +54,7 @@ fn atomic_pause_is_undone_everywhere_when_one_process_fails() {
         assert_eq!(item["undo"]["op"], "resume", "{item}");
         assert_eq!(item["undo"]["bytes"], SIZE, "{item}");
     }
-    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    let summary = r.last_stderr_line();
     assert!(
         summary.contains("failed on process")
             && summary.contains("undone on 2 processes: every process is as before"),
@@ -128,8 +127,7 @@ fn atomic_resume_is_undone_everywhere_when_one_process_runs_out_of_memory() {
 fn atomic_pause_with_a_1s_timeout(sb: &Sandbox) -> (Ran, Value) {
     let args = "pause --all --atomic --tag demo --timeout 1 --json";
     let r = ctl(sb, &args.split(' ').collect::<Vec<_>>());
-    assert_eq!(r.code, 7, "{}", r.dump());
-    let j = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    let j = r.json_exit(7);
     (r, j)
 }
 
@@ -284,11 +282,10 @@ fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
         &sb,
         &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
     );
-    assert_eq!(r.code, 1, "{}", r.dump());
-    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    let j = r.json_exit(1);
     assert_eq!(j["failed"]["pid"], b.pid, "{j}");
     assert_eq!(j["every_process_as_before"], false, "{j}");
-    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    let summary = r.last_stderr_line();
     assert!(
         summary.contains(&format!("process {}", b.pid)) && summary.contains("not as before"),
         "{}",
@@ -347,11 +344,10 @@ fn an_atomic_resume_never_calls_a_process_restoring_memory_as_before() {
         &sb,
         &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
     );
-    assert_eq!(r.code, 1, "{}", r.dump());
-    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    let j = r.json_exit(1);
     assert_eq!(j["failed"]["pid"], b.pid, "{j}");
     assert_eq!(j["every_process_as_before"], false, "{j}");
-    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    let summary = r.last_stderr_line();
     assert!(
         summary.contains("NOT every process is as before")
             && summary.contains(&format!("process {}", a.pid))
@@ -392,8 +388,7 @@ fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
         &sb,
         &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
     );
-    assert_eq!(r.code, 1, "{}", r.dump());
-    let j: Value = serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("{e}\n{}", r.dump()));
+    let j = r.json_exit(1);
     assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
     assert_eq!(j["every_process_as_before"], false, "{j}");
     let undo_of = |pid: u32| {
@@ -412,7 +407,7 @@ fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
         assert!(undo_of(p.pid).contains("left resumed"), "{j}");
     }
     assert_eq!(undo_of(ps[2].pid), "nothing had changed", "{j}");
-    let summary = r.stderr.lines().last().unwrap_or_default().to_string();
+    let summary = r.last_stderr_line();
     assert!(
         !summary.contains(&format!("process {}: not undone", ps[2].pid)),
         "{}",

@@ -198,8 +198,18 @@ impl Ran {
     }
 
     pub fn json(&self) -> Value {
-        assert_eq!(self.code, 0, "{}", self.dump());
+        self.json_exit(0)
+    }
+
+    /// Exited with `code`, stdout one JSON document: that document.
+    pub fn json_exit(&self, code: i32) -> Value {
+        assert_eq!(self.code, code, "{}", self.dump());
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("{e}\n{}", self.dump()))
+    }
+
+    /// The last line on stderr (`--atomic`'s summary), or "".
+    pub fn last_stderr_line(&self) -> String {
+        self.stderr.lines().last().unwrap_or_default().to_string()
     }
 
     /// Failed with `code` and exactly one line on stderr, starting with "tmsctl: ".
