@@ -34,13 +34,14 @@ struct Job {
     chunked: bool,
     /// Segments left mapped by an earlier failed resume (index and where): unmapped first.
     stuck: Vec<(usize, Span)>,
-    /// The snapshot to copy back, if the allocation has one.
+    /// The snapshot to copy back, if the allocation has one and a run copies from it (these
+    /// three are set only then).
     host: Option<Arc<HostBuffer>>,
     /// Or the file holding it.
     disk: Option<Arc<DiskFile>>,
-    device: i32,
     /// Its backup is a file (a host buffer is preferred where it has both, as by the copies).
     on_disk: bool,
+    device: i32,
     /// Bytes copied back into each run.
     copied: Vec<u64>,
 }
@@ -197,14 +198,12 @@ impl Engine {
         track: Option<&Tracker>,
         jobs: Vec<Job>,
     ) -> Result<Committed> {
-        let copying = |j: &&Job| j.runs.iter().any(|r| r.1);
         // A check that cannot be made, or a file that is gone or cut short, fails the resume
         // before anything is mapped.
         let present = verifiable(pick, &jobs)
             .and_then(|()| self.ready_to_verify(pick, track, &jobs))
             .and_then(|()| {
                 jobs.iter()
-                    .filter(copying)
                     .filter_map(|j| j.disk.as_ref())
                     .try_for_each(|f| f.check_present())
             });
@@ -214,8 +213,8 @@ impl Engine {
         }
         let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
         let backings = Backings {
-            host: jobs.iter().filter(copying).any(|j| j.host.is_some()),
-            disk: jobs.iter().filter(copying).any(|j| j.on_disk),
+            host: jobs.iter().any(|j| j.host.is_some()),
+            disk: jobs.iter().any(|j| j.on_disk),
         };
         let (rings, tracked) = tx.work();
         tracked.prepared(bytes, backings);
@@ -556,11 +555,8 @@ impl Engine {
         if track.is_none() {
             return Ok(());
         }
-        let checked = |j: &&Job| {
-            j.host.is_some()
-                && j.runs.iter().any(|r| r.1)
-                && (pick.verify || self.settings.checks.of(&j.tag).verify)
-        };
+        let checked =
+            |j: &&Job| j.host.is_some() && (pick.verify || self.settings.checks.of(&j.tag).verify);
         let devices: std::collections::BTreeSet<i32> =
             jobs.iter().filter(checked).map(|j| j.device).collect();
         devices.into_iter().try_for_each(|d| {
@@ -605,8 +601,7 @@ impl Engine {
 /// disk file is refused rather than left unchecked (the file's chunks are checked against their
 /// checksums as they are read; a tag's own `verify` setting leaves them to that).
 fn verifiable(pick: &Pick<'_>, jobs: &[Job]) -> Result<()> {
-    let from_disk = |j: &&Job| j.on_disk && j.runs.iter().any(|r| r.1);
-    match jobs.iter().find(from_disk).filter(|_| pick.verify) {
+    match jobs.iter().find(|j| j.on_disk).filter(|_| pick.verify) {
         None => Ok(()),
         Some(j) => Err(crate::error::Error::unsupported(format!(
             "verifying the resume of allocation {:#x} (tag {:?}): it is restored from its disk \
@@ -650,7 +645,7 @@ fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<(DevPtr, Job)> {
                 }
             }
             let any_saved = runs.iter().any(|r| r.1);
-            let backed = any_saved && (a.host.is_some() || a.disk.is_some());
+            let backed = a.host.is_some() || a.disk.is_some();
             let copied = runs
                 .iter()
                 .map(|(s, saved)| {
