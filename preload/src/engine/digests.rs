@@ -19,8 +19,8 @@
 //! caller handed a view may write through it: a pause skips nothing of a lease's range (of the
 //! whole buffer once it is released) until it copied it again, nor anything of a buffer whose
 //! address was given out unguarded (`tms_get_cpu_backup`), ever. Those writes are the caller's
-//! to make, but a verified resume still compares with what the pause copied out: a backup
-//! changed after its pause fails it.
+//! to make, but a verified resume still compares with what the pause copied out where that
+//! pause recorded digests: a backup changed after such a pause fails it.
 //!
 //! A resume may check its work the same way: after its copies it digests what it restored and
 //! compares with the backup's digests (those recorded at the pause; for pieces whose digest is

@@ -493,19 +493,7 @@ impl Engine {
             .collect();
         // The total counted every byte: what is unchanged comes off it, so that the progress
         // shown reaches its end.
-        let unchanged: u64 = items
-            .iter()
-            .filter(|it| it.changed.is_some())
-            .map(|it| {
-                Item {
-                    changed: None,
-                    ..*it
-                }
-                .copy_bytes()
-                    - it.copy_bytes()
-            })
-            .sum();
-        progress.skipped(unchanged);
+        progress.skipped(items.iter().map(Item::unchanged_bytes).sum());
         let mut left: Vec<usize> = list.iter().map(|&i| jobs[i].runs.len()).collect();
         Pipeline {
             driver: &self.driver,

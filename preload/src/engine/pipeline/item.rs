@@ -75,6 +75,21 @@ impl<'a> Item<'a> {
         self.units().iter().map(|u| u.2).sum()
     }
 
+    /// Bytes of the item its `changed` pieces leave out (a pause skipping unchanged memory).
+    pub(in crate::engine) fn unchanged_bytes(&self) -> u64 {
+        match self.changed {
+            None => 0,
+            Some(_) => {
+                Item {
+                    changed: None,
+                    ..*self
+                }
+                .copy_bytes()
+                    - self.copy_bytes()
+            }
+        }
+    }
+
     /// The parts of the target's chunks inside the range: `(chunk, offset, length)`.
     pub(super) fn units(&self) -> Vec<(usize, u64, u64)> {
         let Some(t) = self.target else {
