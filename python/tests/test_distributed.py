@@ -488,3 +488,37 @@ def test_an_undo_names_a_rank_whose_unrestored_memory_the_call_settled(tmp_path,
         assert not first["ok"] and first["failed"] == [1], (rank, first)
         assert "not every rank could undo it" in first["msg"], (rank, first)
         assert "rank 0: done, but not as before for 'w'" in first["msg"], (rank, first)
+
+
+def test_a_resume_undo_pauses_unrestored_memory_again_and_says_so(tmp_path, libtms):
+    # As above, for a resume: rank 0's "w" is unrestored before the job's resume, which
+    # restores it; rank 1's fails. Rank 0's undo pauses "w" again, like every rank's, but that
+    # is paused, not unrestored: its undo and the error say it is not as before.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        if RANK == 0:
+            tms.resume("w", non_blocking=True)
+            try:
+                tms.wait()
+            except tms_pkg.TorchMemorySaverError:
+                pass
+            assert tag_stats("w")["bytes_unrestored"] == 8 * MIB, tag_stats("w")
+        else:
+            fail_here("resume", "the device is full")
+        r = attempt(tmsd._resume_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="resume", unrestored=s["bytes_unrestored"], **r)
+        """,
+        per_rank_env={0: {"TMS_SIM_FAULTS": "copy_h2d:1"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (first,) = r["results"]
+        assert not first["ok"] and first["failed"] == [1], (rank, first)
+        assert "rank 0: done, but not as before for 'w'" in first["msg"], (rank, first)
+        assert (first["active"], first["paused"], first["unrestored"]) == (0, 1, 0), (rank, first)

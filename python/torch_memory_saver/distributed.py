@@ -30,8 +30,9 @@ and why.
   (``undo`` of that rank is ``"skipped: ..."``); they stay resumed, nothing lost. A chunk call
   waits first for such a restore to end.
 - Memory a failed non-blocking resume left unrestored (``bytes_unrestored``) is given back by a
-  pause, which settles that failure: the undo cannot bring it back, so that rank's ``undo`` says
-  ``"done, but not as before for ..."`` and the error does not claim every rank is as before.
+  pause (the call's, or a resume's undo), which settles that failure: no undo brings it back, so
+  that rank's ``undo`` says ``"done, but not as before for ..."`` and the error does not claim
+  every rank is as before.
 - Timeouts are the group's (``init_process_group(timeout=...)``). If the collective itself fails
   (a rank died, a timeout), no rank can know the others' outcomes: each surviving rank undoes its
   own action and raises :class:`DistributedError` with the group's error as ``__cause__``, saying
@@ -299,18 +300,24 @@ def _tags_before(tag: Optional[str]) -> Dict[str, dict]:
     return {t["tag"]: t for t in _saver().stats()["tags"] if tag is None or t["tag"] == tag}
 
 
+def _restoring(t: dict) -> bool:
+    """Memory of the tag that a non-blocking resume of the rank's own is restoring: the program
+    waits for it, and a pause would take it from under it."""
+    return bool(t.get("restoring_allocations", 0))
+
+
 def _unrestored(t: dict) -> bool:
-    """Memory of the tag that a non-blocking resume is restoring, or left unrestored when it
-    failed: neither active nor paused, which no undo can bring back."""
-    return bool(t.get("restoring_allocations", 0) or t.get("bytes_unrestored", 0) or t.get("failed_restore"))
+    """Memory of the tag that a failed non-blocking resume left unrestored (held, neither active
+    nor paused): a pause gives it back and settles that failure, which no undo brings back."""
+    return bool(t.get("bytes_unrestored", 0) or t.get("failed_restore"))
 
 
 def _not_undone(what: List[str]) -> Optional[str]:
     if not what:
         return None
     return (
-        f"done, but not as before for {', '.join(what)}: a non-blocking resume was restoring it or had "
-        "left it unrestored before the call, and the call and its undo settled it paused"
+        f"done, but not as before for {', '.join(what)}: a failed non-blocking resume had left its memory "
+        "unrestored before the call; it is paused now (that memory given back, that failure settled)"
     )
 
 
@@ -349,19 +356,22 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
         tms.resume(tag)
 
     def undo() -> Optional[str]:
-        # Each tag is undone on its own: one wholly paused before is paused again; one wholly
-        # active (allocations kept resident aside, which stay mapped through a pause) was not
-        # changed; one partly active, or being restored, cannot be undone exactly (a pause
-        # would take what was active before too) and is left resumed, and said so.
-        partly, restoring = [], []
+        # Each tag is undone on its own: one wholly paused before is paused again (one a failed
+        # non-blocking resume left unrestored too, said to be not as before); one wholly active
+        # (allocations kept resident aside, which stay mapped through a pause) was not changed;
+        # one partly active, or being restored, cannot be undone exactly (a pause would take
+        # what was active before too) and is left resumed, and said so.
+        partly, restoring, unsettled = [], [], []
         for name, t in here.items():
             active = t["active_allocations"] - t.get("resident_allocations", 0)
-            if _unrestored(t):
+            if _restoring(t):
                 restoring.append(repr(name))
             elif t.get("partial_allocations", 0) or (active and t["paused_allocations"]):
                 partly.append(repr(name))
             elif t["paused_allocations"]:
                 tms.pause(name)
+                if _unrestored(t):
+                    unsettled.append(repr(name))
         notes = []
         if partly:
             notes.append(
@@ -370,10 +380,11 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
             )
         if restoring:
             notes.append(
-                f"{', '.join(restoring)} had memory a non-blocking resume was restoring or had left "
-                "unrestored; left as the resume made it"
+                f"{', '.join(restoring)} had memory a non-blocking resume was restoring; left as the resume "
+                "made it"
             )
-        return f"skipped: {'; '.join(notes)}" if notes else None
+        skipped = f"skipped: {'; '.join(notes)}" if notes else None
+        return "; ".join(n for n in (skipped, _not_undone(unsettled)) if n) or None
 
     return _agree("resume", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
 
