@@ -72,12 +72,12 @@ struct Done {
 }
 
 fn active_bytes(c: &mut Client, tag: Option<&str>) -> Result<u64> {
-    let s = status_of(c)?;
-    Ok(s.tags
-        .iter()
-        .filter(|t| tag.is_none_or(|x| x == t.tag))
-        .map(|t| t.bytes_active)
-        .sum())
+    Ok(active_of(&status_of(c)?, tag))
+}
+
+/// The active bytes of the tags of `s` that `tag` selects.
+fn active_of(s: &tms_proto::Status, tag: Option<&str>) -> u64 {
+    selected_tags(s, tag).map(|t| t.bytes_active).sum()
 }
 
 fn chunk_states(c: &mut Client, tag: &str) -> Result<Vec<bool>> {
@@ -125,9 +125,7 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
         }
         Op::Resume => {
             let s = status_of(c)?;
-            let before = selected_tags(&s, tag.as_deref())
-                .map(|t| t.bytes_active)
-                .sum();
+            let before = active_of(&s, tag.as_deref());
             let names = |f: &dyn Fn(&tms_proto::TagStatus) -> bool| -> Vec<String> {
                 selected_tags(&s, tag.as_deref())
                     .filter(|t| f(t))
@@ -283,11 +281,7 @@ fn undo(
         // back, as may one that outlasted --timeout: what took memory back is paused again.
         Undo::PauseAgain { .. } if failed_here => {
             let s = status_of(&mut c)?;
-            let took = s
-                .tags
-                .iter()
-                .filter(|t| tag.as_deref().is_none_or(|x| x == t.tag))
-                .any(takes_something);
+            let took = selected_tags(&s, tag.as_deref()).any(takes_something);
             if !took {
                 return Ok(Undid::Nothing);
             }
