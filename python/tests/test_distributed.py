@@ -55,6 +55,16 @@ def fail_here(name, why):
         raise tms_pkg.OutOfMemoryError(f"injected: {why}")
     setattr(tms, name, failing)
 
+def leave_unrestored(tag, n):
+    # A non-blocking resume of `tag` whose restore fails after it returned (the rank's
+    # TMS_SIM_FAULTS arms it), its failure raised once by a wait: `n` bytes left unrestored.
+    tms.resume(tag, non_blocking=True)
+    try:
+        tms.wait()
+    except tms_pkg.TorchMemorySaverError:
+        pass
+    assert tag_stats(tag)["bytes_unrestored"] == n, tag_stats(tag)
+
 def attempt(f, *a):
     try:
         out = f(*a, gather, RANK)
@@ -468,12 +478,7 @@ def test_an_undo_names_a_rank_whose_unrestored_memory_the_call_settled(tmp_path,
         p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
         tms.pause("w")
         if RANK == 0:
-            tms.resume("w", non_blocking=True)
-            try:
-                tms.wait()
-            except tms_pkg.TorchMemorySaverError:
-                pass
-            assert tag_stats("w")["bytes_unrestored"] == 8 * MIB, tag_stats("w")
+            leave_unrestored("w", 8 * MIB)
         else:
             tms.resume("w")
             fail_here("pause", "the host is full")
@@ -502,12 +507,7 @@ def test_a_resume_undo_pauses_unrestored_memory_again_and_says_so(tmp_path, libt
         p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
         tms.pause("w")
         if RANK == 0:
-            tms.resume("w", non_blocking=True)
-            try:
-                tms.wait()
-            except tms_pkg.TorchMemorySaverError:
-                pass
-            assert tag_stats("w")["bytes_unrestored"] == 8 * MIB, tag_stats("w")
+            leave_unrestored("w", 8 * MIB)
         else:
             fail_here("resume", "the device is full")
         r = attempt(tmsd._resume_tag, "w")
