@@ -263,9 +263,9 @@ fn undo(
             return Ok(Undid::Nothing)
         }
         Undo::Skip { why, .. } => return Ok(Undid::Kept(why.clone())),
-        Undo::Restore { before, .. } => {
+        Undo::Restore { before, unsettled } => {
             if failed_here && active_bytes(&mut c, tag.as_deref())? == *before {
-                return Ok(Undid::Nothing);
+                return nothing_or_given_back(&mut c, which, tag.as_deref(), unsettled);
             }
             Request::Resume {
                 tag,
@@ -279,11 +279,11 @@ fn undo(
         // A resume that fails undoes itself in the process (all or nothing), but one that did
         // its work and then reported an earlier failure (a non-blocking restore's) took memory
         // back, as may one that outlasted --timeout: what took memory back is paused again.
-        Undo::PauseAgain { .. } if failed_here => {
+        Undo::PauseAgain { unsettled } if failed_here => {
             let s = status_of(&mut c)?;
             let took = selected_tags(&s, tag.as_deref()).any(takes_something);
             if !took {
-                return Ok(Undid::Nothing);
+                return nothing_or_given_back(&mut c, which, tag.as_deref(), unsettled);
             }
             Request::Pause {
                 tag,
@@ -331,6 +331,35 @@ fn undo(
         }
     };
     run_one(ctx, true, show, &mut c, &back).map(Undid::Ran)
+}
+
+/// For a process whose own operation failed and took nothing back: nothing had changed, unless
+/// memory a failed non-blocking resume had left unrestored (`unsettled`, before) was given back
+/// by that operation on its way out, which is now paused and not as before.
+fn nothing_or_given_back(
+    c: &mut Client,
+    which: Op,
+    tag: Option<&str>,
+    unsettled: &[String],
+) -> Result<Undid> {
+    if unsettled.is_empty() {
+        return Ok(Undid::Nothing);
+    }
+    let s = status_of(c)?;
+    let given_back: Vec<String> = selected_tags(&s, tag)
+        .filter(|t| t.bytes_unrestored == 0 && t.failed_restore.is_none())
+        .map(|t| quoted(&t.tag))
+        .filter(|q| unsettled.contains(q))
+        .collect();
+    if given_back.is_empty() {
+        return Ok(Undid::Nothing);
+    }
+    Ok(Undid::Kept(format!(
+        "{} had memory a failed non-blocking resume left unrestored, which the failed {} gave \
+         back (that failure settled): now paused, not as before; nothing else had changed",
+        given_back.join(", "),
+        output::verb(which)
+    )))
 }
 
 /// The undo's result line without its "pid P: " (the line it goes on has it).

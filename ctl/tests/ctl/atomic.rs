@@ -426,3 +426,64 @@ fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
         p.verify();
     }
 }
+
+/// A process whose tag a failed `--no-wait` restore left unrestored is asked to resume under
+/// --atomic, and that resume fails too (out of memory) and undoes itself: its memory is now
+/// paused, given back, not unrestored as before. tmsctl says so, and does not call that process
+/// unchanged (before, it said "nothing had changed" and the job was claimed as before).
+#[test]
+fn an_atomic_resume_that_failed_over_unrestored_memory_is_not_called_unchanged() {
+    let sb = sandbox();
+    let a = Proc::start(&sb, &[]);
+    // Its first copy to the device writes its pattern; the second is the no-wait restore.
+    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "copy_h2d:2,create:3:oom")]);
+    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    let bp = b.pid.to_string();
+    ok(&sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tag(&status(&sb, b.pid), "demo")["failed_restore"].is_null() {
+        assert!(
+            Instant::now() < deadline,
+            "no failed restore in {}",
+            status(&sb, b.pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = ctl(
+        &sb,
+        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
+    );
+    let j = r.json_exit(1);
+    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let undo_of_b = j["processes"]
+        .as_array()
+        .and_then(|v| v.iter().find(|i| i["pid"] == b.pid))
+        .map(|i| {
+            i["undo"]["skipped"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .unwrap_or_default();
+    assert!(
+        undo_of_b.contains("left unrestored") && undo_of_b.contains("not as before"),
+        "{j}"
+    );
+    let summary = r.last_stderr_line();
+    assert!(
+        summary.contains("NOT every process is as before")
+            && summary.contains(&format!("process {}", b.pid)),
+        "{}",
+        r.dump()
+    );
+    let s = status(&sb, b.pid);
+    let t = tag(&s, "demo");
+    assert_eq!(t["bytes_paused"], SIZE, "{s}");
+    assert!(t["failed_restore"].is_null(), "{s}");
+    // Paused with its backup: the next resume brings b's pattern back.
+    ok(&sb, &["resume", "--pid", &bp, "--tag", "demo"]);
+    b.verify();
+    drop(a);
+}
