@@ -253,6 +253,29 @@ fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
     assert_eq!(states(&sb), "1011", "the program's record, not the job's");
 }
 
+/// Two processes, tag "demo" paused in both; the second's `--no-wait` resume failed after the
+/// answer (its first copy to the device wrote its pattern, the second, the restore, fails), so
+/// its tag is unrestored. `more_faults` are the second's further faults (",prim:nth[:code]").
+fn two_with_a_failed_restore(sb: &Sandbox, more_faults: &str) -> (Proc, Proc) {
+    let a = Proc::start(sb, &[]);
+    let faults = format!("copy_h2d:2{more_faults}");
+    let b = Proc::start(sb, &[("TMS_SIM_FAULTS", faults.as_str())]);
+    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    ok(sb, &["pause", "--all", "--tag", "demo"]);
+    let bp = b.pid.to_string();
+    ok(sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while tag(&status(sb, b.pid), "demo")["failed_restore"].is_null() {
+        assert!(
+            Instant::now() < deadline,
+            "no failed restore in {}",
+            status(sb, b.pid)
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (a, b)
+}
+
 /// A process whose `--no-wait` restore failed after the answer (its tag unrestored: neither
 /// active nor paused) is asked to resume under --atomic: its resume restores the memory, then
 /// reports that earlier failure. It changed, so the undo pauses it again with the others (before,
@@ -262,22 +285,7 @@ fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
 #[test]
 fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
     let sb = sandbox();
-    let mut a = Proc::start(&sb, &[]);
-    // Its first copy to the device writes its pattern; the second is the restore.
-    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "copy_h2d:2")]);
-    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
-    ok(&sb, &["pause", "--all", "--tag", "demo"]);
-    let bp = b.pid.to_string();
-    ok(&sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while tag(&status(&sb, b.pid), "demo")["failed_restore"].is_null() {
-        assert!(
-            Instant::now() < deadline,
-            "no failed restore in {}",
-            status(&sb, b.pid)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut a, mut b) = two_with_a_failed_restore(&sb, "");
     let r = ctl(
         &sb,
         &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
@@ -434,22 +442,9 @@ fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
 #[test]
 fn an_atomic_resume_that_failed_over_unrestored_memory_is_not_called_unchanged() {
     let sb = sandbox();
-    let a = Proc::start(&sb, &[]);
-    // Its first copy to the device writes its pattern; the second is the no-wait restore.
-    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "copy_h2d:2,create:3:oom")]);
-    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
-    ok(&sb, &["pause", "--all", "--tag", "demo"]);
+    // Its third creation is the --atomic resume's.
+    let (a, mut b) = two_with_a_failed_restore(&sb, ",create:3:oom");
     let bp = b.pid.to_string();
-    ok(&sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while tag(&status(&sb, b.pid), "demo")["failed_restore"].is_null() {
-        assert!(
-            Instant::now() < deadline,
-            "no failed restore in {}",
-            status(&sb, b.pid)
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let r = ctl(
         &sb,
         &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
