@@ -28,6 +28,25 @@ fn demo_bytes_active(sb: &Sandbox, p: &Proc) -> u64 {
         .expect("bytes_active")
 }
 
+/// `tmsctl OP --all --atomic --tag demo --json`, which must fail on process `failed` (exit 1)
+/// and say whether every process is as before: the run and its document.
+fn atomic_failure(sb: &Sandbox, op: &str, failed: u32, as_before: bool) -> (Ran, Value) {
+    let r = ctl(sb, &[op, "--all", "--atomic", "--tag", "demo", "--json"]);
+    let j = r.json_exit(1);
+    assert_eq!(j["ok"], false, "{j}");
+    assert_eq!(j["failed"]["pid"], failed, "{j}");
+    assert_eq!(j["every_process_as_before"], as_before, "{j}");
+    (r, j)
+}
+
+/// The item of process `pid` in an `--atomic` document.
+fn item_of(j: &Value, pid: u32) -> &Value {
+    j["processes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|i| i["pid"] == pid))
+        .unwrap_or_else(|| panic!("no item of {pid}: {j}"))
+}
+
 /// `pause --all --atomic`: the third process's pause fails at its first copy (before anything
 /// changed there); the two that
 /// paused are resumed again from their backups, every process ends active with its pattern, and
@@ -36,20 +55,9 @@ fn demo_bytes_active(sb: &Sandbox, p: &Proc) -> u64 {
 fn atomic_pause_is_undone_everywhere_when_one_process_fails() {
     let sb = sandbox();
     let mut ps = three_with_a_faulty_last(&sb, "copy_d2h:1,copy_d2h:2");
-    let r = ctl(
-        &sb,
-        &["pause", "--all", "--atomic", "--tag", "demo", "--json"],
-    );
-    let j = r.json_exit(1);
-    assert_eq!(j["ok"], false, "{j}");
-    assert_eq!(j["every_process_as_before"], true, "{j}");
-    assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
-    let items = j["processes"].as_array().expect("processes");
+    let (r, j) = atomic_failure(&sb, "pause", ps[2].pid, true);
     for p in &ps[..2] {
-        let item = items
-            .iter()
-            .find(|i| i["pid"] == p.pid)
-            .unwrap_or_else(|| panic!("pid {} in {j}", p.pid));
+        let item = item_of(&j, p.pid);
         assert_eq!(item["done"]["op"], "pause", "{item}");
         assert_eq!(item["undo"]["op"], "resume", "{item}");
         assert_eq!(item["undo"]["bytes"], SIZE, "{item}");
@@ -146,10 +154,7 @@ fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
     let (_, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], true, "{j}");
     let last = ps.last().unwrap().pid;
-    let item = j["processes"]
-        .as_array()
-        .and_then(|a| a.iter().find(|i| i["pid"] == last))
-        .unwrap_or_else(|| panic!("no item of {last}: {j}"));
+    let item = item_of(&j, last);
     assert_eq!(item["undo"]["op"], "resume", "undone once it ended: {item}");
     for p in ps.iter_mut() {
         assert_eq!(demo_bytes_active(&sb, p), SIZE, "pid {}", p.pid);
@@ -286,24 +291,14 @@ fn two_with_a_failed_restore(sb: &Sandbox, more_faults: &str) -> (Proc, Proc) {
 fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
     let sb = sandbox();
     let (mut a, mut b) = two_with_a_failed_restore(&sb, "");
-    let r = ctl(
-        &sb,
-        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
-    );
-    let j = r.json_exit(1);
-    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
-    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let (r, j) = atomic_failure(&sb, "resume", b.pid, false);
     let summary = r.last_stderr_line();
     assert!(
         summary.contains(&format!("process {}", b.pid)) && summary.contains("not as before"),
         "{}",
         r.dump()
     );
-    let undo_of_b = j["processes"]
-        .as_array()
-        .and_then(|v| v.iter().find(|i| i["pid"] == b.pid))
-        .map(|i| i["undo"]["op"].clone());
-    assert_eq!(undo_of_b, Some(Value::from("pause")), "{j}");
+    assert_eq!(item_of(&j, b.pid)["undo"]["op"], "pause", "{j}");
     for p in [&a, &b] {
         assert_eq!(demo_bytes_active(&sb, p), 0, "pid {}: {}", p.pid, r.dump());
     }
@@ -348,13 +343,7 @@ fn an_atomic_resume_never_calls_a_process_restoring_memory_as_before() {
             "--no-wait",
         ],
     );
-    let r = ctl(
-        &sb,
-        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
-    );
-    let j = r.json_exit(1);
-    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
-    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let (r, _) = atomic_failure(&sb, "resume", b.pid, false);
     let summary = r.last_stderr_line();
     assert!(
         summary.contains("NOT every process is as before")
@@ -392,24 +381,12 @@ fn an_atomic_resume_that_failed_and_undid_itself_is_not_called_changed() {
         );
         assert!(p.cmd("malloc 2MiB", "MALLOC").starts_with("0 0x"));
     }
-    let r = ctl(
-        &sb,
-        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
-    );
-    let j = r.json_exit(1);
-    assert_eq!(j["failed"]["pid"], ps[2].pid, "{j}");
-    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let (r, j) = atomic_failure(&sb, "resume", ps[2].pid, false);
     let undo_of = |pid: u32| {
-        j["processes"]
-            .as_array()
-            .and_then(|v| v.iter().find(|i| i["pid"] == pid))
-            .map(|i| {
-                i["undo"]["skipped"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .to_string()
-            })
+        item_of(&j, pid)["undo"]["skipped"]
+            .as_str()
             .unwrap_or_default()
+            .to_string()
     };
     for p in &ps[..2] {
         assert!(undo_of(p.pid).contains("left resumed"), "{j}");
@@ -445,22 +422,9 @@ fn an_atomic_resume_that_failed_over_unrestored_memory_is_not_called_unchanged()
     // Its third creation is the --atomic resume's.
     let (a, mut b) = two_with_a_failed_restore(&sb, ",create:3:oom");
     let bp = b.pid.to_string();
-    let r = ctl(
-        &sb,
-        &["resume", "--all", "--atomic", "--tag", "demo", "--json"],
-    );
-    let j = r.json_exit(1);
-    assert_eq!(j["failed"]["pid"], b.pid, "{j}");
-    assert_eq!(j["every_process_as_before"], false, "{j}");
-    let undo_of_b = j["processes"]
-        .as_array()
-        .and_then(|v| v.iter().find(|i| i["pid"] == b.pid))
-        .map(|i| {
-            i["undo"]["skipped"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        })
+    let (r, j) = atomic_failure(&sb, "resume", b.pid, false);
+    let undo_of_b = item_of(&j, b.pid)["undo"]["skipped"]
+        .as_str()
         .unwrap_or_default();
     assert!(
         undo_of_b.contains("left unrestored") && undo_of_b.contains("not as before"),
