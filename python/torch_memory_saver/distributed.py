@@ -184,10 +184,19 @@ def _torch_group(group: Any) -> "tuple[Gather, int]":
     return gather, dist.get_rank()
 
 
-def _active_bytes(tags: Optional[str]) -> int:
-    """Device bytes mapped for ``tags`` (every tag if None)."""
-    stats = _saver().stats()["tags"]
-    return sum(t["bytes_active"] for t in stats if tags is None or t["tag"] == tags)
+def _tag_stats(tag: Optional[str]) -> Dict[str, dict]:
+    """Each tag's numbers (``tag``'s, or every tag's if None), by name."""
+    return {t["tag"]: t for t in _saver().stats()["tags"] if tag is None or t["tag"] == tag}
+
+
+def _active_of(tags: Dict[str, dict]) -> int:
+    """Device bytes mapped for the tags of ``tags`` (from :func:`_tag_stats`)."""
+    return sum(t["bytes_active"] for t in tags.values())
+
+
+def _active_bytes(tag: Optional[str]) -> int:
+    """Device bytes mapped for ``tag`` (every tag if None)."""
+    return _active_of(_tag_stats(tag))
 
 
 def _describe_undo(undo: Callable[[], Optional[str]]) -> str:
@@ -295,11 +304,6 @@ def _norm_tag(tag: Optional[str]) -> Optional[str]:
     return None if tag == "" else tag
 
 
-def _tags_before(tag: Optional[str]) -> Dict[str, dict]:
-    """Each tag's numbers (``tag``'s, or every tag's if None), as an undo needs them."""
-    return {t["tag"]: t for t in _saver().stats()["tags"] if tag is None or t["tag"] == tag}
-
-
 def _restoring(t: dict) -> bool:
     """Memory of the tag that a non-blocking resume of the rank's own is restoring: the program
     waits for it, and a pause would take it from under it."""
@@ -327,8 +331,8 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     here: dict = {}
 
     def act() -> None:
-        here["tags"] = _tags_before(tag)
-        here["before"] = _active_bytes(tag)
+        here["tags"] = _tag_stats(tag)
+        here["before"] = _active_of(here["tags"])
         here["failed"] = True
         tms.pause(tag, save_chunk_state=JOB_RECORD)
         here["failed"] = False
@@ -352,7 +356,7 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     here: Dict[str, dict] = {}
 
     def act() -> None:
-        here.update(_tags_before(tag))
+        here.update(_tag_stats(tag))
         tms.resume(tag)
 
     def undo() -> Optional[str]:
@@ -400,7 +404,7 @@ def _chunk_op(
         # instead of leaving the others waiting in it. Chunks a non-blocking resume is still
         # restoring would read as paused: it is waited for first (its failure, if any, is
         # this rank's).
-        if any(t.get("restoring_allocations", 0) for t in tms.stats()["tags"]):
+        if any(_restoring(t) for t in tms.stats()["tags"]):
             tms.wait()
         before.extend(tms.get_chunk_states(target))
         return act()
