@@ -108,9 +108,10 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
     }
     match which {
         Op::Pause => {
-            let before = active_bytes(c, tag.as_deref())?;
-            let unsettled = selected_tags(&status_of(c)?, tag.as_deref())
-                .filter(|t| t.bytes_unrestored > 0 || t.failed_restore.is_some())
+            let s = status_of(c)?;
+            let before = active_of(&s, tag.as_deref());
+            let unsettled = selected_tags(&s, tag.as_deref())
+                .filter(|t| unrestored(t))
                 .map(|t| quoted(&t.tag))
                 .collect();
             Ok((
@@ -146,7 +147,7 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
                     before,
                 }
             } else if partly.is_empty() {
-                let unsettled = names(&|t| t.bytes_unrestored > 0 || t.failed_restore.is_some());
+                let unsettled = names(&unrestored);
                 Undo::PauseAgain { unsettled }
             } else {
                 Undo::Skip {
@@ -177,6 +178,22 @@ fn selected_tags<'a>(
 /// pause leaves those mapped), or active chunks.
 fn takes_something(t: &tms_proto::TagStatus) -> bool {
     t.active_allocations > t.resident_allocations || t.partial_allocations > 0
+}
+
+/// Whether tag `t` holds memory a failed non-blocking resume left unrestored (or that failure,
+/// unreported): a pause gives that memory back and settles the failure, which no undo brings
+/// back.
+fn unrestored(t: &tms_proto::TagStatus) -> bool {
+    t.bytes_unrestored > 0 || t.failed_restore.is_some()
+}
+
+/// Why a process whose `tags` were [`unrestored`] is not as before: `by` paused them.
+fn given_back_words(tags: &[String], by: &str) -> String {
+    format!(
+        "{} had memory a failed non-blocking resume left unrestored, which {by} gave back (that \
+         failure settled): now paused, not as before",
+        tags.join(", ")
+    )
 }
 
 /// How the process that failed ended, for its undo.
@@ -347,18 +364,17 @@ fn nothing_or_given_back(
     }
     let s = status_of(c)?;
     let given_back: Vec<String> = selected_tags(&s, tag)
-        .filter(|t| t.bytes_unrestored == 0 && t.failed_restore.is_none())
+        .filter(|t| !unrestored(t))
         .map(|t| quoted(&t.tag))
         .filter(|q| unsettled.contains(q))
         .collect();
     if given_back.is_empty() {
         return Ok(Undid::Nothing);
     }
+    let by = format!("the failed {}", output::verb(which));
     Ok(Undid::Kept(format!(
-        "{} had memory a failed non-blocking resume left unrestored, which the failed {} gave \
-         back (that failure settled): now paused, not as before; nothing else had changed",
-        given_back.join(", "),
-        output::verb(which)
+        "{}; nothing else had changed",
+        given_back_words(&given_back, &by)
     )))
 }
 
@@ -457,12 +473,8 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             (Ok(Undid::Ran(u)), how) => {
                 if let Undo::Restore { unsettled, .. } | Undo::PauseAgain { unsettled } = how {
                     if !unsettled.is_empty() {
-                        kept.push(format!(
-                            "process {pid}: {} had memory a failed non-blocking resume left \
-                             unrestored, which is now paused (given back, that failure settled), \
-                             not as before",
-                            unsettled.join(", ")
-                        ));
+                        let why = given_back_words(unsettled, "the call or its undo");
+                        kept.push(format!("process {pid}: {why}"));
                     }
                 }
                 undone.push(pid);
