@@ -281,8 +281,11 @@ fn undo(
         }
         Undo::Skip { why, .. } => return Ok(Undid::Kept(why.clone())),
         Undo::Restore { before, unsettled } => {
-            if failed_here && active_bytes(&mut c, tag.as_deref())? == *before {
-                return nothing_or_given_back(&mut c, which, tag.as_deref(), unsettled);
+            if failed_here {
+                let s = status_of(&mut c)?;
+                if active_of(&s, tag.as_deref()) == *before {
+                    return Ok(nothing_or_given_back(&s, which, tag.as_deref(), unsettled));
+                }
             }
             Request::Resume {
                 tag,
@@ -300,7 +303,7 @@ fn undo(
             let s = status_of(&mut c)?;
             let took = selected_tags(&s, tag.as_deref()).any(takes_something);
             if !took {
-                return nothing_or_given_back(&mut c, which, tag.as_deref(), unsettled);
+                return Ok(nothing_or_given_back(&s, which, tag.as_deref(), unsettled));
             }
             Request::Pause {
                 tag,
@@ -350,32 +353,29 @@ fn undo(
     run_one(ctx, true, show, &mut c, &back).map(Undid::Ran)
 }
 
-/// For a process whose own operation failed and took nothing back: nothing had changed, unless
-/// memory a failed non-blocking resume had left unrestored (`unsettled`, before) was given back
-/// by that operation on its way out, which is now paused and not as before.
+/// For a process whose own operation failed and took nothing back (`s`: its status now, the
+/// one that decision read): nothing had changed, unless memory a failed non-blocking resume had
+/// left unrestored (`unsettled`, before) was given back by that operation on its way out, which
+/// is now paused and not as before.
 fn nothing_or_given_back(
-    c: &mut Client,
+    s: &tms_proto::Status,
     which: Op,
     tag: Option<&str>,
     unsettled: &[String],
-) -> Result<Undid> {
-    if unsettled.is_empty() {
-        return Ok(Undid::Nothing);
-    }
-    let s = status_of(c)?;
-    let given_back: Vec<String> = selected_tags(&s, tag)
+) -> Undid {
+    let given_back: Vec<String> = selected_tags(s, tag)
         .filter(|t| !unrestored(t))
         .map(|t| quoted(&t.tag))
         .filter(|q| unsettled.contains(q))
         .collect();
     if given_back.is_empty() {
-        return Ok(Undid::Nothing);
+        return Undid::Nothing;
     }
     let by = format!("the failed {}", output::verb(which));
-    Ok(Undid::Kept(format!(
+    Undid::Kept(format!(
         "{}; nothing else had changed",
         given_back_words(&given_back, &by)
-    )))
+    ))
 }
 
 /// The undo's result line without its "pid P: " (the line it goes on has it).
