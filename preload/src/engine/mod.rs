@@ -90,7 +90,8 @@
 //!   work), the settings' leaves, a `BackupDir`'s `files`, the pipeline's locks. `alloc`,
 //!   `owns` and `stats` never take it; `free` only tries it, without waiting and with no other
 //!   lock held, to drop the staging slots with the last allocation that has a backup
-//!   (`Ops::drop_unused_slots`). Never taken while holding the registry lock. A pause or resume
+//!   (`Ops::drop_unused_slots`; a transaction that held it looks again once it let it go).
+//!   Never taken while holding the registry lock. A pause or resume
 //!   waits for the releases and enters the pinner's quiet state before taking it.
 //! - `Registry::index` (`registry.rs`; the registry lock, with the `settled` condvar): the
 //!   index of allocations. Taken briefly by everyone: the hooks, transactions to mark and settle

@@ -303,3 +303,40 @@ fn registered_buffers_are_kept_resident_or_refused() {
     c.regs.lock().clear();
     assert_eq!(e.pause(Some("kv")).unwrap().allocations, 2);
 }
+
+/// The staging slots go with the last allocation that has a backup, also when that allocation
+/// is freed while a transaction holds them: the free only tries the operations lock and leaves
+/// them, and the transaction, once it let go, sees no backup left and drops them, whether it
+/// ends or fails (dropped). Before, a failed one left them page-locked until the next pause or
+/// resume, as did one whose own look came before the free.
+#[test]
+fn the_staging_slots_go_with_the_last_backup_freed_during_a_transaction() {
+    for ends in [true, false] {
+        let (sim, e) = setup(64 * G);
+        e.set_retain_cpu_backup(true);
+        let p = e
+            .alloc(&req(4 * G, "t", Some(crate::backup::BackupKind::Pinned)))
+            .unwrap();
+        e.pause(Some("t")).unwrap();
+        e.resume(Some("t")).unwrap();
+        assert!(e.staging_bytes() > 0, "retained: the slots are kept");
+        let held = e.staging_bytes();
+
+        let pick = Pick::tag(Some("other"));
+        let tx = txn::Txn::begin(&e.ops, &e.registry, Which::Pause, &pick).unwrap();
+        assert!(e.free(p).unwrap());
+        // (`staging_bytes` would wait for the operations lock.)
+        assert!(
+            sim.pinned_bytes() >= held,
+            "the free left the slots to the transaction"
+        );
+        if ends {
+            tx.end(txn::Slots::KeepIfUsed, Default::default(), |_, _| 0.0);
+        } else {
+            drop(tx);
+        }
+        assert_eq!(e.staging_bytes(), 0, "ended: {ends}");
+        e.wait_released();
+        assert_eq!(sim.pinned_bytes(), 0, "ended: {ends}");
+    }
+}

@@ -16,7 +16,11 @@
 //!    right and no stream waits for it forever.
 //! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
 //!    resume's, without retention) goes to its caller's closure after the lock is let go,
-//!    with the host memory a resume gives back: that takes long and needs no lock.
+//!    with the host memory a resume gives back: that takes long and needs no lock. With the
+//!    lock let go, `recheck`: the slots go if no allocation with a backup is left. A `free` of
+//!    the last one only tries the lock, so while a transaction holds it that free cannot drop
+//!    them; the transaction looks once it let go (`Ops::drop_unused_slots`), which a look
+//!    while still holding it would miss for a free that came after the look.
 //! 3. `end` ([`Ending`]): the progress record (watchers see the operation to its very end, its
 //!    release phase included), then the pinner's quiet state, then, last, the guard that marks
 //!    the engine broken when a panic unwinds through any of the above.
@@ -94,9 +98,15 @@ impl Ops {
         self.slots.lock().values().map(Ring::bytes).sum()
     }
 
-    /// The last allocation with a backup is gone: the staging slots go too, unless a
-    /// transaction runs (it drops them itself when it ends).
+    /// No allocation with a backup is left: the staging slots go, unless a transaction holds
+    /// them (it calls this once it let them go: Note [Transactions]). The registry is read
+    /// before the lock is tried: a free that makes it 0 after that read finds the lock free,
+    /// or held by a transaction that will call this again.
     pub fn drop_unused_slots(&self, registry: &Registry) {
+        let backed = registry.lock().backed;
+        if backed != 0 {
+            return;
+        }
         if let Some(mut slots) = self.slots.try_lock() {
             clear_if_unused(&mut slots, registry);
         }
@@ -127,7 +137,7 @@ fn clear_if_unused(slots: &mut Rings, registry: &Registry) {
 
 /// What the staging slots become when a transaction ends.
 pub(super) enum Slots {
-    /// Kept for the next transaction, unless no allocation with a backup is left.
+    /// Kept for the next transaction, unless no allocation with a backup is left (`recheck`).
     KeepIfUsed,
     /// Handed to the caller, to be dropped after the operations lock is let go.
     Take,
@@ -138,7 +148,21 @@ pub(super) struct Txn<'e> {
     settle: Settle<'e>,
     gate: Option<OpenOnDrop<'e>>,
     slots: MutexGuard<'e, Rings>,
+    recheck: DropUnusedSlots<'e>,
     end: Ending<'e>,
+}
+
+/// Once the operations lock is let go: the staging slots go if no allocation with a backup is
+/// left (Note [Transactions]).
+struct DropUnusedSlots<'e> {
+    ops: &'e Ops,
+    registry: &'e Registry,
+}
+
+impl Drop for DropUnusedSlots<'_> {
+    fn drop(&mut self) {
+        self.ops.drop_unused_slots(self.registry);
+    }
 }
 
 /// What a transaction holds until its very end: its progress record, the pinner's quiet state
@@ -193,6 +217,7 @@ impl<'e> Txn<'e> {
             },
             gate: None,
             slots,
+            recheck: DropUnusedSlots { ops, registry },
             end: Ending {
                 tracked,
                 _quiet: quiet,
@@ -288,18 +313,17 @@ impl<'e> Txn<'e> {
             settle,
             gate,
             slots: mut held,
+            recheck,
             end,
         } = self;
         drop(settle);
         drop(gate);
         let taken = match slots {
-            Slots::KeepIfUsed => {
-                clear_if_unused(&mut held, end.registry);
-                Rings::new()
-            }
+            Slots::KeepIfUsed => Rings::new(),
             Slots::Take => std::mem::take(&mut *held),
         };
         drop(held);
+        drop(recheck);
         let release_seconds = after(taken, end.tracked.counters());
         end.report(tally, release_seconds)
     }

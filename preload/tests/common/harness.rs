@@ -499,9 +499,12 @@ impl Harness {
         }
     }
 
-    /// The engine holds nothing on the device (see [`Ended::released`]), and no allocation.
+    /// The engine holds nothing on the device (see [`Ended::released`]), and no allocation,
+    /// once at rest: host memory a resume gives back after it returned goes first, as in
+    /// `check_books`.
     pub fn assert_nothing_held(&self, ctx: &str) {
         assert!(self.e.allocations().is_empty(), "{ctx}: allocations left");
+        self.e.wait_released();
         if let Err(m) = nothing_held(self.books(), self.gpu.as_ref()) {
             panic!("{ctx}: {m}");
         }
