@@ -6,20 +6,34 @@ use serde_json::Value;
 
 use crate::common::*;
 
+/// Processes started one after another with `envs`, their pids increasing: tmsctl asks them
+/// in pid order, which tells which one is asked last. Where the pids wrapped around between two
+/// (`pid_max` can be 32768, which a busy test machine goes through), they exit and start again.
+fn in_pid_order(sb: &Sandbox, envs: &[&[(&str, &str)]]) -> Vec<Proc> {
+    for _ in 0..4 {
+        let ps: Vec<Proc> = envs.iter().map(|env| Proc::start(sb, env)).collect();
+        if ps.windows(2).all(|w| w[0].pid < w[1].pid) {
+            return ps;
+        }
+        for p in ps {
+            p.exit();
+        }
+    }
+    panic!("pids not increasing in 4 tries");
+}
+
+/// [`in_pid_order`] of two processes.
+fn two_in_pid_order(sb: &Sandbox, a: &[(&str, &str)], b: &[(&str, &str)]) -> (Proc, Proc) {
+    let mut ps = in_pid_order(sb, &[a, b]);
+    let b = ps.pop().expect("two processes");
+    let a = ps.pop().expect("two processes");
+    (a, b)
+}
+
 /// Three processes, the last (highest pid, asked last) made to fail; `--atomic` must bring the
 /// first two back to where they were.
 fn three_with_a_faulty_last(sb: &Sandbox, faults: &str) -> Vec<Proc> {
-    let a = Proc::start(sb, &[]);
-    let b = Proc::start(sb, &[]);
-    let c = Proc::start(sb, &[("TMS_SIM_FAULTS", faults)]);
-    assert!(
-        a.pid < b.pid && b.pid < c.pid,
-        "pids not increasing: {} {} {}",
-        a.pid,
-        b.pid,
-        c.pid
-    );
-    vec![a, b, c]
+    in_pid_order(sb, &[&[], &[], &[("TMS_SIM_FAULTS", faults)]])
 }
 
 fn demo_bytes_active(sb: &Sandbox, p: &Proc) -> u64 {
@@ -145,12 +159,8 @@ fn atomic_pause_with_a_1s_timeout(sb: &Sandbox) -> (Ran, Value) {
 #[test]
 fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
-    let mut ps = vec![Proc::start(&sb, &[]), Proc::start(&sb, &[])];
-    ps.push(Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "1800")]));
-    assert!(
-        ps[0].pid < ps[1].pid && ps[1].pid < ps[2].pid,
-        "the slow one is asked last"
-    );
+    // The slow one is asked last.
+    let mut ps = in_pid_order(&sb, &[&[], &[], &[("TMS_SIM_SYNC_DELAY_MS", "1800")]]);
     let (_, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], true, "{j}");
     let last = ps.last().unwrap().pid;
@@ -167,9 +177,7 @@ fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
 #[test]
 fn an_atomic_pause_that_never_ends_in_time_is_reported_not_as_before() {
     let sb = sandbox();
-    let mut a = Proc::start(&sb, &[]);
-    let mut slow = Proc::start(&sb, &[("TMS_SIM_SYNC_DELAY_MS", "6000")]);
-    assert!(a.pid < slow.pid);
+    let (mut a, mut slow) = two_in_pid_order(&sb, &[], &[("TMS_SIM_SYNC_DELAY_MS", "6000")]);
     let (r, j) = atomic_pause_with_a_1s_timeout(&sb);
     assert_eq!(j["every_process_as_before"], false, "{j}");
     assert!(
@@ -201,10 +209,8 @@ fn an_atomic_pause_that_never_ends_in_time_is_reported_not_as_before() {
 #[test]
 fn an_atomic_resume_is_undone_where_only_a_resident_allocation_was_active() {
     let sb = sandbox();
-    let mut a = Proc::start(&sb, &[]);
-    // Its creates: the demo's, the resident one's, then the resume's: out of memory.
-    let mut b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "create:3:oom")]);
-    assert!(a.pid < b.pid);
+    // b's creates: the demo's, the resident one's, then the resume's: out of memory.
+    let (mut a, mut b) = two_in_pid_order(&sb, &[], &[("TMS_SIM_FAULTS", "create:3:oom")]);
     for p in [&mut a, &mut b] {
         let r = p.cmd("resident 2MiB", "RESIDENT");
         assert!(r.starts_with("0 "), "{r}");
@@ -262,10 +268,8 @@ fn an_atomic_pause_keeps_the_programs_chunk_state_record() {
 /// answer (its first copy to the device wrote its pattern, the second, the restore, fails), so
 /// its tag is unrestored. `more_faults` are the second's further faults (",prim:nth[:code]").
 fn two_with_a_failed_restore(sb: &Sandbox, more_faults: &str) -> (Proc, Proc) {
-    let a = Proc::start(sb, &[]);
     let faults = format!("copy_h2d:2{more_faults}");
-    let b = Proc::start(sb, &[("TMS_SIM_FAULTS", faults.as_str())]);
-    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    let (a, b) = two_in_pid_order(sb, &[], &[("TMS_SIM_FAULTS", faults.as_str())]);
     ok(sb, &["pause", "--all", "--tag", "demo"]);
     let bp = b.pid.to_string();
     ok(sb, &["resume", "--pid", &bp, "--tag", "demo", "--no-wait"]);
@@ -328,9 +332,11 @@ fn an_atomic_resume_that_reports_an_earlier_failed_restore_is_undone_too() {
 #[test]
 fn an_atomic_resume_never_calls_a_process_restoring_memory_as_before() {
     let sb = sandbox();
-    let mut a = Proc::start(&sb, &[("TMS_SIM_BANDWIDTH", "4MiB")]);
-    let b = Proc::start(&sb, &[("TMS_SIM_FAULTS", "create:2:oom")]);
-    assert!(a.pid < b.pid, "pids not increasing: {} {}", a.pid, b.pid);
+    let (mut a, b) = two_in_pid_order(
+        &sb,
+        &[("TMS_SIM_BANDWIDTH", "4MiB")],
+        &[("TMS_SIM_FAULTS", "create:2:oom")],
+    );
     ok(&sb, &["pause", "--all", "--tag", "demo"]);
     ok(
         &sb,
