@@ -434,7 +434,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             if ctx.json {
                 items.push(json!({"pid": pid, "done": json, "undo": null}));
             } else {
-                println!("{}", printable_lines(&text));
+                say!("{}", printable_lines(&text));
             }
         }
         if ctx.json {
@@ -449,7 +449,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         }
         return Ok(());
     };
-    eprintln!("tmsctl: {}", one_line(&f.message));
+    tell!("tmsctl: {}", one_line(&f.message));
     // Undo, the process that failed included where it changed.
     let mut items = Vec::new();
     let mut undone = Vec::new();
@@ -509,9 +509,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             items.push(item);
         } else {
             if let Some(d) = d {
-                println!("{}", printable_lines(&output::done(pid, d, false)));
+                say!("{}", printable_lines(&output::done(pid, d, false)));
             }
-            println!("{}", printable_lines(&format!("pid {pid}: {line}")));
+            say!("{}", printable_lines(&format!("pid {pid}: {line}")));
         }
     }
     let mut summary = format!("--atomic: {what} failed on process {}", failed_sock.pid());
@@ -531,7 +531,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             kept.join("; ")
         ));
     }
-    eprintln!("tmsctl: {}", one_line(&summary));
+    tell!("tmsctl: {}", one_line(&summary));
     if ctx.json {
         print_json(json!({
             "atomic": true,

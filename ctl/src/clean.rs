@@ -15,7 +15,8 @@ use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixA
 use nix::sys::stat::fstat;
 use serde_json::json;
 use tms_disk_folder::{
-    files_go_in_directory, open_folder, private_subfolder_name, subfolder_is_private, sweep,
+    files_go_in_directory, open_folder, open_private_subfolder, private_subfolder_name, sweep,
+    SubfolderError,
 };
 
 use crate::cli::CleanArgs;
@@ -53,48 +54,37 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     if files_go_in_directory(st.st_uid, st.st_mode, me) {
         return Ok(vec![(base.to_path_buf(), fd)]);
     }
-    let name = private_subfolder_name(me);
-    let sub = base.join(&name);
-    let sub_fd = match open_folder(&fd, name.as_str(), false) {
-        Ok(s) => Some(s),
-        Err(Errno::ENOENT) => None,
-        Err(Errno::ELOOP | Errno::ENOTDIR) => {
-            return Err(Failure::new(
-                Code::Permission,
-                format!(
-                    "refusing {}: it is a symbolic link or not a folder",
-                    shown_path(&sub)
-                ),
-            ))
-        }
-        Err(e) => {
-            return Err(Failure::new(
-                Code::Failed,
-                format!("cannot open {}: {}", shown_path(&sub), e.desc()),
-            ))
-        }
+    let sub = base.join(private_subfolder_name(me));
+    let refuse = |why: String| {
+        Failure::new(
+            Code::Permission,
+            format!("refusing {}: {why}", shown_path(&sub)),
+        )
     };
     let mut out = Vec::new();
-    if let Some(s) = sub_fd {
-        let st = fstat(&s).map_err(|e| {
-            Failure::new(
-                Code::Failed,
-                format!("cannot inspect {}: {}", shown_path(&sub), e.desc()),
-            )
-        })?;
-        if !subfolder_is_private(st.st_uid, st.st_mode, me) {
-            return Err(Failure::new(
-                Code::Permission,
-                format!(
-                    "refusing {}: it must belong to uid {me} with mode 0700 (it is uid {}, mode \
-                     {:04o})",
-                    shown_path(&sub),
-                    st.st_uid,
-                    st.st_mode & 0o777
-                ),
-            ));
+    match open_private_subfolder(&fd, me, false) {
+        Ok(Some(s)) => out.push((sub.clone(), s.fd)),
+        Ok(None) => {}
+        Err(SubfolderError::NotAFolder) => {
+            return Err(refuse("it is a symbolic link or not a folder".into()))
         }
-        out.push((sub, s));
+        Err(SubfolderError::Foreign { uid }) => {
+            return Err(refuse(format!(
+                "it belongs to uid {uid}, not {me} (remove it, or choose another folder with \
+                 --disk-dir)"
+            )))
+        }
+        Err(SubfolderError::NotPrivate { mode }) => {
+            return Err(refuse(format!(
+                "it must have mode 0700, closed to group and others (it has {mode:04o})"
+            )))
+        }
+        Err(SubfolderError::Io { op, errno }) => {
+            return Err(Failure::new(
+                Code::Failed,
+                format!("{op} {}: {}", shown_path(&sub), errno.desc()),
+            ))
+        }
     }
     out.push((base.to_path_buf(), fd));
     Ok(out)
@@ -177,7 +167,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
         print_json(j);
     } else {
         let where_: Vec<String> = swept.iter().map(|p| shown_path(p)).collect();
-        println!(
+        say!(
             "removed {files} disk backup file{} of processes that died ({})",
             if files == 1 { "" } else { "s" },
             if where_.is_empty() {
@@ -186,7 +176,7 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
                 where_.join(", ")
             }
         );
-        println!(
+        say!(
             "removed {sockets} control socket{} nobody listens on ({})",
             if sockets == 1 { "" } else { "s" },
             shown_path(&ctx.dir)

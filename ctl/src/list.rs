@@ -67,15 +67,19 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
         return Ok(());
     }
     if rows.is_empty() {
-        println!(
+        say!(
             "{}",
             one_line(&find::none_found(ctx, &found.main, &[]).message)
         );
         return Ok(());
     }
-    println!(
+    say!(
         "{:<8} {:<8} {:>5} {:>12} {:>12}  COMMAND",
-        "PID", "BACKEND", "TAGS", "ACTIVE", "PAUSED"
+        "PID",
+        "BACKEND",
+        "TAGS",
+        "ACTIVE",
+        "PAUSED"
     );
     let mut notes = Vec::new();
     for (sock, command, r) in rows {
@@ -87,7 +91,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
             notes.push(format!("pid {} listens in {}", sock.pid(), shown_path(d)));
         }
         match r {
-            Ok(s) => println!(
+            Ok(s) => say!(
                 "{:<8} {:<8} {:>5} {:>12} {:>12}  {command}",
                 sock.pid(),
                 printable(&s.backend),
@@ -95,7 +99,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
                 human(s.bytes_active()),
                 human(s.bytes_paused())
             ),
-            Err(e) => println!(
+            Err(e) => say!(
                 "{:<8} {:<8} {:>5} {:>12} {:>12}  {command}  ({})",
                 sock.pid(),
                 "-",
@@ -107,7 +111,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
         }
     }
     if !notes.is_empty() {
-        println!(
+        say!(
             "\n{}, not in {} ({}): their TMS_SOCKET_DIR or XDG_RUNTIME_DIR differ from tmsctl's",
             notes.join(", "),
             shown_path(&found.main.dir),

@@ -6,6 +6,11 @@
 //! came of it, through [`text`] where the words came from elsewhere. A failure ([`failure`])
 //! carries its exit code up to here.
 
+#![deny(clippy::print_stdout, clippy::print_stderr)]
+
+// First: its `say!` and `tell!` serve every module after it.
+#[macro_use]
+mod output;
 mod atomic;
 mod clean;
 mod cli;
@@ -18,7 +23,6 @@ mod folder;
 mod list;
 mod man;
 mod ops;
-mod output;
 mod procfs;
 mod progress;
 mod socket;
@@ -155,7 +159,7 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             let line = cli::usage_line(&e);
-            eprintln!("tmsctl: {line}");
+            tell!("tmsctl: {line}");
             if cli::json_asked() {
                 print_json(json_error(Code::Usage, &line, None));
             }
@@ -175,7 +179,7 @@ fn main() -> ExitCode {
                 .map(|c| c.to_string())
                 .collect::<Vec<_>>()
                 .join(": ");
-            eprintln!("tmsctl: {}", one_line(&msg));
+            tell!("tmsctl: {}", one_line(&msg));
             // A command that printed its document already told the failure there (the demo's
             // report): stdout keeps one document.
             if json && !output::json_printed() {

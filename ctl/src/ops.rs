@@ -66,15 +66,15 @@ fn fan_out(
                     }
                 } else if o.unknown_tag.is_none() {
                     let text = printable_lines(o.text.trim_end_matches('\n'));
-                    println!("{text}");
+                    say!("{text}");
                 }
                 if let Some(why) = &o.unknown_tag {
-                    eprintln!("tmsctl: {}", one_line(why));
+                    tell!("tmsctl: {}", one_line(why));
                     unknown_tag = true;
                 }
             }
             Err(e) => {
-                eprintln!("tmsctl: {}", one_line(&e.message));
+                tell!("tmsctl: {}", one_line(&e.message));
                 let j = json_error(e.code, &e.message, Some(sock.pid()));
                 if many {
                     items.push(j);

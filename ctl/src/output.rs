@@ -50,10 +50,35 @@ pub fn versioned(mut v: Value) -> Value {
     v
 }
 
+/// A line on stdout, as `println!` writes it, but a reader that went away (`tmsctl list | head
+/// -1`) is no failure of the command, whose outcome its exit code tells: the error is dropped
+/// where `println!` would panic. Through [`say!`].
+pub fn say_line(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stdout().lock(), "{line}");
+}
+
+/// A line on stderr, the same way. Through [`tell!`].
+pub fn tell_line(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// `println!` that never panics: [`say_line`].
+macro_rules! say {
+    () => { $crate::output::say_line(format_args!("")) };
+    ($($t:tt)*) => { $crate::output::say_line(format_args!($($t)*)) };
+}
+
+/// `eprintln!` that never panics: [`tell_line`].
+macro_rules! tell {
+    ($($t:tt)*) => { $crate::output::tell_line(format_args!($($t)*)) };
+}
+
 /// Print `v`, [versioned], as the one JSON line of the command on stdout.
 pub fn print_json(v: Value) {
     JSON_PRINTED.store(true, Ordering::Relaxed);
-    println!("{}", json_line(&versioned(v)));
+    say!("{}", json_line(&versioned(v)));
 }
 
 /// Whether [`print_json`] printed already: a failure after that is told in the document printed
@@ -88,13 +113,17 @@ pub fn with_pid<T: serde::Serialize>(pid: u32, v: &T) -> Value {
     }
 }
 
-/// `bytes` on stdout, as they are (a completion script, a manual page).
+/// `bytes` on stdout, as they are (a completion script, a manual page); a reader that went away
+/// (`tmsctl man | head`) is no failure.
 pub fn write_stdout(bytes: &[u8]) -> anyhow::Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
-    out.write_all(bytes)
-        .and_then(|()| out.flush())
-        .map_err(|e| anyhow::anyhow!("writing to stdout: {e}"))
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::anyhow!("writing to stdout: {e}"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// A pause or resume in one line; `chunk_state`: it saved (pause) or restored (resume) chunk

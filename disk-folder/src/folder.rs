@@ -5,12 +5,13 @@ use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
+use nix::errno::Errno;
 use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag};
-use nix::sys::stat::{fstat, fstatat, Mode};
+use nix::sys::stat::{fstat, fstatat, mkdirat, FileStat, Mode};
 use nix::unistd::{geteuid, unlinkat, UnlinkatFlags};
 use nix::NixPath;
 
-use crate::layout::{is_regular_file_of, Entry};
+use crate::layout::{is_regular_file_of, private_subfolder_name, subfolder_is_private, Entry};
 
 /// Open the folder at `path` (relative to `at`) without ever blocking: `O_DIRECTORY |
 /// O_NONBLOCK` refuses a FIFO planted there before opening it. Without `follow`, a symbolic link
@@ -25,6 +26,85 @@ pub fn open_folder<P: ?Sized + NixPath>(
         flags |= OFlag::O_NOFOLLOW;
     }
     openat(at, path, flags, Mode::empty())
+}
+
+/// Our private subfolder of a folder others can write to, opened and vetted.
+#[derive(Debug)]
+pub struct Subfolder {
+    pub fd: OwnedFd,
+    pub stat: FileStat,
+}
+
+/// Why our subfolder of a shared folder cannot be used.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SubfolderError {
+    /// Its name is taken by a symbolic link, or by something not a folder.
+    NotAFolder,
+    /// Another user made it first (it may be closed to us).
+    Foreign { uid: u32 },
+    /// It is ours, but group or others have access to it.
+    NotPrivate { mode: u32 },
+    /// The system refused `op` (`"creating"`, `"opening"`, `"inspecting"`).
+    Io { op: &'static str, errno: Errno },
+}
+
+/// Open `me`'s subfolder ([`private_subfolder_name`]) of the folder `base` (made first if
+/// `create`; `Ok(None)` if it is not there and not made), refusing it unless it is a real folder
+/// of `me`'s closed to group and others. Another user's folder under our name is told as such
+/// even when it is closed to us (then only `fstatat`, which follows no link, can see its owner).
+pub fn open_private_subfolder(
+    base: impl AsFd,
+    me: u32,
+    create: bool,
+) -> Result<Option<Subfolder>, SubfolderError> {
+    let name = private_subfolder_name(me);
+    if create {
+        match mkdirat(base.as_fd(), name.as_str(), Mode::S_IRWXU) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(errno) => {
+                return Err(SubfolderError::Io {
+                    op: "creating",
+                    errno,
+                })
+            }
+        }
+    }
+    let fd = match open_folder(base.as_fd(), name.as_str(), false) {
+        Ok(fd) => fd,
+        Err(Errno::ENOENT) if !create => return Ok(None),
+        Err(Errno::ELOOP | Errno::ENOTDIR) => return Err(SubfolderError::NotAFolder),
+        Err(Errno::EACCES) => {
+            return Err(
+                match fstatat(base.as_fd(), name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
+                    Ok(st) if st.st_uid != me => SubfolderError::Foreign { uid: st.st_uid },
+                    _ => SubfolderError::Io {
+                        op: "opening",
+                        errno: Errno::EACCES,
+                    },
+                },
+            )
+        }
+        Err(errno) => {
+            return Err(SubfolderError::Io {
+                op: "opening",
+                errno,
+            })
+        }
+    };
+    let stat = fstat(&fd).map_err(|errno| SubfolderError::Io {
+        op: "inspecting",
+        errno,
+    })?;
+    if !subfolder_is_private(stat.st_uid, stat.st_mode & 0o777, me) {
+        return Err(if stat.st_uid != me {
+            SubfolderError::Foreign { uid: stat.st_uid }
+        } else {
+            SubfolderError::NotPrivate {
+                mode: stat.st_mode & 0o777,
+            }
+        });
+    }
+    Ok(Some(Subfolder { fd, stat }))
 }
 
 /// Remove the backup files in the folder `dir` that no live process holds; returns how many.
@@ -82,34 +162,36 @@ pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{file_name, tmp_name};
+    use crate::layout::{file_name, private_subfolder_name, tmp_name, unique_part};
     use std::os::unix::fs::symlink;
 
     #[test]
     fn a_sweep_takes_only_unlocked_files_of_ours_and_never_blocks() {
         let d = tempfile::tempdir().unwrap();
         let at = |n: String| d.path().join(n);
-        let dead = at(file_name("1-dead.bin"));
+        let dead = at(file_name(&unique_part(1, 0xdead, 0)));
         std::fs::write(&dead, b"old").unwrap();
         // A live process's file: its lock is held.
-        let live = at(file_name("2-live.bin"));
+        let live = at(file_name(&unique_part(2, 0x11fe, 0)));
         std::fs::write(&live, b"live").unwrap();
         let held =
             Flock::lock(File::open(&live).unwrap(), FlockArg::LockExclusiveNonblock).unwrap();
-        let young_tmp = at(tmp_name("3-new.bin"));
+        let young_tmp = at(tmp_name(&unique_part(3, 0x9e3, 0)));
         std::fs::write(&young_tmp, b"new").unwrap();
         // A FIFO under our name (opening it without O_NONBLOCK would block), a link to a file
-        // of ours, and a name that is not ours.
-        let fifo = at(file_name("4-fifo.bin"));
+        // of ours, a name that is not ours, and a file of the user's that begins like ours.
+        let fifo = at(file_name(&unique_part(4, 0xf1f0, 0)));
         nix::unistd::mkfifo(&fifo, Mode::S_IRWXU).unwrap();
-        let link = at(file_name("5-link.bin"));
+        let link = at(file_name(&unique_part(5, 0x11, 0)));
         symlink(&live, &link).unwrap();
         let other = at("unrelated.bin".into());
         std::fs::write(&other, b"keep").unwrap();
+        let users = at("tms-backup-weights.pt".into());
+        std::fs::write(&users, b"the user's").unwrap();
         let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
         assert_eq!(sweep(folder.as_fd()), Ok(1));
         assert!(!dead.exists());
-        for kept in [&live, &young_tmp, &fifo, &other] {
+        for kept in [&live, &young_tmp, &fifo, &other, &users] {
             assert!(kept.exists(), "{}", kept.display());
         }
         assert!(link.symlink_metadata().is_ok(), "a link is left alone");
@@ -120,6 +202,45 @@ mod tests {
             "unlocked, the live file goes too"
         );
         assert!(!live.exists());
+    }
+
+    #[test]
+    fn our_subfolder_is_made_private_and_anything_else_under_its_name_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let me = geteuid().as_raw();
+        let base = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        let sub = d.path().join(private_subfolder_name(me));
+        assert!(open_private_subfolder(&base, me, false).unwrap().is_none());
+        let made = open_private_subfolder(&base, me, true).unwrap().unwrap();
+        assert_eq!(made.stat.st_mode & 0o777, 0o700);
+        assert_eq!(made.stat.st_uid, me);
+        std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(
+            open_private_subfolder(&base, me, false).unwrap_err(),
+            SubfolderError::NotPrivate { mode: 0o755 }
+        );
+        if me == 0 {
+            std::os::unix::fs::chown(&sub, Some(65534), None).unwrap();
+            assert_eq!(
+                open_private_subfolder(&base, me, true).unwrap_err(),
+                SubfolderError::Foreign { uid: 65534 }
+            );
+        }
+        std::fs::remove_dir(&sub).unwrap();
+        let elsewhere = d.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        symlink(&elsewhere, &sub).unwrap();
+        assert_eq!(
+            open_private_subfolder(&base, me, true).unwrap_err(),
+            SubfolderError::NotAFolder
+        );
+        std::fs::remove_file(&sub).unwrap();
+        std::fs::write(&sub, b"a file").unwrap();
+        assert_eq!(
+            open_private_subfolder(&base, me, false).unwrap_err(),
+            SubfolderError::NotAFolder
+        );
     }
 
     #[test]

@@ -19,6 +19,30 @@ pub const TMP_GRACE: Duration = Duration::from_secs(60);
 const S_IFMT: u32 = 0o170_000;
 const S_IFREG: u32 = 0o100_000;
 
+/// The unique part of a backup file's name: the process that made it, when (nanoseconds since
+/// the epoch, in hex) and its number in that process, `<pid>-<stamp>-<seq>.bin`. The sweep takes
+/// only names of this exact form: a file of the user's own that begins like ours is left alone.
+pub fn unique_part(pid: u32, stamp: u128, seq: u64) -> String {
+    format!("{pid}-{stamp:x}-{seq}.bin")
+}
+
+/// `rest` has the form [`unique_part`] makes.
+fn is_unique_part(rest: &[u8]) -> bool {
+    let Some(stem) = rest.strip_suffix(b".bin") else {
+        return false;
+    };
+    let mut fields = stem.split(|&b| b == b'-');
+    let mut field = |ok: fn(&u8) -> bool| {
+        fields
+            .next()
+            .is_some_and(|f| !f.is_empty() && f.iter().all(ok))
+    };
+    field(u8::is_ascii_digit)
+        && field(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+        && field(u8::is_ascii_digit)
+        && fields.next().is_none()
+}
+
 /// The name of a finished backup file whose unique part is `unique`.
 pub fn file_name(unique: &str) -> String {
     format!("{FILE_PREFIX}{unique}")
@@ -57,15 +81,14 @@ pub enum Entry {
 }
 
 impl Entry {
-    /// What the name `name` is, if it is one of ours.
+    /// What the name `name` is, if it is one of ours: a prefix and a [`unique_part`].
     pub fn of(name: &[u8]) -> Option<Entry> {
-        if name.starts_with(TMP_PREFIX.as_bytes()) {
-            Some(Entry::Tmp)
-        } else if name.starts_with(FILE_PREFIX.as_bytes()) {
-            Some(Entry::File)
+        let (kind, rest) = if let Some(rest) = name.strip_prefix(TMP_PREFIX.as_bytes()) {
+            (Entry::Tmp, rest)
         } else {
-            None
-        }
+            (Entry::File, name.strip_prefix(FILE_PREFIX.as_bytes())?)
+        };
+        is_unique_part(rest).then_some(kind)
     }
 
     /// The entry may be removed (if its lock can be taken), given its `st_mode`, owner and
@@ -104,12 +127,32 @@ mod tests {
     }
 
     #[test]
-    fn names_are_recognised_by_their_prefix() {
+    fn names_are_recognised_only_in_the_form_the_library_makes() {
+        let unique = unique_part(4242, 0x187_abc0_1234, 7);
+        assert_eq!(unique, "4242-187abc01234-7.bin");
         assert_eq!(file_name("1-a-0.bin"), "tms-backup-1-a-0.bin");
         assert_eq!(tmp_name("1-a-0.bin"), ".tms-backup-new-1-a-0.bin");
-        assert_eq!(Entry::of(file_name("x").as_bytes()), Some(Entry::File));
-        assert_eq!(Entry::of(tmp_name("x").as_bytes()), Some(Entry::Tmp));
-        for other in ["tms-backups-1000", "unrelated.bin", ".tms-backup", ""] {
+        assert_eq!(Entry::of(file_name(&unique).as_bytes()), Some(Entry::File));
+        assert_eq!(Entry::of(tmp_name(&unique).as_bytes()), Some(Entry::Tmp));
+        // The user's own files that begin like ours, and near misses of the form.
+        for other in [
+            "tms-backups-1000",
+            "unrelated.bin",
+            ".tms-backup",
+            "",
+            "tms-backup-weights.pt",
+            "tms-backup-notes.txt",
+            "tms-backup-2024.tar",
+            "tms-backup-1-a-0.bin.bak",
+            "tms-backup-1-a-0",
+            "tms-backup-1-A-0.bin",
+            "tms-backup-1-a-0-2.bin",
+            "tms-backup--a-0.bin",
+            "tms-backup-x-a-0.bin",
+            "tms-backup-1-a-.bin",
+            ".tms-backup-new-mine.bin",
+            "tms-backup-.tms-backup-new-1-a-0.bin",
+        ] {
             assert_eq!(Entry::of(other.as_bytes()), None, "{other}");
         }
         assert_eq!(private_subfolder_name(1000), "tms-backups-1000");

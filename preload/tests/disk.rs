@@ -159,6 +159,31 @@ engine_test! {
 }
 
 engine_test! {
+    /// A file system without O_DIRECT (ramfs, tmpfs before Linux 6.6) refuses it at open after
+    /// making the file: the pause used to fail on that leftover ("File exists") and leave it
+    /// behind. Now it goes, and the file is made again to be written through the page cache.
+    fn a_folder_without_o_direct_gets_its_files_through_the_page_cache(h)
+        [Setup::disk_engine(2, 3)]
+    {
+        let f = Fx { h };
+        let (p, data) = f.alloc(4 * MIB, 0, 9);
+        let dir = f.h.dir();
+        disk::arm_fault(Some(dir), DiskOp::Create, 1, libc::EINVAL);
+        f.h.e.pause(None).unwrap();
+        assert_eq!(disk::pending_faults(Some(dir)), 0, "the open was refused once");
+        let names = names_in(dir);
+        assert_eq!(names.len(), 1, "{names:?}");
+        assert!(names[0].starts_with("tms-backup-"), "{names:?}");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+        f.h.e.pause(None).unwrap();
+        assert_eq!(names_in(dir), names, "the file is reused");
+        f.h.e.resume(None).unwrap();
+        assert!(f.h.read(p, data.len()) == data);
+    }
+}
+
+engine_test! {
     fn a_directory_that_cannot_take_the_backups_fails_the_pause_before_anything_moves(h)
         [Setup::disk_engine(2, 3)]
     {
@@ -327,14 +352,14 @@ engine_test! {
         let dead = dir.path().join("tms-backup-4242-0-0.bin");
         std::fs::write(&dead, vec![0u8; 8192]).unwrap();
         // A live process's file: made by a child that holds it until told to go.
+        let live = dir.path().join("tms-backup-4243-0-0.bin");
         let mut child = std::process::Command::new("flock")
-            .arg(dir.path().join("tms-backup-live-0-0.bin"))
+            .arg(&live)
             .arg("-c")
             .arg("read _")
             .stdin(std::process::Stdio::piped())
             .spawn()
             .expect("flock(1) runs");
-        let live = dir.path().join("tms-backup-live-0-0.bin");
         let t0 = std::time::Instant::now();
         while !live.exists() {
             assert!(t0.elapsed().as_secs() < 10);

@@ -319,22 +319,22 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
         }
         crate::output::print_json(report);
     } else {
-        println!();
-        println!(
+        say!();
+        say!(
             "memory given back on pause : {} of {} mapped",
             human(given_back),
             human(mapped)
         );
         for (r, when) in rows.iter().skip(1).zip(["pause", "resume"]) {
             if let Some(d) = r.done.as_ref().filter(|d| d.copied_bytes > 0) {
-                println!(
+                say!(
                     "{:<27}: {}",
                     format!("contents on {when}"),
                     crate::output::copies(d).trim_start_matches(", ")
                 );
             }
         }
-        println!(
+        say!(
             "pattern after resume       : {}",
             if verdict == "ok" {
                 "identical".into()
@@ -342,11 +342,11 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
                 printable(&verdict)
             }
         );
-        println!();
+        say!();
         if ok {
-            println!("demo OK");
+            say!("demo OK");
         } else {
-            println!("demo FAILED");
+            say!("demo FAILED");
         }
     }
     if ok {

@@ -2,6 +2,7 @@
 //! SIGTERM, and what `tmsctl clean` removes.
 
 use std::os::unix::net::UnixListener;
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -185,4 +186,102 @@ fn clean_removes_what_dead_processes_left() {
         &["resume", "--pid", &p.pid.to_string(), "--tag", "demo"],
     );
     p.verify();
+}
+
+/// `tmsctl clean` takes only names of the form the library makes: a file of the user's own that
+/// begins like a backup file's name is left alone, in a folder others can write to (where the
+/// base folder is swept too, for files of older versions) as in one's own.
+#[test]
+fn clean_leaves_the_users_files_that_only_begin_like_backup_files() {
+    use std::os::unix::fs::PermissionsExt;
+    let sb = sandbox();
+    let shared = sb.tmp.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let mine = private(&sb, "mine");
+    for dir in [&shared, &mine] {
+        let dead = dir.join("tms-backup-4242-0-0.bin");
+        std::fs::write(&dead, b"old").unwrap();
+        let users: Vec<PathBuf> = ["tms-backup-weights.pt", "tms-backup-2024.tar"]
+            .iter()
+            .map(|n| dir.join(n))
+            .collect();
+        for u in &users {
+            std::fs::write(u, b"the user's").unwrap();
+        }
+        let r = ok(&sb, &["clean", "--disk-dir", dir.to_str().unwrap()]);
+        assert!(
+            r.stdout.contains("removed 1 disk backup file "),
+            "{}",
+            r.dump()
+        );
+        assert!(!dead.exists(), "{}", r.dump());
+        for u in &users {
+            assert!(u.exists(), "{} was removed: {}", u.display(), r.dump());
+        }
+    }
+}
+
+/// Another user's subfolder under our name, closed to us (mode 0700): refused, saying whose it
+/// is, as a readable one is (it used to be a bare "Permission denied", exit 1).
+#[test]
+fn clean_tells_whose_subfolder_took_our_name_even_when_closed_to_us() {
+    use std::os::unix::fs::PermissionsExt;
+    if !is_root() {
+        eprintln!("skipped: needs root to run tmsctl as another user");
+        return;
+    }
+    let sb = sandbox();
+    std::os::unix::fs::chown(sb.tmp.path(), Some(65534), Some(65534)).expect("chown");
+    let shared = sb.tmp.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let squat = shared.join("tms-backups-65534");
+    for mode in [0o700, 0o755] {
+        let _ = std::fs::remove_dir(&squat);
+        std::fs::create_dir(&squat).unwrap();
+        std::fs::set_permissions(&squat, std::fs::Permissions::from_mode(mode)).unwrap();
+        let r = ctl_with(
+            &tmsctl(),
+            &sb,
+            &["clean", "--disk-dir", shared.to_str().unwrap()],
+            |c| {
+                c.uid(65534).gid(65534);
+            },
+        );
+        assert_eq!(r.code, 4, "mode {mode:o}: {}", r.dump());
+        assert!(
+            r.stderr.contains("refusing") && r.stderr.contains("belongs to uid 0, not 65534"),
+            "mode {mode:o}: {}",
+            r.dump()
+        );
+    }
+}
+
+/// A reader that went away (`tmsctl clean | head -0`) is no failure: no panic, exit 0.
+#[test]
+fn a_closed_stdout_is_no_failure() {
+    let sb = sandbox();
+    let dir = private(&sb, "disk");
+    for args in [
+        &["clean", "--disk-dir", dir.to_str().unwrap()][..],
+        &["list"][..],
+        &["man"][..],
+    ] {
+        let (read, write) = nix::unistd::pipe().expect("pipe");
+        drop(read);
+        let mut cmd = clean(Command::new(tmsctl()), &sb);
+        cmd.args(args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::from(write))
+            .stderr(std::process::Stdio::piped());
+        let o = cmd
+            .spawn()
+            .expect("spawn")
+            .wait_with_output()
+            .expect("wait");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(0), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
 }

@@ -31,10 +31,14 @@
 //!   folder of another user, one of mode 0777 with or without the sticky bit) they go in our
 //!   subfolder `tms-backups-<uid>`, made with mode 0700 and refused unless it is a real folder
 //!   (not a link), ours, closed to group and others. Another user can then at worst make that
-//!   name first, which fails our disk-backed pauses with a message saying so.
+//!   name first, which fails our disk-backed pauses with a message saying so (whose it is, even
+//!   when it is closed to us: `fstatat` sees its owner without opening it). The library and
+//!   `tmsctl clean` vet it with the same code (`tms_disk_folder::open_private_subfolder`).
 //! - Opening the folder never blocks: `O_DIRECTORY | O_NONBLOCK` refuses a FIFO planted at the
 //!   path before opening it.
-//! - The sweep opens only regular files of ours: each candidate is checked with `fstatat`
+//! - The sweep takes only names of the exact form we make (`tms-backup-<pid>-<stamp>-<seq>.bin`,
+//!   `tms_disk_folder::unique_part`): a user's own `tms-backup-weights.pt` beside them is not
+//!   ours. It opens only regular files of ours: each candidate is checked with `fstatat`
 //!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
 //!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
 //!   elsewhere. `tmsctl clean` sweeps with the same code (`tms_disk_folder::sweep`). Each folder is swept
@@ -51,7 +55,7 @@ use nix::errno::Errno;
 use nix::fcntl::AtFlags;
 use nix::sys::stat::{FileStat, Mode};
 use parking_lot::Mutex;
-use tms_disk_folder::{files_go_in_directory, open_folder, subfolder_is_private};
+use tms_disk_folder::{files_go_in_directory, open_folder, open_private_subfolder, SubfolderError};
 
 use crate::error::{Error, Result};
 
@@ -237,24 +241,26 @@ impl BackupDir {
                 shown.display()
             ))
         };
-        match nix::sys::stat::mkdirat(&base_fd, name.as_str(), Mode::S_IRWXU) {
-            Ok(()) | Err(Errno::EEXIST) => {}
-            Err(e) => return Err(io_err(format!("creating {}", shown.display()), e.into())),
-        }
-        let fd = open_folder(&base_fd, name.as_str(), false).map_err(|e| match e {
-            Errno::ELOOP | Errno::ENOTDIR => refuse("is a symbolic link or not a folder".into()),
-            e => io_err(format!("opening {}", shown.display()), e.into()),
-        })?;
-        let st = nix::sys::stat::fstat(&fd)
-            .map_err(|e| io_err(format!("inspecting {}", shown.display()), e.into()))?;
+        let sub = match open_private_subfolder(&base_fd, me, true) {
+            Ok(Some(sub)) => sub,
+            Ok(None) => return Err(Error::internal("a subfolder made but not found")),
+            Err(SubfolderError::NotAFolder) => {
+                return Err(refuse("is a symbolic link or not a folder".into()))
+            }
+            Err(SubfolderError::Foreign { uid }) => {
+                return Err(refuse(format!("belongs to uid {uid}, not {me}")))
+            }
+            Err(SubfolderError::NotPrivate { mode }) => {
+                return Err(refuse(format!(
+                    "has mode {mode:04o}: group or others have access (want 0700)"
+                )))
+            }
+            Err(SubfolderError::Io { op, errno }) => {
+                return Err(io_err(format!("{op} {}", shown.display()), errno.into()))
+            }
+        };
+        let (fd, st) = (sub.fd, sub.stat);
         let mode = st.st_mode & 0o777;
-        if !subfolder_is_private(st.st_uid, mode, me) {
-            return Err(refuse(if st.st_uid != me {
-                format!("belongs to uid {}, not {me}", st.st_uid)
-            } else {
-                format!("has mode {mode:04o}: group or others have access (want 0700)")
-            }));
-        }
         if mode != 0o700 {
             // Ours and closed to others, but a umask such as 0777 left us without access.
             nix::sys::stat::fchmod(&fd, Mode::S_IRWXU)
@@ -304,8 +310,9 @@ pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
 }
 
 /// Bytes the file system of the folder `dir`'s files go in can still give an unprivileged
-/// writer (the folder is found, or made, first).
-pub fn free_space(dir: &BackupDir) -> Result<u64> {
+/// writer (the folder is found, or made, first); `None` where it tells no size (ramfs, tmpfs
+/// mounted without a limit: no blocks at all), and only writing can tell.
+pub fn free_space(dir: &BackupDir) -> Result<Option<u64>> {
     let f = dir.files()?;
     let s = nix::sys::statvfs::fstatvfs(&f.fd).map_err(|e| {
         io_err(
@@ -313,7 +320,16 @@ pub fn free_space(dir: &BackupDir) -> Result<u64> {
             std::io::Error::from(e),
         )
     })?;
-    Ok(s.blocks_available() as u64 * s.fragment_size() as u64)
+    Ok(space(
+        s.blocks() as u64,
+        s.blocks_available() as u64,
+        s.fragment_size() as u64,
+    ))
+}
+
+/// Free bytes from `statvfs`'s numbers; `None` for a file system of no blocks (no size).
+fn space(blocks: u64, available: u64, fragment: u64) -> Option<u64> {
+    (blocks > 0).then(|| available.saturating_mul(fragment))
 }
 
 fn fd_is_ram_backed(fd: impl AsFd) -> bool {
@@ -361,6 +377,15 @@ mod tests {
         assert!(other.exists());
         drop(live);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_system_of_no_blocks_tells_no_free_space_and_is_not_refused_as_full() {
+        assert_eq!(space(1000, 10, 4096), Some(40960));
+        assert_eq!(space(1000, 0, 4096), Some(0), "full");
+        // ramfs, and tmpfs mounted with size=0, report no blocks at all: no limit.
+        assert_eq!(space(0, 0, 4096), None);
+        assert_eq!(space(u64::MAX, u64::MAX, 4096), Some(u64::MAX));
     }
 
     #[test]

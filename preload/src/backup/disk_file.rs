@@ -106,17 +106,17 @@ impl DiskFile {
         let stamp = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos());
-        let base = format!("{}-{stamp:x}-{seq}.bin", std::process::id());
+        let base = tms_disk_folder::unique_part(std::process::id(), stamp, seq);
         let tmp_name = tms_disk_folder::tmp_name(&base);
         let name = tms_disk_folder::file_name(&base);
         let tmp = files.shown.join(&tmp_name);
         let path = files.shown.join(&name);
         let what = |op: &str| format!("{op} disk backup file {}", path.display());
         let direct = len % DIRECT_ALIGN == 0;
-        let open = |direct: bool| -> std::io::Result<File> {
-            if let Some(e) = injected(DiskOp::Create, &tmp) {
-                return Err(e);
-            }
+        let remove_tmp = || {
+            let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
+        };
+        let open_at = |direct: bool| -> std::io::Result<File> {
             let mut flags = OFlag::O_RDWR
                 | OFlag::O_CREAT
                 | OFlag::O_EXCL
@@ -130,14 +130,28 @@ impl DiskFile {
                 .map(File::from)
                 .map_err(errno_io)
         };
+        let open = |direct: bool| -> std::io::Result<File> {
+            match injected(DiskOp::Create, &tmp) {
+                // As a file system without O_DIRECT refuses it: after making the file.
+                Some(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                    drop(open_at(false));
+                    Err(e)
+                }
+                Some(e) => Err(e),
+                None => open_at(direct),
+            }
+        };
         let (file, direct) = match open(direct) {
             Ok(f) => (f, direct),
-            // File systems without O_DIRECT (tmpfs, some FUSE) refuse it at open.
+            // File systems without O_DIRECT (ramfs, tmpfs before Linux 6.6, some FUSE) refuse
+            // it at open, some after making the file: it goes (the name is ours, in a folder
+            // only we can write to), and it is made again without the flag.
             Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => {
                 tracing::info!(
                     "{} does not allow O_DIRECT; writing through the page cache",
                     files.shown.display()
                 );
+                remove_tmp();
                 match open(false) {
                     Ok(f) => (f, false),
                     Err(e) => return Err((io_err(what("creating"), e), false)),
@@ -147,9 +161,6 @@ impl DiskFile {
                 let g = gone(&e);
                 return Err((io_err(what("creating"), e), g));
             }
-        };
-        let remove_tmp = || {
-            let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
         };
         // Held as long as the file exists: the sign that its process is alive.
         let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {

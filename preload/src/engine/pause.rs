@@ -592,7 +592,13 @@ fn gcd(a: u64, b: u64) -> u64 {
 
 /// Refuse a pause whose new disk backup files the directory cannot hold.
 fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Result<()> {
-    let free = disk::free_space(dir)?;
+    let Some(free) = disk::free_space(dir)? else {
+        tracing::debug!(
+            "{} tells no size (ramfs, or tmpfs without a limit); free space not checked",
+            dir.path().display()
+        );
+        return Ok(());
+    };
     if need <= free {
         return Ok(());
     }
