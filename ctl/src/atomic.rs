@@ -422,8 +422,11 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         }
     }
     let Some((failed_sock, f, failed_undo)) = failure else {
-        // Every process did it: printed as without --atomic; the JSON keeps the shape of a
-        // failure's (nothing failed, nothing undone).
+        // Every process did it: printed as without --atomic (a process that never had the tag
+        // told on stderr, exit code 6); the JSON keeps the shape of a failure's (nothing
+        // failed, nothing undone).
+        let tag = asked(req).and_then(|a| a.1);
+        let mut unknown_tag = false;
         let mut items = Vec::new();
         for d in &done {
             let pid = d.sock.pid();
@@ -431,9 +434,16 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             if sel.pid.is_none() {
                 (json, text) = name_target(pid, json, &text);
             }
+            if d.done.unknown_tag {
+                unknown_tag = true;
+                tell!(
+                    "tmsctl: {}",
+                    one_line(&output::unknown_tag(pid, &d.done, tag.as_deref()))
+                );
+            }
             if ctx.json {
                 items.push(json!({"pid": pid, "done": json, "undo": null}));
-            } else {
+            } else if !d.done.unknown_tag {
                 say!("{}", printable_lines(&text));
             }
         }
@@ -447,7 +457,10 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
                 "every_process_as_before": null,
             }));
         }
-        return Ok(());
+        return match unknown_tag {
+            true => Err(Reported(Code::UnknownTag).into()),
+            false => Ok(()),
+        };
     };
     tell!("tmsctl: {}", one_line(&f.message));
     // Undo, the process that failed included where it changed.

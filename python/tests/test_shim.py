@@ -494,7 +494,8 @@ def test_nonblocking_resume_returns_mapped_and_wait_sees_the_data(preloaded):
         # No torch here: no stream is made to wait; the host waits with wait().
         tms.resume("kv", non_blocking=True, order=[bufs[2][0]])
         returned = time.perf_counter() - t0
-        assert tms.wait(bufs[2][0], timeout=30) is True
+        # A timeout beyond 64 bits of milliseconds is no limit (it used to wrap to none at all).
+        assert tms.wait(bufs[2][0], timeout=1e300) is True
         assert ctypes.string_at(bufs[2][0], n) == bufs[2][1]
         assert tms.wait() is True
         waited = time.perf_counter() - t0
@@ -503,6 +504,7 @@ def test_nonblocking_resume_returns_mapped_and_wait_sees_the_data(preloaded):
         assert tag_stats("kv")["active_allocations"] == 4
         print("TIMES", returned, waited)
         assert tms.wait(timeout=0) is True, "nothing in flight"
+        assert tms.wait(timeout=float("inf")) is True
         """,
         # 32 MiB over a 64 MiB/s link: half a second of copies to overlap.
         TMS_SIM_BANDWIDTH="64MiB",
@@ -571,6 +573,9 @@ def test_nonblocking_resume_failure_after_return_is_raised_by_every_wait_and_los
         ("tms.wait(timeout=-1)", ValueError, "timeout"),
         ("tms.wait(stream=True, timeout=1)", ValueError, "timeout"),
         ("tms.wait(stream=object())", TypeError, "torch.cuda.Stream"),
+        ("tms.wait('kv')", TypeError, "expected a torch.Tensor or a device address (int), not str"),
+        ("tms.pause('\\udcff')", ValueError, "UTF-8"),
+        ("tms.region(tag='\\udcff').__enter__()", ValueError, "UTF-8"),
     ],
 )
 def test_nonblocking_bad_arguments_are_clear_errors(preloaded, call, exc, words):

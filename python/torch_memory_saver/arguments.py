@@ -47,6 +47,10 @@ def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
         raise InvalidArgumentError("tag must not be empty")
     if "\0" in tag:
         raise InvalidArgumentError("tag must not contain NUL characters")
+    try:
+        tag.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(f"tag must be text UTF-8 can encode, not {tag!r} ({e.reason})") from None
     return tag
 
 
@@ -185,11 +189,12 @@ def chunk_arguments(fn: str, tag_or_tensor: Any, indices: Any, tag: Any, chunk_i
     )
 
 
-def _address(x: Any) -> int:
-    """The device address of a tensor (``x.data_ptr()``)."""
+def _address(x: Any, expected: str = "a tag (str) or a torch.Tensor") -> int:
+    """The device address of a tensor (``x.data_ptr()``); else a TypeError saying that the caller
+    takes ``expected``."""
     data_ptr = getattr(x, "data_ptr", None)
     if isinstance(x, (bytes, type)) or not callable(data_ptr):
-        raise TypeError(f"expected a tag (str) or a torch.Tensor, not {type(x).__name__}")
+        raise TypeError(f"expected {expected}, not {type(x).__name__}")
     return int(data_ptr())
 
 
@@ -199,7 +204,7 @@ def _tensor_or_address(x: Any) -> int:
         if not 0 < x <= _U64_MAX:
             raise InvalidArgumentError(f"device address {x} is out of range")
         return x
-    return _address(x)
+    return _address(x, "a torch.Tensor or a device address (int)")
 
 
 def _iterable(what: str, x: Any) -> list:

@@ -82,7 +82,7 @@ class _Chunks:
         self._chunks(target, idx, False)
 
     def _range(self, tensor: Any, start: Any, end: Any, pause: bool) -> range:
-        addr = _address(tensor)
+        addr = _address(tensor, "a torch.Tensor")
         start, end = _int("start", start), _int("end", end)
         nbytes = _tensor_bytes(tensor)
         if not 0 <= start <= end <= nbytes:

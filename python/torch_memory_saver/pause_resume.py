@@ -284,7 +284,8 @@ class _PauseResume:
                 t = float("nan")
             if not t >= 0:
                 raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
-            ms = int(t * 1000)
+            # Beyond what 64 bits of milliseconds hold (inf included): no limit.
+            ms = -1 if t * 1000 >= 2**63 else int(t * 1000)
         done = ctypes.c_int(0)
         lib.check(lib.tms_wait_restored(addr, ms, ctypes.byref(done)))
         return bool(done.value)

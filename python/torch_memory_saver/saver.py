@@ -157,7 +157,7 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
             raise TypeError(f"expected a torch.Tensor, not {type(tensor).__name__}")
         if numel() == 0:
             return 0
-        addr = _address(tensor)
+        addr = _address(tensor, "a torch.Tensor")
         lib = self._library()
         size = ctypes.c_uint64(0)
         lib.check(lib.tms_keep_resident_ex(addr, ctypes.byref(size)))

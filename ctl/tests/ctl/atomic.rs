@@ -452,3 +452,27 @@ fn an_atomic_resume_that_failed_over_unrestored_memory_is_not_called_unchanged()
     b.verify();
     drop(a);
 }
+
+/// A tag no process ever had is exit 6 with `--atomic` as without it, told on stderr (it used to
+/// be exit 0, "nothing to do"): a job-wide pause guarded by `--atomic` must notice a typo.
+#[test]
+fn an_atomic_pause_or_resume_of_an_unknown_tag_is_exit_6() {
+    let sb = sandbox();
+    let p = Proc::start(&sb, &[]);
+    for op in ["pause", "resume"] {
+        for sel in [&["--all"][..], &["--pid", &p.pid.to_string()][..]] {
+            let mut args = vec![op, "--atomic", "--tag", "demoo"];
+            args.extend_from_slice(sel);
+            let r = ctl(&sb, &args);
+            let line = r.failed(6).to_string();
+            assert!(line.contains("ever had tag \"demoo\""), "{line}");
+            assert_eq!(r.stdout, "", "{}", r.dump());
+            args.push("--json");
+            let j = ctl(&sb, &args).json_exit(6);
+            assert_eq!(item_of(&j, p.pid)["done"]["unknown_tag"], true, "{j}");
+        }
+    }
+    ok(&sb, &["pause", "--atomic", "--all", "--tag", "demo"]);
+    ok(&sb, &["resume", "--atomic", "--all", "--tag", "demo"]);
+    p.exit();
+}
