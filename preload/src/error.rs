@@ -290,6 +290,14 @@ impl Error {
         )
     }
 
+    /// No output buffer (NULL) was given, as to ask how large one must be: `needed` bytes.
+    pub fn no_buffer(needed: usize) -> Self {
+        Error::new(
+            ErrorKind::BufferTooSmall { needed },
+            format!("no output buffer (NULL) given; it needs {needed} bytes"),
+        )
+    }
+
     /// A failure kept from an earlier call: its status and its whole message.
     pub fn sticky(status: i32, message: impl Into<String>) -> Self {
         Error::new(ErrorKind::Sticky { status }, message)

@@ -348,6 +348,15 @@ engine_test! {
             .unwrap();
         assert_eq!((r.allocations, r.pending), (0, 0));
         assert!(h.e.wait_restored(Some(0x1234), Some(Duration::ZERO)).unwrap());
+        // A stream of a device that does not exist: refused, the tag left paused (it used to
+        // be taken for a driver whose streams cannot wait, and the resume blocked instead).
+        let allocs = paused(&h, "kv", 1, h.g());
+        let bad = StreamOf { device: 99, stream: Stream(0) };
+        let err = Engine::resume_nonblocking(h.e.clone(), Some("kv"), &[], Some(bad)).unwrap_err();
+        assert!(err.to_string().contains("device 99 does not exist"), "{err}");
+        assert_eq!(h.e.allocations()[0].state, State::Paused);
+        h.e.resume(Some("kv")).unwrap();
+        check_contents(&h, &allocs);
     }
 }
 

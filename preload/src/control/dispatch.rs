@@ -447,10 +447,12 @@ fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
     // one backup and apply the other, and every C setter of threads without a region of their
     // own would fail on it afterwards.
     r.check().map_err(|e| {
-        e.context(
+        e.context(if r.cpu_backup && r.disk_backup {
             "default region unchanged (turn one backup off in the same request: tmsctl region \
-             --cpu-backup --no-disk-backup, or --disk-backup --no-cpu-backup)",
-        )
+             --cpu-backup --no-disk-backup, or --disk-backup --no-cpu-backup)"
+        } else {
+            "default region unchanged"
+        })
     })?;
     host.set_default_region(r.clone());
     tracing::info!("default region set by tmsctl: {r:?}");

@@ -249,7 +249,7 @@ impl Engine {
         Ok(())
     }
 
-    fn check_device(&self, device: i32) -> Result<()> {
+    pub(super) fn check_device(&self, device: i32) -> Result<()> {
         let n = self.driver.device_count()?;
         if device < 0 || device >= n {
             return Err(Error::invalid_argument(format!(

@@ -98,6 +98,10 @@ impl Engine {
     {
         check_tag(tag)?;
         let e: &Engine = &engine;
+        if let Some(s) = &stream {
+            // Not left to the driver, whose refusal reads as "streams cannot wait" (blocking).
+            e.check_device(s.device)?;
+        }
         // NCCL's communicators (their tag, or every tag with the setting on) are resumed
         // before this returns: the program may use them as soon as it does.
         let pick = labeled(tag, label);

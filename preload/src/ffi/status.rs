@@ -32,7 +32,10 @@ pub(super) unsafe fn write_out(
         // SAFETY: caller vouches for out_len.
         unsafe { *out_len = s.len() };
     }
-    if buf.is_null() || cap < s.len() + 1 {
+    if buf.is_null() {
+        return Err(Error::no_buffer(s.len() + 1));
+    }
+    if cap < s.len() + 1 {
         return Err(Error::buffer_too_small(cap, s.len() + 1));
     }
     // SAFETY: buf has room for s and the NUL (checked).
@@ -94,4 +97,31 @@ pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
 #[no_mangle]
 pub extern "C" fn tms_error_count() -> u64 {
     catch(0, crate::process::boundary::error_count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    #[test]
+    fn an_output_string_goes_in_a_buffer_that_fits_and_a_missing_one_is_told_as_missing() {
+        let mut len = 0usize;
+        // SAFETY: a NULL buffer, and `len` writable.
+        let e = unsafe { write_out("hello", std::ptr::null_mut(), 64, &mut len) }.unwrap_err();
+        assert_eq!(len, 5);
+        assert!(matches!(e.kind(), ErrorKind::BufferTooSmall { needed: 6 }));
+        assert!(e.to_string().contains("no output buffer (NULL)"), "{e}");
+        let mut small = [0 as c_char; 4];
+        // SAFETY: `small` is writable for its 4 bytes.
+        let e = unsafe { write_out("hello", small.as_mut_ptr(), small.len(), &mut len) }
+            .unwrap_err();
+        assert!(e.to_string().contains("of 4 bytes is too small for 6"), "{e}");
+        let mut room = [1 as c_char; 8];
+        // SAFETY: `room` is writable for its 8 bytes.
+        unsafe { write_out("hello", room.as_mut_ptr(), room.len(), std::ptr::null_mut()) }
+            .unwrap();
+        let written: Vec<u8> = room[..6].iter().map(|&c| c as u8).collect();
+        assert_eq!(written, b"hello\0");
+    }
 }

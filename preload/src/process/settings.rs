@@ -165,8 +165,17 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
     if let Some(b) = var(lookup, "TMS_STAGING_SLOT", parse_bytes)? {
         c.slot = b;
     }
-    if let Some(b) = var(lookup, "TMS_STAGING_SLOT_SAVE", parse_bytes)? {
-        c.save_slot = b;
+    match var(lookup, "TMS_STAGING_SLOT_SAVE", parse_bytes)? {
+        Some(b) if b > c.slot => {
+            return Err(Error::invalid_argument(format!(
+                "TMS_STAGING_SLOT_SAVE: {b} bytes, more than the staging slot of {} bytes \
+                 (TMS_STAGING_SLOT): expected at most the slot",
+                c.slot
+            )))
+        }
+        Some(b) => c.save_slot = b,
+        // The default, where the slot is set smaller: all of it.
+        None => c.save_slot = c.save_slot.min(c.slot),
     }
     if let Some(f) = var(lookup, "TMS_HOST_HUGEPAGES", parse_flag)? {
         c.layout.hugepages = f;
@@ -494,6 +503,15 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("staging slot for saving of 100 bytes"), "{e}");
+        let e = with(&[("TMS_STAGING_SLOT", "1MiB"), ("TMS_STAGING_SLOT_SAVE", "64MiB")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("TMS_STAGING_SLOT_SAVE") && e.contains("at most the slot"),
+            "{e}"
+        );
+        let c = with(&[("TMS_STAGING_SLOT", "512KiB")]).unwrap();
+        assert_eq!((c.slot, c.save_slot), (512 << 10, 512 << 10), "the default, capped");
         let e = with(&[("TMS_COPY_CHUNK", "0")]).unwrap_err().to_string();
         assert!(e.contains("copy chunk of 0 bytes"), "{e}");
         let e = with(&[("TMS_PIN", "sometimes")]).unwrap_err().to_string();

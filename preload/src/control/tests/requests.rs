@@ -299,6 +299,19 @@ fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
     assert!(r.cpu_backup && !r.disk_backup, "{r:?}");
     let now = h.region.lock().clone();
     assert!(now.check().is_ok() && now.cpu_backup && !now.disk_backup);
+    // The tag reserved for NCCL: refused saying so, without the advice on backups.
+    let r = c.ask(&Request::SetRegion(RegionUpdate {
+        enabled: Some(true),
+        tag: Some("nccl".into()),
+        ..Default::default()
+    }));
+    let Reply::Error(e) = &r else { panic!("{r:?}") };
+    assert!(
+        e.message.contains("reserved")
+            && e.message.contains("unchanged")
+            && !e.message.contains("backup"),
+        "{e:?}"
+    );
 }
 
 #[test]
