@@ -107,6 +107,24 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(v))
 }
 
+/// A tag: not empty (no `--tag` is how every tag is named), and short enough to send (as JSON, in
+/// a request line of at most `MAX_LINE_BYTES`, with room for the rest of the request).
+fn parse_tag(s: &str) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("a tag must not be empty (leave --tag out for every tag)".into());
+    }
+    let sent = serde_json::to_string(s).map_or(usize::MAX, |j| j.len());
+    let most = tms_proto::MAX_LINE_BYTES - 1024;
+    if sent > most {
+        return Err(format!(
+            "a tag of {} bytes ({sent} as sent) is longer than a request can carry (at most \
+             {most} bytes)",
+            s.len()
+        ));
+    }
+    Ok(s.to_string())
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct Select {
     /// The process to act on, by its pid in tmsctl's pid namespace: a process of tmsctl's user,
@@ -198,7 +216,7 @@ pub enum Cmd {
         sel: Select,
         /// Only this tag [default: every tag]. A tag that no allocation of the process ever had
         /// changes nothing and exits with code 6.
-        #[arg(long, value_name = "TAG")]
+        #[arg(long, value_name = "TAG", value_parser = parse_tag)]
         tag: Option<String>,
         /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
         /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks paused
@@ -223,7 +241,7 @@ pub enum Cmd {
         sel: Select,
         /// Only this tag [default: every tag]. A tag that no allocation of the process ever had
         /// changes nothing and exits with code 6.
-        #[arg(long, value_name = "TAG")]
+        #[arg(long, value_name = "TAG", value_parser = parse_tag)]
         tag: Option<String>,
         /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
         /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks active
@@ -259,7 +277,7 @@ pub enum Cmd {
         #[command(flatten)]
         sel: Select,
         /// The tag.
-        #[arg(long, value_name = "TAG")]
+        #[arg(long, value_name = "TAG", value_parser = parse_tag)]
         tag: String,
     },
     /// Show or change the process-wide default region: what new allocations of threads that
@@ -275,7 +293,7 @@ pub enum Cmd {
         #[arg(long)]
         disable: bool,
         /// Tag of their pauseable allocations.
-        #[arg(long, value_name = "TAG")]
+        #[arg(long, value_name = "TAG", value_parser = parse_tag)]
         tag: Option<String>,
         /// Keep a CPU backup of their contents across pause.
         #[arg(long, conflicts_with = "no_cpu_backup")]
@@ -438,6 +456,18 @@ pub fn usage_line(e: &clap::Error) -> String {
         }
         what
     };
+    // A value too long to read back (a 70 KB tag) is shown by its start and its length.
+    if let Some((start, rest)) = what.split_once("invalid value '") {
+        if let Some((value, end)) = rest.split_once("' for '") {
+            if value.chars().count() > 64 {
+                let head: String = value.chars().take(32).collect();
+                what = format!(
+                    "{start}invalid value '{head}\u{2026}' ({} bytes) for '{end}",
+                    value.len()
+                );
+            }
+        }
+    }
     if let Some(values) = lines.iter().find(|l| l.starts_with("[possible values:")) {
         what = format!("{what} {values}");
     }

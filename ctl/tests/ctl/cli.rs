@@ -127,6 +127,15 @@ fn usage_errors_are_one_line() {
         "{line}"
     );
     assert!(ctl(&sb, &[]).failed(2).contains("a command is needed"));
+    // A tag too long for a request: refused here, its value shown by its start and length.
+    let long = "k".repeat(70_000);
+    let r = ctl(&sb, &["resume", "--tag", &long]);
+    let line = r.failed(2).to_string();
+    assert!(
+        line.contains("longer than a request can carry") && line.contains("(70000 bytes)"),
+        "{line}"
+    );
+    assert!(r.stderr.len() < 1000, "{}", r.stderr.len());
 }
 
 #[test]

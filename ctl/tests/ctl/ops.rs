@@ -147,8 +147,9 @@ fn drives_a_preloaded_process_through_every_operation() {
     ok(&sb, &["region", "--disable", "--no-cpu-backup"]);
     assert_ne!(p.cmd("malloc 2MiB", "MALLOC").split(' ').next(), Some("0"));
 
-    // An error reply: exit code 1, one line.
-    let line = ctl(&sb, &["pause", "--tag", ""]).failed(1).to_string();
+    // An empty tag is a bad command line (exit code 2), never sent; an error reply: exit code
+    // 1, one line.
+    let line = ctl(&sb, &["pause", "--tag", ""]).failed(2).to_string();
     assert!(line.contains("tag must not be empty"), "{line}");
     let line = ctl(&sb, &["region", "--backend", "pinned"])
         .failed(1)

@@ -114,13 +114,15 @@ mod tests {
         assert!(e.to_string().contains("no output buffer (NULL)"), "{e}");
         let mut small = [0 as c_char; 4];
         // SAFETY: `small` is writable for its 4 bytes.
-        let e = unsafe { write_out("hello", small.as_mut_ptr(), small.len(), &mut len) }
-            .unwrap_err();
-        assert!(e.to_string().contains("of 4 bytes is too small for 6"), "{e}");
+        let e =
+            unsafe { write_out("hello", small.as_mut_ptr(), small.len(), &mut len) }.unwrap_err();
+        assert!(
+            e.to_string().contains("of 4 bytes is too small for 6"),
+            "{e}"
+        );
         let mut room = [1 as c_char; 8];
         // SAFETY: `room` is writable for its 8 bytes.
-        unsafe { write_out("hello", room.as_mut_ptr(), room.len(), std::ptr::null_mut()) }
-            .unwrap();
+        unsafe { write_out("hello", room.as_mut_ptr(), room.len(), std::ptr::null_mut()) }.unwrap();
         let written: Vec<u8> = room[..6].iter().map(|&c| c as u8).collect();
         assert_eq!(written, b"hello\0");
     }

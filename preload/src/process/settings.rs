@@ -503,15 +503,22 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("staging slot for saving of 100 bytes"), "{e}");
-        let e = with(&[("TMS_STAGING_SLOT", "1MiB"), ("TMS_STAGING_SLOT_SAVE", "64MiB")])
-            .unwrap_err()
-            .to_string();
+        let e = with(&[
+            ("TMS_STAGING_SLOT", "1MiB"),
+            ("TMS_STAGING_SLOT_SAVE", "64MiB"),
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(
             e.contains("TMS_STAGING_SLOT_SAVE") && e.contains("at most the slot"),
             "{e}"
         );
         let c = with(&[("TMS_STAGING_SLOT", "512KiB")]).unwrap();
-        assert_eq!((c.slot, c.save_slot), (512 << 10, 512 << 10), "the default, capped");
+        assert_eq!(
+            (c.slot, c.save_slot),
+            (512 << 10, 512 << 10),
+            "the default, capped"
+        );
         let e = with(&[("TMS_COPY_CHUNK", "0")]).unwrap_err().to_string();
         assert!(e.contains("copy chunk of 0 bytes"), "{e}");
         let e = with(&[("TMS_PIN", "sometimes")]).unwrap_err().to_string();
