@@ -362,3 +362,19 @@ def test_wheel_file_list():
     for n in expected_libs:
         assert (z.getinfo(n).external_attr >> 16) & 0o170000 != 0o120000, f"{n} is a symlink"
         assert z.getinfo(n).file_size > 100_000, n
+
+
+@pytest.mark.parametrize("bad", ["/etc/hostname", "/nonexistent/libtms.so", "/tmp"])
+def test_a_tms_library_path_that_names_no_library_is_refused_saying_so(bad):
+    # It used to go into the advice as it was: "run `LD_PRELOAD=/etc/hostname python ...`".
+    r = run_py(
+        """
+        try:
+            tms_pkg.get_binary_path()
+            raise SystemExit("should have raised")
+        except tms_pkg.LibraryNotFoundError as e:
+            print("MSG", e)
+        """,
+        clean_env(TMS_BACKEND="sim", TMS_LIBRARY_PATH=bad),
+    )
+    assert "TMS_LIBRARY_PATH=" in r.stdout and "libtms.so" in r.stdout, r.stdout

@@ -522,3 +522,19 @@ def test_a_resume_undo_pauses_unrestored_memory_again_and_says_so(tmp_path, libt
         assert not first["ok"] and first["failed"] == [1], (rank, first)
         assert "rank 0: done, but not as before for 'w'" in first["msg"], (rank, first)
         assert (first["active"], first["paused"], first["unrestored"]) == (0, 1, 0), (rank, first)
+
+
+def test_without_torch_a_call_over_torch_distributed_is_unsupported_saying_why(preloaded):
+    # It used to raise a bare ModuleNotFoundError, not one of the package's errors.
+    r = preloaded(
+        """
+        sys.modules["torch"] = None  # as where PyTorch is not installed
+        from torch_memory_saver import distributed as tmsd
+        try:
+            tmsd.pause("a")
+            raise SystemExit("should have raised")
+        except tms_pkg.UnsupportedError as e:
+            print("MSG", e)
+        """
+    )
+    assert "needs PyTorch (torch.distributed)" in r.stdout, r.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import stat
 import threading
 from pathlib import Path
 from typing import Optional
@@ -136,6 +137,7 @@ def bundled_library_path() -> str:
     this package sits in."""
     env = os.environ.get("TMS_LIBRARY_PATH")
     if env:
+        _check_library_file(env)
         return env
     here = Path(__file__).resolve().parent
     found = sorted(here.glob("libtms*.so"))
@@ -150,6 +152,22 @@ def bundled_library_path() -> str:
         f"libtms.so not found: not installed in {here}, no development build under {root / 'target'}, "
         "and TMS_LIBRARY_PATH is not set. Install the package with pip, or build with `cargo build --release`."
     )
+
+
+def _check_library_file(path: str) -> None:
+    """Refuse a ``TMS_LIBRARY_PATH`` that names no shared library, before its path goes into
+    advice such as ``LD_PRELOAD=...``. Only a regular file is opened (a FIFO would block)."""
+    fix = "it must name libtms.so; unset it to use the one installed with the package"
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode):
+            raise LibraryNotFoundError(f"TMS_LIBRARY_PATH={path!r} is not a regular file: {fix}")
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise LibraryNotFoundError(f"TMS_LIBRARY_PATH={path!r}: {e.strerror}: {fix}") from None
+    if magic != b"\x7fELF":
+        raise LibraryNotFoundError(f"TMS_LIBRARY_PATH={path!r} is not a shared library: {fix}")
 
 
 def _mapped_libraries(prefix: str, maps: str = "/proc/self/maps") -> list:

@@ -159,7 +159,12 @@ def _saver() -> Any:
 
 def _torch_group(group: Any) -> "tuple[Gather, int]":
     """The gather over ``group`` (the default group if None) and this process's global rank."""
-    import torch.distributed as dist
+    try:
+        import torch.distributed as dist
+    except ImportError as e:
+        raise UnsupportedError(
+            f"torch_memory_saver.distributed needs PyTorch (torch.distributed), which cannot be imported: {e}"
+        ) from None
 
     if not dist.is_available() or not dist.is_initialized():
         raise InvalidStateError(
