@@ -3,6 +3,7 @@
 //! uses ([`boundary`]). It knows nothing of the entry points above it nor of the control server.
 
 pub mod boundary;
+pub mod env_names;
 pub mod logging;
 pub mod runtime;
 pub mod settings;

@@ -310,7 +310,15 @@ static DEFAULT_REGION: RwLock<Option<RegionSettings>> = RwLock::new(None);
 /// The process settings, read from the environment on first call.
 pub fn process() -> Result<&'static ProcessSettings> {
     PROCESS
-        .get_or_init(|| ProcessSettings::from_env().map_err(|e| StickyError::from(&e)))
+        .get_or_init(|| {
+            let names: Vec<String> = std::env::vars_os()
+                .filter_map(|(k, _)| k.into_string().ok())
+                .collect();
+            for line in super::env_names::warnings(names.iter().map(String::as_str)) {
+                eprintln!("{line}");
+            }
+            ProcessSettings::from_env().map_err(|e| StickyError::from(&e))
+        })
         .as_ref()
         .map_err(StickyError::to_error)
 }
