@@ -201,6 +201,9 @@ def test_a_pause_that_skips_unchanged_memory_counts_only_what_it_copies(preloade
         print("OK")
         """
         ),
-        **SLOW,
+        # The 4 MiB it copies over one worker at 2 MiB/s: two seconds of copying for the
+        # half-second polls to see under way, also on a loaded machine (with several workers
+        # sharing a faster link, it was once seen only before and after).
+        **{**SLOW, "TMS_SIM_BANDWIDTH": "2MiB", "TMS_COPY_THREADS": "1"},
     )
     assert r.stdout.strip().endswith("OK"), r.stdout
