@@ -236,8 +236,9 @@ fn cgroup_room(dir: &std::path::Path) -> Option<u64> {
 // their process goes, including when it is stopped by SIGTERM (how SLURM and Kubernetes stop
 // jobs) or SIGINT. They are recorded in a fixed table of slots: the signal handler may only do
 // async-signal-safe work, so it cannot take a lock or allocate; it reads the slots with atomics
-// and calls `unlinkat`. Each slot keeps the folder's fd, not a path: a relative folder and a
-// later `chdir`, or a rename of the folder, cannot misdirect the removal. Each slot also keeps
+// and calls `unlinkat`. Each slot keeps the folder's fd (the disk backup files), or an absolute
+// path (the control socket, made absolute when the server starts): a relative folder and a
+// later `chdir` cannot misdirect the removal, nor can a rename of a folder held. Each slot also keeps
 // the pid that recorded it: a fork child inherits the table, the `atexit` handler and the
 // signal handlers, and must never remove its parent's live files.
 //

@@ -588,3 +588,50 @@ def test_nonblocking_bad_arguments_are_clear_errors(preloaded, call, exc, words)
             assert {words!r} in str(e), e
         """
     )
+
+
+def test_a_child_forked_during_the_first_use_passes_through_and_never_hangs(preloaded):
+    # A fork while another thread was inside the library's first use (its one-time read of the
+    # settings, made long here by many variables of another tool) copied that read's lock
+    # half-taken: the child's first cudaMalloc waited for it for ever. The child now leaves
+    # everything to the runtime below, as every child of a used library does.
+    many = {f"TMS_UNRELATED_VARIABLE_OF_SOME_OTHER_TOOL_{i}": "1" for i in range(20000)}
+    r = preloaded(
+        """
+        import signal, threading, time
+        t = threading.Thread(target=lambda: cuda_malloc(1 << 20))
+        t.start()
+        time.sleep(0.005)
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(10)
+            cuda_malloc(1 << 20)
+            os._exit(0)
+        t.join()
+        _, status = os.waitpid(pid, 0)
+        print("STATUS", status, os.WIFSIGNALED(status))
+        """,
+        **many,
+    )
+    assert "STATUS 0 False" in r.stdout, r.stdout
+
+
+def test_a_relative_socket_folder_and_a_later_chdir_still_lose_the_socket_at_exit(preloaded, tmp_path):
+    # The socket was recorded for removal by its relative path: after a chdir, the removal at
+    # exit went to another folder and the socket stayed.
+    base = tmp_path / "work"
+    base.mkdir()
+    preloaded(
+        f"""
+        os.chdir({str(base)!r})
+        with tms.region(tag="kv"):
+            rc, p = cuda_malloc(1 << 20)
+        assert rc == 0
+        tms.pause("kv")
+        assert [n for n in os.listdir("sockrel") if n.endswith(".sock")], os.listdir("sockrel")
+        os.chdir("/")
+        """,
+        TMS_SOCKET_DIR="sockrel",
+    )
+    left = [n for n in os.listdir(base / "sockrel") if n.endswith(".sock")]
+    assert left == [], left

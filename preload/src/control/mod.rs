@@ -201,7 +201,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     }
     let uid = sys::euid();
     let pid = std::process::id();
-    let folder = tms_proto::socket_dir_from_env(uid);
+    let folder = socket_dir();
     dir::prepare(&folder, uid)?;
     let (listener, path) = dir::bind(&folder, pid)?;
     // The system would refuse such a path too (EINVAL): an OS-level failure.
@@ -332,9 +332,12 @@ fn admit(table: &Arc<Table>, shared: &Arc<Shared>, stream: UnixStream) {
     }
 }
 
-/// The folder this process's server uses (or would use).
+/// The folder this process's server uses (or would use), made absolute against the working
+/// directory at the server's start: a relative `TMS_SOCKET_DIR` and a later `chdir` would
+/// otherwise send the removal at exit (by path) elsewhere and leave the socket behind.
 pub fn socket_dir() -> PathBuf {
-    tms_proto::socket_dir_from_env(sys::euid())
+    let folder = tms_proto::socket_dir_from_env(sys::euid());
+    std::path::absolute(&folder).unwrap_or(folder)
 }
 
 #[cfg(test)]

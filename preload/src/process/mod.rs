@@ -4,6 +4,7 @@
 
 pub mod boundary;
 pub mod env_names;
+pub mod fork;
 pub mod logging;
 pub mod runtime;
 pub mod settings;

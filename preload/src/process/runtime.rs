@@ -1,7 +1,6 @@
 //! The one process-wide engine and driver, created on first use from whichever entry point
 //! comes first (a hook inside a region, or the C ABI). Nothing happens at load time.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use super::settings::{self, BackendChoice, StickyError};
@@ -19,18 +18,12 @@ pub struct Runtime {
 }
 
 static RUNTIME: OnceLock<std::result::Result<Runtime, StickyError>> = OnceLock::new();
-static FORKED: AtomicBool = AtomicBool::new(false);
-static ATFORK: std::sync::Once = std::sync::Once::new();
 
-extern "C" fn in_fork_child() {
-    // A child of fork shares none of the parent's device mappings: the library stays out of
-    // its way for good (hooks pass through, the API reports the state).
-    FORKED.store(true, Ordering::SeqCst);
-}
-
-/// True in a child created by `fork` after the library was first used.
+/// True in a child created by `fork` after the library's first use began: it shares none of the
+/// parent's device mappings, so the library stays out of its way for good (hooks pass through,
+/// the API reports the state). See `fork.rs`.
 pub fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
+    super::fork::forked()
 }
 
 /// Log to stderr as `TMS_LOG` (a tracing filter) and `TMS_LOG_FORMAT` ask; nothing when
@@ -61,11 +54,8 @@ pub fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
 }
 
 fn init() -> Result<Runtime> {
+    super::fork::watch_forks();
     init_logging();
-    ATFORK.call_once(|| {
-        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe).
-        unsafe { libc::pthread_atfork(None, None, Some(in_fork_child)) };
-    });
     let ps = settings::process()?;
     let driver = open_driver(ps.backend)?;
     driver.set_memory_flags(ps.memory);
@@ -101,6 +91,7 @@ pub fn get() -> Result<&'static Runtime> {
             "torch-memory-saver is disabled in this process: it was forked from one that used it",
         ));
     }
+    super::fork::note_first_use();
     RUNTIME
         .get_or_init(|| {
             init().map_err(|e| {

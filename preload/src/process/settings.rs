@@ -309,6 +309,16 @@ static DEFAULT_REGION: RwLock<Option<RegionSettings>> = RwLock::new(None);
 
 /// The process settings, read from the environment on first call.
 pub fn process() -> Result<&'static ProcessSettings> {
+    if super::fork::forked() {
+        // A child of fork never waits on the first read: a fork may have cut it in half.
+        return match PROCESS.get() {
+            Some(r) => r.as_ref().map_err(StickyError::to_error),
+            None => Err(Error::invalid_state(
+                "torch-memory-saver is disabled in this process: it was forked from one that used it",
+            )),
+        };
+    }
+    super::fork::note_first_use();
     PROCESS
         .get_or_init(|| {
             let names: Vec<String> = std::env::vars_os()
