@@ -55,34 +55,23 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
         return Ok(vec![(base.to_path_buf(), fd)]);
     }
     let sub = base.join(private_subfolder_name(me));
-    let refuse = |why: String| {
-        Failure::new(
-            Code::Permission,
-            format!("refusing {}: {why}", shown_path(&sub)),
-        )
-    };
     let mut out = Vec::new();
     match open_private_subfolder(&fd, me, false) {
-        Ok(Some(s)) => out.push((sub.clone(), s.fd)),
+        Ok(Some(s)) => out.push((sub, s.fd)),
         Ok(None) => {}
-        Err(SubfolderError::NotAFolder) => {
-            return Err(refuse("it is a symbolic link or not a folder".into()))
-        }
-        Err(SubfolderError::Foreign { uid }) => {
-            return Err(refuse(format!(
-                "it belongs to uid {uid}, not {me} (remove it, or choose another folder with \
-                 --disk-dir)"
-            )))
-        }
-        Err(SubfolderError::NotPrivate { mode }) => {
-            return Err(refuse(format!(
-                "it must have mode 0700, closed to group and others (it has {mode:04o})"
-            )))
-        }
         Err(SubfolderError::Io { op, errno }) => {
             return Err(Failure::new(
                 Code::Failed,
                 format!("{op} {}: {}", shown_path(&sub), errno.desc()),
+            ))
+        }
+        Err(why) => {
+            return Err(Failure::new(
+                Code::Permission,
+                format!(
+                    "refusing {}: {why} (remove it, or choose another folder with --disk-dir)",
+                    shown_path(&sub)
+                ),
             ))
         }
     }

@@ -35,17 +35,34 @@ pub struct Subfolder {
     pub stat: FileStat,
 }
 
-/// Why our subfolder of a shared folder cannot be used.
+/// Why our subfolder of a shared folder cannot be used. Its `Display` says why in words both
+/// the library and `tmsctl clean` use ("it belongs to uid 0, not 1000").
 #[derive(Debug, PartialEq, Eq)]
 pub enum SubfolderError {
     /// Its name is taken by a symbolic link, or by something not a folder.
     NotAFolder,
-    /// Another user made it first (it may be closed to us).
-    Foreign { uid: u32 },
+    /// Another user (`uid`) made it first (it may be closed to us, `ours`).
+    Foreign { uid: u32, ours: u32 },
     /// It is ours, but group or others have access to it.
     NotPrivate { mode: u32 },
     /// The system refused `op` (`"creating"`, `"opening"`, `"inspecting"`).
     Io { op: &'static str, errno: Errno },
+}
+
+impl std::fmt::Display for SubfolderError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SubfolderError::NotAFolder => write!(f, "it is a symbolic link or not a folder"),
+            SubfolderError::Foreign { uid, ours } => {
+                write!(f, "it belongs to uid {uid}, not {ours}")
+            }
+            SubfolderError::NotPrivate { mode } => write!(
+                f,
+                "its mode is {mode:04o}: group or others have access (want 0700)"
+            ),
+            SubfolderError::Io { op, errno } => write!(f, "{op} it failed: {}", errno.desc()),
+        }
+    }
 }
 
 /// Open `me`'s subfolder ([`private_subfolder_name`]) of the folder `base` (made first if
@@ -76,7 +93,10 @@ pub fn open_private_subfolder(
         Err(Errno::EACCES) => {
             return Err(
                 match fstatat(base.as_fd(), name.as_str(), AtFlags::AT_SYMLINK_NOFOLLOW) {
-                    Ok(st) if st.st_uid != me => SubfolderError::Foreign { uid: st.st_uid },
+                    Ok(st) if st.st_uid != me => SubfolderError::Foreign {
+                        uid: st.st_uid,
+                        ours: me,
+                    },
                     _ => SubfolderError::Io {
                         op: "opening",
                         errno: Errno::EACCES,
@@ -97,7 +117,10 @@ pub fn open_private_subfolder(
     })?;
     if !subfolder_is_private(stat.st_uid, stat.st_mode & 0o777, me) {
         return Err(if stat.st_uid != me {
-            SubfolderError::Foreign { uid: stat.st_uid }
+            SubfolderError::Foreign {
+                uid: stat.st_uid,
+                ours: me,
+            }
         } else {
             SubfolderError::NotPrivate {
                 mode: stat.st_mode & 0o777,
@@ -224,7 +247,16 @@ mod tests {
             std::os::unix::fs::chown(&sub, Some(65534), None).unwrap();
             assert_eq!(
                 open_private_subfolder(&base, me, true).unwrap_err(),
-                SubfolderError::Foreign { uid: 65534 }
+                SubfolderError::Foreign {
+                    uid: 65534,
+                    ours: 0
+                }
+            );
+            assert_eq!(
+                open_private_subfolder(&base, me, true)
+                    .unwrap_err()
+                    .to_string(),
+                "it belongs to uid 65534, not 0"
             );
         }
         std::fs::remove_dir(&sub).unwrap();

@@ -232,31 +232,20 @@ impl BackupDir {
         }
         let name = private_subfolder_name(me);
         let shown = base.join(&name);
-        let refuse = |why: String| {
-            Error::invalid_state(format!(
-                "disk backup directory {}: others can write to it, so backups go to its \
-                 subfolder {}, which {why}: refused (remove it, or choose a directory of yours \
-                 with set_disk_backup_dir or TMS_DISK_BACKUP_DIR)",
-                base.display(),
-                shown.display()
-            ))
-        };
         let sub = match open_private_subfolder(&base_fd, me, true) {
             Ok(Some(sub)) => sub,
             Ok(None) => return Err(Error::internal("a subfolder made but not found")),
-            Err(SubfolderError::NotAFolder) => {
-                return Err(refuse("is a symbolic link or not a folder".into()))
-            }
-            Err(SubfolderError::Foreign { uid }) => {
-                return Err(refuse(format!("belongs to uid {uid}, not {me}")))
-            }
-            Err(SubfolderError::NotPrivate { mode }) => {
-                return Err(refuse(format!(
-                    "has mode {mode:04o}: group or others have access (want 0700)"
-                )))
-            }
             Err(SubfolderError::Io { op, errno }) => {
                 return Err(io_err(format!("{op} {}", shown.display()), errno.into()))
+            }
+            Err(why) => {
+                return Err(Error::invalid_state(format!(
+                    "disk backup directory {}: others can write to it, so backups go to its \
+                     subfolder {}, but {why}: refused (remove it, or choose a directory of yours \
+                     with set_disk_backup_dir or TMS_DISK_BACKUP_DIR)",
+                    base.display(),
+                    shown.display()
+                )))
             }
         };
         let (fd, st) = (sub.fd, sub.stat);
