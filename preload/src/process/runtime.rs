@@ -54,7 +54,6 @@ pub fn open_driver(choice: BackendChoice) -> Result<Arc<dyn Driver>> {
 }
 
 fn init() -> Result<Runtime> {
-    super::fork::watch_forks();
     init_logging();
     let ps = settings::process()?;
     let driver = open_driver(ps.backend)?;
