@@ -131,7 +131,7 @@ impl Engine {
             return Ok(OpReport::default());
         }
         let pick = Pick::tag(Some(NCCL_TAG));
-        let tx = Txn::begin(&self.ops, &self.registry, which, &pick)?;
+        let tx = Txn::begin(&self.ops, &self.registry, which, &pick, None)?;
         let done = match which {
             Which::Pause => self.comms.suspend(&*self.driver),
             Which::Resume => self.comms.resume(&*self.driver),

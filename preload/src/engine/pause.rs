@@ -149,7 +149,7 @@ impl Engine {
 
     /// The pause transaction of the allocations `pick` selects.
     fn pause_memory(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick)?;
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick, None)?;
         let cfg = self.settings.copy();
         // Before anything is marked: a refusal changes nothing.
         let kept = self.registered_kept(pick)?;
@@ -581,15 +581,6 @@ impl Engine {
     }
 }
 
-/// Greatest common divisor.
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
-
 /// Refuse a pause whose new disk backup files the directory cannot hold.
 fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Result<()> {
     let Some(free) = disk::free_space(dir)? else {
@@ -732,8 +723,7 @@ fn begin_pause(
                 .collect();
             // A file's chunks (its unit of checksums) never straddle two runs: they divide the
             // chunks of a chunked allocation, the segments of any other.
-            let unit = if a.chunk > 0 { a.chunk } else { a.segment };
-            let file_chunk = gcd(cfg.disk_chunk_bytes(), unit);
+            let file_chunk = cfg.file_chunk(if a.chunk > 0 { a.chunk } else { a.segment });
             Job {
                 ptr,
                 size: a.size,

@@ -120,8 +120,7 @@ impl Engine {
         order: &[DevPtr],
         track: Option<&Tracker>,
     ) -> Result<OpReport> {
-        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick)?;
-        tx.open_at_end(track);
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick, track)?;
         let cfg = self.settings.copy();
         let mut jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
         if !order.is_empty() {
@@ -199,19 +198,20 @@ impl Engine {
         jobs: Vec<Job>,
     ) -> Result<Committed> {
         // A check that cannot be made, or a file that is gone or cut short, fails the resume
-        // before anything is mapped.
-        let present = verifiable(pick, &jobs)
-            .and_then(|()| self.ready_to_verify(pick, track, &jobs))
-            .and_then(|()| {
-                jobs.iter()
-                    .filter_map(|j| j.disk.as_ref())
-                    .try_for_each(|f| f.check_present())
-            });
+        // before anything is mapped. (The bytes to copy are counted from the jobs alone, beside
+        // the files' own checks.)
+        let checked =
+            verifiable(pick, &jobs).and_then(|()| self.ready_to_verify(pick, track, &jobs));
+        let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
+        let present = checked.and_then(|()| {
+            jobs.iter()
+                .filter_map(|j| j.disk.as_ref())
+                .try_for_each(|f| f.check_present())
+        });
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             self.settle_unstuck(&jobs);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
         let backings = Backings {
             host: jobs.iter().any(|j| j.host.is_some()),
             disk: jobs.iter().any(|j| j.on_disk),
@@ -219,6 +219,7 @@ impl Engine {
         let (rings, tracked) = tx.work();
         tracked.prepared(bytes, backings);
         let progress = tracked.counters();
+        progress.phase(Phase::Mapping);
         let verified: Vec<AtomicU64> = jobs.iter().map(|_| AtomicU64::new(0)).collect();
         let checks = (pick.verify, verified.as_slice());
         let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track, checks);
@@ -288,7 +289,6 @@ impl Engine {
         track: Option<&Tracker>,
         (asked, verified): (bool, &[AtomicU64]),
     ) -> (Made<'d>, Result<()>) {
-        progress.phase(Phase::Mapping);
         let groups = by_device(jobs.iter().map(|j| j.device));
         let d = &*self.driver;
         let work = device_work(&groups, rings);
@@ -421,6 +421,8 @@ impl Engine {
             ..Committed::default()
         };
         let mut reg = self.registry.lock();
+        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
+        self.restores.settle(jobs.iter().map(|j| j.ptr));
         for (i, first, hs) in handles {
             let a = reg.marked(all[i].ptr);
             for (k, h) in hs.into_iter().enumerate() {
@@ -462,8 +464,6 @@ impl Engine {
                 }
             }
         }
-        // Restored: no longer unrestored (under this lock, as `stats` reads them together).
-        self.restores.settle(jobs.iter().map(|j| j.ptr));
         drop(reg);
         self.registry.notify_settled();
         left

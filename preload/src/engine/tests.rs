@@ -323,7 +323,7 @@ fn the_staging_slots_go_with_the_last_backup_freed_during_a_transaction() {
         let held = e.staging_bytes();
 
         let pick = Pick::tag(Some("other"));
-        let tx = txn::Txn::begin(&e.ops, &e.registry, Which::Pause, &pick).unwrap();
+        let tx = txn::Txn::begin(&e.ops, &e.registry, Which::Pause, &pick, None).unwrap();
         assert!(e.free(p).unwrap());
         // (`staging_bytes` would wait for the operations lock.)
         assert!(

@@ -180,12 +180,14 @@ struct Ending<'e> {
 impl<'e> Txn<'e> {
     /// The prologue (Note [Transactions]): refuse what cannot start, then take what every
     /// transaction holds, in order: the unwind guard, the pinner's quiet state, the operations
-    /// lock (a transaction waits here for the one running) and the progress record.
+    /// lock (a transaction waits here for the one running) and the progress record. `gate`: a
+    /// non-blocking resume's, opened when the transaction ends, however it ends.
     pub(super) fn begin(
         ops: &'e Ops,
         registry: &'e Registry,
         which: Which,
         pick: &Pick<'_>,
+        gate: Option<&'e Tracker>,
     ) -> Result<Txn<'e>> {
         let tag = pick.tag;
         check_tag(tag)?;
@@ -215,7 +217,7 @@ impl<'e> Txn<'e> {
                     Which::Resume => State::Resuming,
                 },
             },
-            gate: None,
+            gate: gate.map(OpenOnDrop),
             slots,
             recheck: DropUnusedSlots { ops, registry },
             end: Ending {
@@ -228,11 +230,6 @@ impl<'e> Txn<'e> {
                 t0,
             },
         })
-    }
-
-    /// A non-blocking resume's transaction: its gate opens when it ends, however it ends.
-    pub(super) fn open_at_end(&mut self, track: Option<&'e Tracker>) {
-        self.gate = track.map(OpenOnDrop);
     }
 
     /// Mark what `pick` selects: `f` marks the allocations in the registry (under its lock,

@@ -95,6 +95,13 @@ impl CopyConfig {
         }
     }
 
+    /// The chunk of a new file for an allocation paused in runs of whole `unit`s (its chunks,
+    /// or its segments): the disk chunk asked for, cut down to divide `unit`, so that a file's
+    /// chunks (its unit of checksums) never straddle two runs.
+    pub fn file_chunk(&self, unit: u64) -> u64 {
+        gcd(self.disk_chunk_bytes(), unit)
+    }
+
     /// Refuse settings the pipeline cannot work with.
     pub fn validate(&self) -> Result<()> {
         if !(1..=MAX_WORKERS).contains(&self.threads) {
@@ -123,6 +130,15 @@ impl CopyConfig {
             }
         }
         Ok(())
+    }
+}
+
+/// Greatest common divisor.
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
