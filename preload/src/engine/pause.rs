@@ -10,7 +10,7 @@ use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::digests::Digested;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backings, Counters, Phase, Which};
+use super::progress::{Backings, Counters, Phase, Tracked, Which};
 use super::registry::{describe, Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{reported_by, with_earlier};
@@ -225,12 +225,7 @@ impl Engine {
             .prepare_backups(&mut jobs, cfg, rings, tag)
             .and_then(|()| {
                 prepared_s = t0.elapsed().as_secs_f64();
-                let backings = Backings {
-                    host: jobs.iter().any(|j| j.host.is_some()),
-                    disk: jobs.iter().any(Job::on_disk),
-                };
-                tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
-                self.pause_devices(&jobs, rings, cfg, &mut retired, tracked.counters())
+                self.pause_devices(&jobs, rings, cfg, &mut retired, tracked)
             });
         for (j, (bytes, copied, unchanged)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             // Pieces found unchanged are in the backup already: not copied.
@@ -421,17 +416,23 @@ impl Engine {
         )))
     }
 
-    /// Per device, in parallel: wait for the device's work, then retire each run of segments
-    /// as soon as its contents are safe. `retired[j]`: the device bytes of job `j` released,
-    /// and the bytes of them saved.
+    /// Record in the progress what the copies move; then per device, in parallel: wait for the
+    /// device's work, then retire each run of segments as soon as its contents are safe.
+    /// `retired[j]`: the device bytes of job `j` released, and the bytes of them saved.
     fn pause_devices(
         &self,
         jobs: &[Job],
         rings: &mut BTreeMap<i32, Ring>,
         cfg: &CopyConfig,
         retired: &mut [(u64, u64, u64)],
-        progress: &Counters,
+        tracked: &Tracked<'_>,
     ) -> Result<()> {
+        let backings = Backings {
+            host: jobs.iter().any(|j| j.host.is_some()),
+            disk: jobs.iter().any(Job::on_disk),
+        };
+        tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
+        let progress = tracked.counters();
         let mut groups = by_device(jobs.iter().map(|j| j.device));
         for list in groups.values_mut() {
             // Those with nothing to copy are retired first.
@@ -558,10 +559,9 @@ impl Engine {
             f.sync().ctx(|| j.what(r))?;
         }
         let (span, hs) = &j.runs[r];
-        let segs = span.with_handles(hs);
+        let (segs, first) = (span.with_handles(hs), span.first_segment(j.ptr));
         segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
         let released = segment::release_all(d, &segs);
-        let first = span.first_segment(j.ptr);
         self.registry.marked(j.ptr, |a| {
             for s in first..first + hs.len() {
                 a.handles[s] = None;

@@ -1,7 +1,6 @@
 //! The resume transaction (Note [Pause and resume as transactions] in `mod.rs`; what it holds:
 //! Note [Transactions] in `txn.rs`).
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -9,8 +8,8 @@ use super::background::GiveBack;
 use super::base::Engine;
 use super::devices::{by_device, device_work, first_error, per_device};
 use super::digests::Restored;
-use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
-use super::progress::{Backings, Counters, Phase, Which};
+use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Target};
+use super::progress::{Backings, Phase, Which};
 use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{holds, reported_by, with_earlier, Tracker};
@@ -212,17 +211,9 @@ impl Engine {
             self.settle_unstuck(&jobs);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
-        let backings = Backings {
-            host: jobs.iter().any(|j| j.host.is_some()),
-            disk: jobs.iter().any(|j| j.on_disk),
-        };
-        let (rings, tracked) = tx.work();
-        tracked.prepared(bytes, backings);
-        let progress = tracked.counters();
-        progress.phase(Phase::Mapping);
         let verified: Vec<AtomicU64> = jobs.iter().map(|_| AtomicU64::new(0)).collect();
         let checks = (pick.verify, verified.as_slice());
-        let (made, result) = self.restore_devices(&jobs, rings, cfg, progress, track, checks);
+        let (made, result) = self.restore_devices(&jobs, tx, bytes, cfg, track, checks);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -277,18 +268,27 @@ impl Engine {
         Ok(done)
     }
 
-    /// Per device, in parallel: map each run of segments, and copy its backup back while the
-    /// next one is mapped. All or nothing: on any failure the caller undoes the mappings made
-    /// (returned even then), and the allocations stay paused with their backups.
+    /// Record in the progress the `bytes` the copies move; then per device, in parallel: map
+    /// each run of segments, and copy its backup back while the next one is mapped. All or
+    /// nothing: on any failure the caller undoes the mappings made (returned even then), and
+    /// the allocations stay paused with their backups.
     fn restore_devices<'d>(
         &'d self,
         jobs: &[Job],
-        rings: &mut BTreeMap<i32, Ring>,
+        tx: &mut Txn<'_>,
+        bytes: u64,
         cfg: &CopyConfig,
-        progress: &Counters,
         track: Option<&Tracker>,
         (asked, verified): (bool, &[AtomicU64]),
     ) -> (Made<'d>, Result<()>) {
+        let backings = Backings {
+            host: jobs.iter().any(|j| j.host.is_some()),
+            disk: jobs.iter().any(|j| j.on_disk),
+        };
+        let (rings, tracked) = tx.work();
+        tracked.prepared(bytes, backings);
+        let progress = tracked.counters();
+        progress.phase(Phase::Mapping);
         let groups = by_device(jobs.iter().map(|j| j.device));
         let d = &*self.driver;
         let work = device_work(&groups, rings);
