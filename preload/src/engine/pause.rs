@@ -1,7 +1,7 @@
 //! The pause transaction (Note [Pause and resume as transactions] in `mod.rs`; what it holds:
 //! Note [Transactions] in `txn.rs`).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,7 +11,7 @@ use super::devices::{by_device, device_work, first_error, per_device};
 use super::digests::Digested;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Ring, Target};
 use super::progress::{Backings, Counters, Phase, Tracked, Which};
-use super::registry::{describe, Index, Pick};
+use super::registry::{describe, Allocation, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{reported_by, with_earlier};
 use super::segment::{self, Span};
@@ -52,6 +52,118 @@ struct Job {
 }
 
 impl Job {
+    /// What the pause of segments `segs` of the allocation at `ptr` (lying at `span`) needs,
+    /// copied out of its entry, which the registry marks Pausing meanwhile. A retained backup
+    /// is reused only where nothing else holds it (a zero-copy view, a reader): a snapshot
+    /// someone still looks at is never overwritten.
+    fn marked(
+        ptr: DevPtr,
+        span: Span,
+        a: &mut Allocation,
+        segs: Vec<usize>,
+        cfg: &CopyConfig,
+    ) -> Job {
+        // Segments a failed resume left mapped: paused already, their contents in the
+        // backup; the pause only gives their memory back (`Engine::release_stuck`).
+        let (stuck, segs): (Vec<usize>, Vec<usize>) =
+            segs.into_iter().partition(|s| a.stuck.contains(s));
+        let stuck: Vec<(usize, Span)> = stuck.into_iter().map(|s| (s, span.sub(s, 1))).collect();
+        if segs.is_empty() {
+            return Job {
+                ptr,
+                size: a.size,
+                mapped: a.mapped,
+                tag: a.tag.clone(),
+                backup: a.backup,
+                runs: Vec::new(),
+                segs,
+                chunked: a.chunk > 0,
+                host: None,
+                disk: None,
+                file_chunk: 0,
+                file_needed: true,
+                carry: None,
+                stuck,
+                device: a.device,
+            };
+        }
+        for &s in &segs {
+            a.saved[s] = false;
+        }
+        let reuse = a.backup.is_some_and(|b| {
+            a.host
+                .as_ref()
+                .is_some_and(|h| h.backend() == b && h.len() == a.size && Arc::strong_count(h) == 1)
+        });
+        let mut carry = None;
+        if !reuse {
+            let replaced = a.host.is_some();
+            if let Some(old) = a.host.take() {
+                // Paused segments have their contents only there: carried over.
+                let ranges: Vec<(u64, u64)> = (0..a.handles.len())
+                    .filter(|&s| a.handles[s].is_none() && a.saved[s])
+                    .map(|s| {
+                        let sub = span.sub(s, 1);
+                        (sub.ptr - ptr, sub.backed(ptr, a.size))
+                    })
+                    .collect();
+                carry = (!ranges.is_empty()).then_some((old, ranges));
+            }
+            // Active segments' retained contents are not carried (nor held, where no
+            // buffer is left and no file): no longer saved.
+            if replaced || a.disk.is_none() {
+                for s in 0..a.saved.len() {
+                    a.saved[s] &= a.handles[s].is_none();
+                }
+            }
+        }
+        if a.backup != Some(BackupKind::Disk) {
+            a.disk = None;
+        }
+        let file_needed = (0..a.handles.len()).any(|s| a.handles[s].is_none() && a.saved[s]);
+        // Each run is released as soon as its copy is complete, so a large allocation gives
+        // its memory back during the pause, not all at its end (Note [Pause and resume as
+        // transactions]): a run is one segment, or for a chunked allocation (whose chunks
+        // are its segments) at most the largest segment's worth of chunks. Without a
+        // backup there is nothing to copy (and a part released could not be restored): one
+        // run.
+        let most = match (a.chunk > 0, a.backup.is_some()) {
+            (true, _) => (segment::SEGMENT_BYTES / a.segment.max(1)) as usize,
+            (false, true) => 1,
+            (false, false) => usize::MAX,
+        };
+        let runs = segment::runs_of_at_most(&segs, most)
+            .into_iter()
+            .map(|(first, n)| {
+                let hs = a.handles[first..first + n]
+                    .iter()
+                    .map(|h| h.expect("picked mapped segments"))
+                    .collect();
+                (span.sub(first, n), hs)
+            })
+            .collect();
+        // A file's chunks (its unit of checksums) never straddle two runs: they divide the
+        // chunks of a chunked allocation, the segments of any other.
+        let file_chunk = cfg.file_chunk(if a.chunk > 0 { a.chunk } else { a.segment });
+        Job {
+            ptr,
+            size: a.size,
+            mapped: a.mapped,
+            tag: a.tag.clone(),
+            backup: a.backup,
+            runs,
+            segs,
+            chunked: a.chunk > 0,
+            host: a.host.clone(),
+            disk: a.disk.clone(),
+            file_chunk,
+            file_needed,
+            carry,
+            stuck,
+            device: a.device,
+        }
+    }
+
     fn target(&self) -> Option<Target<'_>> {
         backing_of(&self.host, &self.disk)
     }
@@ -153,7 +265,19 @@ impl Engine {
         let cfg = self.settings.copy();
         // Before anything is marked: a refusal changes nothing.
         let kept = self.registered_kept(pick)?;
-        let jobs = tx.mark(pick, |reg| begin_pause(reg, pick, &cfg, &kept))?;
+        let jobs = tx.mark(pick, |reg| {
+            pick.record_chunk_state(reg);
+            // The allocations in `kept` (holding buffers NCCL registered) stay as they are.
+            reg.begin(
+                State::Pausing,
+                |ptr, a| {
+                    (!kept.contains(&ptr))
+                        .then(|| pick.segments_to_pause(ptr, a))
+                        .flatten()
+                },
+                |ptr, a, segs| Job::marked(ptr, a.span(ptr), a, segs, &cfg),
+            )
+        })?;
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
@@ -602,145 +726,4 @@ fn check_disk_space(dir: &disk::BackupDir, need: u64, tag: Option<&str>) -> Resu
         dir.path().display(),
         human(free),
     )))
-}
-
-/// Mark the allocations `pick` selects Pausing and copy out what the pause needs. A
-/// retained backup is reused only where nothing else holds it (a zero-copy view, a reader):
-/// a snapshot someone still looks at is never overwritten.
-/// Mark what `pick` selects Pausing, but the allocations in `kept` (holding buffers NCCL
-/// registered), which stay as they are.
-fn begin_pause(
-    reg: &mut Index,
-    pick: &Pick<'_>,
-    cfg: &CopyConfig,
-    kept: &BTreeSet<DevPtr>,
-) -> Vec<(DevPtr, Job)> {
-    if pick.chunk_state {
-        // Every allocation the pick selects, those with nothing left to pause included
-        // (chunked or not: a whole allocation is one record of its segments): a resume
-        // restores the state at this pause, never an older one's (nor everything, which it
-        // takes a missing record for). No other transaction runs (the operations lock), so
-        // none of them is in transition.
-        for (ptr, a) in reg.allocs.iter_mut() {
-            if pick.selects(*ptr, a) {
-                a.kept[pick.record.index()] = Some(a.handles.iter().map(Option::is_some).collect());
-            }
-        }
-    }
-    reg.begin(
-        State::Pausing,
-        |ptr, a| {
-            (pick.selects(ptr, a) && !kept.contains(&ptr)).then(|| {
-                (0..a.handles.len())
-                    .filter(|&s| (a.handles[s].is_some() || a.stuck.contains(&s)) && pick.wants(s))
-                    .collect()
-            })
-        },
-        |ptr, a, segs| {
-            // Segments a failed resume left mapped: paused already, their contents in the
-            // backup; the pause only gives their memory back (`Engine::release_stuck`).
-            let (stuck, segs): (Vec<usize>, Vec<usize>) =
-                segs.into_iter().partition(|s| a.stuck.contains(s));
-            let stuck: Vec<(usize, Span)> = stuck
-                .into_iter()
-                .map(|s| (s, a.span(ptr).sub(s, 1)))
-                .collect();
-            if segs.is_empty() {
-                return Job {
-                    ptr,
-                    size: a.size,
-                    mapped: a.mapped,
-                    tag: a.tag.clone(),
-                    backup: a.backup,
-                    runs: Vec::new(),
-                    segs,
-                    chunked: a.chunk > 0,
-                    host: None,
-                    disk: None,
-                    file_chunk: 0,
-                    file_needed: true,
-                    carry: None,
-                    stuck,
-                    device: a.device,
-                };
-            }
-            for &s in &segs {
-                a.saved[s] = false;
-            }
-            let reuse = a.backup.is_some_and(|b| {
-                a.host.as_ref().is_some_and(|h| {
-                    h.backend() == b && h.len() == a.size && Arc::strong_count(h) == 1
-                })
-            });
-            let mut carry = None;
-            if !reuse {
-                let replaced = a.host.is_some();
-                if let Some(old) = a.host.take() {
-                    // Paused segments have their contents only there: carried over.
-                    let span = a.span(ptr);
-                    let ranges: Vec<(u64, u64)> = (0..a.handles.len())
-                        .filter(|&s| a.handles[s].is_none() && a.saved[s])
-                        .map(|s| {
-                            let sub = span.sub(s, 1);
-                            (sub.ptr - ptr, sub.backed(ptr, a.size))
-                        })
-                        .collect();
-                    carry = (!ranges.is_empty()).then_some((old, ranges));
-                }
-                // Active segments' retained contents are not carried (nor held, where no
-                // buffer is left and no file): no longer saved.
-                if replaced || a.disk.is_none() {
-                    for s in 0..a.saved.len() {
-                        a.saved[s] &= a.handles[s].is_none();
-                    }
-                }
-            }
-            if a.backup != Some(BackupKind::Disk) {
-                a.disk = None;
-            }
-            let file_needed = (0..a.handles.len()).any(|s| a.handles[s].is_none() && a.saved[s]);
-            let span = a.span(ptr);
-            // Each run is released as soon as its copy is complete, so a large allocation gives
-            // its memory back during the pause, not all at its end (Note [Pause and resume as
-            // transactions]): a run is one segment, or for a chunked allocation (whose chunks
-            // are its segments) at most the largest segment's worth of chunks. Without a
-            // backup there is nothing to copy (and a part released could not be restored): one
-            // run.
-            let most = match (a.chunk > 0, a.backup.is_some()) {
-                (true, _) => (segment::SEGMENT_BYTES / a.segment.max(1)) as usize,
-                (false, true) => 1,
-                (false, false) => usize::MAX,
-            };
-            let runs = segment::runs_of_at_most(&segs, most)
-                .into_iter()
-                .map(|(first, n)| {
-                    let hs = a.handles[first..first + n]
-                        .iter()
-                        .map(|h| h.expect("picked mapped segments"))
-                        .collect();
-                    (span.sub(first, n), hs)
-                })
-                .collect();
-            // A file's chunks (its unit of checksums) never straddle two runs: they divide the
-            // chunks of a chunked allocation, the segments of any other.
-            let file_chunk = cfg.file_chunk(if a.chunk > 0 { a.chunk } else { a.segment });
-            Job {
-                ptr,
-                size: a.size,
-                mapped: a.mapped,
-                tag: a.tag.clone(),
-                backup: a.backup,
-                runs,
-                segs,
-                chunked: a.chunk > 0,
-                host: a.host.clone(),
-                disk: a.disk.clone(),
-                file_chunk,
-                file_needed,
-                carry,
-                stuck,
-                device: a.device,
-            }
-        },
-    )
 }

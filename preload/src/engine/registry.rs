@@ -404,6 +404,46 @@ impl<'a> Pick<'a> {
         self.chunks.is_none_or(|c| c.binary_search(&seg).is_ok())
     }
 
+    /// What a pause of this pick gives back of the allocation at `ptr`, if it selects it: the
+    /// mapped segments it names, and those of them a failed resume left mapped (paused already).
+    pub(super) fn segments_to_pause(&self, ptr: DevPtr, a: &Allocation) -> Option<Vec<usize>> {
+        self.selects(ptr, a).then(|| {
+            (0..a.handles.len())
+                .filter(|&s| (a.handles[s].is_some() || a.stuck.contains(&s)) && self.wants(s))
+                .collect()
+        })
+    }
+
+    /// What a resume of this pick restores of the allocation at `ptr`, if it selects it: the
+    /// paused segments it names (with `chunk_state`, of those only what its record says were
+    /// active, where there is a record).
+    pub(super) fn segments_to_resume(&self, ptr: DevPtr, a: &Allocation) -> Option<Vec<usize>> {
+        self.selects(ptr, a).then(|| {
+            let kept = a.kept[self.record.index()]
+                .as_ref()
+                .filter(|_| self.chunk_state);
+            (0..a.handles.len())
+                .filter(|&s| a.handles[s].is_none() && self.wants(s) && kept.is_none_or(|k| k[s]))
+                .collect()
+        })
+    }
+
+    /// A pause with `chunk_state`: record in every allocation this pick selects, those with
+    /// nothing left to pause included (chunked or not: a whole allocation is one record of its
+    /// segments), which segments are active, so that a resume restores the state at this pause,
+    /// never an older one's (nor everything, which it takes a missing record for). No other
+    /// transaction runs (the operations lock), so none of them is in transition.
+    pub(super) fn record_chunk_state(&self, reg: &mut Index) {
+        if !self.chunk_state {
+            return;
+        }
+        for (ptr, a) in reg.allocs.iter_mut() {
+            if self.selects(*ptr, a) {
+                a.kept[self.record.index()] = Some(a.handles.iter().map(Option::is_some).collect());
+            }
+        }
+    }
+
     /// Refuse chunks of an allocation that is not chunked, or that it does not have.
     pub(super) fn check(&self, reg: &Index) -> Result<()> {
         let Some(ptr) = self.alloc else {

@@ -10,7 +10,7 @@ use super::devices::{by_device, device_work, first_error, per_device};
 use super::digests::Restored;
 use super::pipeline::{CopyConfig, Dir, Item, Pipeline, Target};
 use super::progress::{Backings, Phase, Which};
-use super::registry::{Index, Pick};
+use super::registry::{Allocation, Pick};
 use super::report::{OpReport, Tally};
 use super::restoring::{holds, reported_by, with_earlier, Tracker};
 use super::segment::{self, Mapping, Span};
@@ -46,6 +46,51 @@ struct Job {
 }
 
 impl Job {
+    /// What the resume of segments `segs` of the allocation at `ptr` (lying at `span`) needs,
+    /// copied out of its entry, which the registry marks Resuming meanwhile.
+    fn marked(ptr: DevPtr, span: Span, a: &Allocation, segs: Vec<usize>) -> Job {
+        let mut runs: Vec<(Span, bool)> = Vec::new();
+        for (first, n) in segment::runs(&segs) {
+            // Split where the backup starts or stops holding the contents.
+            let mut k = first;
+            while k < first + n {
+                let saved = a.saved[k];
+                let mut e = k + 1;
+                while e < first + n && a.saved[e] == saved {
+                    e += 1;
+                }
+                runs.push((span.sub(k, e - k), saved));
+                k = e;
+            }
+        }
+        let any_saved = runs.iter().any(|r| r.1);
+        let backed = a.host.is_some() || a.disk.is_some();
+        let copied = runs
+            .iter()
+            .map(|(s, saved)| {
+                if *saved && backed {
+                    s.backed(ptr, a.size)
+                } else {
+                    0
+                }
+            })
+            .collect();
+        Job {
+            ptr,
+            size: a.size,
+            tag: a.tag.clone(),
+            runs,
+            segs,
+            chunked: a.chunk > 0,
+            stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
+            host: a.host.clone().filter(|_| any_saved),
+            disk: a.disk.clone().filter(|_| any_saved),
+            device: span.device,
+            on_disk: any_saved && a.host.is_none() && a.disk.is_some(),
+            copied,
+        }
+    }
+
     fn target(&self, r: usize) -> Option<Target<'_>> {
         backing_of(&self.host, &self.disk).filter(|_| self.runs[r].1)
     }
@@ -121,7 +166,13 @@ impl Engine {
     ) -> Result<OpReport> {
         let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick, track)?;
         let cfg = self.settings.copy();
-        let mut jobs = tx.mark(pick, |reg| begin_resume(reg, pick))?;
+        let mut jobs = tx.mark(pick, |reg| {
+            reg.begin(
+                State::Resuming,
+                |ptr, a| pick.segments_to_resume(ptr, a),
+                |ptr, a, segs| Job::marked(ptr, a.span(ptr), a, segs),
+            )
+        })?;
         if !order.is_empty() {
             let rank = |j: &Job| {
                 order
@@ -610,66 +661,4 @@ fn verifiable(pick: &Pick<'_>, jobs: &[Job]) -> Result<()> {
             j.ptr, j.tag
         ))),
     }
-}
-
-/// Mark the allocations `pick` selects Resuming and copy out what the resume needs.
-fn begin_resume(reg: &mut Index, pick: &Pick<'_>) -> Vec<(DevPtr, Job)> {
-    reg.begin(
-        State::Resuming,
-        |ptr, a| {
-            pick.selects(ptr, a).then(|| {
-                let kept = a.kept[pick.record.index()]
-                    .as_ref()
-                    .filter(|_| pick.chunk_state);
-                (0..a.handles.len())
-                    .filter(|&s| {
-                        a.handles[s].is_none() && pick.wants(s) && kept.is_none_or(|k| k[s])
-                    })
-                    .collect()
-            })
-        },
-        |ptr, a, segs| {
-            let span = a.span(ptr);
-            let mut runs: Vec<(Span, bool)> = Vec::new();
-            for (first, n) in segment::runs(&segs) {
-                // Split where the backup starts or stops holding the contents.
-                let mut k = first;
-                while k < first + n {
-                    let saved = a.saved[k];
-                    let mut e = k + 1;
-                    while e < first + n && a.saved[e] == saved {
-                        e += 1;
-                    }
-                    runs.push((span.sub(k, e - k), saved));
-                    k = e;
-                }
-            }
-            let any_saved = runs.iter().any(|r| r.1);
-            let backed = a.host.is_some() || a.disk.is_some();
-            let copied = runs
-                .iter()
-                .map(|(s, saved)| {
-                    if *saved && backed {
-                        s.backed(ptr, a.size)
-                    } else {
-                        0
-                    }
-                })
-                .collect();
-            Job {
-                ptr,
-                size: a.size,
-                tag: a.tag.clone(),
-                runs,
-                segs,
-                chunked: a.chunk > 0,
-                stuck: a.stuck.iter().map(|&s| (s, span.sub(s, 1))).collect(),
-                host: a.host.clone().filter(|_| any_saved),
-                disk: a.disk.clone().filter(|_| any_saved),
-                device: span.device,
-                on_disk: any_saved && a.host.is_none() && a.disk.is_some(),
-                copied,
-            }
-        },
-    )
 }
