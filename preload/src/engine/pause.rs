@@ -32,6 +32,8 @@ struct Job {
     backup: Backup,
     /// The segments to pause, in runs of consecutive ones, each with its handles.
     runs: Vec<(Span, Vec<PhysHandle>)>,
+    /// The bytes of each run the backup receives (none without a backup policy).
+    copied: Vec<u64>,
     /// The indices of those segments; the chunk indices of a chunked allocation.
     segs: Vec<usize>,
     chunked: bool,
@@ -76,6 +78,7 @@ impl Job {
                 tag: a.tag.clone(),
                 backup: a.backup,
                 runs: Vec::new(),
+                copied: Vec::new(),
                 segs,
                 chunked: a.chunk > 0,
                 host: None,
@@ -132,7 +135,7 @@ impl Job {
             (false, true) => 1,
             (false, false) => usize::MAX,
         };
-        let runs = segment::runs_of_at_most(&segs, most)
+        let runs: Vec<(Span, Vec<PhysHandle>)> = segment::runs_of_at_most(&segs, most)
             .into_iter()
             .map(|(first, n)| {
                 let hs = a.handles[first..first + n]
@@ -140,6 +143,13 @@ impl Job {
                     .map(|h| h.expect("picked mapped segments"))
                     .collect();
                 (span.sub(first, n), hs)
+            })
+            .collect();
+        let copied = runs
+            .iter()
+            .map(|(s, _)| match a.backup {
+                Some(_) => s.backed(ptr, a.size),
+                None => 0,
             })
             .collect();
         // A file's chunks (its unit of checksums) never straddle two runs: they divide the
@@ -152,6 +162,7 @@ impl Job {
             tag: a.tag.clone(),
             backup: a.backup,
             runs,
+            copied,
             segs,
             chunked: a.chunk > 0,
             host: a.host.clone(),
@@ -192,13 +203,7 @@ impl Job {
 
     /// Device bytes of run `r`, and the bytes of it the backup holds.
     fn run_bytes(&self, r: usize) -> (u64, u64) {
-        let s = &self.runs[r].0;
-        let copied = if self.backup.is_some() {
-            s.backed(self.ptr, self.size)
-        } else {
-            0
-        };
-        (s.mapped, copied)
+        (self.runs[r].0.mapped, self.copied[r])
     }
 
     /// Bytes the backup receives.
