@@ -688,9 +688,10 @@ impl Engine {
             f.sync().ctx(|| j.what(r))?;
         }
         let (span, hs) = &j.runs[r];
-        let (segs, first) = (span.with_handles(hs), span.first_segment(j.ptr));
+        let segs = span.with_handles(hs);
         segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
         let released = segment::release_all(d, &segs);
+        let first = span.first_segment(j.ptr);
         self.registry.marked(j.ptr, |a| {
             for s in first..first + hs.len() {
                 a.handles[s] = None;

@@ -248,23 +248,21 @@ impl Engine {
         jobs: Vec<Job>,
     ) -> Result<Committed> {
         // A check that cannot be made, or a file that is gone or cut short, fails the resume
-        // before anything is mapped. (The bytes to copy are counted from the jobs alone, beside
-        // the files' own checks.)
-        let checked =
-            verifiable(pick, &jobs).and_then(|()| self.ready_to_verify(pick, track, &jobs));
-        let bytes = jobs.iter().map(Job::pipeline_bytes).sum();
-        let present = checked.and_then(|()| {
-            jobs.iter()
-                .filter_map(|j| j.disk.as_ref())
-                .try_for_each(|f| f.check_present())
-        });
+        // before anything is mapped.
+        let present = verifiable(pick, &jobs)
+            .and_then(|()| self.ready_to_verify(pick, track, &jobs))
+            .and_then(|()| {
+                jobs.iter()
+                    .filter_map(|j| j.disk.as_ref())
+                    .try_for_each(|f| f.check_present())
+            });
         if let Err(e) = present.and_then(|()| self.unmap_stuck(&jobs)) {
             self.settle_unstuck(&jobs);
             return Err(e.context(format!("resume of {} ({})", pick.describe(), stays(&jobs))));
         }
         let verified: Vec<AtomicU64> = jobs.iter().map(|_| AtomicU64::new(0)).collect();
         let checks = (pick.verify, verified.as_slice());
-        let (made, result) = self.restore_devices(&jobs, tx, bytes, cfg, track, checks);
+        let (made, result) = self.restore_devices(&jobs, tx, cfg, track, checks);
         if let (Err(e), Some(t)) = (&result, track.filter(|t| t.returned())) {
             // The caller returned and may have work queued on this memory: it stays mapped. The
             // gate opens first: releasing handles is a driver call, and none may wait for work
@@ -319,7 +317,7 @@ impl Engine {
         Ok(done)
     }
 
-    /// Record in the progress the `bytes` the copies move; then per device, in parallel: map
+    /// Record in the progress what the copies move; then per device, in parallel: map
     /// each run of segments, and copy its backup back while the next one is mapped. All or
     /// nothing: on any failure the caller undoes the mappings made (returned even then), and
     /// the allocations stay paused with their backups.
@@ -327,7 +325,6 @@ impl Engine {
         &'d self,
         jobs: &[Job],
         tx: &mut Txn<'_>,
-        bytes: u64,
         cfg: &CopyConfig,
         track: Option<&Tracker>,
         (asked, verified): (bool, &[AtomicU64]),
@@ -337,7 +334,7 @@ impl Engine {
             disk: jobs.iter().any(|j| j.on_disk),
         };
         let (rings, tracked) = tx.work();
-        tracked.prepared(bytes, backings);
+        tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
         let progress = tracked.counters();
         progress.phase(Phase::Mapping);
         let groups = by_device(jobs.iter().map(|j| j.device));
