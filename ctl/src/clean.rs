@@ -81,6 +81,11 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
 
 /// Connecting to `path` is refused: nobody listens on it.
 fn refused(path: &Path) -> bool {
+    tms_proto::via_short_path(path, |p| Ok(refused_at(p))).unwrap_or(false)
+}
+
+/// [`refused`] through a path that fits in a socket address.
+fn refused_at(path: &Path) -> bool {
     let Ok(addr) = UnixAddr::new(path) else {
         return false;
     };

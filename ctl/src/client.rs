@@ -170,16 +170,18 @@ impl Client {
                 format!("no such process: {pid}"),
             ));
         }
-        let stream = UnixStream::connect(path).map_err(|e| match e.kind() {
-            io::ErrorKind::PermissionDenied => Failure::new(
-                Code::Permission,
-                format!("permission denied connecting to {shown}: {e}"),
-            ),
-            io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => Failure::new(
-                Code::NoProcess,
-                format!("process {pid} does not listen on {shown} (a stale socket)"),
-            ),
-            _ => Failure::new(Code::Failed, format!("connecting to {shown}: {e}")),
+        let stream = tms_proto::via_short_path(path, |p| UnixStream::connect(p)).map_err(|e| {
+            match e.kind() {
+                io::ErrorKind::PermissionDenied => Failure::new(
+                    Code::Permission,
+                    format!("permission denied connecting to {shown}: {e}"),
+                ),
+                io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound => Failure::new(
+                    Code::NoProcess,
+                    format!("process {pid} does not listen on {shown} (a stale socket)"),
+                ),
+                _ => Failure::new(Code::Failed, format!("connecting to {shown}: {e}")),
+            }
         })?;
         let refuse = |why: String| {
             Failure::new(

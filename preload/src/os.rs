@@ -236,9 +236,10 @@ fn cgroup_room(dir: &std::path::Path) -> Option<u64> {
 // their process goes, including when it is stopped by SIGTERM (how SLURM and Kubernetes stop
 // jobs) or SIGINT. They are recorded in a fixed table of slots: the signal handler may only do
 // async-signal-safe work, so it cannot take a lock or allocate; it reads the slots with atomics
-// and calls `unlinkat`. Each slot keeps the folder's fd (the disk backup files), or an absolute
-// path (the control socket, made absolute when the server starts): a relative folder and a
-// later `chdir` cannot misdirect the removal, nor can a rename of a folder held. Each slot also keeps
+// and calls `unlinkat`. Each slot keeps the folder's fd and the file's name (the disk backup
+// files; the control socket, its folder held open for it), or an absolute path where the folder
+// could not be held: a relative folder and a later `chdir` cannot misdirect the removal, nor
+// can a rename of a folder held, and a socket path of any length fits. Each slot also keeps
 // the pid that recorded it: a fork child inherits the table, the `atexit` handler and the
 // signal handlers, and must never remove its parent's live files.
 //
@@ -252,7 +253,7 @@ fn cgroup_room(dir: &std::path::Path) -> Option<u64> {
 
 /// Files that can be recorded at once; more are removed at free, or by the next sweep.
 const EXIT_SLOTS: usize = 4096;
-/// Longest name (or path) a slot holds, its NUL included (a socket path has 108 bytes at most).
+/// Longest name (or path) a slot holds, its NUL included.
 const EXIT_NAME: usize = 128;
 
 const FREE: u8 = 0;

@@ -2,7 +2,11 @@
 //! files in it.
 
 use std::ffi::OsString;
-use std::path::PathBuf;
+use std::fs::OpenOptions;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
 
 /// The folder of the control sockets: `tms_socket_dir` (`$TMS_SOCKET_DIR`) if set and not
 /// empty, else `<xdg_runtime_dir>/tms` (`$XDG_RUNTIME_DIR`) if set and not empty, else
@@ -86,4 +90,87 @@ pub fn socket_file_name(pid: u32) -> String {
 /// for any other name.
 pub fn pid_of_socket_file(name: &str) -> Option<u32> {
     SocketName::parse(name).map(|n| n.pid)
+}
+
+/// The longest path a Unix socket address holds (`sun_path` is 108 bytes, its NUL included).
+pub const SOCKET_PATH_MAX: usize = 107;
+
+/// Call `f` (a bind, a connect) with a path to the socket file `path` that fits in a socket
+/// address: `path` itself where it fits; else `/proc/self/fd/<N>/<name>`, through its folder
+/// opened (`O_PATH`) for the length of the call. So a socket folder at any depth (a deep
+/// `$TMS_SOCKET_DIR`, a test's temporary folder) is listened in and reached alike; without
+/// `/proc`, `f` gets `path` and fails as it would have.
+pub fn via_short_path<T>(path: &Path, f: impl FnOnce(&Path) -> io::Result<T>) -> io::Result<T> {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return f(path);
+    };
+    if path.as_os_str().len() <= SOCKET_PATH_MAX || !Path::new("/proc/self/fd").is_dir() {
+        return f(path);
+    }
+    let dir = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    let folder = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(dir)?;
+    let short = Path::new("/proc/self/fd")
+        .join(folder.as_raw_fd().to_string())
+        .join(name);
+    if short.as_os_str().len() > SOCKET_PATH_MAX {
+        return f(path);
+    }
+    f(&short)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+
+    #[test]
+    fn a_socket_in_a_folder_too_deep_for_an_address_is_listened_on_and_reached() {
+        let tmp = tempfile::tempdir().unwrap();
+        let deep = tmp.path().join("d".repeat(100)).join("e".repeat(100));
+        std::fs::create_dir_all(&deep).unwrap();
+        let path = deep.join("1.2.sock");
+        assert!(path.as_os_str().len() > SOCKET_PATH_MAX);
+        // As it was: refused outright.
+        assert!(UnixListener::bind(&path).is_err());
+        let mut seen = None;
+        let listener = via_short_path(&path, |p| {
+            seen = Some(p.to_path_buf());
+            UnixListener::bind(p)
+        })
+        .unwrap();
+        let seen = seen.unwrap();
+        assert!(seen.starts_with("/proc/self/fd"), "{}", seen.display());
+        assert!(seen.as_os_str().len() <= SOCKET_PATH_MAX);
+        // The socket is the file at the long path, reachable the same way once the call is over.
+        use std::os::unix::fs::FileTypeExt;
+        assert!(std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_socket());
+        let mut c = via_short_path(&path, |p| UnixStream::connect(p)).unwrap();
+        let (mut s, _) = listener.accept().unwrap();
+        c.write_all(b"hi").unwrap();
+        let mut got = [0u8; 2];
+        s.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"hi");
+    }
+
+    #[test]
+    fn a_path_that_fits_is_used_as_it_is_and_a_missing_folder_is_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("1.2.sock");
+        let used = via_short_path(&path, |p| Ok(p.to_path_buf())).unwrap();
+        assert_eq!(used, path);
+        let gone = tmp.path().join("x".repeat(120)).join("1.2.sock");
+        let e = via_short_path(&gone, |_| Ok(())).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
+    }
 }

@@ -100,3 +100,52 @@ fn a_refused_socket_folder_leaves_the_process_working() {
     assert_eq!(std::fs::read_dir(&sb.dir).expect("ls").count(), 0);
     p.verify();
 }
+
+/// A socket folder too deep for a socket address (108 bytes): the process listens there all the
+/// same, the server's sweep removes a stale socket there, `tmsctl` reaches it, and SIGTERM
+/// removes it (a path too long for a removal slot: by the folder held open and the name).
+#[test]
+fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut sb = sandbox();
+    sb.dir = sb
+        .tmp
+        .path()
+        .join("d".repeat(80))
+        .join("e".repeat(80))
+        .join("s");
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let stale = sb.dir.join("4242.sock");
+    drop(tms_proto::via_short_path(&stale, |p| UnixListener::bind(p)).expect("bind"));
+    assert!(stale.exists());
+    let mut p = Proc::start(&sb, &[]);
+    let sock = p.socket();
+    assert!(sock.as_os_str().len() > 128, "{}", sock.display());
+    assert!(sock.exists(), "{}", sock.display());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while stale.exists() {
+        assert!(Instant::now() < deadline, "stale socket still there");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let r = ok(&sb, &["ping", "--json"]).json();
+    assert_eq!(r["pid"].as_u64(), Some(p.pid as u64));
+    ok(&sb, &["pause", "--tag", "demo"]);
+    ok(&sb, &["resume", "--tag", "demo"]);
+    p.verify();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(p.pid as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("SIGTERM");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let st = loop {
+        if let Ok(Some(st)) = p.child.try_wait() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "pid {} survived SIGTERM", p.pid);
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    assert!(!sock.exists(), "the socket was left");
+}

@@ -166,7 +166,7 @@ pub fn bind_as(dir: &Path, name: &str) -> Result<(UnixListener, PathBuf)> {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(Error::io(format!("cannot remove {}", tmp.display()), e)),
     }
-    let listener = UnixListener::bind(&tmp)
+    let listener = tms_proto::via_short_path(&tmp, |p| UnixListener::bind(p))
         .map_err(|e| Error::io(format!("cannot listen on {}", tmp.display()), e))?;
     // Explicitly, whatever the umask gave the new file (a socket's mode can only be set
     // through its path: fchmod on the socket's fd does not reach the file).
@@ -333,10 +333,19 @@ mod tests {
             .join(temporary_name(&tms_proto::socket_file_name(me)))
             .exists());
 
-        // A folder whose socket path would not fit in sun_path: an error, not a panic.
+        // A folder whose socket path would not fit in a socket address: listened in all the
+        // same (through the folder's fd), at the path asked for, and reached the same way.
         let long = d.join("x".repeat(120));
         prepare(&long, sys::euid()).unwrap();
-        assert!(bind(&long, me)
+        let (_l3, far) = bind(&long, me).unwrap();
+        assert_eq!(far, long.join(tms_proto::socket_file_name(me)));
+        assert!(far.as_os_str().len() > tms_proto::SOCKET_PATH_MAX);
+        let m = fs::symlink_metadata(&far).unwrap();
+        assert!(m.file_type().is_socket());
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+        assert!(matches!(sys::probe(&far), sys::Probe::Listening));
+        // A name too long even so: an error, not a panic.
+        assert!(bind_as(&long, &"n".repeat(200))
             .unwrap_err()
             .to_string()
             .contains("cannot listen"));

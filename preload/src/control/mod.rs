@@ -18,7 +18,10 @@
 //! else can enter (one of ours that we cannot enter either, left by a umask such as 0777, is
 //! given 0700 again). The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
 //! pid and the inode of our pid namespace, so processes of different pid namespaces sharing
-//! the folder never collide), mode 0600, also set explicitly.
+//! the folder never collide), mode 0600, also set explicitly. A folder too deep for a socket
+//! address (108 bytes) is listened in and reached through `/proc/self/fd/<N>/`
+//! ([`tms_proto::via_short_path`]), and the socket's removal on a signal goes by the folder,
+//! held open, and the name, so a socket path of any length works.
 //!
 //! *Stale sockets.* When a server starts, it removes the sockets in the folder that nobody
 //! listens on: a socket is stale only when connecting to it is refused (`ECONNREFUSED`), never
@@ -147,6 +150,27 @@ impl Host for ProcessHost {
     }
 }
 
+/// Record the socket `path` in `folder` for removal when a signal ends the process: by the
+/// folder, held open (`O_PATH`) for the life of the process, and the file name, so that a path
+/// too long for a removal slot is removed all the same; by the path where the folder cannot be
+/// opened.
+fn record_for_signals(folder: &Path, path: &Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let held = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(folder);
+    let recorded = match (&held, path.file_name()) {
+        (Ok(dir), Some(name)) => crate::os::ExitRemoval::register(dir.as_raw_fd(), name.as_bytes()),
+        _ => crate::os::ExitRemoval::register(libc::AT_FDCWD, path.as_os_str().as_bytes()),
+    };
+    if let Some(r) = recorded {
+        // Both live as long as the process: the signal handler reads the slot and its folder.
+        std::mem::forget(r);
+        std::mem::forget(held);
+    }
+}
+
 /// The process's runtime (created on the first call, see [`runtime::get`]) with the server
 /// started for it. The entry points (hooks and C ABI) reach the runtime only through here, so
 /// the control socket starts with the first successful use, never at load time.
@@ -212,10 +236,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     sys::install_process_handlers(c_path, listener.as_raw_fd());
     // The atexit handler does not run when a signal ends the process: recorded for that too,
     // for as long as the process lives.
-    let bytes = path.as_os_str().as_bytes();
-    if let Some(r) = crate::os::ExitRemoval::register(libc::AT_FDCWD, bytes) {
-        std::mem::forget(r);
-    }
+    record_for_signals(&folder, &path);
     let me = Identity {
         uid,
         pid,

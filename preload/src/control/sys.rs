@@ -90,6 +90,11 @@ pub enum Probe {
 /// be probed across pid namespaces. Only meaningful for a file known to be a socket: Linux
 /// refuses a connection to a regular file with `ECONNREFUSED` too.
 pub fn probe(path: &Path) -> Probe {
+    tms_proto::via_short_path(path, |p| Ok(probe_at(p))).unwrap_or_else(Probe::Unknown)
+}
+
+/// [`probe`] through a path that fits in a socket address.
+fn probe_at(path: &Path) -> Probe {
     let addr = match UnixAddr::new(path) {
         Ok(a) => a,
         Err(e) => return Probe::Unknown(e.into()),
