@@ -159,6 +159,29 @@ impl Proc {
         PathBuf::from(self.ready["socket"].as_str().expect("a control socket"))
     }
 
+    /// Stop it with SIGTERM (how SLURM and Kubernetes stop jobs); check the signal ended it.
+    pub fn terminate(mut self) {
+        use std::os::unix::process::ExitStatusExt;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.pid as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )
+        .expect("SIGTERM");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let st = loop {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                break st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "pid {} survived SIGTERM",
+                self.pid
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    }
+
     /// Ask it to exit; wait.
     pub fn exit(mut self) -> std::process::ExitStatus {
         let _ = self.cmd("exit", "BYE");

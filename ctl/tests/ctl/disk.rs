@@ -5,7 +5,6 @@ use std::os::unix::net::UnixListener;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
 use crate::common::*;
 
@@ -110,25 +109,11 @@ fn a_fork_child_leaves_the_parents_disk_backups_alone() {
 /// the socket, and still ends the process by the signal.
 #[test]
 fn sigterm_removes_the_backup_files_and_the_socket() {
-    use std::os::unix::process::ExitStatusExt;
     let sb = sandbox();
-    let (mut p, dir) = paused_on_disk(&sb);
+    let (p, dir) = paused_on_disk(&sb);
     let sock = p.socket();
     assert!(sock.exists());
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(p.pid as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let st = loop {
-        if let Ok(Some(st)) = p.child.try_wait() {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "pid {} survived SIGTERM", p.pid);
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    p.terminate();
     let left: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
     assert!(left.is_empty(), "backup files left: {left:?}");
     assert!(!sock.exists(), "the socket was left");

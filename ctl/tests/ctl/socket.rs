@@ -106,7 +106,6 @@ fn a_refused_socket_folder_leaves_the_process_working() {
 /// removes it (a path too long for a removal slot: by the folder held open and the name).
 #[test]
 fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
-    use std::os::unix::process::ExitStatusExt;
     let mut sb = sandbox();
     sb.dir = sb
         .tmp
@@ -133,19 +132,6 @@ fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
     ok(&sb, &["pause", "--tag", "demo"]);
     ok(&sb, &["resume", "--tag", "demo"]);
     p.verify();
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(p.pid as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .expect("SIGTERM");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let st = loop {
-        if let Ok(Some(st)) = p.child.try_wait() {
-            break st;
-        }
-        assert!(Instant::now() < deadline, "pid {} survived SIGTERM", p.pid);
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    p.terminate();
     assert!(!sock.exists(), "the socket was left");
 }
