@@ -32,8 +32,6 @@ struct Job {
     backup: Backup,
     /// The segments to pause, in runs of consecutive ones, each with its handles.
     runs: Vec<(Span, Vec<PhysHandle>)>,
-    /// The bytes of each run the backup receives (none without a backup policy).
-    copied: Vec<u64>,
     /// The indices of those segments; the chunk indices of a chunked allocation.
     segs: Vec<usize>,
     chunked: bool,
@@ -78,7 +76,6 @@ impl Job {
                 tag: a.tag.clone(),
                 backup: a.backup,
                 runs: Vec::new(),
-                copied: Vec::new(),
                 segs,
                 chunked: a.chunk > 0,
                 host: None,
@@ -145,13 +142,6 @@ impl Job {
                 (span.sub(first, n), hs)
             })
             .collect();
-        let copied = runs
-            .iter()
-            .map(|(s, _)| match a.backup {
-                Some(_) => s.backed(ptr, a.size),
-                None => 0,
-            })
-            .collect();
         // A file's chunks (its unit of checksums) never straddle two runs: they divide the
         // chunks of a chunked allocation, the segments of any other.
         let file_chunk = cfg.file_chunk(if a.chunk > 0 { a.chunk } else { a.segment });
@@ -162,7 +152,6 @@ impl Job {
             tag: a.tag.clone(),
             backup: a.backup,
             runs,
-            copied,
             segs,
             chunked: a.chunk > 0,
             host: a.host.clone(),
@@ -203,7 +192,13 @@ impl Job {
 
     /// Device bytes of run `r`, and the bytes of it the backup holds.
     fn run_bytes(&self, r: usize) -> (u64, u64) {
-        (self.runs[r].0.mapped, self.copied[r])
+        let s = &self.runs[r].0;
+        let copied = if self.backup.is_some() {
+            s.backed(self.ptr, self.size)
+        } else {
+            0
+        };
+        (s.mapped, copied)
     }
 
     /// Bytes the backup receives.
