@@ -92,6 +92,15 @@ pub fn pid_of_socket_file(name: &str) -> Option<u32> {
     SocketName::parse(name).map(|n| n.pid)
 }
 
+/// A folder held open by reference only (`O_PATH`: no read permission needed, nothing read), for
+/// reaching the files in it through its fd however long their paths.
+pub fn hold_folder(dir: &Path) -> io::Result<std::fs::File> {
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(dir)
+}
+
 /// The longest path a Unix socket address holds (`sun_path` is 108 bytes, its NUL included).
 pub const SOCKET_PATH_MAX: usize = 107;
 
@@ -112,10 +121,7 @@ pub fn via_short_path<T>(path: &Path, f: impl FnOnce(&Path) -> io::Result<T>) ->
     } else {
         dir
     };
-    let folder = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
-        .open(dir)?;
+    let folder = hold_folder(dir)?;
     let short = Path::new("/proc/self/fd")
         .join(folder.as_raw_fd().to_string())
         .join(name);

@@ -155,11 +155,7 @@ impl Host for ProcessHost {
 /// too long for a removal slot is removed all the same; by the path where the folder cannot be
 /// opened.
 fn record_for_signals(folder: &Path, path: &Path) {
-    use std::os::unix::fs::OpenOptionsExt;
-    let held = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
-        .open(folder);
+    let held = tms_proto::hold_folder(folder);
     let recorded = match (&held, path.file_name()) {
         (Ok(dir), Some(name)) => crate::os::ExitRemoval::register(dir.as_raw_fd(), name.as_bytes()),
         _ => crate::os::ExitRemoval::register(libc::AT_FDCWD, path.as_os_str().as_bytes()),
