@@ -3,8 +3,9 @@
 entered, in the order entered; closures (read with the function that holds them) and derived
 impls (eq, default, clone, fmt: never read) left out; the path ends at the driver (nothing
 below the first frame in src/driver/). Consecutive functions in one file are one stay.
-changes of file = stays - 1; returns = stays - files.
-  python3 scripts/paths/count.py [-v] [--under NAME] TRACE.json ..."""
+changes of file = stays - 1; returns = stays - files. `--as FILE=INTO` (repeatable) counts FILE's
+functions as INTO's: what a merge of files would do to a path, before anyone moves code.
+  python3 scripts/paths/count.py [-v] [--under NAME] [--as FILE=INTO]... TRACE.json ..."""
 import json, sys, re
 
 SKIP = {"eq", "ne", "default", "clone", "fmt", "hash", "partial_cmp", "cmp"}
@@ -27,11 +28,12 @@ def norm(name):
 def short(n):
     return "::".join(n.split("::")[-2:])
 
-def run(path, show=False, under=None, only=None):
+def run(path, show=False, under=None, only=None, merged=None):
     hits = json.load(open(path))
+    merged = merged or {}
     seen, seq = set(), []
     for st in hits:
-        st = [(norm(n), f) for n, f in st]
+        st = [(norm(n), merged.get(f, f)) for n, f in st]
         for i, (n, f) in enumerate(st):
             if f.startswith("preload/src/driver/"):
                 st = st[: i + 1]
@@ -80,6 +82,13 @@ if __name__ == "__main__":
     if "--under" in args:
         under = args[args.index("--under") + 1]
     only = "preload/src/engine/" if "--engine" in args else None
+    merged = {}
+    for i, a in enumerate(args[:-1]):
+        if a == "--as":
+            f, sep, into = args[i + 1].partition("=")
+            if not sep or not f or not into:
+                sys.exit(f"--as wants FILE=INTO, got {args[i + 1]!r}")
+            merged[f] = into
     paths = [a for i, a in enumerate(args) if a.endswith(".json")]
     for p in paths:
-        run(p, show, under, only)
+        run(p, show, under, only, merged)
