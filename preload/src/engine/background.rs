@@ -4,14 +4,20 @@
 //!
 //! # Note [Releases]
 //!
-//! Host memory given back after a resume has returned. A resume without retention no longer needs its backups, and giving their memory back (the
-//! kernel frees every page, the driver unregisters the staging slots) takes 4–8% as long as
-//! the resume itself (16 GiB on an H200 host: 14–23 ms). Nothing the caller does next needs
-//! it done, so a blocking resume hands that work to a thread of its own and returns: the data
-//! is on the device by then, and the memory is about to go. The next pause or resume waits for
-//! it first ([`Releases::wait`] in `Txn::begin`), so host memory never holds two generations of
-//! backups at once, and `Engine::wait_released` (`inflight.rs`) waits for it on request. Where no
-//! thread can be had, the work is done before the resume returns, as before.
+//! Host memory given back after a resume has returned. A resume without retention no longer
+//! needs its backups, and giving their memory back (the kernel frees every page, the driver
+//! unregisters page-locked backups and the staging slots) takes 4–8% as long as the resume
+//! itself (16 GiB on an H200 host: 14–23 ms). Nothing the caller does next needs the
+//! unregistering done, so a blocking resume hands the page-locked backups and the staging slots
+//! to a thread of its own and returns: the data is on the device by then, and the memory is
+//! about to go. Pageable (`mmap`) backups and the pages of chunks resumed without retention go
+//! before it returns: they exist so that the kernel gets their pages back, and a caller reading
+//! its resident set right after the resume must see them gone (3–5 ms per 4 GiB on an H200 host,
+//! docs/perf-notes.md). The next pause or resume waits for the thread first
+//! ([`Releases::wait`] in `Txn::begin`), so host memory never holds two generations of backups
+//! at once, and `Engine::wait_released` (`inflight.rs`) waits for it on request. Where no
+//! thread can be had, all of it is done before the resume returns; a non-blocking resume's own
+//! thread does all of it itself.
 //!
 //! # Note [The background pinner]
 //!

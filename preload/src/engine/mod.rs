@@ -9,7 +9,7 @@
 //! it maps the next.
 //!
 //! The registry (`registry.rs`) is a small index: for each allocation its place, tag, backup and
-//! state, *Active*, *Pausing*, *Paused* or *Resuming*. Its lock is held only to read or change
+//! state, *Active*, *Pausing*, *Paused*, *Resuming* or *Partial* (Note [Chunked allocations]). Its lock is held only to read or change
 //! entries, never across a driver call, a copy or a wait, so the hooks' questions (is this
 //! pointer ours? a new allocation, a free of someone else's memory) never wait for a pause: a
 //! thread the GPU's work depends on (a host callback, a proxy thread) keeps running while a pause
@@ -25,8 +25,8 @@
 //! soon as its copy is complete, so that the driver's work on the memory given back overlaps
 //! the rest of the pause instead of the next resume (measured on an H200: a 16 GiB resume right
 //! after a pause that gave back all 16 GiB at its end ran at 87% of the link, 500 ms later at
-//! 94%). The first failure stops the work; those not retired go back to Active, still mapped (a
-//! backup partly written for them is not claimed valid). An allocation the failure caught with
+//! 94%). The first failure stops the work; those with nothing released go back to Active, still
+//! mapped (a backup partly written for them is not claimed valid). An allocation the failure caught with
 //! some segments released is then resumed (a resume transaction of its own, after the pause's
 //! has ended), so that it is whole again; if that fails too, it stays Partial, its released
 //! segments paused with their backup, and the error says so. If only a release fails, the
@@ -83,11 +83,15 @@
 //!
 //! - `Ops::slots` (`txn.rs`; the operations lock): serializes pauses and resumes (taken by
 //!   `Txn::begin`, let go by `Txn::end` or the transaction's drop) and the tools' copies
-//!   (`with_active`, through `Ops::exclusive`), and holds each device's staging slots
+//!   (`with_active` in `tools.rs` and `with_segments` in `export.rs`, through `Ops::exclusive`),
+//!   and holds each device's staging slots
 //!   (`staging_bytes` reads them). Held for a whole transaction, across driver calls, copies,
 //!   file I/O and device synchronizations. Under it: the registry lock (briefly), the progress
 //!   record's lock, `Restores::failed`, a tracker's `st`, the pinner's `queue` (to hand it
-//!   work), the settings' leaves, a `BackupDir`'s `files`, the pipeline's locks. `alloc`,
+//!   work), the settings' leaves, the digest policy's and each backup's digests' locks, a
+//!   `BackupDir`'s `files`, the pipeline's locks, `Communicators::state` (the tag nccl's
+//!   transactions and a pause's registrations), and, where a non-blocking resume fails after
+//!   its return, `Leases::held` and `Releases::pending` (its give-back). `alloc`,
 //!   `owns` and `stats` never take it; `free` only tries it, without waiting and with no other
 //!   lock held, to drop the staging slots with the last allocation that has a backup
 //!   (`Ops::drop_unused_slots`; a transaction that held it looks again once it let it go).
@@ -121,7 +125,7 @@
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
 //! - The copy pipeline's `Ready::gate` (with `wake`; `std`'s, for loom: `pipeline/ready.rs`),
-//!   `error` (`pipeline.rs`) and each worker's lane of staging slots (`pipeline/worker.rs`), and
+//!   `error` (`Shared`, `pipeline/shared.rs`) and each worker's lane of staging slots (`pipeline/worker.rs`), and
 //!   the job slots of `per_device`: each lives for one pipeline or one call, under the
 //!   operations lock. `gate`
 //!   and `error` are leaves held for a store or a wait; a lane is held by its one worker for the
@@ -143,10 +147,20 @@
 //!   engine's locks are always taken before it), and in `gates.rs` `holds` with `holds_changed`
 //!   (held primitives wait on it, before taking `inner`), `sync_delay` and `link` (leaves; the
 //!   simulated time is slept with no lock held), and `gate_waits` (`driver::GateWaits`, in the
-//!   CUDA driver too: the streams waiting for the resume gate and the device-wide calls
+//!   CUDA and HIP drivers too: the streams waiting for the resume gate and the device-wide calls
 //!   running; a leaf, never held across a driver call). Page-locking, unlocking and device
 //!   synchronizations wait on it, with no other of the driver's locks held, before they start,
 //!   and stream waits until none of those runs (Note [Non-blocking resume]).
+//! - `Policy::default` and `Policy::tags` (`checks.rs`: what each tag checks with digests) and
+//!   `Digests::map` (`backup/digests.rs`: a backup's digests per piece): leaves, held for a read
+//!   or a few changes, by transactions (under the operations lock) and by `backups.rs`.
+//! - The HIP driver (`driver/hip/`): `addresses` (`mod.rs`), held across our address
+//!   reservations and from freeing a range to reserving it again, so that none of ours takes
+//!   the address in between; under it only `Ranges` (`ranges.rs`: the books of ROCm's reserved
+//!   ranges), a leaf never held across a driver call. The CUDA driver: each device's `digests`
+//!   slot (`cuda.rs`: the digest kernel and its scratch buffer), held while a digest runs, its
+//!   launches and the stream's synchronization included (the device has one scratch buffer);
+//!   a leaf.
 //! - `Releases::pending` (`background.rs`, with `done`): the host memory being given back after
 //!   resumes returned. A leaf; a transaction waits on `done` in its prologue, before it enters
 //!   the pinner's quiet state or takes the operations lock.

@@ -15,7 +15,7 @@
 //!    opens (Note [Non-blocking resume] in `inflight.rs`), so that the next resume's base is
 //!    right and no stream waits for it forever.
 //! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
-//!    resume's, without retention) goes to its caller's closure after the lock is let go,
+//!    resume's, without retention or `keep_staging`) goes to its caller's closure after the lock is let go,
 //!    with the host memory a resume gives back: that takes long and needs no lock. With the
 //!    lock let go, `recheck`: the slots go if no allocation with a backup is left. A `free` of
 //!    the last one only tries the lock, so while a transaction holds it that free cannot drop
