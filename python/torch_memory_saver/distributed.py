@@ -78,8 +78,9 @@ Gather = Callable[[dict], List[dict]]
 @dataclass
 class RankOutcome:
     """What one rank did. ``bytes`` is device memory released (pause) or taken back (resume);
-    ``undo`` is None where no undo was needed, else ``"done"``, ``"skipped: why"`` or
-    ``"failed: message"``."""
+    ``undo`` is None where no undo was needed, else ``"done"``, ``"skipped: why"``,
+    ``"failed: message"`` or ``"done, but not as before for ..."`` (after a ``"skipped: why; "``
+    where part of it was skipped)."""
 
     rank: int
     host: str

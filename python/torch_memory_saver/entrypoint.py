@@ -197,7 +197,8 @@ class TorchMemorySaver:
         ``torch.cuda.MemPool`` per tag whose allocator is libtms.so), or a mode registered with
         :func:`register_hook_mode`. Set it before first use; a name no registration knows is
         kept and refused at first use (integrations that patch ``_ensure_initialized`` read
-        names of their own from ``_impl_ctor_kwargs``). Changing it once in use raises
+        names of their own from ``_impl_ctor_kwargs``), or at once where the saver is built
+        already (reading :attr:`available` builds it). Changing it once in use raises
         :class:`InvalidStateError`."""
         return self._selected_mode()
 
