@@ -76,8 +76,8 @@ pub struct Cli {
 #[derive(Args, Debug)]
 pub struct Global {
     /// Print JSON instead of text: one document on stdout, an object with "schema": 1 (for
-    /// `list` and --all an array of such objects, one per process), or on failure the error
-    /// as such an object (see the exit codes below).
+    /// `list` and --all an array of such objects, one per process; one object for --all
+    /// --atomic), or on failure the error as such an object (see the exit codes below).
     #[arg(long, global = true)]
     pub json: bool,
     /// Seconds to wait for each process's answer. For pause and resume, with a process whose
@@ -224,8 +224,9 @@ pub enum Cmd {
         #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
         chunks: Option<ChunkList>,
         /// First record which allocations (and chunks of chunked ones) are active, so that
-        /// `resume --restore-chunk-state` brings back only those.
-        #[arg(long, conflicts_with = "chunks")]
+        /// `resume --restore-chunk-state` brings back only those. Not with --atomic, whose pause
+        /// keeps a record of its own for its undo.
+        #[arg(long, conflicts_with_all = ["chunks", "atomic"])]
         save_chunk_state: bool,
         #[command(flatten)]
         show: ShowProgress,

@@ -170,6 +170,15 @@ fn operations_without_fields_reject_fields_too() {
         .unwrap_err()
         .to_string();
     assert!(m.contains("unknown field `x`"), "{m}");
+    // The example of docs/tmsctl.md, word for word.
+    let m = decode_request(b"{\"op\":\"pause\",\"tga\":\"kv\"}")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        m,
+        "malformed message: unknown field `tga`, expected one of `tag`, `chunks`, \
+         `chunk_state`, `job_record`"
+    );
     for (l, r) in [
         (&b"{\"op\":\"ping\"}"[..], Request::Ping),
         (b" { \"op\" : \"status\" }\r\n", Request::Status),

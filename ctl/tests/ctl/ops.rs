@@ -316,6 +316,10 @@ fn chunks_of_a_preloaded_process() {
             "cannot be used with",
         ),
         (&["resume", "--no-wait", "--atomic"], "cannot be used with"),
+        (
+            &["pause", "--all", "--atomic", "--save-chunk-state"],
+            "cannot be used with",
+        ),
         (&["resume", "--no-wait", "--verify"], "cannot be used with"),
     ] {
         let line = ctl(&sb, args).failed(2).to_string();
