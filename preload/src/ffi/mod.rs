@@ -31,7 +31,7 @@ mod upstream;
 pub use self::{chunks::*, export::*, nccl::*, progress::*, restore::*, status::*, upstream::*};
 
 /// Start the library now (it otherwise starts at the first pauseable allocation) and write the
-/// driver's name (`cuda` or `sim`) into `buf`.
+/// driver's name (`cuda`, `hip` or `sim`) into `buf`.
 ///
 /// # Safety
 /// `buf` writable for `cap` bytes or NULL; `out_len` writable or NULL.

@@ -24,11 +24,14 @@ const INTRO: &str = "\
  *  - direct calls: link with -ltms (or dlsym the symbols when the library is preloaded).
  *
  * Conventions:
- *  - Functions returning int return a status code: TMS_OK (0) or one of TMS_ERR_*.
+ *  - Functions returning int return a status code, TMS_OK (0) or one of TMS_ERR_*, but
+ *    where their comment says otherwise (tms_is_active, tms_affected_devices, and the
+ *    PyTorch allocator's entry points).
  *  - On failure the calling thread's last error message says what failed and where;
  *    read it with tms_last_error().
- *  - Strings are NUL-terminated UTF-8. Where a tag is optional, NULL means \"every tag\";
- *    an empty tag is an invalid argument.
+ *  - Strings are NUL-terminated UTF-8. Where a tag selects what to pause, resume or
+ *    check, NULL or \"\" means \"every tag\"; elsewhere a tag names one (each function
+ *    says).
  *  - Functions that write text take (buf, cap, out_len): the text and a NUL go into buf
  *    (cap bytes); *out_len (when out_len is not NULL) receives the text's length without
  *    the NUL. If it does not fit, TMS_ERR_BUFFER_TOO_SMALL is returned and *out_len still
