@@ -18,8 +18,8 @@
 //!   one (or all) landed. The caller may give an order (tensors first needed first): the
 //!   allocations are mapped and copied in it. Resumes run one at a time (the operations lock),
 //!   and each raises the gate to its `base + N` before it lets go of that lock (its transaction
-//!   does: the gate given to `Txn::begin`), even when it fails, so the next one's `base` is right and no
-//!   stream ever waits forever.
+//!   does: the gate given to `Txn::begin`), even when it fails, so the next one's `base` is
+//!   right and no stream ever waits forever.
 //! - **Nothing faults.** Memory is mapped before the call returns. A failure before then is the
 //!   call's error, exactly as for a blocking resume (everything stays paused with its backups).
 //!   A copy that fails after the call returned cannot be undone by unmapping: the caller's

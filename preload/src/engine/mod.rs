@@ -9,29 +9,29 @@
 //! it maps the next.
 //!
 //! The registry (`registry.rs`) is a small index: for each allocation its place, tag, backup and
-//! state, *Active*, *Pausing*, *Paused*, *Resuming* or *Partial* (Note [Chunked allocations]). Its lock is held only to read or change
-//! entries, never across a driver call, a copy or a wait, so the hooks' questions (is this
-//! pointer ours? a new allocation, a free of someone else's memory) never wait for a pause: a
-//! thread the GPU's work depends on (a host callback, a proxy thread) keeps running while a pause
-//! synchronizes the device. Pauses and resumes run one at a time (the operations lock,
-//! `Ops::slots` in `txn.rs`, which also holds the staging slots); the hooks never wait for it.
+//! state, *Active*, *Pausing*, *Paused*, *Resuming* or *Partial* (Note [Chunked allocations]). Its
+//! lock is held only to read or change entries, never across a driver call, a copy or a wait, so
+//! the hooks' questions (is this pointer ours? a new allocation, a free of someone else's memory)
+//! never wait for a pause: a thread the GPU's work depends on (a host callback, a proxy thread)
+//! keeps running while a pause synchronizes the device. Pauses and resumes run one at a time (the
+//! operations lock, `Ops::slots` in `txn.rs`, which also holds the staging slots); the hooks never
+//! wait for it.
 //!
-//! *Pause* marks the tag's active allocations Pausing and works on a copy of what it needs:
-//! backups are prepared (after checking the host can hold them: backups are touched only while
-//! copying, so a pause larger than the host's memory would be killed mid-copy instead of
-//! failing), each device is synchronized, and the copies run in the pipeline (Note [The copy
-//! pipeline] in `pipeline.rs`). Each allocation is unmapped, released and recorded Paused as soon
-//! as its own copy is complete; one with a backup does so segment by segment, each segment as
-//! soon as its copy is complete, so that the driver's work on the memory given back overlaps
-//! the rest of the pause instead of the next resume (measured on an H200: a 16 GiB resume right
-//! after a pause that gave back all 16 GiB at its end ran at 87% of the link, 500 ms later at
-//! 94%). The first failure stops the work; those with nothing released go back to Active, still
-//! mapped (a backup partly written for them is not claimed valid). An allocation the failure caught with
-//! some segments released is then resumed (a resume transaction of its own, after the pause's
-//! has ended), so that it is whole again; if that fails too, it stays Partial, its released
-//! segments paused with their backup, and the error says so. If only a release fails, the
-//! allocation is Paused all the same (unmapped, its contents in the backup) and the handle is
-//! reported.
+//! *Pause* marks the tag's active allocations Pausing and works on a copy of what it needs: backups
+//! are prepared (after checking the host can hold them: backups are touched only while copying, so
+//! a pause larger than the host's memory would be killed mid-copy instead of failing), each device
+//! is synchronized, and the copies run in the pipeline (Note [The copy pipeline] in `pipeline.rs`).
+//! Each allocation is unmapped, released and recorded Paused as soon as its own copy is complete;
+//! one with a backup does so segment by segment, each segment as soon as its copy is complete, so
+//! that the driver's work on the memory given back overlaps the rest of the pause instead of the
+//! next resume (measured on an H200: a 16 GiB resume right after a pause that gave back all 16 GiB
+//! at its end ran at 87% of the link, 500 ms later at 94%). The first failure stops the work; those
+//! with nothing released go back to Active, still mapped (a backup partly written for them is not
+//! claimed valid). An allocation the failure caught with some segments released is then resumed (a
+//! resume transaction of its own, after the pause's has ended), so that it is whole again; if that
+//! fails too, it stays Partial, its released segments paused with their backup, and the error says
+//! so. If only a release fails, the allocation is Paused all the same (unmapped, its contents in
+//! the backup) and the handle is reported.
 //!
 //! *Resume* marks the tag's paused allocations Resuming, then creates, maps and enables access
 //! for each (as `segment::Mapping`s) while the pipeline copies the backups back. All or
@@ -125,12 +125,11 @@
 //!   pinner's queue and its handshake with transactions (`quiet`, `busy`). Held only to change
 //!   those fields or wait on them; page-locking runs outside it. A leaf.
 //! - The copy pipeline's `Ready::gate` (with `wake`; `std`'s, for loom: `pipeline/ready.rs`),
-//!   `error` (`Shared`, `pipeline/shared.rs`) and each worker's lane of staging slots (`pipeline/worker.rs`), and
-//!   the job slots of `per_device`: each lives for one pipeline or one call, under the
-//!   operations lock. `gate`
-//!   and `error` are leaves held for a store or a wait; a lane is held by its one worker for the
-//!   whole run, and a job slot by the thread that runs its job, driver calls and copies included
-//!   (nobody else ever wants them).
+//!   `error` (`Shared`, `pipeline/shared.rs`) and each worker's lane of staging slots
+//!   (`pipeline/worker.rs`), and the job slots of `per_device`: each lives for one pipeline or one
+//!   call, under the operations lock. `gate` and `error` are leaves held for a store or a wait; a
+//!   lane is held by its one worker for the whole run, and a job slot by the thread that runs its
+//!   job, driver calls and copies included (nobody else ever wants them).
 //! - `BackupDir::files` (`backup/disk.rs`): the prepared folder of disk backups; held while the
 //!   path is followed to the folder, which is made and checked where it is new (file system calls
 //!   that cannot block: Note [The disk backup folder]), not while sweeping. `FAULTS`: armed file faults (testing aid), a leaf.

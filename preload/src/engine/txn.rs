@@ -15,12 +15,12 @@
 //!    opens (Note [Non-blocking resume] in `inflight.rs`), so that the next resume's base is
 //!    right and no stream waits for it forever.
 //! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
-//!    resume's, without retention or `keep_staging`) goes to its caller's closure after the lock is let go,
-//!    with the host memory a resume gives back: that takes long and needs no lock. With the
-//!    lock let go, `recheck`: the slots go if no allocation with a backup is left. A `free` of
-//!    the last one only tries the lock, so while a transaction holds it that free cannot drop
-//!    them; the transaction looks once it let go (`Ops::drop_unused_slots`), which a look
-//!    while still holding it would miss for a free that came after the look.
+//!    resume's, without retention or `keep_staging`) goes to its caller's closure after the lock is
+//!    let go, with the host memory a resume gives back: that takes long and needs no lock. With the
+//!    lock let go, `recheck`: the slots go if no allocation with a backup is left. A `free` of the
+//!    last one only tries the lock, so while a transaction holds it that free cannot drop them; the
+//!    transaction looks once it let go (`Ops::drop_unused_slots`), which a look while still holding
+//!    it would miss for a free that came after the look.
 //! 3. `end` ([`Ending`]): the progress record (watchers see the operation to its very end, its
 //!    release phase included), then the pinner's quiet state, then, last, the guard that marks
 //!    the engine broken when a panic unwinds through any of the above.
