@@ -52,17 +52,12 @@ struct Job {
 }
 
 impl Job {
-    /// What the pause of segments `segs` of the allocation at `ptr` (lying at `span`) needs,
-    /// copied out of its entry, which the registry marks Pausing meanwhile. A retained backup
-    /// is reused only where nothing else holds it (a zero-copy view, a reader): a snapshot
-    /// someone still looks at is never overwritten.
-    fn marked(
-        ptr: DevPtr,
-        span: Span,
-        a: &mut Allocation,
-        segs: Vec<usize>,
-        cfg: &CopyConfig,
-    ) -> Job {
+    /// What the pause of segments `segs` of the allocation at `ptr` needs, copied out of its entry,
+    /// which the registry marks Pausing meanwhile. A retained backup is reused only where nothing
+    /// else holds it (a zero-copy view, a reader): a snapshot someone still looks at is never
+    /// overwritten.
+    fn marked(ptr: DevPtr, a: &mut Allocation, segs: Vec<usize>, cfg: &CopyConfig) -> Job {
+        let span = a.span(ptr);
         // Segments a failed resume left mapped: paused already, their contents in the
         // backup; the pause only gives their memory back (`Engine::release_stuck`).
         let (stuck, segs): (Vec<usize>, Vec<usize>) =
@@ -275,7 +270,7 @@ impl Engine {
                         .then(|| pick.segments_to_pause(ptr, a))
                         .flatten()
                 },
-                |ptr, a, segs| Job::marked(ptr, a.span(ptr), a, segs, &cfg),
+                |ptr, a, segs| Job::marked(ptr, a, segs, &cfg),
             )
         })?;
         // A non-blocking resume's failure that nothing reported, on allocations this pause

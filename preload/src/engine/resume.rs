@@ -46,9 +46,10 @@ struct Job {
 }
 
 impl Job {
-    /// What the resume of segments `segs` of the allocation at `ptr` (lying at `span`) needs,
-    /// copied out of its entry, which the registry marks Resuming meanwhile.
-    fn marked(ptr: DevPtr, span: Span, a: &Allocation, segs: Vec<usize>) -> Job {
+    /// What the resume of segments `segs` of the allocation at `ptr` needs, copied out of its
+    /// entry, which the registry marks Resuming meanwhile.
+    fn marked(ptr: DevPtr, a: &Allocation, segs: Vec<usize>) -> Job {
+        let span = a.span(ptr);
         let mut runs: Vec<(Span, bool)> = Vec::new();
         for (first, n) in segment::runs(&segs) {
             // Split where the backup starts or stops holding the contents.
@@ -170,7 +171,7 @@ impl Engine {
             reg.begin(
                 State::Resuming,
                 |ptr, a| pick.segments_to_resume(ptr, a),
-                |ptr, a, segs| Job::marked(ptr, a.span(ptr), a, segs),
+                |ptr, a, segs| Job::marked(ptr, a, segs),
             )
         })?;
         if !order.is_empty() {
