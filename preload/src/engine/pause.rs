@@ -63,24 +63,26 @@ impl Job {
         let (stuck, segs): (Vec<usize>, Vec<usize>) =
             segs.into_iter().partition(|s| a.stuck.contains(s));
         let stuck: Vec<(usize, Span)> = stuck.into_iter().map(|s| (s, span.sub(s, 1))).collect();
+        // What it is with nothing to pause but stuck segments: no backup work.
+        let job = Job {
+            ptr,
+            size: a.size,
+            mapped: a.mapped,
+            tag: a.tag.clone(),
+            backup: a.backup,
+            runs: Vec::new(),
+            segs: Vec::new(),
+            chunked: a.chunk > 0,
+            host: None,
+            disk: None,
+            file_chunk: 0,
+            file_needed: true,
+            carry: None,
+            stuck,
+            device: a.device,
+        };
         if segs.is_empty() {
-            return Job {
-                ptr,
-                size: a.size,
-                mapped: a.mapped,
-                tag: a.tag.clone(),
-                backup: a.backup,
-                runs: Vec::new(),
-                segs,
-                chunked: a.chunk > 0,
-                host: None,
-                disk: None,
-                file_chunk: 0,
-                file_needed: true,
-                carry: None,
-                stuck,
-                device: a.device,
-            };
+            return job;
         }
         for &s in &segs {
             a.saved[s] = false;
@@ -141,21 +143,14 @@ impl Job {
         // chunks of a chunked allocation, the segments of any other.
         let file_chunk = cfg.file_chunk(if a.chunk > 0 { a.chunk } else { a.segment });
         Job {
-            ptr,
-            size: a.size,
-            mapped: a.mapped,
-            tag: a.tag.clone(),
-            backup: a.backup,
             runs,
+            file_chunk,
             segs,
-            chunked: a.chunk > 0,
             host: a.host.clone(),
             disk: a.disk.clone(),
-            file_chunk,
             file_needed,
             carry,
-            stuck,
-            device: a.device,
+            ..job
         }
     }
 
@@ -546,11 +541,10 @@ impl Engine {
         retired: &mut [(u64, u64, u64)],
         tracked: &Tracked<'_>,
     ) -> Result<()> {
-        let backings = Backings {
-            host: jobs.iter().any(|j| j.host.is_some()),
-            disk: jobs.iter().any(Job::on_disk),
-        };
-        tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
+        tracked.prepared(
+            jobs.iter().map(Job::pipeline_bytes).sum(),
+            Backings::of(jobs.iter().map(|j| (j.host.is_some(), j.on_disk()))),
+        );
         let progress = tracked.counters();
         let mut groups = by_device(jobs.iter().map(|j| j.device));
         for list in groups.values_mut() {

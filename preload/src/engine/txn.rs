@@ -8,6 +8,10 @@
 //! Either way nothing it holds is let go of by hand elsewhere, and it lets go in this order (its
 //! fields' order: Rust drops a struct's fields in declaration order; `end` follows it):
 //!
+//! 0. `unwind`: if a panic is unwinding through the operation, the engine is marked broken
+//!    first, before the operations lock is let go, so that a transaction waiting for the lock
+//!    is refused (it looks again once it has the lock) instead of acting on a record a bug may
+//!    have left wrong.
 //! 1. `settle`: the allocations it marked (Pausing, Resuming) that are still in transition go
 //!    back to the state their handles describe, and a `free` waiting for one is woken. First,
 //!    while the operations lock is still held, so that no later transaction ever finds an
@@ -22,13 +26,14 @@
 //!    transaction looks once it let go (`Ops::drop_unused_slots`), which a look while still holding
 //!    it would miss for a free that came after the look.
 //! 3. `end` ([`Ending`]): the progress record (watchers see the operation to its very end, its
-//!    release phase included), then the pinner's quiet state, then, last, the guard that marks
-//!    the engine broken when a panic unwinds through any of the above.
+//!    release phase included), then the pinner's quiet state, then, last, a second unwind guard,
+//!    for a panic raised by one of the drops above.
 //!
 //! Its prologue, [`Txn::begin`], refuses what cannot start (an empty tag, a broken engine),
 //! waits for the host memory earlier resumes are giving back and holds the background pinner
 //! quiet (both in `background.rs`), takes the operations lock (waiting for the
-//! transaction running) and starts the progress record (`progress.rs`).
+//! transaction running, then refusing if that one broke the engine) and starts the progress
+//! record (`progress.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -145,6 +150,7 @@ pub(super) enum Slots {
 
 /// A running pause or resume (Note [Transactions]).
 pub(super) struct Txn<'e> {
+    unwind: BreakOnUnwind<'e>,
     settle: Settle<'e>,
     gate: Option<OpenOnDrop<'e>>,
     slots: MutexGuard<'e, Rings>,
@@ -166,7 +172,7 @@ impl Drop for DropUnusedSlots<'_> {
 }
 
 /// What a transaction holds until its very end: its progress record, the pinner's quiet state
-/// and the unwind guard, in that drop order.
+/// and the second unwind guard, in that drop order.
 struct Ending<'e> {
     tracked: Tracked<'e>,
     _quiet: Quiet<'e>,
@@ -179,8 +185,9 @@ struct Ending<'e> {
 
 impl<'e> Txn<'e> {
     /// The prologue (Note [Transactions]): refuse what cannot start, then take what every
-    /// transaction holds, in order: the unwind guard, the pinner's quiet state, the operations
-    /// lock (a transaction waits here for the one running) and the progress record. `gate`: a
+    /// transaction holds, in order: the unwind guards, the pinner's quiet state, the operations
+    /// lock (a transaction waits here for the one running, and is refused if that one broke the
+    /// engine) and the progress record. `gate`: a
     /// non-blocking resume's, opened when the transaction ends, however it ends.
     pub(super) fn begin(
         ops: &'e Ops,
@@ -202,6 +209,8 @@ impl<'e> Txn<'e> {
         let quiet = ops.pinner.quiet();
         let t0 = Instant::now();
         let slots = ops.slots.lock();
+        // Looked at again: the transaction this one waited for may have panicked meanwhile.
+        ops.check_sound()?;
         let tracked = ops.progress.begin(Start {
             which,
             tag,
@@ -209,6 +218,7 @@ impl<'e> Txn<'e> {
             label: pick.label,
         });
         Ok(Txn {
+            unwind: unwind.clone(),
             settle: Settle {
                 registry,
                 ptrs: Vec::new(),
@@ -307,6 +317,7 @@ impl<'e> Txn<'e> {
         after: impl FnOnce(Rings, &Counters) -> f64,
     ) -> OpReport {
         let Txn {
+            unwind,
             settle,
             gate,
             slots: mut held,
@@ -322,7 +333,9 @@ impl<'e> Txn<'e> {
         drop(held);
         drop(recheck);
         let release_seconds = after(taken, end.tracked.counters());
-        end.report(tally, release_seconds)
+        let report = end.report(tally, release_seconds);
+        drop(unwind);
+        report
     }
 }
 
@@ -358,6 +371,7 @@ fn verb(which: Which) -> &'static str {
 }
 
 /// Marks the engine broken if a panic unwinds through the operation it guards.
+#[derive(Clone)]
 struct BreakOnUnwind<'a> {
     ops: &'a Ops,
     which: Which,
