@@ -541,10 +541,11 @@ impl Engine {
         retired: &mut [(u64, u64, u64)],
         tracked: &Tracked<'_>,
     ) -> Result<()> {
-        tracked.prepared(
-            jobs.iter().map(Job::pipeline_bytes).sum(),
-            Backings::of(jobs.iter().map(|j| (j.host.is_some(), j.on_disk()))),
-        );
+        let backings = Backings {
+            host: jobs.iter().any(|j| j.host.is_some()),
+            disk: jobs.iter().any(Job::on_disk),
+        };
+        tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
         let progress = tracked.counters();
         let mut groups = by_device(jobs.iter().map(|j| j.device));
         for list in groups.values_mut() {

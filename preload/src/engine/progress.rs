@@ -151,18 +151,6 @@ pub struct Backings {
     pub disk: bool,
 }
 
-impl Backings {
-    /// Those that an operation's jobs use, from each job's (has a host buffer, its backup is a
-    /// file).
-    pub fn of(jobs: impl IntoIterator<Item = (bool, bool)>) -> Backings {
-        jobs.into_iter()
-            .fold(Backings::default(), |b, (host, disk)| Backings {
-                host: b.host || host,
-                disk: b.disk || disk,
-            })
-    }
-}
-
 /// A snapshot of the running pause or resume ([`super::Engine::progress`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Progress {

@@ -330,11 +330,12 @@ impl Engine {
         track: Option<&Tracker>,
         (asked, verified): (bool, &[AtomicU64]),
     ) -> (Made<'d>, Result<()>) {
+        let backings = Backings {
+            host: jobs.iter().any(|j| j.host.is_some()),
+            disk: jobs.iter().any(|j| j.on_disk),
+        };
         let (rings, tracked) = tx.work();
-        tracked.prepared(
-            jobs.iter().map(Job::pipeline_bytes).sum(),
-            Backings::of(jobs.iter().map(|j| (j.host.is_some(), j.on_disk))),
-        );
+        tracked.prepared(jobs.iter().map(Job::pipeline_bytes).sum(), backings);
         let progress = tracked.counters();
         progress.phase(Phase::Mapping);
         let groups = by_device(jobs.iter().map(|j| j.device));
