@@ -102,7 +102,7 @@ def state(tag):
     for t in tms.stats()["tags"]:
         if t["tag"] == tag:
             keys = ("active_allocations", "paused_allocations", "bytes_active", "bytes_paused",
-                    "bytes_unrestored", "restoring_allocations", "failed_restore")
+                    "bytes_unrestored", "bytes_restoring", "restoring_allocations", "failed_restore")
             return {k: t.get(k) for k in keys}
     return None
 
@@ -204,8 +204,16 @@ def resume_intact(s: Setup, w: Proc, tag: str) -> tuple[bool, str]:
     return False, f"resume {tries}"
 
 
-def landed_or_raised(s: Setup, t: Tally, w: Proc, tag: str, what: str, free0) -> str:
-    """After a non-blocking resume of `tag` returned: which of the true states it ends in."""
+def held(st: dict) -> int:
+    """The device memory a tag holds: active, and restoring or left unrestored by a non-blocking
+    resume (mapped, neither active nor paused)."""
+    return sum(st.get(k) or 0 for k in ("bytes_active", "bytes_restoring", "bytes_unrestored"))
+
+
+def landed_or_raised(s: Setup, t: Tally, w: Proc, tag: str, what: str, free0,
+                     paused0: list[str]) -> str:
+    """After a non-blocking resume of `tag` returned: which of the true states it ends in.
+    `free0`: the device's free memory when the tags `paused0` were all paused."""
     n = len(SIZES[tag])
     first = s.ask(w, cmd="wait", tag=tag, secs=s.ask_timeout / 2)
     if first["ok"]:
@@ -229,11 +237,14 @@ def landed_or_raised(s: Setup, t: Tally, w: Proc, tag: str, what: str, free0) ->
     p = s.ask(w, cmd="pause", tag=tag)
     st = s.ask(w, cmd="state", tag=tag)["state"]
     after = s.ask(w, cmd="free")["free"]
-    freed = free0 is None or after >= free0 - 512 * MIB
+    # The other tags paused at free0 may hold memory now (resumed meanwhile): not this tag's.
+    others = sum(held(s.ask(w, cmd="state", tag=x)["state"]) for x in paused0 if x != tag)
+    freed = free0 is None or after >= free0 - others - 512 * MIB
     t.check("D", p["ok"] and st["paused_allocations"] == n and st["bytes_unrestored"] == 0
             and not st["failed_restore"] and freed,
             f"{what}: the pause after the report gives {tag}'s memory back: {p}, {st}"
-            + ("" if free0 is None else f", free {free0 / GIB:.2f} -> {after / GIB:.2f} GiB"))
+            + ("" if free0 is None else f", free {free0 / GIB:.2f} -> {after / GIB:.2f} GiB, "
+               f"{others / GIB:.2f} GiB held by the other tags resumed since"))
     return "failed after the return"
 
 
@@ -325,7 +336,7 @@ def sweep_d_round(s: Setup, t: Tally, mode: str, r: int, rng: random.Random, roo
                         f"{res['msg'][:120]}), still paused ({st}); then {how}")
                 outcome = "raised before the return"
             elif first == "wait":
-                outcome = landed_or_raised(s, t, w, tag, what, free0)
+                outcome = landed_or_raised(s, t, w, tag, what, free0, tags)
                 if outcome != "landed":
                     ok, how = resume_intact(s, w, tag)
                     t.check("D", ok, f"{what}: {tag} after the failure: {how}")
