@@ -3,9 +3,12 @@
 entered, in the order entered; closures (read with the function that holds them) and derived
 impls (eq, default, clone, fmt: never read) left out; the path ends at the driver (nothing
 below the first frame in src/driver/). Consecutive functions in one file are one stay.
-changes of file = stays - 1; returns = stays - files. `--as FILE=INTO` (repeatable) counts FILE's
-functions as INTO's: what a merge of files would do to a path, before anyone moves code.
-  python3 scripts/paths/count.py [-v] [--under NAME] [--as FILE=INTO]... TRACE.json ..."""
+changes of file = stays - 1; returns = stays - files. What-ifs, before anyone moves code (each
+repeatable): `--as FILE=INTO` counts FILE's functions as INTO's (a merge of files); `--move
+NAME=INTO` counts the functions whose name ends with NAME as INTO's (a function moved);
+`--inline NAME` leaves those functions out (read as part of their caller, as if inlined).
+  python3 scripts/paths/count.py [-v] [--under NAME] [--as FILE=INTO]... [--move NAME=INTO]...
+      [--inline NAME]... TRACE.json ..."""
 import json, sys, re
 
 SKIP = {"eq", "ne", "default", "clone", "fmt", "hash", "partial_cmp", "cmp"}
@@ -28,12 +31,18 @@ def norm(name):
 def short(n):
     return "::".join(n.split("::")[-2:])
 
-def run(path, show=False, under=None, only=None, merged=None):
+def place(n, f, merged, moved):
+    for name, into in moved:
+        if n.endswith(name):
+            return into
+    return merged.get(f, f)
+
+def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=()):
     hits = json.load(open(path))
     merged = merged or {}
     seen, seq = set(), []
     for st in hits:
-        st = [(norm(n), merged.get(f, f)) for n, f in st]
+        st = [(norm(n), place(norm(n), f, merged, moved)) for n, f in st]
         for i, (n, f) in enumerate(st):
             if f.startswith("preload/src/driver/"):
                 st = st[: i + 1]
@@ -48,6 +57,8 @@ def run(path, show=False, under=None, only=None, merged=None):
         n, f = st[-1]
         last = n.split("::")[-1]
         if "{closure" in n or last in SKIP or last.startswith("{closure"):
+            continue
+        if any(n.endswith(i) for i in inlined):
             continue
         if only is not None and not (f.startswith(only) and "/pipeline" not in f):
             continue
@@ -82,13 +93,18 @@ if __name__ == "__main__":
     if "--under" in args:
         under = args[args.index("--under") + 1]
     only = "preload/src/engine/" if "--engine" in args else None
-    merged = {}
+    merged, moved, inlined = {}, [], []
     for i, a in enumerate(args[:-1]):
-        if a == "--as":
+        if a in ("--as", "--move"):
             f, sep, into = args[i + 1].partition("=")
             if not sep or not f or not into:
-                sys.exit(f"--as wants FILE=INTO, got {args[i + 1]!r}")
-            merged[f] = into
+                sys.exit(f"{a} wants {'FILE' if a == '--as' else 'NAME'}=INTO, got {args[i + 1]!r}")
+            if a == "--as":
+                merged[f] = into
+            else:
+                moved.append((f, into))
+        elif a == "--inline":
+            inlined.append(args[i + 1])
     paths = [a for i, a in enumerate(args) if a.endswith(".json")]
     for p in paths:
-        run(p, show, under, only, merged)
+        run(p, show, under, only, merged, moved, inlined)
