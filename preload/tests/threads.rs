@@ -170,37 +170,40 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
 /// have left wrong.
 #[test]
 fn a_transaction_waiting_behind_a_panic_is_refused() {
-    let f = fx();
-    f.e.pause(None).unwrap();
-    // The first resume stalls at its first physical allocation, holding the lock.
-    f.sim.hold(Prim::Create, None);
-    let e = f.e.clone();
-    let first = std::thread::spawn(move || catch_unwind(AssertUnwindSafe(|| e.resume(None))));
-    let t0 = std::time::Instant::now();
-    while f.sim.held_calls() == 0 {
+    for waiting in ["resume", "pause"] {
+        let f = fx();
+        f.e.pause(None).unwrap();
+        // The first resume stalls at its first physical allocation, holding the lock.
+        f.sim.hold(Prim::Create, None);
+        let e = f.e.clone();
+        let first = std::thread::spawn(move || catch_unwind(AssertUnwindSafe(|| e.resume(None))));
+        let t0 = std::time::Instant::now();
+        while f.sim.held_calls() == 0 {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the resume never reached its mapping"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let e = f.e.clone();
+        let second = std::thread::spawn(move || match waiting {
+            "resume" => e.resume(None),
+            _ => e.pause(None),
+        });
+        // Time for the second to reach the lock and wait there.
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(!second.is_finished(), "the {waiting} waits for the resume");
+        f.sim.arm_fault(Prim::Create, 1, PANIC);
+        f.sim.unhold(Prim::Create, None);
+        let err = bounded("the first resume", move || first.join().unwrap());
+        assert!(err.is_err(), "the panic reaches the first caller");
+        let err = bounded("the operation that waited", move || second.join().unwrap())
+            .expect_err(waiting);
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "the resume never reached its mapping"
+            err.to_string()
+                .contains("stopped after an internal error (a bug) during a resume")
+                && err.status() == 4,
+            "{waiting}: {err}"
         );
-        std::thread::sleep(Duration::from_millis(5));
     }
-    let e = f.e.clone();
-    let second = std::thread::spawn(move || e.resume(None));
-    // Time for the second to reach the lock and wait there.
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(
-        !second.is_finished(),
-        "the second resume waits for the first"
-    );
-    f.sim.arm_fault(Prim::Create, 1, PANIC);
-    f.sim.unhold(Prim::Create, None);
-    let err = bounded("the first resume", move || first.join().unwrap());
-    assert!(err.is_err(), "the panic reaches the first caller");
-    let err = bounded("the resume that waited", move || second.join().unwrap()).unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("stopped after an internal error (a bug) during a resume")
-            && err.status() == 4,
-        "{err}"
-    );
 }
