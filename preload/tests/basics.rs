@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{engine_test, pattern, req, Harness, Setup};
+use common::{engine_test, pattern, req, wait_until, Harness, Setup};
 use tms::backup::{BackupKind, HostLayout};
 use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, CopyConfig, PinMode, State};
@@ -637,11 +637,9 @@ engine_test! {
         sim.hold(Prim::HostUnregister, None);
         e.resume(None).unwrap();
         assert_eq!(h.read(p, 2 * g as usize), data);
-        let t0 = std::time::Instant::now();
-        while sim.held_calls() == 0 {
-            assert!(t0.elapsed().as_secs() < 10, "no release began");
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
+        wait_until("a release begins", std::time::Duration::from_secs(10), || {
+            sim.held_calls() > 0
+        });
         // The next pause waits for it.
         let e2 = h.e.clone();
         let pauser = std::thread::spawn(move || e2.pause(None).map(|r| r.allocations));

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::harness::Harness;
-use common::{engine_test, pattern, req, Setup};
+use common::{engine_test, pattern, req, wait_until, Setup};
 use tms::backup::BackupKind;
 use tms::driver::sim::Prim;
 use tms::driver::{DevPtr, Stream};
@@ -480,11 +480,7 @@ engine_test! {
         sim.hold(Prim::HostUnregister, None);
         let e = h.e.clone();
         let giving_back = std::thread::spawn(move || e.resume(Some("a")).map(|r| r.allocations));
-        let t0 = std::time::Instant::now();
-        while sim.held_calls() == 0 {
-            assert!(t0.elapsed() < Duration::from_secs(10), "no unlock began");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        wait_until("an unlock begins", Duration::from_secs(10), || sim.held_calls() > 0);
         let (e, us) = (h.e.clone(), user_stream(&h));
         let returning = std::thread::spawn(move || {
             Engine::resume_nonblocking(e, Some("b"), &[], Some(us)).map(|r| r.allocations)

@@ -9,7 +9,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use common::{pattern, read_raw, write_raw};
+use common::{pattern, read_raw, wait_until, write_raw};
 use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimDriver, PANIC};
 use tms::engine::{AllocRequest, Engine, Pick, State};
@@ -177,14 +177,11 @@ fn a_transaction_waiting_behind_a_panic_is_refused() {
         f.sim.hold(Prim::Create, None);
         let e = f.e.clone();
         let first = std::thread::spawn(move || catch_unwind(AssertUnwindSafe(|| e.resume(None))));
-        let t0 = std::time::Instant::now();
-        while f.sim.held_calls() == 0 {
-            assert!(
-                t0.elapsed() < Duration::from_secs(30),
-                "the resume never reached its mapping"
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(
+            "the resume reaches its mapping",
+            Duration::from_secs(30),
+            || f.sim.held_calls() > 0,
+        );
         let e = f.e.clone();
         let second = std::thread::spawn(move || match waiting {
             "resume" => e.resume(None),

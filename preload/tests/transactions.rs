@@ -7,9 +7,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::sync::{mpsc, Arc};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{engine_test, pattern, Setup};
+use common::{engine_test, pattern, wait_until, Setup};
 use tms::backup::BackupKind;
 use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, CopyConfig, PinMode, State};
@@ -46,14 +46,6 @@ fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static)
         .unwrap_or_else(|_| panic!("{what} waited for the stalled pause"))
 }
 
-fn wait_until(what: &str, cond: impl Fn() -> bool) {
-    let t0 = Instant::now();
-    while !cond() {
-        assert!(t0.elapsed() < PATIENCE, "timed out waiting until {what}");
-        thread::sleep(Duration::from_millis(2));
-    }
-}
-
 engine_test! {
     /// A pause held at its device synchronization (as when the GPU's work waits for a host thread)
     /// keeps no hook waiting: ownership questions, frees of memory that is not the engine's,
@@ -74,7 +66,7 @@ engine_test! {
             let e = e.clone();
             thread::spawn(move || e.pause(Some("kv")))
         };
-        wait_until("the pause reaches the device", || sim.held_calls() == 1);
+        wait_until("the pause reaches the device", PATIENCE, || sim.held_calls() == 1);
         let states: BTreeMap<u64, State> =
             e.allocations().iter().map(|a| (a.addr, a.state)).collect();
         assert_eq!(states[&kv], State::Pausing);

@@ -21,9 +21,21 @@ pub use invariants::{assert_invariants, check_invariants, Books, Expect, Leaks};
 #[allow(unused_imports)]
 pub use setup::{sim_engine, Setup};
 
+use std::time::{Duration, Instant};
+
 use tms::backup::BackupKind;
 use tms::driver::sim::SimDriver;
 use tms::engine::AllocRequest;
+
+/// Wait until `cond` holds (a test's other thread reached a held call, say); the test fails,
+/// naming `what`, if it does not within `patience`.
+pub fn wait_until(what: &str, patience: Duration, cond: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < patience, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
 
 /// A request for `size` bytes on device 0, unchunked.
 pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
