@@ -42,7 +42,7 @@ def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=
     merged = merged or {}
     seen, seq = set(), []
     for st in hits:
-        st = [(norm(n), place(norm(n), f, merged, moved)) for n, f in st]
+        st = [(n, place(n, f, merged, moved)) for n, f in ((norm(n), f) for n, f in st)]
         for i, (n, f) in enumerate(st):
             if f.startswith("preload/src/driver/"):
                 st = st[: i + 1]

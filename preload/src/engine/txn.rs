@@ -316,8 +316,9 @@ impl<'e> Txn<'e> {
         tally: Tally,
         after: impl FnOnce(Rings, &Counters) -> f64,
     ) -> OpReport {
+        // The first guard lives to the end of this function (its binding is not `_`).
         let Txn {
-            unwind,
+            unwind: _unwind,
             settle,
             gate,
             slots: mut held,
@@ -333,9 +334,7 @@ impl<'e> Txn<'e> {
         drop(held);
         drop(recheck);
         let release_seconds = after(taken, end.tracked.counters());
-        let report = end.report(tally, release_seconds);
-        drop(unwind);
-        report
+        end.report(tally, release_seconds)
     }
 }
 
