@@ -6,10 +6,10 @@
 mod common;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::time::Duration;
 
-use common::{pattern, read_raw, wait_until, write_raw};
+use common::{bounded, pattern, read_raw, wait_until, write_raw};
 use tms::backup::BackupKind;
 use tms::driver::sim::{Prim, SimDriver, PANIC};
 use tms::engine::{AllocRequest, Engine, Pick, State};
@@ -65,18 +65,8 @@ impl Fx {
     }
 }
 
-/// Run `f` on another thread and fail the test if it does not finish in a minute (a hang).
-fn bounded<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(catch_unwind(AssertUnwindSafe(f)));
-    });
-    match rx.recv_timeout(Duration::from_secs(60)) {
-        Ok(Ok(v)) => v,
-        Ok(Err(p)) => std::panic::resume_unwind(p),
-        Err(_) => panic!("{what} hung"),
-    }
-}
+/// How long a call may take before the test calls it a hang.
+const HANG: Duration = Duration::from_secs(60);
 
 #[test]
 fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
@@ -85,9 +75,9 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
         let f = fx();
         fail_next_spawns(refused);
         let e = f.e.clone();
-        bounded("a pause without threads", move || e.pause(None)).unwrap();
+        bounded("a pause without threads", HANG, move || e.pause(None)).unwrap();
         let e = f.e.clone();
-        bounded("a resume without threads", move || e.resume(None)).unwrap();
+        bounded("a resume without threads", HANG, move || e.resume(None)).unwrap();
         fail_next_spawns(0);
         f.check_contents();
         // A verified resume digests on the host what the backups recorded no digest of, on
@@ -95,7 +85,7 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
         f.e.pause(None).unwrap();
         fail_next_spawns(refused);
         let e = f.e.clone();
-        let r = bounded("a verified resume without threads", move || {
+        let r = bounded("a verified resume without threads", HANG, move || {
             e.resume_pick(&Pick {
                 verify: true,
                 ..Pick::default()
@@ -112,7 +102,10 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
         let f = fx();
         f.sim.arm_fault(prim, 3, PANIC);
         let e = f.e.clone();
-        let err = bounded("a pause with a panicking worker", move || e.pause(None)).unwrap_err();
+        let err = bounded("a pause with a panicking worker", HANG, move || {
+            e.pause(None)
+        })
+        .unwrap_err();
         assert!(
             err.to_string().contains("a copy worker panicked") && err.status() == 8,
             "{err}"
@@ -139,7 +132,7 @@ fn threads_that_cannot_be_had_and_panics_never_hang_or_lose_data() {
         f.e.pause(None).unwrap();
         f.sim.arm_fault(Prim::Map, nth, PANIC);
         let e = f.e.clone();
-        let r = bounded("a resume whose mapping panics", move || {
+        let r = bounded("a resume whose mapping panics", HANG, move || {
             catch_unwind(AssertUnwindSafe(|| e.resume(None)))
         });
         assert!(r.is_err(), "the panic reaches the caller");
@@ -192,10 +185,12 @@ fn a_transaction_waiting_behind_a_panic_is_refused() {
         assert!(!second.is_finished(), "the {waiting} waits for the resume");
         f.sim.arm_fault(Prim::Create, 1, PANIC);
         f.sim.unhold(Prim::Create, None);
-        let err = bounded("the first resume", move || first.join().unwrap());
+        let err = bounded("the first resume", HANG, move || first.join().unwrap());
         assert!(err.is_err(), "the panic reaches the first caller");
-        let err = bounded("the operation that waited", move || second.join().unwrap())
-            .expect_err(waiting);
+        let err = bounded("the operation that waited", HANG, move || {
+            second.join().unwrap()
+        })
+        .expect_err(waiting);
         assert!(
             err.to_string()
                 .contains("stopped after an internal error (a bug) during a resume")

@@ -5,11 +5,11 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use common::{engine_test, pattern, wait_until, Setup};
+use common::{bounded, engine_test, pattern, wait_until, Setup};
 use tms::backup::BackupKind;
 use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, CopyConfig, PinMode, State};
@@ -33,17 +33,6 @@ fn req(size: u64, device: i32, tag: &str, backup: Option<BackupKind>) -> AllocRe
         backup,
         chunk: 0,
     }
-}
-
-/// Run `f` on another thread; its result, or a failure naming `what` if it is not back within
-/// [`PATIENCE`].
-fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = mpsc::channel();
-    thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    rx.recv_timeout(PATIENCE)
-        .unwrap_or_else(|_| panic!("{what} waited for the stalled pause"))
 }
 
 engine_test! {
@@ -73,7 +62,7 @@ engine_test! {
         assert_eq!(states[&other], State::Active);
 
         let e2 = e.clone();
-        let fresh = within("hooks", move || {
+        let fresh = bounded("the hooks during the stalled pause", PATIENCE, move || {
             assert!(!e2.owns(0x1234_5000), "not ours");
             assert!(!e2.free(0x1234_5000).unwrap(), "a free of foreign memory");
             assert!(e2.owns(kv));

@@ -7,8 +7,14 @@ changes of file = stays - 1; returns = stays - files. What-ifs, before anyone mo
 repeatable): `--as FILE=INTO` counts FILE's functions as INTO's (a merge of files); `--move
 NAME=INTO` counts the functions whose name ends with NAME as INTO's (a function moved);
 `--inline NAME` leaves those functions out (read as part of their caller, as if inlined).
+A floor under any reordering: `--within FLOW` cuts the path into phases, each call FLOW makes
+(what it calls directly, with all that runs under it) one phase, the path before FLOW is
+entered and after it returns one phase each; `--phase LABEL=NAME,NAME...` joins the calls FLOW
+makes to functions whose names end with those NAMEs into one phase. It prints what the path
+would count if every phase entered each of its files once (two phases in a row sharing a file
+joined there): what no order of the work inside the phases can beat.
   python3 scripts/paths/count.py [-v] [--under NAME] [--as FILE=INTO]... [--move NAME=INTO]...
-      [--inline NAME]... TRACE.json ..."""
+      [--inline NAME]... [--within FLOW [--phase LABEL=NAME,...]...] TRACE.json ..."""
 import json, sys, re
 
 SKIP = {"eq", "ne", "default", "clone", "fmt", "hash", "partial_cmp", "cmp"}
@@ -37,7 +43,20 @@ def place(n, f, merged, moved):
             return into
     return merged.get(f, f)
 
-def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=()):
+def phase_of(st, within, phases):
+    """The phase of a function entered with stack `st` (`--within`)."""
+    idx = [i for i, (n, f) in enumerate(st) if n.endswith(within)]
+    if not idx:
+        return "outside"
+    callee = next((n for n, f in st[idx[-1] + 1:] if "{closure" not in n), within)
+    for label, names in phases:
+        if any(callee.endswith(x) for x in names):
+            return label
+    return callee
+
+def sequence(path, under=None, only=None, merged=None, moved=(), inlined=(), within=None,
+             phases=()):
+    """The functions of a trace in the order first entered: (name, file, phase)."""
     hits = json.load(open(path))
     merged = merged or {}
     seen, seq = set(), []
@@ -65,9 +84,35 @@ def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=
         if (n, f) in seen:
             continue
         seen.add((n, f))
-        seq.append((n, f))
+        seq.append((n, f, phase_of(st, within, phases) if within else None))
+    return seq
+
+def floor(path, seq, show):
+    """`--within`: the count if each phase entered each of its files once."""
+    cut = []
+    for _, f, k in seq:
+        if cut and cut[-1][0] == k:
+            cut[-1][1].append(f)
+        else:
+            cut.append((k, [f]))
+    stays, prev = 0, set()
+    for k, fs in cut:
+        files = set(fs)
+        stays += len(files) - (1 if prev & files else 0)
+        prev = files
+        if show:
+            print(f"     phase {k[-50:]:50} {len(files):3} files")
+    print(f"{path}: {len(cut)} phases; entering each of its files once per phase: "
+          f"{stays} stays ({stays - 1} changes of file) at the least")
+
+def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=(),
+        within=None, phases=()):
+    seq = sequence(path, under, only, merged, moved, inlined, within, phases)
+    if within:
+        floor(path, seq, show)
+        return
     stays = []
-    for n, f in seq:
+    for n, f, _ in seq:
         if stays and stays[-1][0] == f:
             stays[-1][1].append(n)
         else:
@@ -93,8 +138,15 @@ if __name__ == "__main__":
     if "--under" in args:
         under = args[args.index("--under") + 1]
     only = "preload/src/engine/" if "--engine" in args else None
-    merged, moved, inlined = {}, [], []
+    within = args[args.index("--within") + 1] if "--within" in args else None
+    merged, moved, inlined, phases = {}, [], [], []
     for i, a in enumerate(args[:-1]):
+        if a == "--phase":
+            label, sep, names = args[i + 1].partition("=")
+            if not sep or not label or not names:
+                sys.exit(f"--phase wants LABEL=NAME,NAME..., got {args[i + 1]!r}")
+            phases.append((label, [x for x in names.split(",") if x]))
+            continue
         if a in ("--as", "--move"):
             f, sep, into = args[i + 1].partition("=")
             if not sep or not f or not into:
@@ -107,4 +159,4 @@ if __name__ == "__main__":
             inlined.append(args[i + 1])
     paths = [a for i, a in enumerate(args) if a.endswith(".json")]
     for p in paths:
-        run(p, show, under, only, merged, moved, inlined)
+        run(p, show, under, only, merged, moved, inlined, within, phases)

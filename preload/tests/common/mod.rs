@@ -37,6 +37,24 @@ pub fn wait_until(what: &str, patience: Duration, cond: impl Fn() -> bool) {
     }
 }
 
+/// Run `f` on another thread and return what it returns (or raise its panic); the test fails,
+/// naming `what`, if `f` is not back within `patience` (a hang).
+pub fn bounded<T: Send + 'static>(
+    what: &str,
+    patience: Duration,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(patience) {
+        Ok(Ok(v)) => v,
+        Ok(Err(p)) => std::panic::resume_unwind(p),
+        Err(_) => panic!("{what} did not return within {patience:?}"),
+    }
+}
+
 /// A request for `size` bytes on device 0, unchunked.
 pub fn req(size: u64, tag: &str, backup: Option<BackupKind>) -> AllocRequest {
     AllocRequest::new(size, tag, backup)
