@@ -579,3 +579,37 @@ engine_test! {
         assert!(h.read(p, (4 * g) as usize) == data);
     }
 }
+
+engine_test! {
+    /// Chunk 0 is paused (its contents only in the host backup) and a reader holds a lease on
+    /// that backup, so a pause of chunk 1 cannot reuse the buffer: it makes a new one and carries
+    /// chunk 0 into it. That pause fails before the new buffer is made (the host cannot hold
+    /// it): the old buffer is still the allocation's, and the resume restores chunk 0 from it.
+    sim_only fn a_failed_pause_keeps_the_backup_of_paused_chunks_while_it_is_leased(h) [chunks(64 << 20)] {
+        let (sim, e, g) = (h.simulated(), &h.e, h.g());
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 1);
+        h.write(p, &data);
+        e.pause_pick(&Pick::chunks(p, &[0])).unwrap();
+        let lease = e
+            .acquire_cpu_backup(p, g)
+            .unwrap()
+            .expect("chunk 0 is paused with a complete snapshot");
+        // The new buffer (chunk 1's copy plus chunk 0 carried) does not fit.
+        sim.set_host_memory(Some(1 << 20));
+        let err = e.pause_pick(&Pick::chunks(p, &[1])).unwrap_err();
+        assert!(err.is_oom(), "{err}");
+        sim.set_host_memory(None);
+        let a = &e.allocations()[0];
+        assert_eq!(a.state, State::Partial);
+        e.release_cpu_backup(lease.lease).unwrap();
+        e.resume(Some("kv")).unwrap();
+        assert!(
+            h.read(p, g as usize) == data[..g as usize],
+            "chunk 0's contents were lost by the failed pause of chunk 1"
+        );
+        assert!(h.read(p + g, (3 * g) as usize) == data[g as usize..]);
+    }
+}

@@ -659,3 +659,157 @@ fn chunked_req(size: u64, chunk: u64, tag: &str) -> tms::engine::AllocRequest {
         ..req(size, tag, Some(BackupKind::Pinned))
     }
 }
+
+engine_test! {
+    /// A non-blocking resume fails after its caller returned: the allocation stays paused, its
+    /// segments left mapped (stuck) so that work the caller queued behind the gate finds memory.
+    /// The program queues work on that memory and frees it: the free synchronizes the device
+    /// before it unmaps the stuck segments (as for mapped ones, and as cudaFree does), so the
+    /// queued work never meets an unmapped range. An active allocation first, as the control.
+    sim_only fn a_free_waits_for_queued_work_before_unmapping_what_a_failed_resume_left_mapped(h)
+        [Setup::default().small_pieces(4)]
+    {
+        let sim = h.simulated();
+        let (e, g) = (&h.e, h.g());
+        let d = h.driver().clone();
+        let stream = d.stream(0).unwrap();
+        let src = pattern(4096, 7);
+
+        // Control: an active allocation with work queued on it is freed after that work ran.
+        let q = e.alloc(&req(2 * g, "ctl", None)).unwrap();
+        // SAFETY: q is mapped and accessible; src lives until the stream is synchronized below.
+        unsafe { d.copy_h2d(q, src.as_ptr(), 4096, stream).unwrap() };
+        assert!(e.free(q).unwrap());
+        d.stream_sync(stream).expect("control: free waited for the queued work");
+
+        let p = e
+            .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
+            .unwrap();
+        h.write(p, &pattern((2 * g) as usize, 1));
+        e.pause(Some("n")).unwrap();
+        sim.hold(Prim::EventSync, None);
+        let us = StreamOf { device: 0, stream: Stream(0x5151) };
+        Engine::resume_nonblocking(e.clone(), Some("n"), &[], Some(us)).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        let err = e.wait_restored(None, None).unwrap_err();
+        assert!(err.to_string().contains("failed after it returned"), "{err}");
+        h.assert_accessible(p, 1, true, "left mapped for the caller's queued work");
+        // The program's work, queued after the resume returned, on that memory.
+        // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
+        unsafe { d.copy_h2d(p, src.as_ptr(), 4096, stream).unwrap() };
+        assert!(e.free(p).unwrap());
+        d.stream_sync(stream)
+            .expect("free unmapped memory that queued work was still to use");
+    }
+}
+
+engine_test! {
+    /// As above, for the resume that follows the failure: it unmaps what the failed resume left
+    /// mapped only after the device's work is done (as a pause gives it back), so the program's
+    /// work queued on that memory (here: synchronized while the resume is held) finds it mapped.
+    sim_only fn a_resume_waits_for_queued_work_before_unmapping_what_a_failed_resume_left_mapped(h)
+        [Setup::default().small_pieces(4)]
+    {
+        let sim = h.simulated().clone();
+        let (e, g) = (h.e.clone(), h.g());
+        let d = h.driver().clone();
+        let stream = d.stream(0).unwrap();
+        let src = pattern(4096, 7);
+        let p = e
+            .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
+            .unwrap();
+        h.write(p, &pattern((2 * g) as usize, 1));
+        e.pause(Some("n")).unwrap();
+        sim.hold(Prim::EventSync, None);
+        let us = StreamOf { device: 0, stream: Stream(0x5151) };
+        Engine::resume_nonblocking(e.clone(), Some("n"), &[], Some(us)).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        assert!(e.wait_restored(None, None).is_err());
+        // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
+        unsafe { d.copy_h2d(p, src.as_ptr(), 4096, stream).unwrap() };
+        sim.hold(Prim::Create, Some(0));
+        let e2 = e.clone();
+        let t = std::thread::spawn(move || e2.resume(Some("n")));
+        wait_until("the resume maps", Duration::from_secs(20), || {
+            sim.held_calls() > 0
+        });
+        // On a GPU the queued work runs on its own meanwhile.
+        let r = d.stream_sync(stream);
+        sim.unhold(Prim::Create, Some(0));
+        let _ = t.join().unwrap();
+        r.expect("the resume unmapped memory that queued work was still to use");
+    }
+}
+
+engine_test! {
+    /// A free whose last step fails (giving back the address range) is reported, the
+    /// allocation gone for the caller (only the range leaks): a failure a non-blocking resume
+    /// kept for it goes with it, so no later wait raises a failure of an allocation that no
+    /// longer exists (nothing could clear it any more).
+    sim_only fn a_free_whose_last_step_fails_clears_the_failure_kept_for_it(h)
+        [Setup::default().small_pieces(4)]
+    {
+        let sim = h.simulated();
+        let (e, g) = (&h.e, h.g());
+        let p = e
+            .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
+            .unwrap();
+        e.pause(Some("n")).unwrap();
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(e.clone(), Some("n"), &[], None).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        assert!(e.wait_restored(None, None).is_err());
+        sim.arm_fault(Prim::FreeRange, 1, 1);
+        assert!(e.free(p).is_err(), "the range could not be given back");
+        assert!(!e.owns(p), "the allocation is gone for the caller");
+        assert!(e.allocations().is_empty());
+        // Nothing left to restore, nothing in flight: a wait for everything has nothing to say.
+        let r = e.wait_restored(None, None);
+        assert!(
+            matches!(r, Ok(true)),
+            "a wait raises a failure of an allocation that no longer exists: {r:?}"
+        );
+    }
+}
+
+engine_test! {
+    /// A failure kept for allocation `a` (a non-blocking resume failed after it returned) lasts
+    /// until `a` is paused, resumed or freed. A pause of the tag gives `a`'s memory back and then
+    /// fails on another allocation: `a` is paused with nothing mapped, so its failure is over
+    /// (no later pause would ever touch `a` again to clear it).
+    sim_only fn a_failed_pause_clears_the_failure_kept_for_what_it_paused(h)
+        [Setup::default().small_pieces(4)]
+    {
+        let sim = h.simulated();
+        let (e, g) = (&h.e, h.g());
+        let a = e
+            .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
+            .unwrap();
+        e.pause(Some("n")).unwrap();
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(e.clone(), Some("n"), &[], None).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        assert!(e.wait_restored(None, None).is_err());
+        let b = e
+            .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
+            .unwrap();
+        // b's copy fails; a's stuck memory was given back first.
+        sim.arm_fault(Prim::CopyD2H, 1, 999);
+        assert!(e.pause(Some("n")).is_err());
+        let st = |p| e.allocations().into_iter().find(|x| x.addr == p).unwrap().state;
+        assert_eq!(st(a), State::Paused);
+        assert!(!h.accessible(a).unwrap(), "a's memory was given back");
+        // Now a pause that succeeds.
+        e.pause(Some("n")).unwrap();
+        assert_eq!(st(b), State::Paused);
+        let r = e.wait_restored(Some(a), None);
+        assert!(
+            matches!(r, Ok(true)),
+            "a paused allocation (memory given back by a pause) still raises: {r:?}"
+        );
+    }
+}

@@ -519,3 +519,48 @@ engine_test! {
         assert_eq!(e.staging_bytes(), 0, "no backed allocation left: nothing kept");
     }
 }
+
+engine_test! {
+    /// Note [Releases]: the next pause or resume waits for the host memory a resume gives back
+    /// on its own thread, so host memory never holds two generations of backups at once. Also a
+    /// pause that queued for the operations lock behind that resume (before its release began):
+    /// it runs only once the release is done.
+    sim_only fn a_transaction_queued_behind_a_resume_waits_for_its_release(h)
+        [Setup::default().small_pieces(2)]
+    {
+        let sim = h.simulated().clone();
+        let (e, g) = (h.e.clone(), h.g());
+        let pa = e
+            .alloc(&common::req(2 * g, "a", Some(BackupKind::Pinned)))
+            .unwrap();
+        h.write(pa, &pattern((2 * g) as usize, 1));
+        e.pause(Some("a")).unwrap();
+        e.wait_released();
+        let _pb = e
+            .alloc(&common::req(2 * g, "b", Some(BackupKind::Mmap)))
+            .unwrap();
+        let patience = Duration::from_secs(20);
+        // The resume of "a" holds the operations lock, stopped at its first mapping.
+        sim.hold(Prim::Create, Some(0));
+        let ea = e.clone();
+        let ta = thread::spawn(move || ea.resume(Some("a")).map(|_| ()));
+        wait_until("the resume maps", patience, || sim.held_calls() == 1);
+        // Its release (page-locked backup, staging slots) will be stopped at its first unlock.
+        sim.hold(Prim::HostUnregister, None);
+        let eb = e.clone();
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || tx.send(eb.pause(Some("b")).map(|_| ())).unwrap());
+        thread::sleep(Duration::from_millis(300)); // "b" waits for the lock
+        sim.unhold(Prim::Create, Some(0));
+        ta.join().unwrap().unwrap();
+        wait_until("the release unlocks", patience, || sim.held_calls() == 1);
+        let early = rx.recv_timeout(Duration::from_secs(2));
+        let release_pending = sim.held_calls() == 1;
+        sim.unhold(Prim::HostUnregister, None);
+        e.wait_released();
+        assert!(
+            early.is_err() || !release_pending,
+            "the pause of \"b\" ran and returned while the resume's release was still pending"
+        );
+    }
+}

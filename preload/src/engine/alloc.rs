@@ -173,17 +173,18 @@ impl Engine {
         let segs = a.mapped_segs(ptr);
         let mut stuck = std::mem::take(&mut a.stuck);
         let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
+            if !segs.is_empty() || !stuck.is_empty() {
+                // cudaFree synchronizes; so do we, since unmapping memory in use is undefined
+                // (work queued behind a failed non-blocking resume may use its stuck segments).
+                d.synchronize(a.device)?;
+            }
             // Left mapped by a failed resume: the range cannot be freed while they are.
             while let Some(&s) = stuck.last() {
                 let seg = a.span(ptr).sub(s, 1);
                 d.unmap(seg.ptr, seg.mapped)?;
                 stuck.pop();
             }
-            if !segs.is_empty() {
-                // cudaFree synchronizes; so do we, since unmapping memory in use is undefined.
-                d.synchronize(a.device)?;
-                segment::unmap_all(d, a.device, &segs)?;
-            }
+            segment::unmap_all(d, a.device, &segs)?;
             Ok(scope)
         });
         let _scope = match unmapped {
@@ -196,7 +197,9 @@ impl Engine {
                 return Err(e);
             }
         };
-        // Gone for the caller from here on.
+        // Gone for the caller from here on, and with it any failure a non-blocking resume kept
+        // for it (what follows can leak the range or a handle, nothing else).
+        self.restores.settle(std::iter::once(ptr));
         if a.backup.is_some() {
             let last = {
                 let mut reg = self.registry.lock();
@@ -216,7 +219,6 @@ impl Engine {
             }
         }
         d.free_range(ptr, a.mapped).ctx(what)?;
-        self.restores.settle(std::iter::once(ptr));
         tracing::debug!("free {ptr:#x}");
         Ok(true)
     }

@@ -14,8 +14,9 @@
 //! before it returns: they exist so that the kernel gets their pages back, and a caller reading
 //! its resident set right after the resume must see them gone (3–5 ms per 4 GiB on an H200 host,
 //! docs/perf-notes.md). The next pause or resume waits for the thread first
-//! ([`Releases::wait`] in `Txn::begin`), so host memory never holds two generations of backups
-//! at once, and `Engine::wait_released` (`inflight.rs`) waits for it on request. Where no
+//! ([`Releases::wait`] in `Txn::begin`, once it holds the operations lock; a transaction counts
+//! its release as pending before it lets go of that lock, [`Releases::coming`]), so host memory
+//! never holds two generations of backups at once, and `Engine::wait_released` (`inflight.rs`) waits for it on request. Where no
 //! thread can be had, all of it is done before the resume returns; a non-blocking resume's own
 //! thread does all of it itself.
 //!
@@ -53,7 +54,7 @@ pub(super) struct Releases {
 }
 
 /// Ends one pending release when dropped, however its work ended.
-struct Pending(Arc<Releases>);
+pub(super) struct Pending(Arc<Releases>);
 
 impl Drop for Pending {
     fn drop(&mut self) {
@@ -66,6 +67,14 @@ impl Drop for Pending {
 }
 
 impl Releases {
+    /// A release that a transaction letting go of the operations lock may be about to start:
+    /// pending from now until the token goes, so that the transaction taking the lock next
+    /// waits for it too (Note [Releases]).
+    pub(super) fn coming(self: &Arc<Self>) -> Pending {
+        *self.pending.lock() += 1;
+        Pending(self.clone())
+    }
+
     /// Run `work` on a thread of its own, or here where no thread can be had.
     pub(super) fn start(self: &Arc<Self>, work: impl FnOnce() + Send + 'static) {
         *self.pending.lock() += 1;

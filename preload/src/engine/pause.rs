@@ -95,7 +95,9 @@ impl Job {
         let mut carry = None;
         if !reuse {
             let replaced = a.host.is_some();
-            if let Some(old) = a.host.take() {
+            // The old buffer stays the allocation's until the new one takes its place
+            // (`prepare_backups`): a pause that fails before then loses none of what it holds.
+            if let Some(old) = a.host.clone() {
                 // Paused segments have their contents only there: carried over.
                 let ranges: Vec<(u64, u64)> = (0..a.handles.len())
                     .filter(|&s| a.handles[s].is_none() && a.saved[s])
@@ -146,7 +148,7 @@ impl Job {
             runs,
             file_chunk,
             segs,
-            host: a.host.clone(),
+            host: a.host.clone().filter(|_| reuse),
             disk: a.disk.clone(),
             file_needed,
             carry,
@@ -287,6 +289,19 @@ impl Engine {
             );
             0.0
         });
+        // A failure kept for an allocation is over once it is paused with nothing left mapped
+        // (by a failed pause too, for what that one gave back whole).
+        let failed = run.result.is_err();
+        {
+            // Under the registry's lock, as `stats` reads them together.
+            let reg = self.registry.lock();
+            let clean = run.touched.into_iter().filter(|p| {
+                reg.allocs
+                    .get(p)
+                    .is_some_and(|a| a.stuck.is_empty() && (!failed || a.state == State::Paused))
+            });
+            self.restores.settle(clean);
+        }
         if let Err(e) = run.result {
             let e = e.context(format!("pause of {}", pick.describe()));
             let e = self.restore_part_paused(&run.part_paused, e);
@@ -299,15 +314,6 @@ impl Engine {
             report.copies(true),
             report.seconds
         );
-        {
-            // Under the registry's lock, as `stats` reads them together.
-            let reg = self.registry.lock();
-            let clean = run
-                .touched
-                .into_iter()
-                .filter(|p| reg.allocs.get(p).is_some_and(|a| a.stuck.is_empty()));
-            self.restores.settle(clean);
-        }
         reported_by(report, earlier, || {
             format!(
                 "this pause of {}, which has paused them (their memory given back)",

@@ -632,6 +632,9 @@ impl Engine {
         let d = &*self.driver;
         for j in jobs.iter().filter(|j| !j.stuck.is_empty()) {
             let _scope = DeviceScope::enter(d, j.device)?;
+            // Work queued behind the failed restore may still use the memory.
+            d.synchronize(j.device)
+                .ctx(|| format!("synchronizing device {}", j.device))?;
             for &(s, seg) in &j.stuck {
                 d.unmap(seg.ptr, seg.mapped).ctx(|| {
                     format!(

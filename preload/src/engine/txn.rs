@@ -20,7 +20,8 @@
 //!    right and no stream waits for it forever.
 //! 2. `slots`: the operations lock, and with it the staging slots. What `end` takes of them (a
 //!    resume's, without retention or `keep_staging`) goes to its caller's closure after the lock is
-//!    let go, with the host memory a resume gives back: that takes long and needs no lock. With the
+//!    let go, with the host memory a resume gives back: that takes long and needs no lock (it is
+//!    counted pending first, so the transaction that takes the lock next waits for it). With the
 //!    lock let go, `recheck`: the slots go if no allocation with a backup is left. A `free` of the
 //!    last one only tries the lock, so while a transaction holds it that free cannot drop them; the
 //!    transaction looks once it let go (`Ops::drop_unused_slots`), which a look while still holding
@@ -30,10 +31,11 @@
 //!    for a panic raised by one of the drops above.
 //!
 //! Its prologue, [`Txn::begin`], refuses what cannot start (an empty tag, a broken engine),
-//! waits for the host memory earlier resumes are giving back and holds the background pinner
-//! quiet (both in `background.rs`), takes the operations lock (waiting for the
-//! transaction running, then refusing if that one broke the engine) and starts the progress
-//! record (`progress.rs`).
+//! holds the background pinner quiet (`background.rs`), takes the operations lock (waiting for
+//! the transaction running, then refusing if that one broke the engine), waits for the host
+//! memory earlier resumes are giving back (`background.rs`: with the lock held, so that the
+//! release of a resume it waited for is among them) and starts the progress record
+//! (`progress.rs`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -204,13 +206,15 @@ impl<'e> Txn<'e> {
             which,
             tag: tag.map(str::to_owned),
         };
-        // The memory an earlier resume is giving back goes first (Note [Releases]).
-        ops.releases.wait();
         let quiet = ops.pinner.quiet();
         let t0 = Instant::now();
         let slots = ops.slots.lock();
         // Looked at again: the transaction this one waited for may have panicked meanwhile.
         ops.check_sound()?;
+        // The memory an earlier resume is giving back goes first (Note [Releases]); waited for
+        // with the lock held: the transaction this one waited for counted its release pending
+        // before it let go of the lock.
+        ops.releases.wait();
         let tracked = ops.progress.begin(Start {
             which,
             tag,
@@ -331,9 +335,13 @@ impl<'e> Txn<'e> {
             Slots::KeepIfUsed => Rings::new(),
             Slots::Take => std::mem::take(&mut *held),
         };
+        // What `after` gives back is pending before the lock goes: the transaction that takes
+        // it next waits for that too (Note [Releases]).
+        let coming = end.ops.releases.coming();
         drop(held);
         drop(recheck);
         let release_seconds = after(taken, end.tracked.counters());
+        drop(coming);
         end.report(tally, release_seconds)
     }
 }
