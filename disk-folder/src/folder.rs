@@ -3,11 +3,11 @@
 
 use std::ffi::CString;
 use std::fs::File;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use nix::errno::Errno;
-use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag};
-use nix::sys::stat::{fstat, fstatat, mkdirat, FileStat, Mode};
+use nix::fcntl::{openat, AtFlags, Flock, FlockArg, OFlag, AT_FDCWD};
+use nix::sys::stat::{fchmodat, fstat, fstatat, mkdirat, FchmodatFlags, FileStat, Mode};
 use nix::unistd::{geteuid, unlinkat, UnlinkatFlags};
 use nix::NixPath;
 
@@ -26,6 +26,37 @@ pub fn open_folder<P: ?Sized + NixPath>(
         flags |= OFlag::O_NOFOLLOW;
     }
     openat(at, path, flags, Mode::empty())
+}
+
+/// Give the folder at `path` (relative to `at`), if it is ours and closed to group and others,
+/// mode 0700: a umask that takes the owner's bits (0777, 0477) leaves a folder we make with
+/// mode 0700 closed to us too. Reached by an `O_PATH` descriptor, which needs no access to the
+/// folder and, without `follow`, takes no link; changed through that descriptor's `/proc` link
+/// (`fchmod` refuses `O_PATH` descriptors), so what is changed is what was checked. Whether it
+/// was changed.
+pub fn restore_owner_access<P: ?Sized + NixPath>(
+    at: impl AsFd,
+    path: &P,
+    follow: bool,
+    me: u32,
+) -> nix::Result<bool> {
+    let mut flags = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC;
+    if !follow {
+        flags |= OFlag::O_NOFOLLOW;
+    }
+    let fd = openat(at, path, flags, Mode::empty())?;
+    let st = fstat(&fd)?;
+    if st.st_uid != me || st.st_mode & 0o077 != 0 || st.st_mode & 0o700 == 0o700 {
+        return Ok(false);
+    }
+    let link = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    fchmodat(
+        AT_FDCWD,
+        link.as_str(),
+        Mode::S_IRWXU,
+        FchmodatFlags::FollowSymlink,
+    )?;
+    Ok(true)
 }
 
 /// Our private subfolder of a folder others can write to, opened and vetted.
@@ -86,7 +117,15 @@ pub fn open_private_subfolder(
             }
         }
     }
-    let fd = match open_folder(base.as_fd(), name.as_str(), false) {
+    let open = || open_folder(base.as_fd(), name.as_str(), false);
+    let mut opened = open();
+    if matches!(opened, Err(Errno::EACCES))
+        && restore_owner_access(base.as_fd(), name.as_str(), false, me) == Ok(true)
+    {
+        // Ours, made (now or earlier) under a umask that closed it to us.
+        opened = open();
+    }
+    let fd = match opened {
         Ok(fd) => fd,
         Err(Errno::ENOENT) if !create => return Ok(None),
         Err(Errno::ELOOP | Errno::ENOTDIR) => return Err(SubfolderError::NotAFolder),

@@ -11,7 +11,9 @@
 pub mod folder;
 pub mod layout;
 
-pub use folder::{open_folder, open_private_subfolder, sweep, Subfolder, SubfolderError};
+pub use folder::{
+    open_folder, open_private_subfolder, restore_owner_access, sweep, Subfolder, SubfolderError,
+};
 pub use layout::{
     file_name, files_go_in_directory, is_regular_file_of, private_subfolder_name,
     subfolder_is_private, tmp_name, unique_part, Entry, FILE_PREFIX, TMP_GRACE, TMP_PREFIX,

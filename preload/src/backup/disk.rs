@@ -55,7 +55,10 @@ use nix::errno::Errno;
 use nix::fcntl::AtFlags;
 use nix::sys::stat::{FileStat, Mode};
 use parking_lot::Mutex;
-use tms_disk_folder::{files_go_in_directory, open_folder, open_private_subfolder, SubfolderError};
+use tms_disk_folder::{
+    files_go_in_directory, open_folder, open_private_subfolder, restore_owner_access,
+    SubfolderError,
+};
 
 use crate::error::{Error, Result};
 
@@ -161,6 +164,12 @@ impl BackupDir {
         match open() {
             Ok(fd) => Ok(fd),
             Err(Errno::ENOENT) => {
+                // What is missing of the path, outermost first: each made with mode 0700.
+                let missing: Vec<&Path> = self
+                    .shown
+                    .ancestors()
+                    .take_while(|p| std::fs::symlink_metadata(p).is_err())
+                    .collect();
                 std::fs::DirBuilder::new()
                     .recursive(true)
                     .mode(0o700)
@@ -172,6 +181,10 @@ impl BackupDir {
                         )),
                         _ => io_err(format!("creating {}", self.shown.display()), e),
                     })?;
+                for p in missing.iter().rev() {
+                    // A umask such as 0777 left it closed to us.
+                    let _ = restore_owner_access(nix::fcntl::AT_FDCWD, *p, true, euid());
+                }
                 tracing::info!("created the disk backup directory {}", self.shown.display());
                 open().map_err(refused)
             }

@@ -126,9 +126,12 @@ impl DiskFile {
                 flags |= OFlag::O_DIRECT;
             }
             let mode = Mode::S_IRUSR | Mode::S_IWUSR;
-            nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode)
-                .map(File::from)
-                .map_err(errno_io)
+            let fd =
+                nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode).map_err(errno_io)?;
+            // The mode asked, whatever the umask: a sweep must be able to open it (to take its
+            // lock) once this process is gone.
+            nix::sys::stat::fchmod(&fd, mode).map_err(errno_io)?;
+            Ok(File::from(fd))
         };
         let open = |direct: bool| -> std::io::Result<File> {
             match injected(DiskOp::Create, &tmp) {
