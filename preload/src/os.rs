@@ -29,6 +29,26 @@ pub fn random_bytes(buf: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// Whether `len` bytes at `addr` of this process can be read: a copy through
+/// `process_vm_readv`, which reports an address with no memory (EFAULT) instead of faulting.
+/// Where the call is refused (a seccomp filter, say), the answer is yes: unknown is not bad.
+pub fn readable(addr: usize, len: usize) -> bool {
+    let mut buf = vec![0u8; len];
+    let local = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: len,
+    };
+    let remote = libc::iovec {
+        iov_base: addr as *mut libc::c_void,
+        iov_len: len,
+    };
+    // SAFETY: the kernel writes at most `len` bytes into `buf`, which has them; the remote
+    // range is only read, by the kernel, which checks it.
+    let n = unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) };
+    n == len as isize
+        || (n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EFAULT))
+}
+
 /// The system's page size (4 KiB on x86-64; 4, 16 or 64 KiB on arm64 kernels). Host memory
 /// handed to the kernel or the driver in whole pages (page-locking, `madvise`, chunk and slot
 /// sizes) is sized and aligned by it, never by a constant.

@@ -42,6 +42,56 @@ def test_every_module_and_name_integrations_import():
         _TorchMemorySaverImpl(hook_mode="gms")
 
 
+def test_hook_classes_keep_the_existing_allocator_contract():
+    """``HookUtilBase.get_allocator()`` is None unless a mode says otherwise (a subclass that
+    only gives its library's path, as the existing preload hook does); torch mode's is what
+    ``torch.cuda.MemPool(allocator=...)`` takes, the raw ``_cuda_CUDAAllocator``, as the
+    existing library's own pool code and its NPU, MUSA and XPU forks pass it; and a pool is
+    made from a hook of either contract (raw allocator, or the ``CUDAPluggableAllocator``)."""
+    from torch_memory_saver.hooks.base import HookUtilBase
+
+    class OnlyPath(HookUtilBase):
+        def get_path_binary(self):
+            return None
+
+    assert OnlyPath().get_allocator() is None
+    torch = pytest.importorskip("torch")
+    from torch_memory_saver import get_binary_path
+    from torch_memory_saver.entrypoint import _TorchMemorySaverImpl
+    from torch_memory_saver.hooks.mode_torch import HookUtilModeTorch
+
+    raw = HookUtilBase.create("torch").get_allocator()
+    assert isinstance(raw, torch._C._cuda_CUDAAllocator), type(raw)
+    wrapped = torch.cuda.memory.CUDAPluggableAllocator(get_binary_path(), "tms_torch_malloc", "tms_torch_free")
+    for given in (raw, wrapped):
+        class Hook(HookUtilModeTorch):
+            def get_allocator(self, given=given):
+                return given
+
+        impl = _TorchMemorySaverImpl(hook_mode="torch")
+        impl._hook_util = Hook()
+        try:
+            impl._new_pool(torch)
+        except RuntimeError as e:
+            # No NVIDIA driver here: MemPool took the allocator and stopped at the device.
+            assert "driver" in str(e).lower() or "cuda" in str(e).lower(), e
+
+
+def test_impl_disable_takes_the_existing_keyword(preloaded):
+    """``_TorchMemorySaverImpl.disable(dispose_mem_pool_after_use=...)``, the existing
+    library's keyword, is taken either way (here without CUDA: the block runs, unpauseable)."""
+    r = preloaded(
+        """
+        from torch_memory_saver import torch_memory_saver as tms
+        tms._ensure_initialized()
+        for dispose in (True, False):
+            with tms._impl.disable(dispose_mem_pool_after_use=dispose):
+                print("inside", dispose)
+        """
+    )
+    assert "inside True" in r.stdout and "inside False" in r.stdout, r.stdout
+
+
 def test_facade_shape_before_and_after_first_use():
     r = run_py(
         """

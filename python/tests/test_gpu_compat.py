@@ -157,6 +157,36 @@ def test_training_offload_in_torch_mode_with_disable_after_pause(tmp_path):
     assert "offload OK torch" in out, out
 
 
+@pytest.mark.parametrize("mode", ["preload", "torch"])
+def test_impl_disable_keeping_its_pool(tmp_path, mode):
+    """``_impl.disable(dispose_mem_pool_after_use=False)`` (the existing library's keyword):
+    inside a region, what it allocates is not pauseable, its pool is kept on exit and reused by
+    the next such block, and the region's own tensors pause and resume as ever."""
+    code = f"""
+    tms.hook_mode = {mode!r}
+    warm_kernels()
+    with tms.region(tag="w", enable_cpu_backup=True):
+        w = torch.full((8 * MIB,), 3, dtype=torch.uint8, device="cuda")
+        tms._ensure_initialized()
+        with tms._impl.disable(dispose_mem_pool_after_use=False):
+            a = torch.full((8 * MIB,), 5, dtype=torch.uint8, device="cuda")
+        pools = dict(tms._impl._kept_disable_pools)
+        with tms._impl.disable(dispose_mem_pool_after_use=False):
+            b = torch.full((8 * MIB,), 7, dtype=torch.uint8, device="cuda")
+    assert len(pools) == 1 and dict(tms._impl._kept_disable_pools) == pools, (pools, tms._impl._kept_disable_pools)
+    torch.cuda.synchronize()
+    tms.pause("w")
+    # Not paused: still readable while "w" is.
+    assert int(a.sum()) == 5 * 8 * MIB and int(b.sum()) == 7 * 8 * MIB
+    tms.resume("w")
+    assert int(w.sum()) == 3 * 8 * MIB
+    print("kept pool OK", {mode!r})
+    """
+    env = {"LD_PRELOAD": UPSTREAM_PRELOAD} if mode == "preload" else {}
+    out = run_script(tmp_path, code, **env)
+    assert f"kept pool OK {mode}" in out, out
+
+
 IPC = """
 import torch.multiprocessing as mp
 

@@ -135,6 +135,15 @@ def test_communicators_made_through_a_handle_are_handed_over(preloaded, fake_ncc
             raise AssertionError("not refused")
         except tms_pkg.InvalidArgumentError:
             pass
+        # A value with no memory behind it would end the process in NCCL's first call on it.
+        try:
+            tms.add_nccl_communicators([c, 12345])
+            raise AssertionError("not refused")
+        except tms_pkg.InvalidArgumentError as e:
+            assert "0x3039 is not an NCCL communicator" in str(e), e
+        assert nccl_stats()["communicators"] == 0, "nothing of a refused call is kept"
+        tms.add_nccl_communicators([c])
+        assert nccl_stats()["communicators"] == 1
         """),
         FAKE_NCCL=fake_nccl["new"],
     )

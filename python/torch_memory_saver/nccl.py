@@ -99,11 +99,18 @@ class _Nccl:
         values as ints, or objects with a ``comm`` or ``_comm_ptr`` giving one): made through a
         handle of NCCL the program opened itself, as pynccl wrappers do. Each must stay alive
         while handed over; :meth:`remove_nccl_communicators` takes them back."""
+        added = []
         for c in comms:
             v = _comm_value(c)
-            if v not in self._nccl_extra:
-                self._nccl_extra.append(v)
-        self._hand_over_nccl(NCCL_TAG)
+            if v not in self._nccl_extra and v not in added:
+                added.append(v)
+        self._nccl_extra.extend(added)
+        try:
+            self._hand_over_nccl(NCCL_TAG)
+        except BaseException:
+            # Refused (a value that points at no memory, say): none of them is kept.
+            self._nccl_extra[:] = [c for c in self._nccl_extra if c not in added]
+            raise
 
     def remove_nccl_communicators(self, comms: Optional[Iterable[Any]] = None) -> None:
         """Take back communicators given to :meth:`add_nccl_communicators` (all if None): do it

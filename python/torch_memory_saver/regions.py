@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
 
 from .arguments import (
     _check_backup,
@@ -205,6 +205,7 @@ class _Regions:
     _local: threading.local
     _mem_pools: _PoolMap
     _graph_pools: _PoolMap
+    _kept_disable_pools: Dict[int, Any]
     hook_mode: str
     _library: Callable[[], BinaryWrapper]
 
@@ -301,7 +302,11 @@ class _Regions:
     def _new_pool(self, torch: Any) -> Any:
         """A MemPool whose allocator is the hook mode's."""
         allocator = self._hook_util.get_allocator()
-        return torch.cuda.MemPool(allocator.allocator()) if allocator is not None else torch.cuda.MemPool()
+        if allocator is None:
+            return torch.cuda.MemPool()
+        # A hook written to return the ``CUDAPluggableAllocator`` itself works too.
+        raw = getattr(allocator, "allocator", None)
+        return torch.cuda.MemPool(raw() if callable(raw) else allocator)
 
     @contextlib.contextmanager
     def _routed(self, torch: Any, pool: Any = None, make: Any = None) -> Iterator[None]:
@@ -371,8 +376,10 @@ class _Regions:
                 yield
 
     @contextlib.contextmanager
-    def disable(self) -> Iterator[None]:
-        """See ``TorchMemorySaver.disable``."""
+    def disable(self, dispose_mem_pool_after_use: bool = True) -> Iterator[None]:
+        """See ``TorchMemorySaver.disable``. ``dispose_mem_pool_after_use=False`` (the existing
+        library's keyword) keeps the block's pool, with what it cached, for the next such
+        block on the device instead of dropping it on exit."""
         lib = self._library()
         torch = _torch_if_cuda()
         if torch is None:
@@ -384,8 +391,15 @@ class _Regions:
         # of the enclosing region's pool or, under TMS_INIT_ENABLE=1, of the default pool.
         # On exit the pool is dropped: PyTorch then gives its cached free blocks back to the
         # device (on torch 2.11 at once), while blocks of tensors still alive stay theirs.
+        kept = None
+        if not dispose_mem_pool_after_use:
+            device = torch.cuda.current_device()
+            with self._lock:
+                kept = self._kept_disable_pools.get(device)
+                if kept is None:
+                    kept = self._kept_disable_pools[device] = torch.cuda.MemPool()
         with self._flags(lib, False, None, False, None):
-            with self._routed(torch):
+            with self._routed(torch, kept, torch.cuda.MemPool if kept is not None else None):
                 yield
 
     @contextlib.contextmanager

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 from .arguments import _U64_MAX, _address, _is_xpu, _tensor_or_address
 from .binary_wrapper import BinaryWrapper
@@ -39,6 +39,8 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
         self._mem_pools: _PoolMap = _PoolMap()
         self._graph_pools: _PoolMap = _PoolMap()
         self._local = threading.local()
+        # disable(dispose_mem_pool_after_use=False)'s pools, by device, kept between blocks.
+        self._kept_disable_pools: Dict[int, Any] = {}
         self._nccl_extra: list = []
         self._nccl_handed = False
 

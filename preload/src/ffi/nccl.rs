@@ -36,6 +36,13 @@ pub unsafe extern "C" fn tms_nccl_adopt(comms: *const u64, n: usize) -> c_int {
                 .map(|&c| c as usize)
                 .collect(),
         };
+        // A value that points at no memory would end the process in NCCL's first call on it.
+        if let Some(&bad) = list.iter().find(|&&c| c != 0 && !crate::os::readable(c, 8)) {
+            return Err(Error::invalid_argument(format!(
+                "{bad:#x} is not an NCCL communicator (no memory there): hand over ncclComm_t \
+                 values of live communicators; nothing was handed over"
+            )));
+        }
         communicators().adopt(&list);
         Ok(())
     })

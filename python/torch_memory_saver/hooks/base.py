@@ -35,8 +35,9 @@ class HookUtilBase:
         raise NotImplementedError
 
     def get_allocator(self) -> Any:
-        """The ``CUDAPluggableAllocator`` of this mode's pools, or None for PyTorch's own."""
-        raise NotImplementedError
+        """The allocator of this mode's pools, as ``torch.cuda.MemPool`` takes it (a
+        ``torch._C._cuda_CUDAAllocator``), or None (the default) for PyTorch's own."""
+        return None
 
     def binary_wrapper(self) -> BinaryWrapper:
         """The loaded library (raises :class:`LibraryNotFoundError` saying how to provide it)."""

@@ -24,13 +24,15 @@ class HookUtilModeTorch(HookUtilBase):
         return binary_wrapper.preloaded_path() or binary_wrapper.bundled_library_path()
 
     def get_allocator(self) -> Any:
+        """libtms.so's allocator, as ``torch.cuda.MemPool`` takes it (the existing library's
+        contract: the ``CUDAPluggableAllocator``'s own ``allocator()``, made once)."""
         with self._lock:
             if self._allocator is None:
                 from torch.cuda.memory import CUDAPluggableAllocator
 
                 path = self.binary_wrapper().path
                 self._allocator = CUDAPluggableAllocator(path, "tms_torch_malloc", "tms_torch_free")
-            return self._allocator
+            return self._allocator.allocator()
 
     def binary_wrapper(self) -> BinaryWrapper:
         return binary_wrapper.load(self.get_path_binary())
