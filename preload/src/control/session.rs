@@ -144,6 +144,7 @@ pub fn serve_connection(
             send(
                 stream,
                 &Reply::error(ErrorKind::PermissionDenied, e.to_string()),
+                limits.write_timeout,
             );
         }
     }
@@ -151,8 +152,8 @@ pub fn serve_connection(
 
 const MIN_TIMEOUT: Duration = Duration::from_millis(1);
 
-fn send(stream: &UnixStream, reply: &Reply) -> bool {
-    match sys::send_all(stream, &encode(reply)) {
+fn send(stream: &UnixStream, reply: &Reply, within: Duration) -> bool {
+    match sys::send_all(stream, &encode(reply), within.max(MIN_TIMEOUT)) {
         Ok(()) => true,
         Err(e) => {
             tracing::debug!("control connection: sending a reply: {e}");
@@ -192,7 +193,7 @@ impl<'a> Session<'a> {
     }
 
     fn reply(&self, r: &Reply) -> bool {
-        send(self.client.stream(), r)
+        send(self.client.stream(), r, self.limits.write_timeout)
     }
 
     fn read_line(&mut self) -> Result<Vec<u8>, ReadError> {

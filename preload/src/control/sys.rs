@@ -12,6 +12,7 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Once, OnceLock};
+use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
 use nix::sys::socket::{self, sockopt, AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
@@ -47,11 +48,23 @@ pub fn peer_cred(stream: &UnixStream) -> io::Result<PeerCred> {
     })
 }
 
-/// Write all of `data`, honouring the stream's write timeout. Uses `MSG_NOSIGNAL`: a client
-/// that went away must give an error here, not a `SIGPIPE` that kills the host process (the
-/// host may be a C program that never ignored the signal).
-pub fn send_all(stream: &UnixStream, mut data: &[u8]) -> io::Result<()> {
+/// Write all of `data` within `within` (a `TimedOut` error after that): the stream's write
+/// timeout is set to what is left before each send, so a client that takes a little of a long
+/// reply now and then cannot stretch it past the bound. Uses `MSG_NOSIGNAL`: a client that
+/// went away must give an error here, not a `SIGPIPE` that kills the host process (the host
+/// may be a C program that never ignored the signal).
+pub fn send_all(stream: &UnixStream, mut data: &[u8], within: Duration) -> io::Result<()> {
+    let deadline = Instant::now() + within;
     while !data.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("the reply was not taken within {within:?}"),
+            ));
+        }
+        // Never zero: that would mean no timeout at all.
+        stream.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
         match socket::send(stream.as_raw_fd(), data, MsgFlags::MSG_NOSIGNAL) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => data = &data[n.min(data.len())..],
@@ -219,7 +232,7 @@ mod tests {
     fn send_to_a_closed_peer_is_an_error_not_a_signal() {
         let (a, b) = UnixStream::pair().unwrap();
         drop(b);
-        let e = send_all(&a, b"hello\n").unwrap_err();
+        let e = send_all(&a, b"hello\n", Duration::from_secs(2)).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::BrokenPipe);
         assert_eq!(
             send_now(&a, b"hello\n").unwrap_err().kind(),

@@ -183,6 +183,39 @@ fn a_drip_feeding_client_is_closed_after_its_waiting_time() {
     c.assert_closed();
 }
 
+/// A reply must be taken within the write timeout in all: a client that takes a little of a
+/// long reply before each send would time out (16 KiB every 200 ms, the timeout 300 ms) does not
+/// keep the server sending, and holding its place, for as long as the reply lasts; the reply is
+/// cut and the connection closed.
+#[test]
+fn a_slow_reader_cannot_stretch_a_reply_past_the_write_timeout() {
+    let h = host();
+    // A status of about 1 MiB: 800 tags of about 1 KiB.
+    for i in 0..800 {
+        h.alloc(4096, &format!("{i:04}{}", "t".repeat(1000)), None);
+    }
+    let mut c = Conn::greeted_with(h, limits());
+    c.send_raw(&encode(&Request::Status));
+    let t = Instant::now();
+    let mut buf = vec![0u8; 16 << 10];
+    let (mut got, mut whole) = (0usize, false);
+    while t.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(200));
+        let n = c.stream.read(&mut buf).unwrap_or(0);
+        got += n;
+        whole = n > 0 && buf[..n].ends_with(b"\n");
+        if n == 0 || whole {
+            break;
+        }
+    }
+    assert!(
+        !whole,
+        "the server sent the whole reply ({got} bytes) to a slow reader over {:?}",
+        t.elapsed()
+    );
+    assert!(got > 0, "nothing of the reply came");
+}
+
 #[test]
 fn concurrent_pauses_from_several_clients_are_safe() {
     let h = host();
