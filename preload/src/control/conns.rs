@@ -5,7 +5,7 @@ use std::net::Shutdown;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -191,7 +191,7 @@ mod tests {
         assert!(!b.evicted() && !d.evicted());
         let mut buf = [0u8; 1];
         assert_eq!((&*a.stream).read(&mut buf).unwrap(), 0);
-        sys::send_all(a.stream(), b"x", Duration::from_secs(2)).unwrap();
+        sys::send_all(a.stream(), b"x", std::time::Duration::from_secs(2)).unwrap();
         assert_eq!(a_peer.read(&mut buf).unwrap(), 1);
         assert_eq!(t.counted(), 2);
         drop(a);
