@@ -660,6 +660,23 @@ fn chunked_req(size: u64, chunk: u64, tag: &str) -> tms::engine::AllocRequest {
     }
 }
 
+/// Pause `tag`, then resume it non-blocking (for the caller's stream `us`, if any) and have the
+/// restore fail after the call returned (its first copy's wait fails): its allocations stay
+/// paused, their segments left mapped (stuck). Returns once a wait raised the failure.
+fn fail_after_return(h: &Harness, tag: &str, us: Option<StreamOf>) {
+    let sim = h.simulated();
+    h.e.pause(Some(tag)).unwrap();
+    sim.hold(Prim::EventSync, None);
+    Engine::resume_nonblocking(h.e.clone(), Some(tag), &[], us).unwrap();
+    sim.arm_fault(Prim::EventSync, 1, 999);
+    sim.unhold(Prim::EventSync, None);
+    let err = h.e.wait_restored(None, None).unwrap_err();
+    assert!(
+        err.to_string().contains("failed after it returned"),
+        "{err}"
+    );
+}
+
 engine_test! {
     /// A non-blocking resume fails after its caller returned: the allocation stays paused, its
     /// segments left mapped (stuck) so that work the caller queued behind the gate finds memory.
@@ -686,14 +703,7 @@ engine_test! {
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
         h.write(p, &pattern((2 * g) as usize, 1));
-        e.pause(Some("n")).unwrap();
-        sim.hold(Prim::EventSync, None);
-        let us = StreamOf { device: 0, stream: Stream(0x5151) };
-        Engine::resume_nonblocking(e.clone(), Some("n"), &[], Some(us)).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
-        let err = e.wait_restored(None, None).unwrap_err();
-        assert!(err.to_string().contains("failed after it returned"), "{err}");
+        fail_after_return(h, "n", Some(user_stream(h)));
         h.assert_accessible(p, 1, true, "left mapped for the caller's queued work");
         // The program's work, queued after the resume returned, on that memory.
         // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
@@ -720,13 +730,7 @@ engine_test! {
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
         h.write(p, &pattern((2 * g) as usize, 1));
-        e.pause(Some("n")).unwrap();
-        sim.hold(Prim::EventSync, None);
-        let us = StreamOf { device: 0, stream: Stream(0x5151) };
-        Engine::resume_nonblocking(e.clone(), Some("n"), &[], Some(us)).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
-        assert!(e.wait_restored(None, None).is_err());
+        fail_after_return(h, "n", Some(user_stream(h)));
         // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
         unsafe { d.copy_h2d(p, src.as_ptr(), 4096, stream).unwrap() };
         sim.hold(Prim::Create, Some(0));
@@ -756,12 +760,7 @@ engine_test! {
         let p = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
-        e.pause(Some("n")).unwrap();
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
-        assert!(e.wait_restored(None, None).is_err());
+        fail_after_return(h, "n", None);
         sim.arm_fault(Prim::FreeRange, 1, 1);
         assert!(e.free(p).is_err(), "the range could not be given back");
         assert!(!e.owns(p), "the allocation is gone for the caller");
@@ -788,12 +787,7 @@ engine_test! {
         let a = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
-        e.pause(Some("n")).unwrap();
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
-        assert!(e.wait_restored(None, None).is_err());
+        fail_after_return(h, "n", None);
         let b = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
