@@ -686,7 +686,6 @@ engine_test! {
     sim_only fn a_free_waits_for_queued_work_before_unmapping_what_a_failed_resume_left_mapped(h)
         [Setup::default().small_pieces(4)]
     {
-        let sim = h.simulated();
         let (e, g) = (&h.e, h.g());
         let d = h.driver().clone();
         let stream = d.stream(0).unwrap();
@@ -703,7 +702,7 @@ engine_test! {
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
         h.write(p, &pattern((2 * g) as usize, 1));
-        fail_after_return(h, "n", Some(user_stream(h)));
+        fail_after_return(&h, "n", Some(user_stream(&h)));
         h.assert_accessible(p, 1, true, "left mapped for the caller's queued work");
         // The program's work, queued after the resume returned, on that memory.
         // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
@@ -730,7 +729,7 @@ engine_test! {
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
         h.write(p, &pattern((2 * g) as usize, 1));
-        fail_after_return(h, "n", Some(user_stream(h)));
+        fail_after_return(&h, "n", Some(user_stream(&h)));
         // SAFETY: p is mapped and accessible (stuck); src lives until the stream is synchronized.
         unsafe { d.copy_h2d(p, src.as_ptr(), 4096, stream).unwrap() };
         sim.hold(Prim::Create, Some(0));
@@ -760,7 +759,7 @@ engine_test! {
         let p = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
-        fail_after_return(h, "n", None);
+        fail_after_return(&h, "n", None);
         sim.arm_fault(Prim::FreeRange, 1, 1);
         assert!(e.free(p).is_err(), "the range could not be given back");
         assert!(!e.owns(p), "the allocation is gone for the caller");
@@ -787,7 +786,7 @@ engine_test! {
         let a = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
-        fail_after_return(h, "n", None);
+        fail_after_return(&h, "n", None);
         let b = e
             .alloc(&req(2 * g, "n", Some(BackupKind::Pinned)))
             .unwrap();
