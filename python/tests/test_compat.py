@@ -77,6 +77,23 @@ def test_hook_classes_keep_the_existing_allocator_contract():
             assert "driver" in str(e).lower() or "cuda" in str(e).lower(), e
 
 
+def test_torch_mode_cuda_graph_warns_of_a_pool_not_its_own():
+    """In torch mode a graph's memory is pauseable only from one of the package's pools (made
+    for ``pool=None``): a pool of PyTorch's own allocator is used as given, with a warning
+    that the graph's memory is not pauseable. (The capture itself needs CUDA: not here.)"""
+    pytest.importorskip("torch")
+    from torch_memory_saver.entrypoint import _TorchMemorySaverImpl
+
+    impl = _TorchMemorySaverImpl(hook_mode="torch")
+    assert not impl._own_pool((0, 12345))
+    with pytest.warns(UserWarning, match="not pauseable"):
+        try:
+            with impl.cuda_graph(cuda_graph=None, pool=(0, 12345), tag="g"):
+                pass
+        except Exception:
+            pass  # no CUDA here: the capture cannot start
+
+
 def test_impl_disable_takes_the_existing_keyword(preloaded):
     """``_TorchMemorySaverImpl.disable(dispose_mem_pool_after_use=...)``, the existing
     library's keyword, is taken either way (here without CUDA: the block runs, unpauseable)."""

@@ -406,7 +406,10 @@ class TorchMemorySaver:
     ) -> contextlib.AbstractContextManager:
         """Like ``torch.cuda.graph(...)``, but the graph's own memory (its intermediate tensors)
         is pauseable under ``tag``; the graph replays correctly after resume. Works in both hook
-        modes. The backup and ``chunk_size`` arguments are those of :meth:`region`."""
+        modes; in torch mode leave ``pool`` None (the tag's graph pool is made) or pass one of
+        this package's pools, since from a pool of PyTorch's own allocator the graph's memory is
+        not pauseable (a warning says so). The backup and ``chunk_size`` arguments are those of
+        :meth:`region`."""
         self._ensure_initialized()
         return self._impl.cuda_graph(
             cuda_graph=cuda_graph,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
 
 from .arguments import (
@@ -299,6 +300,14 @@ class _Regions:
                 pools[key] = pool
             return pool
 
+    def _own_pool(self, pool: Any) -> bool:
+        """Whether ``pool`` (a ``MemPool`` or its ``id``) is one of the region or graph pools."""
+        with self._lock:
+            for p in (*dict.values(self._mem_pools), *dict.values(self._graph_pools)):
+                if pool is p or pool == getattr(p, "id", None):
+                    return True
+        return False
+
     def _new_pool(self, torch: Any) -> Any:
         """A MemPool whose allocator is the hook mode's."""
         allocator = self._hook_util.get_allocator()
@@ -427,6 +436,13 @@ class _Regions:
         if self.hook_mode == "torch" and pool is None:
             device = torch.cuda.current_device()
             pool = self._pool("graph", tag, enable_cpu_backup, disk, backend, device, chunk).id
+        elif self.hook_mode == "torch" and not self._own_pool(pool):
+            warnings.warn(
+                f"torch mode: the pool given to cuda_graph(tag={tag!r}) is not one of "
+                "torch_memory_saver's, so the graph's memory comes from PyTorch's own allocator and "
+                "is not pauseable; pass pool=None (the tag's graph pool is made) or a region's pool",
+                stacklevel=3,
+            )
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
             _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
             try:
