@@ -133,10 +133,6 @@ pub fn serve_connection(
     me: &Identity,
     watch: &dyn Watch,
 ) {
-    if let Err(e) = stream.set_write_timeout(Some(limits.write_timeout.max(MIN_TIMEOUT))) {
-        tracing::debug!("control connection: setting the write timeout: {e}");
-        return;
-    }
     match authenticate(stream, me.uid) {
         Ok(client) => Session::new(client, host, limits, me, watch).run(),
         Err(e) => {

@@ -63,8 +63,7 @@ pub fn send_all(stream: &UnixStream, mut data: &[u8], within: Duration) -> io::R
                 format!("the reply was not taken within {within:?}"),
             ));
         }
-        // Never zero: that would mean no timeout at all.
-        stream.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
+        stream.set_write_timeout(Some(left))?;
         match socket::send(stream.as_raw_fd(), data, MsgFlags::MSG_NOSIGNAL) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => data = &data[n.min(data.len())..],
