@@ -17,8 +17,8 @@
 //! ([`Releases::wait`] in `Txn::begin`, once it holds the operations lock; a transaction counts
 //! its release as pending before it lets go of that lock, [`Releases::coming`]), so host memory
 //! never holds two generations of backups at once, and `Engine::wait_released` (`inflight.rs`)
-//! waits for it on request. Where no thread can be had, all of it is done before the resume returns; a non-blocking resume's own
-//! thread does all of it itself.
+//! waits for it on request. Where no thread can be had, all of it is done before the resume
+//! returns; a non-blocking resume's own thread does all of it itself.
 //!
 //! # Note [The background pinner]
 //!
