@@ -87,14 +87,19 @@ def sequence(path, under=None, only=None, merged=None, moved=(), inlined=(), wit
         seq.append((n, f, phase_of(st, within, phases) if within else None))
     return seq
 
+def runs(pairs):
+    """Consecutive pairs with the same key, as (key, [values]) in order."""
+    out = []
+    for k, v in pairs:
+        if out and out[-1][0] == k:
+            out[-1][1].append(v)
+        else:
+            out.append((k, [v]))
+    return out
+
 def floor(path, seq, show):
     """`--within`: the count if each phase entered each of its files once."""
-    cut = []
-    for _, f, k in seq:
-        if cut and cut[-1][0] == k:
-            cut[-1][1].append(f)
-        else:
-            cut.append((k, [f]))
+    cut = runs((k, f) for _, f, k in seq)
     stays, prev = 0, set()
     for k, fs in cut:
         files = set(fs)
@@ -111,12 +116,7 @@ def run(path, show=False, under=None, only=None, merged=None, moved=(), inlined=
     if within:
         floor(path, seq, show)
         return
-    stays = []
-    for n, f, _ in seq:
-        if stays and stays[-1][0] == f:
-            stays[-1][1].append(n)
-        else:
-            stays.append((f, [n]))
+    stays = runs((f, n) for n, f, _ in seq)
     files = []
     for f, _ in stays:
         if f not in files:
