@@ -4,7 +4,7 @@
 //! when the suite runs as root: root ignores file modes, which would hide what is checked.
 
 use std::os::unix::fs::PermissionsExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use nix::sys::stat::{umask, Mode};
 use tms::backup::disk::BackupDir;
@@ -54,6 +54,24 @@ fn folder(name: &str, mode: u32) -> PathBuf {
     d
 }
 
+/// Make a backup file in `dir` under `mask` (the umask as it was after): the error, if any.
+fn create_under(mask: u32, dir: &Path) -> Option<String> {
+    let old = umask(Mode::from_bits_truncate(mask));
+    let made = DiskFile::create(&BackupDir::new(dir).unwrap(), 4096, 4096);
+    umask(old);
+    made.err().map(|e| e.to_string())
+}
+
+/// The mode of the folder at `path`, in octal (for a failure's message); then mode 0700, so
+/// that the test can remove it.
+fn mode_then_open(path: &Path) -> Option<String> {
+    let mode = std::fs::symlink_metadata(path)
+        .map(|m| format!("{:o}", m.permissions().mode() & 0o7777))
+        .ok();
+    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o700));
+    mode
+}
+
 /// A disk backup folder others can write to (as /tmp is): the files go to the private
 /// subfolder `tms-backups-<uid>`, which the library makes. Under umask 0777 it is made with mode
 /// 0000; the library gives it 0700 (it is ours, closed to others), so the pause works, and so
@@ -64,26 +82,16 @@ fn a_private_subfolder_made_under_umask_0777_stays_usable() {
         return;
     }
     let shared = folder("shared", 0o1777);
-    let old = umask(Mode::from_bits_truncate(0o777));
-    let made = DiskFile::create(&BackupDir::new(&shared).unwrap(), 4096, 4096);
-    umask(old);
-    let first = made.as_ref().err().map(|e| e.to_string());
-    drop(made);
+    let first = create_under(0o777, &shared);
     // The umask is normal again; a new BackupDir (another pause, another process).
-    let again = DiskFile::create(&BackupDir::new(&shared).unwrap(), 4096, 4096);
-    let second = again.as_ref().err().map(|e| e.to_string());
-    drop(again);
+    let second = create_under(0o022, &shared);
     let sub = shared.join(format!("tms-backups-{}", nix::unistd::geteuid()));
-    let mode = std::fs::symlink_metadata(&sub)
-        .map(|m| m.permissions().mode() & 0o7777)
-        .ok();
-    let _ = std::fs::set_permissions(&sub, std::fs::Permissions::from_mode(0o700));
+    let mode = mode_then_open(&sub);
     let _ = std::fs::remove_dir_all(&shared);
     assert_eq!(
         (first, second),
         (None, None),
-        "the subfolder was left with mode {:?}",
-        mode.map(|m| format!("{m:o}"))
+        "the subfolder was left with mode {mode:?}"
     );
 }
 
@@ -96,22 +104,10 @@ fn a_backup_folder_created_under_umask_0777_is_usable() {
     }
     let parent = folder("parent", 0o700);
     let dir = parent.join("backups");
-    let old = umask(Mode::from_bits_truncate(0o777));
-    let made = DiskFile::create(&BackupDir::new(&dir).unwrap(), 4096, 4096);
-    umask(old);
-    let err = made.as_ref().err().map(|e| e.to_string());
-    drop(made);
-    let mode = std::fs::symlink_metadata(&dir)
-        .map(|m| m.permissions().mode() & 0o7777)
-        .ok();
-    let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+    let err = create_under(0o777, &dir);
+    let mode = mode_then_open(&dir);
     let _ = std::fs::remove_dir_all(&parent);
-    assert_eq!(
-        err,
-        None,
-        "the folder was made with mode {:?}",
-        mode.map(|m| format!("{m:o}"))
-    );
+    assert_eq!(err, None, "the folder was made with mode {mode:?}");
 }
 
 /// A backup file made under umask 0777 gets mode 0600 all the same: once its process dies, the
