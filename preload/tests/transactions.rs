@@ -564,3 +564,66 @@ engine_test! {
         );
     }
 }
+
+engine_test! {
+    /// A free whose unmap fails part-way maps again what it had unmapped; where mapping again
+    /// fails too, that segment's handle is released and it is recorded paused: the registry never
+    /// claims a mapping that is not there (a pause would copy from it: on a GPU, a fault). The
+    /// allocation is still the caller's, and a later free gives everything back.
+    sim_only fn a_free_that_cannot_map_again_what_it_unmapped_keeps_the_registry_true(h) [tx(1, 1)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        e.set_segment_bytes(2 * G).unwrap();
+        let p = e.alloc(&req(8 * G, 0, "kv", None)).unwrap();
+        assert_eq!(e.allocations()[0].handles, 4);
+        // The third segment's unmap fails, and so does mapping the first again.
+        sim.arm_fault(Prim::Unmap, 3, 999);
+        sim.arm_fault(Prim::Map, 1, 999);
+        let err = e.free(p).unwrap_err().to_string();
+        assert_eq!(sim.pending_faults(), 0, "both faults fired");
+        assert!(err.contains("could not be mapped again"), "{err}");
+        assert!(e.owns(p), "a failed free keeps the allocation");
+        let a = &e.allocations()[0];
+        assert_eq!((a.state, a.handles), (State::Partial, 3));
+        assert!(!sim.is_accessible(p) && sim.is_accessible(p + 2 * G));
+        h.assert_invariants(&common::Expect::clean(), "after the failed free");
+        assert!(e.free(p).unwrap());
+        assert_eq!((sim.live_mappings(), sim.live_handles(), sim.live_reservations()), (0, 0, 0));
+    }
+}
+
+engine_test! {
+    /// The same in a pause that unmaps several segments at once (an allocation without a
+    /// backup, or a chunked one): segments it unmapped and could not map again are recorded
+    /// paused, not active, with their backup where the copy was complete; a resume brings back
+    /// every byte that had a backup.
+    sim_only fn a_pause_that_cannot_map_again_what_it_unmapped_keeps_the_registry_true(h) [tx(1, 1)] {
+        for backup in [None, Some(BackupKind::Pinned)] {
+            let h = h.again();
+            let (sim, e) = (h.simulated(), &h.e);
+            let g = h.g();
+            let mut r = req(8 * g, 0, "kv", backup);
+            if backup.is_some() {
+                r.chunk = 2 * g;
+            } else {
+                e.set_segment_bytes(2 * g).unwrap();
+            }
+            let p = e.alloc(&r).unwrap();
+            assert_eq!(e.allocations()[0].handles, 4);
+            let data = pattern(8 * g as usize, 3);
+            h.write(p, &data);
+            sim.arm_fault(Prim::Unmap, 3, 999);
+            sim.arm_fault(Prim::Map, 1, 999);
+            let err = e.pause(None).unwrap_err().to_string();
+            assert_eq!(sim.pending_faults(), 0, "{backup:?}: both faults fired: {err}");
+            assert!(err.contains("could not be mapped again"), "{backup:?}: {err}");
+            assert!(!sim.is_accessible(p) && sim.is_accessible(p + 2 * g), "{backup:?}");
+            h.assert_invariants(&common::Expect::clean(), "after the failed pause");
+            e.resume(None).unwrap();
+            if backup.is_some() {
+                assert!(h.read(p, data.len()) == data, "contents after the resume");
+            }
+            e.free(p).unwrap();
+            assert_eq!((sim.live_mappings(), sim.live_handles()), (0, 0), "{backup:?}");
+        }
+    }
+}

@@ -172,6 +172,7 @@ impl Engine {
         let d = &*self.driver;
         let segs = a.mapped_segs(ptr);
         let mut stuck = std::mem::take(&mut a.stuck);
+        let mut lost = Vec::new();
         let unmapped = DeviceScope::enter(d, a.device).and_then(|scope| {
             if !segs.is_empty() || !stuck.is_empty() {
                 // cudaFree synchronizes; so do we, since unmapping memory in use is undefined
@@ -184,7 +185,10 @@ impl Engine {
                 d.unmap(seg.ptr, seg.mapped)?;
                 stuck.pop();
             }
-            segment::unmap_all(d, a.device, &segs)?;
+            segment::unmap_all(d, a.device, &segs).map_err(|f| {
+                lost = f.lost;
+                f.error
+            })?;
             Ok(scope)
         });
         let _scope = match unmapped {
@@ -193,6 +197,10 @@ impl Engine {
                 let e = e.context(what());
                 let mut a = a;
                 a.stuck = stuck;
+                // The free failed, so the caller may still use the allocation: what it could
+                // not map again is recorded paused, its contents lost (no pause saved them).
+                a.record_lost(ptr, &segs, &lost, false);
+                a.state = a.settled();
                 self.registry.lock().allocs.insert(ptr, a);
                 return Err(e);
             }

@@ -680,7 +680,12 @@ impl Engine {
         }
         let (span, hs) = &j.runs[r];
         let segs = span.with_handles(hs);
-        segment::unmap_all(d, span.device, &segs).ctx(|| j.what(r))?;
+        if let Err(f) = segment::unmap_all(d, span.device, &segs) {
+            let saved = j.backed_up();
+            self.registry
+                .marked(j.ptr, |a| a.record_lost(j.ptr, &segs, &f.lost, saved));
+            return Err(f.error).ctx(|| j.what(r));
+        }
         let released = segment::release_all(d, &segs);
         let first = span.first_segment(j.ptr);
         self.registry.marked(j.ptr, |a| {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use super::segment::{clipped, segments, Seg, Span};
+use super::segment::{clipped, segments, Lost, Seg, Span};
 use super::stats;
 use super::types::{Backup, State};
 use crate::backup::{DiskFile, HostBuffer};
@@ -257,6 +257,19 @@ impl Allocation {
             State::Paused
         } else {
             State::Partial
+        }
+    }
+
+    /// Record paused the segments of `segs` (mapped segments of this allocation at `ptr`) that a
+    /// failed unmap could not map again; `saved`: their backup holds their contents.
+    pub fn record_lost(&mut self, ptr: DevPtr, segs: &[Seg], lost: &[Lost], saved: bool) {
+        for l in lost {
+            let s = ((segs[l.index].ptr - ptr) / self.segment) as usize;
+            self.handles[s] = None;
+            self.saved[s] = saved;
+            if l.mapped && !self.stuck.contains(&s) {
+                self.stuck.push(s);
+            }
         }
     }
 

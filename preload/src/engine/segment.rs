@@ -4,7 +4,7 @@
 //! unwind between making and committing leaves no memory behind.
 
 use crate::driver::{DevPtr, DeviceScope, Driver, PhysHandle};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// Largest physical segment of an allocation (engine Note [Pause and resume as transactions]).
 pub const SEGMENT_BYTES: u64 = 1 << 30;
@@ -173,21 +173,56 @@ impl Span {
     }
 }
 
+/// A segment a failed [`unmap_all`] had unmapped and could not map again: its handle is released
+/// (a failed release leaks only the handle); `mapped`: mapping it again got as far as the
+/// mapping, which could not be undone either.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Lost {
+    /// Index into the `segs` given to [`unmap_all`].
+    pub index: usize,
+    pub mapped: bool,
+}
+
+/// A failed [`unmap_all`]: the error, and the segments it could not map again.
+pub(super) struct UnmapFailed {
+    pub error: Error,
+    pub lost: Vec<Lost>,
+}
+
 /// Unmap mapped segments. If one fails, those unmapped before it are mapped again (their
-/// handles still hold the contents), so the allocation stays whole.
-pub(super) fn unmap_all(d: &dyn Driver, device: i32, segs: &[Seg]) -> Result<()> {
+/// handles still hold the contents), so the allocation stays whole; those that cannot be come
+/// back as [`Lost`], for the caller to record paused: the registry must never claim a mapping
+/// that is not there (a copy from it would fault).
+pub(super) fn unmap_all(
+    d: &dyn Driver,
+    device: i32,
+    segs: &[Seg],
+) -> std::result::Result<(), UnmapFailed> {
     for (k, s) in segs.iter().enumerate() {
-        if let Err(e) = d.unmap(s.ptr, s.len) {
-            for b in &segs[..k] {
-                let back = d
-                    .map(b.ptr, b.len, b.handle)
-                    .and_then(|()| d.set_access(device, b.ptr, b.len));
-                if let Err(e2) = back {
-                    tracing::error!("mapping {:#x} again after a failed unmap: {e2}", b.ptr);
-                }
+        let Err(error) = d.unmap(s.ptr, s.len) else {
+            continue;
+        };
+        let mut lost = Vec::new();
+        for (index, b) in segs[..k].iter().enumerate() {
+            let back = d.map(b.ptr, b.len, b.handle);
+            let mapped = back.is_ok();
+            let Err(e2) = back.and_then(|()| d.set_access(device, b.ptr, b.len)) else {
+                continue;
+            };
+            tracing::error!("mapping {:#x} again after a failed unmap: {e2}", b.ptr);
+            let mapped = mapped && d.unmap(b.ptr, b.len).is_err();
+            if let Err(e3) = d.release(b.handle) {
+                tracing::error!("releasing handle {:#x}: {e3}", b.handle.0);
             }
-            return Err(e);
+            lost.push(Lost { index, mapped });
         }
+        let error = match lost.len() {
+            0 => error,
+            n => error.context(format!(
+                "{n} segment(s) unmapped before this failure could not be mapped again, and are paused now"
+            )),
+        };
+        return Err(UnmapFailed { error, lost });
     }
     Ok(())
 }
