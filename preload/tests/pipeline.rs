@@ -613,3 +613,53 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    /// A pause whose copy wait fails, and whose worker's wait for its stream then fails too,
+    /// must leave nothing queued into the staging slots: the next operation's copies go through
+    /// the same slots, and a stale device-to-host copy that runs ahead of them overwrites what
+    /// they put there (here: a resume of another tag, which must still bring back its bytes).
+    sim_only fn a_failed_pause_leaves_no_copy_queued_into_the_staging_slots(_h) {
+        let (sim, e) = common::sim_engine(&Setup::default().capacity(64 << 20).granularity(g()).copy(
+            CopyConfig {
+                threads: 1,
+                layout: HostLayout { chunk: 4 * g(), hugepages: false, streaming: false },
+                slot: page(),
+                save_slot: page(),
+                pin: PinMode::Never,
+                disk_chunk: 0,
+                keep_staging: true,
+                save_streams: false,
+            },
+        ));
+        let mut allocs = Vec::new();
+        for (k, tag) in ["x", "y"].into_iter().enumerate() {
+            let size = 2 * g();
+            let addr = e
+                .alloc(&AllocRequest {
+                    size,
+                    device: 0,
+                    tag: tag.into(),
+                    backup: Some(BackupKind::Mmap),
+                    chunk: 0,
+                })
+                .unwrap();
+            let data = pattern(size as usize, 70 + k as u64);
+            write_raw(&sim, addr, &data);
+            allocs.push((addr, data));
+        }
+        e.pause(Some("x")).unwrap();
+        // y's pause: its first copy wait fails, then the worker's wait for its stream too.
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.arm_fault(Prim::StreamSync, 1, 999);
+        assert!(e.pause(Some("y")).is_err());
+        sim.clear_faults();
+        e.resume(Some("x")).unwrap();
+        let (x, want) = &allocs[0];
+        let got = read_raw(&sim, *x, want.len());
+        let first = got.iter().zip(want).position(|(a, b)| a != b);
+        assert_eq!(first, None, "x differs after its resume reported success, from byte {first:?} on");
+        let (y, want) = &allocs[1];
+        assert!(read_raw(&sim, *y, want.len()) == *want, "y lost contents");
+    }
+}

@@ -45,7 +45,7 @@ impl Outcome {
 }
 
 /// Wait until nothing queued on `stream` is left; false if no wait succeeded.
-fn settle(d: &dyn Driver, device: i32, stream: Stream) -> bool {
+pub(super) fn settle(d: &dyn Driver, device: i32, stream: Stream) -> bool {
     (0..SETTLE_TRIES).any(|_| d.stream_sync(stream).is_ok() || d.synchronize(device).is_ok())
 }
 

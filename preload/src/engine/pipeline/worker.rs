@@ -112,8 +112,14 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
         let res = work(sh, &mut lanes, &done, first);
         if res.is_err() {
             // Let nothing queued outlive the call: a late DMA must not land in a buffer that
-            // is about to be reused or freed.
-            let _ = sh.d().stream_sync(stream);
+            // is about to be reused or freed. A failed wait leaves the work queued, so it is
+            // tried again; if no wait succeeds, the staging slots are never used (nor freed)
+            // again, since a copy into them may still run.
+            if !crate::engine::transfer::settle(sh.d(), sh.device, stream) {
+                for s in lanes.slots.iter_mut() {
+                    std::mem::forget(s.take());
+                }
+            }
         }
         for e in lanes.events {
             sh.d().event_destroy(e);
