@@ -238,13 +238,24 @@ pub fn clean_stale(dir: &Path, uid: u32, ours: &str) -> usize {
                 continue;
             }
         }
-        // Still the same file (not replaced by a new server between the probe and now)?
-        let same =
-            fs::symlink_metadata(&path).is_ok_and(|n| n.dev() == m.dev() && n.ino() == m.ino());
-        if !same {
+        // Removed only if it is still the file nobody listens on. No call removes a name only
+        // if it is still a given file, and a check then `unlink` would remove a socket a new
+        // server renamed into place in between (the check by inode is fooled too, as a new
+        // socket may get the inode number of a removed one): so the file is moved aside first,
+        // to a name of ours no other sweep takes, and probed again there; a new server's
+        // socket taken so is put back (unless yet another took the name meanwhile).
+        static ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = ASIDE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let aside = dir.join(format!(".{name}.{}-{n}.stale", std::process::id()));
+        if fs::rename(&path, &aside).is_err() {
             continue;
         }
-        match fs::remove_file(&path) {
+        if !matches!(sys::probe(&aside), Probe::Refused) {
+            let _ = fs::hard_link(&aside, &path);
+            let _ = fs::remove_file(&aside);
+            continue;
+        }
+        match fs::remove_file(&aside) {
             Ok(()) => {
                 tracing::debug!("removed the stale control socket {}", path.display());
                 removed += 1;
@@ -437,5 +448,50 @@ mod tests {
         let m = fs::symlink_metadata(&d).unwrap();
         assert_eq!(m.permissions().mode() & 0o777, 0o700);
         fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A server binding its socket again (the same pid after `exec`, or a new process that got
+    /// a dead one's pid) while another server sweeps the stale file at that name: the live
+    /// socket must never be the one removed. The sweep checks the file between its probe and
+    /// its removal, but the new socket can be renamed into place after that check.
+    #[test]
+    fn a_socket_bound_again_during_a_sweep_is_never_removed() {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        use std::sync::Arc;
+        let d = tmp("race");
+        prepare(&d, sys::euid()).unwrap();
+        let name = "2147483100.4026530003.sock";
+        let path = d.join(name);
+        let stop = Arc::new(AtomicBool::new(false));
+        let rounds = Arc::new(AtomicU64::new(0));
+        let cleaner = {
+            let (d, stop, rounds) = (d.clone(), stop.clone(), rounds.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::SeqCst) {
+                    clean_stale(&d, sys::euid(), "1.1.sock");
+                    rounds.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        let t0 = std::time::Instant::now();
+        let (mut tries, mut lost) = (0u64, 0u64);
+        while t0.elapsed() < Duration::from_secs(10) && lost == 0 {
+            // A stale socket, then one bound again over it.
+            drop(bind_as(&d, name).unwrap());
+            let (_live, _) = bind_as(&d, name).unwrap();
+            // Let every sweep that may have seen the stale file end.
+            let r = rounds.load(Ordering::SeqCst);
+            while rounds.load(Ordering::SeqCst) < r + 2 {
+                std::thread::yield_now();
+            }
+            tries += 1;
+            if !matches!(sys::probe(&path), Probe::Listening) {
+                lost += 1;
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        cleaner.join().unwrap();
+        fs::remove_dir_all(&d).unwrap();
+        assert_eq!(lost, 0, "a live socket was removed after {tries} rounds");
     }
 }
