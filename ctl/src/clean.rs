@@ -152,10 +152,12 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
     let folder = Folder::open(&ctx.dir)?;
     let sockets = clean_sockets(&folder);
     if ctx.json {
+        // Paths as text (serde refuses a path that is not UTF-8, and `json!` would panic).
+        let swept: Vec<_> = swept.iter().map(|p| p.to_string_lossy()).collect();
         let j = json!({
             "disk_folders": swept,
             "backup_files_removed": files,
-            "socket_dir": ctx.dir,
+            "socket_dir": ctx.dir.to_string_lossy(),
             "sockets_removed": sockets,
         });
         print_json(j);

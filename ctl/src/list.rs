@@ -57,7 +57,7 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
                     }),
                     Err(e) => json!({"pid": sock.pid(), "command": command, "error": e.message}),
                 };
-                j["socket"] = json!(sock.path);
+                j["socket"] = json!(sock.path.to_string_lossy());
                 j["pidns"] = json!(sock.name.pidns);
                 j["this_pid_namespace"] = json!(sock.here());
                 j

@@ -1,6 +1,8 @@
 //! --json: every document carries the schema version; failures are a document too.
 
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::Command;
 use std::time::Duration;
 
 use serde_json::Value;
@@ -165,4 +167,47 @@ fn json_documents_carry_the_schema_version() {
             .is_some_and(|m| m.contains("stale")),
         "{bad}"
     );
+}
+
+/// A folder whose name is not UTF-8 (Linux allows any bytes but `/` and NUL): `--json` still
+/// prints one valid document and exits as the command did, never a panic (serde refuses to
+/// serialise such a path, and `json!` unwraps).
+#[test]
+fn json_output_survives_folder_names_that_are_not_utf8() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+    let sb = sandbox();
+    let odd = sb.tmp.path().join(OsStr::from_bytes(b"disk-\xff\xfe"));
+    std::fs::create_dir(&odd).unwrap();
+    std::fs::set_permissions(&odd, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let sockets = sb.tmp.path().join(OsStr::from_bytes(b"socks-\xff"));
+    std::fs::create_dir(&sockets).unwrap();
+    std::fs::set_permissions(&sockets, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let me = std::process::id();
+    let _fake = Fake::start(&sockets, &our_name(me), me, honest(me));
+    let run = |args: &[&OsStr]| {
+        let mut cmd = clean(Command::new(tmsctl()), &sb);
+        cmd.args(args);
+        let o = output_of(cmd);
+        Ran {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    };
+    let s = |x: &'static str| OsStr::new(x);
+    for args in [
+        vec![s("clean"), s("--json"), s("--disk-dir"), odd.as_os_str()],
+        vec![
+            s("--socket-dir"),
+            sockets.as_os_str(),
+            s("list"),
+            s("--json"),
+        ],
+    ] {
+        let r = run(&args);
+        assert!(!r.stderr.contains("panicked"), "{args:?}: {}", r.dump());
+        let j = r.json();
+        assert!(j.to_string().contains("\"schema\":1"), "{j}");
+    }
 }
