@@ -215,7 +215,9 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
         Err(NoSocket::Disabled) => return Err(NoSocket::Disabled),
         Err(e) => {
             // A malformed setting is reported in one line, like every other TMS_* variable.
-            eprintln!("torch-memory-saver: {e}; the control socket stays off");
+            crate::process::logging::say(&format!(
+                "torch-memory-saver: {e}; the control socket stays off"
+            ));
             return Err(e);
         }
     }

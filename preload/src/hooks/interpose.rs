@@ -18,7 +18,7 @@ use crate::control;
 use crate::engine::AllocRequest;
 use crate::error::{Error, ErrorKind};
 use crate::process::boundary::{catch, set_last_error};
-use crate::process::{runtime, settings};
+use crate::process::{logging, runtime, settings};
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
@@ -174,7 +174,7 @@ fn real_free(rt: Rt, ptr: *mut c_void) -> c_int {
 /// Print a failure the user must know about (bad settings, a runtime that cannot start) once
 /// per kind; hooks cannot return a message, only a status.
 fn report_once(once: &'static std::sync::Once, e: &Error) {
-    once.call_once(|| eprintln!("torch-memory-saver: {e}"));
+    once.call_once(|| logging::say(&format!("torch-memory-saver: {e}")));
 }
 
 static SETTINGS_REPORTED: std::sync::Once = std::sync::Once::new();

@@ -112,7 +112,9 @@ entry_point!(real_mem_alloc, c"ncclMemAlloc", MemAllocFn);
 fn absent(name: &str) -> c_int {
     static SAID: std::sync::Once = std::sync::Once::new();
     SAID.call_once(|| {
-        eprintln!("torch-memory-saver: no NCCL library below it provides {name}");
+        crate::process::logging::say(&format!(
+            "torch-memory-saver: no NCCL library below it provides {name}"
+        ));
     });
     NCCL_SYSTEM_ERROR
 }

@@ -8,6 +8,7 @@
 //! [`Engine::sole_device`]: crate::engine::Engine::sole_device
 
 use std::fmt;
+use std::io::Write;
 
 use serde_json::Value;
 use tracing::{Event, Subscriber};
@@ -15,6 +16,13 @@ use tracing_subscriber::fmt::format::{FormatEvent, FormatFields, JsonFields, Wri
 use tracing_subscriber::fmt::time::{FormatTime, SystemTime};
 use tracing_subscriber::fmt::{FmtContext, FormattedFields};
 use tracing_subscriber::registry::LookupSpan;
+
+/// Write `line` to stderr, losing it where stderr cannot be written: `eprintln!` panics there
+/// (a full disk, a closed pipe where SIGPIPE is ignored), and the library must not fail a call,
+/// nor end the process, for a message it could not print.
+pub fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
 
 /// The shape of the lines (`TMS_LOG_FORMAT`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,17 +50,17 @@ pub fn format_from_env() -> LogFormat {
     match std::env::var("TMS_LOG_FORMAT") {
         Err(std::env::VarError::NotPresent) => LogFormat::Text,
         Err(std::env::VarError::NotUnicode(_)) => {
-            eprintln!(
+            say(
                 "torch-memory-saver: environment variable TMS_LOG_FORMAT is not valid UTF-8; \
-                 logging stays text"
+                 logging stays text",
             );
             LogFormat::Text
         }
         Ok(v) => LogFormat::parse(&v).unwrap_or_else(|| {
-            eprintln!(
+            say(&format!(
                 "torch-memory-saver: environment variable TMS_LOG_FORMAT: {v:?} is not a log \
                  format (expected text or json); logging stays text"
-            );
+            ));
             LogFormat::Text
         }),
     }
@@ -72,7 +80,7 @@ pub fn init(device_of: fn() -> Option<i32>) {
         Ok(f) => f,
         Err(std::env::VarError::NotPresent) => return,
         Err(std::env::VarError::NotUnicode(_)) => {
-            eprintln!("torch-memory-saver: environment variable TMS_LOG is not valid UTF-8; logging stays off");
+            say("torch-memory-saver: environment variable TMS_LOG is not valid UTF-8; logging stays off");
             return;
         }
     };
@@ -91,9 +99,9 @@ pub fn init(device_of: fn() -> Option<i32>) {
             };
         }
         // Said in one line naming the variable, as for every TMS_* setting.
-        Err(e) => eprintln!(
+        Err(e) => say(&format!(
             "torch-memory-saver: environment variable TMS_LOG: {filter:?} is not a log filter ({e}); logging stays off"
-        ),
+        )),
     }
 }
 

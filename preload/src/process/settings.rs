@@ -325,7 +325,7 @@ pub fn process() -> Result<&'static ProcessSettings> {
                 .filter_map(|(k, _)| k.into_string().ok())
                 .collect();
             for line in super::env_names::warnings(names.iter().map(String::as_str)) {
-                eprintln!("{line}");
+                super::logging::say(&line);
             }
             ProcessSettings::from_env().map_err(|e| StickyError::from(&e))
         })
