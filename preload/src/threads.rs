@@ -61,3 +61,28 @@ pub fn spawn(name: &str, f: impl FnOnce() + Send + 'static) -> bool {
         }
     }
 }
+
+thread_local! {
+    static INSIDE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks this thread as inside the library: the interposers hand its `cudaMalloc` and
+/// `cudaFree` calls to the runtime (those of NCCL while the library suspends or resumes its
+/// communicators, say). `None` if it already was (or its locals are gone).
+pub struct Reentry;
+
+impl Reentry {
+    /// Enter; the thread is outside again when the guard drops.
+    pub fn enter() -> Option<Reentry> {
+        match INSIDE.try_with(|f| f.replace(true)) {
+            Ok(false) => Some(Reentry),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Reentry {
+    fn drop(&mut self) {
+        let _ = INSIDE.try_with(|f| f.set(false));
+    }
+}

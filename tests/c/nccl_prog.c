@@ -264,6 +264,30 @@ static int mode_own_memory(void) {
     return finish("own_memory");
 }
 
+/* TMS_INIT_ENABLE=1: the memory NCCL takes again while the library resumes its communicators
+ * (ncclCommResume, called by tms_resume("nccl") on a thread inside a region) is NCCL's, as
+ * when it made them: it reaches the CUDA runtime, and a pause of every other tag leaves it. */
+static int mode_own_memory_resume(void) {
+    ncclComm_t c = make_comm();
+    long m0 = fake_cuda_malloc_calls();
+    int rc = p_tms_pause("nccl");
+    check(rc == TMS_OK, "tms_pause(\"nccl\") (rc %d: %s)", rc, last_error());
+    rc = p_tms_resume("nccl");
+    check(rc == TMS_OK, "tms_resume(\"nccl\") (rc %d: %s)", rc, last_error());
+    check(fake_cuda_malloc_calls() == m0 + 1,
+          "NCCL's allocation in ncclCommResume reached the CUDA runtime (%ld calls)",
+          fake_cuda_malloc_calls() - m0);
+    print_stats("resumed");
+    fflush(stdout);
+    rc = p_tms_pause(NULL);
+    check(rc == TMS_OK, "pause of every tag (rc %d: %s)", rc, last_error());
+    fflush(stdout);
+    check(all_reduce_ok(c), "the communicator works while every other tag is paused");
+    p_tms_resume(NULL);
+    ncclCommDestroy(c);
+    return finish("own_memory_resume");
+}
+
 /* libtms.so loaded locally (torch mode): communicators are not seen being made; handed over,
  * they pause with the tag, and handing over none forgets them. */
 static int mode_adopt(void) {
@@ -334,6 +358,7 @@ int main(int argc, char **argv) {
         {"flow", mode_flow},         {"in_all", mode_in_all},
         {"rollback", mode_rollback}, {"old", mode_old},
         {"registered", mode_registered}, {"own_memory", mode_own_memory},
+        {"own_memory_resume", mode_own_memory_resume},
         {"serve", mode_serve},
     };
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {

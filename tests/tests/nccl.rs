@@ -202,6 +202,15 @@ fn nccls_own_memory_passes_through_and_the_tag_is_reserved() {
     assert!(r.error("reserved").contains("tag \"nccl\" is reserved"));
 }
 
+/// The memory NCCL takes again in `ncclCommResume`, which the library calls to resume the tag,
+/// is NCCL's too: never pauseable, even with every thread in a region.
+#[test]
+fn nccls_memory_taken_again_at_resume_passes_through() {
+    let r = run_nccl("own_memory_resume", false, &[("TMS_INIT_ENABLE", "1")]);
+    let s = r.stats("resumed");
+    assert!(tag(&s, "default").is_none(), "no pauseable allocation: {s}");
+}
+
 /// Loaded locally (torch mode), the library sees no communicator made; handed over, they
 /// pause with the tag, and handing over none forgets them.
 #[test]

@@ -8,7 +8,6 @@
 //! The HIP runtime's status codes are the CUDA runtime's numbers for every status returned
 //! here (success 0, invalid value 1, out of memory 2, not initialized 3, unknown 999).
 
-use std::cell::Cell;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::OnceLock;
 
@@ -29,27 +28,7 @@ const CUDA_ERROR_UNKNOWN: c_int = 999;
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
 
-thread_local! {
-    static INSIDE: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Marks this thread as inside the library; `None` if it already was (or its locals are gone).
-pub(super) struct Reentry;
-
-impl Reentry {
-    pub(super) fn enter() -> Option<Reentry> {
-        match INSIDE.try_with(|f| f.replace(true)) {
-            Ok(false) => Some(Reentry),
-            _ => None,
-        }
-    }
-}
-
-impl Drop for Reentry {
-    fn drop(&mut self) {
-        let _ = INSIDE.try_with(|f| f.set(false));
-    }
-}
+pub(super) use crate::threads::Reentry;
 
 /// The runtime whose allocation calls an interposer stands in for.
 #[derive(Clone, Copy)]

@@ -247,6 +247,8 @@ impl Library for Loaded {
     fn suspend(&self, comm: usize) -> Result<()> {
         let c = Calls::get();
         let f = Calls::need(c.suspend, "ncclCommSuspend")?;
+        // NCCL's memory is NCCL's: its cudaFree calls go to the runtime.
+        let _own = crate::threads::Reentry::enter();
         // SAFETY: comm is a live communicator (the registry keeps it so while it calls).
         let rc = unsafe { f(comm as *mut c_void, SUSPEND_MEM) };
         c.finished("ncclCommSuspend", comm, rc)
@@ -255,6 +257,9 @@ impl Library for Loaded {
     fn resume(&self, comm: usize) -> Result<()> {
         let c = Calls::get();
         let f = Calls::need(c.resume, "ncclCommResume")?;
+        // The memory NCCL takes again is NCCL's, never pauseable (as when it made the
+        // communicator): its cudaMalloc calls go to the runtime, also on a thread in a region.
+        let _own = crate::threads::Reentry::enter();
         // SAFETY: as for suspend.
         let rc = unsafe { f(comm as *mut c_void) };
         c.finished("ncclCommResume", comm, rc)

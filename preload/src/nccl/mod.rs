@@ -49,10 +49,11 @@
 //! collectives over pauseable memory with `NCCL_GRAPH_REGISTER=0`, or keep those buffers
 //! resident (`keep_resident`).
 //!
-//! *NCCL's own memory.* While NCCL makes a communicator, or allocates with `ncclMemAlloc`
-//! (memory meant for registration), the thread's `cudaMalloc` calls pass through to the CUDA
-//! runtime even inside a region: that memory is NCCL's, given back by suspending its tag, and
-//! never pauseable (moving it would break NCCL as a registered buffer does).
+//! *NCCL's own memory.* While NCCL makes a communicator, allocates with `ncclMemAlloc` (memory
+//! meant for registration), or suspends or resumes one for the library, the thread's
+//! `cudaMalloc` and `cudaFree` calls pass through to the CUDA runtime even inside a region: that
+//! memory is NCCL's, given back by suspending its tag, and never pauseable (moving it would
+//! break NCCL as a registered buffer does).
 //!
 //! *Harm.* An interposer never panics across the boundary and never waits, except that ending
 //! a communicator waits for a call of ours on that very communicator; it looks nothing up until
