@@ -117,10 +117,12 @@ fn clean_sockets(folder: &Folder) -> usize {
         if !m.file_type().is_socket() || m.uid() != me || !refused(&s.path) {
             continue;
         }
-        // Still the same file (not a new server's, bound since)?
-        let same = std::fs::symlink_metadata(&s.path)
-            .is_ok_and(|n| n.dev() == m.dev() && n.ino() == m.ino());
-        if same && std::fs::remove_file(&s.path).is_ok() {
+        // Moved aside and probed again there: never a new server's, bound since.
+        let (Some(dir), Some(name)) = (s.path.parent(), s.path.file_name()) else {
+            continue;
+        };
+        let Some(name) = name.to_str() else { continue };
+        if tms_proto::remove_if_stale(dir, name, refused).unwrap_or(false) {
             removed += 1;
         }
     }

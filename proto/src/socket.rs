@@ -131,6 +131,33 @@ pub fn via_short_path<T>(path: &Path, f: impl FnOnce(&Path) -> io::Result<T>) ->
     f(&short)
 }
 
+/// Remove the socket file `dir/name` if nobody listens on it (`refused`: a connect to the path
+/// given is refused); `Ok(true)` if removed. Server and `tmsctl clean` both sweep the folder,
+/// and no call removes a name only while it is a given file: a check then `unlink` would remove
+/// a socket a new server renamed into place in between (a check by inode is fooled too: a new
+/// socket may get the inode number of a removed one). So the file is moved aside first, to a
+/// name no sweep takes (`.<name>.<pid>-<n>.stale`, not a socket name), and probed again there;
+/// one that turns out live is put back (by a link, which never replaces a newer socket).
+pub fn remove_if_stale(
+    dir: &Path,
+    name: &str,
+    refused: impl Fn(&Path) -> bool,
+) -> io::Result<bool> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static ASIDE: AtomicU64 = AtomicU64::new(0);
+    let n = ASIDE.fetch_add(1, Ordering::Relaxed);
+    let path = dir.join(name);
+    let aside = dir.join(format!(".{name}.{}-{n}.stale", std::process::id()));
+    std::fs::rename(&path, &aside)?;
+    if refused(&aside) {
+        std::fs::remove_file(&aside)?;
+        return Ok(true);
+    }
+    let back = std::fs::hard_link(&aside, &path);
+    std::fs::remove_file(&aside)?;
+    back.map(|()| false)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +194,29 @@ mod tests {
         let mut got = [0u8; 2];
         s.read_exact(&mut got).unwrap();
         assert_eq!(&got, b"hi");
+    }
+
+    #[test]
+    fn remove_if_stale_removes_a_dead_socket_and_puts_a_live_one_back() {
+        let tmp = tempfile::tempdir().unwrap();
+        let refused = |p: &Path| matches!(UnixStream::connect(p), Err(e) if e.kind() == io::ErrorKind::ConnectionRefused);
+        drop(UnixListener::bind(tmp.path().join("1.2.sock")).unwrap());
+        assert!(remove_if_stale(tmp.path(), "1.2.sock", refused).unwrap());
+        let live = UnixListener::bind(tmp.path().join("3.4.sock")).unwrap();
+        assert!(!remove_if_stale(tmp.path(), "3.4.sock", refused).unwrap());
+        let names: Vec<_> = std::fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            names,
+            ["3.4.sock"],
+            "the live socket is back, nothing else is left"
+        );
+        let _c = UnixStream::connect(tmp.path().join("3.4.sock")).unwrap();
+        live.accept().unwrap();
+        let e = remove_if_stale(tmp.path(), "5.6.sock", refused).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound);
     }
 
     #[test]

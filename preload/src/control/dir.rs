@@ -238,28 +238,13 @@ pub fn clean_stale(dir: &Path, uid: u32, ours: &str) -> usize {
                 continue;
             }
         }
-        // Removed only if it is still the file nobody listens on. No call removes a name only
-        // if it is still a given file, and a check then `unlink` would remove a socket a new
-        // server renamed into place in between (the check by inode is fooled too, as a new
-        // socket may get the inode number of a removed one): so the file is moved aside first,
-        // to a name of ours no other sweep takes, and probed again there; a new server's
-        // socket taken so is put back (unless yet another took the name meanwhile).
-        static ASIDE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = ASIDE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let aside = dir.join(format!(".{name}.{}-{n}.stale", std::process::id()));
-        if fs::rename(&path, &aside).is_err() {
-            continue;
-        }
-        if !matches!(sys::probe(&aside), Probe::Refused) {
-            let _ = fs::hard_link(&aside, &path);
-            let _ = fs::remove_file(&aside);
-            continue;
-        }
-        match fs::remove_file(&aside) {
-            Ok(()) => {
+        // Moved aside and probed again there: never a new server's socket, bound since.
+        match tms_proto::remove_if_stale(dir, name, |p| matches!(sys::probe(p), Probe::Refused)) {
+            Ok(true) => {
                 tracing::debug!("removed the stale control socket {}", path.display());
                 removed += 1;
             }
+            Ok(false) => {}
             Err(e) => tracing::debug!("removing {}: {e}", path.display()),
         }
     }
