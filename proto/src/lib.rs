@@ -1,7 +1,8 @@
 //! The Torch Memory Saver control protocol: line-delimited JSON over a Unix socket. This crate
 //! holds the messages, the version and the features ([`messages`]), the lines and their limits
-//! ([`framing`]) and the naming of the socket files ([`socket`]); no I/O policy (timeouts,
-//! permissions and threads belong to the server in `libtms.so` and to `tmsctl`).
+//! ([`framing`]) and the naming of the socket files, with the one safe removal of a stale one
+//! ([`socket`]); no other I/O policy (timeouts, permissions and threads belong to the server in
+//! `libtms.so` and to `tmsctl`).
 //!
 //! # The exchange
 //!
