@@ -22,6 +22,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -582,10 +583,92 @@ static int mode_fork(void) {
     return finish("fork");
 }
 
+/* A pause of every tag, on a thread of its own. */
+static void *pause_all(void *arg) {
+    (void)arg;
+    return (void *)(intptr_t)p_tms_pause(NULL);
+}
+
+/* _Fork() (glibc >= 2.34) after the library started: it runs no pthread_atfork handler, yet the
+ * child shares none of the parent's device state either: its hooks must pass through and the
+ * API must refuse, as after fork(); also when another thread of the parent was inside a pause
+ * (holding the engine's locks) at that moment, where the child must not wait for them. */
+static int mode_fork_raw(void) {
+    const size_t n = MIB;
+    int rc = p_tms_region_enter(1, "parent", 1, NULL);
+    check(rc == TMS_OK, "tms_region_enter(parent, cpu_backup) (rc %d)", rc);
+    void *p = NULL;
+    rc = cudaMalloc(&p, n);
+    check(rc == CUDA_SUCCESS && p != NULL, "cudaMalloc in the parent (rc %d)", rc);
+    if (p == NULL) {
+        return finish("fork-raw");
+    }
+    fill(p, n, 11);
+    long m0 = fake_cuda_malloc_calls();
+    long f0 = fake_cuda_free_calls();
+    fflush(stdout);
+
+    pid_t pid = _Fork();
+    if (pid < 0) {
+        check(0, "_Fork failed");
+        return finish("fork-raw");
+    }
+    if (pid == 0) {
+        alarm(20);
+        who = " child";
+        failures = 0;
+        void *c = NULL;
+        rc = cudaMalloc(&c, 4096);
+        check(rc == CUDA_SUCCESS && c != NULL && fake_cuda_malloc_calls() == m0 + 1,
+              "cudaMalloc inside the inherited region passes through to the runtime (rc %d)", rc);
+        check(p_tms_is_active() == 0, "the library reports itself inactive in the child");
+        rc = p_tms_pause(NULL);
+        check(rc == TMS_ERR_INVALID_STATE, "tms_pause in the child is refused (rc %d)", rc);
+        rc = cudaFree(c);
+        check(rc == CUDA_SUCCESS && fake_cuda_free_calls() == f0 + 1,
+              "cudaFree in the child passes through to the runtime (rc %d)", rc);
+        exit(finish("fork-raw-child"));
+    }
+    int status = 0;
+    check(waitpid(pid, &status, 0) == pid, "wait for the child");
+    check(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child passed (status %#x)", status);
+
+    /* A pause in flight on another thread (each sync takes TMS_SIM_SYNC_DELAY_MS). */
+    pthread_t t;
+    check(pthread_create(&t, NULL, pause_all, NULL) == 0, "start a pause on a thread");
+    usleep(300 * 1000);
+    fflush(stdout);
+    pid = _Fork();
+    if (pid == 0) {
+        alarm(5); /* a child that waits for the parent's locks dies of SIGALRM */
+        who = " busy-child";
+        failures = 0;
+        rc = p_tms_pause(NULL);
+        check(rc == TMS_ERR_INVALID_STATE, "tms_pause in the child is refused at once (rc %d)",
+              rc);
+        exit(finish("fork-raw-busy-child"));
+    }
+    status = 0;
+    check(pid > 0 && waitpid(pid, &status, 0) == pid, "wait for the second child");
+    check(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "the second child passed without waiting (status %#x%s)", status,
+          WIFSIGNALED(status) && WTERMSIG(status) == SIGALRM ? ": killed by SIGALRM, it hung"
+                                                              : "");
+    void *prc = NULL;
+    pthread_join(t, &prc);
+    check((intptr_t)prc == TMS_OK, "the parent's pause (rc %d)", (int)(intptr_t)prc);
+    rc = p_tms_resume(NULL);
+    check(rc == TMS_OK, "tms_resume in the parent (rc %d)", rc);
+    check(verify(p, n, 11) == n, "the parent's contents survived");
+    check(cudaFree(p) == CUDA_SUCCESS && fake_cuda_free_calls() == f0, "cudaFree in the parent");
+    check(p_tms_region_exit() == TMS_OK, "leave region parent");
+    return finish("fork-raw");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s basic|oom|fault|touch-paused|init-enable|malformed|"
-                        "bad-device|fork\n",
+                        "bad-device|fork|fork-raw\n",
                 argv[0]);
         return 2;
     }
@@ -610,6 +693,8 @@ int main(int argc, char **argv) {
         return mode_bad_device();
     } else if (strcmp(mode, "fork") == 0) {
         return mode_fork();
+    } else if (strcmp(mode, "fork-raw") == 0) {
+        return mode_fork_raw();
     }
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;

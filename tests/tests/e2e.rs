@@ -421,3 +421,18 @@ fn fork_child_passes_through_and_parent_carries_on() {
     assert_eq!(child["tag"], "parent", "the child inherited the region");
     assert!(r.error("child-pause").contains("forked"), "{}", r.dump());
 }
+
+/// A child of `_Fork()`, which runs no `pthread_atfork` handler, is told by its pid: its hooks
+/// pass through, its API refuses, and it never waits for locks a thread of the parent held.
+#[test]
+fn a_child_of_raw_fork_passes_through_and_never_waits() {
+    let r = run_e2e("fork-raw", &[("TMS_SIM_SYNC_DELAY_MS", "1500")]);
+    r.assert_passed("fork-raw");
+    for child in ["fork-raw-child", "fork-raw-busy-child"] {
+        assert!(
+            r.stdout.contains(&format!("RESULT: PASS {child}")),
+            "{child} ran its checks\n{}",
+            r.dump()
+        );
+    }
+}
