@@ -13,13 +13,16 @@
  *
  * Fault injection, read at each call: FAKE_NCCL_FAIL_SUSPEND=N fails the N-th call of
  * ncclCommSuspend in the process (counting from 1) with ncclInvalidUsage, and
- * FAKE_NCCL_FAIL_RESUME=N the N-th call of ncclCommResume with ncclUnhandledCudaError.
+ * FAKE_NCCL_FAIL_RESUME=N the N-th call of ncclCommResume with ncclUnhandledCudaError;
+ * FAKE_NCCL_BLOCK_SUSPEND=N makes the N-th ncclCommSuspend wait for peers that never come, until
+ * ncclCommAbort on that communicator ends it with ncclRemoteError.
  */
 #include "fake_nccl.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 int cudaMalloc(void **dev_ptr, size_t size);
 int cudaFree(void *ptr);
@@ -34,10 +37,13 @@ struct fake_comm {
     int rank, nranks;
     int suspended;
     void *scratch;
+    int aborting; /* ncclCommAbort began (atomic) */
+    int in_call;  /* a call waits for peers (atomic): ncclCommAbort ends it first */
 };
 
 static struct fake_comm *comms[MAX_COMMS];
 static long suspend_calls, resume_calls, registrations;
+static long blocked; /* calls waiting for peers (atomic) */
 static char last_error[256];
 
 static int valid(ncclComm_t c) {
@@ -141,7 +147,14 @@ int ncclCommDestroy(ncclComm_t comm) {
     return end(comm);
 }
 
+/* As NCCL's: it ends a call waiting on the communicator (its peers gone), then frees it. */
 int ncclCommAbort(ncclComm_t comm) {
+    if (valid(comm)) {
+        __atomic_store_n(&comm->aborting, 1, __ATOMIC_SEQ_CST);
+        while (__atomic_load_n(&comm->in_call, __ATOMIC_SEQ_CST)) {
+            usleep(1000);
+        }
+    }
     return end(comm);
 }
 
@@ -245,6 +258,18 @@ int ncclCommSuspend(ncclComm_t comm, int flags) {
     if (!valid(comm) || !(flags & NCCL_SUSPEND_MEM)) {
         return ncclInvalidArgument;
     }
+    if (failing("FAKE_NCCL_BLOCK_SUSPEND", call)) {
+        /* Waits for peers that never come, until ncclCommAbort ends the wait. */
+        __atomic_store_n(&comm->in_call, 1, __ATOMIC_SEQ_CST);
+        __atomic_add_fetch(&blocked, 1, __ATOMIC_SEQ_CST);
+        while (!__atomic_load_n(&comm->aborting, __ATOMIC_SEQ_CST)) {
+            usleep(1000);
+        }
+        __atomic_sub_fetch(&blocked, 1, __ATOMIC_SEQ_CST);
+        snprintf(last_error, sizeof last_error, "communicator aborted while suspending");
+        __atomic_store_n(&comm->in_call, 0, __ATOMIC_SEQ_CST); /* freed from here on */
+        return ncclRemoteError;
+    }
     if (failing("FAKE_NCCL_FAIL_SUSPEND", call)) {
         snprintf(last_error, sizeof last_error, "injected failure of suspend call %ld", call);
         return ncclInvalidUsage;
@@ -315,3 +340,5 @@ long fake_nccl_suspend_calls(void) { return suspend_calls; }
 long fake_nccl_resume_calls(void) { return resume_calls; }
 
 long fake_nccl_registered(void) { return registrations; }
+
+long fake_nccl_blocked(void) { return __atomic_load_n(&blocked, __ATOMIC_SEQ_CST); }

@@ -16,6 +16,7 @@ typedef struct { char internal[128]; } ncclUniqueId;
 #define ncclUnhandledCudaError 1
 #define ncclInvalidArgument 4
 #define ncclInvalidUsage 5
+#define ncclRemoteError 6
 #define NCCL_SPLIT_NOCOLOR -1
 #define NCCL_SUSPEND_MEM 0x01
 #define ncclFloat32 7
@@ -47,5 +48,6 @@ long fake_nccl_suspended(void);    /* of those, suspended */
 long fake_nccl_suspend_calls(void);
 long fake_nccl_resume_calls(void);
 long fake_nccl_registered(void);   /* registrations (buffers and windows) not undone */
+long fake_nccl_blocked(void);      /* calls waiting for peers (FAKE_NCCL_BLOCK_SUSPEND) */
 
 #endif /* FAKE_NCCL_H */

@@ -13,6 +13,9 @@
 #include "checks.h"
 #include "fake_nccl.h"
 
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -337,6 +340,48 @@ static int mode_serve(void) {
     return finish("serve");
 }
 
+static char pause_error[8192]; /* the pausing thread's last error */
+
+static void *pause_nccl(void *arg) {
+    (void)arg;
+    int rc = p_tms_pause("nccl");
+    snprintf(pause_error, sizeof pause_error, "%s", last_error());
+    return (void *)(intptr_t)rc;
+}
+
+/* A suspend waiting for peers that are gone is ended by ncclCommAbort on another thread (as
+ * PyTorch's watchdog does): the abort must reach NCCL, the pause then fail and undo, and the
+ * survivor pause again. SIGALRM ends the program where the abort waits instead. */
+static int mode_abort_hung(void) {
+    ncclComm_t a = make_comm();
+    ncclComm_t b = make_comm();
+    setenv("FAKE_NCCL_BLOCK_SUSPEND", "2", 1); /* b's */
+    pthread_t t;
+    check(pthread_create(&t, NULL, pause_nccl, NULL) == 0, "start tms_pause(\"nccl\")");
+    for (int i = 0; i < 5000 && fake_nccl_blocked() == 0; i++) {
+        usleep(1000);
+    }
+    check(fake_nccl_blocked() == 1, "the suspend of the second communicator waits for peers");
+    fflush(stdout);
+    alarm(10);
+    int rc = ncclCommAbort(b);
+    check(rc == ncclSuccess, "ncclCommAbort ends it (rc %d)", rc);
+    void *prc = NULL;
+    pthread_join(t, &prc);
+    alarm(0);
+    check((intptr_t)prc == TMS_ERR_DRIVER, "the pause fails (rc %d)", (int)(intptr_t)prc);
+    printf("ERROR pause %s\n", pause_error);
+    check(fake_nccl_suspended() == 0 && all_reduce_ok(a), "the first was resumed");
+    unsetenv("FAKE_NCCL_BLOCK_SUSPEND");
+    print_stats("aborted");
+    rc = p_tms_pause("nccl");
+    check(rc == TMS_OK && fake_nccl_suspended() == 1, "the survivor pauses (rc %d: %s)", rc,
+          last_error());
+    check(p_tms_resume("nccl") == TMS_OK && all_reduce_ok(a), "and resumes");
+    ncclCommDestroy(a);
+    return finish("abort_hung");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s flow|in_all|rollback|old|registered|own_memory|adopt|serve\n",
@@ -359,7 +404,7 @@ int main(int argc, char **argv) {
         {"rollback", mode_rollback}, {"old", mode_old},
         {"registered", mode_registered}, {"own_memory", mode_own_memory},
         {"own_memory_resume", mode_own_memory_resume},
-        {"serve", mode_serve},
+        {"serve", mode_serve},       {"abort_hung", mode_abort_hung},
     };
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         if (strcmp(mode, modes[i].name) == 0) {

@@ -135,6 +135,24 @@ fn a_failure_on_one_communicator_undoes_the_others() {
     assert!(e.contains("was suspended again"), "{e}");
 }
 
+/// `ncclCommAbort` of a communicator whose suspend waits for peers that are gone (PyTorch's
+/// watchdog does this to end a hang) reaches NCCL at once: the pause fails and undoes, the
+/// communicator leaves, and the survivor pauses again.
+#[test]
+fn an_abort_ends_a_suspend_that_waits_for_its_peers() {
+    let r = run_nccl("abort_hung", false, &[]);
+    let e = r.error("pause");
+    for want in [
+        "ncclCommSuspend failed with ncclRemoteError (6)",
+        "(2 of 2)",
+        "communicator aborted while suspending",
+        "the communicator it had suspended was resumed",
+    ] {
+        assert!(e.contains(want), "{want:?} not in {e}");
+    }
+    assert_eq!(nccl(&r.stats("aborted"))["nccl"]["communicators"], 1);
+}
+
 /// An NCCL without `ncclCommSuspend`: the tag says so with the version found; nothing else
 /// changes (every tag pauses its memory, with `TMS_NCCL_IN_ALL=1` too).
 #[test]

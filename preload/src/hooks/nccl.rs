@@ -333,7 +333,8 @@ pub unsafe extern "C" fn ncclCommDestroy(comm: *mut c_void) -> c_int {
     ending(comm, f)
 }
 
-/// Interposed `ncclCommAbort`.
+/// Interposed `ncclCommAbort`: the communicator leaves the registry at once, without waiting
+/// for a call of ours on it (the abort may be what ends that call).
 ///
 /// # Safety
 /// As NCCL's.
@@ -342,7 +343,9 @@ pub unsafe extern "C" fn ncclCommAbort(comm: *mut c_void) -> c_int {
     let Some(f) = real_abort() else {
         return absent("ncclCommAbort");
     };
-    ending(comm, f)
+    note(|c| c.aborted(comm as usize));
+    // SAFETY: `f` is NCCL's ncclCommAbort, given the caller's argument.
+    unsafe { f(comm) }
 }
 
 /// Run `register`, NCCL's `call` registering `[buff, buff+size)` for `comm` with its handle at

@@ -55,8 +55,9 @@
 //! memory is NCCL's, given back by suspending its tag, and never pauseable (moving it would
 //! break NCCL as a registered buffer does).
 //!
-//! *Harm.* An interposer never panics across the boundary and never waits, except that ending
-//! a communicator waits for a call of ours on that very communicator; it looks nothing up until
+//! *Harm.* An interposer never panics across the boundary and never waits, except that
+//! destroying or finalizing a communicator waits for a call of ours on that very communicator
+//! (an abort does not: it may be what ends that call); it looks nothing up until
 //! NCCL is used, and a process that never uses NCCL pays nothing. Where no NCCL below the
 //! library has an interposed call, the call returns `ncclSystemError` and says why once on
 //! stderr.

@@ -96,6 +96,20 @@ impl Communicators {
         st.buffers.retain(|b| b.comm != comm);
     }
 
+    /// `comm` is being aborted: it leaves at once, with its registrations, and no call of ours
+    /// starts on it from now on; a call of ours already on it is not waited for, since ending
+    /// such a call (a suspend waiting for peers that are gone) is what an abort is for.
+    pub fn aborted(&self, comm: usize) {
+        let mut st = self.state.lock();
+        st.comms.retain(|c| c.handle != comm);
+        st.buffers.retain(|b| b.comm != comm);
+    }
+
+    /// Whether `comm` is still known (not aborted since it was claimed).
+    fn live(&self, comm: usize) -> bool {
+        self.state.lock().comms.iter().any(|c| c.handle == comm)
+    }
+
     /// The program hands over the communicators it made where the library could not see them
     /// (PyTorch's process groups in torch mode, NCCL opened by the program itself): they
     /// replace those it handed over before; those seen being made stay as they are.
@@ -205,6 +219,9 @@ impl Communicators {
         let mut done: Vec<usize> = Vec::new();
         let mut bytes = 0;
         for (i, &c) in todo.iter().enumerate() {
+            if !self.live(c) {
+                continue;
+            }
             let r = self.on_device(driver, c, || {
                 let b = self.lib.mem_stat(c, MemStat::Suspendable).unwrap_or(0);
                 call(&*self.lib, c).map(|()| b)
@@ -217,6 +234,7 @@ impl Communicators {
                 Err(e) => {
                     let failed: Vec<(usize, Error)> = done
                         .iter()
+                        .filter(|&&d| self.live(d))
                         .filter_map(|&d| {
                             self.on_device(driver, d, || undo(&*self.lib, d))
                                 .err()
@@ -339,7 +357,7 @@ impl Comms for Communicators {
         let mut error = None;
         let mut read = Vec::new();
         if unsupported.is_none() {
-            for &c in &free {
+            for &c in free.iter().filter(|&&c| self.live(c)) {
                 let n = self.on_device(driver, c, || -> Result<Numbers> {
                     Ok(Numbers {
                         suspendable: self.lib.mem_stat(c, MemStat::Suspendable)?,
