@@ -808,3 +808,38 @@ engine_test! {
         );
     }
 }
+
+engine_test! {
+    /// Review: a non-blocking resume fails after its return and nobody waits, so the failure is
+    /// unreported. The next resume of the tag acts on those allocations (it unmaps what was left
+    /// mapped) and then fails before its own call returns: its error must carry the earlier
+    /// failure, as a blocking resume's does; nothing else will raise it afterwards (the failure
+    /// is settled with the stuck segments unmapped).
+    sim_only fn a_nonblocking_resume_failing_before_its_return_raises_the_earlier_unreported_failure(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "n", 1, 2 * g);
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
+        sim.arm_fault(Prim::EventSync, 1, 999);
+        sim.unhold(Prim::EventSync, None);
+        wait_until("the failure is kept", Duration::from_secs(20), || {
+            tag_stats(&h.e, "n").failed_restore.is_some()
+        });
+        // The second resume's first mapping runs out of memory: before its call returns.
+        sim.arm_fault(Prim::Map, 1, 2);
+        let err = Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None)
+            .unwrap_err()
+            .to_string();
+        // Nothing can raise the first failure any more: it was settled with the unmapping.
+        let later = h.e.wait_restored(None, None);
+        assert!(
+            err.contains("failed after it returned"),
+            "the earlier failure was reported by nobody: call: {err}; later wait: {later:?}"
+        );
+        h.e.resume(Some("n")).unwrap();
+        check_contents(&h, &allocs);
+    }
+}

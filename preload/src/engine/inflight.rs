@@ -61,7 +61,7 @@ use super::base::Engine;
 use super::progress::Which;
 use super::registry::{describe, Pick};
 use super::report::OpReport;
-use super::restoring::{StreamOf, Tracker};
+use super::restoring::{with_earlier, StreamOf, Tracker};
 use super::txn::check_tag;
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
@@ -148,7 +148,10 @@ impl Engine {
                 tracing::warn!("{what}: no thread for it; resuming before returning");
                 return e.resume_ordered(&pick(tag), order, None);
             }
-            tracker.wait_mapped()?;
+            if let Err(err) = tracker.wait_mapped() {
+                // Failed before returning: an earlier failure it took to report goes with it.
+                return Err(with_earlier(err, tracker.take_earlier()));
+            }
             let earlier = tracker.take_earlier();
             let (n, bytes, mut pending, end) = tracker.summary();
             if let Some(st) = stream.filter(|_| n > 0) {
@@ -158,7 +161,7 @@ impl Engine {
                     if let Err(err) = tracker.wait_all_own() {
                         // Raised here: reported, as a wait would have.
                         let _ = e.restores.unreported(tracker.ptrs().into_iter());
-                        return Err(err);
+                        return Err(with_earlier(err, earlier));
                     }
                     pending = 0;
                 }
