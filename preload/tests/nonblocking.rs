@@ -843,3 +843,38 @@ engine_test! {
         check_contents(&h, &allocs);
     }
 }
+
+engine_test! {
+    /// Review: a second non-blocking resume of what a first left unrestored gives back what the
+    /// first left mapped, maps again, and fails after its return too. The allocation is now
+    /// unrestored by the second: a wait raises the second's failure (and so reports it), and the
+    /// pause that follows acts without raising anything more, as after any reported failure.
+    sim_only fn a_second_failure_after_the_return_is_the_one_its_waits_raise(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "n", 1, 2 * g);
+        let p = allocs[0].0;
+        let fail_after_return = |code: i32| {
+            sim.hold(Prim::EventSync, None);
+            Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
+            sim.arm_fault(Prim::EventSync, 1, code);
+            sim.unhold(Prim::EventSync, None);
+            h.e.wait_restored(Some(p), None).unwrap_err().to_string()
+        };
+        let first = fail_after_return(999);
+        assert!(first.contains("CUDA_ERROR_UNKNOWN"), "{first}");
+        let second = fail_after_return(719);
+        let shown = tag_stats(&h.e, "n").failed_restore.unwrap_or_default();
+        let paused = h.e.pause(Some("n"));
+        assert!(
+            !second.contains("CUDA_ERROR_UNKNOWN") && !shown.contains("CUDA_ERROR_UNKNOWN"),
+            "the wait raised (and stats show) the first resume's failure, settled by the \
+             second: wait: {second}; stats: {shown}"
+        );
+        assert!(paused.is_ok(), "reported by the wait already, raised again: {paused:?}");
+        h.e.resume(Some("n")).unwrap();
+        check_contents(&h, &allocs);
+    }
+}

@@ -587,6 +587,10 @@ impl Engine {
         for j in &kept {
             reg.marked(j.ptr).arriving = None;
         }
+        // This resume gave back what an earlier failure left mapped and restored them anew: a
+        // failure kept for them before (reported: by a wait, or by this resume's caller) is
+        // over, this one is theirs now.
+        self.restores.settle(kept.iter().map(|j| j.ptr));
         self.restores
             .keep_failure(e, kept.iter().map(|j| (j.ptr, j.size)));
     }
