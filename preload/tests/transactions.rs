@@ -627,3 +627,27 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    /// Review: the staging slots go with the last allocation that has a backup. A free of it
+    /// only tries the operations lock; a pause or resume holding it looks again once it let go,
+    /// but a tool's copy (`with_active`, here the lane probe; `write_bytes` and the exports too),
+    /// which holds the lock as well, did not: the page-locked slots stayed with no allocation
+    /// left to use them.
+    sim_only fn the_slots_go_with_the_last_backed_allocation_freed_during_a_tools_copy(h) [tx(1, 2)] {
+        let sim = h.simulated().clone();
+        let e = h.e.clone();
+        let a = e.alloc(&req(4 * G, 0, "a", Some(BackupKind::Pinned))).unwrap();
+        let b = e.alloc(&req(G, 0, "b", None)).unwrap();
+        e.pause(Some("a")).unwrap();
+        assert!(e.staging_bytes() > 0, "a pause keeps its slots");
+        sim.hold(Prim::EventSync, None);
+        let e2 = e.clone();
+        let tool = thread::spawn(move || e2.probe_d2h_lanes(b, G, 64 << 10, 1, false).map(|_| ()));
+        wait_until("the tool's copy runs", PATIENCE, || sim.held_calls() > 0);
+        assert!(e.free(a).unwrap());
+        sim.unhold(Prim::EventSync, None);
+        tool.join().unwrap().unwrap();
+        assert_eq!(e.staging_bytes(), 0, "slots kept with no allocation that has a backup");
+    }
+}

@@ -32,7 +32,7 @@ impl Engine {
         addr: DevPtr,
         f: impl FnOnce(DevPtr, &[(u64, u64, PhysHandle)]) -> Result<T>,
     ) -> Result<T> {
-        let _ops = self.ops.exclusive();
+        let _ops = self.ops.exclusive(&self.registry);
         let (start, segs) = {
             let reg = self.registry.lock();
             let (start, a) = reg.containing(addr, 1)?;

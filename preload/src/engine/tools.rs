@@ -90,7 +90,7 @@ impl Engine {
         f: impl FnOnce(&dyn Driver, i32, crate::driver::Stream) -> Result<()>,
     ) -> Result<()> {
         // Tools' copies keep pauses and resumes out while they run (not the hooks).
-        let _ops = self.ops.exclusive();
+        let _ops = self.ops.exclusive(&self.registry);
         let what = || format!("range {addr:#x}+{len}");
         let device = {
             let reg = self.registry.lock();

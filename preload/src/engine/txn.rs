@@ -96,8 +96,16 @@ impl Ops {
     }
 
     /// The operations lock, for the tools' copies: no pause or resume runs while it is held.
-    pub fn exclusive(&self) -> MutexGuard<'_, Rings> {
-        self.slots.lock()
+    /// Once let go, the staging slots go if no allocation with a backup is left (a `free` of
+    /// the last one meanwhile only tried the lock: Note [Transactions]).
+    pub fn exclusive<'a>(&'a self, registry: &'a Registry) -> Exclusive<'a> {
+        Exclusive {
+            _slots: self.slots.lock(),
+            _recheck: DropUnusedSlots {
+                ops: self,
+                registry,
+            },
+        }
     }
 
     /// Page-locked bytes held in staging slots.
@@ -158,6 +166,13 @@ pub(super) struct Txn<'e> {
     slots: MutexGuard<'e, Rings>,
     recheck: DropUnusedSlots<'e>,
     end: Ending<'e>,
+}
+
+/// The operations lock held by a tool's copy (`Ops::exclusive`); its fields drop in order: the
+/// lock, then the look at the staging slots.
+pub(super) struct Exclusive<'e> {
+    _slots: MutexGuard<'e, Rings>,
+    _recheck: DropUnusedSlots<'e>,
 }
 
 /// Once the operations lock is let go: the staging slots go if no allocation with a backup is
