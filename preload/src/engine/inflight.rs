@@ -130,11 +130,26 @@ impl Engine {
                 }));
                 let r = match r {
                     Ok(r) => r.map(|_| ()),
-                    Err(p) => Err(Error::internal(format!(
-                        "{}: a panic (a bug): {}",
-                        t.what(),
-                        crate::error::panic_message(&*p)
-                    ))),
+                    Err(p) => {
+                        let err = Error::internal(format!(
+                            "{}: a panic (a bug): {}",
+                            t.what(),
+                            crate::error::panic_message(&*p)
+                        ));
+                        if t.returned() {
+                            // Its data did not land: kept with what it left unrestored, as a
+                            // failure after the return is, for every wait to raise (the tracker
+                            // is forgotten once finished).
+                            // (The tracker's lock before the registry's: Note [Locks].)
+                            let left = t.unlanded();
+                            {
+                                let _reg = eng.registry.lock();
+                                eng.restores.keep_failure(&err, left.into_iter());
+                            }
+                            t.failure_kept();
+                        }
+                        Err(err)
+                    }
                 };
                 if let Err(err) = &r {
                     // A failure after the return was kept for the next call (resume.rs).

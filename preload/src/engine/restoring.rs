@@ -146,6 +146,15 @@ impl Tracker {
         (0..s.jobs.len()).map(|k| s.landed(k)).collect()
     }
 
+    /// The allocations (address, size) that have not landed.
+    pub(super) fn unlanded(&self) -> Vec<(DevPtr, u64)> {
+        let s = self.st.lock();
+        (0..s.jobs.len())
+            .filter(|&k| !s.landed(k))
+            .map(|k| s.jobs[k])
+            .collect()
+    }
+
     /// Whether the caller may have returned: a failure now is kept for later.
     pub(super) fn returned(&self) -> bool {
         self.st.lock().mapped
