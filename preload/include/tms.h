@@ -991,7 +991,8 @@ int ncclCommFinalize(void *comm);
 int ncclCommDestroy(void *comm);
 
 /**
- * Interposed `ncclCommAbort`.
+ * Interposed `ncclCommAbort`: the communicator leaves the registry at once, without waiting
+ * for a call of ours on it (the abort may be what ends that call).
  *
  * # Safety
  * As NCCL's.
