@@ -203,14 +203,10 @@ engine_test! {
     sim_only fn a_failure_after_the_return_belongs_to_its_allocations_until_they_are_paused(h)
         [Setup::default().small_pieces(1)]
     {
-        let sim = h.simulated();
         let g = h.g();
         let allocs = paused(&h, "n", 2, 2 * g);
         let other = paused(&h, "other", 1, g);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
+        resume_failing_after_return(&h, "n", 999);
         // Unrelated: runs (it waits for the failed resume to end, as transactions do).
         h.e.resume(Some("other")).unwrap();
         check_contents(&h, &other);
@@ -248,13 +244,9 @@ engine_test! {
     sim_only fn an_unreported_failure_is_raised_by_the_pause_that_gives_the_memory_back(h)
         [Setup::default().small_pieces(3)]
     {
-        let sim = h.simulated();
         let g = h.g();
         let allocs = paused(&h, "n", 2, 2 * g);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
+        resume_failing_after_return(&h, "n", 999);
         let err = h.e.pause(Some("n")).unwrap_err().to_string();
         assert!(
             err.contains("reported by this pause") && err.contains("failed after it returned"),
@@ -548,10 +540,7 @@ engine_test! {
         let sim = h.simulated();
         let g = h.g();
         let allocs = paused(&h, "n", 1, 2 * g);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
+        resume_failing_after_return(&h, "n", 999);
         assert!(h.e.wait_restored(None, None).is_err());
         assert!(tag_stats(&h.e, "n").failed_restore.is_some());
         // The blocking resume unmaps what was left mapped, then fails (its first copy).
@@ -665,6 +654,16 @@ fn chunked_req(size: u64, chunk: u64, tag: &str) -> tms::engine::AllocRequest {
 /// Pause `tag`, then resume it non-blocking (for the caller's stream `us`, if any) and have the
 /// restore fail after the call returned (its first copy's wait fails): its allocations stay
 /// paused, their segments left mapped (stuck). Returns once a wait raised the failure.
+/// A non-blocking resume of `tag` that returns, then fails after its return at its first event
+/// sync (driver error `code`); nobody waits for it here.
+fn resume_failing_after_return(h: &Harness, tag: &str, code: i32) {
+    let sim = h.simulated();
+    sim.hold(Prim::EventSync, None);
+    Engine::resume_nonblocking(h.e.clone(), Some(tag), &[], None).unwrap();
+    sim.arm_fault(Prim::EventSync, 1, code);
+    sim.unhold(Prim::EventSync, None);
+}
+
 fn fail_after_return(h: &Harness, tag: &str, us: Option<StreamOf>) {
     let sim = h.simulated();
     h.e.pause(Some(tag)).unwrap();
@@ -810,7 +809,7 @@ engine_test! {
 }
 
 engine_test! {
-    /// Review: a non-blocking resume fails after its return and nobody waits, so the failure is
+    /// A non-blocking resume fails after its return and nobody waits, so the failure is
     /// unreported. The next resume of the tag acts on those allocations (it unmaps what was left
     /// mapped) and then fails before its own call returns: its error must carry the earlier
     /// failure, as a blocking resume's does; nothing else will raise it afterwards (the failure
@@ -821,10 +820,7 @@ engine_test! {
         let sim = h.simulated();
         let g = h.g();
         let allocs = paused(&h, "n", 1, 2 * g);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
-        sim.arm_fault(Prim::EventSync, 1, 999);
-        sim.unhold(Prim::EventSync, None);
+        resume_failing_after_return(&h, "n", 999);
         wait_until("the failure is kept", Duration::from_secs(20), || {
             tag_stats(&h.e, "n").failed_restore.is_some()
         });
@@ -845,22 +841,18 @@ engine_test! {
 }
 
 engine_test! {
-    /// Review: a second non-blocking resume of what a first left unrestored gives back what the
+    /// A second non-blocking resume of what a first left unrestored gives back what the
     /// first left mapped, maps again, and fails after its return too. The allocation is now
     /// unrestored by the second: a wait raises the second's failure (and so reports it), and the
     /// pause that follows acts without raising anything more, as after any reported failure.
     sim_only fn a_second_failure_after_the_return_is_the_one_its_waits_raise(h)
         [Setup::default().small_pieces(1)]
     {
-        let sim = h.simulated();
         let g = h.g();
         let allocs = paused(&h, "n", 1, 2 * g);
         let p = allocs[0].0;
         let fail_after_return = |code: i32| {
-            sim.hold(Prim::EventSync, None);
-            Engine::resume_nonblocking(h.e.clone(), Some("n"), &[], None).unwrap();
-            sim.arm_fault(Prim::EventSync, 1, code);
-            sim.unhold(Prim::EventSync, None);
+            resume_failing_after_return(&h, "n", code);
             h.e.wait_restored(Some(p), None).unwrap_err().to_string()
         };
         let first = fail_after_return(999);
@@ -880,7 +872,7 @@ engine_test! {
 }
 
 engine_test! {
-    /// Review: a panic (a bug) in the restore after the call returned: the data did not land,
+    /// A panic (a bug) in the restore after the call returned: the data did not land,
     /// and the thread records the panic as the resume's failure, "raised by every wait"
     /// (`Tracker::wait_for`). But the tracker is forgotten right after it finished, and from
     /// then on a wait for the allocation says it landed.

@@ -629,7 +629,7 @@ engine_test! {
 }
 
 engine_test! {
-    /// Review: the staging slots go with the last allocation that has a backup. A free of it
+    /// The staging slots go with the last allocation that has a backup. A free of it
     /// only tries the operations lock; a pause or resume holding it looks again once it let go,
     /// but a tool's copy (`with_active`, here the lane probe; `write_bytes` and the exports too),
     /// which holds the lock as well, did not: the page-locked slots stayed with no allocation
