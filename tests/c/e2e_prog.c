@@ -520,18 +520,49 @@ static int mode_bad_device(void) {
     return finish("bad-device");
 }
 
-/* fork() after the library started: the child's hooks pass through, the parent carries on. */
-static int mode_fork(void) {
-    const size_t n = MIB;
+/* The parent's side of the fork tests: in region "parent" (CPU backup), one allocation of `n`
+ * bytes filled with pattern 11; NULL if it failed (checked). */
+static void *parent_in_region(size_t n) {
     int rc = p_tms_region_enter(1, "parent", 1, NULL);
     check(rc == TMS_OK, "tms_region_enter(parent, cpu_backup) (rc %d)", rc);
     void *p = NULL;
     rc = cudaMalloc(&p, n);
     check(rc == CUDA_SUCCESS && p != NULL, "cudaMalloc in the parent (rc %d)", rc);
+    if (p != NULL) {
+        fill(p, n, 11);
+    }
+    return p;
+}
+
+/* A fork child (the runtime's counts were m0 and f0 at the fork): its hooks pass through to the
+ * runtime and the API refuses, saying why; exits with the result of its checks as `name`. */
+static void child_passes_through(const char *name, long m0, long f0) {
+    who = " child";
+    failures = 0;
+    print_region("child");
+    void *c = NULL;
+    int rc = cudaMalloc(&c, 4096);
+    check(rc == CUDA_SUCCESS && c != NULL && fake_cuda_malloc_calls() == m0 + 1,
+          "cudaMalloc inside the inherited region passes through to the runtime (rc %d)", rc);
+    check(p_tms_is_active() == 0, "the library reports itself inactive in the child");
+    rc = p_tms_pause(NULL);
+    check(rc == TMS_ERR_INVALID_STATE, "tms_pause in the child is refused (rc %d)", rc);
+    report_error("child-pause");
+    check(strstr(last_error(), "fork") != NULL, "the message says why");
+    rc = cudaFree(c);
+    check(rc == CUDA_SUCCESS && fake_cuda_free_calls() == f0 + 1 && fake_cuda_foreign_frees() == 0,
+          "cudaFree in the child passes through to the runtime (rc %d)", rc);
+    exit(finish(name));
+}
+
+/* fork() after the library started: the child's hooks pass through, the parent carries on. */
+static int mode_fork(void) {
+    const size_t n = MIB;
+    int rc = TMS_OK;
+    void *p = parent_in_region(n);
     if (p == NULL) {
         return finish("fork");
     }
-    fill(p, n, 11);
     long m0 = fake_cuda_malloc_calls();
     long f0 = fake_cuda_free_calls();
     fflush(stdout);
@@ -542,23 +573,7 @@ static int mode_fork(void) {
         return finish("fork");
     }
     if (pid == 0) {
-        who = " child";
-        failures = 0;
-        print_region("child");
-        void *c = NULL;
-        rc = cudaMalloc(&c, 4096);
-        check(rc == CUDA_SUCCESS && c != NULL && fake_cuda_malloc_calls() == m0 + 1,
-              "cudaMalloc inside the inherited region passes through to the runtime (rc %d)", rc);
-        check(p_tms_is_active() == 0, "the library reports itself inactive in the child");
-        rc = p_tms_pause(NULL);
-        check(rc == TMS_ERR_INVALID_STATE, "tms_pause in the child is refused (rc %d)", rc);
-        report_error("child-pause");
-        check(strstr(last_error(), "fork") != NULL, "the message says why");
-        rc = cudaFree(c);
-        check(rc == CUDA_SUCCESS && fake_cuda_free_calls() == f0 + 1 &&
-                  fake_cuda_foreign_frees() == 0,
-              "cudaFree in the child passes through to the runtime (rc %d)", rc);
-        exit(finish("fork-child"));
+        child_passes_through("fork-child", m0, f0);
     }
     int status = 0;
     check(waitpid(pid, &status, 0) == pid, "wait for the child");
@@ -595,15 +610,11 @@ static void *pause_all(void *arg) {
  * (holding the engine's locks) at that moment, where the child must not wait for them. */
 static int mode_fork_raw(void) {
     const size_t n = MIB;
-    int rc = p_tms_region_enter(1, "parent", 1, NULL);
-    check(rc == TMS_OK, "tms_region_enter(parent, cpu_backup) (rc %d)", rc);
-    void *p = NULL;
-    rc = cudaMalloc(&p, n);
-    check(rc == CUDA_SUCCESS && p != NULL, "cudaMalloc in the parent (rc %d)", rc);
+    int rc = TMS_OK;
+    void *p = parent_in_region(n);
     if (p == NULL) {
         return finish("fork-raw");
     }
-    fill(p, n, 11);
     long m0 = fake_cuda_malloc_calls();
     long f0 = fake_cuda_free_calls();
     fflush(stdout);
@@ -615,19 +626,7 @@ static int mode_fork_raw(void) {
     }
     if (pid == 0) {
         alarm(20);
-        who = " child";
-        failures = 0;
-        void *c = NULL;
-        rc = cudaMalloc(&c, 4096);
-        check(rc == CUDA_SUCCESS && c != NULL && fake_cuda_malloc_calls() == m0 + 1,
-              "cudaMalloc inside the inherited region passes through to the runtime (rc %d)", rc);
-        check(p_tms_is_active() == 0, "the library reports itself inactive in the child");
-        rc = p_tms_pause(NULL);
-        check(rc == TMS_ERR_INVALID_STATE, "tms_pause in the child is refused (rc %d)", rc);
-        rc = cudaFree(c);
-        check(rc == CUDA_SUCCESS && fake_cuda_free_calls() == f0 + 1,
-              "cudaFree in the child passes through to the runtime (rc %d)", rc);
-        exit(finish("fork-raw-child"));
+        child_passes_through("fork-raw-child", m0, f0);
     }
     int status = 0;
     check(waitpid(pid, &status, 0) == pid, "wait for the child");
