@@ -230,6 +230,17 @@ pub(crate) fn device_index(device: i32, devices: i32) -> Result<usize> {
     Ok(device as usize)
 }
 
+/// Waits tried after a copy or its wait failed, each on the stream and then on the device,
+/// before the queue is given up on. A failed wait leaves the work queued (it runs at a later
+/// synchronization, as on a GPU whose work goes on whatever the host's wait did), so the caller's
+/// memory is handed back only once a wait has succeeded.
+pub(crate) const SETTLE_TRIES: usize = 3;
+
+/// Wait until nothing queued on `stream` is left; false if no wait succeeded.
+pub(crate) fn settle(d: &dyn Driver, device: i32, stream: Stream) -> bool {
+    (0..SETTLE_TRIES).any(|_| d.stream_sync(stream).is_ok() || d.synchronize(device).is_ok())
+}
+
 /// The engine's stream kept in `cell`, made by `make` on first use. A racing thread may make a
 /// second one; the loser's stream is kept alive unused.
 pub(crate) fn kept_stream(

@@ -6,14 +6,8 @@
 //! ([`Outcome::Queued`]).
 
 use super::pipeline::{new_slot, Timing};
-use crate::driver::{DevPtr, Driver, Stream};
+use crate::driver::{settle, DevPtr, Driver, Stream, SETTLE_TRIES};
 use crate::error::{Error, Result};
-
-/// Waits tried after a copy or its wait failed, each on the stream and then on the device,
-/// before the queue is given up on. A failed wait leaves the work queued (it runs at a later
-/// synchronization, as on a GPU whose work goes on whatever the host's wait did), so the caller's
-/// memory is handed back only once a wait has succeeded.
-const SETTLE_TRIES: usize = 3;
 
 /// Largest buffer of the engine's own that a staged copy moves through at a time.
 const STAGE: usize = 64 << 20;
@@ -42,11 +36,6 @@ impl Outcome {
             ))),
         }
     }
-}
-
-/// Wait until nothing queued on `stream` is left; false if no wait succeeded.
-pub(super) fn settle(d: &dyn Driver, device: i32, stream: Stream) -> bool {
-    (0..SETTLE_TRIES).any(|_| d.stream_sync(stream).is_ok() || d.synchronize(device).is_ok())
 }
 
 /// Queue `copy(offset, n)` over `len` bytes in pieces of at most `piece` bytes, then wait for the

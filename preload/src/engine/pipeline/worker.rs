@@ -115,7 +115,7 @@ fn worker_inner(sh: &Shared<'_>, slots: &mut [Option<HostBuffer>], done: mpsc::S
             // is about to be reused or freed. A failed wait leaves the work queued, so it is
             // tried again; if no wait succeeds, the staging slots are never used (nor freed)
             // again, since a copy into them may still run.
-            if !crate::engine::transfer::settle(sh.d(), sh.device, stream) {
+            if !crate::driver::settle(sh.d(), sh.device, stream) {
                 for s in lanes.slots.iter_mut() {
                     std::mem::forget(s.take());
                 }
