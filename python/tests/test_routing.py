@@ -95,3 +95,48 @@ def test_one_thread_nests_routes_to_the_same_pool():
             assert list(torch.recording) == [id(pool)]
         assert list(torch.recording) == [id(pool)]
     assert torch.made == 0 and not torch.recording
+
+
+def test_a_dropped_pool_that_needed_a_sibling_goes_with_its_siblings(monkeypatch):
+    """``_mem_pools.pop(key)`` drops a region's pool (saver.py: "Popping one drops it"), also
+    one that two threads were inside at once (which made it a sibling): nothing of this package
+    may keep the pool, or its sibling, alive after that."""
+    import gc
+    import weakref
+
+    class Pool:  # a MemPool stand-in that can be weakly referenced, as torch.cuda.MemPool can
+        pass
+
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    refs = []
+
+    def new_pool(_torch):
+        p = Pool()
+        refs.append(weakref.ref(p))
+        return p
+
+    monkeypatch.setattr(impl, "_new_pool", new_pool)
+    key = ("kv", False, False, "", 0)  # as impl._pool keys the region pool of tag "kv"
+    impl._mem_pools[key] = new_pool(torch)
+    both = threading.Barrier(2)
+    errors = []
+
+    def one():
+        try:
+            pool = impl._mem_pools[key]
+            with impl._routed(torch, pool, lambda: impl._new_pool(torch)):
+                both.wait(timeout=10)  # both threads inside at once: one gets a sibling
+        except Exception as e:  # collected: a failure of any thread fails the test
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(refs) == 2, refs  # the region's pool and one sibling
+    impl._mem_pools.pop(("kv", False))  # the existing library's key: drops the tag's pool
+    gc.collect()
+    assert [r() for r in refs] == [None, None], "a dropped pool (or its sibling) is still referenced"

@@ -9,6 +9,7 @@ import contextlib
 import re
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, Optional
 
 from .arguments import (
@@ -49,10 +50,18 @@ class _Routing:
         # PyTorch lets one thread at a time route to a pool ("beginAllocateToPool: already
         # recording to mempool_id"), so a region entered by a second thread while the first is
         # inside it gets a sibling pool of the same kind. busy: id(pool) -> the thread routing
-        # to it; siblings: id(pool) -> (the pool, its siblings), kept while the pool lives
-        # (only pools that ever needed one are listed, so a dropped pool still goes).
+        # to it; siblings: the pool -> its siblings, held weakly, so that a dropped pool (and
+        # its siblings) still goes; by id(pool) -> (the pool, its siblings) for a pool that
+        # cannot be weakly referenced.
         self.busy: dict = {}
-        self.siblings: dict = {}
+        self.siblings: Any = weakref.WeakKeyDictionary()
+        self.pinned_siblings: dict = {}
+
+    def _siblings_of(self, pool: Any) -> list:
+        try:
+            return self.siblings.setdefault(pool, [])
+        except TypeError:  # not weakly referenceable (or not hashable)
+            return self.pinned_siblings.setdefault(id(pool), (pool, []))[1]
 
     def claim(self, pool: Any, make: Any) -> Any:
         """A pool of ``pool``'s kind that no other thread routes to now (``pool`` itself when
@@ -63,7 +72,7 @@ class _Routing:
             if self.busy.get(id(pool), me) == me or make is None:
                 self.busy[id(pool)] = me
                 return pool
-            _, sibs = self.siblings.setdefault(id(pool), (pool, []))
+            sibs = self._siblings_of(pool)
             for sib in sibs:
                 if self.busy.get(id(sib), me) == me:
                     self.busy[id(sib)] = me
