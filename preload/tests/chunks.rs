@@ -613,3 +613,28 @@ engine_test! {
         assert!(h.read(p + g, (3 * g) as usize) == data[g as usize..]);
     }
 }
+
+engine_test! {
+    /// A zero-length request at the address just past a chunked allocation is not inside it:
+    /// it must not report a complete snapshot (found) where the chunk it borders has none, nor
+    /// hand out (and expose) the backup buffer for it.
+    fn an_empty_range_past_the_end_is_not_a_snapshot(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Pinned)))
+            .unwrap();
+        e.pause_pick(&Pick::chunks(p, &[1])).unwrap();
+        // Chunk 3 is active without a retained backup: no snapshot of it, at any address in it.
+        assert!(!e.copy_cpu_backup(p + 3 * g, &mut []).unwrap());
+        let past = e.copy_cpu_backup(p + 4 * g, &mut []);
+        assert!(
+            !matches!(past, Ok(true)),
+            "one past the end reported a complete snapshot: {past:?}"
+        );
+        let ptr = e.cpu_backup_ptr(p + 4 * g, 0);
+        assert!(
+            !matches!(ptr, Ok(Some(_))),
+            "one past the end handed out the backup: {ptr:?}"
+        );
+    }
+}

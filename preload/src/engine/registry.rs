@@ -97,7 +97,8 @@ impl Index {
             .next_back()
             .ok_or_else(not_found)?;
         let end = addr.checked_add(len).ok_or_else(not_found)?;
-        if end <= start + a.size {
+        // `addr` itself lies inside (an empty range just past the end is not in it).
+        if addr < start + a.size && end <= start + a.size {
             Ok((*start, a))
         } else {
             Err(not_found())
