@@ -33,7 +33,9 @@
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-use tms_proto::{ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD};
+use tms_proto::{
+    ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS,
+};
 use tms_units::chunk_ranges;
 
 use crate::cli::Select;
@@ -258,6 +260,19 @@ fn undo(
         ));
     };
     let mut c = Client::connect(sock, ctx.timeout)?;
+    if here == Here::Running && !c.hello.has(FEATURE_OPERATIONS) {
+        // Its status never lists a running operation: when it ends cannot be seen.
+        return Err(Failure::new(
+            Code::Running,
+            format!(
+                "its {} may still be running, and its library ({}) predates listing running \
+                 operations: not undone (`tmsctl status --pid {}` shows where it ended)",
+                op_words(which, tag.as_deref(), None),
+                crate::text::printable(&c.hello.software),
+                sock.pid()
+            ),
+        ));
+    }
     if here == Here::Running && !wait_ended(&mut c, which, tag.as_deref(), ctx.timeout)? {
         return Err(Failure::new(
             Code::Running,

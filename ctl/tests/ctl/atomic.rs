@@ -476,3 +476,96 @@ fn an_atomic_pause_or_resume_of_an_unknown_tag_is_exit_6() {
     ok(&sb, &["resume", "--atomic", "--all", "--tag", "demo"]);
     p.exit();
 }
+
+/// A server of an older library: its hello has `chunks` but not `operations` (its `status`
+/// never lists a running pause). Tag "kv" (8 MiB) active; a pause is answered only after
+/// `pause_ms` (then the tag is paused); a connection is served by a thread of its own, as the
+/// real server does. Listens as this test process in `dir`.
+fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std::sync::Mutex<bool>> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::sync::{Arc, Mutex};
+    let me = std::process::id();
+    let listener = std::os::unix::net::UnixListener::bind(dir.join(our_name(me))).expect("bind");
+    let paused = Arc::new(Mutex::new(false));
+    let state = paused.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { break };
+            let state = state.clone();
+            std::thread::spawn(move || {
+                let Ok(rd) = conn.try_clone() else { return };
+                let mut lines = BufReader::new(rd).lines();
+                if lines.next().is_none() {
+                    return;
+                }
+                let hello = format!(
+                    "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{me},\"software\":\"old 1\",\"backend\":\"sim\",\"features\":[\"chunks\"]}}\n"
+                );
+                if conn.write_all(hello.as_bytes()).is_err() {
+                    return;
+                }
+                for line in lines {
+                    let Ok(line) = line else { return };
+                    let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+                    let reply = match req["op"].as_str() {
+                        Some("status") => {
+                            let p = *state.lock().unwrap();
+                            let (a, b) = if p { (0u64, 8u64 << 20) } else { (8 << 20, 0) };
+                            serde_json::json!({
+                                "reply": "status", "pid": me, "backend": "sim",
+                                "retain_cpu_backup": false, "memory_margin_bytes": 0,
+                                "devices": [],
+                                "tags": [{"tag": "kv", "allocations": 1,
+                                          "active_allocations": u64::from(!p),
+                                          "paused_allocations": u64::from(p),
+                                          "bytes_requested": 8 << 20, "bytes_active": a,
+                                          "bytes_paused": b, "host_backup_bytes": b}],
+                            })
+                            .to_string()
+                        }
+                        Some(op @ ("pause" | "resume")) => {
+                            if op == "pause" {
+                                std::thread::sleep(Duration::from_millis(pause_ms));
+                            }
+                            *state.lock().unwrap() = op == "pause";
+                            serde_json::json!({
+                                "reply": "done", "op": op, "tag": "kv", "allocations": 1,
+                                "bytes": 8u64 << 20, "copied_bytes": 8u64 << 20, "seconds": 0.01,
+                            })
+                            .to_string()
+                        }
+                        _ => "{\"reply\":\"error\",\"kind\":\"unsupported\",\"message\":\"no\"}"
+                            .to_string(),
+                    };
+                    if conn.write_all(format!("{reply}\n").as_bytes()).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    paused
+}
+
+/// A pause still running at --timeout on a server whose `status` cannot list running operations
+/// (no `operations` feature): tmsctl cannot see when it ends, so it must not call the process
+/// "as before" (the pause lands later and leaves it paused).
+#[test]
+fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_before() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let paused = older_slow_server(dir, 2500);
+    let r = ctl(
+        &sb,
+        &["pause", "--all", "--atomic", "--tag", "kv", "--timeout", "1", "--json"],
+    );
+    let j = r.json_exit(7);
+    // The pause lands after tmsctl has given its verdict.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !*paused.lock().unwrap() {
+        assert!(Instant::now() < deadline, "the fake never paused");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(j["every_process_as_before"], false, "{}", r.dump());
+    assert!(r.stderr.contains("NOT every process is as before"), "{}", r.dump());
+}
