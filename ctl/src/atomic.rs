@@ -33,9 +33,7 @@
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-use tms_proto::{
-    ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS,
-};
+use tms_proto::{ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS};
 use tms_units::chunk_ranges;
 
 use crate::cli::Select;
@@ -215,7 +213,16 @@ enum Here {
 fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> Result<bool> {
     let mut seen = None;
     let mut since = Instant::now();
+    let mut opened = Instant::now();
     loop {
+        // Each status gets a wait of its own (a connection's requests share the one set when it
+        // was made), and the connection is replaced before the server's 10 s for requests run
+        // out: the wait lasts as long as the operation moves.
+        if opened.elapsed() > Duration::from_secs(5) {
+            *c = Client::connect(&c.socket().clone(), still)?;
+            opened = Instant::now();
+        }
+        c.rearm(still);
         let s = status_of(c)?;
         let Some(r) = s
             .operations
@@ -285,6 +292,7 @@ fn undo(
             ),
         ));
     }
+    c.rearm(ctx.timeout);
     // Now ended: what it changed is what is undone.
     let failed_here = here != Here::Succeeded;
     let back = match how {

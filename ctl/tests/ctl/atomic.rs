@@ -477,21 +477,29 @@ fn an_atomic_pause_or_resume_of_an_unknown_tag_is_exit_6() {
     p.exit();
 }
 
-/// A server of an older library: its hello has `chunks` but not `operations` (its `status`
-/// never lists a running pause). Tag "kv" (8 MiB) active; a pause is answered only after
-/// `pause_ms` (then the tag is paused); a connection is served by a thread of its own, as the
-/// real server does. Listens as this test process in `dir`.
-fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std::sync::Mutex<bool>> {
+/// A server with `features` (a library without `operations` never lists a running pause in its
+/// `status`). Tag "kv" (8 MiB) active; a pause stalls `stall_ms` (synchronizing, nothing
+/// moving), then copies for `move_ms` (its bytes moving at every status), then is answered (the
+/// tag is paused); a connection is served by a thread of its own, as the real server does.
+/// Listens as this test process in `dir`.
+fn slow_server(
+    dir: &std::path::Path,
+    features: &'static [&'static str],
+    stall_ms: u64,
+    move_ms: u64,
+) -> std::sync::Arc<std::sync::Mutex<bool>> {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::{Arc, Mutex};
     let me = std::process::id();
     let listener = std::os::unix::net::UnixListener::bind(dir.join(our_name(me))).expect("bind");
     let paused = Arc::new(Mutex::new(false));
     let state = paused.clone();
+    let started: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { break };
             let state = state.clone();
+            let started = started.clone();
             std::thread::spawn(move || {
                 let Ok(rd) = conn.try_clone() else { return };
                 let mut lines = BufReader::new(rd).lines();
@@ -499,7 +507,8 @@ fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std
                     return;
                 }
                 let hello = format!(
-                    "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{me},\"software\":\"old 1\",\"backend\":\"sim\",\"features\":[\"chunks\"]}}\n"
+                    "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{me},\"software\":\"old 1\",\"backend\":\"sim\",\"features\":{}}}\n",
+                    serde_json::json!(features)
                 );
                 if conn.write_all(hello.as_bytes()).is_err() {
                     return;
@@ -511,7 +520,20 @@ fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std
                         Some("status") => {
                             let p = *state.lock().unwrap();
                             let (a, b) = if p { (0u64, 8u64 << 20) } else { (8 << 20, 0) };
-                            serde_json::json!({
+                            let mut ops = Vec::new();
+                            if let Some(t) = *started.lock().unwrap() {
+                                let ms = t.elapsed().as_millis() as u64;
+                                let (phase, done) = match ms.checked_sub(stall_ms) {
+                                    None => ("synchronizing", 0),
+                                    Some(m) => ("copying_to_host", (m + 1) * 1000),
+                                };
+                                ops.push(serde_json::json!({
+                                    "op": "pause", "tag": "kv", "seconds": ms as f64 / 1e3,
+                                    "phase": phase, "bytes_total": 8u64 << 20,
+                                    "bytes_done": done, "backing": "host",
+                                }));
+                            }
+                            let mut st = serde_json::json!({
                                 "reply": "status", "pid": me, "backend": "sim",
                                 "retain_cpu_backup": false, "memory_margin_bytes": 0,
                                 "devices": [],
@@ -520,12 +542,17 @@ fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std
                                           "paused_allocations": u64::from(p),
                                           "bytes_requested": 8 << 20, "bytes_active": a,
                                           "bytes_paused": b, "host_backup_bytes": b}],
-                            })
-                            .to_string()
+                            });
+                            if features.contains(&"operations") && !ops.is_empty() {
+                                st["operations"] = ops.into();
+                            }
+                            st.to_string()
                         }
                         Some(op @ ("pause" | "resume")) => {
                             if op == "pause" {
-                                std::thread::sleep(Duration::from_millis(pause_ms));
+                                *started.lock().unwrap() = Some(Instant::now());
+                                std::thread::sleep(Duration::from_millis(stall_ms + move_ms));
+                                *started.lock().unwrap() = None;
                             }
                             *state.lock().unwrap() = op == "pause";
                             serde_json::json!({
@@ -554,10 +581,19 @@ fn older_slow_server(dir: &std::path::Path, pause_ms: u64) -> std::sync::Arc<std
 fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_before() {
     let sb = sandbox();
     let dir = private_dir(&sb);
-    let paused = older_slow_server(dir, 2500);
+    let paused = slow_server(dir, &["chunks"], 2500, 0);
     let r = ctl(
         &sb,
-        &["pause", "--all", "--atomic", "--tag", "kv", "--timeout", "1", "--json"],
+        &[
+            "pause",
+            "--all",
+            "--atomic",
+            "--tag",
+            "kv",
+            "--timeout",
+            "1",
+            "--json",
+        ],
     );
     let j = r.json_exit(7);
     // The pause lands after tmsctl has given its verdict.
@@ -567,5 +603,42 @@ fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_befor
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(j["every_process_as_before"], false, "{}", r.dump());
-    assert!(r.stderr.contains("NOT every process is as before"), "{}", r.dump());
+    assert!(
+        r.stderr.contains("NOT every process is as before"),
+        "{}",
+        r.dump()
+    );
+}
+
+/// The pause is still synchronizing at --timeout (exit 7), then copies for 3 s, moving all
+/// along. The undo waits while it moves (it gives up only once nothing moved for --timeout),
+/// then restores it: the process is as before. (The wait used to share one deadline, set when
+/// its connection was made, with every status it asked: it gave up --timeout after the failure
+/// while the pause still moved, "the undo failed", and left the process paused.)
+#[test]
+fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let paused = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
+    let r = ctl(
+        &sb,
+        &[
+            "pause",
+            "--all",
+            "--atomic",
+            "--tag",
+            "kv",
+            "--timeout",
+            "1",
+            "--json",
+        ],
+    );
+    let j = r.json_exit(7);
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+    assert_eq!(
+        item_of(&j, std::process::id())["undo"]["op"],
+        "resume",
+        "{j}"
+    );
+    assert!(!*paused.lock().unwrap(), "undone: active again");
 }
