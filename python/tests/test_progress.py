@@ -207,3 +207,39 @@ def test_a_pause_that_skips_unchanged_memory_counts_only_what_it_copies(preloade
         **{**SLOW, "TMS_SIM_BANDWIDTH": "2MiB", "TMS_COPY_THREADS": "1"},
     )
     assert r.stdout.strip().endswith("OK"), r.stdout
+
+
+def test_an_interrupt_in_the_watchs_exit_stops_its_helper_thread(preloaded):
+    # A KeyboardInterrupt that lands in _Watch.__exit__ (after the C call returned, while the
+    # final totals are read) must not leave the helper thread polling: it would call this
+    # pause's callback again during a later operation.
+    r = preloaded(
+        """
+        import threading, time
+        from torch_memory_saver.binary_wrapper import BinaryWrapper
+        n = 16 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        real = BinaryWrapper.last_progress
+        def interrupted(self):
+            raise KeyboardInterrupt  # Ctrl-C right after the C call returned
+        BinaryWrapper.last_progress = interrupted
+        calls = []
+        try:
+            tms.pause("kv", progress=lambda *a: calls.append(a))
+        except KeyboardInterrupt:
+            pass
+        BinaryWrapper.last_progress = real
+        n_then = len(calls)
+        tms.resume("kv")  # slow: about 4 s, no callback of its own
+        time.sleep(1.0)
+        left = [t.name for t in threading.enumerate() if t.name == "torch_memory_saver-progress"]
+        late = calls[n_then:]
+        print("LEFT", left, "LATE", late[:3])
+        assert not left and not late, (left, late[:3])
+        print("ok")
+        """,
+        **SLOW,
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr

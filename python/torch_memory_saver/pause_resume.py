@@ -92,16 +92,19 @@ class _Watch:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         final = None
-        if exc_type is None and self.progress is not None:
-            p = self.lib.last_progress()
-            total = p.bytes_total if p is not None else 0
-            final = (total, total, "done")
-        with self.lock:
-            self.stop.set()
-            busy = self.in_call
-            if busy:
-                # Delivered by the helper thread once the callback it is in returns.
-                self.final = final
+        try:
+            if exc_type is None and self.progress is not None:
+                p = self.lib.last_progress()
+                total = p.bytes_total if p is not None else 0
+                final = (total, total, "done")
+        finally:
+            # Whatever lands above (a KeyboardInterrupt), the helper thread stops.
+            with self.lock:
+                self.stop.set()
+                busy = self.in_call
+                if busy:
+                    # Delivered by the helper thread once the callback it is in returns.
+                    self.final = final
         if final is not None and not busy:
             self._call(*final)
 
