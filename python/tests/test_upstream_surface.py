@@ -364,3 +364,27 @@ def test_values_that_c_would_change_are_refused(preloaded):
         """
     )
     assert r.stdout.count("MARGIN") == 2 and "NUL byte" in r.stdout, r.stdout
+
+
+def test_set_config_that_is_refused_changes_nothing(preloaded):
+    # BinaryWrapper.set_config raises on a refused value; it must not leave the settings it
+    # applied before that value: the thread's allocations would become pauseable under a tag.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        w = binary_wrapper.load()
+        def now():
+            return (w.tms_get_current_tag(), w.tms_get_interesting_region(), w.tms_get_enable_cpu_backup())
+        before = now()
+        for bad in (dict(cpu_backup_backend="disk"), dict(cpu_backup_backend="bogus"), dict(tag=7)):
+            try:
+                w.set_config(**dict(dict(tag="x", interesting_region=True, enable_cpu_backup=True), **bad))
+            except (tms_pkg.InvalidArgumentError, TypeError) as e:
+                print("refused", type(e).__name__, e)
+            else:
+                raise AssertionError(f"{bad} accepted")
+            assert now() == before, (bad, before, now())
+        print("ok")
+        """
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
