@@ -415,6 +415,8 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         asked(req).ok_or_else(|| anyhow::anyhow!("--atomic takes a pause or a resume"))?;
     let what = op_words(which, tag.as_deref(), chunks.as_ref());
     let targets = find::targets(ctx, sel)?;
+    // Ctrl-C from here on fails the operation under way: what was done is undone, and said.
+    crate::interrupt::catch();
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
     let mut not_asked: Vec<u32> = Vec::new();

@@ -26,7 +26,7 @@ Exit codes:
   7  pause/resume: sent, and not answered within --timeout (with a process that reports
      progress: nothing moved for --timeout): still running in the process (or waiting there
      for another pause or resume); it ends there on its own, and `tmsctl status` lists it
-     (\"in progress\") until it has ended
+     (\"in progress\") until it has ended; with --atomic, also a Ctrl-C while it ran
 
 With --all every process is tried in turn: the exit code is the first failure's (1 to 5, 7),
 else 6 if a process did not know the tag, else 0.
@@ -145,7 +145,9 @@ pub struct Atomic {
     /// operation on those that succeeded (a pause by resuming what it paused, from the backups it
     /// wrote; a resume by pausing again what it resumed), so that every process ends as before.
     /// The exit code is the failure's; the output says what was undone, and what could not be
-    /// undone exactly (a resume of a tag that was partly active before). Meant for --all.
+    /// undone exactly (a resume of a tag that was partly active before). Ctrl-C fails the
+    /// operation under way, which is then undone like any failure (a second Ctrl-C ends tmsctl
+    /// at once). Meant for --all.
     #[arg(long)]
     pub atomic: bool,
 }

@@ -387,6 +387,18 @@ impl Client {
                     return Err(timed_out(self.pid, self.timeout));
                 }
                 Err(ReadFault::Quiet) => {
+                    if crate::interrupt::taken() {
+                        self.unanswered = sent.is_ok();
+                        return Err(Failure::new(
+                            Code::Running,
+                            format!(
+                                "process {pid}: interrupted (Ctrl-C) before it replied: what was \
+                                 sent may still run in the process; `tmsctl status --pid {pid}` \
+                                 lists it until it has ended",
+                                pid = self.pid
+                            ),
+                        ));
+                    }
                     if self.here && !pid_alive(self.pid) {
                         return Err(Failure::new(
                             Code::Failed,

@@ -20,6 +20,7 @@ mod demo;
 mod failure;
 mod find;
 mod folder;
+mod interrupt;
 mod list;
 mod man;
 mod ops;

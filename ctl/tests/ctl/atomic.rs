@@ -487,7 +487,7 @@ fn slow_server(
     features: &'static [&'static str],
     stall_ms: u64,
     move_ms: u64,
-) -> std::sync::Arc<std::sync::Mutex<bool>> {
+) -> Slow {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::{Arc, Mutex};
     let me = std::process::id();
@@ -495,11 +495,14 @@ fn slow_server(
     let paused = Arc::new(Mutex::new(false));
     let state = paused.clone();
     let started: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
+    let asked_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let asked_in = asked_out.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { break };
             let state = state.clone();
             let started = started.clone();
+            let asked = asked_in.clone();
             std::thread::spawn(move || {
                 let Ok(rd) = conn.try_clone() else { return };
                 let mut lines = BufReader::new(rd).lines();
@@ -551,6 +554,7 @@ fn slow_server(
                         Some(op @ ("pause" | "resume")) => {
                             if op == "pause" {
                                 *started.lock().unwrap() = Some(Instant::now());
+                                asked.store(true, std::sync::atomic::Ordering::SeqCst);
                                 std::thread::sleep(Duration::from_millis(stall_ms + move_ms));
                                 *started.lock().unwrap() = None;
                             }
@@ -571,7 +575,16 @@ fn slow_server(
             });
         }
     });
-    paused
+    Slow {
+        paused,
+        asked: asked_out,
+    }
+}
+
+/// What [`slow_server`]'s test reads: whether the tag is paused, and whether a pause was asked.
+struct Slow {
+    paused: std::sync::Arc<std::sync::Mutex<bool>>,
+    asked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A pause still running at --timeout on a server whose `status` cannot list running operations
@@ -581,7 +594,7 @@ fn slow_server(
 fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_before() {
     let sb = sandbox();
     let dir = private_dir(&sb);
-    let paused = slow_server(dir, &["chunks"], 2500, 0);
+    let Slow { paused, .. } = slow_server(dir, &["chunks"], 2500, 0);
     let r = ctl(
         &sb,
         &[
@@ -619,7 +632,7 @@ fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_befor
 fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
     let dir = private_dir(&sb);
-    let paused = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
+    let Slow { paused, .. } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
     let r = ctl(
         &sb,
         &[
@@ -634,6 +647,56 @@ fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
         ],
     );
     let j = r.json_exit(7);
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+    assert_eq!(
+        item_of(&j, std::process::id())["undo"]["op"],
+        "resume",
+        "{j}"
+    );
+    assert!(!*paused.lock().unwrap(), "undone: active again");
+}
+
+/// Ctrl-C while an `--atomic` pause runs fails that pause rather than ending tmsctl at once
+/// (which left the processes done so far paused, and said nothing): tmsctl waits for it to end,
+/// undoes it and says so, exit 7.
+#[test]
+fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let Slow { paused, asked } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 500);
+    let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
+    cmd.args([
+        "pause",
+        "--all",
+        "--atomic",
+        "--tag",
+        "kv",
+        "--timeout",
+        "30",
+        "--json",
+    ]);
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().expect("tmsctl");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the pause never reached the fake"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: a signal to the child this test started and has not waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let o = child.wait_with_output().expect("wait for tmsctl");
+    let r = Ran {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    };
+    let j = r.json_exit(7);
+    assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
     assert_eq!(
         item_of(&j, std::process::id())["undo"]["op"],
