@@ -8,10 +8,12 @@ import operator
 import os
 from typing import Any, Callable, Optional
 
+from ._checks import BACKENDS, _check_tag
 from .errors import InvalidArgumentError, UnsupportedError
 from .utils import is_xpu
 
-BACKENDS = ("pinned", "mmap")
+# BACKENDS and _check_tag live in _checks (the ctypes wrapper needs them too); imported here for
+# this module and for those that take them from it.
 
 _U64_MAX = (1 << 64) - 1
 
@@ -36,22 +38,6 @@ def _record(flag: Any) -> int:
     return 2 if flag is JOB_RECORD else 1
 
 
-def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
-    if tag is None and optional:
-        return None
-    if not isinstance(tag, str):
-        raise TypeError(f"tag must be a str{' or None' if optional else ''}, not {type(tag).__name__}")
-    if not tag:
-        if optional:
-            return None  # pause("") / resume(""): every tag, as callers of the existing library expect
-        raise InvalidArgumentError("tag must not be empty")
-    if "\0" in tag:
-        raise InvalidArgumentError("tag must not contain NUL characters")
-    try:
-        tag.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidArgumentError(f"tag must be text UTF-8 can encode, not {tag!r} ({e.reason})") from None
-    return tag
 
 
 # What tells an Intel XPU. The facade installs a check that reads ``entrypoint.is_xpu`` at each

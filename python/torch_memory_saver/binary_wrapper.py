@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from ._checks import BACKENDS, _check_tag
 from .errors import InvalidArgumentError, LibraryNotFoundError, error_for_status
 
 __all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
@@ -266,8 +267,6 @@ class BinaryWrapper:
         """Set this thread's region settings through the existing library's C names (the
         innermost region's; one is opened where none is). Raises on a refused value, having
         changed nothing."""
-        from .arguments import BACKENDS, _check_tag
-
         _check_tag(tag)
         if cpu_backup_backend is not None and cpu_backup_backend not in BACKENDS:
             hint = " (a disk backup is enable_disk_backup=True)" if cpu_backup_backend == "disk" else ""
