@@ -243,3 +243,34 @@ def test_an_interrupt_in_the_watchs_exit_stops_its_helper_thread(preloaded):
         **SLOW,
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_the_last_progress_of_a_call_that_failed_early_is_none(preloaded):
+    # tms_last_progress: "op 0 when that call failed". A call refused before it reached the
+    # engine (a bad tag, a chunk index out of range) must not show the pause before it.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        w = binary_wrapper.load()
+        n = 3 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        tms.pause("kv")
+        assert w.last_progress() is not None and w.last_progress().bytes_total == n
+        tms.resume("kv")
+        refused = {
+            "a tag that is not UTF-8": lambda: w.tms_pause(b"\\xff"),
+            "a chunk of an allocation that is not chunked": lambda: w.tms_chunks_at(p, 1, (ctypes.c_uint64 * 1)(0), 1),
+        }
+        for what, call in refused.items():
+            tms.pause("kv")
+            tms.resume("kv")
+            assert w.last_progress() is not None
+            rc = call()
+            assert rc != 0, what
+            assert w.last_progress() is None, (what, w.last_progress().op)
+        print("ok")
+        """
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -4,6 +4,7 @@
 use std::ffi::{c_char, c_int};
 
 use super::args::tag_or_all;
+use super::progress::op_entry;
 use super::status::entry;
 use crate::control;
 use crate::engine::{Checks, Pick};
@@ -83,7 +84,7 @@ pub unsafe extern "C" fn tms_get_checks(
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_resume_verified(tag: *const c_char) -> c_int {
-    entry(|| {
+    op_entry(|| {
         // SAFETY: as in tms_set_checks.
         let tag = unsafe { tag_or_all(tag) }?;
         let pick = Pick {

@@ -4,6 +4,7 @@
 use std::ffi::{c_char, c_int};
 
 use super::args::{buffer_len, indices, put_all, room, tag_or_all};
+use super::progress::op_entry;
 use super::status::entry;
 use crate::control;
 use crate::engine::{Pick, Record};
@@ -29,7 +30,7 @@ const JOB_RECORD: c_int = 2;
 /// # Safety
 /// `tag` is NULL or a NUL-terminated string.
 unsafe fn tag_with_chunk_state(tag: *const c_char, chunk_state: c_int, pause: bool) -> c_int {
-    entry(|| {
+    op_entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
@@ -125,7 +126,7 @@ pub unsafe extern "C" fn tms_chunk_states_at(addr: u64, out: *mut u8, n: u64) ->
 /// `idx` is readable for `n` entries.
 #[no_mangle]
 pub unsafe extern "C" fn tms_chunks_at(addr: u64, pause: c_int, idx: *const u64, n: u64) -> c_int {
-    entry(|| {
+    op_entry(|| {
         // SAFETY: `idx` is readable for `n` entries (our callers' promise), as indices needs.
         let v = unsafe { indices(idx, n) }?;
         let start = control::runtime()?.engine.chunk_info(addr)?.addr;
@@ -147,7 +148,7 @@ pub unsafe extern "C" fn tms_range(
     first: *mut u64,
     count: *mut u64,
 ) -> c_int {
-    entry(|| {
+    op_entry(|| {
         let (start, idx) = control::runtime()?.engine.chunks_in(addr, len)?;
         let outs = [
             (first, idx.first().map_or(0, |&i| i as u64)),

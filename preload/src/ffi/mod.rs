@@ -150,7 +150,7 @@ pub unsafe extern "C" fn tms_region_current(
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
-    entry(|| {
+    progress::op_entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
@@ -166,7 +166,7 @@ pub unsafe extern "C" fn tms_pause(tag: *const c_char) -> c_int {
 /// `tag` is NULL or a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn tms_resume(tag: *const c_char) -> c_int {
-    entry(|| {
+    progress::op_entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;

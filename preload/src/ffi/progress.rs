@@ -139,6 +139,16 @@ thread_local! {
     static LAST: Cell<Option<(i32, u64, f64)>> = const { Cell::new(None) };
 }
 
+/// [`entry`] for a pause or resume: what `tms_last_progress` says is forgotten first, so that a
+/// call refused before it reaches the engine (a bad argument, a chunk it does not have) shows
+/// `op` 0 there, as one that fails later does.
+pub(super) fn op_entry(f: impl FnOnce() -> Result<()>) -> c_int {
+    entry(|| {
+        LAST.with(|c| c.set(None));
+        f()
+    })
+}
+
 /// Remember the outcome of this thread's pause (`pause`) or resume for `tms_last_progress`.
 pub(super) fn noted(pause: bool, r: Result<OpReport>) -> Result<()> {
     let last = r

@@ -18,6 +18,7 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
 use super::args::{arg_str, buffer_len, indices, opt_str, room};
 use super::chunks::transact;
+use super::progress::op_entry;
 use super::status::entry;
 use crate::backup::BackupKind;
 use crate::control;
@@ -252,7 +253,7 @@ pub extern "C" fn tms_get_chunk_size() -> usize {
 /// # Safety
 /// `idx` is readable for `n` entries; `tag` is a NUL-terminated string.
 unsafe fn tag_chunks(tag: *const c_char, idx: *const usize, n: usize, pause: bool) -> c_int {
-    entry(|| {
+    op_entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our
         // callers' promise), as arg_str needs.
         let tag = unsafe { arg_str(tag, "tag") }?;
