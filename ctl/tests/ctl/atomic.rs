@@ -581,6 +581,21 @@ fn slow_server(
     }
 }
 
+/// `tmsctl pause --all --atomic --tag kv --timeout <timeout> --json`, the pause the tests of a
+/// [`slow_server`] ask for.
+fn atomic_pause_kv(timeout: &str) -> [&str; 8] {
+    [
+        "pause",
+        "--all",
+        "--atomic",
+        "--tag",
+        "kv",
+        "--timeout",
+        timeout,
+        "--json",
+    ]
+}
+
 /// What [`slow_server`]'s test reads: whether the tag is paused, and whether a pause was asked.
 struct Slow {
     paused: std::sync::Arc<std::sync::Mutex<bool>>,
@@ -595,19 +610,7 @@ fn an_atomic_pause_running_on_a_server_without_operations_is_not_called_as_befor
     let sb = sandbox();
     let dir = private_dir(&sb);
     let Slow { paused, .. } = slow_server(dir, &["chunks"], 2500, 0);
-    let r = ctl(
-        &sb,
-        &[
-            "pause",
-            "--all",
-            "--atomic",
-            "--tag",
-            "kv",
-            "--timeout",
-            "1",
-            "--json",
-        ],
-    );
+    let r = ctl(&sb, &atomic_pause_kv("1"));
     let j = r.json_exit(7);
     // The pause lands after tmsctl has given its verdict.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -633,19 +636,7 @@ fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     let Slow { paused, .. } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
-    let r = ctl(
-        &sb,
-        &[
-            "pause",
-            "--all",
-            "--atomic",
-            "--tag",
-            "kv",
-            "--timeout",
-            "1",
-            "--json",
-        ],
-    );
+    let r = ctl(&sb, &atomic_pause_kv("1"));
     let j = r.json_exit(7);
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
     assert_eq!(
@@ -665,16 +656,7 @@ fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
     let dir = private_dir(&sb);
     let Slow { paused, asked } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 500);
     let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
-    cmd.args([
-        "pause",
-        "--all",
-        "--atomic",
-        "--tag",
-        "kv",
-        "--timeout",
-        "30",
-        "--json",
-    ]);
+    cmd.args(atomic_pause_kv("30"));
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
