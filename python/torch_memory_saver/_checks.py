@@ -11,6 +11,13 @@ from .errors import InvalidArgumentError
 BACKENDS = ("pinned", "mmap")
 
 
+def _check_backend(backend: Any) -> None:
+    """Refuse a CPU backup backend that is not one of :data:`BACKENDS`."""
+    if backend not in BACKENDS:
+        hint = " (a disk backup is enable_disk_backup=True)" if backend == "disk" else ""
+        raise InvalidArgumentError(f'cpu_backup_backend must be "mmap" or "pinned", not {backend!r}{hint}')
+
+
 def _check_tag(tag: Any, *, optional: bool = False) -> Optional[str]:
     if tag is None and optional:
         return None

@@ -8,12 +8,12 @@ import operator
 import os
 from typing import Any, Callable, Optional
 
-from ._checks import BACKENDS, _check_tag
+from ._checks import BACKENDS, _check_backend, _check_tag
 from .errors import InvalidArgumentError, UnsupportedError
 from .utils import is_xpu
 
-# BACKENDS and _check_tag live in _checks (the ctypes wrapper needs them too); imported here for
-# this module and for those that take them from it.
+# BACKENDS and the checks of a tag and of a backend live in _checks (the ctypes wrapper needs
+# them too); imported here for this module and for those that take them from it.
 
 _U64_MAX = (1 << 64) - 1
 
@@ -36,8 +36,6 @@ JOB_RECORD = _JobRecord()
 def _record(flag: Any) -> int:
     """The C ABI's value for a record: 2 the job's, 1 the program's."""
     return 2 if flag is JOB_RECORD else 1
-
-
 
 
 # What tells an Intel XPU. The facade installs a check that reads ``entrypoint.is_xpu`` at each
@@ -63,8 +61,7 @@ def resolve_cpu_backup_backend(enable_cpu_backup: Any, backend: Any) -> Optional
     ``TMS_INIT_CPU_BACKUP_BACKEND``, else ``"pinned"``; None without a CPU backup. Errors are
     :class:`InvalidArgumentError` (a ``ValueError``) in the existing library's words."""
     if backend is not None:
-        if backend not in BACKENDS:
-            raise InvalidArgumentError(f'cpu_backup_backend must be "mmap" or "pinned", not {backend!r}')
+        _check_backend(backend)
         if not enable_cpu_backup:
             raise InvalidArgumentError(
                 f"cpu_backup_backend={backend!r} requires enable_cpu_backup=True (there is no backup to put in it)"

@@ -14,8 +14,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
-from ._checks import BACKENDS, _check_tag
-from .errors import InvalidArgumentError, LibraryNotFoundError, error_for_status
+from ._checks import _check_backend, _check_tag
+from .errors import LibraryNotFoundError, error_for_status
 
 __all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
@@ -268,9 +268,8 @@ class BinaryWrapper:
         innermost region's; one is opened where none is). Raises on a refused value, having
         changed nothing."""
         _check_tag(tag)
-        if cpu_backup_backend is not None and cpu_backup_backend not in BACKENDS:
-            hint = " (a disk backup is enable_disk_backup=True)" if cpu_backup_backend == "disk" else ""
-            raise InvalidArgumentError(f'cpu_backup_backend must be "mmap" or "pinned", not {cpu_backup_backend!r}{hint}')
+        if cpu_backup_backend is not None:
+            _check_backend(cpu_backup_backend)
         self.check(self.tms_set_current_tag(tag.encode("utf-8")))
         self.check(self.tms_set_interesting_region(int(bool(interesting_region))))
         if enable_disk_backup:

@@ -596,6 +596,19 @@ fn atomic_pause_kv(timeout: &str) -> [&str; 8] {
     ]
 }
 
+/// `r`, an atomic pause of a [`slow_server`] (this process) that failed with exit 7, undid it:
+/// the process is active again, and the output says every process is as before.
+fn assert_undone(r: &Ran, paused: &std::sync::Mutex<bool>) {
+    let j = r.json_exit(7);
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+    assert_eq!(
+        item_of(&j, std::process::id())["undo"]["op"],
+        "resume",
+        "{j}"
+    );
+    assert!(!*paused.lock().unwrap(), "undone: active again");
+}
+
 /// What [`slow_server`]'s test reads: whether the tag is paused, and whether a pause was asked.
 struct Slow {
     paused: std::sync::Arc<std::sync::Mutex<bool>>,
@@ -636,15 +649,7 @@ fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     let Slow { paused, .. } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
-    let r = ctl(&sb, &atomic_pause_kv("1"));
-    let j = r.json_exit(7);
-    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
-    assert_eq!(
-        item_of(&j, std::process::id())["undo"]["op"],
-        "resume",
-        "{j}"
-    );
-    assert!(!*paused.lock().unwrap(), "undone: active again");
+    assert_undone(&ctl(&sb, &atomic_pause_kv("1")), &paused);
 }
 
 /// Ctrl-C while an `--atomic` pause runs fails that pause rather than ending tmsctl at once
@@ -671,19 +676,7 @@ fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
     }
     // SAFETY: a signal to the child this test started and has not waited for yet.
     assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let o = child.wait_with_output().expect("wait for tmsctl");
-    let r = Ran {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    };
-    let j = r.json_exit(7);
+    let r = Ran::of(child.wait_with_output().expect("wait for tmsctl"));
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
-    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
-    assert_eq!(
-        item_of(&j, std::process::id())["undo"]["op"],
-        "resume",
-        "{j}"
-    );
-    assert!(!*paused.lock().unwrap(), "undone: active again");
+    assert_undone(&r, &paused);
 }

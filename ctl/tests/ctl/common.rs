@@ -213,6 +213,15 @@ pub struct Ran {
 }
 
 impl Ran {
+    /// What a finished tmsctl left.
+    pub fn of(o: Output) -> Ran {
+        Ran {
+            code: o.status.code().unwrap_or(-1),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+
     pub fn dump(&self) -> String {
         format!(
             "exit {}\n--- stdout\n{}--- stderr\n{}---",
@@ -285,12 +294,7 @@ pub fn ctl_with(exe: &Path, sb: &Sandbox, args: &[&str], tweak: impl FnOnce(&mut
     cmd.args(args);
     let mut cmd = clean(cmd, sb);
     tweak(&mut cmd);
-    let o = output_of(cmd);
-    Ran {
-        code: o.status.code().unwrap_or(-1),
-        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-    }
+    Ran::of(output_of(cmd))
 }
 
 pub fn ok(sb: &Sandbox, args: &[&str]) -> Ran {

@@ -188,12 +188,7 @@ fn json_output_survives_folder_names_that_are_not_utf8() {
     let run = |args: &[&OsStr]| {
         let mut cmd = clean(Command::new(tmsctl()), &sb);
         cmd.args(args);
-        let o = output_of(cmd);
-        Ran {
-            code: o.status.code().unwrap_or(-1),
-            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
-            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
-        }
+        Ran::of(output_of(cmd))
     };
     let s = |x: &'static str| OsStr::new(x);
     for args in [

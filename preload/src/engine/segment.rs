@@ -211,9 +211,8 @@ pub(super) fn unmap_all(
             };
             tracing::error!("mapping {:#x} again after a failed unmap: {e2}", b.ptr);
             let mapped = mapped && d.unmap(b.ptr, b.len).is_err();
-            if let Err(e3) = d.release(b.handle) {
-                tracing::error!("releasing handle {:#x}: {e3}", b.handle.0);
-            }
+            // Logged there; a failed release leaks only the handle.
+            let _ = release_all(d, std::slice::from_ref(b));
             lost.push(Lost { index, mapped });
         }
         let error = match lost.len() {

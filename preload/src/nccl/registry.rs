@@ -47,6 +47,14 @@ struct State {
     seen: bool,
 }
 
+impl State {
+    /// Drop `comm` and its registrations.
+    fn forget(&mut self, comm: usize) {
+        self.comms.retain(|c| c.handle != comm);
+        self.buffers.retain(|b| b.comm != comm);
+    }
+}
+
 /// The process's communicators over `lib`.
 pub struct Communicators {
     lib: Box<dyn Library>,
@@ -85,24 +93,21 @@ impl Communicators {
         }
     }
 
-    /// `comm` is being destroyed, aborted or finalized: it leaves, with its registrations,
-    /// once no call of ours on it runs.
+    /// `comm` is being destroyed or finalized: it leaves, with its registrations, once no call
+    /// of ours on it runs.
     pub fn gone(&self, comm: usize) {
         let mut st = self.state.lock();
         while st.comms.iter().any(|c| c.handle == comm && c.busy) {
             self.idle.wait(&mut st);
         }
-        st.comms.retain(|c| c.handle != comm);
-        st.buffers.retain(|b| b.comm != comm);
+        st.forget(comm);
     }
 
     /// `comm` is being aborted: it leaves at once, with its registrations, and no call of ours
     /// starts on it from now on; a call of ours already on it is not waited for, since ending
     /// such a call (a suspend waiting for peers that are gone) is what an abort is for.
     pub fn aborted(&self, comm: usize) {
-        let mut st = self.state.lock();
-        st.comms.retain(|c| c.handle != comm);
-        st.buffers.retain(|b| b.comm != comm);
+        self.state.lock().forget(comm);
     }
 
     /// Whether `comm` is still known (not aborted since it was claimed).
