@@ -222,6 +222,39 @@ engine_test! {
 }
 
 engine_test! {
+    /// A pause of unchanged chunks whose last run cannot be unmapped: what it counts as found
+    /// unchanged is only of the runs it paused, never more than it counts saved.
+    sim_only fn a_run_that_fails_to_unmap_counts_none_of_its_bytes_unchanged(h) [setup()] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let g = piece(&h);
+        e.set_retain_cpu_backup(true);
+        e.set_checks(None, BOTH);
+        let req = tms::engine::AllocRequest {
+            chunk: g,
+            ..req(4 * g, "t", Some(BackupKind::Pinned))
+        };
+        let p = e.alloc(&req).unwrap();
+        let model = vec![pattern((4 * g) as usize, 5)];
+        e.write_bytes(p, &model[0]).unwrap();
+        e.pause(None).unwrap();
+        e.resume(None).unwrap();
+        // Chunks 0 and 2: two runs, both unchanged; the second one's unmap fails.
+        sim.arm_fault(Prim::Unmap, 2, 999);
+        let err = e.pause_pick(&Pick::chunks(p, &[0, 2])).unwrap_err().to_string();
+        assert!(err.contains("cuMemUnmap"), "{err}");
+        let t = e.stats().tags.into_iter().find(|t| &*t.tag == "t").unwrap();
+        let last = t.last_pause.expect("the failed pause's numbers");
+        assert_eq!((last.copied_bytes, last.unchanged_bytes), (0, g), "chunk 0, unchanged");
+        e.resume(None).unwrap();
+        check(&h, &[p], &model, "after the failed pause");
+        let r = e.pause(None).unwrap();
+        assert_eq!(r.copied + r.unchanged, 4 * g);
+        e.resume(None).unwrap();
+        check(&h, &[p], &model, "after the next cycle");
+    }
+}
+
+engine_test! {
     fn a_driver_that_cannot_digest_refuses_an_asked_check_and_loses_nothing(h) [setup()] {
         let e = &h.e;
         let g = piece(&h);

@@ -538,7 +538,8 @@ impl Engine {
 
     /// Record in the progress what the copies move; then per device, in parallel: wait for the
     /// device's work, then retire each run of segments as soon as its contents are safe.
-    /// `retired[j]`: the device bytes of job `j` released, and the bytes of them saved.
+    /// `retired[j]`: the device bytes of job `j` released, the bytes of them saved, and of
+    /// those the bytes found unchanged (not copied).
     fn pause_devices(
         &self,
         jobs: &[Job],
@@ -639,8 +640,7 @@ impl Engine {
                     // saved already); until then the copies are what takes the time.
                     progress.phase(Phase::Releasing);
                 }
-                done[k].2 += skipped;
-                self.retire(j, r, left[k] == 0, &mut done[k])
+                self.retire(j, r, left[k] == 0, skipped, &mut done[k])
             },
         )
     }
@@ -671,8 +671,17 @@ impl Engine {
     /// Unmap and release run `r` of a job, whose contents are safe (copied, or not wanted), and
     /// record its segments paused (the allocation settled, after its `last` run). If only the
     /// release fails, the run is paused all the same (unmapped, its contents in the backup) and
-    /// the handle is reported.
-    fn retire(&self, j: &Job, r: usize, last: bool, done: &mut (u64, u64, u64)) -> Result<()> {
+    /// the handle is reported. `skipped`: the bytes of the run found unchanged, counted with
+    /// the run (a run that stays mapped counts none of its bytes, or its copied ones would fall
+    /// short of them).
+    fn retire(
+        &self,
+        j: &Job,
+        r: usize,
+        last: bool,
+        skipped: u64,
+        done: &mut (u64, u64, u64),
+    ) -> Result<()> {
         let d = &*self.driver;
         if let Some(f) = &j.disk {
             // The device memory goes only once its contents are really on disk.
@@ -703,6 +712,7 @@ impl Engine {
         let (bytes, copied) = j.run_bytes(r);
         done.0 += bytes;
         done.1 += copied;
+        done.2 += skipped;
         released.ctx(|| j.what(r))
     }
 }
