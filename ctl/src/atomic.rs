@@ -33,7 +33,9 @@
 use serde_json::json;
 use std::time::{Duration, Instant};
 
-use tms_proto::{ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS};
+use tms_proto::{
+    shown_tag, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS,
+};
 use tms_units::chunk_ranges;
 
 use crate::cli::Select;
@@ -164,14 +166,16 @@ fn prepare(c: &mut Client, req: &Request) -> Result<(Request, Undo)> {
     }
 }
 
-/// The tags of `s` that `tag` selects (every one if `None`).
+/// The tags of `s` that `tag` selects (every one if `None`): compared as replies show it, since
+/// a tag longer than [`tms_proto::MAX_SHOWN_TAG_BYTES`] comes back shortened.
 fn selected_tags<'a>(
     s: &'a tms_proto::Status,
     tag: Option<&'a str>,
 ) -> impl Iterator<Item = &'a tms_proto::TagStatus> {
+    let shown = tag.map(shown_tag);
     s.tags
         .iter()
-        .filter(move |t| tag.is_none_or(|x| x == t.tag))
+        .filter(move |t| shown.as_ref().is_none_or(|x| *x == t.tag))
 }
 
 /// Whether a pause of tag `t` would take anything: active allocations not kept resident (a
@@ -211,6 +215,8 @@ enum Here {
 /// one that outlasted `--timeout`), as long as it moves: false once nothing moved (its phase
 /// and bytes) for `still`.
 fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> Result<bool> {
+    // As `status` shows it (a long tag shortened): else a running operation is never found.
+    let tag = tag.map(shown_tag);
     let mut seen = None;
     let mut since = Instant::now();
     let mut opened = Instant::now();
@@ -227,7 +233,7 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
         let Some(r) = s
             .operations
             .iter()
-            .find(|r| r.op == which && !r.in_process && r.tag.as_deref() == tag)
+            .find(|r| r.op == which && !r.in_process && r.tag == tag)
         else {
             return Ok(true);
         };

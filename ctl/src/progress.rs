@@ -24,7 +24,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tms_proto::{ChunkRanges, Op, Phase, Reply, Request, Running};
+use tms_proto::{shown_tag, ChunkRanges, Op, Phase, Reply, Request, Running};
 
 use crate::client::Client;
 use crate::output::{state, verb, what};
@@ -256,11 +256,12 @@ fn gib(g: f64) -> f64 {
     g * (1u64 << 30) as f64
 }
 
-/// The entry of `ops` that is the operation asked for: of its kind, tag and chunks, and asked
-/// over the socket; the one running where there are several.
+/// The entry of `ops` that is the operation asked for: of its kind, tag (as replies show it: a
+/// long one shortened) and chunks, and asked over the socket; the one running where there are
+/// several.
 fn mine<'a>(ops: &'a [Running], a: &Asked) -> Option<&'a Running> {
-    let same =
-        |r: &&Running| !r.in_process && r.op == a.op && r.tag == a.tag && r.chunks == a.chunks;
+    let tag = a.tag.as_deref().map(shown_tag);
+    let same = |r: &&Running| !r.in_process && r.op == a.op && r.tag == tag && r.chunks == a.chunks;
     ops.iter()
         .filter(same)
         .find(|r| r.bytes_done.is_some())

@@ -10,6 +10,31 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// Most chunk indices one request may name (a typo cannot ask for billions).
 pub const MAX_CHUNK_INDICES: usize = 1 << 20;
 
+/// Longest tag a reply shows whole, in bytes; a longer one is shown by [`shown_tag`].
+pub const MAX_SHOWN_TAG_BYTES: usize = 1024;
+
+/// `tag` as replies show it: whole up to [`MAX_SHOWN_TAG_BYTES`], else its first bytes (cut at
+/// a character boundary), then `…(N bytes, hash H)` with its length and a 64-bit FNV-1a hash of
+/// it, so two long tags with the same beginning still look different. Here, not in the server
+/// alone, so that a client finds a tag it named in a reply by comparing it in this form.
+pub fn shown_tag(tag: &str) -> String {
+    if tag.len() <= MAX_SHOWN_TAG_BYTES {
+        return tag.to_string();
+    }
+    let mut end = MAX_SHOWN_TAG_BYTES;
+    while !tag.is_char_boundary(end) {
+        end -= 1;
+    }
+    let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!(
+        "{}\u{2026}({} bytes, hash {hash:016x})",
+        &tag[..end],
+        tag.len()
+    )
+}
+
 /// The feature of servers that pause and resume single chunks ([`Request::Pause`]'s `chunks`),
 /// record and restore chunk states (`chunk_state`) and answer [`Request::Chunks`].
 pub const FEATURE_CHUNKS: &str = "chunks";

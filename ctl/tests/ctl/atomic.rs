@@ -172,6 +172,35 @@ fn an_atomic_pause_still_running_at_the_timeout_is_waited_for_and_undone() {
     }
 }
 
+/// A tag longer than replies show whole (1 KiB; beyond it, its first KiB, then its length and
+/// hash): its pause still running at --timeout is waited for and undone as any other. (tmsctl
+/// compared the whole tag with the one `status` shows: it saw neither the pause running nor the
+/// tag's bytes, called the process as before at once, and the pause then left it paused.)
+#[test]
+fn an_atomic_pause_of_a_tag_longer_than_replies_show_is_waited_for_and_undone() {
+    let sb = sandbox();
+    let long = "k".repeat(1500);
+    let mut p = Proc::start_tagged(&sb, &long, &[("TMS_SIM_SYNC_DELAY_MS", "1800")], |_| {});
+    let args = [
+        "pause",
+        "--all",
+        "--atomic",
+        "--tag",
+        &long,
+        "--timeout",
+        "1",
+        "--json",
+    ];
+    let r = ctl(&sb, &args);
+    let j = r.json_exit(7);
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+    assert_eq!(item_of(&j, p.pid)["undo"]["op"], "resume", "{}", r.dump());
+    let s = status(&sb, p.pid);
+    assert!(s.get("operations").is_none(), "ended: {s}");
+    assert_eq!(s["tags"][0]["bytes_active"], SIZE, "active again: {s}");
+    p.verify();
+}
+
 /// Issue 36, item 2: a pause that goes on without moving for --timeout after the others were
 /// undone is reported as not undone, and the job as not as before; it then completes.
 #[test]

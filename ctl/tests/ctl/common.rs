@@ -78,8 +78,18 @@ impl Proc {
         env: &[(&str, &str)],
         tweak: impl FnOnce(&mut Command),
     ) -> Proc {
+        Proc::start_tagged(sb, "demo", env, tweak)
+    }
+
+    /// [`Proc::start_with`], its memory in tag `tag` rather than "demo".
+    pub fn start_tagged(
+        sb: &Sandbox,
+        tag: &str,
+        env: &[(&str, &str)],
+        tweak: impl FnOnce(&mut Command),
+    ) -> Proc {
         let mut cmd = Command::new(tmsctl());
-        cmd.args(["__demo-child", "--size", &SIZE.to_string(), "--tag", "demo"]);
+        cmd.args(["__demo-child", "--size", &SIZE.to_string(), "--tag", tag]);
         let mut cmd = clean(cmd, sb);
         cmd.env("LD_PRELOAD", libtms())
             .env("TMS_BACKEND", "sim")

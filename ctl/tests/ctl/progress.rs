@@ -146,6 +146,26 @@ fn pause_and_resume_show_progress_and_outlast_the_timeout_while_moving() {
     p.verify();
 }
 
+/// The progress of a tag longer than replies show whole (1 KiB) is shown too: tmsctl looked for
+/// its operation in `status` by the whole tag, which `status` shows shortened, and showed none.
+#[test]
+fn the_progress_of_a_tag_longer_than_replies_show_is_shown() {
+    let sb = sandbox();
+    let long = "k".repeat(1500);
+    let env = [
+        ("TMS_SIM_BANDWIDTH", "4MiB"),
+        ("TMS_STAGING_SLOT", "256KiB"),
+    ];
+    let p = Proc::start_tagged(&sb, &long, &env, |_| {});
+    let pid = p.pid.to_string();
+    let r = ctl(&sb, &["pause", "--pid", &pid, "--tag", &long, "--progress"]);
+    assert_eq!(r.code, 0, "{}", r.dump());
+    let start = format!("pause of tag \"{long}\": ");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert!(!lines.is_empty(), "progress lines\n{}", r.dump());
+    assert!(lines.iter().all(|l| l.starts_with(&start)), "{}", r.dump());
+}
+
 /// A server that predates progress reports: tmsctl asks nothing more of it (no status polled
 /// on a second connection, no progress shown) and --timeout bounds the whole wait, as before.
 #[test]

@@ -26,6 +26,9 @@ use tms_proto::{
 };
 use tms_units::{chunk_ranges, expand_chunk_ranges};
 
+/// How replies show a tag: in the protocol crate, as clients compare the tags they named in it.
+pub use tms_proto::{shown_tag, MAX_SHOWN_TAG_BYTES};
+
 use crate::backup::BackupKind;
 use crate::engine::{self, CommStats, Engine, OpReport, OpStats, Pick, Progress, Record, Stats};
 use crate::error::{status, Error, Result};
@@ -378,30 +381,6 @@ fn backend_of(b: BackupKind) -> BackupBackend {
         // Never Disk: region backends are parsed by BackupKind::parse, which refuses it.
         BackupKind::Pinned | BackupKind::Disk => BackupBackend::Pinned,
     }
-}
-
-/// Longest tag shown whole in a reply, in bytes; a longer one is shown by [`shown_tag`].
-pub const MAX_SHOWN_TAG_BYTES: usize = 1024;
-
-/// `tag` as replies show it: whole up to [`MAX_SHOWN_TAG_BYTES`], else its first bytes (cut at
-/// a character boundary), then `…(N bytes, hash H)` with its length and a 64-bit FNV-1a hash of
-/// it, so two long tags with the same beginning still look different.
-pub fn shown_tag(tag: &str) -> String {
-    if tag.len() <= MAX_SHOWN_TAG_BYTES {
-        return tag.to_string();
-    }
-    let mut end = MAX_SHOWN_TAG_BYTES;
-    while !tag.is_char_boundary(end) {
-        end -= 1;
-    }
-    let hash = tag.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-    });
-    format!(
-        "{}\u{2026}({} bytes, hash {hash:016x})",
-        &tag[..end],
-        tag.len()
-    )
 }
 
 fn region_info(r: &RegionSettings) -> RegionInfo {
