@@ -899,3 +899,92 @@ engine_test! {
         }
     }
 }
+
+engine_test! {
+    /// A panic (a bug) in the restore after the call returned, as in the test above, with the
+    /// program's work queued on the memory (behind the gate, on a GPU): the memory the resume
+    /// mapped stays mapped for that work, as after a failure (the free that follows
+    /// synchronizes before it unmaps it). Unmapped at once, the queued work meets an illegal
+    /// address, which on a GPU takes the process down.
+    sim_only fn a_panic_after_the_return_leaves_mapped_what_queued_work_may_use(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let e = &h.e;
+        let d = h.driver().clone();
+        let stream = d.stream(0).unwrap();
+        let src = pattern(4096, 7);
+        e.set_checks(Some("v"), tms::engine::Checks { skip_unchanged: false, verify: true });
+        // One staged copy: nothing the restore queues comes after the program's work below
+        // (the sim has one stream per device, and a wait of the restore's would run it).
+        let allocs = paused(&h, "v", 1, 4096);
+        let p = allocs[0].0;
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(e.clone(), Some("v"), &[], Some(user_stream(&h))).unwrap();
+        wait_until("the restore waits for its copy", Duration::from_secs(20), || {
+            sim.held_calls() > 0
+        });
+        // The program's work, queued after the resume returned, on that memory.
+        // SAFETY: p is mapped and accessible (mapped before the call returned); src lives until
+        // the stream is synchronized below.
+        unsafe { d.copy_h2d(p, src.as_ptr(), 4096, stream).unwrap() };
+        // The check of what came back panics (on the pipeline's coordinator).
+        sim.arm_fault(Prim::Digest, 1, tms::driver::sim::PANIC);
+        sim.unhold(Prim::EventSync, None);
+        let err = e.wait_restored(Some(p), None).unwrap_err();
+        assert!(err.to_string().contains("panic"), "{err}");
+        assert!(!e.restoring());
+        assert_eq!(sim.queued_copies(), 1, "the program's work has not run yet");
+        d.stream_sync(stream)
+            .expect("the panicking restore unmapped memory that queued work was still to use");
+        assert!(e.free(p).unwrap());
+        assert!(!h.accessible(p).unwrap(), "the free gave the memory back");
+    }
+}
+
+engine_test! {
+    /// A panic on one device after its share was mapped, before another device's was (the call
+    /// has not returned): the panicking device's mappings are undone, so the call must not
+    /// return success once the other device has mapped its share, or the program would queue
+    /// work on memory no longer mapped.
+    sim_only fn a_panic_before_the_return_is_the_calls_error_on_every_device(h)
+        [Setup::default().devices(2).small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let g = h.g();
+        h.e.set_checks(Some("v"), tms::engine::Checks { skip_unchanged: false, verify: true });
+        let mut made = Vec::new();
+        for device in [0, 1] {
+            let mut r = req(2 * g, "v", Some(BackupKind::Pinned));
+            r.device = device;
+            let p = h.e.alloc(&r).unwrap();
+            let data = pattern((2 * g) as usize, device as u64 + 5);
+            h.write(p, &data);
+            made.push((p, data));
+        }
+        h.e.pause(Some("v")).unwrap();
+        let p = made[0].0;
+        // Device 1 cannot map yet; device 0 maps its share, and the check of what came back
+        // panics there.
+        sim.hold(Prim::Create, Some(1));
+        sim.hold(Prim::EventSync, None);
+        sim.arm_fault(Prim::Digest, 1, tms::driver::sim::PANIC);
+        let e = h.e.clone();
+        let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some("v"), &[], None));
+        wait_until("device 0 maps its share and copies", Duration::from_secs(20), || {
+            h.accessible(p) == Some(true) && sim.held_calls() == 2
+        });
+        sim.unhold(Prim::EventSync, None);
+        wait_until("device 0's mappings are undone", Duration::from_secs(20), || {
+            h.accessible(p) == Some(false)
+        });
+        sim.unhold(Prim::Create, Some(1));
+        let r = resumer.join().unwrap();
+        assert!(
+            r.is_err() || h.accessible(p) == Some(true),
+            "the call returned with {p:#x} unmapped: {r:?}"
+        );
+        let err = r.unwrap_err().to_string();
+        assert!(err.contains("panic"), "{err}");
+    }
+}

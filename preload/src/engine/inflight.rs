@@ -31,7 +31,10 @@
 //!   back its memory), resumed (which restores it) or freed; the first of those to act on them
 //!   raises it too if no wait did. Other allocations and tags are not concerned: their pauses,
 //!   resumes and waits run as ever. `stats` shows the unrestored bytes and the error per tag.
-//!   Nothing backed up is lost.
+//!   Nothing backed up is lost. A panic after the return (a bug) leaves what it mapped mapped
+//!   and stuck too (`KeepIfReturned` in `resume.rs`), for the free to unmap after the device's
+//!   work (the engine refuses pauses and resumes after a panic); one before it undoes the
+//!   mappings and is the call's error, though other devices finish mapping their shares.
 //! - **True at every instant.** From the moment the caller may return, the registry shows what
 //!   is true (`Allocation::arriving`): each allocation's segments mapped with contents on their
 //!   way, then landed (Active) as soon as its last copy completed, before a wait for it returns;

@@ -43,6 +43,9 @@ struct TrackState {
     mapping: usize,
     /// Everything is mapped: the caller may return, and a failure from now on is kept for later.
     mapped: bool,
+    /// A panic unwound through a device's share before everything was mapped, and its mappings
+    /// are undone: the caller must not return before the thread ends (with the panic).
+    unwound: bool,
     /// The outcome, once the thread is done.
     done: Option<std::result::Result<(), Error>>,
     /// An earlier non-blocking resume's failure nothing reported, concerning allocations this
@@ -107,7 +110,7 @@ impl Tracker {
     pub(super) fn device_mapped(&self) {
         let mut s = self.st.lock();
         s.mapping = s.mapping.saturating_sub(1);
-        if s.mapping == 0 {
+        if s.mapping == 0 && !s.unwound {
             s.mapped = true;
             drop(s);
             self.cv.notify_all();
@@ -158,6 +161,15 @@ impl Tracker {
     /// Whether the caller may have returned: a failure now is kept for later.
     pub(super) fn returned(&self) -> bool {
         self.st.lock().mapped
+    }
+
+    /// A panic unwinds through the restore: whether the caller may have returned (what was
+    /// mapped must stay so). If not, it no longer returns before the thread ends, whatever the
+    /// other devices map meanwhile: what was mapped is undone.
+    pub(super) fn returned_else_hold(&self) -> bool {
+        let mut s = self.st.lock();
+        s.unwound |= !s.mapped;
+        s.mapped
     }
 
     /// Its failure is kept with the allocations it left unrestored (called in the same

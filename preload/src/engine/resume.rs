@@ -17,7 +17,7 @@ use super::segment::{self, Mapping, Span};
 use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, DiskFile, HostBuffer};
-use crate::driver::{DevPtr, DeviceScope, PhysHandle};
+use crate::driver::{DevPtr, DeviceScope, Driver, PhysHandle};
 use crate::error::{Result, ResultExt};
 use crate::units::human;
 
@@ -106,6 +106,65 @@ impl Job {
 
 /// The mappings a resume made: (job, run, mapping).
 type Made<'d> = Vec<(usize, usize, Mapping<'d>)>;
+
+/// Release the handles of what `made` mapped, leaving it mapped (its memory goes once it is
+/// unmapped): the segments (allocation, index) to record stuck.
+fn release_mapped(d: &dyn Driver, jobs: &[Job], made: Made<'_>) -> Vec<(DevPtr, usize)> {
+    let mut stuck = Vec::new();
+    for (i, r, m) in made {
+        let (j, span) = (&jobs[i], jobs[i].runs[r].0);
+        let first = span.first_segment(j.ptr);
+        for (k, h) in m.commit().into_iter().enumerate() {
+            if let Err(e) = d.release(h) {
+                tracing::error!("releasing handle {:#x} of {:#x}: {e}", h.0, j.ptr);
+            }
+            stuck.push((j.ptr, first + k));
+        }
+    }
+    stuck
+}
+
+/// One device's mappings while a resume makes them. Dropped still holding some, which happens
+/// only on an unwind (a panic, a bug: they are taken out otherwise), they are undone (and a
+/// non-blocking resume's caller then does not return), unless the resume is a non-blocking one
+/// whose caller may have returned: work it queued behind the gate may use this memory, and
+/// unmapping it would fault that work (on a GPU, the process).
+/// So it stays mapped, as after a failure (`Engine::keep_mapped`), recorded stuck for the free
+/// (or pause, or resume) that synchronizes before it unmaps. Not `std::thread::panicking`: a
+/// device's share that ended well is dropped by whichever thread ends the unwind.
+struct KeepIfReturned<'e, 'j> {
+    engine: &'e Engine,
+    jobs: &'j [Job],
+    track: Option<&'j Tracker>,
+    made: Made<'e>,
+}
+
+impl<'e> KeepIfReturned<'e, '_> {
+    /// The mappings, now the caller's.
+    fn take(mut self) -> Made<'e> {
+        std::mem::take(&mut self.made)
+    }
+}
+
+impl Drop for KeepIfReturned<'_, '_> {
+    fn drop(&mut self) {
+        if self.made.is_empty() || !self.track.is_some_and(Tracker::returned_else_hold) {
+            return; // dropped, `made` undoes its mappings
+        }
+        // The gate stays closed: other devices may still be restoring (the transaction opens
+        // it once they stopped). Releasing a handle waits for no device work.
+        let made = std::mem::take(&mut self.made);
+        let stuck = release_mapped(&*self.engine.driver, self.jobs, made);
+        let mut reg = self.engine.registry.lock();
+        for (p, s) in stuck {
+            // Not `Index::marked`: a panic while unwinding aborts the process.
+            match reg.allocs.get_mut(&p) {
+                Some(a) => a.stuck.push(s),
+                None => tracing::error!("{p:#x} left mapped, but no longer in the registry"),
+            }
+        }
+    }
+}
 
 /// What a resume's commit did: its numbers, and what it leaves to give back once the locks are
 /// let go.
@@ -350,7 +409,12 @@ impl Engine {
                 .iter()
                 .map(|&(i, r)| Item::over(jobs[i].ptr, &jobs[i].runs[r].0, jobs[i].target(r)))
                 .collect();
-            let mut made = Vec::with_capacity(parts.len());
+            let mut made = KeepIfReturned {
+                engine: self,
+                jobs,
+                track,
+                made: Vec::with_capacity(parts.len()),
+            };
             let r = DeviceScope::enter(d, device).and_then(|_scope| {
                 Pipeline {
                     driver: &self.driver,
@@ -372,7 +436,7 @@ impl Engine {
                         let res = m.map_all(&|b| mapped(off + b));
                         // Kept even when incomplete: workers may be copying into the
                         // segments made, so they are undone only after the pipeline stops.
-                        made.push((i, r, m));
+                        made.made.push((i, r, m));
                         res.ctx(|| {
                             format!(
                                 "allocation {:#x} ({} bytes, tag {:?})",
@@ -429,7 +493,7 @@ impl Engine {
         });
         let mut made = Vec::new();
         let result = first_error(results.into_iter().map(|(m, r)| {
-            made.extend(m);
+            made.extend(m.take());
             r
         }));
         (made, result)
@@ -564,18 +628,7 @@ impl Engine {
         e: &crate::error::Error,
         only: &dyn Fn(usize) -> bool,
     ) {
-        let d = &*self.driver;
-        let mut stuck: Vec<(DevPtr, usize)> = Vec::new();
-        for (i, r, m) in made {
-            let (j, span) = (&jobs[i], jobs[i].runs[r].0);
-            let first = span.first_segment(j.ptr);
-            for (k, h) in m.commit().into_iter().enumerate() {
-                if let Err(e) = d.release(h) {
-                    tracing::error!("releasing handle {:#x} of {:#x}: {e}", h.0, j.ptr);
-                }
-                stuck.push((j.ptr, first + k));
-            }
-        }
+        let stuck = release_mapped(&*self.driver, jobs, made);
         let kept: Vec<&Job> = (0..jobs.len())
             .filter(|&i| only(i))
             .map(|i| &jobs[i])
