@@ -316,6 +316,129 @@ def test_a_late_rank_never_leaves_the_job_half_paused(tmp_path, libtms):
         assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (rank, p)
 
 
+# A Ctrl-C (KeyboardInterrupt) on one rank, caught below as a program's own handler would
+# catch it: what the rank was left as, and what the error it came with said.
+INTERRUPTED = """
+def interrupted(f, *a):
+    try:
+        f(*a, gather, RANK)
+    except tmsd.DistributedError as e:
+        return {"raised": "DistributedError", "msg": str(e), "failed": sorted(e.failed)}
+    except KeyboardInterrupt as e:
+        c = e.__cause__
+        return {"raised": "KeyboardInterrupt", "cause": type(c).__name__ if c else None, "msg": str(c or "")}
+    return {"raised": None}
+"""
+
+
+def test_a_ctrl_c_during_one_ranks_pause_undoes_it_on_every_rank(tmp_path, libtms):
+    # Rank 1's pause is interrupted right after it paused (a Ctrl-C that lands once the C call
+    # has returned): it fails that rank like any failure. Every rank undoes the pause, the others
+    # raise DistributedError naming rank 1 without waiting for the group's timeout, and rank 1's
+    # KeyboardInterrupt goes on to the program once its own pause is undone.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        INTERRUPTED
+        + textwrap.dedent(
+            """
+            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+            if RANK == 1:
+                real = tms.pause
+                def pause_then_ctrl_c(*a, **k):
+                    real(*a, **k)
+                    raise KeyboardInterrupt
+                tms.pause = pause_then_ctrl_c
+            a = interrupted(tmsd._pause_tag, "w")
+            # Read only where active: paused memory is not mapped (the read would crash).
+            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
+            """
+        ),
+        per_rank_env={r: {"GATHER_TIMEOUT": "3"} for r in range(2)},
+    )
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    for p in (zero, one):
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    assert zero["raised"] == "DistributedError" and zero["failed"] == [1], zero
+    assert "rank 1" in zero["msg"] and "KeyboardInterrupt" in zero["msg"], zero
+    assert "every rank undid it" in zero["msg"], zero
+    assert one["raised"] == "KeyboardInterrupt" and one["cause"] == "DistributedError", one
+    assert "every rank undid it" in one["msg"], one
+
+
+def test_a_ctrl_c_during_the_agreement_undoes_the_ranks_own_change(tmp_path, libtms):
+    # Rank 1 paused, then Ctrl-C lands while it waits for the others: as when the group fails,
+    # it has not seen them, so it undoes its own pause and its KeyboardInterrupt goes on saying
+    # so (a DistributedError as its cause); rank 0, never answered, undoes its own too.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        INTERRUPTED
+        + textwrap.dedent(
+            """
+            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+            if RANK == 1:
+                def gather(mine):
+                    raise KeyboardInterrupt
+            a = interrupted(tmsd._pause_tag, "w")
+            # Read only where active: paused memory is not mapped (the read would crash).
+            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
+            """
+        ),
+        per_rank_env={r: {"GATHER_TIMEOUT": "2"} for r in range(2)},
+    )
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    for p in (zero, one):
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    assert zero["raised"] == "DistributedError" and "undid its own pause (done)" in zero["msg"], zero
+    assert one["raised"] == "KeyboardInterrupt" and one["cause"] == "DistributedError", one
+    assert "undid its own pause (done)" in one["msg"], one
+
+
+def test_a_ctrl_c_during_the_undo_still_lets_the_ranks_agree(tmp_path, libtms):
+    # Rank 0's pause fails; rank 1's undo (its resume) is interrupted as it returns. Rank 1
+    # still tells the others how its undo went (not as done: it was interrupted), so rank 0 is
+    # not left waiting for it until the group's timeout, and every rank raises naming it.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        INTERRUPTED
+        + textwrap.dedent(
+            """
+            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+            if RANK == 0:
+                fail_here("pause", "host memory is short")
+            if RANK == 1:
+                real = tms.resume
+                def resume_then_ctrl_c(*a, **k):
+                    real(*a, **k)
+                    raise KeyboardInterrupt
+                tms.resume = resume_then_ctrl_c
+            a = interrupted(tmsd._pause_tag, "w")
+            # Read only where active: paused memory is not mapped (the read would crash).
+            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
+            """
+        ),
+        per_rank_env={r: {"GATHER_TIMEOUT": "3"} for r in range(2)},
+    )
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    for p in (zero, one):
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    assert zero["raised"] == "DistributedError" and zero["failed"] == [0], zero
+    assert "not every rank could undo it: rank 1: failed: KeyboardInterrupt" in zero["msg"], zero
+    assert one["raised"] == "KeyboardInterrupt" and one["cause"] == "DistributedError", one
+    assert "rank 1: failed: KeyboardInterrupt" in one["msg"], one
+
+
 def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, libtms):
     # Rank 0 asks for a chunk its allocation lacks: it fails before changing anything; rank 1
     # paused chunks 1-2 (chunk 3 was paused before) and must resume exactly 1-2.

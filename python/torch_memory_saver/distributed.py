@@ -15,7 +15,10 @@ pause is undone by resuming what it paused, the failed rank's partial pause incl
 pausing what it resumed), the ranks agree once more on how the undo went, and every rank raises
 the same :class:`DistributedError` naming the failed ranks and their messages. So the job is never
 left half paused: every rank ends where it started, or the error says which rank could not undo
-and why.
+and why. A Ctrl-C (``KeyboardInterrupt``) or ``SystemExit`` during the call fails its rank like
+any failure: the ranks still agree and undo (one that lands in the agreement itself is undone
+by its rank as when the group fails), then that rank raises it, with that
+:class:`DistributedError` as its ``__cause__`` (an undo it interrupted says ``"failed: ..."``).
 
 - Backups are never lost by the undo: undoing a pause resumes from the backups the pause just
   wrote; undoing a resume pauses again, writing backups where the region keeps them.
@@ -54,7 +57,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional
+from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional
 
 from .arguments import JOB_RECORD, chunk_arguments
 from .errors import InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
@@ -205,11 +208,35 @@ def _active_bytes(tag: Optional[str]) -> int:
     return _active_of(_tag_stats(tag))
 
 
-def _describe_undo(undo: Callable[[], Optional[str]]) -> str:
+def _describe_undo(undo: Callable[[], Optional[str]], stop: List[BaseException]) -> str:
     try:
         return undo() or "done"
     except Exception as e:  # an undo that fails is reported, never raised over the agreement
         return f"failed: {type(e).__name__}: {e}"
+    except BaseException as e:  # a Ctrl-C too: reported, then raised by _agree once the ranks agreed
+        stop.append(e)
+        return f"failed: {type(e).__name__}: interrupted, perhaps part done"
+
+
+def _said(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _stopped(stop: List[BaseException], e: BaseException) -> None:
+    """Keep ``e`` in ``stop`` where it is no Exception: a Ctrl-C (KeyboardInterrupt), a
+    SystemExit. The first such is raised once the ranks have agreed and undone."""
+    if not isinstance(e, Exception):
+        stop.append(e)
+
+
+def _raise(error: DistributedError, cause: Optional[BaseException], stop: List[BaseException]) -> NoReturn:
+    """Raise ``error`` (from ``cause``), or, where a Ctrl-C (or SystemExit) came during the call,
+    that interrupt, with ``error`` as its cause: the program is interrupted and told what is left."""
+    if not stop:
+        raise error from cause
+    if cause is not None and cause is not stop[0]:
+        error.__cause__ = cause
+    raise stop[0] from error
 
 
 def _agree(
@@ -222,23 +249,33 @@ def _agree(
     rank: int,
 ) -> Outcome:
     """Act here, agree over the group, undo everywhere if any rank failed. ``undo`` returns None
-    (or a ``"skipped: why"`` note) or raises."""
+    (or a ``"skipped: why"`` note) or raises. A Ctrl-C (KeyboardInterrupt) or SystemExit on
+    the way fails this rank like any failure: the ranks still agree and undo (or, where the
+    group fails, this rank undoes its own), then it is raised, the :class:`DistributedError`
+    the others raise as its cause."""
+    stop: List[BaseException] = []
     try:
         before = measure()
-    except Exception:  # the action below fails too, and says why through the agreement
+    except BaseException as e:  # the action below fails too, and says why through the agreement
+        _stopped(stop, e)
         before = 0
     t0 = time.perf_counter()
-    err: Optional[BaseException] = None
+    err: Optional[BaseException] = stop[0] if stop else None
     result = None
-    try:
-        result = act()
-    except Exception as e:  # reported to every rank; raised below as DistributedError
-        err = e
+    if err is None:
+        try:
+            result = act()
+        except BaseException as e:  # reported to every rank; raised below as DistributedError
+            _stopped(stop, e)
+            err = e
     seconds = time.perf_counter() - t0
     try:
         after = measure()
-    except Exception:  # a failed stats read must not take the agreement down
+    except BaseException as e:  # a failed stats read must not take the agreement down
+        _stopped(stop, e)
         after = before
+    if err is None and stop:
+        err = stop[0]  # interrupted once it had acted: this rank failed, and undoes it
     changed = before - after if op.startswith("pause") else after - before
     mine = {
         "rank": rank,
@@ -248,45 +285,60 @@ def _agree(
         "bytes": max(changed, 0),
         "seconds": seconds,
         "error": None if err is None else type(err).__name__,
-        "message": None if err is None else str(err),
+        "message": None if err is None else str(err) or ("" if isinstance(err, Exception) else "interrupted"),
     }
     try:
         everyone = gather(mine)
-    except Exception as e:
-        note = _describe_undo(undo)
-        raise DistributedError(
-            f"{op} of {what}: the group failed before the ranks could agree ({type(e).__name__}: {e}); "
-            f"rank {rank} {'failed itself (' + mine['error'] + ': ' + str(mine['message']) + '), ' if err else ''}"
-            f"undid its own {op} ({note}). It has not seen the other ranks: each undoes its own when its "
-            "agreement fails (a late rank once it gets there; a rank that died gave its memory back), so "
-            "the job may be partly changed until they have: check every rank",
-            None,
-        ) from e
+    except BaseException as e:
+        _stopped(stop, e)
+        note = _describe_undo(undo, stop)
+        _raise(
+            DistributedError(
+                f"{op} of {what}: the group failed before the ranks could agree ({_said(e)}); "
+                f"rank {rank} {'failed itself (' + mine['error'] + ': ' + str(mine['message']) + '), ' if err else ''}"
+                f"undid its own {op} ({note}). It has not seen the other ranks: each undoes its own when its "
+                "agreement fails (a late rank once it gets there; a rank that died gave its memory back), so "
+                "the job may be partly changed until they have: check every rank",
+                None,
+            ),
+            e,
+            stop,
+        )
     outcome = Outcome(op, what, [RankOutcome(**d) for d in everyone], result)
     if outcome.ok:
         # Once more, so that no rank returns success while another, which gave up waiting
         # for a late one, undid its own: a rank returns only having seen every rank agree.
         try:
             gather({"rank": rank, "confirmed": True})
-        except Exception as e:
-            note = _describe_undo(undo)
-            raise DistributedError(
-                f"{op} of {what} succeeded on every rank, but the group failed before every rank "
-                f"confirmed it ({type(e).__name__}: {e}); rank {rank} undid its own {op} ({note}). It has "
-                "not seen the other ranks: each undoes its own when its agreement fails, so the job may "
-                "be partly changed until they have: check every rank",
-                outcome,
-            ) from e
+        except BaseException as e:
+            _stopped(stop, e)
+            note = _describe_undo(undo, stop)
+            _raise(
+                DistributedError(
+                    f"{op} of {what} succeeded on every rank, but the group failed before every rank "
+                    f"confirmed it ({_said(e)}); rank {rank} undid its own {op} ({note}). It has "
+                    "not seen the other ranks: each undoes its own when its agreement fails, so the job may "
+                    "be partly changed until they have: check every rank",
+                    outcome,
+                ),
+                e,
+                stop,
+            )
         return outcome
-    mine["undo"] = _describe_undo(undo)
+    mine["undo"] = _describe_undo(undo, stop)
     try:
         everyone = gather(mine)
-    except Exception as e:
-        raise DistributedError(
-            f"{op} of {what} failed on rank(s) {', '.join(str(r.rank) for r in outcome.failed)}, and the "
-            f"group failed while the ranks undid it ({type(e).__name__}: {e}); rank {rank}'s undo: {mine['undo']}",
-            outcome,
-        ) from e
+    except BaseException as e:
+        _stopped(stop, e)
+        _raise(
+            DistributedError(
+                f"{op} of {what} failed on rank(s) {', '.join(str(r.rank) for r in outcome.failed)}, and the "
+                f"group failed while the ranks undid it ({_said(e)}); rank {rank}'s undo: {mine['undo']}",
+                outcome,
+            ),
+            e,
+            stop,
+        )
     outcome = Outcome(op, what, [RankOutcome(**d) for d in everyone], result)
     failed = "; ".join(f"rank {r.rank} ({r.host}, pid {r.pid}): {r.error}: {r.message}" for r in outcome.failed)
     undone = [r for r in outcome.ranks if r.undo == "done"]
@@ -298,7 +350,9 @@ def _agree(
         + "; ".join(f"rank {r.rank}: {r.undo}" for r in not_undone)
         + f"; the other {len(undone)} rank(s) are as before the call"
     )
-    raise DistributedError(f"{op} of {what} failed on {len(outcome.failed)} rank(s): {failed}. {tail}", outcome) from err
+    _raise(
+        DistributedError(f"{op} of {what} failed on {len(outcome.failed)} rank(s): {failed}. {tail}", outcome), err, stop
+    )
 
 
 def _what_tag(tag: Optional[str]) -> str:
