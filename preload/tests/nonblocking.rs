@@ -988,3 +988,32 @@ engine_test! {
         assert!(err.contains("panic"), "{err}");
     }
 }
+
+engine_test! {
+    /// A chunked allocation with some chunks active and the others left mapped by a failed
+    /// non-blocking resume (stuck): the pause that gives the stuck chunks back and pauses the
+    /// active ones changes the state of one allocation, and its report (and the tag's
+    /// `last_pause`) says one, its bytes all four chunks.
+    sim_only fn a_pause_of_stuck_and_active_chunks_counts_their_allocation_once(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let g = h.g();
+        let p = h.e.alloc(&chunked_req(4 * g, g, "c")).unwrap();
+        let data = pattern((4 * g) as usize, 5);
+        h.write(p, &data);
+        h.e.pause_pick(&tms::engine::Pick::chunks(p, &[0, 1])).unwrap();
+        resume_failing_after_return(&h, "c", 999);
+        assert!(h.e.wait_restored(None, None).is_err());
+        let t = tag_stats(&h.e, "c");
+        assert_eq!(
+            (t.bytes_active, t.bytes_unrestored, t.partial_allocations),
+            (2 * g, 2 * g, 1)
+        );
+        let r = h.e.pause(Some("c")).unwrap();
+        assert_eq!((r.allocations, r.bytes), (1, 4 * g), "{r:?}");
+        let last = tag_stats(&h.e, "c").last_pause.expect("a pause of the tag");
+        assert_eq!((last.allocations, last.bytes), (1, 4 * g), "{last:?}");
+        h.e.resume(Some("c")).unwrap();
+        assert!(h.read(p, data.len()) == data, "contents after the resume");
+    }
+}

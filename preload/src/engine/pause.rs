@@ -334,6 +334,12 @@ impl Engine {
         mut jobs: Vec<Job>,
     ) -> Result<Paused> {
         let mut tally = Tally::default();
+        // Counted by release_stuck: their runs below add bytes, not another allocation.
+        let unstuck: Vec<DevPtr> = jobs
+            .iter()
+            .filter(|j| !j.stuck.is_empty())
+            .map(|j| j.ptr)
+            .collect();
         self.release_stuck(&mut jobs, &mut tally)?;
         let touched: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         jobs.retain(|j| !j.runs.is_empty());
@@ -349,7 +355,11 @@ impl Engine {
             });
         for (j, (bytes, copied, unchanged)) in jobs.iter().zip(&retired).filter(|(_, r)| r.0 > 0) {
             // Pieces found unchanged are in the backup already: not copied.
-            tally.add(&j.tag, *bytes, *copied - *unchanged, j.on_disk());
+            if unstuck.contains(&j.ptr) {
+                tally.bytes(&j.tag, *bytes, *copied - *unchanged, j.on_disk());
+            } else {
+                tally.add(&j.tag, *bytes, *copied - *unchanged, j.on_disk());
+            }
             tally.unchanged(&j.tag, *unchanged);
         }
         // Allocations (not chunked) this pause released only some segments of before it failed.
