@@ -3,7 +3,7 @@
 
 use std::ffi::{c_char, c_int};
 
-use super::args::{arg_str, buffer_len};
+use super::args::{arg_str, array_len};
 use super::status::{entry, write_out};
 use crate::control;
 use crate::engine::Registered;
@@ -28,9 +28,10 @@ pub unsafe extern "C" fn tms_nccl_adopt(comms: *const u64, n: usize) -> c_int {
                 "torch-memory-saver is disabled in this process: it was forked from one that used it",
             ));
         }
-        let list: Vec<usize> = match buffer_len(comms.is_null(), n as u64, "comms")? {
+        let list: Vec<usize> = match array_len::<u64>(comms.is_null(), n as u64, "comms")? {
             None => Vec::new(),
-            // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
+            // SAFETY: the caller vouches for n readable entries; array_len checked the pointer
+            // and that their bytes fit isize.
             Some(n) => unsafe { std::slice::from_raw_parts(comms, n) }
                 .iter()
                 .map(|&c| c as usize)

@@ -4,7 +4,7 @@
 use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
-use super::args::{buffer_len, put_all, tag_or_all};
+use super::args::{array_len, put_all, tag_or_all};
 use super::status::entry;
 use crate::control;
 use crate::driver::Stream;
@@ -46,8 +46,9 @@ pub unsafe extern "C" fn tms_resume_nonblocking(
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our callers'
         // promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
-        let order = match buffer_len(order.is_null(), n_order, "order array")? {
-            // SAFETY: the caller vouches for n readable entries; buffer_len checked the pointer.
+        let order = match array_len::<u64>(order.is_null(), n_order, "order array")? {
+            // SAFETY: the caller vouches for n readable entries; array_len checked the pointer
+            // and that their bytes fit isize.
             Some(n) => unsafe { std::slice::from_raw_parts(order, n) }.to_vec(),
             None => Vec::new(),
         };

@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
-use super::args::{arg_str, buffer_len, indices, opt_str, room};
+use super::args::{arg_str, array_len, buffer_len, indices, opt_str, room};
 use super::chunks::transact;
 use super::progress::op_entry;
 use super::status::entry;
@@ -371,13 +371,14 @@ pub unsafe extern "C" fn tms_get_chunk_layout(
         // callers' promise), as tag_info needs.
         let info = unsafe { tag_info(tag) }?;
         room(n, info.layout.len(), "the layout arrays")?;
-        let k = buffer_len(
+        let k = array_len::<usize>(
             offsets.is_null() || sizes.is_null(),
             n as u64,
             "offsets or sizes",
         )?
         .unwrap_or(0);
-        // SAFETY: the caller vouches for n writable entries each; checked non-null above.
+        // SAFETY: the caller vouches for n writable entries each; array_len checked the
+        // pointers and that their bytes fit isize.
         let (o, s) = unsafe {
             (
                 std::slice::from_raw_parts_mut(offsets, k),
