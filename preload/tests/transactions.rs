@@ -198,6 +198,37 @@ engine_test! {
 }
 
 engine_test! {
+    /// A staging slot no host can hold (`TMS_STAGING_SLOT=4194304T` is a page multiple, which
+    /// is all the setting asks) fails the pause as too little host memory does, with the
+    /// numbers and nothing paused, rather than overflowing the sum of the devices' slots.
+    sim_only fn a_staging_slot_no_host_can_hold_fails_with_the_numbers(h) [tx(2, 2)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        e.set_copy_config(CopyConfig {
+            slot: 1 << 62,
+            ..e.copy_config()
+        })
+        .unwrap();
+        let p: Vec<u64> = (0..2)
+            .map(|d| {
+                e.alloc(&req(4 * MIB, d, "big", Some(BackupKind::Pinned)))
+                    .unwrap()
+            })
+            .collect();
+        let err = e.pause(Some("big")).unwrap_err();
+        let msg = err.to_string();
+        assert!(err.is_oom(), "{msg}");
+        for want in ["host memory", "staging", "nothing was paused"] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+        assert!(e.allocations().iter().all(|a| a.state == State::Active));
+        assert_eq!(sim.live_bytes(0) + sim.live_bytes(1), 8 * MIB, "nothing released");
+        for p in p {
+            assert!(e.free(p).unwrap());
+        }
+    }
+}
+
+engine_test! {
     /// The simulated device keeps its memory in host RAM: more than the host has is refused at
     /// allocation, as device memory beyond the capacity is, instead of being killed once written.
     sim_only fn the_sim_refuses_device_memory_the_host_cannot_hold(h)

@@ -472,11 +472,13 @@ impl Engine {
             let mut devices: Vec<i32> = fresh.iter().map(|&i| jobs[i].device).collect();
             devices.sort_unstable();
             devices.dedup();
-            let slots = 2 * cfg.threads as u64 * cfg.slot;
+            // Saturating: a slot size is only checked to be a page multiple, so one no host can
+            // hold (TMS_STAGING_SLOT=4194304T) must fail the check below, not overflow.
+            let slots = (2 * cfg.threads as u64).saturating_mul(cfg.slot);
             let staging: u64 = devices
                 .iter()
                 .map(|d| slots.saturating_sub(rings.get(d).map_or(0, Ring::bytes)))
-                .sum();
+                .fold(0, u64::saturating_add);
             self.check_host_memory(backups, staging, fresh.len(), tag)?;
         }
         let dir = if fresh.iter().any(is_disk) {
