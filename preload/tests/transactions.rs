@@ -682,3 +682,40 @@ engine_test! {
         assert_eq!(e.staging_bytes(), 0, "slots kept with no allocation that has a backup");
     }
 }
+
+engine_test! {
+    /// A segment whose cuMemSetAccess fails, and whose unmap then fails too, is still mapped: it
+    /// stays with the mapping being undone (which unmaps it again, or records it stuck), never
+    /// mapped behind the registry's back, where a later resume could not map it again and a
+    /// free could not free the range.
+    sim_only fn a_segment_whose_access_and_unmap_fail_is_undone_with_the_rest(h) [tx(1, 1)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let p = e
+            .alloc(&req(2 * G, 0, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let data = pattern(2 * G as usize, 4);
+        h.write(p, &data);
+        e.pause(Some("kv")).unwrap();
+        // Its unmap right after, and both of the undo's.
+        sim.arm_fault(Prim::SetAccess, 1, 999);
+        for _ in 0..3 {
+            sim.arm_fault(Prim::Unmap, 1, 999);
+        }
+        e.resume(Some("kv")).unwrap_err();
+        sim.clear_faults();
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, data.len()) == data, "contents after the resume");
+
+        // An allocation's too: the undo unmaps it, so its range can be freed.
+        sim.arm_fault(Prim::SetAccess, 1, 999);
+        sim.arm_fault(Prim::Unmap, 1, 999);
+        e.alloc(&req(2 * G, 0, "w", None)).unwrap_err();
+        assert_eq!(sim.pending_faults(), 0, "both faults fired");
+        e.free(p).unwrap();
+        assert_eq!(
+            (sim.live_mappings(), sim.live_handles(), sim.live_reservations()),
+            (0, 0, 0)
+        );
+        assert_eq!(sim.live_bytes(0), 0);
+    }
+}

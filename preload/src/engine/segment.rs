@@ -47,7 +47,7 @@ impl<'d> Mapping<'d> {
 
     /// create + map + set access for every segment, calling `progress(bytes)` as each one is
     /// usable. On failure the segments made so far stay in the mapping (for its drop to undo,
-    /// once nothing copies into them).
+    /// once nothing copies into them), and so does the failed one if it could not be unmapped.
     pub fn map_all(&mut self, progress: &dyn Fn(u64)) -> Result<()> {
         let Span {
             device,
@@ -56,8 +56,11 @@ impl<'d> Mapping<'d> {
             segment,
         } = self.span;
         for (off, len) in segments(mapped, segment).skip(self.handles.len()) {
-            self.handles
-                .push(map_segment(self.driver, device, ptr + off, len)?);
+            let h = map_segment(self.driver, device, ptr + off, len).map_err(|(e, still)| {
+                self.handles.extend(still);
+                e
+            })?;
+            self.handles.push(h);
             progress(off + len);
         }
         Ok(())
@@ -107,18 +110,30 @@ impl Drop for Mapping<'_> {
     }
 }
 
-fn map_segment(d: &dyn Driver, device: i32, ptr: DevPtr, len: u64) -> Result<PhysHandle> {
-    let h = d.create(device, len)?;
+/// Make one segment. On failure nothing is left made, except a segment mapped whose access
+/// could not be set and which could not be unmapped either: its handle comes back with the
+/// error, still mapped.
+fn map_segment(
+    d: &dyn Driver,
+    device: i32,
+    ptr: DevPtr,
+    len: u64,
+) -> std::result::Result<PhysHandle, (Error, Option<PhysHandle>)> {
+    let h = d.create(device, len).map_err(|e| (e, None))?;
     if let Err(e) = d.map(ptr, len, h) {
         release_logged(d, h);
-        return Err(e);
+        return Err((e, None));
     }
     if let Err(e) = d.set_access(device, ptr, len) {
         if let Err(e2) = d.unmap(ptr, len) {
+            // Released here, it would stay mapped with nothing recording it: no later map of
+            // the segment, nor freeing of the range, could succeed. The mapping's undo unmaps
+            // it again, or reports it stuck.
             tracing::error!("undoing a failed mapping at {ptr:#x}: {e2}");
+            return Err((e, Some(h)));
         }
         release_logged(d, h);
-        return Err(e);
+        return Err((e, None));
     }
     Ok(h)
 }
