@@ -412,3 +412,23 @@ fn ranges_given_back_and_reserved_again_while_other_threads_allocate_lose_nothin
     );
     assert_eq!(d.counts().reservations, keep.len() as u64);
 }
+
+#[test]
+fn a_free_whose_address_another_library_would_take_frees_everything_without_an_error() {
+    let (d, e) = engine(&Setup::default(), QUIRK_RELEASE_HOLDS, true);
+    let p = e.alloc(&backed(2 * G, "w")).unwrap();
+    // Any range let go is taken at once by someone else.
+    d.set_quirks(QUIRK_RELEASE_HOLDS | QUIRK_IGNORE_ADDRESS);
+    let reserves = d.calls("hipMemAddressReserve");
+    assert!(e.free(p).unwrap());
+    assert_eq!(
+        d.calls("hipMemAddressReserve"),
+        reserves,
+        "a range being freed is not reserved again"
+    );
+    let c = d.counts();
+    assert_eq!(
+        (d.live(0), c.handles, c.mappings, c.reservations),
+        (0, 0, 0, 0)
+    );
+}

@@ -218,15 +218,18 @@ impl Engine {
                 self.ops.drop_unused_slots(&self.registry);
             }
         }
+        // The range goes before the handles: released in a range still reserved, HIP's would
+        // have their memory given back by freeing the range and reserving it again (Note
+        // [ROCm's reserved ranges]), which fails this free where the address is taken meanwhile.
+        let freed = d.free_range(ptr, a.mapped);
         if !segs.is_empty() {
             if let Err(e) = segment::release_all(d, &segs) {
                 // Unmapped already: the allocation is gone for the caller; only the handle leaks.
                 tracing::error!("{}: {e}", what());
-                let _ = d.free_range(ptr, a.mapped);
                 return Err(e.context(what()));
             }
         }
-        d.free_range(ptr, a.mapped).ctx(what)?;
+        freed.ctx(what)?;
         tracing::debug!("free {ptr:#x}");
         Ok(true)
     }
