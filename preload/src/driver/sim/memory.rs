@@ -74,8 +74,15 @@ impl Memory {
     /// Reserve `size` bytes of address space aligned to `align`.
     pub(super) fn reserve(&mut self, align: u64, size: u64) -> Result<DevPtr> {
         // Reserve size + align and trim both ends, so the range is aligned to the granularity
-        // as cuMemAddressReserve's is.
-        let span = size + align;
+        // as cuMemAddressReserve's is. Past the address space it is out of memory, as a mapping
+        // too large for it is (not an overflow).
+        let Some(span) = size.checked_add(align) else {
+            return Err(driver_err(
+                Prim::Reserve,
+                2,
+                format!("{size} bytes of address space: more than there is"),
+            ));
+        };
         // SAFETY: a fresh PROT_NONE anonymous mapping; touches no existing memory.
         let raw = unsafe {
             libc::mmap(

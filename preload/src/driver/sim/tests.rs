@@ -62,6 +62,16 @@ fn capacity_gives_oom() {
 }
 
 #[test]
+fn a_reservation_past_the_address_space_is_out_of_memory() {
+    let d = sim();
+    let g = d.granularity(0).unwrap();
+    // The largest multiple of the granularity: with the alignment added it passes 2^64.
+    let e = d.reserve(0, u64::MAX - g + 1).unwrap_err();
+    assert!(e.is_oom(), "{e}");
+    assert_eq!(d.live_reservations(), 0);
+}
+
+#[test]
 fn misuse_is_a_driver_error() {
     let d = sim();
     assert!(
