@@ -29,6 +29,7 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 /* From the fake runtime. */
@@ -604,6 +605,52 @@ static void *pause_all(void *arg) {
     return (void *)(intptr_t)p_tms_pause(NULL);
 }
 
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* A pause of tag kv, on a thread of its own. */
+static void *pause_kv(void *arg) {
+    (void)arg;
+    return (void *)(intptr_t)p_tms_pause("kv");
+}
+
+/* The hooks while tms_pause runs on another thread (each sync takes TMS_SIM_SYNC_DELAY_MS):
+ * a cudaMalloc in the tag being paused returns without waiting for the pause and stays active;
+ * a cudaFree of an allocation being paused waits for it, then succeeds; nothing is lost. */
+static int mode_hooks_during_pause(void) {
+    const size_t n = 2 * MIB;
+    long f0 = fake_cuda_free_calls();
+    check(p_tms_region_enter(1, "kv", 1, NULL) == TMS_OK, "enter region kv");
+    void *kv = NULL, *kv2 = NULL, *fresh = NULL;
+    check(cudaMalloc(&kv, n) == CUDA_SUCCESS && cudaMalloc(&kv2, n) == CUDA_SUCCESS,
+          "cudaMalloc in kv");
+    fill(kv, n, 5);
+    pthread_t t;
+    check(pthread_create(&t, NULL, pause_kv, NULL) == 0, "start a pause on a thread");
+    usleep(300 * 1000);
+    double t0 = now_ms();
+    int rc = cudaMalloc(&fresh, n);
+    double took = now_ms() - t0;
+    check(rc == CUDA_SUCCESS && fresh != NULL, "cudaMalloc during the pause (rc %d)", rc);
+    check(took < 700, "cudaMalloc did not wait for the pause (%.0f ms)", took);
+    rc = cudaFree(kv2);
+    check(rc == CUDA_SUCCESS, "cudaFree of an allocation being paused (rc %d)", rc);
+    void *ret = NULL;
+    check(pthread_join(t, &ret) == 0 && (intptr_t)ret == TMS_OK, "the pause (rc %d)",
+          (int)(intptr_t)ret);
+    fill(fresh, n, 6);
+    check(verify(fresh, n, 6) == n, "the allocation made during the pause is active");
+    check(p_tms_resume("kv") == TMS_OK, "resume kv");
+    check(verify(kv, n, 5) == n, "kv's contents after the resume");
+    check(cudaFree(kv) == CUDA_SUCCESS && cudaFree(fresh) == CUDA_SUCCESS, "cudaFree the rest");
+    check(fake_cuda_free_calls() == f0, "no free reached the runtime");
+    check(p_tms_region_exit() == TMS_OK, "leave region kv");
+    return finish("hooks-during-pause");
+}
+
 /* _Fork() (glibc >= 2.34) after the library started: it runs no pthread_atfork handler, yet the
  * child shares none of the parent's device state either: its hooks must pass through and the
  * API must refuse, as after fork(); also when another thread of the parent was inside a pause
@@ -692,6 +739,8 @@ int main(int argc, char **argv) {
         return mode_bad_device();
     } else if (strcmp(mode, "fork") == 0) {
         return mode_fork();
+    } else if (strcmp(mode, "hooks-during-pause") == 0) {
+        return mode_hooks_during_pause();
     } else if (strcmp(mode, "fork-raw") == 0) {
         return mode_fork_raw();
     }

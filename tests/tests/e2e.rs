@@ -422,6 +422,15 @@ fn fork_child_passes_through_and_parent_carries_on() {
     assert!(r.error("child-pause").contains("forked"), "{}", r.dump());
 }
 
+/// The hooks while `tms_pause` runs on another thread: a `cudaMalloc` in the tag being paused
+/// does not wait for it and stays active; a `cudaFree` of an allocation being paused waits for
+/// it and succeeds; nothing is lost.
+#[test]
+fn hooks_during_a_pause_on_another_thread() {
+    let r = run_e2e("hooks-during-pause", &[("TMS_SIM_SYNC_DELAY_MS", "1500")]);
+    r.assert_passed("hooks-during-pause");
+}
+
 /// A child of `_Fork()`, which runs no `pthread_atfork` handler, is told by its pid: its hooks
 /// pass through, its API refuses, and it never waits for locks a thread of the parent held.
 #[test]
