@@ -148,7 +148,9 @@ impl Engine {
     }
 
     /// Free an allocation (active or paused). `Ok(false)` if `ptr` is not one of ours. Waits
-    /// while a pause or resume is changing this very allocation, never for other work.
+    /// while a pause or resume is changing this very allocation: a pause until it retired it,
+    /// a resume until it ends (it commits its allocations together, landed early or not); never
+    /// for work that does not concern it.
     pub fn free(&self, ptr: DevPtr) -> Result<bool> {
         let mut a = {
             let mut reg = self.registry.lock();
