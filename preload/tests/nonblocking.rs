@@ -597,6 +597,36 @@ engine_test! {
 }
 
 engine_test! {
+    /// An allocation a non-blocking resume restored is shown active at once by `allocations()`
+    /// with its bytes mapped, as `stats()` shows it, before the resume settles it (it waits
+    /// here for another device's share). Before, `active_bytes` (and so a tool's sum of mapped
+    /// bytes) was 0 for it until the settling. Found by `concurrent_model`.
+    sim_only fn a_landed_allocation_shows_its_bytes_active(h) [Setup::default().devices(2).small_pieces(1)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let mut made = Vec::new();
+        for device in [0, 1] {
+            let mut r = req(2 * g, "d", Some(BackupKind::Pinned));
+            r.device = device;
+            made.push(h.e.alloc(&r).unwrap());
+        }
+        h.e.pause(Some("d")).unwrap();
+        sim.hold(Prim::Create, Some(1));
+        let e = h.e.clone();
+        let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some("d"), &[], None));
+        wait_until("device 0's share landed", Duration::from_secs(30), || {
+            state(&h.e, made[0]) == State::Active
+        });
+        let info = h.e.allocations().into_iter().find(|a| a.addr == made[0]).unwrap();
+        assert_eq!((info.state, info.active_bytes), (State::Active, 2 * g));
+        assert_eq!(tag_stats(&h.e, "d").bytes_active, 2 * g);
+        sim.unhold(Prim::Create, Some(1));
+        resumer.join().unwrap().unwrap();
+        assert!(h.e.wait_restored(None, None).unwrap());
+    }
+}
+
+engine_test! {
     /// A later non-blocking resume restores an allocation an earlier one left unrestored: the
     /// earlier failure is over for it the moment it lands, before its wait returns and before
     /// that resume settles (it waits here for another device's share). Before, the failure

@@ -96,7 +96,8 @@ impl Engine {
                 host_valid: a.fully_saved(),
                 handles: a.handles.iter().flatten().count(),
                 chunk: a.chunk,
-                active_bytes: a.active_bytes(),
+                // What landed counts, as in `state` and `stats()`: mapped, contents there.
+                active_bytes: a.shown_bytes().0,
                 pauseable: a.pauseable,
                 resident: a.resident,
             })
