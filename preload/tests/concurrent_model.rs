@@ -189,8 +189,10 @@ struct MAlloc {
     saved: Vec<bool>,
     /// Not chunked, and a failed pause or free left it partly paused.
     partial: bool,
-    /// A non-blocking resume that failed after returning left memory of it mapped, unrestored.
-    stuck: bool,
+    /// Per unit: paused, but a failed resume (or unmap) may have left its memory mapped
+    /// (recorded stuck by the engine, which shows it paused). Given back only by a pause that
+    /// names the unit, a resume that restores some unit of the allocation, or a free.
+    stuck: Vec<bool>,
 }
 
 impl MAlloc {
@@ -345,8 +347,11 @@ impl Thread<'_> {
                 a.partial = false;
             }
             // A failed resume may leave paused segments mapped that it could not unmap while
-            // undoing (an unmap fault), or a non-blocking one memory it did not restore.
-            a.stuck |= self.faults && !freeing && !now.iter().all(|x| *x);
+            // undoing (an unmap fault), or a non-blocking one memory it did not restore. A
+            // unit the engine has mapped is not stuck (stuck segments are paused).
+            for (u, &on) in now.iter().enumerate() {
+                a.stuck[u] = !on && (a.stuck[u] || (self.faults && !freeing));
+            }
             for (u, &on) in now.iter().enumerate() {
                 match (a.active[u], on) {
                     (true, false) if freeing => {
@@ -419,7 +424,7 @@ impl Thread<'_> {
                                 contents: vec![0; size as usize],
                                 saved: vec![false; units],
                                 partial: false,
-                                stuck: false,
+                                stuck: vec![false; units],
                             },
                         );
                         if prev.is_some() {
@@ -497,7 +502,7 @@ impl Thread<'_> {
                         let (mut n, mut bytes, mut copied) = (0, 0, 0);
                         for p in &ptrs {
                             let a = self.allocs.get_mut(p).unwrap();
-                            a.stuck = false;
+                            a.stuck.fill(false);
                             let us: Vec<usize> = if std::mem::take(&mut a.partial) {
                                 vec![0]
                             } else {
@@ -565,7 +570,7 @@ impl Thread<'_> {
                         let retain = self.retain;
                         for p in &ptrs {
                             let a = self.allocs.get_mut(p).unwrap();
-                            a.stuck = false;
+                            a.stuck.fill(false);
                             let us: Vec<usize> =
                                 (0..a.active.len()).filter(|&u| !a.active[u]).collect();
                             if us.is_empty() {
@@ -610,12 +615,22 @@ impl Thread<'_> {
                     Ok(r) => {
                         let retain = self.retain;
                         let a = self.allocs.get_mut(&p).unwrap();
-                        a.stuck = false;
                         let us: Vec<usize> = idx
                             .iter()
                             .copied()
                             .filter(|&u| a.active[u] == *pause)
                             .collect();
+                        // What a failed resume left mapped is given back by a pause only for
+                        // the chunks it names; by a resume, all of it, but only where the
+                        // resume restores some chunk of the allocation (one that names no
+                        // paused chunk does nothing).
+                        if *pause {
+                            for &u in &idx {
+                                a.stuck[u] = false;
+                            }
+                        } else if !us.is_empty() {
+                            a.stuck.fill(false);
+                        }
                         let (b, c) = if us.is_empty() {
                             (0, 0)
                         } else if *pause {
@@ -686,7 +701,7 @@ impl Thread<'_> {
                 ),
                 &format!("allocation {p:#x}"),
             )?;
-            if a.stuck {
+            if a.stuck.iter().any(|s| *s) {
                 // Unrestored memory left mapped: shown paused (or partly so), not active.
                 if i.state == State::Active {
                     return Err(format!("{p:#x} left unrestored is shown active"));
@@ -720,7 +735,9 @@ impl Thread<'_> {
                         return Err(format!("contents of active {p:#x} unit {u} differ"));
                     }
                 } else {
-                    if !a.stuck && (self.sim.is_accessible(first) || self.sim.is_accessible(last)) {
+                    if !a.stuck[u]
+                        && (self.sim.is_accessible(first) || self.sim.is_accessible(last))
+                    {
                         return Err(format!("paused {p:#x} unit {u} is accessible"));
                     }
                     let mut b = vec![0u8; len as usize];
@@ -800,7 +817,7 @@ impl Thread<'_> {
                         let a = self.allocs.get_mut(p).unwrap();
                         let us: Vec<usize> =
                             (0..a.active.len()).filter(|&u| !a.active[u]).collect();
-                        a.stuck = false;
+                        a.stuck.fill(false);
                         a.resume(&us, retain);
                     }
                 }
