@@ -20,11 +20,12 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
+use common::model::{Fault, Units, FAULT_PRIMS};
 use common::{engine_test, pattern, read_raw, run_proptest, write_raw, Expect, Harness, Setup};
 use proptest::prelude::*;
 use tms::backup::disk::{self, DiskOp};
 use tms::backup::BackupKind;
-use tms::driver::sim::{Prim, SimDriver};
+use tms::driver::sim::SimDriver;
 use tms::engine::{AllocRequest, Checks, CopyConfig, Engine, Pick, PinMode, State};
 use tms::Backup;
 
@@ -86,26 +87,6 @@ enum Op {
     /// Arm a transient fault (fault runs only).
     Arm(Fault),
 }
-
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Prim(Prim, u64),
-    Disk(DiskOp, u64),
-}
-
-/// Driver primitives whose failure the engine reports without leaking (as in `model.rs`).
-const FAULT_PRIMS: [Prim; 10] = [
-    Prim::Create,
-    Prim::Map,
-    Prim::SetAccess,
-    Prim::Unmap,
-    Prim::Synchronize,
-    Prim::EventRecord,
-    Prim::EventSync,
-    Prim::CopyD2H,
-    Prim::CopyH2D,
-    Prim::HostRegister,
-];
 
 fn size_strategy() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -171,22 +152,13 @@ fn copy_config_strategy() -> impl Strategy<Value = CopyConfig> {
         })
 }
 
+/// An allocation as a thread's model sees it: its units (`common::model::Units`), and what
+/// this test follows besides.
 #[derive(Clone, Debug)]
 struct MAlloc {
-    size: u64,
-    mapped: u64,
+    u: Units,
     tag: usize,
-    backup: Backup,
     device: i32,
-    /// Chunk size (0: not chunked; the allocation is then one unit).
-    chunk: u64,
-    /// Per unit: mapped.
-    active: Vec<bool>,
-    /// Per unit: contents known.
-    defined: Vec<bool>,
-    contents: Vec<u8>,
-    /// Per unit: the backup holds its contents of the last pause.
-    saved: Vec<bool>,
     /// Not chunked, and a failed pause or free left it partly paused.
     partial: bool,
     /// Per unit: paused, but a failed resume (or unmap) may have left its memory mapped
@@ -195,73 +167,38 @@ struct MAlloc {
     stuck: Vec<bool>,
 }
 
+impl std::ops::Deref for MAlloc {
+    type Target = Units;
+    fn deref(&self) -> &Units {
+        &self.u
+    }
+}
+
+impl std::ops::DerefMut for MAlloc {
+    fn deref_mut(&mut self) -> &mut Units {
+        &mut self.u
+    }
+}
+
 impl MAlloc {
-    fn unit(&self) -> u64 {
-        if self.chunk > 0 {
-            self.chunk
-        } else {
-            self.mapped
-        }
-    }
-
-    fn span(&self, u: usize) -> (u64, u64) {
-        let off = u as u64 * self.unit();
-        (off, self.unit().min(self.size - off))
-    }
-
     fn state(&self) -> State {
         if self.partial {
-            return State::Partial;
+            State::Partial
+        } else {
+            self.u.state()
         }
-        match self.active.iter().filter(|a| **a).count() {
-            0 => State::Paused,
-            n if n == self.active.len() => State::Active,
-            _ => State::Partial,
-        }
-    }
-
-    fn live(&self) -> u64 {
-        self.active.iter().filter(|a| **a).count() as u64 * self.unit()
-    }
-
-    /// Pause units `us`; returns (device bytes, copied bytes).
-    fn pause(&mut self, us: &[usize]) -> (u64, u64) {
-        let (mut bytes, mut copied) = (0, 0);
-        for &u in us {
-            self.active[u] = false;
-            bytes += self.unit();
-            if self.backup.is_some() {
-                self.saved[u] = true;
-                copied += self.span(u).1;
-            } else {
-                self.defined[u] = false;
-            }
-        }
-        (bytes, copied)
     }
 
     /// Resume units `us`; returns (device bytes, copied bytes).
     fn resume(&mut self, us: &[usize], retain: bool) -> (u64, u64) {
-        let (mut bytes, mut copied) = (0, 0);
-        for &u in us {
-            self.active[u] = true;
-            bytes += self.unit();
-            if self.backup.is_some() && self.saved[u] {
-                copied += self.span(u).1;
-            } else {
-                self.defined[u] = false;
-            }
-            if !retain {
-                self.saved[u] = false;
-            }
-        }
+        let r = self.u.resume(us, retain);
         if self.active.iter().all(|a| *a) {
             self.partial = false;
             if !retain {
                 self.saved.fill(false);
             }
         }
-        (bytes, copied)
+        r
     }
 }
 
@@ -413,16 +350,9 @@ impl Thread<'_> {
                         let prev = self.allocs.insert(
                             p,
                             MAlloc {
-                                size,
-                                mapped,
+                                u: Units::new(size, mapped, *backup, chunk, units),
                                 tag: *tag,
-                                backup: *backup,
                                 device: *device,
-                                chunk,
-                                active: vec![true; units],
-                                defined: vec![false; units],
-                                contents: vec![0; size as usize],
-                                saved: vec![false; units],
                                 partial: false,
                                 stuck: vec![false; units],
                             },

@@ -12,12 +12,12 @@ mod common;
 
 use std::collections::BTreeMap;
 
+use common::model::{Fault, Units, FAULT_PRIMS};
 use common::{engine_test, pattern, run_proptest, Expect, Harness, Setup};
 use proptest::prelude::*;
 use tms::backup::disk::{self, DiskOp, DIRECT_ALIGN};
 use tms::backup::BackupKind;
 use tms::backup::HostLayout;
-use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, Checks, CopyConfig, Engine, Pick, PinMode, State};
 use tms::Backup;
 
@@ -157,26 +157,30 @@ fn op_strategy(g: u64) -> impl Strategy<Value = Op> {
     ]
 }
 
+/// An allocation as the model sees it: its units (`common::model::Units`), and what this
+/// test follows besides.
 #[derive(Clone, Debug)]
 struct MAlloc {
-    size: u64,
-    mapped: u64,
+    u: Units,
     tag: usize,
-    backup: Backup,
     device: i32,
-    /// Chunk size (0: not chunked; the allocation is then one unit).
-    chunk: u64,
-    /// Per unit (chunk, or the whole allocation): mapped.
-    active: Vec<bool>,
-    /// Per unit: its contents are known (written, and kept across every pause since).
-    defined: Vec<bool>,
-    contents: Vec<u8>,
     /// A host buffer (or, for a disk backup, a file) is held for the backup.
     host: bool,
-    /// Per unit: the backup holds its contents of the last pause.
-    saved: Vec<bool>,
     /// Unit states recorded by a pause that saved them.
     kept: Option<Vec<bool>>,
+}
+
+impl std::ops::Deref for MAlloc {
+    type Target = Units;
+    fn deref(&self) -> &Units {
+        &self.u
+    }
+}
+
+impl std::ops::DerefMut for MAlloc {
+    fn deref_mut(&mut self) -> &mut Units {
+        &mut self.u
+    }
 }
 
 impl MAlloc {
@@ -184,66 +188,18 @@ impl MAlloc {
         self.backup == Some(BackupKind::Disk)
     }
 
-    fn unit(&self) -> u64 {
-        if self.chunk > 0 {
-            self.chunk
-        } else {
-            self.mapped
-        }
-    }
-
-    /// Offset and length (within the asked size) of unit `u`.
-    fn span(&self, u: usize) -> (u64, u64) {
-        let off = u as u64 * self.unit();
-        (off, self.unit().min(self.size - off))
-    }
-
-    fn state(&self) -> State {
-        match self.active.iter().filter(|a| **a).count() {
-            0 => State::Paused,
-            n if n == self.active.len() => State::Active,
-            _ => State::Partial,
-        }
-    }
-
-    fn live(&self) -> u64 {
-        self.active.iter().filter(|a| **a).count() as u64 * self.unit()
-    }
-
     /// Pause units `us` (active ones); returns (device bytes, copied bytes).
     fn pause(&mut self, us: &[usize]) -> (u64, u64) {
-        let (mut bytes, mut copied) = (0, 0);
-        for &u in us {
-            self.active[u] = false;
-            bytes += self.unit();
-            if self.backup.is_some() {
-                self.saved[u] = true;
-                copied += self.span(u).1;
-            } else {
-                self.defined[u] = false;
-            }
-        }
+        let r = self.u.pause(us);
         if self.backup.is_some() {
             self.host = true;
         }
-        (bytes, copied)
+        r
     }
 
     /// Resume units `us` (paused ones); returns (device bytes, copied bytes).
     fn resume(&mut self, us: &[usize], retain: bool) -> (u64, u64) {
-        let (mut bytes, mut copied) = (0, 0);
-        for &u in us {
-            self.active[u] = true;
-            bytes += self.unit();
-            if self.backup.is_some() && self.saved[u] {
-                copied += self.span(u).1;
-            } else {
-                self.defined[u] = false;
-            }
-            if !retain {
-                self.saved[u] = false;
-            }
-        }
+        let r = self.u.resume(us, retain);
         if self.state() == State::Active {
             // A file stays (reused by the next pause); host memory only if retained, and what
             // it held of the chunks resumed earlier goes with it.
@@ -252,7 +208,7 @@ impl MAlloc {
                 self.saved.fill(false);
             }
         }
-        (bytes, copied)
+        r
     }
 }
 
@@ -279,7 +235,7 @@ impl Model {
         self.allocs
             .values()
             .filter(|a| a.device == device)
-            .map(MAlloc::live)
+            .map(|a| a.live())
             .sum()
     }
 
@@ -338,29 +294,6 @@ fn resume_units(
     );
     Ok(true)
 }
-
-/// A fault armed for one pause or resume (driver primitive, or disk operation in the backup
-/// directory), firing at its `nth` call.
-#[derive(Clone, Copy, Debug)]
-enum Fault {
-    Prim(Prim, u64),
-    Disk(DiskOp, u64),
-}
-
-/// Driver primitives whose failure a pause or resume reports without leaking anything (a
-/// failed release or unregistration leaks by design, and would throw the counts off).
-const FAULT_PRIMS: [Prim; 10] = [
-    Prim::Create,
-    Prim::Map,
-    Prim::SetAccess,
-    Prim::Unmap,
-    Prim::Synchronize,
-    Prim::EventRecord,
-    Prim::EventSync,
-    Prim::CopyD2H,
-    Prim::CopyH2D,
-    Prim::HostRegister,
-];
 
 fn fault_strategy() -> impl Strategy<Value = Option<Fault>> {
     prop_oneof![
@@ -452,17 +385,10 @@ fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCas
                 m.allocs.insert(
                     p,
                     MAlloc {
-                        size,
-                        mapped,
+                        u: Units::new(size, mapped, *backup, chunk, units),
                         tag: *tag,
-                        backup: *backup,
                         device,
-                        chunk,
-                        active: vec![true; units],
-                        defined: vec![false; units],
-                        contents: vec![0; size as usize],
                         host: false,
-                        saved: vec![false; units],
                         kept: None,
                     },
                 );

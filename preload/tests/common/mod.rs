@@ -10,6 +10,7 @@
 pub mod harness;
 pub mod hip;
 pub mod invariants;
+pub mod model;
 pub mod setup;
 
 #[allow(unused_imports)]
