@@ -317,7 +317,8 @@ def test_a_late_rank_never_leaves_the_job_half_paused(tmp_path, libtms):
 
 
 # A Ctrl-C (KeyboardInterrupt) on one rank, caught below as a program's own handler would
-# catch it: what the rank was left as, and what the error it came with said.
+# catch it: what the rank was left as, and what the error it came with said. `ctrl_c_after`
+# makes a call of the module raise it once the call itself has returned.
 INTERRUPTED = """
 def interrupted(f, *a):
     try:
@@ -328,7 +329,39 @@ def interrupted(f, *a):
         c = e.__cause__
         return {"raised": "KeyboardInterrupt", "cause": type(c).__name__ if c else None, "msg": str(c or "")}
     return {"raised": None}
+
+def ctrl_c_after(name):
+    real = getattr(tms, name)
+    def then_ctrl_c(*a, **k):
+        real(*a, **k)
+        raise KeyboardInterrupt
+    setattr(tms, name, then_ctrl_c)
 """
+
+
+def interrupted_pause(tmp_path, libtms, setup, timeout):
+    """Two ranks pause tag "w" (8 MiB, CPU backup) after running `setup` (script lines: where
+    the Ctrl-C comes); every rank must end with "w" active and intact. The reports of ranks 0
+    and 1."""
+    script = (
+        INTERRUPTED
+        + 'p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)\n'
+        + textwrap.dedent(setup)
+        + textwrap.dedent(
+            """
+            a = interrupted(tmsd._pause_tag, "w")
+            # Read only where active: paused memory is not mapped (the read would crash).
+            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
+            """
+        )
+    )
+    res = run_ranks(tmp_path, libtms, 2, script, per_rank_env={r: {"GATHER_TIMEOUT": timeout} for r in range(2)})
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    for p in (zero, one):
+        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    return zero, one
 
 
 def test_a_ctrl_c_during_one_ranks_pause_undoes_it_on_every_rank(tmp_path, libtms):
@@ -336,32 +369,10 @@ def test_a_ctrl_c_during_one_ranks_pause_undoes_it_on_every_rank(tmp_path, libtm
     # has returned): it fails that rank like any failure. Every rank undoes the pause, the others
     # raise DistributedError naming rank 1 without waiting for the group's timeout, and rank 1's
     # KeyboardInterrupt goes on to the program once its own pause is undone.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        INTERRUPTED
-        + textwrap.dedent(
-            """
-            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
-            if RANK == 1:
-                real = tms.pause
-                def pause_then_ctrl_c(*a, **k):
-                    real(*a, **k)
-                    raise KeyboardInterrupt
-                tms.pause = pause_then_ctrl_c
-            a = interrupted(tmsd._pause_tag, "w")
-            # Read only where active: paused memory is not mapped (the read would crash).
-            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
-            """
-        ),
-        per_rank_env={r: {"GATHER_TIMEOUT": "3"} for r in range(2)},
-    )
-    for r in res:
-        assert r["rc"] == 0, r["err"]
-    zero, one = res[0]["results"][0], res[1]["results"][0]
-    for p in (zero, one):
-        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    zero, one = interrupted_pause(tmp_path, libtms, """
+        if RANK == 1:
+            ctrl_c_after("pause")
+        """, "3")
     assert zero["raised"] == "DistributedError" and zero["failed"] == [1], zero
     assert "rank 1" in zero["msg"] and "KeyboardInterrupt" in zero["msg"], zero
     assert "every rank undid it" in zero["msg"], zero
@@ -373,29 +384,11 @@ def test_a_ctrl_c_during_the_agreement_undoes_the_ranks_own_change(tmp_path, lib
     # Rank 1 paused, then Ctrl-C lands while it waits for the others: as when the group fails,
     # it has not seen them, so it undoes its own pause and its KeyboardInterrupt goes on saying
     # so (a DistributedError as its cause); rank 0, never answered, undoes its own too.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        INTERRUPTED
-        + textwrap.dedent(
-            """
-            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
-            if RANK == 1:
-                def gather(mine):
-                    raise KeyboardInterrupt
-            a = interrupted(tmsd._pause_tag, "w")
-            # Read only where active: paused memory is not mapped (the read would crash).
-            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
-            """
-        ),
-        per_rank_env={r: {"GATHER_TIMEOUT": "2"} for r in range(2)},
-    )
-    for r in res:
-        assert r["rc"] == 0, r["err"]
-    zero, one = res[0]["results"][0], res[1]["results"][0]
-    for p in (zero, one):
-        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    zero, one = interrupted_pause(tmp_path, libtms, """
+        if RANK == 1:
+            def gather(mine):
+                raise KeyboardInterrupt
+        """, "2")
     assert zero["raised"] == "DistributedError" and "undid its own pause (done)" in zero["msg"], zero
     assert one["raised"] == "KeyboardInterrupt" and one["cause"] == "DistributedError", one
     assert "undid its own pause (done)" in one["msg"], one
@@ -405,34 +398,12 @@ def test_a_ctrl_c_during_the_undo_still_lets_the_ranks_agree(tmp_path, libtms):
     # Rank 0's pause fails; rank 1's undo (its resume) is interrupted as it returns. Rank 1
     # still tells the others how its undo went (not as done: it was interrupted), so rank 0 is
     # not left waiting for it until the group's timeout, and every rank raises naming it.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        INTERRUPTED
-        + textwrap.dedent(
-            """
-            p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
-            if RANK == 0:
-                fail_here("pause", "host memory is short")
-            if RANK == 1:
-                real = tms.resume
-                def resume_then_ctrl_c(*a, **k):
-                    real(*a, **k)
-                    raise KeyboardInterrupt
-                tms.resume = resume_then_ctrl_c
-            a = interrupted(tmsd._pause_tag, "w")
-            # Read only where active: paused memory is not mapped (the read would crash).
-            report(tag="w", intact=tag_stats("w")["active_allocations"] == 1 and intact(p, data), **a)
-            """
-        ),
-        per_rank_env={r: {"GATHER_TIMEOUT": "3"} for r in range(2)},
-    )
-    for r in res:
-        assert r["rc"] == 0, r["err"]
-    zero, one = res[0]["results"][0], res[1]["results"][0]
-    for p in (zero, one):
-        assert p["intact"] and (p["active"], p["paused"]) == (1, 0), (p["active"], p["paused"], p)
+    zero, one = interrupted_pause(tmp_path, libtms, """
+        if RANK == 0:
+            fail_here("pause", "host memory is short")
+        if RANK == 1:
+            ctrl_c_after("resume")
+        """, "3")
     assert zero["raised"] == "DistributedError" and zero["failed"] == [0], zero
     assert "not every rank could undo it: rank 1: failed: KeyboardInterrupt" in zero["msg"], zero
     assert one["raised"] == "KeyboardInterrupt" and one["cause"] == "DistributedError", one
