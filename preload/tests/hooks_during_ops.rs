@@ -44,6 +44,30 @@ fn two_paused(h: &Harness) -> [(DevPtr, Vec<u8>); 2] {
     v
 }
 
+/// [`two_paused`], then a non-blocking resume of `kv` whose copies are held (`EventSync`),
+/// and a free of the first allocation on a thread of its own, seen still waiting: the second
+/// allocation with its contents, and the free's thread. Unhold `EventSync` to let both go on.
+fn free_during_held_restore(
+    h: &Harness,
+) -> (
+    DevPtr,
+    (DevPtr, Vec<u8>),
+    thread::JoinHandle<tms::Result<bool>>,
+) {
+    let e = h.e.clone();
+    let [(p, _), q] = two_paused(h);
+    h.simulated().hold(Prim::EventSync, None);
+    Engine::resume_nonblocking(e.clone(), Some("kv"), &[], None).unwrap();
+    assert!(e.restoring());
+    let freer = thread::spawn(move || e.free(p));
+    thread::sleep(Duration::from_millis(50));
+    assert!(
+        !freer.is_finished(),
+        "freed while its restore was still copying into it"
+    );
+    (p, q, freer)
+}
+
 engine_test! {
     /// A free of an allocation a non-blocking resume is still restoring (before any wait) waits
     /// for the restore, then frees it; the restore wrote nothing after that, the other allocation
@@ -53,16 +77,7 @@ engine_test! {
     {
         let sim = h.simulated().clone();
         let e = h.e.clone();
-        let [(p, _), (q, q_data)] = two_paused(&h);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(e.clone(), Some("kv"), &[], None).unwrap();
-        assert!(e.restoring());
-        let freer = {
-            let e = e.clone();
-            thread::spawn(move || e.free(p))
-        };
-        thread::sleep(Duration::from_millis(50));
-        assert!(!freer.is_finished(), "freed while its restore was still copying into it");
+        let (p, (q, q_data), freer) = free_during_held_restore(&h);
         // Other memory comes and goes meanwhile.
         let e2 = e.clone();
         bounded("an alloc and free of other memory", PATIENCE, move || {
@@ -95,15 +110,7 @@ engine_test! {
     {
         let sim = h.simulated().clone();
         let e = h.e.clone();
-        let [(p, _), (q, q_data)] = two_paused(&h);
-        sim.hold(Prim::EventSync, None);
-        Engine::resume_nonblocking(e.clone(), Some("kv"), &[], None).unwrap();
-        let freer = {
-            let e = e.clone();
-            thread::spawn(move || e.free(p))
-        };
-        thread::sleep(Duration::from_millis(50));
-        assert!(!freer.is_finished(), "freed while its restore was still copying into it");
+        let (p, (q, q_data), freer) = free_during_held_restore(&h);
         sim.arm_fault(Prim::EventSync, 1, 999);
         sim.unhold(Prim::EventSync, None);
         let freed = bounded("the free", PATIENCE, move || freer.join().unwrap());
