@@ -48,6 +48,23 @@ fn state(e: &Engine, p: DevPtr) -> State {
         .state
 }
 
+/// A non-blocking resume of `tag` on a thread of its own, device 1 held before it maps
+/// (`Create`), seen as far as `first` (on device 0) landed: the call has not returned, nothing
+/// is settled. Unhold device 1's `Create` and join the thread to end it.
+fn landing_on_device_0(
+    h: &Harness,
+    tag: &'static str,
+    first: DevPtr,
+) -> std::thread::JoinHandle<tms::Result<tms::engine::OpReport>> {
+    h.simulated().hold(Prim::Create, Some(1));
+    let e = h.e.clone();
+    let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some(tag), &[], None));
+    wait_until("device 0's share landed", Duration::from_secs(30), || {
+        state(&h.e, first) == State::Active
+    });
+    resumer
+}
+
 fn check_contents(h: &Harness, allocs: &[(DevPtr, Vec<u8>)]) {
     for (p, data) in allocs {
         assert!(h.read(*p, data.len()) == *data, "contents of {p:#x}");
@@ -576,16 +593,9 @@ engine_test! {
         h.e.pause(Some("d")).unwrap();
         let mut buf = vec![0u8; 64];
         assert!(h.e.copy_cpu_backup(made[0].0, &mut buf).unwrap(), "paused: offered");
-        // Device 1 cannot map yet: the call has not returned, device 0's share lands.
-        sim.hold(Prim::Create, Some(1));
-        let e = h.e.clone();
-        let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some("d"), &[], None));
-        // (A wait before the resume began would promise nothing: the state says when it landed.)
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while state(&h.e, made[0].0) != State::Active {
-            assert!(std::time::Instant::now() < deadline, "device 0's share never landed");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        // Device 1 cannot map yet: the call has not returned, device 0's share lands. (A wait
+        // before the resume began would promise nothing: the state says when it landed.)
+        let resumer = landing_on_device_0(&h, "d", made[0].0);
         assert!(h.e.wait_restored(Some(made[0].0), None).unwrap());
         assert!(!h.e.copy_cpu_backup(made[0].0, &mut buf).unwrap(), "landed: not offered");
         assert!(h.e.acquire_cpu_backup(made[0].0, 64).unwrap().is_none());
@@ -611,12 +621,7 @@ engine_test! {
             made.push(h.e.alloc(&r).unwrap());
         }
         h.e.pause(Some("d")).unwrap();
-        sim.hold(Prim::Create, Some(1));
-        let e = h.e.clone();
-        let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some("d"), &[], None));
-        wait_until("device 0's share landed", Duration::from_secs(30), || {
-            state(&h.e, made[0]) == State::Active
-        });
+        let resumer = landing_on_device_0(&h, "d", made[0]);
         let info = h.e.allocations().into_iter().find(|a| a.addr == made[0]).unwrap();
         assert_eq!((info.state, info.active_bytes), (State::Active, 2 * g));
         assert_eq!(tag_stats(&h.e, "d").bytes_active, 2 * g);
@@ -654,14 +659,7 @@ engine_test! {
         assert!(h.e.wait_restored(Some(made[0].0), None).is_err());
         assert!(tag_stats(&h.e, "t").failed_restore.is_some());
         // Again, device 1 unable to map yet: device 0's allocation lands, nothing settles.
-        sim.hold(Prim::Create, Some(1));
-        let e = h.e.clone();
-        let resumer = std::thread::spawn(move || Engine::resume_nonblocking(e, Some("t"), &[], None));
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while state(&h.e, made[0].0) != State::Active {
-            assert!(std::time::Instant::now() < deadline, "device 0's share never landed");
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        let resumer = landing_on_device_0(&h, "t", made[0].0);
         assert!(h.e.wait_restored(Some(made[0].0), None).unwrap(), "landed: nothing to raise");
         assert_eq!(h.e.chunk_info(made[0].0).unwrap().active, vec![true; 4]);
         assert!(h.read(made[0].0, made[0].1.len()) == made[0].1);
