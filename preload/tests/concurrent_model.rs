@@ -17,7 +17,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, RwLock};
 use std::time::Duration;
 
 use common::model::{Fault, Units, FAULT_PRIMS};
@@ -589,8 +589,12 @@ impl Thread<'_> {
                 },
             ),
             Op::Arm(f) => {
-                // One fault armed at a time: a second one could fail the undo of the first
-                // failure (an unmap while undoing a failed map), which leaks by design.
+                // One fault armed at a time: a second one could fail every try of the undo of
+                // the first failure, which leaks by design. Armed while no other thread is in a
+                // step (see `run_case`): armed during another thread's call, it could meet that
+                // call's undo of a fault that just fired there (seen, before `map_segment`'s undo
+                // was retried: a SetAccess fault in an allocation, then an Unmap fault armed by
+                // another thread failing its one unmap, leaving a chunk mapped).
                 self.sim.clear_faults();
                 disk::clear_faults(Some(self.dir));
                 match *f {
@@ -799,6 +803,8 @@ fn run_case(
     e.set_retain_cpu_backup(retain);
     e.set_segment_bytes(segment).unwrap();
     let barrier = Barrier::new(threads.len());
+    // Steps share it, arming a fault takes it alone (see `Op::Arm`).
+    let arming = RwLock::new(());
     let mut models: Vec<Thread> = (0..threads.len())
         .map(|id| Thread {
             id,
@@ -816,12 +822,18 @@ fn run_case(
             .iter_mut()
             .zip(threads)
             .map(|(m, ops)| {
-                let barrier = &barrier;
+                let (barrier, arming) = (&barrier, &arming);
                 s.spawn(move || {
                     barrier.wait();
                     for (n, op) in ops.iter().enumerate() {
-                        m.step(op)
-                            .map_err(|err| format!("thread {} step {n} {op:?}: {err}", m.id))?;
+                        let stepped = if matches!(op, Op::Arm(_)) {
+                            let _alone = arming.write().unwrap();
+                            m.step(op)
+                        } else {
+                            let _shared = arming.read().unwrap();
+                            m.step(op)
+                        };
+                        stepped.map_err(|err| format!("thread {} step {n} {op:?}: {err}", m.id))?;
                         m.check().map_err(|err| {
                             format!("thread {} after step {n} {op:?}: {err}", m.id)
                         })?;
