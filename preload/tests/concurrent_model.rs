@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier, RwLock};
 use std::time::Duration;
 
-use common::model::{Fault, Units, FAULT_PRIMS};
+use common::model::{poke, Fault, Units, FAULT_PRIMS};
 use common::{engine_test, pattern, read_raw, run_proptest, write_raw, Expect, Harness, Setup};
 use proptest::prelude::*;
 use tms::backup::disk::{self, DiskOp};
@@ -380,24 +380,8 @@ impl Thread<'_> {
                 }
             }
             Op::Poke { pick, at, seed } => {
-                let some: Vec<(u64, usize)> = self
-                    .allocs
-                    .iter()
-                    .flat_map(|(p, a)| {
-                        (0..a.active.len())
-                            .filter(|&u| a.active[u] && a.defined[u])
-                            .map(move |u| (*p, u))
-                    })
-                    .collect();
-                if !some.is_empty() {
-                    let (p, u) = some[pick % some.len()];
-                    let a = self.allocs.get_mut(&p).unwrap();
-                    let (off, len) = a.span(u);
-                    let n = (1 + seed % 16).min(len);
-                    let o = off + at % (len - n + 1);
-                    let data = pattern(n as usize, *seed);
+                if let Some((p, o, data)) = poke(&mut self.allocs, *pick, *at, *seed) {
                     write_raw(self.sim, p + o, &data);
-                    a.contents[o as usize..(o + n) as usize].copy_from_slice(&data);
                 }
             }
             Op::Free { pick } => {

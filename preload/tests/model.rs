@@ -12,7 +12,7 @@ mod common;
 
 use std::collections::BTreeMap;
 
-use common::model::{Fault, Units, FAULT_PRIMS};
+use common::model::{poke, Fault, Units, FAULT_PRIMS};
 use common::{engine_test, pattern, run_proptest, Expect, Harness, Setup};
 use proptest::prelude::*;
 use tms::backup::disk::{self, DiskOp, DIRECT_ALIGN};
@@ -533,24 +533,8 @@ fn step(h: &Harness, m: &mut Model, op: &Op, faulty: bool) -> Result<(), TestCas
             m.retain = *on;
         }
         Op::Poke { pick, at, seed } => {
-            let some: Vec<(u64, usize)> = m
-                .allocs
-                .iter()
-                .flat_map(|(p, a)| {
-                    (0..a.active.len())
-                        .filter(|&u| a.active[u] && a.defined[u])
-                        .map(move |u| (*p, u))
-                })
-                .collect();
-            if !some.is_empty() {
-                let (p, u) = some[pick % some.len()];
-                let a = m.allocs.get_mut(&p).unwrap();
-                let (off, len) = a.span(u);
-                let n = (1 + seed % 16).min(len);
-                let o = off + at % (len - n + 1);
-                let data = pattern(n as usize, *seed);
+            if let Some((p, o, data)) = poke(&mut m.allocs, *pick, *at, *seed) {
                 h.write(p + o, &data);
-                a.contents[o as usize..(o + n) as usize].copy_from_slice(&data);
             }
         }
         Op::SetChecks(skip_unchanged, verify) => e.set_checks(

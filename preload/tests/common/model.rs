@@ -2,6 +2,9 @@
 //! the faults they arm, and the model of one allocation's units (chunks, or the whole
 //! allocation) that each test's own model of an allocation builds on.
 
+use std::collections::BTreeMap;
+use std::ops::DerefMut;
+
 use tms::driver::sim::Prim;
 use tms::engine::State;
 use tms::Backup;
@@ -124,4 +127,31 @@ impl Units {
         }
         (bytes, copied)
     }
+}
+
+/// A poke: among `allocs`, the `pick`-th active unit with known contents, and 1 to 16 bytes in
+/// it from `at` and `seed`. Records them in the model and returns where they go (allocation,
+/// offset) with the bytes, for the test to write through the device.
+pub fn poke<A: DerefMut<Target = Units>>(
+    allocs: &mut BTreeMap<u64, A>,
+    pick: usize,
+    at: u64,
+    seed: u64,
+) -> Option<(u64, u64, Vec<u8>)> {
+    let some: Vec<(u64, usize)> = allocs
+        .iter()
+        .flat_map(|(p, a)| {
+            (0..a.active.len())
+                .filter(|&u| a.active[u] && a.defined[u])
+                .map(move |u| (*p, u))
+        })
+        .collect();
+    let &(p, u) = some.get(pick % some.len().max(1))?;
+    let a = allocs.get_mut(&p).unwrap();
+    let (off, len) = a.span(u);
+    let n = (1 + seed % 16).min(len);
+    let o = off + at % (len - n + 1);
+    let data = crate::common::pattern(n as usize, seed);
+    a.contents[o as usize..(o + n) as usize].copy_from_slice(&data);
+    Some((p, o, data))
 }
