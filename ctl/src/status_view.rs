@@ -136,14 +136,24 @@ pub fn status(s: &Status, command: &str) -> String {
                 if t.restoring_allocations == 1 { "" } else { "s" }
             );
         }
-        if t.bytes_unrestored > 0 || t.failed_restore.is_some() {
+        if let Some(e) = &t.failed_restore {
             let _ = writeln!(
                 o,
                 "tag {}: FAILED RESTORE: {} held but not restored (paused with its backups; pause \
                  the tag to give it back, or resume it to restore): {}",
                 quoted(&t.tag),
                 human(t.bytes_unrestored),
-                printable(t.failed_restore.as_deref().unwrap_or("(no message)"))
+                printable(e)
+            );
+        } else if t.bytes_unrestored > 0 {
+            // Left mapped by a failed call whose undo could not unmap it (its error went to
+            // that call's caller): no failed restore to name.
+            let _ = writeln!(
+                o,
+                "tag {}: {} held, left mapped by a failed call (paused with its backups; pause \
+                 the tag to give it back, or resume it to restore)",
+                quoted(&t.tag),
+                human(t.bytes_unrestored)
             );
         }
     }
@@ -336,6 +346,21 @@ mod tests {
             "{text}"
         );
         assert!(!status(&Status::default(), "x").contains("FAILED"));
+        // Held after a failed call's undo, with no failed restore: said so, not as one.
+        let s = Status {
+            tags: vec![tms_proto::TagStatus {
+                tag: "u".into(),
+                bytes_unrestored: 2 << 20,
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let text = status(&s, "x");
+        assert!(
+            text.contains("tag \"u\": 2.00 MiB held, left mapped by a failed call")
+                && !text.contains("FAILED RESTORE"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -276,9 +276,10 @@ pub struct TagStatus {
     /// memory held): neither active nor paused. Absent (0) from servers that predate it.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub bytes_restoring: u64,
-    /// Mapped bytes a non-blocking resume left mapped when it failed after returning: device
-    /// memory held, contents not restored (paused with their backups; a pause gives the memory
-    /// back, a resume restores them). Neither active nor paused. Absent (0) where none.
+    /// Mapped bytes a non-blocking resume left mapped when it failed after returning, or that
+    /// the undo of another failed call could not unmap: device memory held, contents not
+    /// restored (paused with their backups; a pause gives the memory back, a resume restores
+    /// them). Neither active nor paused. Absent (0) where none.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub bytes_unrestored: u64,
     /// The error of a non-blocking resume that failed after returning, while allocations of

@@ -729,7 +729,8 @@ class TorchMemorySaver:
         GiB/s, and the part of a resume spent releasing host memory). While a non-blocking
         resume restores: ``restoring_allocations`` and ``bytes_restoring`` (held, neither active
         nor paused); after one failed once it returned: ``failed_restore`` (its error) and
-        ``bytes_unrestored`` (memory still held until a pause or resume of the tag). Once the
+        ``bytes_unrestored`` (memory still held until a pause or resume of the tag; also what
+        the undo of another failed call could not unmap). Once the
         process has NCCL communicators, the tag ``"nccl"`` counts them as its allocations,
         NCCL's memory as its bytes, and ``nccl`` holds NCCL's own numbers (``version``,
         ``unsupported``, ``communicators``, ``suspended``, ``suspendable_bytes``,

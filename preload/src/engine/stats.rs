@@ -101,9 +101,10 @@ pub struct TagStats {
     /// Mapped bytes a non-blocking resume mapped again whose contents are still on their way
     /// (device memory held; `wait()` tells when they landed). Neither active nor paused.
     pub bytes_restoring: u64,
-    /// Mapped bytes a non-blocking resume left mapped when it failed after returning: device
-    /// memory held, contents not restored (the allocations are paused with their backups; a
-    /// pause gives the memory back, a resume restores them). Neither active nor paused.
+    /// Mapped bytes a non-blocking resume left mapped when it failed after returning, or that
+    /// the undo of another failed call could not unmap: device memory held, contents not
+    /// restored (the allocations are paused with their backups; a pause gives the memory back,
+    /// a resume restores them). Neither active nor paused.
     pub bytes_unrestored: u64,
     /// The error of a non-blocking resume that failed after returning, while allocations of
     /// the tag it left unrestored are so.
