@@ -167,18 +167,7 @@ struct MAlloc {
     stuck: Vec<bool>,
 }
 
-impl std::ops::Deref for MAlloc {
-    type Target = Units;
-    fn deref(&self) -> &Units {
-        &self.u
-    }
-}
-
-impl std::ops::DerefMut for MAlloc {
-    fn deref_mut(&mut self) -> &mut Units {
-        &mut self.u
-    }
-}
+units_deref!(MAlloc);
 
 impl MAlloc {
     fn state(&self) -> State {

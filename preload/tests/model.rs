@@ -170,18 +170,7 @@ struct MAlloc {
     kept: Option<Vec<bool>>,
 }
 
-impl std::ops::Deref for MAlloc {
-    type Target = Units;
-    fn deref(&self) -> &Units {
-        &self.u
-    }
-}
-
-impl std::ops::DerefMut for MAlloc {
-    fn deref_mut(&mut self) -> &mut Units {
-        &mut self.u
-    }
-}
+units_deref!(MAlloc);
 
 impl MAlloc {
     fn disk(&self) -> bool {

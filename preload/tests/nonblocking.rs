@@ -48,6 +48,25 @@ fn state(e: &Engine, p: DevPtr) -> State {
         .state
 }
 
+/// One allocation of `2 * g` bytes with a pinned backup on each of devices 0 and 1, tag `tag`,
+/// each with its own contents, paused.
+fn paused_one_per_device(h: &Harness, tag: &str) -> Vec<(DevPtr, Vec<u8>)> {
+    let g = h.g();
+    let made: Vec<(DevPtr, Vec<u8>)> = [0, 1]
+        .into_iter()
+        .map(|device| {
+            let mut r = req(2 * g, tag, Some(BackupKind::Pinned));
+            r.device = device;
+            let p = h.e.alloc(&r).unwrap();
+            let data = pattern((2 * g) as usize, device as u64 + 3);
+            h.write(p, &data);
+            (p, data)
+        })
+        .collect();
+    h.e.pause(Some(tag)).unwrap();
+    made
+}
+
 /// A non-blocking resume of `tag` on a thread of its own, device 1 held before it maps
 /// (`Create`), seen as far as `first` (on device 0) landed: the call has not returned, nothing
 /// is settled. Unhold device 1's `Create` and join the thread to end it.
@@ -580,17 +599,7 @@ engine_test! {
     /// device's share is still being restored and nothing is settled yet.
     sim_only fn a_landed_allocation_offers_no_backup_without_retention(h) [Setup::default().devices(2).small_pieces(1)] {
         let sim = h.simulated();
-        let g = h.g();
-        let mut made = Vec::new();
-        for device in [0, 1] {
-            let mut r = req(2 * g, "d", Some(BackupKind::Pinned));
-            r.device = device;
-            let p = h.e.alloc(&r).unwrap();
-            let data = pattern((2 * g) as usize, device as u64 + 3);
-            h.write(p, &data);
-            made.push((p, data));
-        }
-        h.e.pause(Some("d")).unwrap();
+        let made = paused_one_per_device(&h, "d");
         let mut buf = vec![0u8; 64];
         assert!(h.e.copy_cpu_backup(made[0].0, &mut buf).unwrap(), "paused: offered");
         // Device 1 cannot map yet: the call has not returned, device 0's share lands. (A wait
@@ -614,15 +623,9 @@ engine_test! {
     sim_only fn a_landed_allocation_shows_its_bytes_active(h) [Setup::default().devices(2).small_pieces(1)] {
         let sim = h.simulated();
         let g = h.g();
-        let mut made = Vec::new();
-        for device in [0, 1] {
-            let mut r = req(2 * g, "d", Some(BackupKind::Pinned));
-            r.device = device;
-            made.push(h.e.alloc(&r).unwrap());
-        }
-        h.e.pause(Some("d")).unwrap();
-        let resumer = landing_on_device_0(&h, "d", made[0]);
-        let info = h.e.allocations().into_iter().find(|a| a.addr == made[0]).unwrap();
+        let made = paused_one_per_device(&h, "d");
+        let resumer = landing_on_device_0(&h, "d", made[0].0);
+        let info = h.e.allocations().into_iter().find(|a| a.addr == made[0].0).unwrap();
         assert_eq!((info.state, info.active_bytes), (State::Active, 2 * g));
         assert_eq!(tag_stats(&h.e, "d").bytes_active, 2 * g);
         sim.unhold(Prim::Create, Some(1));

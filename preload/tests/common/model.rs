@@ -155,3 +155,23 @@ pub fn poke<A: DerefMut<Target = Units>>(
     a.contents[o as usize..(o + n) as usize].copy_from_slice(&data);
     Some((p, o, data))
 }
+
+/// `Deref`/`DerefMut` to [`Units`] for a model's allocation type holding them in field `u`, so
+/// that each test's model reads its units as its own fields.
+#[macro_export]
+macro_rules! units_deref {
+    ($t:ty) => {
+        impl std::ops::Deref for $t {
+            type Target = $crate::common::model::Units;
+            fn deref(&self) -> &Self::Target {
+                &self.u
+            }
+        }
+
+        impl std::ops::DerefMut for $t {
+            fn deref_mut(&mut self) -> &mut Self::Target {
+                &mut self.u
+            }
+        }
+    };
+}
