@@ -163,6 +163,29 @@ def test_hook_mode_property_can_be_patched_as_awex_does():
     assert r.stdout.strip() == "['torch', 'preload'] torch", r.stdout
 
 
+def test_a_mode_pinned_by_building_the_impl_survives_megatrons_import(preloaded):
+    """axrl (XYZ-AI-Lab/axrl, axrl/worker/megatron_worker.py) runs its Megatron workers under
+    LD_PRELOAD and pins preload mode before importing Megatron, whose import sets
+    ``hook_mode = "torch"`` unconditionally: ``hook_mode = "preload"``,
+    ``_ensure_initialized()``, then ``_impl_ctor_kwargs = {}`` so that Megatron's assignment
+    goes there instead of raising. The built implementation keeps preload mode, as in the
+    existing library: a switch to torch mode would give its tensors CUDA-IPC-incompatible
+    storage."""
+    r = preloaded(
+        """
+        tms.hook_mode = "preload"
+        tms._ensure_initialized()
+        tms._impl_ctor_kwargs = {}
+        impl = tms._impl
+        tms.hook_mode = "torch"  # megatron/core/inference/contexts/dynamic_context.py, at import
+        with tms.region(tag="w"):
+            rc, p = cuda_malloc(1 << 20)
+        print(tms._impl is impl, impl.hook_mode, tms.hook_mode, tag_stats("w")["allocations"])
+        """
+    )
+    assert r.stdout.split() == ["True", "preload", "preload", "1"], r.stdout
+
+
 def test_an_installed_impl_takes_every_call_with_the_keywords_it_expects():
     r = run_py(
         """

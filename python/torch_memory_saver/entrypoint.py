@@ -210,6 +210,11 @@ class TorchMemorySaver:
                 if not hasattr(self, "_impl_ctor_kwargs"):
                     self._impl_ctor_kwargs = {}
                 self._impl_ctor_kwargs["hook_mode"] = mode
+            elif isinstance(self.__dict__.get("_impl_ctor_kwargs"), dict):
+                # Put back by an integration after _impl was built (axrl does, to pin preload
+                # mode against Megatron's import-time ``hook_mode = "torch"``): the mode goes
+                # there, as in the existing library, and the _impl built keeps its own.
+                self._impl_ctor_kwargs["hook_mode"] = mode
             elif mode == self._selected_mode():
                 return
             elif isinstance(impl, _TorchMemorySaverImpl):
