@@ -119,6 +119,38 @@ pub fn vet_server(
     Ok(())
 }
 
+/// Connect to the socket at `path`, waiting at most `wait` for room in its server's queue of
+/// connections (a blocking `connect` waits for as long as a server that takes none leaves it
+/// full); `WouldBlock` once that has passed.
+fn connect_within(path: &std::path::Path, wait: Duration) -> io::Result<UnixStream> {
+    use nix::errno::Errno;
+    use nix::sys::socket::{
+        connect, setsockopt, socket, sockopt::SendTimeout, AddressFamily, SockFlag, SockType,
+        UnixAddr,
+    };
+    use nix::sys::time::{TimeVal, TimeValLike};
+    use std::os::fd::AsRawFd;
+    let addr = UnixAddr::new(path)?;
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    // Never 0, which would mean no bound at all.
+    let micros = i64::try_from(wait.as_micros())
+        .unwrap_or(i64::MAX)
+        .max(1000);
+    setsockopt(&fd, SendTimeout, &TimeVal::microseconds(micros))?;
+    loop {
+        match connect(fd.as_raw_fd(), &addr) {
+            Err(Errno::EINTR) => continue,
+            r => r?,
+        }
+        return Ok(UnixStream::from(fd));
+    }
+}
+
 impl Client {
     /// Connect to `sock`, check who serves it and exchange hellos, all within `timeout`.
     ///
@@ -170,8 +202,18 @@ impl Client {
                 format!("no such process: {pid}"),
             ));
         }
-        let stream = tms_proto::via_short_path(path, |p| UnixStream::connect(p)).map_err(|e| {
+        let wait = remaining(deadline, timeout, pid)?;
+        let stream = tms_proto::via_short_path(path, |p| connect_within(p, wait)).map_err(|e| {
             match e.kind() {
+                // Its queue of connections stayed full: a server that takes none (stopped, say).
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Failure::new(
+                    Code::Timeout,
+                    format!(
+                        "process {pid} did not take the connection on {shown} within {:.1} s \
+                         (--timeout): its queue of connections is full",
+                        timeout.as_secs_f64()
+                    ),
+                ),
                 io::ErrorKind::PermissionDenied => Failure::new(
                     Code::Permission,
                     format!("permission denied connecting to {shown}: {e}"),
