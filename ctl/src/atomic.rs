@@ -431,6 +431,19 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             not_asked.push(sock.pid());
             continue;
         }
+        // A Ctrl-C while a quick reply came (a read that never waited long enough to look):
+        // the job stops here all the same, nothing sent to this process.
+        if crate::interrupt::taken() {
+            let f = Failure::new(
+                Code::Running,
+                format!(
+                    "process {}: interrupted (Ctrl-C) before it was asked: nothing was sent to it",
+                    sock.pid()
+                ),
+            );
+            failure = Some((sock, f, None));
+            continue;
+        }
         let mut prepared = None;
         let r = Client::connect(&sock, ctx.timeout).and_then(|mut c| {
             let (send, how) = prepare(&mut c, req)?;

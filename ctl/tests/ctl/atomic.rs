@@ -709,3 +709,44 @@ fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
     assert_undone(&r, &paused);
 }
+
+/// Ctrl-C during an `--atomic` pause whose process answers quickly (within one of tmsctl's
+/// waits between checks) still stops the job: the next process is not asked, what was done is
+/// undone and said so, exit 7. (It was taken only while a reply was slow to come: after a quick
+/// one, tmsctl went on to pause the next process and exited 0 as if no Ctrl-C had come.)
+#[test]
+fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    // This process is asked first (the lower pid), the real one after it.
+    let Slow { paused, asked } = slow_server(dir, &["chunks"], 0, 100);
+    let p = Proc::start_tagged(&sb, "kv", &[], |_| {});
+    assert!(p.pid > std::process::id(), "pids wrapped around");
+    let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
+    cmd.args(atomic_pause_kv("30"));
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().expect("tmsctl");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the pause never reached the fake"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: a signal to the child this test started and has not waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let r = Ran::of(child.wait_with_output().expect("wait for tmsctl"));
+    let j = r.json_exit(7);
+    assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+    assert!(!*paused.lock().unwrap(), "undone: active again");
+    assert_eq!(
+        tag(&status(&sb, p.pid), "kv")["bytes_active"].as_u64(),
+        Some(SIZE),
+        "the next process was not paused\n{}",
+        r.dump()
+    );
+}
