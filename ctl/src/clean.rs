@@ -140,6 +140,9 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
                 .map(PathBuf::from)
         })
         .unwrap_or_else(std::env::temp_dir);
+    // Vetted before anything is removed: a refusal (exit 4) then means nothing was done, rather
+    // than a sweep of the disk folder that no output would tell.
+    let folder = Folder::open(&ctx.dir)?;
     let mut files = 0;
     let mut swept = Vec::new();
     for (path, fd) in backup_folders(&base)? {
@@ -151,7 +154,6 @@ pub fn run(ctx: &Ctx, a: &CleanArgs) -> anyhow::Result<()> {
         })?;
         swept.push(path);
     }
-    let folder = Folder::open(&ctx.dir)?;
     let sockets = clean_sockets(&folder);
     if ctx.json {
         // Paths as text (serde refuses a path that is not UTF-8, and `json!` would panic).

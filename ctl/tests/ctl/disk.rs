@@ -270,3 +270,35 @@ fn a_closed_stdout_is_no_failure() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+/// A socket folder tmsctl refuses (open to others) fails `tmsctl clean` (exit 4) before it has
+/// removed anything: it used to sweep the disk backup folder first, then fail, so the files it
+/// had removed were said nowhere (neither in words nor in the JSON document, an error only).
+#[test]
+fn clean_with_a_refused_socket_folder_removes_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let sb = sandbox();
+    std::fs::create_dir_all(&sb.dir).unwrap();
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = private(&sb, "disk");
+    let dead = dir.join("tms-backup-4242-0-0.bin");
+    std::fs::write(&dead, b"old").unwrap();
+    for json in [false, true] {
+        let mut args = vec!["clean", "--disk-dir", dir.to_str().unwrap()];
+        if json {
+            args.push("--json");
+        }
+        let r = ctl(&sb, &args);
+        assert_eq!(r.code, 4, "{}", r.dump());
+        assert!(
+            r.stderr.contains("refusing the socket folder"),
+            "{}",
+            r.dump()
+        );
+        assert!(
+            dead.exists(),
+            "removed, and said nowhere (json: {json})\n{}",
+            r.dump()
+        );
+    }
+}
