@@ -491,6 +491,43 @@ engine_test! {
 }
 
 engine_test! {
+    /// A pause queued behind one that fails part-way through an allocation runs only once that
+    /// one has restored it: it then pauses the whole allocation, and it stays paused. (The
+    /// restore ran as a transaction of its own, and the operations lock, handed on fairly to a
+    /// pause that had waited long, let the queued pause in first: it paused the rest, reported
+    /// success, and the restore then resumed the allocation behind its back.)
+    sim_only fn a_pause_queued_behind_one_failing_part_way_runs_after_its_restore(h) [tx(1, 1)] {
+        let (sim, e) = (h.simulated(), &h.e);
+        let (p, data, copies) = four_segments(&h);
+        sim.arm_fault(Prim::CopyD2H, copies, 999);
+        sim.hold(Prim::Synchronize, Some(0));
+        let first = {
+            let e = e.clone();
+            thread::spawn(move || e.pause(None).map(|_| ()).map_err(|e| e.to_string()))
+        };
+        wait_until("the pause reaches the device", PATIENCE, || sim.held_calls() == 1);
+        let second = {
+            let e = e.clone();
+            thread::spawn(move || e.pause(None).map(|r| r.bytes).map_err(|e| e.to_string()))
+        };
+        // Long enough for the second to queue for the operations lock.
+        thread::sleep(Duration::from_millis(50));
+        sim.unhold(Prim::Synchronize, Some(0));
+        let err = bounded("the first pause", PATIENCE, move || first.join().unwrap()).unwrap_err();
+        let second = bounded("the second pause", PATIENCE, move || second.join().unwrap());
+        assert!(
+            err.contains(&format!("allocation {p:#x}, released part-way, was restored and is active")),
+            "{err}"
+        );
+        assert_eq!(second, Ok(data.len() as u64), "the second pause paused all of it");
+        assert_eq!(e.allocations()[0].state, State::Paused, "it stays paused");
+        e.resume(None).unwrap();
+        assert!(h.read(p, data.len()) == data, "contents after both pauses");
+        h.assert_invariants(&common::Expect::clean(), "resumed");
+    }
+}
+
+engine_test! {
     /// When restoring what a failed pause released fails too, the allocation stays partly
     /// paused, its released segments with their backup; the error says so, and a later resume
     /// brings back every byte.

@@ -273,13 +273,18 @@ impl Engine {
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
-        let run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
+        let mut run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
             Ok(run) => run,
             Err(e) => {
                 let e = e.context(format!("pause of {}", pick.describe()));
                 return Err(with_earlier(e, earlier));
             }
         };
+        // Still within this transaction: nothing comes between the failure and the restore.
+        let failed = std::mem::replace(&mut run.result, Ok(())).err().map(|e| {
+            let e = e.context(format!("pause of {}", pick.describe()));
+            self.restore_part_paused(&mut tx, &cfg, &run.part_paused, e)
+        });
         let report = tx.end(Slots::KeepIfUsed, run.tally, |_, _| {
             tracing::debug!(
                 "pause: backups prepared at {:.4} s, devices done at {:.4} s, closed at {:.4} s",
@@ -291,20 +296,17 @@ impl Engine {
         });
         // A failure kept for an allocation is over once it is paused with nothing left mapped
         // (by a failed pause too, for what that one gave back whole).
-        let failed = run.result.is_err();
         {
             // Under the registry's lock, as `stats` reads them together.
             let reg = self.registry.lock();
             let clean = run.touched.into_iter().filter(|p| {
-                reg.allocs
-                    .get(p)
-                    .is_some_and(|a| a.stuck.is_empty() && (!failed || a.state == State::Paused))
+                reg.allocs.get(p).is_some_and(|a| {
+                    a.stuck.is_empty() && (failed.is_none() || a.state == State::Paused)
+                })
             });
             self.restores.settle(clean);
         }
-        if let Err(e) = run.result {
-            let e = e.context(format!("pause of {}", pick.describe()));
-            let e = self.restore_part_paused(&run.part_paused, e);
+        if let Some(e) = failed {
             return Err(with_earlier(e, earlier));
         }
         tracing::info!(
@@ -662,13 +664,20 @@ impl Engine {
     /// each allocation whole, active or paused (Note [Pause and resume as transactions]). What
     /// cannot be resumed stays partly paused, its paused segments with their backup; the
     /// error `e` says so.
-    fn restore_part_paused(&self, ptrs: &[DevPtr], mut e: Error) -> Error {
+    fn restore_part_paused(
+        &self,
+        tx: &mut Txn<'_>,
+        cfg: &CopyConfig,
+        ptrs: &[DevPtr],
+        mut e: Error,
+    ) -> Error {
         for &p in ptrs {
-            e = match self.resume_pick(&Pick {
+            let pick = Pick {
                 alloc: Some(p),
                 ..Pick::default()
-            }) {
-                Ok(_) => e.note(format!(
+            };
+            e = match self.resume_within(tx, cfg, &pick) {
+                Ok(()) => e.note(format!(
                     "allocation {p:#x}, released part-way, was restored and is active"
                 )),
                 Err(e2) => e.note(format!(

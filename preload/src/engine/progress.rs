@@ -120,9 +120,10 @@ impl Counters {
         self.done.fetch_add(bytes, Ordering::Relaxed);
     }
 
-    /// Bytes the operation is to copy in all.
-    pub(super) fn set_total(&self, bytes: u64) {
-        self.total.store(bytes, Ordering::Relaxed);
+    /// `bytes` more for the operation to copy (a failed pause adds the restore of what it
+    /// released part of).
+    pub(super) fn add_total(&self, bytes: u64) {
+        self.total.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// `bytes` of the total need no copy after all (unchanged since their backup took them).
@@ -285,9 +286,10 @@ impl Tracked<'_> {
         &self.counters
     }
 
-    /// Once its backups are known: how many bytes it copies in all, and where to.
+    /// Once its backups are known: how many bytes it copies, and where to (more of both for
+    /// a failed pause's restore).
     pub(super) fn prepared(&self, total: u64, backing: Backings) {
-        self.counters.set_total(total);
+        self.counters.add_total(total);
         if let Some(c) = self
             .tracker
             .current
@@ -295,7 +297,8 @@ impl Tracked<'_> {
             .as_mut()
             .filter(|c| c.id == self.id)
         {
-            c.backing = backing;
+            c.backing.host |= backing.host;
+            c.backing.disk |= backing.disk;
         }
     }
 

@@ -295,6 +295,33 @@ impl Engine {
         })
     }
 
+    /// Resume what `pick` names within `tx`, a pause that failed part-way through it and holds
+    /// it still (`Txn::remark`): no other transaction, nor a free, comes between that pause and
+    /// this restore. What it gives back goes as a blocking resume's does (Note [Releases]).
+    pub(super) fn resume_within(
+        &self,
+        tx: &mut Txn<'_>,
+        cfg: &CopyConfig,
+        pick: &Pick<'_>,
+    ) -> Result<()> {
+        let jobs = tx.remark(|reg| {
+            reg.begin(
+                State::Resuming,
+                |ptr, a| pick.segments_to_resume(ptr, a),
+                |ptr, a, segs| Job::marked(ptr, a, segs),
+            )
+        });
+        let done = self.restore_jobs(tx, cfg, pick, None, jobs)?;
+        let g = GiveBack {
+            released: self.leases.unleased(done.released),
+            drop_pages: done.drop_pages,
+            with: None::<()>,
+            threads: cfg.threads,
+        };
+        self.ops.releases.give_back(g, false);
+        Ok(())
+    }
+
     /// The work of a resume on the jobs it marked, which go when it returns (and with them the
     /// copies' references to backups, so that the release that follows sees which buffers only
     /// it holds): check the files, unmap what failed resumes left mapped, map and restore each

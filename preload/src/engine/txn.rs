@@ -49,7 +49,6 @@ use super::progress::{self, Counters, Progress, Start, Tracked, Which};
 use super::registry::{describe, Allocation, Index, Pick, Registry};
 use super::report::{OpReport, Tally};
 use super::restoring::{OpenOnDrop, Tracker};
-use super::types::State;
 use crate::backup::{BackupKind, HostBuffer};
 use crate::driver::DevPtr;
 use crate::error::{Error, Result};
@@ -241,10 +240,6 @@ impl<'e> Txn<'e> {
             settle: Settle {
                 registry,
                 ptrs: Vec::new(),
-                during: match which {
-                    Which::Pause => State::Pausing,
-                    Which::Resume => State::Resuming,
-                },
             },
             gate: gate.map(OpenOnDrop),
             slots,
@@ -279,12 +274,29 @@ impl<'e> Txn<'e> {
             (None, Some(p)) => Some(reg.marked(*p).tag.clone()),
             _ => None,
         };
-        self.settle.ptrs = ptrs;
+        self.settle.ptrs.extend(ptrs);
         drop(reg);
         if let Some(tag) = shown {
             self.end.tracked.set_tag(&tag);
         }
         Ok(jobs)
+    }
+
+    /// Mark again, for more work within this transaction, allocations it marked (a pause that
+    /// failed part-way through one resumes it: `pause.rs`): what it holds in transition is
+    /// settled, then `f` marks, under one hold of the registry's lock, so that a free waiting for
+    /// one of them never finds it settled in between, and, the operations lock held throughout,
+    /// no other transaction finds it either.
+    pub(super) fn remark<J>(&mut self, f: impl FnOnce(&mut Index) -> Vec<(DevPtr, J)>) -> Vec<J> {
+        let registry = self.settle.registry;
+        let (ptrs, jobs): (Vec<DevPtr>, Vec<J>) = {
+            let mut reg = registry.lock();
+            self.settle.settle_in(&mut reg);
+            f(&mut reg).into_iter().unzip()
+        };
+        registry.notify_settled();
+        self.settle.ptrs.extend(ptrs);
+        jobs
     }
 
     /// What the work uses: each device's staging slots, and the progress record.
@@ -419,26 +431,29 @@ impl Drop for BreakOnUnwind<'_> {
 }
 
 /// Returns the allocations a transaction marked, and that are still in transition when it ends
-/// (by error or unwind), to the state they came from, and wakes those waiting for them.
+/// (by error or unwind), to the state they came from, and wakes those waiting for them. Only
+/// the transaction holding the operations lock has allocations in transition.
 struct Settle<'a> {
     registry: &'a Registry,
     ptrs: Vec<DevPtr>,
-    during: State,
+}
+
+impl Settle<'_> {
+    fn settle_in(&self, reg: &mut Index) {
+        // What a pause wrote for segments it did not retire is not marked saved (the pause
+        // cleared that when it began), so the handles tell all.
+        for p in &self.ptrs {
+            if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.in_transition()) {
+                a.state = a.settled();
+                a.arriving = None;
+            }
+        }
+    }
 }
 
 impl Drop for Settle<'_> {
     fn drop(&mut self) {
-        {
-            // What a pause wrote for segments it did not retire is not marked saved (the pause
-            // cleared that when it began), so the handles tell all.
-            let mut reg = self.registry.lock();
-            for p in &self.ptrs {
-                if let Some(a) = reg.allocs.get_mut(p).filter(|a| a.state == self.during) {
-                    a.state = a.settled();
-                    a.arriving = None;
-                }
-            }
-        }
+        self.settle_in(&mut self.registry.lock());
         self.registry.notify_settled();
     }
 }
