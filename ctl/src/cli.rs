@@ -99,9 +99,10 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
     let v: f64 = s
         .parse()
         .map_err(|_| format!("{s:?} is not a number of seconds"))?;
-    if !(v.is_finite() && v > 0.0 && v <= 1e6) {
+    // Below a millisecond every wait would end before it began (1e-10 is 0 as a Duration).
+    if !(v.is_finite() && (1e-3..=1e6).contains(&v)) {
         return Err(format!(
-            "{s:?}: the timeout must be above 0 and at most 1e6 seconds"
+            "{s:?}: the timeout must be at least 0.001 and at most 1e6 seconds"
         ));
     }
     Ok(Duration::from_secs_f64(v))

@@ -40,6 +40,10 @@ fn help_for_every_subcommand() {
     assert_eq!(ctl(&sb, &["pause", "--pid", "1", "--all"]).code, 2);
     assert_eq!(ctl(&sb, &["region", "--enable", "--disable"]).code, 2);
     assert_eq!(ctl(&sb, &["status", "--timeout", "0"]).code, 2);
+    // A timeout too short to wait at all (a zero Duration) is refused the same way.
+    let r = ctl(&sb, &["status", "--timeout", "1e-10"]);
+    assert_eq!(r.code, 2, "{}", r.stderr);
+    assert!(r.stderr.contains("at least 0.001"), "{}", r.stderr);
 }
 
 #[test]
