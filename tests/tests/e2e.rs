@@ -216,6 +216,27 @@ fn init_enable_makes_plain_cuda_malloc_pauseable() {
     );
 }
 
+/// `TMS_INIT_CPU_BACKUP_BACKEND` is read as the Python package reads it
+/// (`resolve_cpu_backup_backend`: white space around it ignored, empty meaning `pinned`), not
+/// taken for a malformed value that turns the whole library off.
+#[test]
+fn a_padded_or_empty_backup_backend_is_read_as_python_reads_it() {
+    for (value, backend) in [(" mmap\n", "mmap"), ("", "pinned"), ("  ", "pinned")] {
+        let r = run_e2e(
+            "init-enable",
+            &[
+                ("TMS_INIT_ENABLE", "1"),
+                ("TMS_INIT_TAG", "boot"),
+                ("TMS_INIT_ENABLE_CPU_BACKUP", "yes"),
+                ("TMS_INIT_CPU_BACKUP_BACKEND", value),
+            ],
+        );
+        r.assert_passed("init-enable");
+        assert_quiet(&r);
+        assert_eq!(r.region("init")["backend"], backend, "{value:?}");
+    }
+}
+
 /// One malformed variable: the library stays out of the way and says so once.
 fn check_malformed(var: &str, value: &str, says: &str) {
     let r = run_e2e("malformed", &[(var, value)]);

@@ -210,8 +210,12 @@ fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfi
 impl ProcessSettings {
     /// Read every `TMS_*` variable; the first malformed one is the error.
     pub fn from_env() -> Result<Self> {
-        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", BackupKind::parse)?
-            .unwrap_or(BackupKind::Pinned);
+        // Read as the Python package reads it: white space around it ignored, empty the default.
+        let backend = env_parsed("TMS_INIT_CPU_BACKUP_BACKEND", |s| match s.trim() {
+            "" => Ok(BackupKind::Pinned),
+            s => BackupKind::parse(s),
+        })?
+        .unwrap_or(BackupKind::Pinned);
         let tag = match env_parsed("TMS_INIT_TAG", |t| Ok(t.to_string()))? {
             Some(t) if t.is_empty() => {
                 return Err(Error::invalid_argument(
