@@ -300,6 +300,27 @@ fn undecodable_init_tag_passes_through_naming_the_variable() {
     );
 }
 
+/// A copy setting that is not UTF-8 is malformed like any other (c-abi.md: "a value that is not
+/// UTF-8 included"): named in one line, and the library stays out of the way; not taken for an
+/// absent variable and silently replaced by the default.
+#[test]
+fn undecodable_copy_setting_passes_through_naming_the_variable() {
+    use std::os::unix::ffi::OsStrExt;
+    for var in ["TMS_PIN", "TMS_COPY_THREADS"] {
+        let mut cmd = tms_tests::e2e_command("malformed");
+        cmd.env(var, std::ffi::OsStr::from_bytes(b"4\xff"));
+        let r = tms_tests::run(cmd);
+        r.assert_passed("malformed");
+        let says = format!("environment variable {var} is not valid UTF-8");
+        assert!(
+            r.stderr.lines().count() == 1 && r.stderr.contains(&says),
+            "{}",
+            r.dump()
+        );
+        assert!(r.error("region-enter").contains(&says), "{}", r.dump());
+    }
+}
+
 #[test]
 fn a_malformed_log_filter_is_named_and_nothing_else_changes() {
     let r = run_e2e("basic", &[("TMS_LOG", "garbage[")]);

@@ -138,18 +138,19 @@ pub struct ProcessSettings {
 
 /// The copy settings from the environment, over the defaults.
 pub fn copy_config_from_env() -> Result<CopyConfig> {
-    copy_config_from(&|name| std::env::var(name).ok())
+    // A value that is not UTF-8 is malformed, as for every other variable (not absent).
+    copy_config_from(&|name| env_parsed(name, |v| Ok(v.to_string())))
 }
 
 /// The copy settings from the variables `lookup` finds, over the defaults.
-fn copy_config_from(lookup: &dyn Fn(&str) -> Option<String>) -> Result<CopyConfig> {
+fn copy_config_from(lookup: &dyn Fn(&str) -> Result<Option<String>>) -> Result<CopyConfig> {
     // The variable `name` through `parse` (absent: `None`), naming it in any error.
     fn var<T>(
-        lookup: &dyn Fn(&str) -> Option<String>,
+        lookup: &dyn Fn(&str) -> Result<Option<String>>,
         name: &str,
         parse: impl FnOnce(&str) -> Result<T>,
     ) -> Result<Option<T>> {
-        var_parsed(name, lookup(name).as_deref(), parse)
+        var_parsed(name, lookup(name)?.as_deref(), parse)
     }
     let mut c = CopyConfig::default();
     if let Some(n) = var(lookup, "TMS_COPY_THREADS", |s| {
@@ -485,7 +486,7 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect();
             copy_config_from(&move |name| {
-                vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone())
+                Ok(vars.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone()))
             })
         };
         let c = with(&[
