@@ -87,6 +87,8 @@ pub unsafe extern "C" fn tms_region_enter(
                 }
                 b
             }
+            // A non-pauseable scope keeps the enclosing region's, with its CPU backup flag.
+            None if enabled == 0 => cur.backend,
             None => settings::process()?.region.backend,
         };
         settings::push_region(settings::RegionSettings {
@@ -386,4 +388,42 @@ pub unsafe extern "C" fn tms_control_socket(
             unsafe { write_out(&s, buf, cap, out_len) }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::status;
+    use std::ffi::CStr;
+
+    /// A non-pauseable scope (`enabled = 0`, Python's `disable()`) keeps the enclosing region's
+    /// backup settings, as it keeps its tag, CPU backup flag, disk backup and chunk size: the
+    /// getters inside it report them, and a setter that makes the scope pauseable again
+    /// (`tms_set_interesting_region(1)`) gets the region's host memory, not another one.
+    #[test]
+    fn a_disabled_scope_keeps_the_enclosing_regions_backend() {
+        std::thread::spawn(|| {
+            // SAFETY: NUL-terminated strings and NULLs, as tms_region_enter takes.
+            let rc = unsafe { tms_region_enter(1, c"kv".as_ptr(), 1, c"mmap".as_ptr()) };
+            assert_eq!(rc, status::OK);
+            // SAFETY: as above.
+            let rc = unsafe { tms_region_enter(0, std::ptr::null(), 0, std::ptr::null()) };
+            assert_eq!(rc, status::OK);
+            let r = settings::current_region().unwrap();
+            assert!(!r.enabled && r.cpu_backup && r.tag == "kv", "{r:?}");
+            assert_eq!(r.backend, BackupKind::Mmap, "{r:?}");
+            // SAFETY: a static NUL-terminated string, or NULL (not here: the call succeeds).
+            let name = unsafe { CStr::from_ptr(tms_get_cpu_backup_backend()) };
+            assert_eq!(name, c"mmap");
+            assert_eq!(tms_set_interesting_region(1), status::OK);
+            assert_eq!(
+                settings::current_region().unwrap().backup(),
+                Some(BackupKind::Mmap)
+            );
+            assert_eq!(tms_region_exit(), status::OK);
+            assert_eq!(tms_region_exit(), status::OK);
+        })
+        .join()
+        .unwrap();
+    }
 }
