@@ -382,6 +382,27 @@ static int mode_abort_hung(void) {
     return finish("abort_hung");
 }
 
+/* Entry points this NCCL lacks (ncclCommShrink, ncclCommGrow), found as a program probing for
+ * them finds them: libtms.so's interposers, which return ncclSystemError (2). */
+static int mode_missing(void) {
+    typedef int (*shrink_fn)(void *, int *, int, void **, void *, int);
+    typedef int (*grow_fn)(void *, int, const void *, int, void **, void *);
+    shrink_fn shrink = (shrink_fn)dlsym(RTLD_DEFAULT, "ncclCommShrink");
+    grow_fn grow = (grow_fn)dlsym(RTLD_DEFAULT, "ncclCommGrow");
+    check(shrink != NULL && grow != NULL, "the interposers are found");
+    if (shrink == NULL || grow == NULL) {
+        return finish("missing");
+    }
+    void *out = NULL;
+    int rc = shrink(NULL, NULL, 0, &out, NULL, 0);
+    check(rc == 2, "ncclCommShrink without an NCCL that has it (rc %d)", rc);
+    rc = grow(NULL, 1, NULL, 0, &out, NULL);
+    check(rc == 2, "ncclCommGrow without an NCCL that has it (rc %d)", rc);
+    rc = shrink(NULL, NULL, 0, &out, NULL, 0);
+    check(rc == 2, "ncclCommShrink again (rc %d)", rc);
+    return finish("missing");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s flow|in_all|rollback|old|registered|own_memory|adopt|serve\n",
@@ -405,6 +426,7 @@ int main(int argc, char **argv) {
         {"registered", mode_registered}, {"own_memory", mode_own_memory},
         {"own_memory_resume", mode_own_memory_resume},
         {"serve", mode_serve},       {"abort_hung", mode_abort_hung},
+        {"missing", mode_missing},
     };
     for (size_t i = 0; i < sizeof modes / sizeof modes[0]; i++) {
         if (strcmp(mode, modes[i].name) == 0) {

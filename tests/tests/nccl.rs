@@ -173,6 +173,24 @@ fn an_nccl_without_suspend_is_named_and_changes_nothing_else() {
     assert_eq!(nccl(&p)["paused_allocations"], 0);
 }
 
+/// Each entry point the NCCL below lacks is named on stderr, once: not only the first one
+/// called (the program gets `ncclSystemError` from each, and no other word on why).
+#[test]
+fn each_entry_point_nccl_lacks_is_named_once() {
+    let r = run(command("missing", false));
+    r.assert_passed("missing");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "torch-memory-saver: no NCCL library below it provides ncclCommShrink",
+            "torch-memory-saver: no NCCL library below it provides ncclCommGrow",
+        ],
+        "{}",
+        r.dump()
+    );
+}
+
 /// A buffer NCCL registered keeps its allocation mapped (the default), or the pause is refused
 /// naming the buffer, its allocation and tag, and both remedies; deregistered, or with its
 /// communicator ended, it pauses again.

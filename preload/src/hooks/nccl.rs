@@ -108,14 +108,22 @@ entry_point!(
 );
 entry_point!(real_mem_alloc, c"ncclMemAlloc", MemAllocFn);
 
-/// What an interposer returns where no NCCL below it has `name`: said once.
-fn absent(name: &str) -> c_int {
-    static SAID: std::sync::Once = std::sync::Once::new();
-    SAID.call_once(|| {
+/// What an interposer returns where no NCCL below it has `name`: said once for each name.
+fn absent(name: &'static str) -> c_int {
+    static SAID: parking_lot::Mutex<Vec<&'static str>> = parking_lot::Mutex::new(Vec::new());
+    let first = {
+        let mut said = SAID.lock();
+        let first = !said.contains(&name);
+        if first {
+            said.push(name);
+        }
+        first
+    };
+    if first {
         crate::process::logging::say(&format!(
             "torch-memory-saver: no NCCL library below it provides {name}"
         ));
-    });
+    }
     NCCL_SYSTEM_ERROR
 }
 
