@@ -1048,3 +1048,37 @@ engine_test! {
         assert!(h.read(p, data.len()) == data, "contents after the resume");
     }
 }
+
+engine_test! {
+    /// A non-blocking resume of a tag whose chunked allocation has one of its four chunks paused
+    /// re-takes that chunk only: its report (`bytes`, and `pending`, the bytes still being
+    /// restored at its return, which `tms_resume_nonblocking` hands the caller) counts that
+    /// chunk, as a blocking resume's report and the tag's `bytes_restoring` do, not the whole
+    /// allocation, three quarters of which was active all along.
+    sim_only fn a_nonblocking_resume_of_one_chunk_reports_that_chunks_bytes(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let g = h.g();
+        let p = h.e.alloc(&chunked_req(4 * g, g, "c")).unwrap();
+        let data = pattern((4 * g) as usize, 5);
+        h.write(p, &data);
+        h.e.pause_pick(&tms::engine::Pick::chunks(p, &[0])).unwrap();
+        let blocking = h.e.resume(Some("c")).unwrap();
+        assert_eq!((blocking.allocations, blocking.bytes), (1, g), "{blocking:?}");
+        h.e.pause_pick(&tms::engine::Pick::chunks(p, &[0])).unwrap();
+        // Nothing lands while the copies' waits are held.
+        sim.hold(Prim::EventSync, None);
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("c"), &[], None).unwrap();
+        let t = tag_stats(&h.e, "c");
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(None, Some(Duration::from_secs(30))).unwrap());
+        check_contents(&h, &[(p, data)]);
+        assert_eq!(t.bytes_restoring, g, "the stats: one chunk on its way");
+        assert_eq!(
+            (r.allocations, r.bytes, r.pending),
+            (1, g, g),
+            "the report of a non-blocking resume of one chunk: {r:?}"
+        );
+    }
+}

@@ -33,6 +33,9 @@ struct TrackState {
     begun: bool,
     /// Each allocation, in the resume's order: address and size.
     jobs: Vec<(DevPtr, u64)>,
+    /// Per allocation, the bytes of it this resume restores (those of the segments or chunks
+    /// it resumes, within the asked size): what its report counts.
+    bytes: Vec<u64>,
     /// Pipeline items (runs of segments) still to be copied, per allocation.
     left: Vec<usize>,
     /// How many leading allocations are restored.
@@ -82,18 +85,20 @@ impl Tracker {
         }
     }
 
-    /// The resume marked `jobs` (address, size, pipeline items), in its order, on `devices`
-    /// devices; the gate's value now is its base. `earlier`: see [`Tracker::take_earlier`].
+    /// The resume marked `jobs` (address, size, bytes it restores, pipeline items), in its
+    /// order, on `devices` devices; the gate's value now is its base. `earlier`: see
+    /// [`Tracker::take_earlier`].
     pub(super) fn begin(
         &self,
-        jobs: Vec<(DevPtr, u64, usize)>,
+        jobs: Vec<(DevPtr, u64, u64, usize)>,
         devices: usize,
         earlier: Option<Error>,
     ) {
         let mut s = self.st.lock();
         s.earlier = earlier;
         s.base = self.gate.value();
-        s.left = jobs.iter().map(|j| j.2).collect();
+        s.left = jobs.iter().map(|j| j.3).collect();
+        s.bytes = jobs.iter().map(|j| j.2).collect();
         s.jobs = jobs.into_iter().map(|j| (j.0, j.1)).collect();
         s.mapping = devices;
         s.begun = true;
@@ -117,19 +122,15 @@ impl Tracker {
         }
     }
 
-    /// Allocations, their bytes, the bytes not restored yet, and the gate value of the end.
+    /// Allocations, the bytes it restores, those not restored yet, and the gate value of the
+    /// end.
     pub(super) fn summary(&self) -> (usize, u64, u64, u32) {
         let s = self.st.lock();
         let pending: u64 = (0..s.jobs.len())
             .filter(|&k| !s.landed(k))
-            .map(|k| s.jobs[k].1)
+            .map(|k| s.bytes[k])
             .sum();
-        (
-            s.jobs.len(),
-            s.jobs.iter().map(|j| j.1).sum(),
-            pending,
-            s.end(),
-        )
+        (s.jobs.len(), s.bytes.iter().sum(), pending, s.end())
     }
 
     /// An earlier non-blocking resume's failure that nothing reported, concerning allocations
@@ -479,7 +480,11 @@ mod tests {
     fn tracker() -> Tracker {
         let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(7)));
         let t = Tracker::new(Gate::new(word, 0x1000), "resume of tag 'kv'".into());
-        t.begin(vec![(0x10_0000, 4096, 2), (0x20_0000, 4096, 1)], 1, None);
+        t.begin(
+            vec![(0x10_0000, 4096, 4096, 2), (0x20_0000, 4096, 4096, 1)],
+            1,
+            None,
+        );
         t
     }
 

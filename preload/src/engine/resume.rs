@@ -96,6 +96,15 @@ impl Job {
         backing_of(&self.host, &self.disk).filter(|_| self.runs[r].1)
     }
 
+    /// Bytes of the allocation this job resumes, within its asked size: its segments (chunks)
+    /// paused, not the whole allocation where others are active.
+    fn restored_bytes(&self) -> u64 {
+        self.runs
+            .iter()
+            .map(|(s, _)| s.backed(self.ptr, self.size))
+            .sum()
+    }
+
     /// Bytes the copy pipeline moves for this job.
     fn pipeline_bytes(&self) -> u64 {
         (0..self.runs.len())
@@ -248,7 +257,9 @@ impl Engine {
         if let Some(t) = track {
             let devices = by_device(jobs.iter().map(|j| j.device)).len();
             t.begin(
-                jobs.iter().map(|j| (j.ptr, j.size, j.runs.len())).collect(),
+                jobs.iter()
+                    .map(|j| (j.ptr, j.size, j.restored_bytes(), j.runs.len()))
+                    .collect(),
                 devices,
                 earlier.take(),
             );
