@@ -1082,3 +1082,38 @@ engine_test! {
         );
     }
 }
+
+engine_test! {
+    /// A non-blocking resume restores one of its two allocations, then fails after its return:
+    /// the one that landed is committed restored (active), so this resume changed the tag. Its
+    /// stats show it as the tag's last resume (one allocation, its bytes), as they show a pause
+    /// that failed part-way; before, they showed no resume of the tag at all.
+    sim_only fn a_resume_failing_after_its_return_is_the_last_resume_of_what_it_restored(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let g = h.g();
+        let allocs = paused(&h, "n", 2, 2 * g);
+        // How many copies to the device one allocation's restore takes.
+        let probe = paused(&h, "probe", 1, 2 * g);
+        let before = sim.calls(Prim::CopyH2D);
+        h.e.resume(Some("probe")).unwrap();
+        let per_alloc = sim.calls(Prim::CopyH2D) - before;
+        check_contents(&h, &probe);
+        // The second allocation is restored first; the first's first copy fails.
+        let (first, second) = (allocs[0].0, allocs[1].0);
+        sim.arm_fault(Prim::CopyH2D, per_alloc + 1, 999);
+        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[second], None).unwrap();
+        assert!(h.e.wait_restored(Some(second), None).unwrap(), "the second landed");
+        assert!(h.e.wait_restored(Some(first), None).is_err());
+        assert_eq!(state(&h.e, second), State::Active);
+        let last = tag_stats(&h.e, "n").last_resume;
+        let last = last.expect("the tag's last resume: the one that restored the second");
+        assert_eq!(
+            (last.allocations, last.bytes, last.copied_bytes),
+            (1, 2 * g, 2 * g),
+            "{last:?}"
+        );
+        check_contents(&h, &allocs[1..]);
+    }
+}

@@ -388,7 +388,9 @@ impl Engine {
                 with: None::<()>,
                 threads: cfg.threads,
             };
-            self.ops.releases.give_back(g, false);
+            let release_seconds = self.ops.releases.give_back(g, false);
+            // What landed changed state: the tags' last resume says so.
+            tx.record_failed(done.tally, release_seconds);
             return Err(e);
         }
         if let Err(e) = result {

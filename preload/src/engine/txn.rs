@@ -336,6 +336,13 @@ impl<'e> Txn<'e> {
         self.end.ops.pinner.enqueue(todo);
     }
 
+    /// Record in the history what an operation that fails did all the same (a non-blocking
+    /// resume that failed after it returned commits what had landed): the tags it changed
+    /// show it as their last pause or resume. The transaction then ends as a failed one does.
+    pub(super) fn record_failed(&self, tally: Tally, release_seconds: f64) {
+        self.end.record(tally, release_seconds);
+    }
+
     /// End the transaction (Note [Transactions]): settle what is still in transition, let go of
     /// the operations lock (the staging slots going as `slots` says), hand what was taken to
     /// `after` with the progress counters, then record the report, its time taken now and the
@@ -376,6 +383,11 @@ impl<'e> Txn<'e> {
 impl Ending<'_> {
     /// The operation's report, recorded per tag; then everything left is let go of.
     fn report(self, tally: Tally, release_seconds: f64) -> OpReport {
+        self.record(tally, release_seconds)
+    }
+
+    /// The operation's report, its time taken now, recorded per tag in the history.
+    fn record(&self, tally: Tally, release_seconds: f64) -> OpReport {
         let Tally {
             mut report,
             per_tag,
