@@ -396,6 +396,42 @@ engine_test! {
     }
 }
 
+engine_test! {
+    /// Chunks resumed without retention give their host memory back before the resume returns
+    /// (docs/semantics.md), while their paused neighbours keep theirs. A caller holding a lease
+    /// on a paused neighbour's backup reads only that chunk's bytes: the lease must not keep the
+    /// resumed chunks' pages (before, any lease on the buffer kept all of them, resident but no
+    /// longer counted in `host_backup_bytes`, until the buffer went).
+    fn a_lease_on_a_paused_chunk_keeps_only_its_own_pages(h) [chunks(64 << 20)] {
+        let (e, g) = (&h.e, h.g());
+        let p = e
+            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Mmap)))
+            .unwrap();
+        let data = pattern((4 * g) as usize, 5);
+        h.write(p, &data);
+        e.pause(Some("kv")).unwrap();
+        let lease = e
+            .acquire_cpu_backup(p + 3 * g, g)
+            .unwrap()
+            .expect("chunk 3 is paused with its backup");
+        let base = lease.ptr as usize - 3 * g as usize;
+        assert_eq!(resident(base as *const u8, (2 * g) as usize), Some(true));
+        e.resume_pick(&Pick::chunks(p, &[0, 1])).unwrap();
+        assert_eq!(e.allocations()[0].host_bytes, 2 * g, "chunks 2-3 are backed up");
+        assert_eq!(
+            resident(base as *const u8, (2 * g) as usize),
+            Some(false),
+            "chunks 0-1, resumed without retention, given back though chunk 3 is leased"
+        );
+        // SAFETY: the lease keeps chunk 3's g bytes mapped and unchanged until it is released.
+        let leased = unsafe { std::slice::from_raw_parts(lease.ptr, g as usize) };
+        assert!(leased == &data[(3 * g) as usize..], "the leased chunk is intact");
+        e.release_cpu_backup(lease.lease).unwrap();
+        e.resume(Some("kv")).unwrap();
+        assert!(h.read(p, (4 * g) as usize) == data);
+    }
+}
+
 /// Whether every page of `[p, p+len)` is resident in host memory (`Some(true)`), none is
 /// (`Some(false)`), or some are (`None`).
 fn resident(p: *const u8, len: usize) -> Option<bool> {

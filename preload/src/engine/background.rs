@@ -160,15 +160,13 @@ impl Releases {
 
 /// Give back the host memory of chunks resumed without retention, in buffers their paused
 /// neighbours still need. Here, while the pinner is still held quiet by the transaction (it
-/// must not page-lock these chunks meanwhile).
+/// must not page-lock these chunks meanwhile). Each is one nobody reads any more
+/// (`Leases::unread`: no lease of those bytes and no reader from before the resume; later ones
+/// only read chunks the backup holds, never these).
 fn drop_pages(bufs: Vec<BufferRanges>) {
     for (h, ranges) in bufs {
-        // The registry's reference and this one: no lease or reader from before the resume
-        // (later ones only read chunks the backup holds, never these).
-        if Arc::strong_count(&h) == 2 {
-            for (off, len) in ranges {
-                h.drop_pages(off, len);
-            }
+        for (off, len) in ranges {
+            h.drop_pages(off, len);
         }
     }
 }

@@ -83,7 +83,7 @@ impl Engine {
         // pause skips none of it until it copied it again (and none of the buffer, once let go).
         host.digests().distrust(off as u64, len);
         let ptr = host.as_ptr().wrapping_add(off);
-        let lease = self.leases.hand_out(host);
+        let lease = self.leases.hand_out(host, off as u64, len);
         Ok(Some(BackupLease { ptr, lease }))
     }
 

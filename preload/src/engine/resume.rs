@@ -282,7 +282,7 @@ impl Engine {
             }
             let g = GiveBack {
                 released,
-                drop_pages: done.drop_pages,
+                drop_pages: self.leases.unread(done.drop_pages),
                 with: (!rings.is_empty()).then_some(rings),
                 threads: cfg.threads,
             };
@@ -325,7 +325,7 @@ impl Engine {
         let done = self.restore_jobs(tx, cfg, pick, None, jobs)?;
         let g = GiveBack {
             released: self.leases.unleased(done.released),
-            drop_pages: done.drop_pages,
+            drop_pages: self.leases.unread(done.drop_pages),
             with: None::<()>,
             threads: cfg.threads,
         };
@@ -384,7 +384,7 @@ impl Engine {
             drop(jobs);
             let g = GiveBack {
                 released: self.leases.unleased(done.released),
-                drop_pages: done.drop_pages,
+                drop_pages: self.leases.unread(done.drop_pages),
                 with: None::<()>,
                 threads: cfg.threads,
             };
