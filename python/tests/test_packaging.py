@@ -91,6 +91,27 @@ def test_wheel_metadata(cargo_version):
         assert c in classifiers
 
 
+@pytest.mark.skipif(not os.environ.get("TMS_TEST_WHEEL"), reason="TMS_TEST_WHEEL names the wheel to check")
+def test_wheel_binaries_name_no_path_of_the_build_machine():
+    """The wheel's binaries name no folder of the machine that built them: not the builder's
+    home (cargo keeps the dependencies' sources there, and their panic messages name their
+    files), not cargo's home, not the checkout. The wheel is built here (scripts/test)."""
+    home = os.path.expanduser("~").rstrip("/")
+    cargo_home = os.environ.get("CARGO_HOME") or os.path.join(home, ".cargo")
+    needles = {cargo_home.rstrip("/").encode(), str(ROOT).encode()}
+    if len(home) > 1:
+        needles.add(home.encode() + b"/")
+    z = zipfile.ZipFile(os.environ["TMS_TEST_WHEEL"])
+    leaks = {}
+    for name in z.namelist():
+        if name.endswith(".so") or name.endswith("/tmsctl"):
+            data = z.read(name)
+            found = sorted(n.decode() for n in needles if n in data)
+            if found:
+                leaks[name] = found
+    assert not leaks, leaks
+
+
 @pytest.mark.skipif(not os.environ.get("TMS_TEST_SDIST"), reason="TMS_TEST_SDIST names the sdist to check")
 def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
     with tarfile.open(os.environ["TMS_TEST_SDIST"]) as tar:
@@ -136,3 +157,4 @@ def test_relative_links_in_the_readme_and_docs_lead_somewhere():
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
+
