@@ -158,3 +158,43 @@ def test_relative_links_in_the_readme_and_docs_lead_somewhere():
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert not broken, broken
 
+
+def _rust_version(v: str) -> tuple:
+    return tuple(int(x) for x in v.split("."))[:2]
+
+
+def test_the_stated_rust_toolchain_builds_every_locked_crate(cargo_toml):
+    """Cargo.toml's rust-version, the toolchain README.md says a build needs, is no older than
+    the rust-version of any locked crate that the build or the tests compile on this machine
+    (cargo refuses a rustc older than any of them: "libloading@0.9.1 requires rustc 1.88.0").
+    The loom model checker's crates (built only with --cfg loom) are scripts/test's own."""
+    import json
+    import re
+    import shutil
+
+    cargo = shutil.which("cargo")
+    if cargo is None:
+        pytest.skip("needs cargo")
+    host = re.search(r"^host: (\S+)$", subprocess.run(["rustc", "-vV"], capture_output=True, text=True,
+                                                      check=True).stdout, re.M).group(1)
+    out = subprocess.run(
+        [cargo, "metadata", "--format-version", "1", "--locked", "--offline", "--filter-platform", host],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        pytest.skip(f"cargo metadata (offline: needs the crates a build fetched): {out.stderr.strip()}")
+    meta = json.loads(out.stdout)
+    packages = {p["id"]: p for p in meta["packages"]}
+    nodes = {n["id"]: n for n in meta["resolve"]["nodes"]}
+    seen, todo = set(), list(meta["workspace_members"])
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo.extend(d["pkg"] for d in nodes[i]["deps"])
+    floor = cargo_toml["workspace"]["package"]["rust-version"]
+    newer = sorted(f"{packages[i]['name']}@{packages[i]['version']} requires {packages[i]['rust_version']}"
+                   for i in seen if packages[i].get("rust_version")
+                   and _rust_version(packages[i]["rust_version"]) > _rust_version(floor))
+    assert not newer, f"rust-version {floor}: {newer}"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"With a Rust toolchain ({floor} or newer" in readme
