@@ -420,15 +420,22 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     let (which, tag, chunks, _) =
         asked(req).ok_or_else(|| anyhow::anyhow!("--atomic takes a pause or a resume"))?;
     let what = op_words(which, tag.as_deref(), chunks.as_ref());
-    let targets = find::targets(ctx, sel)?;
+    let mut targets = find::targets(ctx, sel)?;
+    // A process that cannot be reached fails the job before any is asked: it comes first.
+    targets.sort_by_key(|t| t.unusable.is_none());
     // Ctrl-C from here on fails the operation under way: what was done is undone, and said.
     crate::interrupt::catch();
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
     let mut not_asked: Vec<u32> = Vec::new();
-    for sock in targets {
+    for t in targets {
+        let sock = t.sock;
         if failure.is_some() {
             not_asked.push(sock.pid());
+            continue;
+        }
+        if let Some(f) = t.unusable {
+            failure = Some((sock, f, None));
             continue;
         }
         // A Ctrl-C while a quick reply came (a read that never waited long enough to look):

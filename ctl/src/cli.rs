@@ -131,10 +131,12 @@ pub struct Select {
     /// The process to act on, by its pid in tmsctl's pid namespace: a process of tmsctl's user,
     /// its socket found wherever it listens [default: the only process with a control socket;
     /// pause and resume name it by its command line, and with several tmsctl names each and
-    /// stops].
+    /// stops, counting those whose socket it cannot use].
     #[arg(long, value_name = "PID")]
     pub pid: Option<u32>,
-    /// Every process with a control socket (of tmsctl's pid namespace), in turn.
+    /// Every process with a control socket (of tmsctl's pid namespace), in turn; one that /proc
+    /// shows listening where tmsctl cannot use its socket (a socket folder it refuses) is not
+    /// asked and is reported as failed (exit code 4 for a refused folder), never left out.
     #[arg(long, conflicts_with = "pid")]
     pub all: bool,
 }

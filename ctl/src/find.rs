@@ -11,7 +11,9 @@
 //!   `TMS_SOCKET_DIR`), the processes of tmsctl's user that `/proc` shows listening in other
 //!   folders count too: a plain command never picks one process while the user's own listens
 //!   elsewhere. A folder named by `--socket-dir` or `TMS_SOCKET_DIR` is the only one looked in;
-//!   the message for an empty one names the processes listening elsewhere.
+//!   the message for an empty one names the processes listening elsewhere. A process found
+//!   listening elsewhere whose socket cannot be used (its folder refused) counts all the same:
+//!   `--all` reports it as a failed process, and without `--all` it is one of several.
 //!
 //! Every folder found through `/proc` is opened and vetted as tmsctl's own is
 //! ([`Folder::open_about`]), and every server is checked on connecting, as always.
@@ -139,30 +141,84 @@ pub fn listing(ctx: &Ctx) -> Result<Listing> {
     Ok(Listing { main, away })
 }
 
-/// The sockets of the processes `sel` picks (one, unless `--all`).
-pub fn targets(ctx: &Ctx, sel: &Select) -> Result<Vec<Socket>> {
+/// A process a command acts on: its socket, and, where tmsctl cannot use that socket (a process
+/// `/proc` shows listening in a folder tmsctl refuses, say), why: that process's failure.
+pub struct Target {
+    /// Its socket (where it is, also when it cannot be used).
+    pub sock: Socket,
+    /// Why it cannot be reached, if it cannot.
+    pub unusable: Option<Failure>,
+}
+
+/// What [`pick`] makes of the processes found.
+enum Picked {
+    /// Act on these, in turn.
+    Act(Vec<Target>),
+    /// None can be reached; why, for those found elsewhere that cannot.
+    NoneFound(Vec<Failure>),
+    /// Several, and no `--all`.
+    Several(Vec<Target>),
+}
+
+/// The processes to act on, of those with a socket in tmsctl's folder (`live`) and those `/proc`
+/// shows listening elsewhere (`away`), with `--all` or without. A process found elsewhere whose
+/// socket cannot be used (its folder refused, say) counts as much as the others: `--all` reports
+/// it as failed, and without `--all` it makes several processes; only where no process at all
+/// can be reached do the reasons make the message for none.
+fn pick(live: Vec<Socket>, away: Vec<Away>, all: bool) -> Picked {
+    let mut found: Vec<Target> = live
+        .into_iter()
+        .map(|sock| Target {
+            sock,
+            unusable: None,
+        })
+        .collect();
+    for a in away {
+        if found.iter().any(|t| t.sock.pid() == a.pid) {
+            continue;
+        }
+        let sock = a.socket();
+        found.push(Target {
+            sock,
+            unusable: a.sock.err(),
+        });
+    }
+    if found.iter().all(|t| t.unusable.is_some()) {
+        return Picked::NoneFound(found.into_iter().filter_map(|t| t.unusable).collect());
+    }
+    if all || found.len() == 1 {
+        return Picked::Act(found);
+    }
+    Picked::Several(found)
+}
+
+/// The processes `sel` picks (one, unless `--all`).
+pub fn targets(ctx: &Ctx, sel: &Select) -> Result<Vec<Target>> {
     let main = main_folder(ctx)?;
     if let Some(p) = sel.pid {
-        return by_pid(ctx, &main, p).map(|s| vec![s]);
+        return by_pid(ctx, &main, p).map(|sock| {
+            vec![Target {
+                sock,
+                unusable: None,
+            }]
+        });
     }
-    let mut live = main.live_here();
-    let mut refused = Vec::new();
-    if !ctx.origin.named() {
-        for a in away(&main) {
-            match a.sock {
-                Ok(s) if !live.iter().any(|l| l.pid() == s.pid()) => live.push(s),
-                Ok(_) => {}
-                Err(e) => refused.push(e),
-            }
-        }
+    let away = if ctx.origin.named() {
+        Vec::new()
+    } else {
+        away(&main)
+    };
+    match pick(main.live_here(), away, sel.all) {
+        Picked::Act(t) => Ok(t
+            .into_iter()
+            .map(|t| Target {
+                unusable: t.unusable.map(|f| not_asked(&main, &t.sock, f)),
+                sock: t.sock,
+            })
+            .collect()),
+        Picked::NoneFound(refused) => Err(none_found(ctx, &main, &refused)),
+        Picked::Several(t) => Err(several(&main, &t)),
     }
-    if live.is_empty() {
-        return Err(none_found(ctx, &main, &refused));
-    }
-    if sel.all || live.len() == 1 {
-        return Ok(live);
-    }
-    Err(several(&main, &live))
 }
 
 /// `pid 12 (python serve.py)`, and its folder where that is not tmsctl's.
@@ -174,8 +230,30 @@ fn named(main: &Folder, s: &Socket) -> String {
     n
 }
 
-fn several(main: &Folder, live: &[Socket]) -> Failure {
-    let names: Vec<String> = live.iter().map(|s| named(main, s)).collect();
+/// The failure of a process found elsewhere whose socket cannot be used (`why`), naming it.
+fn not_asked(main: &Folder, sock: &Socket, why: Failure) -> Failure {
+    Failure::new(
+        why.code,
+        format!(
+            "{}: not asked, its socket cannot be used: {}",
+            named(main, sock),
+            why.message
+        ),
+    )
+}
+
+fn several(main: &Folder, live: &[Target]) -> Failure {
+    let names: Vec<String> = live
+        .iter()
+        .map(|t| match &t.unusable {
+            None => named(main, &t.sock),
+            Some(why) => format!(
+                "{} (its socket cannot be used: {})",
+                named(main, &t.sock),
+                why.message
+            ),
+        })
+        .collect();
     Failure::new(
         Code::Usage,
         format!(
@@ -356,6 +434,67 @@ fn no_socket(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::socket::{test_socket, Ns};
+
+    /// Process `pid`, listening in `/elsewhere`, reachable or not (its folder refused).
+    fn away_of(pid: u32, reachable: bool) -> Away {
+        let name = SocketName {
+            pid,
+            pidns: Some(100),
+        };
+        let sock = if reachable {
+            Ok(test_socket(pid, Ns::Ours))
+        } else {
+            Err(Failure::new(
+                Code::Permission,
+                "permission denied: refusing the socket folder /elsewhere: its mode is 0755",
+            ))
+        };
+        Away {
+            pid,
+            dir: PathBuf::from("/elsewhere"),
+            name,
+            sock,
+        }
+    }
+
+    /// The pids of `t`, each with the exit code of its failure where it cannot be reached.
+    fn shown(t: &[Target]) -> Vec<(u32, Option<Code>)> {
+        t.iter()
+            .map(|t| (t.sock.pid(), t.unusable.as_ref().map(|f| f.code)))
+            .collect()
+    }
+
+    #[test]
+    fn a_process_listening_in_a_refused_folder_is_never_left_out() {
+        let live = || vec![test_socket(10, Ns::Ours)];
+        // --all: it is one of the processes, reported as failed (exit 4), not skipped.
+        match pick(live(), vec![away_of(20, true), away_of(30, false)], true) {
+            Picked::Act(t) => assert_eq!(
+                shown(&t),
+                [(10, None), (20, None), (30, Some(Code::Permission))]
+            ),
+            _ => panic!("--all acts on every process found"),
+        }
+        // Without --all, one reachable and one refused are two processes: name them, stop.
+        match pick(live(), vec![away_of(30, false)], false) {
+            Picked::Several(t) => {
+                assert_eq!(shown(&t), [(10, None), (30, Some(Code::Permission))])
+            }
+            Picked::Act(t) => panic!("acted on {:?} as if it were the only one", shown(&t)),
+            Picked::NoneFound(_) => panic!("one process is reachable"),
+        }
+        // A pid already found in tmsctl's folder is one process, not two.
+        match pick(live(), vec![away_of(10, false)], false) {
+            Picked::Act(t) => assert_eq!(shown(&t), [(10, None)]),
+            _ => panic!("one process"),
+        }
+        // None reachable: the message for none says why (unchanged).
+        match pick(Vec::new(), vec![away_of(30, false)], true) {
+            Picked::NoneFound(why) => assert_eq!(why.len(), 1),
+            _ => panic!("no process is reachable"),
+        }
+    }
 
     #[test]
     fn only_processes_of_our_own_uid_are_looked_into() {

@@ -55,8 +55,13 @@ fn fan_out(
     let mut items = Vec::new();
     let mut first: Option<Code> = None;
     let mut unknown_tag = false;
-    for sock in targets {
-        match Client::connect(&sock, ctx.timeout).and_then(|mut c| f(&mut c)) {
+    for t in targets {
+        let sock = t.sock;
+        let r = match t.unusable {
+            Some(why) => Err(why),
+            None => Client::connect(&sock, ctx.timeout).and_then(|mut c| f(&mut c)),
+        };
+        match r {
             Ok(o) => {
                 if ctx.json {
                     if many {
