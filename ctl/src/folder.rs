@@ -194,8 +194,8 @@ impl Folder {
             .collect()
     }
 
-    /// The sockets of other pid namespaces, by pid (not probed: their pids mean other
-    /// processes here).
+    /// The sockets of other pid namespaces, by pid (never acted on: their pids mean other
+    /// processes here; `tmsctl list` asks their status).
     pub fn elsewhere(&self) -> Vec<Socket> {
         self.sockets.iter().filter(|s| !s.here()).cloned().collect()
     }

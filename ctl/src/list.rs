@@ -20,8 +20,9 @@ pub fn run(ctx: &Ctx) -> anyhow::Result<()> {
     let found = find::listing(ctx)?;
     // The live processes of our pid namespace, those that /proc shows listening in other
     // folders (with why, where their socket cannot be used), then the sockets of other pid
-    // namespaces (not probed: their pids mean other processes here, and their command lines
-    // cannot be read from here).
+    // namespaces: asked for their status too, their servers checked as far as they can be from
+    // here (uid and hello; their pids mean other processes here, so neither whether they live nor
+    // the kernel's pid of the server says anything, and their command lines cannot be read).
     let mut socks: Vec<(Socket, Option<Failure>)> = found
         .main
         .live_here()

@@ -3,7 +3,10 @@
 //!
 //! A socket is named `<pid>.<pidns>.sock` (`<pid>.sock` by older servers, or without `/proc`).
 //! A pid means a process of the namespace it names: one of another namespace is another process
-//! here, if any, so such a socket is listed but never probed or taken for a pid of ours.
+//! here, if any, so such a socket is never taken for a pid of ours nor acted on; `tmsctl list`
+//! shows it and asks its server's status, checked as far as it can be from here (its uid and its
+//! hello's pid; not the kernel's pid, nor whether the pid lives, which mean another process
+//! here).
 
 use std::path::PathBuf;
 
@@ -51,7 +54,8 @@ impl Socket {
         self.name.file_name()
     }
 
-    /// Its pid means a process of our namespace: it can be probed and checked here.
+    /// Its pid means a process of our namespace: whether it lives can be asked, and its server's
+    /// pid compared with the kernel's.
     pub fn here(&self) -> bool {
         !matches!(self.ns, Ns::Other(_))
     }
