@@ -78,7 +78,7 @@ impl DiskFile {
     /// Make a file of `len` bytes (> 0) in `dir`, its space reserved, to be written in chunks of
     /// `chunk` bytes (a multiple of [`DIRECT_ALIGN`]).
     pub fn create(dir: &BackupDir, len: u64, chunk: u64) -> Result<Self> {
-        if len == 0 || chunk == 0 || chunk % DIRECT_ALIGN != 0 {
+        if len == 0 || chunk == 0 || !chunk.is_multiple_of(DIRECT_ALIGN) {
             return Err(Error::invalid_argument(format!(
                 "disk backup of {len} bytes in chunks of {chunk}: expected a length above 0 and \
                  a chunk that is a positive multiple of {DIRECT_ALIGN}"
@@ -112,7 +112,7 @@ impl DiskFile {
         let tmp = files.shown.join(&tmp_name);
         let path = files.shown.join(&name);
         let what = |op: &str| format!("{op} disk backup file {}", path.display());
-        let direct = len % DIRECT_ALIGN == 0;
+        let direct = len.is_multiple_of(DIRECT_ALIGN);
         let remove_tmp = || {
             let _ = nix::unistd::unlinkat(&files.fd, tmp_name.as_str(), UnlinkatFlags::NoRemoveDir);
         };
@@ -377,7 +377,7 @@ impl DiskFile {
     /// Refuse a chunk size setting for disk backups (`CopyConfig::disk_chunk`) that files
     /// cannot be cut in: 0 (the host chunk) or a multiple of [`DIRECT_ALIGN`].
     pub fn check_chunk_setting(bytes: u64) -> Result<()> {
-        if bytes % DIRECT_ALIGN != 0 {
+        if !bytes.is_multiple_of(DIRECT_ALIGN) {
             return Err(Error::invalid_argument(format!(
                 "disk backup chunk of {bytes} bytes: expected a multiple of {DIRECT_ALIGN}"
             )));

@@ -96,7 +96,7 @@ impl HostBuffer {
         if len == 0 {
             return Err(Error::invalid_argument("host buffer of 0 bytes"));
         }
-        if layout.chunk == 0 || layout.chunk % page != 0 {
+        if layout.chunk == 0 || !layout.chunk.is_multiple_of(page) {
             return Err(Error::invalid_argument(format!(
                 "host chunk size {} is not a positive multiple of the page size {page}",
                 layout.chunk

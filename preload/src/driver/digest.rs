@@ -60,7 +60,7 @@ pub fn thread_term(h: Digest, t: u64) -> Digest {
 /// A block's partial sums: what the kernel writes for it. `block` holds at most
 /// [`BLOCK_BYTES`] bytes, a multiple of 8.
 pub fn block_partial(block: &[u8], seed: u64) -> Digest {
-    debug_assert!(block.len() as u64 <= BLOCK_BYTES && block.len() % 8 == 0);
+    debug_assert!(block.len() as u64 <= BLOCK_BYTES && block.len().is_multiple_of(8));
     let words = block.len() / 8;
     let word = |i: usize| u64::from_le_bytes(block[i * 8..i * 8 + 8].try_into().unwrap());
     let mut sum = [0u64; 2];

@@ -61,7 +61,7 @@ impl Engine {
                 ))
             })
             .ctx(what)?;
-        if req.chunk > 0 && (req.chunk % g != 0 || req.size % req.chunk != 0) {
+        if req.chunk > 0 && (!req.chunk.is_multiple_of(g) || !req.size.is_multiple_of(req.chunk)) {
             return Err(Error::invalid_argument(format!(
                 "chunk size {} bytes: the size ({} bytes) must be a multiple of it, and it a \
                  multiple of the device's granularity ({g} bytes)",
@@ -255,7 +255,7 @@ impl Engine {
     pub fn check_chunk_size(&self, chunk: u64) -> Result<()> {
         let device = self.driver.current_device()?;
         let g = self.granularity(device)?;
-        if chunk == 0 || chunk % g != 0 {
+        if chunk == 0 || !chunk.is_multiple_of(g) {
             return Err(Error::invalid_argument(format!(
                 "chunk size {chunk} bytes: expected a positive multiple of device {device}'s \
                  granularity ({g} bytes)"

@@ -71,7 +71,7 @@ impl Digested {
 pub(super) fn digest_range(span: &Span, base: DevPtr, size: u64) -> (u64, u64, bool) {
     let off = span.ptr - base;
     let backed = span.backed(base, size);
-    (off, backed / 8 * 8, backed % 8 != 0)
+    (off, backed / 8 * 8, !backed.is_multiple_of(8))
 }
 
 impl Engine {

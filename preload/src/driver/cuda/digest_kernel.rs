@@ -225,7 +225,11 @@ impl Plan {
     /// The cut of `len` bytes at `ptr` into pieces of `piece` bytes, or why the arguments
     /// cannot be right.
     pub fn new(ptr: DevPtr, len: u64, piece: u64) -> Result<Plan> {
-        if piece == 0 || piece % 8 != 0 || len % 8 != 0 || ptr % 8 != 0 {
+        if piece == 0
+            || !piece.is_multiple_of(8)
+            || !len.is_multiple_of(8)
+            || !ptr.is_multiple_of(8)
+        {
             return Err(Error::invalid_argument(format!(
                 "digest of {len} bytes at {ptr:#x} in pieces of {piece} bytes: the address, \
                  the length and the piece length must be multiples of 8, the piece length \

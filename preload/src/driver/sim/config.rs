@@ -57,7 +57,7 @@ impl SimConfig {
     pub(super) fn validate(&self) -> Result<()> {
         let page = page_size();
         if self.granularity == 0
-            || self.granularity % page != 0
+            || !self.granularity.is_multiple_of(page)
             || !self.granularity.is_power_of_two()
         {
             return Err(Error::invalid_argument(format!(

@@ -26,7 +26,7 @@ impl Host {
     pub(super) fn register(&mut self, device: i32, ptr: *mut u8, len: u64) -> Result<()> {
         *self.calls_by_device.entry(device).or_default() += 1;
         let (start, page) = (ptr as usize, page_size());
-        if len == 0 || start as u64 % page != 0 || len % page != 0 {
+        if len == 0 || !(start as u64).is_multiple_of(page) || !len.is_multiple_of(page) {
             return Err(invalid(
                 Prim::HostRegister,
                 format!("{len} bytes at {ptr:p}: not whole pages"),

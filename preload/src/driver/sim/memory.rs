@@ -253,7 +253,7 @@ impl Memory {
         size: u64,
         handle: PhysHandle,
     ) -> Result<()> {
-        if ptr % granularity != 0 {
+        if !ptr.is_multiple_of(granularity) {
             return Err(invalid(
                 Prim::Map,
                 format!("ptr {ptr:#x} is not aligned to the granularity"),

@@ -116,7 +116,7 @@ impl SimDriver {
     }
 
     fn check_multiple(&self, prim: Prim, what: &str, v: u64) -> Result<()> {
-        if v == 0 || v % self.cfg.granularity != 0 {
+        if v == 0 || !v.is_multiple_of(self.cfg.granularity) {
             return Err(invalid(
                 prim,
                 format!(

@@ -111,7 +111,7 @@ impl CopyConfig {
             )));
         }
         let page = crate::os::page_size();
-        if self.layout.chunk == 0 || self.layout.chunk % page != 0 {
+        if self.layout.chunk == 0 || !self.layout.chunk.is_multiple_of(page) {
             return Err(Error::invalid_argument(format!(
                 "copy chunk of {} bytes: expected a positive multiple of the page size {page}",
                 self.layout.chunk
