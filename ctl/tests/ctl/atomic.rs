@@ -644,6 +644,27 @@ struct Slow {
     asked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
+/// `tmsctl pause --atomic --tag kv`, sent SIGINT (Ctrl-C) as soon as the fake server was asked.
+fn atomic_pause_interrupted_once_asked(sb: &Sandbox, asked: &std::sync::atomic::AtomicBool) -> Ran {
+    let mut cmd = clean(std::process::Command::new(tmsctl()), sb);
+    cmd.args(atomic_pause_kv("30"));
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().expect("tmsctl");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            Instant::now() < deadline,
+            "the pause never reached the fake"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // SAFETY: a signal to the child this test started and has not waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    Ran::of(child.wait_with_output().expect("wait for tmsctl"))
+}
+
 /// A pause still running at --timeout on a server whose `status` cannot list running operations
 /// (no `operations` feature): tmsctl cannot see when it ends, so it must not call the process
 /// "as before" (the pause lands later and leaves it paused).
@@ -689,23 +710,7 @@ fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     let Slow { paused, asked } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 500);
-    let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
-    cmd.args(atomic_pause_kv("30"));
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = cmd.spawn().expect("tmsctl");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(
-            Instant::now() < deadline,
-            "the pause never reached the fake"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    // SAFETY: a signal to the child this test started and has not waited for yet.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let r = Ran::of(child.wait_with_output().expect("wait for tmsctl"));
+    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
     assert_undone(&r, &paused);
 }
@@ -722,23 +727,7 @@ fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
     let Slow { paused, asked } = slow_server(dir, &["chunks"], 0, 100);
     let p = Proc::start_tagged(&sb, "kv", &[], |_| {});
     assert!(p.pid > std::process::id(), "pids wrapped around");
-    let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
-    cmd.args(atomic_pause_kv("30"));
-    cmd.stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    let child = cmd.spawn().expect("tmsctl");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(
-            Instant::now() < deadline,
-            "the pause never reached the fake"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    // SAFETY: a signal to the child this test started and has not waited for yet.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
-    let r = Ran::of(child.wait_with_output().expect("wait for tmsctl"));
+    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
     let j = r.json_exit(7);
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
