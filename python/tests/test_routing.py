@@ -140,3 +140,52 @@ def test_a_dropped_pool_that_needed_a_sibling_goes_with_its_siblings(monkeypatch
     impl._mem_pools.pop(("kv", False))  # the existing library's key: drops the tag's pool
     gc.collect()
     assert [r() for r in refs] == [None, None], "a dropped pool (or its sibling) is still referenced"
+
+
+def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypatch):
+    """``disable()``'s pool of its own (``_routed(torch, None)``) may be destroyed only while no
+    thread routes (PyTorch asserts, ending the process, otherwise: see ``_Routing``). Thread A
+    leaves its block, its pool is retired while no one routes; thread B then enters a region
+    before A has finished leaving: A's pool must not be destroyed under B's route."""
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = []
+
+    class Pool:
+        def __del__(self):
+            with torch.lock:
+                if torch.recording:
+                    destroyed_while_routing.append(dict(torch.recording))
+
+    torch.cuda.MemPool = staticmethod(Pool)
+    b_inside, b_may_leave = threading.Event(), threading.Event()
+    real_collect = regions._routing.collect
+    fired = []
+
+    def collect(t):
+        retiring = bool(regions._routing.retired)  # A's pool was just retired (not a route's end)
+        real_collect(t)
+        if threading.current_thread() is main and retiring and not fired:
+            fired.append(1)
+            b.start()  # B routes while A is between retiring its pool and leaving the block
+            assert b_inside.wait(timeout=10)
+
+    main = threading.current_thread()
+    errors = []
+
+    def other():
+        try:
+            with impl._routed(torch, object(), torch.new_pool):
+                b_inside.set()
+                b_may_leave.wait(timeout=10)
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    b = threading.Thread(target=other)
+    monkeypatch.setattr(regions._routing, "collect", collect)
+    with impl._routed(torch, None):
+        pass
+    b_may_leave.set()
+    b.join()
+    assert fired and not errors, (fired, errors)
+    assert not destroyed_while_routing, "disable()'s pool was destroyed while another thread routed"

@@ -96,9 +96,12 @@ class _Routing:
             self.active -= 1
         self.collect(torch)
 
-    def retire(self, pool: Any, torch: Any) -> None:
+    def retire(self, route: Any, torch: Any) -> None:
+        """Take ``route``'s pool, its last reference, into ``retired`` (so that it is destroyed
+        only by ``collect``, while no route or capture is active), and collect."""
         with self.lock:
-            self.retired.append(pool)
+            self.retired.append(route.pool)
+            route.pool = None
         self.collect(torch)
 
     def collect(self, torch: Any) -> None:
@@ -357,8 +360,7 @@ class _Regions:
             stack.pop()
             route.stop(torch)
             if retire:
-                _routing.retire(route.pool, torch)
-                route.pool = None
+                _routing.retire(route, torch)
             if outer is not None:
                 outer.start(torch)
 
