@@ -189,3 +189,50 @@ def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypat
     b.join()
     assert fired and not errors, (fired, errors)
     assert not destroyed_while_routing, "disable()'s pool was destroyed while another thread routed"
+
+
+def test_a_pool_is_never_destroyed_while_a_thread_is_starting_its_route():
+    """A thread routes from the moment PyTorch's ``use_mem_pool`` is entered; it must count as
+    routing from then on (``_Routing.active``), or a ``disable()`` pool retired meanwhile in
+    another thread is destroyed under its route (PyTorch asserts, ending the process)."""
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = []
+
+    class Pool:
+        def __del__(self):
+            with torch.lock:
+                if torch.recording:
+                    destroyed_while_routing.append(dict(torch.recording))
+
+    torch.cuda.MemPool = staticmethod(Pool)
+    real_use = torch.cuda.use_mem_pool
+    b_routing, b_may_go_on = threading.Event(), threading.Event()
+    region_pool = object()
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool):
+        with real_use(pool):
+            if pool is region_pool:
+                b_routing.set()  # B routes to the region's pool now...
+                b_may_go_on.wait(timeout=10)  # ...and is held here, at the start of its route
+            yield
+
+    torch.cuda.use_mem_pool = staticmethod(use_mem_pool)
+    errors = []
+
+    def other():
+        try:
+            with impl._routed(torch, region_pool, torch.new_pool):
+                pass
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    b = threading.Thread(target=other)
+    with impl._routed(torch, None):  # A: a disable() block
+        b.start()
+        assert b_routing.wait(timeout=10)
+    b_may_go_on.set()
+    b.join()
+    assert not errors, errors
+    assert not destroyed_while_routing, "disable()'s pool was destroyed while another thread routed"

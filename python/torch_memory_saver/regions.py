@@ -127,14 +127,16 @@ class _Route:
 
     def start(self, torch: Any) -> None:
         using = _routing.claim(self.pool, self.make)
+        # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile.
+        _routing.enter()
         try:
             ctx = torch.cuda.use_mem_pool(using)
             ctx.__enter__()
         except BaseException:
             _routing.release(using)
+            _routing.leave(torch)
             raise
         self.ctx, self.using = ctx, using
-        _routing.enter()
 
     def stop(self, torch: Any) -> None:
         ctx, self.ctx = self.ctx, None
