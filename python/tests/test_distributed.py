@@ -632,3 +632,41 @@ def test_without_torch_a_call_over_torch_distributed_is_unsupported_saying_why(p
         """
     )
     assert "needs PyTorch (torch.distributed)" in r.stdout, r.stdout
+
+
+def test_a_gather_that_pairs_ranks_in_different_steps_fails_and_undoes():
+    """The agreement reads what it gathered: a rank late by a step (the others gave up on it,
+    undid theirs and went on; its collective pairs with their next one) must not take another
+    step's data for an outcome, nor for a confirmation. Either way the rank undoes its own change
+    and raises DistributedError, never returns success in a half-changed job nor a bare error."""
+    from torch_memory_saver import distributed as tmsd
+
+    def run(answers):
+        calls = {"act": 0, "undo": 0}
+        sent = []
+
+        def gather(mine):
+            sent.append(mine)
+            return answers[len(sent) - 1](mine)
+
+        def act():
+            calls["act"] += 1
+
+        def undo():
+            calls["undo"] += 1
+
+        try:
+            out = tmsd._agree("pause", "tag 'kv'", act, undo, lambda: 0, gather, 0)
+        except tmsd.DistributedError as e:
+            return calls, f"DistributedError: {e}"
+        except BaseException as e:  # noqa: BLE001 - what the test is about
+            return calls, f"{type(e).__name__}: {e}"
+        return calls, f"returned ok={out.ok}"
+
+    other_ok = {"rank": 1, "host": "h", "pid": 1, "ok": True, "bytes": 0, "seconds": 0.0, "error": None, "message": None}
+    # The other rank is a step ahead: its confirmation of an earlier call comes back as its outcome.
+    calls, said = run([lambda mine: [mine, {"rank": 1, "confirmed": True}]])
+    assert said.startswith("DistributedError") and calls["undo"] == 1, (said, calls)
+    # The other rank is a step behind: its outcome (of another call) comes back as its confirmation.
+    calls, said = run([lambda mine: [mine, other_ok], lambda mine: [mine, dict(other_ok, ok=False)]])
+    assert said.startswith("DistributedError") and calls["undo"] == 1, (said, calls)

@@ -239,6 +239,19 @@ def _raise(error: DistributedError, cause: Optional[BaseException], stop: List[B
     raise stop[0] from error
 
 
+def _gather_step(gather: Gather, mine: dict, step: List[str]) -> List[dict]:
+    """``gather(mine)``, checked to come from every rank at the same ``step`` (op, what, which
+    collective of the call): a rank late by a step pairs its collective with the others' next
+    one, whose data is of another step. Raised as the group's failure where it is not."""
+    everyone = gather({**mine, "step": step})
+    if not isinstance(everyone, list) or not all(isinstance(d, dict) and d.get("step") == step for d in everyone):
+        raise InvalidStateError(
+            f"the ranks were not at the same step ({step[2]} of {step[0]} of {step[1]}): a rank is late, or the "
+            "ranks called different operations"
+        )
+    return [{k: v for k, v in d.items() if k != "step"} for d in everyone]
+
+
 def _agree(
     op: str,
     what: str,
@@ -288,7 +301,7 @@ def _agree(
         "message": None if err is None else str(err) or ("" if isinstance(err, Exception) else "interrupted"),
     }
     try:
-        everyone = gather(mine)
+        everyone = _gather_step(gather, mine, [op, what, "outcome"])
     except BaseException as e:
         _stopped(stop, e)
         note = _describe_undo(undo, stop)
@@ -309,7 +322,7 @@ def _agree(
         # Once more, so that no rank returns success while another, which gave up waiting
         # for a late one, undid its own: a rank returns only having seen every rank agree.
         try:
-            gather({"rank": rank, "confirmed": True})
+            _gather_step(gather, {"rank": rank, "confirmed": True}, [op, what, "confirmation"])
         except BaseException as e:
             _stopped(stop, e)
             note = _describe_undo(undo, stop)
@@ -327,7 +340,7 @@ def _agree(
         return outcome
     mine["undo"] = _describe_undo(undo, stop)
     try:
-        everyone = gather(mine)
+        everyone = _gather_step(gather, mine, [op, what, "undo"])
     except BaseException as e:
         _stopped(stop, e)
         _raise(
