@@ -527,3 +527,26 @@ engine_test! {
         }
     }
 }
+
+/// A plan of two faults of one operation (`TMS_DISK_FAULTS=write:1,write:2`) fails the first
+/// and the second write: each fault counts every call of its operation. The second used to
+/// fire at the third write, as a fault was not counted on the call that fired another one.
+#[test]
+fn two_faults_of_one_operation_fire_at_the_calls_they_name() {
+    #[repr(align(4096))]
+    struct Page([u8; 4096]);
+    let d = tempfile::tempdir().unwrap();
+    let bd = disk::BackupDir::new(d.path()).unwrap();
+    let f = disk::DiskFile::create(&bd, 4096, 4096).unwrap();
+    let page = Box::new(Page([5u8; 4096]));
+    for (op, nth) in disk::parse_faults("write:1,write:2")
+        .unwrap()
+        .iter()
+        .map(|x| (x.0, x.1))
+    {
+        disk::arm_fault(Some(d.path()), op, nth, libc::EIO);
+    }
+    let fired: Vec<bool> = (0..3).map(|_| f.write_at(&page.0, 0).is_err()).collect();
+    disk::clear_faults(Some(d.path()));
+    assert_eq!(fired, [true, true, false], "calls that failed");
+}

@@ -109,15 +109,17 @@ pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
 /// An injected failure of `op` on `path`, if one is due.
 pub(super) fn injected(op: DiskOp, path: &Path) -> Option<std::io::Error> {
     let mut f = FAULTS.lock();
-    let i = f.iter_mut().position(|x| {
+    // Every fault of `op` on `path` counts this call, not only those before the one that fires.
+    let mut due = None;
+    for (i, x) in f.iter_mut().enumerate() {
         if x.op == op && x.dir.as_deref().is_none_or(|d| path.starts_with(d)) {
-            x.remaining -= 1;
-            x.remaining == 0
-        } else {
-            false
+            x.remaining = x.remaining.saturating_sub(1);
+            if x.remaining == 0 && due.is_none() {
+                due = Some(i);
+            }
         }
-    })?;
-    let e = f.remove(i);
+    }
+    let e = f.remove(due?);
     Some(std::io::Error::from_raw_os_error(e.errno))
 }
 
