@@ -110,6 +110,23 @@ fn a_backup_folder_created_under_umask_0777_is_usable() {
     assert_eq!(err, None, "the folder was made with mode {mode:?}");
 }
 
+/// A disk backup folder two levels below an existing one, made under umask 0777: each folder
+/// made is given mode 0700 before the next is made in it (a folder of mode 0000 cannot take
+/// one), and the pause works. It used to fail with "Permission denied" making the inner one.
+#[test]
+fn a_backup_folder_two_levels_deep_created_under_umask_0777_is_usable() {
+    if !in_child("a_backup_folder_two_levels_deep_created_under_umask_0777_is_usable") {
+        return;
+    }
+    let parent = folder("deep", 0o700);
+    let dir = parent.join("job").join("backups");
+    let err = create_under(0o777, &dir);
+    let modes = (mode_then_open(&parent.join("job")), mode_then_open(&dir));
+    let _ = std::fs::remove_dir_all(&parent);
+    assert_eq!(err, None, "the folders were made with modes {modes:?}");
+    assert_eq!(modes, (Some("700".into()), Some("700".into())));
+}
+
 /// A backup file made under umask 0777 gets mode 0600 all the same: once its process dies, the
 /// sweep (the library's at a folder's first use, and `tmsctl clean`'s) can open it to take its
 /// lock and removes it.

@@ -165,24 +165,29 @@ impl BackupDir {
             Ok(fd) => Ok(fd),
             Err(Errno::ENOENT) => {
                 // What is missing of the path, outermost first: each made with mode 0700.
-                let missing: Vec<&Path> = self
+                let mut missing: Vec<&Path> = self
                     .shown
                     .ancestors()
                     .take_while(|p| std::fs::symlink_metadata(p).is_err())
                     .collect();
-                std::fs::DirBuilder::new()
-                    .recursive(true)
-                    .mode(0o700)
-                    .create(&self.shown)
-                    .map_err(|e| match e.raw_os_error() {
-                        // A component that is a file, or a link to nowhere.
-                        Some(libc::ENOTDIR | libc::EEXIST) => self.bad(format!(
-                            "cannot be created: a part of the path is not a directory ({e})"
-                        )),
-                        _ => io_err(format!("creating {}", self.shown.display()), e),
-                    })?;
+                if missing.is_empty() {
+                    // A link to nowhere: creating the path tells what is wrong.
+                    missing.push(&self.shown);
+                }
+                // One at a time: a umask such as 0777 leaves each closed to us, and it must be
+                // opened to us before the next can be made in it.
                 for p in missing.iter().rev() {
-                    // A umask such as 0777 left it closed to us.
+                    std::fs::DirBuilder::new()
+                        .recursive(true)
+                        .mode(0o700)
+                        .create(p)
+                        .map_err(|e| match e.raw_os_error() {
+                            // A component that is a file, or a link to nowhere.
+                            Some(libc::ENOTDIR | libc::EEXIST) => self.bad(format!(
+                                "cannot be created: a part of the path is not a directory ({e})"
+                            )),
+                            _ => io_err(format!("creating {}", self.shown.display()), e),
+                        })?;
                     let _ = restore_owner_access(nix::fcntl::AT_FDCWD, *p, true, euid());
                 }
                 tracing::info!("created the disk backup directory {}", self.shown.display());
