@@ -142,13 +142,9 @@ def test_a_dropped_pool_that_needed_a_sibling_goes_with_its_siblings(monkeypatch
     assert [r() for r in refs] == [None, None], "a dropped pool (or its sibling) is still referenced"
 
 
-def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypatch):
-    """``disable()``'s pool of its own (``_routed(torch, None)``) may be destroyed only while no
-    thread routes (PyTorch asserts, ending the process, otherwise: see ``_Routing``). Thread A
-    leaves its block, its pool is retired while no one routes; thread B then enters a region
-    before A has finished leaving: A's pool must not be destroyed under B's route."""
-    torch = FakeTorch()
-    impl = saver._TorchMemorySaverImpl("torch")
+def _pools_telling_their_end(torch):
+    """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes is
+    recorded in the list returned."""
     destroyed_while_routing = []
 
     class Pool:
@@ -158,6 +154,17 @@ def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypat
                     destroyed_while_routing.append(dict(torch.recording))
 
     torch.cuda.MemPool = staticmethod(Pool)
+    return destroyed_while_routing
+
+
+def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypatch):
+    """``disable()``'s pool of its own (``_routed(torch, None)``) may be destroyed only while no
+    thread routes (PyTorch asserts, ending the process, otherwise: see ``_Routing``). Thread A
+    leaves its block, its pool is retired while no one routes; thread B then enters a region
+    before A has finished leaving: A's pool must not be destroyed under B's route."""
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = _pools_telling_their_end(torch)
     b_inside, b_may_leave = threading.Event(), threading.Event()
     real_collect = regions._routing.collect
     fired = []
@@ -197,15 +204,7 @@ def test_a_pool_is_never_destroyed_while_a_thread_is_starting_its_route():
     another thread is destroyed under its route (PyTorch asserts, ending the process)."""
     torch = FakeTorch()
     impl = saver._TorchMemorySaverImpl("torch")
-    destroyed_while_routing = []
-
-    class Pool:
-        def __del__(self):
-            with torch.lock:
-                if torch.recording:
-                    destroyed_while_routing.append(dict(torch.recording))
-
-    torch.cuda.MemPool = staticmethod(Pool)
+    destroyed_while_routing = _pools_telling_their_end(torch)
     real_use = torch.cuda.use_mem_pool
     b_routing, b_may_go_on = threading.Event(), threading.Event()
     region_pool = object()
