@@ -273,7 +273,7 @@ impl Engine {
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
-        let mut run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
+        let run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
             Ok(run) => run,
             Err(e) => {
                 let e = e.context(format!("pause of {}", pick.describe()));
@@ -281,7 +281,7 @@ impl Engine {
             }
         };
         // Still within this transaction: nothing comes between the failure and the restore.
-        let failed = std::mem::replace(&mut run.result, Ok(())).err().map(|e| {
+        let failed = run.result.err().map(|e| {
             let e = e.context(format!("pause of {}", pick.describe()));
             self.restore_part_paused(&mut tx, &cfg, &run.part_paused, e)
         });

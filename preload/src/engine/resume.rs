@@ -323,14 +323,27 @@ impl Engine {
             )
         });
         let done = self.restore_jobs(tx, cfg, pick, None, jobs)?;
-        let g = GiveBack {
-            released: self.leases.unleased(done.released),
-            drop_pages: self.leases.unread(done.drop_pages),
-            with: None::<()>,
-            threads: cfg.threads,
-        };
-        self.ops.releases.give_back(g, false);
+        self.give_back_committed(done.released, done.drop_pages, cfg.threads);
         Ok(())
+    }
+
+    /// Give back, with the operations lock still held, the host memory a commit within a
+    /// transaction no longer needs: the backups no lease holds, the pages nobody reads (the
+    /// page-locked ones on a thread, as after a blocking resume: Note [Releases]). How long
+    /// the part done here took.
+    fn give_back_committed(
+        &self,
+        released: Vec<Arc<HostBuffer>>,
+        drop_pages: Vec<BufferRanges>,
+        threads: usize,
+    ) -> f64 {
+        let g = GiveBack {
+            released: self.leases.unleased(released),
+            drop_pages: self.leases.unread(drop_pages),
+            with: None::<()>,
+            threads,
+        };
+        self.ops.releases.give_back(g, false)
     }
 
     /// The work of a resume on the jobs it marked, which go when it returns (and with them the
@@ -382,13 +395,8 @@ impl Engine {
             t.failure_kept();
             let done = self.commit(&jobs, done_made, pick, &|i| landed[i]);
             drop(jobs);
-            let g = GiveBack {
-                released: self.leases.unleased(done.released),
-                drop_pages: self.leases.unread(done.drop_pages),
-                with: None::<()>,
-                threads: cfg.threads,
-            };
-            let release_seconds = self.ops.releases.give_back(g, false);
+            let release_seconds =
+                self.give_back_committed(done.released, done.drop_pages, cfg.threads);
             // What landed changed state: the tags' last resume says so.
             tx.record_failed(done.tally, release_seconds);
             return Err(e);
