@@ -919,17 +919,27 @@ fn strategy(faults: bool) -> impl Strategy<Value = (Vec<Vec<Op>>, CopyConfig, bo
     )
 }
 
-engine_test! {
-    /// Threads on their own tags at once, no faults: each thread's model stays exact.
-    sim_only fn threads_match_their_models(h) [setup()] {
-        run_proptest(cases(64), strategy(false), |(threads, cfg, retain, segment)| {
+/// Cases of threads on their own tags at once, transient faults armed or not: each ends with
+/// its files removed.
+fn threads_against_their_models(h: &Harness, faults: bool) {
+    run_proptest(
+        cases(64),
+        strategy(faults),
+        |(threads, cfg, retain, segment)| {
             let h = h.again();
             h.e.set_copy_config(cfg).unwrap();
-            run_case(&h, &threads, retain, segment, false)?;
+            run_case(&h, &threads, retain, segment, faults)?;
             let ended = end(h)?;
             prop_assert_eq!(ended.files(), 0, "files removed");
             Ok(())
-        });
+        },
+    );
+}
+
+engine_test! {
+    /// Threads on their own tags at once, no faults: each thread's model stays exact.
+    sim_only fn threads_match_their_models(h) [setup()] {
+        threads_against_their_models(&h, false);
     }
 }
 
@@ -937,13 +947,6 @@ engine_test! {
     /// Threads on their own tags at once, arming transient faults that fire in any thread's
     /// call: whatever fails, nothing backed up or mapped is lost, and the end is clean.
     sim_only fn threads_survive_faults(h) [setup()] {
-        run_proptest(cases(64), strategy(true), |(threads, cfg, retain, segment)| {
-            let h = h.again();
-            h.e.set_copy_config(cfg).unwrap();
-            run_case(&h, &threads, retain, segment, true)?;
-            let ended = end(h)?;
-            prop_assert_eq!(ended.files(), 0, "files removed");
-            Ok(())
-        });
+        threads_against_their_models(&h, true);
     }
 }
