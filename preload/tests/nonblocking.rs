@@ -528,6 +528,27 @@ engine_test! {
     }
 }
 
+/// Two paused allocations of tag "n"; a non-blocking resume restores the second first, which
+/// lands, and fails after its return at the first's first copy.
+fn second_lands_then_the_first_fails(h: &Harness) -> Vec<(DevPtr, Vec<u8>)> {
+    let sim = h.simulated();
+    let g = h.g();
+    let allocs = paused(h, "n", 2, 2 * g);
+    // How many copies to the device one allocation's restore takes.
+    let probe = paused(h, "probe", 1, 2 * g);
+    let before = sim.calls(Prim::CopyH2D);
+    h.e.resume(Some("probe")).unwrap();
+    let per_alloc = sim.calls(Prim::CopyH2D) - before;
+    check_contents(h, &probe);
+    sim.arm_fault(Prim::CopyH2D, per_alloc + 1, 999);
+    Engine::resume_nonblocking(h.e.clone(), Some("n"), &[allocs[1].0], None).unwrap();
+    assert!(
+        h.e.wait_restored(Some(allocs[1].0), None).unwrap(),
+        "the second landed"
+    );
+    allocs
+}
+
 engine_test! {
     /// An allocation a failed non-blocking resume restored before it failed landed: its wait
     /// said so and the program may write it. It is committed restored; the failure belongs to
@@ -535,20 +556,9 @@ engine_test! {
     /// resume was left unrestored, so the pause gave that memory back unsaved and the next
     /// resume brought back the old backup over the program's writes).
     sim_only fn what_landed_before_a_failure_after_the_return_stays_restored(h) [Setup::default().small_pieces(1)] {
-        let sim = h.simulated();
         let g = h.g();
-        let mut allocs = paused(&h, "n", 2, 2 * g);
-        // How many copies to the device one allocation's restore takes.
-        let probe = paused(&h, "probe", 1, 2 * g);
-        let before = sim.calls(Prim::CopyH2D);
-        h.e.resume(Some("probe")).unwrap();
-        let per_alloc = sim.calls(Prim::CopyH2D) - before;
-        check_contents(&h, &probe);
-        // The second allocation is restored first; the first's first copy fails.
+        let mut allocs = second_lands_then_the_first_fails(&h);
         let (first, second) = (allocs[0].0, allocs[1].0);
-        sim.arm_fault(Prim::CopyH2D, per_alloc + 1, 999);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[second], None).unwrap();
-        assert!(h.e.wait_restored(Some(second), None).unwrap(), "the second landed");
         let written = pattern(64, 77);
         h.write(second + 100, &written);
         allocs[1].1[100..164].copy_from_slice(&written);
@@ -1091,20 +1101,9 @@ engine_test! {
     sim_only fn a_resume_failing_after_its_return_is_the_last_resume_of_what_it_restored(h)
         [Setup::default().small_pieces(1)]
     {
-        let sim = h.simulated();
         let g = h.g();
-        let allocs = paused(&h, "n", 2, 2 * g);
-        // How many copies to the device one allocation's restore takes.
-        let probe = paused(&h, "probe", 1, 2 * g);
-        let before = sim.calls(Prim::CopyH2D);
-        h.e.resume(Some("probe")).unwrap();
-        let per_alloc = sim.calls(Prim::CopyH2D) - before;
-        check_contents(&h, &probe);
-        // The second allocation is restored first; the first's first copy fails.
+        let allocs = second_lands_then_the_first_fails(&h);
         let (first, second) = (allocs[0].0, allocs[1].0);
-        sim.arm_fault(Prim::CopyH2D, per_alloc + 1, 999);
-        Engine::resume_nonblocking(h.e.clone(), Some("n"), &[second], None).unwrap();
-        assert!(h.e.wait_restored(Some(second), None).unwrap(), "the second landed");
         assert!(h.e.wait_restored(Some(first), None).is_err());
         assert_eq!(state(&h.e, second), State::Active);
         let last = tag_stats(&h.e, "n").last_resume;
