@@ -31,6 +31,17 @@ pub(super) struct Gates {
     link: Mutex<(Option<u64>, Instant)>,
 }
 
+/// The calls that wait while held, before they take the driver's lock.
+pub const HOLDABLE: [Prim; 7] = [
+    Prim::Create,
+    Prim::Synchronize,
+    Prim::EventSync,
+    Prim::CopyD2H,
+    Prim::CopyH2D,
+    Prim::HostRegister,
+    Prim::HostUnregister,
+];
+
 impl Gates {
     pub(super) fn new() -> Self {
         Gates {
@@ -86,7 +97,15 @@ impl SimDriver {
     /// Make every call of `prim` (on `device`, or on any device if `None`) wait, before it
     /// does anything, until [`SimDriver::unhold`] of it: a device stalled at a chosen point (say,
     /// on work that waits for a host thread).
+    ///
+    /// # Panics
+    /// For a `prim` whose calls do not look at holds ([`HOLDABLE`] lists those that do): a
+    /// test holding one would otherwise race where it means to stall the device.
     pub fn hold(&self, prim: Prim, device: Option<i32>) {
+        assert!(
+            HOLDABLE.contains(&prim),
+            "the sim does not hold {prim:?}: it holds {HOLDABLE:?}"
+        );
         self.gates.holds.lock().held.insert((prim, device));
     }
 

@@ -24,6 +24,7 @@ use parking_lot::Mutex;
 
 pub use config::{SimConfig, SimEnv};
 pub use faults::{parse_faults, FaultPlan, Prim, PANIC};
+pub use gates::HOLDABLE;
 
 use super::gate::DeviceWide;
 use super::{DevPtr, DeviceToken, Driver, Event, Gate, GateWaits, MemInfo, PhysHandle, Stream};
@@ -416,6 +417,8 @@ impl Driver for SimDriver {
     }
 
     unsafe fn copy_d2h(&self, dst: *mut u8, src: DevPtr, len: u64, stream: Stream) -> Result<()> {
+        self.gates
+            .wait_if_held(Prim::CopyD2H, Some(stream_device(stream)));
         self.gates.use_link(len);
         let mut g = self.inner.lock();
         g.enter(Prim::CopyD2H, || format!("{len} bytes from {src:#x}"))?;
@@ -429,6 +432,8 @@ impl Driver for SimDriver {
     }
 
     unsafe fn copy_h2d(&self, dst: DevPtr, src: *const u8, len: u64, stream: Stream) -> Result<()> {
+        self.gates
+            .wait_if_held(Prim::CopyH2D, Some(stream_device(stream)));
         self.gates.use_link(len);
         let mut g = self.inner.lock();
         g.enter(Prim::CopyH2D, || format!("{len} bytes to {dst:#x}"))?;

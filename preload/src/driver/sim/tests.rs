@@ -281,3 +281,60 @@ fn host_registration_is_tracked_and_checked() {
     assert_eq!(d.pinned_bytes(), 0);
     crate::os::munmap(buf, 4 * page).unwrap();
 }
+
+/// Every call [`HOLDABLE`] names waits while held, on its device or on all of them; a hold of
+/// any other call is refused, since it would not stall anything.
+#[test]
+fn holds_stall_the_calls_they_name_and_no_others() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let d = Arc::new(sim());
+    let (va, h, size) = mapped(&d);
+    for (prim, device) in [(Prim::CopyD2H, None), (Prim::CopyH2D, Some(0))] {
+        d.hold(prim, device);
+        let t = {
+            let d = d.clone();
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 64];
+                let s = d.stream(0).unwrap();
+                // SAFETY: mapped range; buf outlives the copy (synchronized below).
+                unsafe {
+                    if prim == Prim::CopyD2H {
+                        d.copy_d2h(buf.as_mut_ptr(), va, 64, s).unwrap();
+                    } else {
+                        d.copy_h2d(va, buf.as_ptr(), 64, s).unwrap();
+                    }
+                }
+                d.stream_sync(s).unwrap();
+            })
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        while d.held_calls() != 1 {
+            assert!(Instant::now() < until, "{prim:?} did not wait for its hold");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(d.queued_copies(), 0, "{prim:?} queued nothing while held");
+        d.unhold(prim, device);
+        t.join().unwrap();
+    }
+    d.hold(Prim::CopyD2H, Some(1));
+    let mut buf = vec![0u8; 64];
+    let s = d.stream(0).unwrap();
+    // SAFETY: as above.
+    unsafe { d.copy_d2h(buf.as_mut_ptr(), va, 64, s).unwrap() };
+    d.stream_sync(s).unwrap();
+    assert_eq!(
+        d.held_calls(),
+        0,
+        "a hold on device 1 leaves device 0 alone"
+    );
+    d.unhold(Prim::CopyD2H, Some(1));
+    let refused =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.hold(Prim::Map, None)))
+            .unwrap_err();
+    let msg = refused.downcast_ref::<String>().unwrap();
+    assert!(msg.contains("does not hold Map"), "{msg}");
+    d.unmap(va, size).unwrap();
+    d.release(h).unwrap();
+    d.free_range(va, size).unwrap();
+}
