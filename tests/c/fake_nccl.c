@@ -15,7 +15,10 @@
  * ncclCommSuspend in the process (counting from 1) with ncclInvalidUsage, and
  * FAKE_NCCL_FAIL_RESUME=N the N-th call of ncclCommResume with ncclUnhandledCudaError;
  * FAKE_NCCL_BLOCK_SUSPEND=N makes the N-th ncclCommSuspend wait for peers that never come, until
- * ncclCommAbort on that communicator ends it with ncclRemoteError.
+ * ncclCommAbort on that communicator ends it with ncclRemoteError. FAKE_NCCL_DEREGISTER_ASYNC=N
+ * makes a deregistration go on in the background, as on a non-blocking communicator: it answers
+ * ncclInProgress, and ncclCommGetAsyncError answers ncclInProgress for the next N calls, then
+ * ncclSuccess.
  */
 #include "fake_nccl.h"
 
@@ -39,6 +42,7 @@ struct fake_comm {
     void *scratch;
     int aborting; /* ncclCommAbort began (atomic) */
     int in_call;  /* a call waits for peers (atomic): ncclCommAbort ends it first */
+    long running; /* ncclCommGetAsyncError answers ncclInProgress this many more times */
 };
 
 static struct fake_comm *comms[MAX_COMMS];
@@ -184,6 +188,11 @@ static int deregister_buffer(ncclComm_t comm, void *handle) {
     }
     free(handle);
     registrations--;
+    const char *async = getenv("FAKE_NCCL_DEREGISTER_ASYNC");
+    if (async != NULL) {
+        comm->running = atol(async);
+        return ncclInProgress;
+    }
     return ncclSuccess;
 }
 
@@ -222,8 +231,15 @@ int ncclCommCuDevice(ncclComm_t comm, int *device) {
 }
 
 int ncclCommGetAsyncError(ncclComm_t comm, int *async_error) {
+    if (!valid(comm)) {
+        return ncclInvalidArgument;
+    }
     *async_error = ncclSuccess;
-    return valid(comm) ? ncclSuccess : ncclInvalidArgument;
+    if (comm->running > 0) {
+        comm->running--;
+        *async_error = ncclInProgress;
+    }
+    return ncclSuccess;
 }
 
 const char *ncclGetLastError(ncclComm_t comm) {

@@ -17,6 +17,7 @@ typedef struct { char internal[128]; } ncclUniqueId;
 #define ncclInvalidArgument 4
 #define ncclInvalidUsage 5
 #define ncclRemoteError 6
+#define ncclInProgress 7
 #define NCCL_SPLIT_NOCOLOR -1
 #define NCCL_SUSPEND_MEM 0x01
 #define ncclFloat32 7

@@ -245,6 +245,31 @@ static int mode_registered(void) {
     return finish("registered");
 }
 
+/* A deregistration going on in the background (ncclInProgress, as on a non-blocking
+ * communicator): its buffer stays kept while the communicator's calls run, and pauses once they
+ * have ended well. */
+static int mode_deregistering(void) {
+    ncclComm_t c = make_comm();
+    char *a = alloc_in("kv", 4 * MIB);
+    void *h = NULL;
+    check(ncclCommRegister(c, a + 4096, 8192, &h) == ncclSuccess && h != NULL,
+          "ncclCommRegister");
+    setenv("FAKE_NCCL_DEREGISTER_ASYNC", "1", 1);
+    int rc = ncclCommDeregister(c, h);
+    check(rc == ncclInProgress, "ncclCommDeregister goes on in the background (rc %d)", rc);
+    unsetenv("FAKE_NCCL_DEREGISTER_ASYNC");
+    check(p_tms_pause("kv") == TMS_OK, "pause of kv (%s)", last_error());
+    print_stats("running");
+    memset(a, 1, 4 * MIB); /* still mapped: on the sim, touching a paused range faults */
+    check(p_tms_resume("kv") == TMS_OK, "resume of kv");
+    check(p_tms_pause("kv") == TMS_OK, "pause of kv (%s)", last_error());
+    print_stats("ended");
+    check(p_tms_resume("kv") == TMS_OK, "resume of kv");
+    cudaFree(a);
+    ncclCommDestroy(c);
+    return finish("deregistering");
+}
+
 /* TMS_INIT_ENABLE=1 (every cudaMalloc pauseable): NCCL's own allocations, making a
  * communicator and in ncclMemAlloc, pass through; the tag is reserved. */
 static int mode_own_memory(void) {
@@ -405,7 +430,7 @@ static int mode_missing(void) {
 
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s flow|in_all|rollback|old|registered|own_memory|adopt|serve\n",
+        fprintf(stderr, "usage: %s flow|in_all|rollback|old|registered|deregistering|own_memory|adopt|serve\n",
                 argv[0]);
         return 2;
     }
@@ -423,7 +448,8 @@ int main(int argc, char **argv) {
     } modes[] = {
         {"flow", mode_flow},         {"in_all", mode_in_all},
         {"rollback", mode_rollback}, {"old", mode_old},
-        {"registered", mode_registered}, {"own_memory", mode_own_memory},
+        {"registered", mode_registered}, {"deregistering", mode_deregistering},
+        {"own_memory", mode_own_memory},
         {"own_memory_resume", mode_own_memory_resume},
         {"serve", mode_serve},       {"abort_hung", mode_abort_hung},
         {"missing", mode_missing},

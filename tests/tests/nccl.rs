@@ -228,6 +228,17 @@ fn registered_buffers_are_kept_resident_or_refused_by_name() {
     assert_eq!(kv("unregistered")["paused_allocations"], 2);
 }
 
+/// A deregistration NCCL goes on with in the background keeps its buffer's allocation mapped
+/// until the communicator says its calls ended well, then lets it pause.
+#[test]
+fn a_deregistration_in_the_background_keeps_the_buffer_until_it_ends() {
+    let r = run_nccl("deregistering", false, &[]);
+    let kv = |label: &str| tag(&r.stats(label), "kv").unwrap().clone();
+    assert_eq!(kv("running")["paused_allocations"], 0, "kept while it runs");
+    assert_eq!(kv("ended")["paused_allocations"], 1, "paused once it ended");
+    assert_eq!(nccl(&r.stats("ended"))["nccl"]["registered_buffers"], 0);
+}
+
 /// NCCL's own allocations (making a communicator, `ncclMemAlloc`) are never pauseable, even
 /// with every thread in a region; the tag cannot be a region's.
 #[test]

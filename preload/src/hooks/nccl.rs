@@ -377,12 +377,14 @@ fn registering(
 }
 
 /// Undo the registration `handle` of `comm` through `f` (NCCL's deregistration of its kind);
-/// once NCCL has, it is forgotten.
+/// once NCCL has, it is forgotten (where it goes on in the background, once it has ended well).
 fn deregistering(comm: *mut c_void, handle: *mut c_void, f: DeregisterFn) -> c_int {
     // SAFETY: `f` is NCCL's call of this interposer's name, given the caller's arguments.
     let rc = unsafe { f(comm, handle) };
-    if rc == NCCL_SUCCESS {
-        note(|c| c.deregistered(handle as usize));
+    match rc {
+        NCCL_SUCCESS => note(|c| c.deregistered(handle as usize)),
+        NCCL_IN_PROGRESS => note(|c| c.deregistering(handle as usize)),
+        _ => {}
     }
     rc
 }

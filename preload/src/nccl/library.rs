@@ -51,6 +51,10 @@ pub trait Library: Send + Sync {
     fn mem_stat(&self, comm: usize, stat: MemStat) -> Result<u64>;
     /// `ncclCommCuDevice(comm)`, where it answers.
     fn device(&self, comm: usize) -> Option<i32>;
+    /// Where `comm`'s queued non-blocking calls stand (`ncclCommGetAsyncError`), without
+    /// waiting: `Some(true)` all ended well, `Some(false)` still running, `None` one failed or
+    /// this NCCL cannot say.
+    fn settled(&self, comm: usize) -> Option<bool>;
 }
 
 /// `2.29.7` for NCCL's version code (`NCCL_VERSION(X,Y,Z)`: X*1000+Y*100+Z up to 2.8, then
@@ -272,6 +276,19 @@ impl Library for Loaded {
         // SAFETY: as for suspend; v is a plain out-parameter.
         let rc = unsafe { f(comm as *mut c_void, stat as c_int, &mut v) };
         c.finished("ncclCommMemStats", comm, rc).map(|()| v)
+    }
+
+    fn settled(&self, comm: usize) -> Option<bool> {
+        let f = Calls::get().async_error?;
+        let mut rc: c_int = NCCL_SUCCESS;
+        // SAFETY: comm is a live communicator (the registry forgets it before it ends), rc a
+        // plain out-parameter.
+        let r = unsafe { f(comm as *mut c_void, &mut rc) };
+        match (r, rc) {
+            (NCCL_SUCCESS, NCCL_SUCCESS) => Some(true),
+            (NCCL_SUCCESS, NCCL_IN_PROGRESS) => Some(false),
+            _ => None,
+        }
     }
 
     fn device(&self, comm: usize) -> Option<i32> {

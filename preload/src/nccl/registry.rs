@@ -36,6 +36,9 @@ struct Buffer {
     len: u64,
     /// The call that registered it.
     call: &'static str,
+    /// Its deregistration answered `ncclInProgress`: it goes once its communicator's queued
+    /// calls have ended well, and stays registered if one of them failed.
+    leaving: bool,
 }
 
 #[derive(Default)]
@@ -156,12 +159,24 @@ impl Communicators {
             addr,
             len,
             call,
+            leaving: false,
         });
     }
 
     /// The registration `handle` is no more.
     pub fn deregistered(&self, handle: usize) {
         self.state.lock().buffers.retain(|b| b.handle != handle);
+    }
+
+    /// The deregistration of `handle` goes on in the background (a non-blocking communicator
+    /// answered `ncclInProgress`): until it is seen to end well the buffer counts as
+    /// registered, since unmapping it under a deregistration that then fails would leave NCCL
+    /// a registration of memory that is gone.
+    pub fn deregistering(&self, handle: usize) {
+        let mut st = self.state.lock();
+        if let Some(b) = st.buffers.iter_mut().find(|b| b.handle == handle) {
+            b.leaving = true;
+        }
     }
 
     /// Mark busy the communicators whose `suspended` is `state`, in order, once no call of
@@ -322,9 +337,25 @@ impl Comms for Communicators {
     }
 
     fn registrations(&self) -> Vec<Registration> {
-        self.state
-            .lock()
-            .buffers
+        let mut st = self.state.lock();
+        // Deregistrations in the background are asked about under the lock, so that the
+        // communicator cannot end meanwhile (its end waits for the lock before NCCL's call).
+        let mut asked: Vec<(usize, Option<bool>)> = Vec::new();
+        for b in st.buffers.iter_mut().filter(|b| b.leaving) {
+            let now = match asked.iter().find(|(c, _)| *c == b.comm) {
+                Some(&(_, now)) => now,
+                None => {
+                    let now = self.lib.settled(b.comm);
+                    asked.push((b.comm, now));
+                    now
+                }
+            };
+            // A failed call: the deregistration may be what failed, so the buffer stays.
+            b.leaving = now.is_some();
+        }
+        st.buffers
+            .retain(|b| !(b.leaving && asked.contains(&(b.comm, Some(true)))));
+        st.buffers
             .iter()
             .map(|b| Registration {
                 addr: b.addr,
@@ -428,6 +459,8 @@ mod tests {
         suspends: AtomicUsize,
         resumes: AtomicUsize,
         log: Mutex<Vec<String>>,
+        /// What `settled` answers.
+        settled: Mutex<Option<bool>>,
     }
 
     impl Library for Arc<Fake> {
@@ -462,6 +495,10 @@ mod tests {
         }
         fn device(&self, _: usize) -> Option<i32> {
             Some(0)
+        }
+        fn settled(&self, comm: usize) -> Option<bool> {
+            self.log.lock().push(format!("settled {comm}"));
+            *self.settled.lock()
         }
     }
 
@@ -586,5 +623,50 @@ mod tests {
         c.created(4);
         c.adopt(&[]);
         assert_eq!(c.stats(&d).unwrap().communicators, 1);
+    }
+
+    /// A deregistration answered `ncclInProgress` keeps its buffer registered while its
+    /// communicator's calls run, drops it once they ended well, and keeps it for good (as
+    /// registered) when one failed; communicators are asked once each, and only about those.
+    #[test]
+    fn a_deregistration_in_the_background_counts_once_it_ended_well() {
+        let (f, c, _) = setup(Fake::default());
+        c.created(1);
+        c.created(2);
+        c.registered("ncclCommRegister", 1, 100, 0x1000, 64);
+        c.registered("ncclCommRegister", 1, 101, 0x2000, 64);
+        c.registered("ncclCommRegister", 2, 102, 0x3000, 64);
+        c.deregistering(100);
+        c.deregistering(101);
+        *f.settled.lock() = Some(false);
+        assert_eq!(
+            c.registrations().len(),
+            3,
+            "still running: still registered"
+        );
+        assert_eq!(
+            *f.log.lock(),
+            ["settled 1"],
+            "one question per communicator"
+        );
+        *f.settled.lock() = Some(true);
+        let left: Vec<u64> = c.registrations().iter().map(|r| r.addr).collect();
+        assert_eq!(left, [0x3000], "ended well: gone");
+        f.log.lock().clear();
+        c.registrations();
+        assert!(f.log.lock().is_empty(), "nothing left to ask about");
+
+        c.registered("ncclCommRegister", 2, 103, 0x4000, 64);
+        c.deregistering(103);
+        *f.settled.lock() = None;
+        assert_eq!(c.registrations().len(), 2, "a failure: it stays registered");
+        *f.settled.lock() = Some(true);
+        assert_eq!(
+            c.registrations().len(),
+            2,
+            "and is not taken for gone later"
+        );
+        c.deregistered(103);
+        assert_eq!(c.registrations().len(), 1);
     }
 }
