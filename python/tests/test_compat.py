@@ -303,6 +303,30 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
     assert "NOTFOUND" in r.stdout and "0x3039" in r.stdout, r.stdout
 
 
+def test_get_cpu_backup_is_none_without_the_library_preloaded():
+    # Integrations ask for every parameter's backup, also in processes that never enabled the
+    # library (preload mode without LD_PRELOAD): there are no backups there, so None, as the
+    # docstring says; the library is not loaded for it, and other calls still raise.
+    pytest.importorskip("torch")
+    r = run_py(
+        """
+        import torch
+        assert tms.hook_mode == "preload" and not tms.available
+        assert tms.get_cpu_backup(torch.arange(64)) is None
+        assert tms.get_cpu_backup(torch.arange(64), zero_copy=True) is None
+        assert tms._impl._lib is None, "loaded for nothing"
+        try:
+            tms.pause("kv")
+            raise SystemExit("a pause without the library was taken")
+        except tms_pkg.LibraryNotFoundError:
+            pass
+        print("OK")
+        """,
+        clean_env(),
+    )
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
 def test_get_cpu_backup_is_none_where_there_is_nothing_to_back_up(preloaded):
     # slime asks for every parameter's backup (zero_copy=True) and falls back on None, as the
     # existing library answers for a tensor outside its allocations. With torch on the CPU, a

@@ -33,11 +33,14 @@ class _CpuBackups:
     """``get_cpu_backup`` of :class:`~.saver._TorchMemorySaverImpl`, which gives the library."""
 
     _library: Callable[[], BinaryWrapper]
+    _lib: Optional[BinaryWrapper]
+    available: bool
 
     def get_cpu_backup(self, tensor: "torch.Tensor", zero_copy: bool = False) -> "Optional[torch.Tensor]":
         """The host backup of ``tensor`` as a CPU tensor of the same dtype and shape, or None
         where there is no complete snapshot (no backup enabled; active with the backup released;
-        a pause writing it, or one that failed) and where there is nothing to back up: a tensor
+        a pause writing it, or one that failed; no library in this process, as in preload mode
+        without ``LD_PRELOAD``) and where there is nothing to back up: a tensor
         that does not lie inside one pauseable allocation (made outside every region, or
         spanning two), or an empty one. Integrations ask for every parameter and fall back on
         None, as the existing library answers. While paused it holds the contents; while active
@@ -54,6 +57,8 @@ class _CpuBackups:
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0:
             return None
+        if self._lib is None and not self.available:
+            return None  # no library in this process (preload mode without LD_PRELOAD): no backups
         try:
             return self._backup_of(tensor, nbytes, zero_copy)
         except NotFoundError:

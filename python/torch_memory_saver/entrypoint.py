@@ -716,8 +716,8 @@ class TorchMemorySaver:
     def get_cpu_backup(self, x: "torch.Tensor", zero_copy: bool = False) -> "Optional[torch.Tensor]":
         """The host backup of ``x`` as a CPU tensor of the same dtype and shape (a copy, or with
         ``zero_copy=True`` a view of the backup itself, which stays mapped and unchanged while
-        the view lives), or None where there is none (no backup enabled, or the allocation is
-        active and its backup was released) and where ``x`` does not lie inside one pauseable
+        the view lives), or None where there is none (no backup enabled, the allocation active
+        with its backup released, or no library in this process) and where ``x`` does not lie inside one pauseable
         allocation or is empty, as the existing library answers. ``x`` must be contiguous. With
         ``retain_cpu_backup`` on, a ``zero_copy`` view of a pinned backup is page-locked memory:
         the call waits for the background page-locking of that backup to finish."""
