@@ -235,3 +235,47 @@ def test_a_pool_is_never_destroyed_while_a_thread_is_starting_its_route():
     b.join()
     assert not errors, errors
     assert not destroyed_while_routing, "disable()'s pool was destroyed while another thread routed"
+
+
+def test_no_route_starts_while_a_retired_pool_is_destroyed():
+    """``collect`` destroys retired pools after letting go of its lock (a pool's end may run
+    code that routes again); a thread entering a region meanwhile must wait for the end, or
+    PyTorch sees a pool destroyed under its route (and asserts, ending the process)."""
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    dying, may_die = threading.Event(), threading.Event()
+
+    class Slow(torch.cuda.MemPool):
+        def __del__(self):
+            dying.set()
+            may_die.wait(timeout=10)
+            super().__del__()
+
+    torch.cuda.MemPool = staticmethod(Slow)
+    b_routed = threading.Event()
+    errors = []
+
+    def disable_block():  # A: leaving it destroys its own pool, slowly
+        with impl._routed(torch, None):
+            pass
+
+    def region():  # B: enters a region while A's pool is being destroyed
+        try:
+            with impl._routed(torch, object(), torch.new_pool):
+                b_routed.set()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    a, b = threading.Thread(target=disable_block), threading.Thread(target=region)
+    a.start()
+    assert dying.wait(timeout=10)
+    b.start()
+    routed_early = b_routed.wait(timeout=0.5)
+    may_die.set()
+    a.join()
+    b.join()
+    assert not routed_early, "B routed while A's pool was being destroyed"
+    assert b_routed.is_set() and not errors, errors
+    assert not destroyed_while_routing
+    assert regions._routing.destroying is None and not regions._routing.active

@@ -40,13 +40,19 @@ class _Routing:
     thread routes to a pool or captures a graph: the pool's destructor frees its cache, which
     needs that nothing be under way. ``disable()`` destroys its pool to give the cache back, so
     it does so only when no route or capture of this package is active in any thread; until
-    then the pool waits in ``retired`` and goes with the last route or capture to end.
+    then the pool waits in ``retired`` and goes with the last route or capture to end, and no
+    route or capture starts in another thread until it has gone.
     """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
+        # Signalled when a destruction of retired pools ends (``destroying`` back to None).
+        self.done = threading.Condition(self.lock)
         self.active = 0
         self.retired: list = []
+        # The thread destroying retired pools, which it does after letting go of the lock (a
+        # pool's end can run Python code that routes again): others wait to route till it ends.
+        self.destroying: Optional[int] = None
         # PyTorch lets one thread at a time route to a pool ("beginAllocateToPool: already
         # recording to mempool_id"), so a region entered by a second thread while the first is
         # inside it gets a sibling pool of the same kind. busy: id(pool) -> the thread routing
@@ -87,8 +93,15 @@ class _Routing:
         with self.lock:
             self.busy.pop(id(pool), None)
 
+    def _wait_for_destruction(self) -> None:
+        """Wait (the lock held) while another thread destroys retired pools."""
+        me = threading.get_ident()
+        while self.destroying not in (None, me):
+            self.done.wait()
+
     def enter(self) -> None:
         with self.lock:
+            self._wait_for_destruction()
             self.active += 1
 
     def leave(self, torch: Any) -> None:
@@ -105,11 +118,21 @@ class _Routing:
         self.collect(torch)
 
     def collect(self, torch: Any) -> None:
+        me = threading.get_ident()
         with self.lock:
+            self._wait_for_destruction()
+            if self.destroying == me:  # from a pool's end: the destruction under way goes on
+                return
             if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
                 return
             dead, self.retired = self.retired, []
-        del dead  # the last references: each pool gives its cached blocks back to the device
+            self.destroying = me
+        try:
+            del dead  # the last references: each pool gives its cached blocks back to the device
+        finally:
+            with self.lock:
+                self.destroying = None
+                self.done.notify_all()
 
 
 _routing = _Routing()
