@@ -472,6 +472,18 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             Err(f) => failure = Some((sock, f, prepared)),
         }
     }
+    // A Ctrl-C while the last process's quick reply came: the job fails there all the same, and
+    // what it did is undone with the rest.
+    if let (None, Some(last), true) = (&failure, done.last(), crate::interrupt::taken()) {
+        let f = Failure::new(
+            Code::Running,
+            format!(
+                "process {}: interrupted (Ctrl-C) as it answered: what it did is undone",
+                last.sock.pid()
+            ),
+        );
+        failure = Some((last.sock.clone(), f, None));
+    }
     let Some((failed_sock, f, failed_undo)) = failure else {
         // Every process did it: printed as without --atomic (a process that never had the tag
         // told on stderr, exit code 6); the JSON keeps the shape of a failure's (nothing

@@ -739,3 +739,20 @@ fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
         r.dump()
     );
 }
+
+/// Ctrl-C during the last process's quick `--atomic` pause still fails the job: that pause is
+/// undone and said so, exit 7. (With no process left to ask, tmsctl used to exit 0 as if no
+/// Ctrl-C had come.)
+#[test]
+fn ctrl_c_during_the_last_quick_atomic_pause_undoes_it() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let Slow { paused, asked } = slow_server(dir, &["chunks"], 0, 100);
+    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
+    assert!(
+        r.stderr.contains("interrupted (Ctrl-C) as it answered"),
+        "{}",
+        r.dump()
+    );
+    assert_undone(&r, &paused);
+}
