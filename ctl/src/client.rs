@@ -137,17 +137,31 @@ fn connect_within(path: &std::path::Path, wait: Duration) -> io::Result<UnixStre
         SockFlag::SOCK_CLOEXEC,
         None,
     )?;
-    // Never 0, which would mean no bound at all.
-    let micros = i64::try_from(wait.as_micros())
-        .unwrap_or(i64::MAX)
-        .max(1000);
-    setsockopt(&fd, SendTimeout, &TimeVal::microseconds(micros))?;
+    let deadline = Instant::now() + wait;
+    let mut left = wait;
     loop {
+        // Never 0, which would mean no bound at all.
+        let micros = i64::try_from(left.as_micros())
+            .unwrap_or(i64::MAX)
+            .max(1000);
+        setsockopt(&fd, SendTimeout, &TimeVal::microseconds(micros))?;
         match connect(fd.as_raw_fd(), &addr) {
-            Err(Errno::EINTR) => continue,
-            r => r?,
+            // A signal: a Ctrl-C that `--atomic` takes ends the wait; any other goes on with
+            // what is left of it, not a new one.
+            Err(Errno::EINTR) if crate::interrupt::taken() => {
+                return Err(io::Error::new(io::ErrorKind::Interrupted, "Ctrl-C"))
+            }
+            Err(Errno::EINTR) => {
+                left = deadline.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+            }
+            r => {
+                r?;
+                return Ok(UnixStream::from(fd));
+            }
         }
-        return Ok(UnixStream::from(fd));
     }
 }
 
@@ -212,6 +226,13 @@ impl Client {
                         "process {pid} did not take the connection on {shown} within {:.1} s \
                          (--timeout): its queue of connections is full",
                         timeout.as_secs_f64()
+                    ),
+                ),
+                io::ErrorKind::Interrupted => Failure::new(
+                    Code::Running,
+                    format!(
+                        "process {pid}: interrupted (Ctrl-C) while connecting, before it was \
+                         asked: nothing was sent to it"
                     ),
                 ),
                 io::ErrorKind::PermissionDenied => Failure::new(

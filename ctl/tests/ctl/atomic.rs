@@ -756,3 +756,43 @@ fn ctrl_c_during_the_last_quick_atomic_pause_undoes_it() {
     );
     assert_undone(&r, &paused);
 }
+
+/// Ctrl-C while `--atomic` waits in `connect` for a process whose accept queue is full ends the
+/// wait: the job fails there, nothing sent to it, exit 7. (The interrupted `connect` was tried
+/// again with a whole new wait, and the Ctrl-C was not looked at: tmsctl sat out --timeout.)
+#[test]
+fn ctrl_c_while_connecting_for_an_atomic_pause_ends_the_wait() {
+    let sb = sandbox();
+    let _full = FullQueue::listen(private_dir(&sb));
+    let mut cmd = clean(std::process::Command::new(tmsctl()), &sb);
+    cmd.args(atomic_pause_kv("60"));
+    cmd.stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = cmd.spawn().expect("tmsctl");
+    // In connect (its first field is the system call it waits in).
+    let syscall = format!("/proc/{}/syscall", child.id());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::fs::read_to_string(&syscall)
+        .map_or(true, |s| !s.starts_with(&format!("{} ", libc::SYS_connect)))
+    {
+        assert!(Instant::now() < deadline, "tmsctl never waited in connect");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t0 = Instant::now();
+    // SAFETY: a signal to the child this test started and has not waited for yet.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+    let r = Ran::of(child.wait_with_output().expect("wait for tmsctl"));
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "tmsctl sat out its --timeout: {:?}",
+        t0.elapsed()
+    );
+    let j = r.json_exit(7);
+    assert!(
+        r.stderr.contains("interrupted (Ctrl-C) while connecting"),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+}

@@ -481,3 +481,50 @@ impl Drop for Victim {
         let _ = self.0.wait();
     }
 }
+
+/// A socket of this test process in a folder whose accept queue is full: a connection to it
+/// waits in `connect` (a process stopped, or too slow to take its connections).
+pub struct FullQueue {
+    _listener: std::os::fd::OwnedFd,
+    _queued: Vec<std::os::fd::OwnedFd>,
+}
+
+impl FullQueue {
+    pub fn listen(dir: &Path) -> FullQueue {
+        use nix::sys::socket::{
+            bind, connect, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
+        };
+        use std::os::fd::AsRawFd;
+        let addr = UnixAddr::new(&dir.join(our_name(std::process::id()))).expect("address");
+        let listener = socket(
+            AddressFamily::Unix,
+            SockType::Stream,
+            SockFlag::SOCK_CLOEXEC,
+            None,
+        )
+        .expect("socket");
+        bind(listener.as_raw_fd(), &addr).expect("bind");
+        listen(&listener, Backlog::new(0).expect("backlog")).expect("listen");
+        // Fill the queue: connections nobody accepts, until one would have to wait.
+        let mut queued = Vec::new();
+        loop {
+            let c = socket(
+                AddressFamily::Unix,
+                SockType::Stream,
+                SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .expect("socket");
+            match connect(c.as_raw_fd(), &addr) {
+                Ok(()) => queued.push(c),
+                Err(nix::errno::Errno::EAGAIN) => break,
+                Err(e) => panic!("connect: {e}"),
+            }
+            assert!(queued.len() < 1000, "the queue never filled");
+        }
+        FullQueue {
+            _listener: listener,
+            _queued: queued,
+        }
+    }
+}

@@ -651,40 +651,8 @@ fn a_busy_server_is_asked_again_until_the_timeout() {
 /// is no answer within `--timeout` (exit 5), not a tmsctl that waits in `connect` for ever.
 #[test]
 fn a_server_whose_accept_queue_is_full_is_a_timeout() {
-    use nix::sys::socket::{
-        bind, connect, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
-    };
-    use std::os::fd::AsRawFd;
     let sb = sandbox();
-    let dir = private_dir(&sb);
-    let me = std::process::id();
-    let addr = UnixAddr::new(&dir.join(our_name(me))).expect("address");
-    let listener = socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .expect("socket");
-    bind(listener.as_raw_fd(), &addr).expect("bind");
-    listen(&listener, Backlog::new(0).expect("backlog")).expect("listen");
-    // Fill the queue: connections nobody accepts, until one would have to wait.
-    let mut queued = Vec::new();
-    loop {
-        let c = socket(
-            AddressFamily::Unix,
-            SockType::Stream,
-            SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-            None,
-        )
-        .expect("socket");
-        match connect(c.as_raw_fd(), &addr) {
-            Ok(()) => queued.push(c),
-            Err(nix::errno::Errno::EAGAIN) => break,
-            Err(e) => panic!("connect: {e}"),
-        }
-        assert!(queued.len() < 1000, "the queue never filled");
-    }
+    let full = FullQueue::listen(private_dir(&sb));
     for args in [
         &["ping", "--timeout", "1"][..],
         &["pause", "--tag", "kv", "--timeout", "1"][..],
@@ -699,5 +667,5 @@ fn a_server_whose_accept_queue_is_full_is_a_timeout() {
             t0.elapsed()
         );
     }
-    drop(listener);
+    drop(full);
 }
