@@ -462,6 +462,26 @@ engine_test! {
 }
 
 engine_test! {
+    /// A backup whose size is not a whole number of pages is page-locked in whole pages; the
+    /// tag's statistics count, of its host backup bytes, those page-locked: never more.
+    fn page_locked_bytes_of_a_tag_are_of_its_backup_bytes(h) [two(64 << 20)] {
+        let e = &h.e;
+        small_pieces(&h, PinMode::Inline);
+        let page = tms::os::page_size();
+        let size = 3 * page + 100;
+        let p = e.alloc(&req(size, "a", Some(BackupKind::Pinned))).unwrap();
+        h.write(p, &pattern(size as usize, 8));
+        e.pause(None).unwrap();
+        assert_eq!(e.allocations()[0].host_pinned_bytes, 4 * page, "whole pages");
+        let s = e.stats();
+        let a = s.tags.iter().find(|t| t.tag == "a").unwrap();
+        assert_eq!((a.host_backup_bytes, a.host_pinned_bytes), (size, size));
+        e.resume(None).unwrap();
+        assert_eq!(h.read(p, size as usize), pattern(size as usize, 8));
+    }
+}
+
+engine_test! {
     fn inline_mode_page_locks_during_the_first_pause(h) [two(64 << 20)] {
         let (e, g) = (&h.e, h.g());
         small_pieces(&h, PinMode::Inline);

@@ -121,7 +121,13 @@ impl Engine {
                     unrestored,
                     resident: a.resident,
                     host: a.host_bytes(),
-                    host_pinned: a.host.as_deref().map_or(0, HostBuffer::pinned_bytes),
+                    // Of those bytes: whole pages are locked, and the last one of a backup
+                    // may hold less of it (or a chunk it no longer holds).
+                    host_pinned: a
+                        .host
+                        .as_deref()
+                        .map_or(0, HostBuffer::pinned_bytes)
+                        .min(a.host_bytes()),
                     disk: a.disk.as_deref().map_or(0, DiskFile::len),
                 }
             }),

@@ -76,7 +76,8 @@ pub struct AllocInfo {
     /// Bytes of host memory held for this allocation's backup (for a chunked allocation, those
     /// of the chunks the backup holds).
     pub host_bytes: u64,
-    /// Bytes of that host memory page-locked.
+    /// Bytes of that host memory page-locked, in whole pages as the driver locks them (so up to
+    /// a page more than `host_bytes`; the tag's statistics count only those of `host_bytes`).
     pub host_pinned_bytes: u64,
     /// Bytes of the disk backup's file.
     pub disk_bytes: u64,
