@@ -82,3 +82,6 @@ pub const LIBRARY_BUILD_INFO: &std::ffi::CStr = match std::ffi::CStr::from_bytes
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod hostile_tests;
