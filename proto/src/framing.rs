@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::messages::{ErrorKind, OpTiming, Reply, Request};
 
-/// Longest request line the server accepts, in bytes, not counting the `\n`.
+/// Longest request line the server accepts, in bytes, not counting the `\n` (a `\r` before it
+/// counts).
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
 
 /// Longest reply line a client accepts, in bytes, not counting the `\n` (a status of a
@@ -76,13 +77,15 @@ fn shorten(mut s: String) -> String {
 
 fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, ProtoError> {
     let line = line.strip_suffix(b"\n").unwrap_or(line);
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
+    // A `\r` counts, as it does for `LineBuffer`: a line the buffer refuses as too long is not
+    // taken here when given whole.
     if line.len() > max {
         return Err(ProtoError::TooLong {
             len: line.len(),
             max,
         });
     }
+    let line = line.strip_suffix(b"\r").unwrap_or(line);
     if line.iter().all(u8::is_ascii_whitespace) {
         return Err(ProtoError::Empty);
     }

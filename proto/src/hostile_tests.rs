@@ -67,6 +67,52 @@ fn assert_says(msg: &str, line: &[u8], says: &str) {
 
 // --- limits -----------------------------------------------------------------------------------
 
+/// A pause request line of exactly `len` bytes (its tag fills it).
+fn request_of_len(len: usize) -> Vec<u8> {
+    let mut l = br#"{"op":"pause","tag":""#.to_vec();
+    l.resize(len - 2, b'a');
+    l.extend_from_slice(b"\"}");
+    l
+}
+
+/// The limit counts every byte but the `\n`, a `\r` before it too, and the buffer that splits
+/// the stream into lines and the decoder agree on it: what one passes, the other does not
+/// refuse as too long.
+#[test]
+fn the_line_limit_is_exact_and_the_buffer_and_decoder_agree() {
+    let max = MAX_LINE_BYTES;
+    for (len, cr) in [(max - 1, true), (max, false), (max, true), (max + 1, false)] {
+        let fits = len + usize::from(cr) <= max;
+        let mut line = request_of_len(len);
+        line.extend_from_slice(if cr { b"\r\n" } else { b"\n" });
+        let what = format!("{len} bytes, then {:?}", if cr { "\r\n" } else { "\n" });
+        let decoded = decode_request(&line).map(|_| ());
+        let mut buf = LineBuffer::new(max);
+        buf.push(&line);
+        let split = buf.next_line().expect("a whole line is a line or an error");
+        if fits {
+            assert_eq!(decoded, Ok(()), "{what}");
+            assert_eq!(
+                decode_request(&split.unwrap()).map(|_| ()),
+                decoded,
+                "{what}"
+            );
+            continue;
+        }
+        let refusals = [
+            decoded.expect_err(&format!("{what}: decoded")),
+            split.expect_err(&format!("{what}: split off as a line")),
+        ];
+        for e in refusals {
+            assert!(
+                matches!(e, ProtoError::TooLong { len, max: m } if len > max && m == max),
+                "{what}: {e:?}"
+            );
+            assert_says(&e.to_string(), &[], "over the limit of 65536");
+        }
+    }
+}
+
 /// A reply may be as long as its limit, and not a byte longer.
 #[test]
 fn the_reply_limit_is_exact() {
