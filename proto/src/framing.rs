@@ -86,8 +86,21 @@ fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, 
         });
     }
     let line = line.strip_suffix(b"\r").unwrap_or(line);
-    if line.iter().all(u8::is_ascii_whitespace) {
+    let Some(start) = line.iter().position(|b| !b.is_ascii_whitespace()) else {
         return Err(ProtoError::Empty);
+    };
+    // One JSON object: serde would also take an array for a struct or an internally tagged
+    // enum, its elements in field order (`["pause","kv"]`), which is no message of this
+    // protocol, and whose fields have no names to refuse.
+    if line[start] != b'{' {
+        let found = match line[start] {
+            b if b.is_ascii_graphic() => format!("`{}`", char::from(b)),
+            b => format!("byte 0x{b:02x}"),
+        };
+        return Err(ProtoError::Malformed(format!(
+            "expected a JSON object, found {found} at column {}",
+            start + 1
+        )));
     }
     serde_json::from_slice(line).map_err(|e| ProtoError::Malformed(shorten(e.to_string())))
 }

@@ -608,6 +608,44 @@ fn duplicate_keys_are_refused_and_named() {
     }
 }
 
+/// A message is one JSON object. serde also takes an array for a struct or an internally
+/// tagged enum, its elements in field order (`["pause","kv"]`): no message of this protocol,
+/// and one whose fields have no names to refuse.
+#[test]
+fn a_message_is_an_object_not_an_array_or_another_value() {
+    for l in [
+        &br#"["ping"]"#[..],
+        br#"["status"]"#,
+        br#"["chunks","kv"]"#,
+        br#"["hello",1,42]"#,
+        br#"["pause","kv"]"#,
+        br#"["set_region",true]"#,
+        br#" ["ping"]"#,
+        br#"[{"op":"ping"}]"#,
+        b"[]",
+        br#""ping""#,
+        b"42",
+        b"null",
+    ] {
+        assert_says(&refused(l), l, "expected a JSON object, found");
+    }
+    for l in [
+        &br#"["pong",7]"#[..],
+        br#"["error","busy","m"]"#,
+        br#"["hello",1,1]"#,
+    ] {
+        assert_says(&refused_reply(l), l, "expected a JSON object, found");
+    }
+    assert_eq!(
+        refused(b" \t[\"ping\"]"),
+        "malformed message: expected a JSON object, found `[` at column 3"
+    );
+    assert_eq!(
+        refused(b"\xef\xbb\xbf{}"),
+        "malformed message: expected a JSON object, found byte 0xef at column 1"
+    );
+}
+
 #[test]
 fn two_messages_on_one_line_are_refused() {
     for l in [

@@ -15,13 +15,12 @@
 //! S: {"reply":"done","op":"pause","tag":"kv","allocations":3,"bytes":21474836480,...}
 //! ```
 //!
-//! then any number of requests, each answered by exactly one reply, in order. A request the
-//! server cannot accept (not JSON, not a known operation, a field it does not know, longer
+//! then any number of requests, each answered by exactly one reply, in order. A request the server
+//! cannot accept (not JSON, not an object, not a known operation, a field it does not know, longer
 //! than [`MAX_LINE_BYTES`], no hello first, another protocol version) is answered with
-//! [`Reply::Error`] and the server closes the connection; so is a connection the server has no
-//! room for ([`ErrorKind::Busy`], possibly in place of any reply). An operation that fails (out of
-//! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays
-//! open.
+//! [`Reply::Error`] and the server closes the connection; so is a connection the server has no room
+//! for ([`ErrorKind::Busy`], possibly in place of any reply). An operation that fails (out of
+//! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays open.
 //!
 //! # Versioning
 //!
