@@ -67,12 +67,29 @@ impl fmt::Display for ProtoError {
 
 impl std::error::Error for ProtoError {}
 
-fn shorten(mut s: String) -> String {
-    if s.chars().count() > MAX_MESSAGE_CHARS {
-        s = s.chars().take(MAX_MESSAGE_CHARS).collect();
-        s.push_str("...");
+/// `s` made fit for a log line or a terminal: its control characters (which a message may
+/// quote from the peer) escaped, and cut after [`MAX_MESSAGE_CHARS`], escapes included.
+fn shorten(s: &str) -> String {
+    let mut out = String::new();
+    let mut shown = 0;
+    for c in s.chars() {
+        let width = if c.is_control() {
+            c.escape_default().len()
+        } else {
+            1
+        };
+        if shown + width > MAX_MESSAGE_CHARS {
+            out.push_str("...");
+            break;
+        }
+        shown += width;
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
     }
-    s
+    out
 }
 
 fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, ProtoError> {
@@ -102,7 +119,7 @@ fn decode<T: serde::de::DeserializeOwned>(line: &[u8], max: usize) -> Result<T, 
             start + 1
         )));
     }
-    serde_json::from_slice(line).map_err(|e| ProtoError::Malformed(shorten(e.to_string())))
+    serde_json::from_slice(line).map_err(|e| ProtoError::Malformed(shorten(&e.to_string())))
 }
 
 /// The keys a request without fields may have: `op` only.

@@ -657,6 +657,28 @@ fn two_messages_on_one_line_are_refused() {
     }
 }
 
+/// Messages quote the peer's input (an unknown operation, a field's name): its control
+/// characters are shown escaped, so that a message cannot break a log line or drive a terminal.
+#[test]
+fn messages_show_the_control_characters_they_quote_escaped() {
+    let l = br#"{"op":"x\n\u001b[2J\u0000\u0085"}"#;
+    let m = refused(l);
+    assert!(!m.chars().any(char::is_control), "{m:?}");
+    assert_says(&m, l, r"unknown variant `x\n\u{1b}[2J\u{0}\u{85}`");
+    let l = br#"{"op":"ping","\r\n":1}"#;
+    assert_says(&refused(l), l, r"unknown field `\r\n`");
+    // Escapes count in the bound on a message's length.
+    let mut l = br#"{"op":""#.to_vec();
+    l.extend(repeat_n(&b"\\u0007"[..], 5_000).flatten());
+    l.extend_from_slice(br#""}"#);
+    let m = refused(&l);
+    assert!(
+        m.len() < 400 && m.ends_with("..."),
+        "{} bytes: {m}",
+        m.len()
+    );
+}
+
 // --- properties -------------------------------------------------------------------------------
 
 /// A duration or rate as a server sends it: finite and not negative. Any such double, by its
