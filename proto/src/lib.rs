@@ -84,3 +84,6 @@ mod tests;
 
 #[cfg(test)]
 mod hostile_tests;
+
+#[cfg(test)]
+mod generators;

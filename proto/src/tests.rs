@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use proptest::prelude::*;
 use tms_units::{chunk_ranges, format_ranges};
 
+use super::generators::arb_request;
 use super::*;
 
 fn hello() -> Hello {
@@ -444,87 +445,6 @@ fn socket_naming() {
 //
 // Case counts are fixed here (not taken from PROPTEST_CASES) so every run does the same amount
 // of work: 4096 + 2048 + 1024 + 512 + 512 = 8192 generated cases per `cargo test`.
-
-/// Any characters, control characters and newlines included: a tag is the peer's to choose,
-/// and must not break the line it travels in.
-pub(crate) fn arb_text(max: usize) -> impl Strategy<Value = String> {
-    prop::collection::vec(any::<char>(), 0..=max).prop_map(String::from_iter)
-}
-
-fn arb_tag() -> impl Strategy<Value = Option<String>> {
-    prop::option::of(arb_text(24))
-}
-
-pub(crate) fn arb_chunks() -> impl Strategy<Value = Option<ChunkRanges>> {
-    prop::option::of(prop::collection::vec(
-        (any::<u64>(), any::<u64>()).prop_map(|(a, b)| [a.min(b), a.max(b)]),
-        0..6,
-    ))
-}
-
-pub(crate) fn arb_hello() -> impl Strategy<Value = Hello> {
-    (
-        any::<u32>(),
-        any::<u32>(),
-        arb_text(16),
-        prop::option::of(arb_text(8)),
-        prop::collection::vec(arb_text(8), 0..3),
-    )
-        .prop_map(|(protocol, pid, software, backend, features)| Hello {
-            protocol,
-            pid,
-            software,
-            backend,
-            features,
-        })
-}
-
-pub(crate) fn arb_request() -> impl Strategy<Value = Request> {
-    prop_oneof![
-        arb_hello().prop_map(Request::Hello),
-        Just(Request::Ping),
-        Just(Request::Status),
-        Just(Request::GetRegion),
-        (arb_tag(), arb_chunks(), any::<[bool; 2]>()).prop_map(
-            |(tag, chunks, [chunk_state, job_record])| Request::Pause {
-                tag,
-                chunks,
-                chunk_state,
-                job_record,
-            }
-        ),
-        (arb_tag(), arb_chunks(), any::<[bool; 4]>()).prop_map(
-            |(tag, chunks, [chunk_state, job_record, no_wait, verify])| Request::Resume {
-                tag,
-                chunks,
-                chunk_state,
-                job_record,
-                no_wait,
-                verify,
-            }
-        ),
-        arb_text(24).prop_map(|tag| Request::Chunks { tag }),
-        (
-            prop::option::of(any::<bool>()),
-            arb_tag(),
-            prop::option::of(any::<bool>()),
-            prop::option::of(prop_oneof![
-                Just(BackupBackend::Pinned),
-                Just(BackupBackend::Mmap)
-            ]),
-            prop::option::of(any::<bool>()),
-        )
-            .prop_map(|(enabled, tag, cpu_backup, backend, disk_backup)| {
-                Request::SetRegion(RegionUpdate {
-                    enabled,
-                    tag,
-                    cpu_backup,
-                    backend,
-                    disk_backup,
-                })
-            }),
-    ]
-}
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(4096))]
