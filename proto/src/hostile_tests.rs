@@ -801,3 +801,53 @@ proptest! {
         accepted_lines_round_trip(&pieces.concat())?;
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// Valid replies with bytes changed, cut or inserted (closer to what a fuzzer reaches than
+    /// random bytes): nothing panics, and what is accepted round-trips.
+    #[test]
+    fn mutated_replies_never_panic(
+        reply in arb_reply(),
+        edits in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 1..6),
+    ) {
+        let mut line = encode(&reply);
+        line.pop();
+        for (at, byte, how) in edits {
+            let i = at.index(line.len() + 1);
+            match how {
+                0 if i < line.len() => line[i] = byte,
+                1 => line.truncate(i),
+                _ => line.insert(i, byte),
+            }
+        }
+        accepted_lines_round_trip(&line)?;
+    }
+
+    /// Names in the socket folder are anyone's who can write there: parsing one never panics,
+    /// and a name it takes is the very name its result makes.
+    #[test]
+    fn socket_names_parse_or_not(name in prop_oneof!["[0-9.]{0,24}(\\.sock)?", "\\PC{0,24}"]) {
+        if let Some(n) = SocketName::parse(&name) {
+            prop_assert!(n.pid > 0 && n.pid <= i32::MAX as u32);
+            prop_assert_eq!(n.file_name(), name);
+        }
+    }
+
+    /// A tag of any characters past the bound is shown cut at a character boundary, within
+    /// the bound and a short suffix that names its length.
+    #[test]
+    fn long_tags_are_shown_within_the_bound(tag in "(?s).{900,1100}") {
+        let shown = shown_tag(&tag);
+        if tag.len() <= MAX_SHOWN_TAG_BYTES {
+            prop_assert_eq!(shown, tag);
+        } else {
+            let suffix = format!("\u{2026}({} bytes, hash ", tag.len());
+            let cut = shown.rfind(&suffix).expect("the suffix");
+            prop_assert!(cut + 3 >= MAX_SHOWN_TAG_BYTES && cut <= MAX_SHOWN_TAG_BYTES);
+            prop_assert!(tag.starts_with(&shown[..cut]));
+            prop_assert!(shown.len() < MAX_SHOWN_TAG_BYTES + 64);
+        }
+    }
+}
