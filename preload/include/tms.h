@@ -100,9 +100,9 @@ const char *tms_build_info(void);
 const char *tms_status_name(int code);
 
 /**
- * Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
- * NUL-terminated when `cap > 0`; `buf` may be NULL). Returns the full message length, 0 when
- * there is none.
+ * Copy this thread's last error message into `buf` (truncated to at most `cap - 1` bytes,
+ * before a character it would split, so it stays UTF-8; always NUL-terminated when `cap > 0`;
+ * `buf` may be NULL). Returns the full message length, 0 when there is none.
  *
  * # Safety
  * `buf` is NULL or writable for `cap` bytes.

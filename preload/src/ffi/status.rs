@@ -68,9 +68,9 @@ pub extern "C" fn tms_status_name(code: c_int) -> *const c_char {
     catch(internal, || status::c_name(code).as_ptr())
 }
 
-/// Copy this thread's last error message into `buf` (truncated to `cap - 1` bytes, always
-/// NUL-terminated when `cap > 0`; `buf` may be NULL). Returns the full message length, 0 when
-/// there is none.
+/// Copy this thread's last error message into `buf` (truncated to at most `cap - 1` bytes,
+/// before a character it would split, so it stays UTF-8; always NUL-terminated when `cap > 0`;
+/// `buf` may be NULL). Returns the full message length, 0 when there is none.
 ///
 /// # Safety
 /// `buf` is NULL or writable for `cap` bytes.
@@ -79,7 +79,12 @@ pub unsafe extern "C" fn tms_last_error(buf: *mut c_char, cap: usize) -> usize {
     catch(0, || {
         with_last_error(|bytes| {
             if !buf.is_null() && cap > 0 {
-                let n = bytes.len().min(cap - 1);
+                let mut n = bytes.len().min(cap - 1);
+                // Back to the start of the character the cut falls in (a continuation byte
+                // is 0b10xxxxxx): the message is UTF-8, and so must its start be.
+                while n > 0 && bytes.get(n).is_some_and(|b| b & 0xC0 == 0x80) {
+                    n -= 1;
+                }
                 // SAFETY: buf is writable for cap > n bytes (caller's contract).
                 unsafe {
                     std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf.cast::<u8>(), n);
@@ -103,6 +108,24 @@ pub extern "C" fn tms_error_count() -> u64 {
 mod tests {
     use super::*;
     use crate::error::ErrorKind;
+
+    /// A message cut short still is UTF-8, as every string of the header is: the cut falls
+    /// before a character it would split, never inside it.
+    #[test]
+    fn a_truncated_last_error_never_splits_a_character() {
+        let msg = "tag \"café\"";
+        crate::process::boundary::set_last_message(msg);
+        for cap in 1..=msg.len() + 1 {
+            let mut buf = [0x55 as c_char; 32];
+            // SAFETY: `buf` is writable for its 32 bytes, more than `cap`.
+            let n = unsafe { tms_last_error(buf.as_mut_ptr(), cap) };
+            assert_eq!(n, msg.len());
+            // SAFETY: tms_last_error NUL-terminated it within `cap` bytes.
+            let got = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_bytes();
+            let want = (0..cap).rev().find(|&k| msg.is_char_boundary(k)).unwrap();
+            assert_eq!(got, &msg.as_bytes()[..want], "cap {cap}");
+        }
+    }
 
     #[test]
     fn an_output_string_goes_in_a_buffer_that_fits_and_a_missing_one_is_told_as_missing() {
