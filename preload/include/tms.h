@@ -516,7 +516,8 @@ int tms_write_bytes(uint64_t addr, const void *src, uint64_t len);
 int tms_read_bytes(uint64_t addr, void *dst, uint64_t len);
 
 /**
- * Start the library if needed and write this process's control socket path into `buf`;
+ * Start the library if needed and write this process's control socket path into `buf`: the
+ * path's own bytes, which are UTF-8 unless `TMS_SOCKET_DIR` names a folder whose name is not;
  * `TMS_ERR_UNSUPPORTED` when there is none (`TMS_CONTROL=0`, or the socket folder was
  * refused), with the reason in the last error.
  *

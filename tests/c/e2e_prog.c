@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,7 +63,8 @@ long fake_cuda_live(void);
     X(tms_get_memory_margin)                                                                 \
     X(tms_copy_cpu_backup)                                                                   \
     X(tms_get_cpu_backup)                                                                    \
-    X(tms_stats_json)
+    X(tms_stats_json)                                                                        \
+    X(tms_control_socket)
 
 TMS_FUNCTIONS(DECLARE_POINTER)
 
@@ -710,10 +712,31 @@ static int mode_fork_raw(void) {
     return finish("fork-raw");
 }
 
+/* The control socket (run with TMS_CONTROL=1 and TMS_SOCKET_DIR set): the path
+ * tms_control_socket gives is where the socket is, whatever bytes the folder's name holds. */
+static int mode_socket_path(void) {
+    char path[4096];
+    size_t len = 0;
+    int rc = p_tms_control_socket(path, sizeof path, &len);
+    check(rc == TMS_OK && len == strlen(path), "tms_control_socket (rc %d, %zu)", rc, len);
+    if (rc != TMS_OK) {
+        report_error("control-socket");
+        return finish("socket-path");
+    }
+    struct stat st;
+    check(stat(path, &st) == 0 && S_ISSOCK(st.st_mode), "the socket is at the path given: %s",
+          path);
+    size_t need = 0;
+    rc = p_tms_control_socket(NULL, 0, &need);
+    check(rc == TMS_ERR_BUFFER_TOO_SMALL && need == len,
+          "with no buffer it says how long the path is (rc %d, %zu)", rc, need);
+    return finish("socket-path");
+}
+
 int main(int argc, char **argv) {
     if (argc != 2) {
         fprintf(stderr, "usage: %s basic|oom|fault|touch-paused|init-enable|malformed|"
-                        "bad-device|fork|fork-raw\n",
+                        "bad-device|fork|fork-raw|socket-path\n",
                 argv[0]);
         return 2;
     }
@@ -742,6 +765,8 @@ int main(int argc, char **argv) {
         return mode_hooks_during_pause();
     } else if (strcmp(mode, "fork-raw") == 0) {
         return mode_fork_raw();
+    } else if (strcmp(mode, "socket-path") == 0) {
+        return mode_socket_path();
     }
     fprintf(stderr, "unknown mode %s\n", mode);
     return 2;

@@ -4,7 +4,7 @@
 //! the JSON and messages it prints.
 
 use serde_json::Value;
-use tms_tests::{run_e2e, Run};
+use tms_tests::{e2e_command, run, run_e2e, temp_dir, Run};
 
 const MIB: u64 = 1 << 20;
 
@@ -486,4 +486,21 @@ fn a_child_of_raw_fork_passes_through_and_never_waits() {
             r.dump()
         );
     }
+}
+
+/// A socket folder whose name is not UTF-8 (TMS_SOCKET_DIR takes any path): the path
+/// `tms_control_socket` gives is the socket's own bytes, one a program can connect to, not a
+/// readable lookalike of it.
+#[test]
+fn the_control_socket_path_is_the_sockets_own_bytes() {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::DirBuilderExt;
+    let tmp = temp_dir("tms-sock-");
+    let dir = tmp.path().join(std::ffi::OsStr::from_bytes(b"caf\xe9"));
+    std::fs::DirBuilder::new().mode(0o700).create(&dir).unwrap();
+    let mut cmd = e2e_command("socket-path");
+    cmd.env("TMS_CONTROL", "1").env("TMS_SOCKET_DIR", &dir);
+    let r = run(cmd);
+    r.assert_passed("socket-path");
+    assert_quiet(&r);
 }

@@ -6,6 +6,7 @@
 //! String arguments are NUL-terminated UTF-8; NULL where a tag is optional means "every tag".
 
 use std::ffi::{c_char, c_int, c_void};
+use std::os::unix::ffi::OsStrExt;
 
 use crate::backup::BackupKind;
 use crate::control;
@@ -14,7 +15,7 @@ use crate::process::boundary::catch;
 use crate::process::{runtime, settings};
 
 use args::{buffer_len, opt_str, tag_or_all};
-use status::{entry, write_out};
+use status::{entry, write_bytes_out, write_out};
 
 mod args;
 mod checks;
@@ -366,7 +367,8 @@ pub unsafe extern "C" fn tms_read_bytes(addr: u64, dst: *mut c_void, len: u64) -
     })
 }
 
-/// Start the library if needed and write this process's control socket path into `buf`;
+/// Start the library if needed and write this process's control socket path into `buf`: the
+/// path's own bytes, which are UTF-8 unless `TMS_SOCKET_DIR` names a folder whose name is not;
 /// `TMS_ERR_UNSUPPORTED` when there is none (`TMS_CONTROL=0`, or the socket folder was
 /// refused), with the reason in the last error.
 ///
@@ -382,10 +384,11 @@ pub unsafe extern "C" fn tms_control_socket(
         control::runtime().and_then(|_| {
             let p = control::socket_path()
                 .map_err(|why| Error::unsupported(format!("no control socket: {why}")))?;
-            let s = p.to_string_lossy();
+            // Not a lossy string: a lookalike of a name that is not UTF-8 is a path to nothing.
+            let s = p.as_os_str().as_bytes();
             // SAFETY: `buf` is NULL or writable for `cap` bytes and `out_len` NULL or writable (our
-            // callers' promise), as write_out needs.
-            unsafe { write_out(&s, buf, cap, out_len) }
+            // callers' promise), as write_bytes_out needs.
+            unsafe { write_bytes_out(s, buf, cap, out_len) }
         })
     })
 }

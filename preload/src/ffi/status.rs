@@ -28,6 +28,20 @@ pub(super) unsafe fn write_out(
     cap: usize,
     out_len: *mut usize,
 ) -> Result<()> {
+    // SAFETY: our caller's promises, which write_bytes_out needs.
+    unsafe { write_bytes_out(s.as_bytes(), buf, cap, out_len) }
+}
+
+/// [`write_out`] of bytes that need not be UTF-8 (a path), without a NUL among them.
+///
+/// # Safety
+/// As [`write_out`].
+pub(super) unsafe fn write_bytes_out(
+    s: &[u8],
+    buf: *mut c_char,
+    cap: usize,
+    out_len: *mut usize,
+) -> Result<()> {
     if !out_len.is_null() {
         // SAFETY: caller vouches for out_len.
         unsafe { *out_len = s.len() };
