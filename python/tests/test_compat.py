@@ -303,6 +303,29 @@ def test_upstream_c_names_round_trip_through_the_region_stack(preloaded):
     assert "NOTFOUND" in r.stdout and "0x3039" in r.stdout, r.stdout
 
 
+def test_last_error_is_read_whole():
+    # A message naming many allocations (or a long value) runs past any fixed buffer: the
+    # exception must carry all of it, up to its last character.
+    r = run_py(
+        """
+        from torch_memory_saver.binary_wrapper import BinaryWrapper
+        lib = BinaryWrapper(tms_pkg.get_binary_path())
+        value = b"x" * 6000 + b"END"
+        assert lib.tms_set_cpu_backup_backend(value) == 3
+        msg = lib.last_error()
+        assert "x" * 6000 + "END" in msg, len(msg)
+        try:
+            lib.check(3)
+            raise SystemExit("not raised")
+        except tms_pkg.InvalidArgumentError as e:
+            assert "END" in str(e), len(str(e))
+        print("OK")
+        """,
+        clean_env(TMS_BACKEND="sim"),
+    )
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr
+
+
 def test_get_cpu_backup_is_none_without_the_library_preloaded():
     # Integrations ask for every parameter's backup, also in processes that never enabled the
     # library (preload mode without LD_PRELOAD): there are no backups there, so None, as the

@@ -282,8 +282,13 @@ class BinaryWrapper:
             self.check(self.tms_set_cpu_backup_backend(cpu_backup_backend.encode("utf-8")))
 
     def last_error(self) -> str:
+        """This thread's last error message from the library, whole (a message listing many
+        allocations can run past any fixed buffer)."""
         buf = ctypes.create_string_buffer(4096)
-        self.tms_last_error(buf, len(buf))
+        n = self.tms_last_error(buf, len(buf))
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            self.tms_last_error(buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
     def check(self, status: int) -> None:
