@@ -8,7 +8,8 @@ pub fn parse_bytes(s: &str) -> Result<u64> {
     Ok(tms_units::parse_bytes(s)?)
 }
 
-/// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case).
+/// Parse a flag: `1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (any case); empty is off, as
+/// `VAR= program` reads in a shell.
 pub fn parse_flag(s: &str) -> Result<bool> {
     match s.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Ok(true),
@@ -74,6 +75,7 @@ mod tests {
         assert!(parse_flag("1").unwrap());
         assert!(parse_flag("TRUE").unwrap());
         assert!(!parse_flag("0").unwrap());
+        assert!(!parse_flag("").unwrap() && !parse_flag(" Off ").unwrap());
         let e = parse_flag("maybe").unwrap_err().to_string();
         assert!(e.contains("maybe"), "{e}");
     }
