@@ -365,6 +365,22 @@ pub enum Cmd {
     DemoChild(demo::ChildArgs),
 }
 
+impl Cmd {
+    /// The process `--pid` names, where the command takes it: a failure before that process is
+    /// reached (no such process, no socket, another user's) is still about it.
+    pub fn pid(&self) -> Option<u32> {
+        match self {
+            Cmd::Status { sel }
+            | Cmd::Pause { sel, .. }
+            | Cmd::Resume { sel, .. }
+            | Cmd::Chunks { sel, .. }
+            | Cmd::Region { sel, .. }
+            | Cmd::Ping { sel } => sel.pid,
+            _ => None,
+        }
+    }
+}
+
 /// The commands `tmsctl --help` lists (not the hidden ones): what `tmsctl man` takes, and what a
 /// command line without a command is told.
 pub fn command_names() -> Vec<String> {

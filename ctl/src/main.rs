@@ -168,6 +168,7 @@ fn main() -> ExitCode {
         }
     };
     let json = cli.global.json;
+    let pid = cli.cmd.pid();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -184,7 +185,7 @@ fn main() -> ExitCode {
             // A command that printed its document already told the failure there (the demo's
             // report): stdout keeps one document.
             if json && !output::json_printed() {
-                print_json(json_error(code, &msg, None));
+                print_json(json_error(code, &msg, pid));
             }
             ExitCode::from(code as u8)
         }

@@ -206,3 +206,25 @@ fn json_output_survives_folder_names_that_are_not_utf8() {
         assert!(j.to_string().contains("\"schema\":1"), "{j}");
     }
 }
+
+/// A process named by `--pid` that cannot be reached (gone, or without a socket) fails before
+/// any connection: the failure is still about that process, and scripts read which from `pid`.
+#[test]
+fn json_failures_for_a_named_pid_carry_it() {
+    let sb = sandbox();
+    let mut gone = Command::new("true").spawn().expect("true");
+    let dead = gone.id();
+    gone.wait().expect("wait");
+    let me = std::process::id();
+    for (pid, args) in [
+        (dead, &["status", "--json"][..]),
+        (dead, &["pause", "--atomic", "--json"]),
+        (me, &["ping", "--json"]),
+    ] {
+        let p = pid.to_string();
+        let mut args = args.to_vec();
+        args.extend(["--pid", &p]);
+        let j = json_failure(&ctl(&sb, &args), 3);
+        assert_eq!(j["pid"], pid, "{args:?}: {j}");
+    }
+}
