@@ -590,7 +590,17 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             say!("{}", printable_lines(&format!("pid {pid}: {line}")));
         }
     }
-    let mut summary = format!("--atomic: {what} failed on process {}", failed_sock.pid());
+    // The process that failed before it was asked anything that changes it (unreachable, its
+    // status unreadable) has no undo to run, and is one of the processes all the same.
+    let failed_pid = failed_sock.pid();
+    if ctx.json && failed_undo.is_none() && !done.iter().any(|d| d.sock.pid() == failed_pid) {
+        items.push(json!({
+            "pid": failed_pid,
+            "failed": json_error(f.code, &f.message, Some(failed_pid)),
+            "undo": {"skipped": "nothing had changed"},
+        }));
+    }
+    let mut summary = format!("--atomic: {what} failed on process {failed_pid}");
     if !not_asked.is_empty() {
         let p: Vec<String> = not_asked.iter().map(u32::to_string).collect();
         summary.push_str(&format!("; not asked: {}", p.join(", ")));
