@@ -85,7 +85,8 @@ pub struct Global {
     /// long as the operation (or the one it waits behind) copies bytes or changes phase, so a
     /// pause of hundreds of GiB to disk is never cut short, and ends once nothing has moved
     /// for this long (exit code 7: still running); with an older library, the whole wait.
-    #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout)]
+    /// `list` waits at most 5 s for each process. From 0.001 to 1e6.
+    #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout, allow_negative_numbers = true)]
     pub timeout: Duration,
     /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms,
     /// else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only folder looked in
@@ -132,7 +133,7 @@ pub struct Select {
     /// its socket found wherever it listens [default: the only process with a control socket;
     /// pause and resume name it by its command line, and with several tmsctl names each and
     /// stops, counting those whose socket it cannot use].
-    #[arg(long, value_name = "PID")]
+    #[arg(long, value_name = "PID", allow_negative_numbers = true)]
     pub pid: Option<u32>,
     /// Every process with a control socket (of tmsctl's pid namespace), in turn; one that /proc
     /// shows listening where tmsctl cannot use its socket (a socket folder it refuses) is not
@@ -226,7 +227,7 @@ pub enum Cmd {
         /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
         /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks paused
         /// already are left alone. `tmsctl chunks --tag TAG` shows them.
-        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
+        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list, allow_negative_numbers = true)]
         chunks: Option<ChunkList>,
         /// First record which allocations (and chunks of chunked ones) are active, so that
         /// `resume --restore-chunk-state` brings back only those. Not with --atomic, whose pause
@@ -252,7 +253,7 @@ pub enum Cmd {
         /// Only these chunks of the tag's chunked allocation (the tag must have exactly one;
         /// needs --tag): indices from 0 and inclusive ranges, such as 8-15,20. Chunks active
         /// already are left alone.
-        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list)]
+        #[arg(long, value_name = "LIST", requires = "tag", value_parser = parse_chunk_list, allow_negative_numbers = true)]
         chunks: Option<ChunkList>,
         /// Of chunked allocations, resume only the chunks that `pause --save-chunk-state`
         /// recorded active (every chunk of an allocation without such a record).

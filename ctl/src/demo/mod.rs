@@ -72,7 +72,7 @@ pub struct DemoArgs {
     #[arg(long, value_name = "PATH")]
     lib: Option<PathBuf>,
     /// Pauseable memory to allocate (1GiB, 256MiB, ...).
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = parse_size, allow_negative_numbers = true)]
     size: u64,
     /// Device to run on [default: $TMS_BACKEND where set, as the library reads it (auto and
     /// cuda: CUDA only; sim), else cuda-or-sim]. The output says which was used and why.

@@ -131,6 +131,23 @@ fn usage_errors_are_one_line() {
         "{line}"
     );
     assert!(ctl(&sb, &[]).failed(2).contains("a command is needed"));
+    // A negative number is a bad value of its option, said as such (not "unexpected argument",
+    // as if the option had no value).
+    for (args, option) in [
+        (&["status", "--timeout", "-1"][..], "'--timeout <SECONDS>'"),
+        (&["status", "--pid", "-1"], "'--pid <PID>'"),
+        (
+            &["pause", "--tag", "kv", "--chunks", "-1"],
+            "'--chunks <LIST>'",
+        ),
+        (&["demo", "--size", "-5"], "'--size <SIZE>'"),
+    ] {
+        let line = ctl(&sb, args).failed(2).to_string();
+        assert!(
+            line.contains("invalid value '-") && line.contains(option),
+            "{line}"
+        );
+    }
     // A tag too long for a request: refused here, its value shown by its start and length.
     let long = "k".repeat(70_000);
     let r = ctl(&sb, &["resume", "--tag", &long]);
