@@ -575,17 +575,25 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
                 )
             }
         };
+        // Named by its command line where no --pid named it, as when every process did it.
+        let shown = d.map(|d| {
+            let (json, text) = (with_pid(pid, d), output::done(pid, d, false));
+            match sel.pid {
+                None => name_target(pid, json, &text),
+                Some(_) => (json, text),
+            }
+        });
         if ctx.json {
             let mut item = json!({"pid": pid, "undo": undo_json});
-            if let Some(d) = d {
-                item["done"] = with_pid(pid, d);
+            if let Some((json, _)) = shown {
+                item["done"] = json;
             } else {
                 item["failed"] = json_error(f.code, &f.message, Some(pid));
             }
             items.push(item);
         } else {
-            if let Some(d) = d {
-                say!("{}", printable_lines(&output::done(pid, d, false)));
+            if let Some((_, text)) = shown {
+                say!("{}", printable_lines(&text));
             }
             say!("{}", printable_lines(&format!("pid {pid}: {line}")));
         }

@@ -75,6 +75,9 @@ fn atomic_pause_is_undone_everywhere_when_one_process_fails() {
         assert_eq!(item["done"]["op"], "pause", "{item}");
         assert_eq!(item["undo"]["op"], "resume", "{item}");
         assert_eq!(item["undo"]["bytes"], SIZE, "{item}");
+        // No --pid: each result names its process, as when every process did it.
+        let command = item["done"]["command"].as_str().unwrap_or_default();
+        assert!(command.contains("__demo-child"), "{item}");
     }
     let summary = r.last_stderr_line();
     assert!(
