@@ -165,19 +165,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
 }
 
 fn arb_running() -> impl Strategy<Value = Running> {
-    use Phase::*;
-    let phase = prop::sample::select(vec![
-        Waiting,
-        Preparing,
-        Synchronizing,
-        Mapping,
-        CopyingToHost,
-        WritingToDisk,
-        ReadingFromDisk,
-        CopyingToDevice,
-        Releasing,
-        Unknown,
-    ]);
+    let phase = prop::sample::select(Phase::ALL.to_vec());
     let backing = prop::sample::select(vec![
         Backing::Host,
         Backing::Disk,
@@ -280,25 +268,7 @@ fn arb_done() -> impl Strategy<Value = OpDone> {
 }
 
 pub fn arb_reply() -> impl Strategy<Value = Reply> {
-    use ErrorKind::*;
-    let kind = prop::sample::select(vec![
-        BadRequest,
-        LineTooLong,
-        Timeout,
-        VersionMismatch,
-        HelloRequired,
-        PermissionDenied,
-        OutOfMemory,
-        InvalidArgument,
-        InvalidState,
-        NotFound,
-        Driver,
-        Unsupported,
-        Io,
-        Internal,
-        Busy,
-        Unknown,
-    ]);
+    let kind = prop::sample::select(ErrorKind::ALL.to_vec());
     let chunks =
         (arb_text(8), any::<[u64; 3]>(), "[01]{0,16}").prop_map(|(tag, n, states)| ChunkStatus {
             tag,

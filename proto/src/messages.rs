@@ -424,6 +424,20 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, `Unknown` last.
+    pub const ALL: [Phase; 10] = [
+        Phase::Waiting,
+        Phase::Preparing,
+        Phase::Synchronizing,
+        Phase::Mapping,
+        Phase::CopyingToHost,
+        Phase::WritingToDisk,
+        Phase::ReadingFromDisk,
+        Phase::CopyingToDevice,
+        Phase::Releasing,
+        Phase::Unknown,
+    ];
+
     /// The wire name (`"writing_to_disk"`).
     pub fn as_str(self) -> &'static str {
         match self {
@@ -678,6 +692,26 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind, `Unknown` last.
+    pub const ALL: [ErrorKind; 16] = [
+        ErrorKind::BadRequest,
+        ErrorKind::LineTooLong,
+        ErrorKind::Timeout,
+        ErrorKind::VersionMismatch,
+        ErrorKind::HelloRequired,
+        ErrorKind::PermissionDenied,
+        ErrorKind::OutOfMemory,
+        ErrorKind::InvalidArgument,
+        ErrorKind::InvalidState,
+        ErrorKind::NotFound,
+        ErrorKind::Driver,
+        ErrorKind::Unsupported,
+        ErrorKind::Io,
+        ErrorKind::Internal,
+        ErrorKind::Busy,
+        ErrorKind::Unknown,
+    ];
+
     /// True for kinds after which the server closes the connection (the request itself was
     /// unacceptable, as opposed to an operation that failed).
     pub fn closes_connection(self) -> bool {

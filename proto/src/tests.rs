@@ -799,3 +799,46 @@ fn replies_with_impossible_durations_are_refused() {
     let e = decode_reply(status).unwrap_err().to_string();
     assert!(e.contains("last_pause is -3"), "{e}");
 }
+
+/// `ALL` lists each variant once, in order: the matches, exhaustive, fail to build until a new
+/// variant is given its place (the property tests draw kinds and phases from `ALL`).
+#[test]
+fn all_lists_every_kind_and_phase_once() {
+    use crate::{ErrorKind as K, Phase as P};
+    for (i, k) in K::ALL.into_iter().enumerate() {
+        let at = match k {
+            K::BadRequest => 0,
+            K::LineTooLong => 1,
+            K::Timeout => 2,
+            K::VersionMismatch => 3,
+            K::HelloRequired => 4,
+            K::PermissionDenied => 5,
+            K::OutOfMemory => 6,
+            K::InvalidArgument => 7,
+            K::InvalidState => 8,
+            K::NotFound => 9,
+            K::Driver => 10,
+            K::Unsupported => 11,
+            K::Io => 12,
+            K::Internal => 13,
+            K::Busy => 14,
+            K::Unknown => 15,
+        };
+        assert_eq!(at, i, "{k:?}");
+    }
+    for (i, p) in P::ALL.into_iter().enumerate() {
+        let at = match p {
+            P::Waiting => 0,
+            P::Preparing => 1,
+            P::Synchronizing => 2,
+            P::Mapping => 3,
+            P::CopyingToHost => 4,
+            P::WritingToDisk => 5,
+            P::ReadingFromDisk => 6,
+            P::CopyingToDevice => 7,
+            P::Releasing => 8,
+            P::Unknown => 9,
+        };
+        assert_eq!(at, i, "{p:?}");
+    }
+}
