@@ -67,6 +67,24 @@ def test_configure_subprocess_uses_its_module_globals_and_keeps_one_copy(monkeyp
     assert os.environ["LD_LIBRARY_PATH"] == "/x:/rt/lib"
 
 
+def test_configure_subprocess_from_two_threads_restores_the_environment(monkeypatch):
+    # Threads that each start workers inside configure_subprocess() overlap without nesting:
+    # the one that leaves last must not put back the preload it found set by the other, which
+    # would preload every child the process starts from then on.
+    monkeypatch.setattr(mode_preload, "_mapped_cudart_dir", lambda: "/rt/lib")
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/x")
+    with patch("torch_memory_saver.hooks.mode_preload.get_binary_path_from_package", return_value=FAKE):
+        first, second = tms_pkg.configure_subprocess(), tms_pkg.configure_subprocess()
+        first.__enter__()
+        second.__enter__()
+        first.__exit__(None, None, None)
+        # The second thread is still starting children: they keep the preload.
+        assert os.environ["LD_PRELOAD"] == FAKE and os.environ["LD_LIBRARY_PATH"] == "/rt/lib:/x"
+        second.__exit__(None, None, None)
+    assert "LD_PRELOAD" not in os.environ and os.environ["LD_LIBRARY_PATH"] == "/x"
+
+
 def test_mapped_cudart_dir_reads_a_maps_file(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(

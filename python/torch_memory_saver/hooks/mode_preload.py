@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import threading
 from typing import Any, Iterator, Optional
 
 from .. import binary_wrapper
 from ..binary_wrapper import BinaryWrapper
 from ..errors import LibraryNotFoundError, UnsupportedError
-from ..utils import change_env, get_binary_path_from_package
+from ..utils import get_binary_path_from_package
 from .base import HookUtilBase
 
 __all__ = ["HookUtilModePreload", "configure_subprocess"]
@@ -46,24 +47,46 @@ def preload_library_path() -> str:
     return binary_wrapper.preloaded_path() or str(get_binary_path_from_package(PRELOAD_STEM))
 
 
+# configure_subprocess() blocks of every thread: the first to enter keeps the environment it
+# found, the last to leave puts it back (threads overlap without nesting, so each putting back
+# what it found would leave the preload set for good).
+_env_lock = threading.Lock()
+_env_users = 0
+_env_saved: "dict[str, Optional[str]]" = {}
+
+
 @contextlib.contextmanager
 def configure_subprocess() -> Iterator[None]:
     """Child processes started inside get this library first in ``LD_PRELOAD`` (preload
     mode); every other entry is kept, any other copy of this library is left out (a process
     must hold one). Where this process has a CUDA runtime loaded, its folder goes first in
-    ``LD_LIBRARY_PATH``, so a child finds the same runtime. Both variables are restored on exit
-    (an absent one as absent)."""
+    ``LD_LIBRARY_PATH``, so a child finds the same runtime. Both variables are restored when
+    the last block open (of any thread) ends (an absent one as absent)."""
+    global _env_users
     path = preload_library_path()
-    old = os.environ.get("LD_PRELOAD")
-    rest = [p for p in re.split(r"[: ]+", old or "") if p and not _is_our_library(p, path)]
     cudart = _mapped_cudart_dir()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(change_env("LD_PRELOAD", ":".join([path, *rest])))
+    with _env_lock:
+        if _env_users == 0:
+            _env_saved.clear()
+            _env_saved.update((k, os.environ.get(k)) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH"))
+        old = os.environ.get("LD_PRELOAD")
+        rest = [p for p in re.split(r"[: ]+", old or "") if p and not _is_our_library(p, path)]
+        os.environ["LD_PRELOAD"] = ":".join([path, *rest])
         if cudart:
-            libs = os.environ.get("LD_LIBRARY_PATH")
-            others = [d for d in (libs or "").split(":") if d and d != cudart]
-            stack.enter_context(change_env("LD_LIBRARY_PATH", ":".join([cudart, *others])))
+            others = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and d != cudart]
+            os.environ["LD_LIBRARY_PATH"] = ":".join([cudart, *others])
+        _env_users += 1
+    try:
         yield
+    finally:
+        with _env_lock:
+            _env_users -= 1
+            if _env_users == 0:
+                for key, value in _env_saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
 
 def expandable_segments_setting() -> Optional[str]:
