@@ -122,6 +122,23 @@ def test_library_file_by_cuda_major(monkeypatch, tmp_path, version, name):
     assert utils.get_binary_path_from_package(stem) == tmp_path / f"{stem}.abi3.so"
 
 
+def test_configure_subprocess_of_an_install_preloads_the_tms_library_path(monkeypatch, tmp_path, libtms):
+    # TMS_LIBRARY_PATH names the library this process loads (torch mode, get_binary_path()):
+    # children must preload that one too, not the install's copy beside the package.
+    stem = "torch_memory_saver_hook_mode_preload"
+    (tmp_path / "torch_memory_saver").mkdir()
+    (tmp_path / f"{stem}_cu12.abi3.so").touch()
+    monkeypatch.setattr(utils, "__file__", str(tmp_path / "torch_memory_saver" / "utils.py"))
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(version=types.SimpleNamespace(cuda="12.9", hip=None)))
+    monkeypatch.setattr(mode_preload, "_mapped_cudart_dir", lambda: None)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    with mode_preload.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == str(tmp_path / f"{stem}_cu12.abi3.so")
+    monkeypatch.setenv("TMS_LIBRARY_PATH", libtms)
+    with mode_preload.configure_subprocess():
+        assert os.environ["LD_PRELOAD"] == libtms == tms_pkg.get_binary_path()
+
+
 def test_backup_arguments_are_refused_in_the_existing_librarys_words(monkeypatch):
     t = entrypoint.TorchMemorySaver()
     with pytest.raises(ValueError, match="requires enable_cpu_backup") as e:

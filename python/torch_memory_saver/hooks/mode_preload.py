@@ -42,9 +42,15 @@ def _mapped_cudart_dir(maps_path: str = "/proc/self/maps") -> Optional[str]:
 
 def preload_library_path() -> str:
     """The library a child should preload: the file this process already preloads (one copy
-    per process tree), else the site-packages file under the existing library's name for the
-    CUDA version in use (``torch_memory_saver_hook_mode_preload[_cuNN].abi3.so``)."""
-    return binary_wrapper.preloaded_path() or str(get_binary_path_from_package(PRELOAD_STEM))
+    per process tree), else ``TMS_LIBRARY_PATH`` (the one this process loads in torch mode),
+    else the site-packages file under the existing library's name for the CUDA version in use
+    (``torch_memory_saver_hook_mode_preload[_cuNN].abi3.so``)."""
+    preloaded = binary_wrapper.preloaded_path()
+    if preloaded:
+        return preloaded
+    if os.environ.get("TMS_LIBRARY_PATH"):
+        return binary_wrapper.bundled_library_path()  # checked: LibraryNotFoundError where it names no library
+    return str(get_binary_path_from_package(PRELOAD_STEM))
 
 
 # configure_subprocess() blocks of every thread: the first to enter keeps the environment it
