@@ -49,6 +49,39 @@ def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
     assert "not with non_blocking" in r.stdout
 
 
+def test_two_threads_setting_one_check_each_keep_both(preloaded):
+    # set_checks() keeps what is not given by reading it first: two threads setting one check
+    # each on the same tag must not each write back the other's old value. The read is held
+    # until both have read (or a second has passed, where a lock keeps the second out).
+    r = preloaded(
+        """
+        import threading
+        tms._ensure_initialized()
+        impl = tms._impl
+        real = impl.get_checks
+        both_read = threading.Barrier(2)
+
+        def get_checks(tag=None):
+            now = real(tag)
+            try:
+                both_read.wait(timeout=1)
+            except threading.BrokenBarrierError:
+                pass
+            return now
+
+        impl.get_checks = get_checks
+        threads = [threading.Thread(target=tms.set_checks, args=("kv",), kwargs=kw)
+                   for kw in (dict(skip_unchanged=True), dict(verify=True))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        print(real("kv"))
+        """
+    )
+    assert r.stdout.strip() == "{'skip_unchanged': True, 'verify': True}", r.stdout
+
+
 def test_unchanged_memory_is_not_copied_and_a_bad_backup_is_caught(preloaded):
     r = preloaded(
         """

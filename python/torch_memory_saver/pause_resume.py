@@ -167,6 +167,7 @@ class _PauseResume:
     library."""
 
     _library: Callable[[], BinaryWrapper]
+    _checks_lock: threading.Lock
     # From ``nccl._Nccl``: hands the library the communicators it cannot see being made.
     _hand_over_nccl: Callable[[Optional[str]], None]
 
@@ -229,15 +230,17 @@ class _PauseResume:
         for name, v in (("skip_unchanged", skip_unchanged), ("verify", verify)):
             if v is not None and not isinstance(v, bool):
                 raise InvalidArgumentError(f"{name} must be True, False or None, not {v!r}")
-        now = self.get_checks(tag)
         lib = self._library()
-        lib.check(
-            lib.tms_set_checks(
-                _enc(tag),
-                int(now["skip_unchanged"] if skip_unchanged is None else skip_unchanged),
-                int(now["verify"] if verify is None else verify),
+        # What is not given is read and written back: no other thread's set_checks in between.
+        with self._checks_lock:
+            now = self.get_checks(tag)
+            lib.check(
+                lib.tms_set_checks(
+                    _enc(tag),
+                    int(now["skip_unchanged"] if skip_unchanged is None else skip_unchanged),
+                    int(now["verify"] if verify is None else verify),
+                )
             )
-        )
 
     def get_checks(self, tag: Optional[str] = None) -> dict:
         """See ``TorchMemorySaver.get_checks``."""

@@ -39,6 +39,8 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
         self._mem_pools: _PoolMap = _PoolMap()
         self._graph_pools: _PoolMap = _PoolMap()
         self._local = threading.local()
+        # Held by set_checks between reading the checks it keeps and writing them back.
+        self._checks_lock = threading.Lock()
         # disable(dispose_mem_pool_after_use=False)'s pools, by device, kept between blocks.
         self._kept_disable_pools: Dict[int, Any] = {}
         self._nccl_extra: list = []
