@@ -209,3 +209,23 @@ def test_bad_registrations_and_unregistered_modes_are_clear_errors():
         "OSError service not running",
         "TypeError the factory of hook mode 'nothing' returned None, not an implementation",
     ], r.stdout
+
+
+def test_an_unregistered_mode_set_once_built_is_refused_naming_every_registered_mode():
+    # docs/python-api.md: refused at once, "naming the registered modes": the message must
+    # offer the registered "service", not say only the builtin two are possible.
+    r = run(
+        """
+        register_hook_mode("service", ServiceSaver, uses_preload=False)
+        tms.available
+        try:
+            tms.hook_mode = "gms"
+        except tms_pkg.InvalidArgumentError as e:
+            print(e)
+        print(tms.hook_mode)
+        """,
+        clean_env(),
+    )
+    refused, mode = r.stdout.splitlines()
+    assert "'service'" in refused and "not 'gms'" in refused and "register_hook_mode" in refused, refused
+    assert mode == "preload"

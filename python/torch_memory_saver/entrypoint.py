@@ -218,9 +218,9 @@ class TorchMemorySaver:
             elif mode == self._selected_mode():
                 return
             elif isinstance(impl, _TorchMemorySaverImpl):
-                reg = _HOOK_MODE_REGISTRY.get(mode) if isinstance(mode, str) else None
-                if reg is None or mode in HOOK_MODES:
-                    impl.hook_mode = mode  # a builtin mode (or refused by name)
+                _mode_registration(mode)  # refuses a mode no registration knows, naming those that are
+                if mode in HOOK_MODES:
+                    impl.hook_mode = mode
                 elif impl._in_use():
                     raise InvalidStateError(
                         f"hook_mode is already {impl.hook_mode!r} and in use; set it to {mode!r} before the "
