@@ -490,11 +490,18 @@ for bad in (dict(tag="kv"), dict(tag="kv", chunk_indices=[1], indices=[1])):
         raise SystemExit(f"should refuse {bad}")
     except TypeError as e:
         print("TYPE", e)
+for call in (lambda: tmsd.pause_range(7, 0, 1), lambda: tmsd.pause_chunks(7, [0])):
+    try:
+        call()
+        raise SystemExit("a target that is neither a tag nor a tensor was taken")
+    except TypeError as e:
+        print("TARGET", e)
 print("OK", out.ok)
 """
     )
     assert "TYPE pause_chunks() needs the chunk indices" in r.stdout, r.stdout
     assert "TYPE pause_chunks() got the chunk indices twice" in r.stdout, r.stdout
+    assert r.stdout.count("TARGET expected a tag or a torch.Tensor, not int") == 2, r.stdout
     assert r.stdout.strip().endswith("OK True"), r.stdout
 
 

@@ -496,7 +496,10 @@ def _chunk_op(
 def _target(tag_or_tensor: Any) -> str:
     if isinstance(tag_or_tensor, str):
         return f"tag {tag_or_tensor!r}"
-    return f"the allocation at {int(tag_or_tensor.data_ptr()):#x}"
+    data_ptr = getattr(tag_or_tensor, "data_ptr", None)
+    if not callable(data_ptr):  # refused as the package's own calls refuse it
+        raise TypeError(f"expected a tag or a torch.Tensor, not {type(tag_or_tensor).__name__}")
+    return f"the allocation at {int(data_ptr()):#x}"
 
 
 def _not_over_nccl(tag: Optional[str], group: Any) -> None:
