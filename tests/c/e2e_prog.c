@@ -261,6 +261,13 @@ static int mode_oom(void) {
     check(strstr(last_error(), "out of memory") != NULL, "tms_last_error explains it: %s",
           last_error());
     check(fake_cuda_malloc_calls() == m0, "the failed allocation did not fall back to the runtime");
+    /* The runtime's answer for a size no device holds, as for one just below it (PyTorch frees
+     * its cache and raises OutOfMemoryError only on this code). */
+    rc = cudaMalloc(&p, SIZE_MAX);
+    check(rc == CUDA_ERROR_MEMORY_ALLOCATION,
+          "cudaMalloc of SIZE_MAX (overflows once rounded up) returns cudaErrorMemoryAllocation "
+          "(rc %d)",
+          rc);
 
     void *q = NULL;
     rc = cudaMalloc(&q, 8 * MIB);

@@ -52,11 +52,13 @@ impl Engine {
         self.check_device(req.device).ctx(what)?;
         self.note_device(req.device);
         let g = self.granularity(req.device).ctx(what)?;
+        // More than the address space holds, as a size just below it is (the driver's reserve
+        // says so): out of memory, the runtime's answer, on which PyTorch frees its cache.
         let mapped = req
             .size
             .checked_next_multiple_of(g)
             .ok_or_else(|| {
-                Error::invalid_argument(format!(
+                Error::out_of_memory(format!(
                     "size overflows when rounded up to the granularity {g}"
                 ))
             })
