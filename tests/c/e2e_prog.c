@@ -64,7 +64,8 @@ long fake_cuda_live(void);
     X(tms_copy_cpu_backup)                                                                   \
     X(tms_get_cpu_backup)                                                                    \
     X(tms_stats_json)                                                                        \
-    X(tms_control_socket)
+    X(tms_control_socket)                                                                    \
+    X(tms_torch_malloc)
 
 TMS_FUNCTIONS(DECLARE_POINTER)
 
@@ -499,6 +500,17 @@ static int mode_malformed(void) {
     return finish("malformed");
 }
 
+/* A malformed TMS_* variable (set by the caller) met first by PyTorch's allocator (torch mode):
+ * it refuses, and PyTorch reads no tms_last_error, so stderr must name the variable. */
+static int mode_torch_malformed(void) {
+    void *p = p_tms_torch_malloc(4096, 0, NULL);
+    check(p == NULL, "tms_torch_malloc refuses");
+    report_error("torch-malloc");
+    check(strstr(last_error(), "TMS_INIT_ENABLE") != NULL, "tms_last_error names the variable");
+    check(p_tms_torch_malloc(4096, 0, NULL) == NULL, "and refuses again (said once)");
+    return finish("torch-malformed");
+}
+
 /* A device that cannot start (TMS_BACKEND=cuda where no CUDA device can be used): the settings
  * are fine, so a region can be entered, but the library cannot start; allocations in the region
  * fail with cudaErrorInitializationError, others pass through. */
@@ -742,7 +754,7 @@ static int mode_socket_path(void) {
 
 int main(int argc, char **argv) {
     if (argc != 2) {
-        fprintf(stderr, "usage: %s basic|oom|fault|touch-paused|init-enable|malformed|"
+        fprintf(stderr, "usage: %s basic|oom|fault|touch-paused|init-enable|malformed|torch-malformed|"
                         "bad-device|fork|fork-raw|socket-path\n",
                 argv[0]);
         return 2;
@@ -764,6 +776,8 @@ int main(int argc, char **argv) {
         return mode_init_enable();
     } else if (strcmp(mode, "malformed") == 0) {
         return mode_malformed();
+    } else if (strcmp(mode, "torch-malformed") == 0) {
+        return mode_torch_malformed();
     } else if (strcmp(mode, "bad-device") == 0) {
         return mode_bad_device();
     } else if (strcmp(mode, "fork") == 0) {

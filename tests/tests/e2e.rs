@@ -257,6 +257,22 @@ fn check_malformed(var: &str, value: &str, says: &str) {
     );
 }
 
+/// Torch mode: PyTorch's allocator gets NULL and raises out-of-memory without reading
+/// `tms_last_error`, so the line on stderr is all that names the variable.
+#[test]
+fn malformed_settings_met_by_the_torch_allocator_are_named_on_stderr() {
+    let r = run_e2e("torch-malformed", &[("TMS_INIT_ENABLE", "maybe")]);
+    r.assert_passed("torch-malformed");
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert!(
+        lines.len() == 1
+            && lines[0].starts_with("torch-memory-saver: ")
+            && lines[0].contains("environment variable TMS_INIT_ENABLE"),
+        "{}",
+        r.dump()
+    );
+}
+
 #[test]
 fn malformed_init_enable_passes_through() {
     check_malformed("TMS_INIT_ENABLE", "maybe", "\"maybe\" is not a flag");

@@ -162,7 +162,11 @@ static STARTUP_REPORTED: std::sync::Once = std::sync::Once::new();
 /// Allocate from the engine with the thread's region settings; a CUDA runtime status.
 fn engine_alloc(size: usize, device: Option<i32>) -> Result<*mut c_void, (c_int, Error)> {
     let fail = |code| move |e: Error| (code, e);
-    let region = settings::current_region().map_err(fail(CUDA_ERROR_INVALID_VALUE))?;
+    // Said here too: PyTorch's allocator meets it first in torch mode, and reads no message.
+    let region = settings::current_region().map_err(|e| {
+        report_once(&SETTINGS_REPORTED, &e);
+        (CUDA_ERROR_INVALID_VALUE, e)
+    })?;
     let rt = control::runtime().map_err(|e| {
         report_once(&STARTUP_REPORTED, &e);
         (CUDA_ERROR_INITIALIZATION, e)
