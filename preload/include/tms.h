@@ -808,8 +808,9 @@ int tms_get_chunk_layout(const char *tag, size_t *offsets, size_t *sizes, size_t
 
 /**
  * PyTorch's pluggable-allocator `malloc`: allocate `size` bytes of pauseable memory on `device`,
- * with the calling thread's region tag and backup settings (pauseable outside a region too;
- * inside a disabled scope, Python's `disable()`, real memory that pause leaves alone).
+ * with the calling thread's region tag and backup settings; outside a region (unless
+ * `TMS_INIT_ENABLE` puts every thread in one) and inside a disabled scope, Python's
+ * `disable()`, real memory that pause leaves alone.
  * Returns NULL on failure (PyTorch raises out-of-memory), with the reason in the thread's last
  * error. `stream` is ignored.
  */

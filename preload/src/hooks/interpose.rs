@@ -303,8 +303,9 @@ pub unsafe extern "C" fn hipFree(ptr: *mut c_void) -> c_int {
 }
 
 /// PyTorch's pluggable-allocator `malloc`: allocate `size` bytes of pauseable memory on `device`,
-/// with the calling thread's region tag and backup settings (pauseable outside a region too;
-/// inside a disabled scope, Python's `disable()`, real memory that pause leaves alone).
+/// with the calling thread's region tag and backup settings; outside a region (unless
+/// `TMS_INIT_ENABLE` puts every thread in one) and inside a disabled scope, Python's
+/// `disable()`, real memory that pause leaves alone.
 /// Returns NULL on failure (PyTorch raises out-of-memory), with the reason in the thread's last
 /// error. `stream` is ignored.
 #[no_mangle]
