@@ -261,7 +261,10 @@ fn cgroup_room(dir: &std::path::Path) -> Option<u64> {
 // could not be held: a relative folder and a later `chdir` cannot misdirect the removal, nor
 // can a rename of a folder held, and a socket path of any length fits. Each slot also keeps
 // the pid that recorded it: a fork child inherits the table, the `atexit` handler and the
-// signal handlers, and must never remove its parent's live files.
+// signal handlers, and must never remove its parent's live files. A slot may also keep the
+// file's identity (device and inode): the control socket, whose name anyone of our user can
+// take over while the process runs (the file moved or removed, another put in its place), is
+// removed only while it is still the file the process made.
 //
 // The signal handlers go in only once the library has started (never at load time), and only
 // for a signal whose disposition is still the default: a host that installed its own handler
@@ -286,6 +289,10 @@ struct ExitSlot {
     generation: std::sync::atomic::AtomicU32,
     pid: std::sync::atomic::AtomicI32,
     dirfd: std::sync::atomic::AtomicI32,
+    /// Removed only while the file is still this one (`dev`, `ino`).
+    checked: std::sync::atomic::AtomicBool,
+    dev: std::sync::atomic::AtomicU64,
+    ino: std::sync::atomic::AtomicU64,
     name: [std::sync::atomic::AtomicU8; EXIT_NAME],
 }
 
@@ -295,6 +302,9 @@ const EMPTY_SLOT: ExitSlot = ExitSlot {
     generation: std::sync::atomic::AtomicU32::new(0),
     pid: std::sync::atomic::AtomicI32::new(0),
     dirfd: std::sync::atomic::AtomicI32::new(-1),
+    checked: std::sync::atomic::AtomicBool::new(false),
+    dev: std::sync::atomic::AtomicU64::new(0),
+    ino: std::sync::atomic::AtomicU64::new(0),
     name: [const { std::sync::atomic::AtomicU8::new(0) }; EXIT_NAME],
 };
 
@@ -317,6 +327,12 @@ impl ExitRemoval {
     /// `dirfd` open as long as this lives. `None` when the name is too long or every slot is
     /// taken: the file is then not removed at exit.
     pub fn register(dirfd: i32, name: &[u8]) -> Option<ExitRemoval> {
+        Self::register_file(dirfd, name, None)
+    }
+
+    /// [`register`](Self::register), the file removed only while it is still `file` (its
+    /// device and inode, from `lstat`), when given.
+    pub fn register_file(dirfd: i32, name: &[u8], file: Option<(u64, u64)>) -> Option<ExitRemoval> {
         use std::sync::atomic::Ordering::SeqCst;
         if name.is_empty() || name.len() >= EXIT_NAME || name.contains(&0) {
             return None;
@@ -333,6 +349,10 @@ impl ExitRemoval {
         s.generation.fetch_add(1, SeqCst);
         s.pid.store(getpid(), SeqCst);
         s.dirfd.store(dirfd, SeqCst);
+        s.checked.store(file.is_some(), SeqCst);
+        let (dev, ino) = file.unwrap_or_default();
+        s.dev.store(dev, SeqCst);
+        s.ino.store(ino, SeqCst);
         for (i, b) in s.name.iter().enumerate() {
             b.store(name.get(i).copied().unwrap_or(0), SeqCst);
         }
@@ -362,6 +382,10 @@ fn remove_recorded() {
         let generation = s.generation.load(SeqCst);
         let pid = s.pid.load(SeqCst);
         let dirfd = s.dirfd.load(SeqCst);
+        let file = s
+            .checked
+            .load(SeqCst)
+            .then(|| (s.dev.load(SeqCst), s.ino.load(SeqCst)));
         let mut name = [0u8; EXIT_NAME];
         for (d, b) in name.iter_mut().zip(s.name.iter()) {
             *d = b.load(SeqCst);
@@ -374,6 +398,23 @@ fn remove_recorded() {
             continue;
         }
         name[EXIT_NAME - 1] = 0;
+        if let Some(file) = file {
+            // SAFETY: `name` is NUL-terminated and outlives the call, `st` is ours to write;
+            // fstatat is async-signal-safe.
+            let same = unsafe {
+                let mut st: libc::stat = std::mem::zeroed();
+                libc::fstatat(
+                    dirfd,
+                    name.as_ptr().cast(),
+                    &mut st,
+                    libc::AT_SYMLINK_NOFOLLOW,
+                ) == 0
+                    && (st.st_dev as u64, st.st_ino as u64) == file
+            };
+            if !same {
+                continue;
+            }
+        }
         // SAFETY: `name` is NUL-terminated and outlives the call; unlinkat is async-signal-safe
         // and only reads it.
         unsafe { libc::unlinkat(dirfd, name.as_ptr().cast(), 0) };

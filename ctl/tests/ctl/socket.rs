@@ -135,3 +135,23 @@ fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
     p.terminate();
     assert!(!sock.exists(), "the socket was left");
 }
+
+/// The socket is removed at exit (normal or by SIGTERM) only while it is still the file the
+/// process made: whatever was put at its name since is someone else's, and stays.
+#[test]
+fn a_socket_file_replaced_while_serving_is_left_alone_at_exit() {
+    for by_signal in [false, true] {
+        let sb = sandbox();
+        let p = Proc::start(&sb, &[]);
+        let sock = p.socket();
+        std::fs::rename(&sock, sb.dir.join("moved")).expect("rename");
+        std::fs::write(&sock, b"not the server's").expect("write");
+        if by_signal {
+            p.terminate();
+        } else {
+            assert!(p.exit().success());
+        }
+        let left = std::fs::read(&sock).unwrap_or_default();
+        assert_eq!(left, b"not the server's", "by signal: {by_signal}");
+    }
+}

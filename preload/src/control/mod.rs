@@ -49,8 +49,9 @@
 //! ABI's calls do; two clients asking for a pause at once are served one after the other by the
 //! operations lock, like two threads of the process (engine Note [Locks]).
 //!
-//! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made it,
-//! and so does SIGTERM or SIGINT where the host left their default action (Note [Removal at exit
+//! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made it
+//! and only while the file at its name is still that socket (a file put there since is someone
+//! else's), and so does SIGTERM or SIGINT where the host left their default action (Note [Removal at exit
 //! and on a termination signal] in `os.rs`); a fork child closes its copies of the listener and of
 //! every open connection (it has no server threads, and the library is disabled in it anyway).
 //!
@@ -73,6 +74,7 @@ use std::ffi::CString;
 use std::fmt;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -153,12 +155,13 @@ impl Host for ProcessHost {
 /// Record the socket `path` in `folder` for removal when a signal ends the process: by the
 /// folder, held open (`O_PATH`) for the life of the process, and the file name, so that a path
 /// too long for a removal slot is removed all the same; by the path where the folder cannot be
-/// opened.
-fn record_for_signals(folder: &Path, path: &Path) {
+/// opened. Only while it is still `file` (device and inode), the socket made.
+fn record_for_signals(folder: &Path, path: &Path, file: Option<(u64, u64)>) {
+    use crate::os::ExitRemoval;
     let held = tms_proto::hold_folder(folder);
     let recorded = match (&held, path.file_name()) {
-        (Ok(dir), Some(name)) => crate::os::ExitRemoval::register(dir.as_raw_fd(), name.as_bytes()),
-        _ => crate::os::ExitRemoval::register(libc::AT_FDCWD, path.as_os_str().as_bytes()),
+        (Ok(dir), Some(name)) => ExitRemoval::register_file(dir.as_raw_fd(), name.as_bytes(), file),
+        _ => ExitRemoval::register_file(libc::AT_FDCWD, path.as_os_str().as_bytes(), file),
     };
     if let Some(r) = recorded {
         // Both live as long as the process: the signal handler reads the slot and its folder.
@@ -231,10 +234,15 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
         let why = format!("socket path {} contains a NUL byte", path.display());
         Error::new(ErrorKind::Io, why)
     })?;
-    sys::install_process_handlers(c_path, listener.as_raw_fd());
+    // What is at the socket's name when the process ends may no longer be our socket (moved
+    // away, another file put there): removed only if it is the file made here.
+    let file = std::fs::symlink_metadata(&path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()));
+    sys::install_process_handlers(c_path, file, listener.as_raw_fd());
     // The atexit handler does not run when a signal ends the process: recorded for that too,
     // for as long as the process lives.
-    record_for_signals(&folder, &path);
+    record_for_signals(&folder, &path, file);
     let me = Identity {
         uid,
         pid,

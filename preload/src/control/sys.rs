@@ -131,10 +131,12 @@ fn probe_at(path: &Path) -> Probe {
     }
 }
 
-/// Socket file to remove at exit, and the pid of the process that made it.
+/// Socket file to remove at exit, the pid of the process that made it, and the file it made
+/// (device and inode), if known.
 struct ExitUnlink {
     path: CString,
     pid: i32,
+    file: Option<(u64, u64)>,
 }
 
 static EXIT_UNLINK: OnceLock<ExitUnlink> = OnceLock::new();
@@ -154,7 +156,11 @@ extern "C" fn unlink_at_exit() {
     // Only the process that created the socket removes it: a fork child exiting must not
     // take its parent's socket away.
     if let Some(u) = EXIT_UNLINK.get() {
-        if getpid() == u.pid {
+        // Nor a file put at its name since: that one is someone else's.
+        let same = |f| {
+            nix::sys::stat::lstat(u.path.as_c_str()).is_ok_and(|st| (st.st_dev, st.st_ino) == f)
+        };
+        if getpid() == u.pid && u.file.is_none_or(same) {
             let _ = nix::unistd::unlink(u.path.as_c_str());
         }
     }
@@ -174,12 +180,14 @@ extern "C" fn close_in_fork_child() {
     }
 }
 
-/// Remove `path` at exit (in this process only) and close the server's fds in fork children.
-/// Call once, after the socket exists.
-pub fn install_process_handlers(path: CString, listen_fd: i32) {
+/// Remove `path` at exit (in this process only, and while it is still `file`, the socket's
+/// device and inode) and close the server's fds in fork children. Call once, after the socket
+/// exists.
+pub fn install_process_handlers(path: CString, file: Option<(u64, u64)>, listen_fd: i32) {
     let _ = EXIT_UNLINK.set(ExitUnlink {
         path,
         pid: getpid(),
+        file,
     });
     LISTEN_FD.store(listen_fd, Ordering::SeqCst);
     HANDLERS.call_once(|| {
