@@ -240,6 +240,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
         .ok()
         .map(|m| (m.dev(), m.ino()));
     sys::install_process_handlers(c_path, file, listener.as_raw_fd());
+    let listener = sys::Listening(listener);
     // The atexit handler does not run when a signal ends the process: recorded for that too,
     // for as long as the process lives.
     record_for_signals(&folder, &path, file);
@@ -253,11 +254,10 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     let ours = tms_proto::socket_file_name(pid);
     let spawned = std::thread::Builder::new()
         .name("tms-control".into())
-        .spawn(move || run(&listener, &folder, &ours, host, Limits::default(), me));
+        .spawn(move || run(&listener.0, &folder, &ours, host, Limits::default(), me));
     match spawned {
         Ok(_) => Ok(path),
         Err(e) => {
-            sys::forget_listener();
             let _ = std::fs::remove_file(&path);
             Err(Error::io("cannot start the control thread", e).into())
         }

@@ -201,8 +201,18 @@ pub fn install_process_handlers(path: CString, file: Option<(u64, u64)>, listen_
 }
 
 /// Forget the listener fd before it is closed (so a fork child never closes a reused number).
-pub fn forget_listener() {
+fn forget_listener() {
     LISTEN_FD.store(-1, Ordering::SeqCst);
+}
+
+/// The server's listening socket: however it goes (its thread ends or panics, or never starts
+/// and drops it), its number is forgotten for fork children before it is closed.
+pub struct Listening(pub std::os::unix::net::UnixListener);
+
+impl Drop for Listening {
+    fn drop(&mut self) {
+        forget_listener();
+    }
 }
 
 /// Record a connection being served, so that a fork child closes its copy; `None` when every
