@@ -8,6 +8,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
 /// A running demo child.
 pub(super) struct DemoChild {
     child: Child,
@@ -150,10 +153,18 @@ impl DemoChild {
     pub(super) fn finish(mut self) {
         let _ = self.send("exit");
         self.stdin = None;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
+        self.wait_for(Duration::from_secs(10));
+    }
+
+    /// Whether the child ended within `limit`.
+    fn wait_for(&mut self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
             if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -163,7 +174,14 @@ impl DemoChild {
 impl Drop for DemoChild {
     fn drop(&mut self) {
         if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
+            // SIGTERM first: the library removes its control socket on it, and a SIGKILL
+            // would leave the socket file behind in the socket folder.
+            if let Ok(pid) = i32::try_from(self.child.id()) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+            }
+            if !self.wait_for(Duration::from_secs(5)) {
+                let _ = self.child.kill();
+            }
             let _ = self.child.wait();
         }
     }

@@ -214,3 +214,39 @@ fn the_demo_prints_each_row_as_it_happens() {
     );
     assert_eq!(all.last(), Some(&"demo OK"));
 }
+
+/// The files in the sandbox's socket folder.
+fn sockets_left(sb: &Sandbox) -> Vec<String> {
+    std::fs::read_dir(&sb.dir)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A child that does not answer within --timeout (its pattern takes 16 s at 1 MiB/s) is ended
+/// so that its library removes its control socket: a SIGKILL left the socket behind.
+#[test]
+fn a_demo_child_that_times_out_leaves_no_socket() {
+    let sb = sandbox();
+    let r = ctl_with(
+        &tmsctl(),
+        &sb,
+        &[
+            "demo",
+            "--backend",
+            "sim",
+            "--size",
+            "16MiB",
+            "--timeout",
+            "1",
+        ],
+        |c| {
+            c.env("TMS_SIM_BANDWIDTH", "1MiB");
+        },
+    );
+    assert!(r.stderr.contains("no READY"), "{}", r.dump());
+    assert_eq!(sockets_left(&sb), Vec::<String>::new(), "{}", r.dump());
+}
