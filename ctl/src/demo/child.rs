@@ -5,9 +5,10 @@
 use std::ffi::{c_void, CStr, CString};
 use std::io::{BufRead, Write};
 
+use nix::sys::prctl::set_pdeathsig;
 use nix::sys::signal::{signal, SigHandler, Signal};
 use nix::sys::wait::{waitpid, WaitStatus};
-use nix::unistd::{fork, ForkResult};
+use nix::unistd::{fork, getppid, ForkResult, Pid};
 use serde_json::json;
 
 use super::api::Api;
@@ -20,6 +21,14 @@ pub fn child(a: &ChildArgs) -> anyhow::Result<()> {
     // Behave like a C program that never ignored SIGPIPE: the library must not raise it.
     // SAFETY: the default disposition runs no handler of ours, so nothing can be unsound.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+    if let Some(parent) = a.parent {
+        // A parent killed alone would leave the child running on, to die of SIGPIPE on its next
+        // line, which leaves its control socket behind; SIGTERM has the library remove it.
+        let _ = set_pdeathsig(Signal::SIGTERM);
+        if getppid() != Pid::from_raw(parent) {
+            std::process::exit(1);
+        }
+    }
     let api = match Api::load() {
         Ok(api) => api,
         Err(e) => {

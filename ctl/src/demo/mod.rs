@@ -102,4 +102,7 @@ pub struct ChildArgs {
     /// device's granularity that divides --size).
     #[arg(long, value_parser = parse_size)]
     chunk: Option<u64>,
+    /// The pid of the `tmsctl demo` that started it: the child ends with it.
+    #[arg(long)]
+    parent: Option<i32>,
 }

@@ -38,6 +38,8 @@ impl DemoChild {
             .arg(size.to_string())
             .arg("--tag")
             .arg(tag)
+            .arg("--parent")
+            .arg(std::process::id().to_string())
             .env("LD_PRELOAD", preload)
             .env("TMS_BACKEND", backend)
             .env("TMS_SOCKET_DIR", dir)

@@ -250,3 +250,46 @@ fn a_demo_child_that_times_out_leaves_no_socket() {
     assert!(r.stderr.contains("no READY"), "{}", r.dump());
     assert_eq!(sockets_left(&sb), Vec::<String>::new(), "{}", r.dump());
 }
+
+/// A demo stopped by a signal to it alone (`kill`, a supervisor) takes its child with it, and
+/// the child's socket: the child wrote its pattern on, then died of SIGPIPE on its next line,
+/// which leaves the socket file behind.
+#[test]
+fn a_demo_killed_takes_its_child_and_socket_with_it() {
+    let sb = sandbox();
+    let mut cmd = clean(Command::new(tmsctl()), &sb);
+    cmd.args(["demo", "--backend", "sim", "--size", "64MiB"])
+        .env("TMS_SIM_BANDWIDTH", "4MiB")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    let mut demo = cmd.spawn().expect("tmsctl demo");
+    let mut out = BufReader::new(demo.stdout.take().expect("stdout")).lines();
+    let first = out.next().expect("a line").expect("a line");
+    let child: i32 = first
+        .split_whitespace()
+        .nth(3)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no child pid in {first:?}"));
+    // The child is writing its pattern (16 s at 4 MiB/s) when its parent goes.
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(demo.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("kill");
+    let _ = demo.wait();
+    drop(out);
+    let deadline = Instant::now() + Duration::from_secs(8);
+    // A zombie (reparented where nothing reaps it) counts as gone.
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+            s.rsplit_once(") ")
+                .is_some_and(|(_, r)| !r.starts_with('Z'))
+        })
+    };
+    while (alive(child) || !sockets_left(&sb).is_empty()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(!alive(child), "demo child {child} still runs");
+    assert_eq!(sockets_left(&sb), Vec::<String>::new());
+}
