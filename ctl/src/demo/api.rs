@@ -30,7 +30,7 @@ unsafe fn sym<T: Copy>(lib: &Library, name: &CStr) -> Result<T, String> {
     match unsafe { lib.get::<T>(name) } {
         Ok(f) => Ok(*f),
         Err(_) => Err(format!(
-            "{} not found: libtms.so is not preloaded (LD_PRELOAD)",
+            "{} not found among the process's symbols (LD_PRELOAD)",
             name.to_string_lossy()
         )),
     }

@@ -2,6 +2,7 @@
 //! each step's row as it is done, and check what the steps did.
 
 use std::io::Write;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -141,13 +142,12 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
             drop(child);
             fallback = Some(msg);
             child = DemoChild::spawn(&lib, "sim", a.size, &a.tag, &ctx.dir)?;
-            child
-                .expect("STARTED", ctx.timeout)
-                .map_err(|(s, m)| Failure::new(Code::Failed, format!("demo child ({s}): {m}")))?
+            match child.expect("STARTED", ctx.timeout) {
+                Ok(r) => r,
+                Err(e) => return Err(child_failure(&mut child, &lib, e).into()),
+            }
         }
-        Err((stage, msg)) => {
-            return Err(Failure::new(Code::Failed, format!("demo child ({stage}): {msg}")).into())
-        }
+        Err(e) => return Err(child_failure(&mut child, &lib, e).into()),
     };
     let pid = child.pid();
     let driver_note = match (&fallback, started.as_str()) {
@@ -354,6 +354,25 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     } else {
         Err(Failure::new(Code::Failed, failure_message(&problems)).into())
     }
+}
+
+/// The child's `ERROR stage message` (or its end) as the demo's failure. A library without the
+/// functions the child calls was preloaded all the same: the file is named, with the loader's
+/// reason where it refused the file.
+fn child_failure(child: &mut DemoChild, lib: &Path, (stage, msg): (String, String)) -> Failure {
+    if stage == "nolib" {
+        return Failure::new(
+            Code::Failed,
+            format!(
+                "demo child: {}: {} is not libtms.so, or not a version with every function the \
+                 demo calls{}",
+                printable(&msg),
+                printable(&lib.display().to_string()),
+                child.stderr_at_exit()
+            ),
+        );
+    }
+    Failure::new(Code::Failed, format!("demo child ({stage}): {msg}"))
 }
 
 fn failure_message(problems: &[String]) -> String {

@@ -17,6 +17,8 @@ pub(super) struct DemoChild {
     stdin: Option<ChildStdin>,
     lines: Receiver<String>,
     stderr: Arc<Mutex<String>>,
+    /// Disconnected once the child's stderr has been read to its end.
+    stderr_done: Receiver<()>,
 }
 
 impl DemoChild {
@@ -70,9 +72,11 @@ impl DemoChild {
             }
         });
         let stderr = Arc::new(Mutex::new(String::new()));
+        let (done_tx, stderr_done) = mpsc::channel::<()>();
         if let Some(mut err) = child.stderr.take() {
             let sink = stderr.clone();
             std::thread::spawn(move || {
+                let _done = done_tx;
                 let mut s = String::new();
                 let _ = err.read_to_string(&mut s);
                 if let Ok(mut g) = sink.lock() {
@@ -85,6 +89,7 @@ impl DemoChild {
             child,
             lines: rx,
             stderr,
+            stderr_done,
         })
     }
 
@@ -100,6 +105,15 @@ impl DemoChild {
         } else {
             format!(" (child's stderr: {})", t.lines().last().unwrap_or(t))
         }
+    }
+
+    /// The child's last line on stderr as [`Self::stderr_tail`] gives it, once the child has
+    /// ended (within a bound): for a child that said why it stops and is about to exit.
+    pub(super) fn stderr_at_exit(&mut self) -> String {
+        if self.wait_for(Duration::from_secs(2)) {
+            let _ = self.stderr_done.recv_timeout(Duration::from_secs(1));
+        }
+        self.stderr_tail()
     }
 
     /// The next line starting with `word`; an `ERROR` line or the end of output is

@@ -293,3 +293,20 @@ fn a_demo_killed_takes_its_child_and_socket_with_it() {
     assert!(!alive(child), "demo child {child} still runs");
     assert_eq!(sockets_left(&sb), Vec::<String>::new());
 }
+
+/// A --lib that is not libtms.so (or lacks a function the demo calls) is named with the
+/// loader's reason; the demo said "libtms.so is not preloaded (LD_PRELOAD)", though it was.
+#[test]
+fn a_lib_that_is_not_libtms_is_named_with_the_reason() {
+    let sb = sandbox();
+    let fake = sb.tmp.path().join("libfake.so");
+    std::fs::write(&fake, "not an ELF file\n").expect("write");
+    let fake = fake.to_str().expect("utf-8 path");
+    let line = ctl(&sb, &["demo", "--backend", "sim", "--lib", fake])
+        .failed(1)
+        .to_string();
+    for want in [fake, "is not libtms.so", "cannot be preloaded"] {
+        assert!(line.contains(want), "{want:?}: {line}");
+    }
+    assert!(!line.contains("is not preloaded"), "{line}");
+}
