@@ -166,7 +166,7 @@ pub fn run(ctx: &Ctx, a: &DemoArgs) -> anyhow::Result<()> {
     }
     let ready = child
         .expect("READY", ctx.timeout)
-        .map_err(|(s, m)| Failure::new(Code::Failed, format!("demo child ({s}): {m}")))?;
+        .map_err(|e| child_failure(&mut child, &lib, e))?;
     let ready: Value = serde_json::from_str(&ready).unwrap_or(Value::Null);
     let backend = ready["backend"].as_str().unwrap_or("?").to_string();
     let socket = ready["socket"].as_str().map(str::to_string);
@@ -372,7 +372,13 @@ fn child_failure(child: &mut DemoChild, lib: &Path, (stage, msg): (String, Strin
             ),
         );
     }
-    Failure::new(Code::Failed, format!("demo child ({stage}): {msg}"))
+    // No answer within --timeout is exit code 5 for the demo as for every command.
+    let code = if stage == "timeout" {
+        Code::Timeout
+    } else {
+        Code::Failed
+    };
+    Failure::new(code, format!("demo child ({stage}): {msg}"))
 }
 
 fn failure_message(problems: &[String]) -> String {

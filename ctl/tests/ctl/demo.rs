@@ -248,6 +248,8 @@ fn a_demo_child_that_times_out_leaves_no_socket() {
         },
     );
     assert!(r.stderr.contains("no READY"), "{}", r.dump());
+    // No answer within --timeout is exit code 5, as for every other command.
+    assert_eq!(r.code, 5, "{}", r.dump());
     assert_eq!(sockets_left(&sb), Vec::<String>::new(), "{}", r.dump());
 }
 
