@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tarfile
 import zipfile
 from email.parser import HeaderParser
@@ -79,11 +80,17 @@ def test_wheel_metadata(cargo_version):
     assert Version(meta["Version"]) == Version(cargo_version)
     assert info == f"torch_memory_saver-{meta['Version']}.dist-info"
     assert meta["License-Expression"] == "Apache-2.0"
-    assert meta["License-File"] == "LICENSE"
+    assert meta.get_all("License-File") == ["LICENSE", "THIRD-PARTY-LICENSES"]
     license_text = z.read(f"{info}/licenses/LICENSE").decode()
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     if (ROOT / "LICENSE").is_file():
         assert license_text == (ROOT / "LICENSE").read_text(encoding="utf-8")
+    # The binaries link MIT/ISC/BSL crates statically, whose notices must go with every copy.
+    third = z.read(f"{info}/licenses/THIRD-PARTY-LICENSES").decode()
+    for crate in ("nix", "tracing", "sharded-slab", "libloading", "xxhash-rust", "clap"):
+        assert f"\n{crate} " in third, crate
+    if (ROOT / "THIRD-PARTY-LICENSES").is_file():
+        assert third == (ROOT / "THIRD-PARTY-LICENSES").read_text(encoding="utf-8")
     assert meta["Requires-Python"] == ">=3.9"
     classifiers = meta.get_all("Classifier")
     for c in ("Environment :: GPU :: NVIDIA CUDA :: 12", "Environment :: GPU :: NVIDIA CUDA :: 13",
@@ -123,7 +130,7 @@ def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
     assert top == f"torch_memory_saver-{pkg_info['Version']}"
     assert Version(pkg_info["Version"]) == Version(cargo_version)
     assert sdist_cargo["workspace"]["package"]["version"] == cargo_version
-    needed = {"Cargo.toml", "Cargo.lock", "LICENSE", "README.md", "pyproject.toml", "setup.py",
+    needed = {"Cargo.toml", "Cargo.lock", "LICENSE", "THIRD-PARTY-LICENSES", "README.md", "pyproject.toml", "setup.py",
               "python/torch_memory_saver/__init__.py", "python/torch_memory_saver/py.typed"}
     needed |= {f"{member}/Cargo.toml" for member in cargo_toml["workspace"]["members"]}
     assert needed <= files, sorted(needed - files)
@@ -132,6 +139,24 @@ def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
     stray = [f for f in files if f.split("/")[0] in ("target", "dist", "build", ".upstream", ".git")
              or f.endswith((".so", ".whl", ".pyc"))]
     assert not stray, stray
+
+
+def test_third_party_licenses_name_every_linked_crate():
+    """THIRD-PARTY-LICENSES (shipped in the wheel and the sdist) holds the notices of exactly
+    the crates that Cargo.lock links into libtms.so and tmsctl: scripts/third-party-licenses
+    rewrites it after a dependency changes."""
+    import shutil
+
+    script = ROOT / "scripts" / "third-party-licenses"
+    if not script.is_file() or shutil.which("cargo") is None:
+        pytest.skip("needs the repository's scripts/ and cargo")
+    probe = subprocess.run(["cargo", "metadata", "--format-version", "1", "--locked", "--offline"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0:
+        pytest.skip(f"cargo metadata (offline: needs the crates a build fetched): {probe.stderr.strip()}")
+    r = subprocess.run([sys.executable, str(script), "--check"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_relative_links_in_the_readme_and_docs_lead_somewhere():
