@@ -274,3 +274,28 @@ def test_the_last_progress_of_a_call_that_failed_early_is_none(preloaded):
         """
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_the_last_progress_of_a_range_holding_no_whole_chunk_is_its_own(preloaded):
+    # It succeeded, acting on nothing, as tms_chunks_at does for chunks already paused: op 1
+    # with 0 bytes, not op 0 ("failed or none"), which the last call's caller cannot tell from
+    # a failure.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        w = binary_wrapper.load()
+        C = 2 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True, chunk_size=C):
+            rc, p = cuda_malloc(4 * C)
+        assert rc == 0
+        first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+        assert w.tms_range(p + 1, C, 1, ctypes.byref(first), ctypes.byref(count)) == 0
+        assert (first.value, count.value) == (0, 0)
+        last = w.last_progress()
+        assert last is not None and (last.op, last.bytes_total) == (1, 0), last and last.op
+        assert w.tms_range(p + 1, 0, 0, None, None) == 0
+        assert w.last_progress() is not None and w.last_progress().op == 2
+        print("ok")
+        """
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr

@@ -158,7 +158,8 @@ pub unsafe extern "C" fn tms_range(
         // needs.
         unsafe { put_all(&outs) };
         if idx.is_empty() {
-            return Ok(());
+            // Succeeded, acting on nothing: `tms_last_progress` says so rather than op 0.
+            return super::progress::noted(pause != 0, Ok(crate::engine::OpReport::default()));
         }
         transact(pause != 0, &Pick::chunks(start, &idx))
     })
