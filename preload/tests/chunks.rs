@@ -124,6 +124,10 @@ engine_test! {
         assert_eq!(e.chunks_in(p + 1, g).unwrap().1, Vec::<usize>::new());
         assert_eq!(e.chunks_in(p, 8 * g).unwrap().1, (0..8).collect::<Vec<_>>());
         assert!(e.chunks_in(p, 8 * g + 1).is_err(), "beyond the allocation");
+        assert_eq!(e.chunks_in(p + 1, 0).unwrap().1, Vec::<usize>::new());
+        // The error names the range the caller gave, an empty one too.
+        let m = e.chunks_in(p + 8 * g, 0).unwrap_err().to_string();
+        assert!(m.contains(&format!("{:#x}+0 ", p + 8 * g)), "{m}");
     }
 }
 

@@ -57,7 +57,7 @@ impl Engine {
     /// range (rounded inward: a chunk only partly inside is left out).
     pub fn chunks_in(&self, addr: DevPtr, len: u64) -> Result<(DevPtr, Vec<usize>)> {
         let reg = self.registry.lock();
-        let (start, a) = reg.chunked_containing(addr, len.max(1))?;
+        let (start, a) = reg.chunked_containing(addr, len)?;
         let off = addr - start;
         let first = off.div_ceil(a.chunk);
         let end = (off + len) / a.chunk;
