@@ -540,3 +540,18 @@ def test_pools_are_keyed_by_chunk_size(preloaded):
     )
     out = r.stdout
     assert "4194304" in out and "8388608" in out, out
+
+
+def test_the_log_counts_each_chunk_once(preloaded):
+    out = run(
+        preloaded,
+        """
+        import logging, sys
+        p = chunked("kv", 4 * GRAN, GRAN, enable_cpu_backup=True)
+        logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="LOG %(message)s")
+        tms.pause_chunks("kv", [3, 1, 3])
+        tms.resume_chunks(Buf(p, GRAN), [1, 1])
+        """,
+    )
+    assert "LOG paused 2 chunks of tag 'kv'" in out, out
+    assert "LOG resumed 1 chunks of the allocation" in out, out

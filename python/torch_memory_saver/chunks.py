@@ -51,7 +51,8 @@ class _Chunks:
             lib = self._library()
             lib.check(lib.tms_chunks_at(addr, int(pause), (ctypes.c_uint64 * len(idx))(*idx), len(idx)))
             what = f"the allocation at {addr:#x}"
-        logger.info("%s %d chunks of %s", "paused" if pause else "resumed", len(idx), what)
+        # The library acts on each index once, however often it was given.
+        logger.info("%s %d chunks of %s", "paused" if pause else "resumed", len(set(idx)), what)
 
     def _tag_has_allocations(self, tag: str) -> bool:
         """Whether ``tag`` holds any pauseable allocation now (chunked or not)."""
