@@ -376,12 +376,19 @@ impl Restores {
         });
     }
 
-    /// The kept failure concerning the allocation holding `ptr` (any, if `None`), now reported.
+    /// The kept failures concerning the allocation holding `ptr` (every one, if `None`), now
+    /// reported: a wait for everything concerns each, and raises each, not only the first.
     pub fn failure_at(&self, ptr: Option<DevPtr>) -> Option<Error> {
         let mut failed = self.failed.lock();
-        let f = failed.iter_mut().find(|f| f.holds(ptr))?;
-        f.reported = true;
-        Some(f.error.duplicate())
+        let mut out: Option<Error> = None;
+        for f in failed.iter_mut().filter(|f| f.holds(ptr)) {
+            f.reported = true;
+            out = Some(match out {
+                None => f.error.duplicate(),
+                Some(e) => e.note(format!("and: {}", f.error)),
+            });
+        }
+        out
     }
 
     /// A pause or resume is to act on the allocations at `ptrs`: the first kept failure

@@ -1,0 +1,124 @@
+//! Waits for non-blocking resumes (engine Note [Non-blocking resume]) at their edges: several
+//! failures after the return, addresses inside or outside allocations, timeouts, `order`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::harness::Harness;
+use common::{engine_test, pattern, req, wait_until, Setup};
+use tms::backup::BackupKind;
+use tms::driver::sim::Prim;
+use tms::driver::DevPtr;
+use tms::engine::Engine;
+
+/// `n` allocations of `size` bytes with a pinned backup, each with its own contents, paused.
+fn paused(h: &Harness, tag: &str, n: usize, size: u64) -> Vec<(DevPtr, Vec<u8>)> {
+    let v: Vec<(DevPtr, Vec<u8>)> = (0..n)
+        .map(|i| {
+            let p =
+                h.e.alloc(&req(size, tag, Some(BackupKind::Pinned)))
+                    .unwrap();
+            let data = pattern(size as usize, i as u64 + 1);
+            h.write(p, &data);
+            (p, data)
+        })
+        .collect();
+    h.e.pause(Some(tag)).unwrap();
+    v
+}
+
+/// A non-blocking resume of `tag` that returns, then fails at its first event sync; returns
+/// once the failure is kept (stats show it), without any wait having raised it.
+fn resume_failing_after_return(h: &Harness, tag: &str) {
+    let sim = h.simulated();
+    sim.hold(Prim::EventSync, None);
+    Engine::resume_nonblocking(h.e.clone(), Some(tag), &[], None).unwrap();
+    sim.arm_fault(Prim::EventSync, 1, 999);
+    sim.unhold(Prim::EventSync, None);
+    let failed = || {
+        let t = h.e.stats().tags.into_iter().find(|t| t.tag == tag);
+        t.is_some_and(|t| t.failed_restore.is_some()) && !h.e.restoring()
+    };
+    wait_until("the failure is kept", Duration::from_secs(60), failed);
+}
+
+fn check_contents(h: &Harness, allocs: &[(DevPtr, Vec<u8>)]) {
+    for (p, data) in allocs {
+        assert!(h.read(*p, data.len()) == *data, "contents of {p:#x}");
+    }
+}
+
+engine_test! {
+    /// Two tags' resumes fail after returning: a wait for everything concerns both, so it
+    /// raises both (docs/semantics.md: every wait for any of them raises it), and then neither
+    /// pause has anything left to report.
+    sim_only fn a_wait_for_everything_raises_every_failure_kept(h) [Setup::default().small_pieces(2)] {
+        let g = h.g();
+        let a = paused(&h, "a", 1, 2 * g);
+        let b = paused(&h, "b", 1, 2 * g);
+        resume_failing_after_return(&h, "a");
+        resume_failing_after_return(&h, "b");
+        for _ in 0..2 {
+            let err = h.e.wait_restored(None, None).unwrap_err().to_string();
+            assert!(err.contains("tag \"a\"") && err.contains("tag \"b\""), "{err}");
+        }
+        h.e.pause(Some("a")).unwrap();
+        h.e.pause(Some("b")).unwrap();
+        assert!(h.e.wait_restored(None, None).unwrap());
+        h.e.resume(None).unwrap();
+        check_contents(&h, &a);
+        check_contents(&h, &b);
+    }
+}
+
+engine_test! {
+    /// Addresses inside an allocation stand for it; one in none is nothing to wait for; a freed
+    /// allocation's failure is over.
+    sim_only fn waits_by_address_inside_outside_and_after_a_free(h) [Setup::default().small_pieces(2)] {
+        let g = h.g();
+        let a = paused(&h, "a", 1, 2 * g);
+        resume_failing_after_return(&h, "a");
+        let inside = a[0].0 + g + 8;
+        for _ in 0..2 {
+            assert!(h.e.wait_restored(Some(inside), Some(Duration::ZERO)).is_err());
+        }
+        assert!(h.e.wait_restored(Some(a[0].0 + 4 * g), Some(Duration::ZERO)).unwrap());
+        assert!(h.e.free(a[0].0).unwrap());
+        assert!(h.e.wait_restored(Some(inside), None).unwrap());
+        assert!(h.e.wait_restored(None, None).unwrap());
+    }
+}
+
+engine_test! {
+    /// A zero timeout polls: false while the data is held back, true once it landed.
+    sim_only fn a_zero_timeout_polls(h) [Setup::default().small_pieces(2)] {
+        let g = h.g();
+        let sim = h.simulated();
+        let a = paused(&h, "a", 1, 2 * g);
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("a"), &[], None).unwrap();
+        assert!(!h.e.wait_restored(Some(a[0].0 + 1), Some(Duration::ZERO)).unwrap());
+        assert!(!h.e.wait_restored(None, Some(Duration::ZERO)).unwrap());
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(None, Some(Duration::from_secs(60))).unwrap());
+        check_contents(&h, &a);
+    }
+}
+
+engine_test! {
+    /// `order` names what comes first: duplicates, another tag's address and an address in no
+    /// allocation change nothing else.
+    sim_only fn order_with_duplicates_and_strangers_restores_the_tag(h) [Setup::default().small_pieces(2)] {
+        let g = h.g();
+        let other = paused(&h, "o", 1, 2 * g);
+        let a = paused(&h, "a", 3, 2 * g);
+        let order = [a[2].0 + 5, a[2].0, other[0].0, 0x10, a[0].0];
+        let r = Engine::resume_nonblocking(h.e.clone(), Some("a"), &order, None).unwrap();
+        assert_eq!(r.allocations, 3);
+        assert!(h.e.wait_restored(None, None).unwrap());
+        check_contents(&h, &a);
+        let o = h.e.stats().tags.into_iter().find(|t| t.tag == "o").unwrap();
+        assert_eq!(o.paused_allocations, 1, "another tag's address resumes nothing of it");
+    }
+}
