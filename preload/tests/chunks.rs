@@ -239,27 +239,6 @@ engine_test! {
 }
 
 engine_test! {
-    /// A plain resume of the whole tag ends the saving pause's cycle: its record is spent, so a
-    /// restoring resume after a later plain pause (which recorded nothing) brings back all.
-    fn a_plain_resume_spends_the_saved_chunk_state(h) [chunks(64 << 20)] {
-        let (e, g) = (&h.e, h.g());
-        let p = e
-            .alloc(&chunked(4 * g, g, "kv", Some(BackupKind::Pinned)))
-            .unwrap();
-        let save = Pick {
-            chunk_state: true,
-            ..Pick::tag(Some("kv"))
-        };
-        e.pause_pick(&Pick::chunks(p, &[1])).unwrap();
-        e.pause_pick(&save).unwrap();
-        e.resume(Some("kv")).unwrap();
-        e.pause(Some("kv")).unwrap();
-        e.resume_pick(&save).unwrap();
-        assert_eq!(states(e, p), [true; 4], "chunk 1 was active at the last pause");
-    }
-}
-
-engine_test! {
     /// A pause that saves chunk states records them for every chunked allocation of the tag, those
     /// whose chunks are all paused already too: the next restoring resume brings back none of
     /// theirs, neither all of them (no record) nor what an older pause recorded.

@@ -625,19 +625,6 @@ impl Engine {
                 }
             }
         }
-        if !pick.chunk_state && pick.chunks.is_none() {
-            // A whole resume that left an allocation wholly active ends the cycle of the pause
-            // that saved its chunk states: a restoring resume after a later pause that saved
-            // none must not fall back on that record.
-            for (ptr, a) in reg.allocs.iter_mut() {
-                if pick.selects(*ptr, a)
-                    && !a.in_transition()
-                    && a.handles.iter().all(Option::is_some)
-                {
-                    a.kept[pick.record.index()] = None;
-                }
-            }
-        }
         drop(reg);
         self.registry.notify_settled();
         left
