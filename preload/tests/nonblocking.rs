@@ -8,6 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::harness::Harness;
+use common::nonblocking::{check_contents, paused, resume_failing_after_return};
 use common::{engine_test, pattern, req, wait_until, Setup};
 use tms::backup::BackupKind;
 use tms::driver::sim::Prim;
@@ -21,23 +22,6 @@ fn user_stream(h: &Harness) -> StreamOf {
         device: h.device(0),
         stream: Stream(if h.sim().is_some() { 0x5151 } else { 0 }),
     }
-}
-
-/// `n` allocations of `size` bytes with a pinned backup, each filled with its own pattern,
-/// then paused.
-fn paused(h: &Harness, tag: &str, n: usize, size: u64) -> Vec<(DevPtr, Vec<u8>)> {
-    let v: Vec<(DevPtr, Vec<u8>)> = (0..n)
-        .map(|i| {
-            let p =
-                h.e.alloc(&req(size, tag, Some(BackupKind::Pinned)))
-                    .unwrap();
-            let data = pattern(size as usize, i as u64 + 1);
-            h.write(p, &data);
-            (p, data)
-        })
-        .collect();
-    h.e.pause(Some(tag)).unwrap();
-    v
 }
 
 fn state(e: &Engine, p: DevPtr) -> State {
@@ -82,12 +66,6 @@ fn landing_on_device_0(
         state(&h.e, first) == State::Active
     });
     resumer
-}
-
-fn check_contents(h: &Harness, allocs: &[(DevPtr, Vec<u8>)]) {
-    for (p, data) in allocs {
-        assert!(h.read(*p, data.len()) == *data, "contents of {p:#x}");
-    }
 }
 
 engine_test! {
@@ -690,19 +668,6 @@ fn chunked_req(size: u64, chunk: u64, tag: &str) -> tms::engine::AllocRequest {
         chunk,
         ..req(size, tag, Some(BackupKind::Pinned))
     }
-}
-
-/// Pause `tag`, then resume it non-blocking (for the caller's stream `us`, if any) and have the
-/// restore fail after the call returned (its first copy's wait fails): its allocations stay
-/// paused, their segments left mapped (stuck). Returns once a wait raised the failure.
-/// A non-blocking resume of `tag` that returns, then fails after its return at its first event
-/// sync (driver error `code`); nobody waits for it here.
-fn resume_failing_after_return(h: &Harness, tag: &str, code: i32) {
-    let sim = h.simulated();
-    sim.hold(Prim::EventSync, None);
-    Engine::resume_nonblocking(h.e.clone(), Some(tag), &[], None).unwrap();
-    sim.arm_fault(Prim::EventSync, 1, code);
-    sim.unhold(Prim::EventSync, None);
 }
 
 fn fail_after_return(h: &Harness, tag: &str, us: Option<StreamOf>) {

@@ -6,47 +6,20 @@ mod common;
 use std::time::Duration;
 
 use common::harness::Harness;
-use common::{engine_test, pattern, req, wait_until, Setup};
-use tms::backup::BackupKind;
+use common::nonblocking::{check_contents, paused, resume_failing_after_return};
+use common::{engine_test, wait_until, Setup};
 use tms::driver::sim::Prim;
-use tms::driver::DevPtr;
 use tms::engine::Engine;
-
-/// `n` allocations of `size` bytes with a pinned backup, each with its own contents, paused.
-fn paused(h: &Harness, tag: &str, n: usize, size: u64) -> Vec<(DevPtr, Vec<u8>)> {
-    let v: Vec<(DevPtr, Vec<u8>)> = (0..n)
-        .map(|i| {
-            let p =
-                h.e.alloc(&req(size, tag, Some(BackupKind::Pinned)))
-                    .unwrap();
-            let data = pattern(size as usize, i as u64 + 1);
-            h.write(p, &data);
-            (p, data)
-        })
-        .collect();
-    h.e.pause(Some(tag)).unwrap();
-    v
-}
 
 /// A non-blocking resume of `tag` that returns, then fails at its first event sync; returns
 /// once the failure is kept (stats show it), without any wait having raised it.
-fn resume_failing_after_return(h: &Harness, tag: &str) {
-    let sim = h.simulated();
-    sim.hold(Prim::EventSync, None);
-    Engine::resume_nonblocking(h.e.clone(), Some(tag), &[], None).unwrap();
-    sim.arm_fault(Prim::EventSync, 1, 999);
-    sim.unhold(Prim::EventSync, None);
+fn failed_after_return(h: &Harness, tag: &str) {
+    resume_failing_after_return(h, tag, 999);
     let failed = || {
         let t = h.e.stats().tags.into_iter().find(|t| t.tag == tag);
         t.is_some_and(|t| t.failed_restore.is_some()) && !h.e.restoring()
     };
     wait_until("the failure is kept", Duration::from_secs(60), failed);
-}
-
-fn check_contents(h: &Harness, allocs: &[(DevPtr, Vec<u8>)]) {
-    for (p, data) in allocs {
-        assert!(h.read(*p, data.len()) == *data, "contents of {p:#x}");
-    }
 }
 
 engine_test! {
@@ -57,8 +30,8 @@ engine_test! {
         let g = h.g();
         let a = paused(&h, "a", 1, 2 * g);
         let b = paused(&h, "b", 1, 2 * g);
-        resume_failing_after_return(&h, "a");
-        resume_failing_after_return(&h, "b");
+        failed_after_return(&h, "a");
+        failed_after_return(&h, "b");
         for _ in 0..2 {
             let err = h.e.wait_restored(None, None).unwrap_err().to_string();
             assert!(err.contains("tag \"a\"") && err.contains("tag \"b\""), "{err}");
@@ -78,7 +51,7 @@ engine_test! {
     sim_only fn waits_by_address_inside_outside_and_after_a_free(h) [Setup::default().small_pieces(2)] {
         let g = h.g();
         let a = paused(&h, "a", 1, 2 * g);
-        resume_failing_after_return(&h, "a");
+        failed_after_return(&h, "a");
         let inside = a[0].0 + g + 8;
         for _ in 0..2 {
             assert!(h.e.wait_restored(Some(inside), Some(Duration::ZERO)).is_err());

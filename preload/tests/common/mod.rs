@@ -11,6 +11,7 @@ pub mod harness;
 pub mod hip;
 pub mod invariants;
 pub mod model;
+pub mod nonblocking;
 pub mod setup;
 
 #[allow(unused_imports)]
