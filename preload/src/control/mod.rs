@@ -152,22 +152,25 @@ impl Host for ProcessHost {
     }
 }
 
-/// Record the socket `path` in `folder` for removal when a signal ends the process: by the
-/// folder, held open (`O_PATH`) for the life of the process, and the file name, so that a path
-/// too long for a removal slot is removed all the same; by the path where the folder cannot be
-/// opened. Only while it is still `file` (device and inode), the socket made.
-fn record_for_signals(folder: &Path, path: &Path, file: Option<(u64, u64)>) {
+/// Record the socket `path` in `folder` for removal at exit and when a signal ends the process
+/// (`os.rs`'s table, whose `atexit` handler and signal handlers remove it): by the folder, held
+/// open (`O_PATH`) for the life of the process, and the file name, so that a path too long for
+/// a removal slot is removed all the same; by the path where the folder cannot be opened. Only
+/// while it is still `file` (device and inode), the socket made. False where no slot was free.
+fn record_for_exit(folder: &Path, path: &Path, file: Option<(u64, u64)>) -> bool {
     use crate::os::ExitRemoval;
     let held = tms_proto::hold_folder(folder);
     let recorded = match (&held, path.file_name()) {
         (Ok(dir), Some(name)) => ExitRemoval::register_file(dir.as_raw_fd(), name.as_bytes(), file),
         _ => ExitRemoval::register_file(libc::AT_FDCWD, path.as_os_str().as_bytes(), file),
     };
-    if let Some(r) = recorded {
-        // Both live as long as the process: the signal handler reads the slot and its folder.
-        std::mem::forget(r);
-        std::mem::forget(held);
-    }
+    let Some(r) = recorded else {
+        return false;
+    };
+    // Both live as long as the process: the handlers read the slot and its folder.
+    std::mem::forget(r);
+    std::mem::forget(held);
+    true
 }
 
 /// The process's runtime (created on the first call, see [`runtime::get`]) with the server
@@ -239,11 +242,10 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     let file = std::fs::symlink_metadata(&path)
         .ok()
         .map(|m| (m.dev(), m.ino()));
-    sys::install_process_handlers(c_path, file, listener.as_raw_fd());
+    // Where no removal slot is free, `sys`'s own atexit handler removes it (at exit only).
+    let fallback = (!record_for_exit(&folder, &path, file)).then_some((c_path, file));
+    sys::install_process_handlers(fallback, listener.as_raw_fd());
     let listener = sys::Listening(listener);
-    // The atexit handler does not run when a signal ends the process: recorded for that too,
-    // for as long as the process lives.
-    record_for_signals(&folder, &path, file);
     let me = Identity {
         uid,
         pid,

@@ -180,15 +180,18 @@ extern "C" fn close_in_fork_child() {
     }
 }
 
-/// Remove `path` at exit (in this process only, and while it is still `file`, the socket's
-/// device and inode) and close the server's fds in fork children. Call once, after the socket
-/// exists.
-pub fn install_process_handlers(path: CString, file: Option<(u64, u64)>, listen_fd: i32) {
-    let _ = EXIT_UNLINK.set(ExitUnlink {
-        path,
-        pid: getpid(),
-        file,
-    });
+/// Close the server's fds in fork children; and where `unlink` names the socket (`path`, and
+/// `file`, its device and inode: the socket could not be recorded in `os.rs`'s removal table),
+/// remove it at exit, in this process only and while it is still `file`. Call once, after the
+/// socket exists.
+pub fn install_process_handlers(unlink: Option<(CString, Option<(u64, u64)>)>, listen_fd: i32) {
+    if let Some((path, file)) = unlink {
+        let _ = EXIT_UNLINK.set(ExitUnlink {
+            path,
+            pid: getpid(),
+            file,
+        });
+    }
     LISTEN_FD.store(listen_fd, Ordering::SeqCst);
     HANDLERS.call_once(|| {
         // SAFETY: registers handlers that only use async-signal-safe calls and never unwind;
