@@ -43,7 +43,7 @@ use crate::client::Client;
 use crate::ctx::Ctx;
 use crate::failure::{Code, Failure, Reported, Result};
 use crate::find;
-use crate::ops::{asked, name_target, needs_chunks, run_one, status_of};
+use crate::ops::{asked, needs_chunks, run_one, shown_done, status_of};
 use crate::output::{self, json_error, op_words, print_json, with_pid};
 use crate::progress;
 use crate::socket::Socket;
@@ -493,10 +493,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         let mut items = Vec::new();
         for d in &done {
             let pid = d.sock.pid();
-            let (mut json, mut text) = (with_pid(pid, &d.done), output::done(pid, &d.done, false));
-            if sel.pid.is_none() {
-                (json, text) = name_target(pid, json, &text);
-            }
+            let (json, text) = shown_done(sel, pid, &d.done, false);
             if d.done.unknown_tag {
                 unknown_tag = true;
                 tell!(
@@ -576,13 +573,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             }
         };
         // Named by its command line where no --pid named it, as when every process did it.
-        let shown = d.map(|d| {
-            let (json, text) = (with_pid(pid, d), output::done(pid, d, false));
-            match sel.pid {
-                None => name_target(pid, json, &text),
-                Some(_) => (json, text),
-            }
-        });
+        let shown = d.map(|d| shown_done(sel, pid, d, false));
         if ctx.json {
             let mut item = json!({"pid": pid, "undo": undo_json});
             if let Some((json, _)) = shown {

@@ -243,11 +243,7 @@ pub fn op(ctx: &Ctx, sel: &Select, req: Request, show: progress::Show) -> anyhow
     };
     fan_out(ctx, sel, |c| {
         let d = run_one(ctx, sel.all, show, c, &req)?;
-        let mut json = with_pid(c.pid(), &d);
-        let mut text = output::done(c.pid(), &d, chunk_state);
-        if sel.pid.is_none() {
-            (json, text) = name_target(c.pid(), json, &text);
-        }
+        let (json, text) = shown_done(sel, c.pid(), &d, chunk_state);
         Ok(Outcome {
             json,
             text,
@@ -258,9 +254,19 @@ pub fn op(ctx: &Ctx, sel: &Select, req: Request, show: progress::Show) -> anyhow
     })
 }
 
+/// Process `pid`'s pause or resume result `d`, as JSON and as its line (`pid P: paused ...`),
+/// naming the process by its command line too where no --pid named it.
+pub fn shown_done(sel: &Select, pid: u32, d: &OpDone, chunk_state: bool) -> (Value, String) {
+    let (json, text) = (with_pid(pid, d), output::done(pid, d, chunk_state));
+    match sel.pid {
+        None => name_target(pid, json, &text),
+        Some(_) => (json, text),
+    }
+}
+
 /// A pause's or resume's result (`pid P: paused ...`) naming the process by its command line
-/// too, where no --pid named it: `pid P (python serve.py): paused ...`, and `"command"` in JSON.
-pub fn name_target(pid: u32, mut json: Value, text: &str) -> (Value, String) {
+/// too: `pid P (python serve.py): paused ...`, and `"command"` in JSON.
+fn name_target(pid: u32, mut json: Value, text: &str) -> (Value, String) {
     json["command"] = json!(command_line(pid));
     let prefix = format!("pid {pid}:");
     let text = match text.strip_prefix(&prefix) {
