@@ -149,6 +149,48 @@ def test_graph_replays_after_resume(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
+    """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s, so
+    pausing "outer" leaves the graph replaying, and pausing "graph" gives its memory back."""
+    run(
+        """
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.manual_seed(0)
+        w = torch.randn(4096, 4096, device="cuda")
+        x = torch.randn(4096, 4096, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                y = (x @ w).relu() @ w
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with tms.region(tag="outer"):
+            kept = torch.full((1 << 28,), 7, dtype=torch.uint8, device="cuda")
+            with tms.cuda_graph(g, tag="graph"):
+                y = (x @ w).relu() @ w
+            after = torch.full((1 << 26,), 9, dtype=torch.uint8, device="cuda")
+        tags = {t["tag"]: t for t in tms.stats()["tags"]}
+        assert tags["graph"]["bytes_active"] >= y.numel() * 4, tags
+        assert tags["outer"]["bytes_active"] >= (1 << 28) + (1 << 26), tags
+        tms.pause("outer")
+        g.replay()
+        ref = ((x @ w).relu() @ w).clone()
+        assert torch.allclose(y, ref, atol=1e-3), "replay with the region paused"
+        tms.resume("outer")
+        f0 = free()
+        tms.pause("graph")
+        assert free() - f0 >= 0.9 * y.numel() * 4, (free() - f0)
+        tms.resume("graph")
+        x.copy_(torch.randn(4096, 4096, device="cuda"))
+        g.replay()
+        assert torch.allclose(y, (x @ w).relu() @ w, atol=1e-3), "replay after the graph's resume"
+        """,
+        mode,
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_oom_on_resume_raises_then_resume_succeeds(mode):
     r = run(
         """

@@ -279,3 +279,44 @@ def test_no_route_starts_while_a_retired_pool_is_destroyed():
     assert b_routed.is_set() and not errors, errors
     assert not destroyed_while_routing
     assert regions._routing.destroying is None and not regions._routing.active
+
+
+def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monkeypatch):
+    """PyTorch serves an allocation from the first pool routed to that takes it, and a region's
+    route takes every allocation of its thread: a capture inside ``region()`` must suspend the
+    region's route, or the graph's memory is the region's (its tag, and a pool whose freed
+    blocks later tensors reuse while the graph replays them). A region opened inside the capture
+    routes as usual and, on leaving, restarts nothing; the region's route is back after."""
+    import sys
+
+    torch = FakeTorch()
+    seen = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        seen.append(("capture", dict(torch.recording)))
+        yield
+
+    torch.cuda.graph = staticmethod(graph)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("preload")
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    region_pool, inner_pool = object(), object()
+    with impl._routed(torch, region_pool, torch.new_pool):
+        with impl.cuda_graph("G", tag="graph"):
+            seen.append(("in capture", dict(torch.recording)))
+            with impl._routed(torch, inner_pool, torch.new_pool):
+                seen.append(("inner region", dict(torch.recording)))
+            seen.append(("after inner", dict(torch.recording)))
+        seen.append(("after capture", dict(torch.recording)))
+    me = threading.get_ident()
+    assert seen == [
+        ("capture", {}),
+        ("in capture", {}),
+        ("inner region", {id(inner_pool): me}),
+        ("after inner", {}),
+        ("after capture", {id(region_pool): me}),
+    ], seen
+    assert not torch.recording and not regions._routing.active

@@ -172,6 +172,20 @@ class _Route:
                 _routing.leave(torch)
 
 
+class _Capture:
+    """A graph capture's place on a thread's route stack: it routes nothing (the capture's
+    pool is PyTorch's to route), so suspending and restarting it does nothing."""
+
+    def start(self, torch: Any) -> None:
+        pass
+
+    def stop(self, torch: Any) -> None:
+        pass
+
+
+_CAPTURE = _Capture()
+
+
 class _PoolMap(dict):
     """Region (or graph) pools by ``(tag, enable_cpu_backup, enable_disk_backup, backend,
     device)``, plus the chunk size where chunked; ``backend`` is ``""`` without a CPU backup, as
@@ -482,9 +496,31 @@ class _Regions:
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
             _routing.enter()  # a capture: no pool may be destroyed meanwhile (see _Routing)
             try:
-                with self._chunk_misfits(lib, chunk), torch.cuda.graph(
+                with self._capturing(torch), self._chunk_misfits(lib, chunk), torch.cuda.graph(
                     cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode
                 ):
                     yield
             finally:
                 _routing.leave(torch)
+
+    @contextlib.contextmanager
+    def _capturing(self, torch: Any) -> Iterator[None]:
+        """Suspend this thread's route (an enclosing region's) for a graph capture. PyTorch
+        serves an allocation from the first pool routed to that takes it, and a region's route
+        takes every allocation of its thread, the capture's too: inside ``region()`` the
+        graph's memory would be the region's (its tag, and a pool whose freed blocks later
+        tensors reuse while the graph still replays them). A route a region opens inside the
+        capture nests as usual, and the capture's place on the stack restarts nothing."""
+        stack = getattr(self._local, "routes", None)
+        if stack is None:
+            stack = self._local.routes = []
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            outer.stop(torch)
+        stack.append(_CAPTURE)
+        try:
+            yield
+        finally:
+            stack.pop()
+            if outer is not None:
+                outer.start(torch)
