@@ -33,18 +33,20 @@ def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
                 tms.resume("kv", verify=bad)
             except tms_pkg.InvalidArgumentError as e:
                 print("refused", e)
-        try:
-            tms.wait(timeout="x")
-        except tms_pkg.InvalidArgumentError as e:
-            print("refused", e)
+        for bad in ("x", True):
+            try:
+                tms.wait(timeout=bad)
+            except tms_pkg.InvalidArgumentError as e:
+                print("refused", e)
         print("ok")
         """
     )
     out = r.stdout.splitlines()
     assert out[-1] == "ok", r.stdout
-    assert sum(line.startswith("refused") for line in out) == 6, r.stdout
+    assert sum(line.startswith("refused") for line in out) == 7, r.stdout
     assert "verify must be True or False, not 'yes'" in r.stdout
     assert "timeout must be a number of seconds >= 0, not 'x'" in r.stdout
+    assert "timeout must be a number of seconds >= 0, not True" in r.stdout
     assert "verify must be True, False or None, not 1" in r.stdout
     assert "not with non_blocking" in r.stdout
 

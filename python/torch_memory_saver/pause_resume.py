@@ -285,7 +285,8 @@ class _PauseResume:
             ms = -1
         else:
             try:
-                t = float(timeout)
+                # A bool is an int to float(): wait(timeout=True) would wait one second.
+                t = float("nan") if isinstance(timeout, bool) else float(timeout)
             except (TypeError, ValueError):
                 t = float("nan")
             if not t >= 0:
