@@ -32,8 +32,8 @@
 //!
 //! *How long, and how many.* Each connection is bounded in time and size
 //! ([`session::Limits`]): a request line must arrive within 2 s of the previous reply, a reply
-//! must be taken within 2 s, and a connection serves at most 1000 requests and waits for them
-//! 10 s in all. Since each connection has its own thread, a slow or silent client holds only
+//! must be taken within 2 s, and a connection serves at most 1000 requests (one more gets a
+//! `busy` error saying so) and waits for them 10 s in all. Since each connection has its own thread, a slow or silent client holds only
 //! its own connection, never another client's. At most 64 connections are served at once
 //! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a
 //! request line: one that has not sent its hello yet if there is such, else the one that has

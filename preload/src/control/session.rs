@@ -359,5 +359,17 @@ impl<'a> Session<'a> {
             }
         }
         tracing::debug!("control connection reached its request limit; closing");
+        // One more request gets a reply saying why, rather than a close the client must guess
+        // at (the wait for it is the usual, bounded one).
+        if self.next_request().is_some() {
+            self.reply(&Reply::error(
+                ErrorKind::Busy,
+                format!(
+                    "this connection has served {} requests, the most one may; closing \
+                     (connect again)",
+                    self.limits.max_requests
+                ),
+            ));
+        }
     }
 }

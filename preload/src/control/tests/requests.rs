@@ -260,6 +260,11 @@ fn the_request_limit_ends_a_connection() {
     for _ in 0..3 {
         assert!(matches!(c.ask(&Request::Ping), Reply::Pong { .. }));
     }
+    // The fourth is answered with why, then the connection ends.
+    let r = c.ask(&Request::Ping);
+    assert_eq!(error_kind(&r), ErrorKind::Busy, "{r:?}");
+    let Reply::Error(e) = &r else { panic!() };
+    assert!(e.message.contains("served 3 requests"), "{e:?}");
     c.assert_closed();
 }
 
