@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import pytest
+
 from torch_memory_saver import regions, saver
 
 
@@ -320,3 +322,120 @@ def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monk
         ("after capture", {id(region_pool): me}),
     ], seen
     assert not torch.recording and not regions._routing.active
+
+
+@pytest.mark.parametrize("drop", ["del", "pop", "replace"])
+@pytest.mark.parametrize("inside", [1, 2])
+def test_a_dropped_region_pool_is_never_destroyed_while_another_thread_routes(monkeypatch, drop, inside):
+    """A region's pool dropped from ``_mem_pools`` (``del``, ``pop`` or ``[] =``, which
+    ``_PoolMap`` documents) while threads are inside the region is kept alive by their routes
+    alone; the last of them to leave must not destroy it, nor the sibling made for a second
+    thread inside (``inside=2``), while another thread routes to another region's pool (PyTorch
+    asserts, ending the process: see ``_Routing``). Once no thread routes, they go."""
+    import gc
+    import sys
+    import weakref
+
+    torch = FakeTorch()
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    torch.cuda.current_device = staticmethod(lambda: 0)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("torch")
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    made = []
+
+    def new_pool(_torch):
+        p = torch.cuda.MemPool()
+        made.append(weakref.ref(p))
+        return p
+
+    monkeypatch.setattr(impl, "_new_pool", new_pool)
+    all_inside = threading.Barrier(inside + 2)  # the dropped region's threads, B and this one
+    kv_may_leave, b_may_leave = threading.Event(), threading.Event()
+    errors = []
+
+    def in_region(tag, may_leave):
+        try:
+            with impl.region(tag):
+                all_inside.wait(timeout=10)
+                assert may_leave.wait(timeout=10)
+        except Exception as e:  # collected: a failure of any thread fails the test
+            errors.append(repr(e))
+
+    kv = [threading.Thread(target=in_region, args=("kv", kv_may_leave)) for _ in range(inside)]
+    b = threading.Thread(target=in_region, args=("other", b_may_leave))
+    for t in (*kv, b):
+        t.start()
+    all_inside.wait(timeout=10)
+    assert len(made) == inside + 1, made  # kv's pool (and its sibling), other's pool
+    other = weakref.ref(impl._mem_pools[("other", False)])
+    kv_pools = [r for r in made if r() is not other()]  # kv's pool, and its sibling
+    if drop == "del":
+        del impl._mem_pools[("kv", False)]  # the existing library's key: drops the tag's pool
+    elif drop == "pop":
+        impl._mem_pools.pop(("kv", False))
+    else:
+        impl._mem_pools[("kv", False)] = object()  # the tag's next region allocates from this one
+    kv_may_leave.set()  # the kv threads leave while B still routes to other's pool
+    for t in kv:
+        t.join()
+    b_may_leave.set()
+    b.join()
+    assert not errors, errors
+    assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
+    gc.collect()
+    assert [r() for r in kv_pools] == [None] * inside, "the dropped pool (or its sibling) is still referenced"
+    assert other() is not None  # other's pool, still in _mem_pools
+
+
+def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
+    """The route's end hands a region's pool to ``_routing.retire``, and ``collect`` lets it go
+    at once where no thread routes: no other reference of this package may outlive that (the
+    region's own, or its ``with`` statement's), or where ``_mem_pools`` dropped the pool, it is
+    destroyed with that one, after a thread B may have started routing (PyTorch asserts, ending
+    the process). Thread A leaves the region whose pool it dropped; B enters another region
+    after A's route has ended, while A's region is still leaving (its flags)."""
+    import gc
+    import sys
+    import weakref
+
+    torch = FakeTorch()
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    torch.cuda.current_device = staticmethod(lambda: 0)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("torch")
+    b_inside, b_may_leave = threading.Event(), threading.Event()
+    errors = []
+
+    @contextlib.contextmanager
+    def flags(lib, enabled, tag, *rest):
+        yield
+        if tag == "kv":  # A's route has ended; its region has not yet
+            b.start()
+            assert b_inside.wait(timeout=10)
+
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", flags)
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+
+    def other():
+        try:
+            with impl.region("other"):
+                b_inside.set()
+                assert b_may_leave.wait(timeout=10)
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    b = threading.Thread(target=other)
+    with impl.region("kv"):
+        kv = weakref.ref(impl._mem_pools[("kv", False)])
+        del impl._mem_pools[("kv", False)]  # A's route holds the pool alone now
+    b_may_leave.set()
+    b.join()
+    assert not errors, errors
+    assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
+    gc.collect()
+    assert kv() is None, "the dropped pool is still referenced"

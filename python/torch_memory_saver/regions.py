@@ -38,10 +38,13 @@ class _Routing:
 
     PyTorch (2.11) asserts, and so ends the process, when a ``MemPool`` is destroyed while any
     thread routes to a pool or captures a graph: the pool's destructor frees its cache, which
-    needs that nothing be under way. ``disable()`` destroys its pool to give the cache back, so
-    it does so only when no route or capture of this package is active in any thread; until
-    then the pool waits in ``retired`` and goes with the last route or capture to end, and no
-    route or capture starts in another thread until it has gone.
+    needs that nothing be under way. So a route's end hands its pool to ``retired`` rather than
+    dropping it: ``disable()``'s own pool, whose end gives its cache back, and a region's pool,
+    whose last reference the route holds where ``_mem_pools`` dropped it meanwhile. Retired
+    pools are let go only when no route or capture of this package is active in any thread
+    (with the last route or capture to end), and no route or capture starts in another thread
+    until they have gone. A sibling lives as long as the pool it was made for (``siblings`` is
+    keyed weakly by that pool, and a route to a sibling holds that pool), so it goes then too.
     """
 
     def __init__(self) -> None:
@@ -49,7 +52,8 @@ class _Routing:
         # Signalled when a destruction of retired pools ends (``destroying`` back to None).
         self.done = threading.Condition(self.lock)
         self.active = 0
-        self.retired: list = []
+        # id(pool) -> pool: one entry per pool, however many routes to it ended meanwhile.
+        self.retired: dict = {}
         # The thread destroying retired pools, which it does after letting go of the lock (a
         # pool's end can run Python code that routes again): others wait to route till it ends.
         self.destroying: Optional[int] = None
@@ -110,10 +114,10 @@ class _Routing:
         self.collect(torch)
 
     def retire(self, route: Any, torch: Any) -> None:
-        """Take ``route``'s pool, its last reference, into ``retired`` (so that it is destroyed
-        only by ``collect``, while no route or capture is active), and collect."""
+        """Take ``route``'s pool, maybe its last reference, into ``retired`` (so that it is
+        destroyed only by ``collect``, while no route or capture is active), and collect."""
         with self.lock:
-            self.retired.append(route.pool)
+            self.retired[id(route.pool)] = route.pool
             route.pool = None
         self.collect(torch)
 
@@ -125,10 +129,10 @@ class _Routing:
                 return
             if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
                 return
-            dead, self.retired = self.retired, []
+            dead, self.retired = self.retired, {}
             self.destroying = me
         try:
-            del dead  # the last references: each pool gives its cached blocks back to the device
+            del dead  # the last references of pools no one else holds: each gives its cached blocks back
         finally:
             with self.lock:
                 self.destroying = None
@@ -184,6 +188,51 @@ class _Capture:
 
 
 _CAPTURE = _Capture()
+
+
+class _Routed:
+    """The block of ``_Regions._routed``. A class, not a ``@contextmanager``, which keeps its
+    arguments (the pool) till the end of its ``with`` statement, after the route's end has
+    retired the pool: where ``_mem_pools`` dropped the pool meanwhile, its last reference
+    would go there, outside ``_routing``'s control."""
+
+    def __init__(self, local: threading.local, torch: Any, pool: Any, make: Any) -> None:
+        self.local, self.torch, self.pool, self.make = local, torch, pool, make
+        self.route: Optional[_Route] = None
+        self.outer: Any = None
+
+    def __enter__(self) -> None:
+        torch = self.torch
+        stack = getattr(self.local, "routes", None)
+        if stack is None:
+            stack = self.local.routes = []
+        pool, self.pool = self.pool, None  # the route holds it from now on, and alone
+        route = _Route(torch.cuda.MemPool() if pool is None else pool, self.make)
+        del pool
+        outer = stack[-1] if stack else None
+        if outer is not None:
+            outer.stop(torch)
+        try:
+            route.start(torch)
+        except BaseException:
+            _routing.retire(route, torch)
+            if outer is not None:
+                outer.start(torch)
+            raise
+        stack.append(route)
+        self.route, self.outer = route, outer
+
+    def __exit__(self, *exc: Any) -> None:
+        torch = self.torch
+        route, self.route = self.route, None
+        outer, self.outer = self.outer, None
+        self.local.routes.pop()
+        try:
+            route.stop(torch)
+        finally:
+            _routing.retire(route, torch)
+        if outer is not None:
+            outer.start(torch)
 
 
 class _PoolMap(dict):
@@ -368,40 +417,17 @@ class _Regions:
         raw = getattr(allocator, "allocator", None)
         return torch.cuda.MemPool(raw() if callable(raw) else allocator)
 
-    @contextlib.contextmanager
-    def _routed(self, torch: Any, pool: Any = None, make: Any = None) -> Iterator[None]:
+    def _routed(self, torch: Any, pool: Any = None, make: Any = None) -> "_Routed":
         """Route this thread's allocations to ``pool`` inside the block. Routes nest: the
         innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
         which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``).
         ``pool=None``: a pool of PyTorch's own allocator for this block alone, dropped on exit
         before the enclosing route restarts, so that its cache can go back to the device.
         ``make()`` makes a sibling of ``pool`` for a thread that finds ``pool`` routed to by
-        another thread (PyTorch routes one thread at a time to a pool)."""
-        stack = getattr(self._local, "routes", None)
-        if stack is None:
-            stack = self._local.routes = []
-        retire = pool is None
-        route = _Route(torch.cuda.MemPool() if retire else pool, make)
-        del pool
-        outer = stack[-1] if stack else None
-        if outer is not None:
-            outer.stop(torch)
-        try:
-            route.start(torch)
-        except BaseException:
-            if outer is not None:
-                outer.start(torch)
-            raise
-        stack.append(route)
-        try:
-            yield
-        finally:
-            stack.pop()
-            route.stop(torch)
-            if retire:
-                _routing.retire(route, torch)
-            if outer is not None:
-                outer.start(torch)
+        another thread (PyTorch routes one thread at a time to a pool). On exit the pool goes
+        to ``_routing.retire`` (see ``_Routing``): a caller keeps no reference of its own past
+        the block, or the pool's end may come with that one, while another thread routes."""
+        return _Routed(self._local, torch, pool, make)
 
     @contextlib.contextmanager
     def region(
@@ -430,8 +456,10 @@ class _Regions:
         # block to a tensor made outside the region, nor a plain cached block to one inside it,
         # nor a block of one chunk layout to another.
         pool = self._pool("region", tag, enable_cpu_backup, disk, backend, torch.cuda.current_device(), chunk)
+        routed = self._routed(torch, pool, lambda: self._new_pool(torch))
+        del pool  # the route's alone (see _routed)
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
-            with self._routed(torch, pool, lambda: self._new_pool(torch)), self._chunk_misfits(lib, chunk):
+            with routed, self._chunk_misfits(lib, chunk):
                 yield
 
     @contextlib.contextmanager
@@ -457,8 +485,10 @@ class _Regions:
                 kept = self._kept_disable_pools.get(device)
                 if kept is None:
                     kept = self._kept_disable_pools[device] = torch.cuda.MemPool()
+        routed = self._routed(torch, kept, torch.cuda.MemPool if kept is not None else None)
+        del kept  # the route's alone (see _routed)
         with self._flags(lib, False, None, False, None):
-            with self._routed(torch, kept, torch.cuda.MemPool if kept is not None else None):
+            with routed:
                 yield
 
     @contextlib.contextmanager
