@@ -141,6 +141,23 @@ def test_sdist_holds_the_workspace(cargo_toml, cargo_version):
     assert not stray, stray
 
 
+@pytest.mark.skipif(not os.environ.get("TMS_TEST_SDIST"), reason="TMS_TEST_SDIST names the sdist to check")
+def test_sdist_holds_only_what_git_tracks():
+    """MANIFEST.in grafts whole folders: scripts/wheel builds the sdist from a copy of the files
+    git tracks, so that no untracked file lying in the checkout (a local note, a key) ships.
+    Besides them, only what setuptools writes (PKG-INFO, setup.cfg, the egg-info)."""
+    root = Path(__file__).resolve().parents[2]
+    tracked = subprocess.run(["git", "-C", str(root), "ls-files", "-z"], capture_output=True, check=True)
+    tracked = set(tracked.stdout.decode().split("\0")) - {""}
+    with tarfile.open(os.environ["TMS_TEST_SDIST"]) as tar:
+        names = [m.name for m in tar.getmembers() if m.isfile()]
+    top = names[0].split("/")[0]
+    files = {n[len(top) + 1:] for n in names}
+    made = {"PKG-INFO", "setup.cfg"}
+    untracked = sorted(f for f in files - tracked - made if not f.startswith("python/torch_memory_saver.egg-info/"))
+    assert not untracked, untracked
+
+
 def test_third_party_licenses_name_every_linked_crate():
     """THIRD-PARTY-LICENSES (shipped in the wheel and the sdist) holds the notices of exactly
     the crates that Cargo.lock links into libtms.so and tmsctl: scripts/third-party-licenses
