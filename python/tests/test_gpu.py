@@ -110,21 +110,28 @@ def test_memory_released_and_retaken_addresses_and_contents(mode):
     )
 
 
+# Warmed up on a side stream before capture, as PyTorch asks: y = relu(x @ w) @ w, graph g.
+GRAPH_SETUP = """
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.manual_seed(0)
+w = torch.randn(4096, 4096, device="cuda")
+x = torch.randn(4096, 4096, device="cuda")
+s = torch.cuda.Stream()
+s.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(s):
+    for _ in range(2):
+        y = (x @ w).relu() @ w
+torch.cuda.current_stream().wait_stream(s)
+g = torch.cuda.CUDAGraph()
+"""
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_graph_replays_after_resume(mode):
     run(
-        """
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.manual_seed(0)
-        w = torch.randn(4096, 4096, device="cuda")
-        x = torch.randn(4096, 4096, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                y = (x @ w).relu() @ w
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
+        GRAPH_SETUP
+        + textwrap.dedent(
+            """
         f_before = free()
         with tms.cuda_graph(g, tag="graph"):
             y = (x @ w).relu() @ w
@@ -143,7 +150,8 @@ def test_graph_replays_after_resume(mode):
             ref = (x @ w).relu() @ w
             assert torch.allclose(y, ref, atol=1e-3), f"replay after resume {i}"
         print("graph bytes", graph_bytes)
-        """,
+        """
+        ),
         mode,
     )
 
@@ -153,18 +161,9 @@ def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
     """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s, so
     pausing "outer" leaves the graph replaying, and pausing "graph" gives its memory back."""
     run(
-        """
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.manual_seed(0)
-        w = torch.randn(4096, 4096, device="cuda")
-        x = torch.randn(4096, 4096, device="cuda")
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(2):
-                y = (x @ w).relu() @ w
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
+        GRAPH_SETUP
+        + textwrap.dedent(
+            """
         with tms.region(tag="outer"):
             kept = torch.full((1 << 28,), 7, dtype=torch.uint8, device="cuda")
             with tms.cuda_graph(g, tag="graph"):
@@ -185,7 +184,8 @@ def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
         x.copy_(torch.randn(4096, 4096, device="cuda"))
         g.replay()
         assert torch.allclose(y, (x @ w).relu() @ w, atol=1e-3), "replay after the graph's resume"
-        """,
+        """
+        ),
         mode,
     )
 
