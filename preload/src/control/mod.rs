@@ -230,8 +230,8 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     let uid = sys::euid();
     let pid = std::process::id();
     let folder = socket_dir();
-    dir::prepare(&folder, uid)?;
-    let (listener, path) = dir::bind(&folder, pid)?;
+    let ours = tms_proto::socket_file_name(pid);
+    let (listener, path) = listen_in(&folder, uid, &ours)?;
     // The system would refuse such a path too (EINVAL): an OS-level failure.
     let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
         let why = format!("socket path {} contains a NUL byte", path.display());
@@ -253,7 +253,6 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     };
     // Once per process (START): the connection threads need a host that lives for ever.
     let host: &'static ProcessHost = Box::leak(Box::new(ProcessHost { rt }));
-    let ours = tms_proto::socket_file_name(pid);
     let spawned = std::thread::Builder::new()
         .name("tms-control".into())
         .spawn(move || run(&listener.0, &folder, &ours, host, Limits::default(), me));
@@ -264,6 +263,15 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
             Err(Error::io("cannot start the control thread", e).into())
         }
     }
+}
+
+/// The server's setup in `folder`: the folder made and checked ([`dir::prepare`]: refused,
+/// with nothing made or bound there, unless it can be trusted), then a socket named `name`
+/// listened on in it ([`dir::bind_as`]). [`start`] runs it, and so do the tests that start a
+/// server in a folder of their choosing.
+fn listen_in(folder: &Path, uid: u32, name: &str) -> Result<(UnixListener, PathBuf)> {
+    dir::prepare(folder, uid)?;
+    dir::bind_as(folder, name)
 }
 
 /// The server thread's work: clean the folder of stale sockets (ours, `ours`, excepted), then

@@ -239,8 +239,7 @@ fn start_in(
     name: &str,
     l: Limits,
 ) -> (std::path::PathBuf, std::path::PathBuf) {
-    dir::prepare(base, sys::euid()).unwrap();
-    let (listener, path) = dir::bind_as(base, name).unwrap();
+    let (listener, path) = listen_in(base, sys::euid(), name).unwrap();
     let folder = base.to_path_buf();
     let ours = name.to_string();
     std::thread::spawn(move || run(&listener, &folder, &ours, h, l, me()));
