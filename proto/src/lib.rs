@@ -1,8 +1,9 @@
 //! The Torch Memory Saver control protocol: line-delimited JSON over a Unix socket. This crate
 //! holds the messages, the version and the features ([`messages`]), the lines and their limits
-//! ([`framing`]) and the naming of the socket files, with the one safe removal of a stale one
-//! ([`socket`]); no other I/O policy (timeouts, permissions and threads belong to the server in
-//! `libtms.so` and to `tmsctl`).
+//! ([`framing`]), the naming of the socket files, with the one safe removal of a stale one
+//! ([`socket`]), and the rule for the folders above a socket folder that the server and
+//! `tmsctl` both apply ([`ancestors`]); no other I/O policy (timeouts, the socket folder's own
+//! permissions and threads belong to the server in `libtms.so` and to `tmsctl`).
 //!
 //! # The exchange
 //!
@@ -35,10 +36,12 @@
 //! what it has added in its hello's [`Hello::features`], so a client can tell its user that a
 //! process's library is too old for an operation before asking for it ([`FEATURE_CHUNKS`]).
 
+pub mod ancestors;
 pub mod framing;
 pub mod messages;
 pub mod socket;
 
+pub use ancestors::{check_ancestors, AncestorFault, UnsafeAncestor};
 pub use framing::{
     decode_reply, decode_request, encode, LineBuffer, ProtoError, ReadFault, MAX_LINE_BYTES,
     MAX_REPLY_BYTES,

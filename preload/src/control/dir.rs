@@ -16,13 +16,19 @@ use crate::error::{Error, Result};
 /// real folder (not a symlink), owned by `uid`, that nobody else can enter or list. A folder
 /// of ours that nobody else can enter but that we cannot use either (made under a umask such
 /// as 0777 by an earlier version) is given mode 0700 again rather than refused for ever.
+///
+/// Every folder above it, up to `/`, must be owned by root or `uid` and closed to writing by
+/// group and others unless sticky ([`tms_proto::check_ancestors`], Note [The ancestors of the
+/// socket folder]): checked before anything is looked at, made or changed there, and again
+/// before each missing folder is made. Otherwise whoever can write to one of them could swap
+/// the checked folder for their own after the check.
 pub fn prepare(dir: &Path, uid: u32) -> Result<()> {
     let shown = dir.display();
     let inspect_err = |e| Error::io(format!("cannot inspect the socket folder {shown}"), e);
+    ancestors(dir, uid)?;
     match fs::symlink_metadata(dir) {
         Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => create_private(dir)
-            .map_err(|e| Error::io(format!("cannot create the socket folder {shown}"), e))?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => create_private(dir, uid)?,
         Err(e) => return Err(inspect_err(e)),
     }
     let inspect = || fs::symlink_metadata(dir).map_err(inspect_err);
@@ -38,43 +44,63 @@ pub fn prepare(dir: &Path, uid: u32) -> Result<()> {
         tracing::debug!("socket folder {shown}: mode {mode:04o} set to 0700");
         m = inspect()?;
     }
-    // The refusal is the OS-level cause: a folder others could enter is as unusable as one the
-    // system refuses.
-    verify(&m, uid).map_err(|why| {
-        Error::io(
-            format!("refusing the socket folder {shown}"),
-            io::Error::new(io::ErrorKind::PermissionDenied, why),
-        )
-    })
+    verify(&m, uid).map_err(|why| refused(dir, why))
+}
+
+/// The error of a refused socket folder `dir`. The refusal is the OS-level cause: a folder
+/// others could enter (or swap for their own) is as unusable as one the system refuses.
+fn refused(dir: &Path, why: Refusal) -> Error {
+    Error::io(
+        format!("refusing the socket folder {}", dir.display()),
+        io::Error::new(io::ErrorKind::PermissionDenied, why),
+    )
+}
+
+/// The folders above `dir` may be trusted (or `dir` is refused).
+fn ancestors(dir: &Path, uid: u32) -> Result<()> {
+    tms_proto::check_ancestors(dir, uid).map_err(|a| refused(dir, Refusal::Ancestor(a)))
 }
 
 /// Create `dir` and its missing parents, each with mode 0700 set explicitly after `mkdir`: the
-/// umask would otherwise take bits away (0777 leaves a folder nobody can use).
-fn create_private(dir: &Path) -> io::Result<()> {
+/// umask would otherwise take bits away (0777 leaves a folder nobody can use). Before each
+/// `mkdir`, the folders above the new one are checked again ([`ancestors`]): a missing folder
+/// may have been made meanwhile by someone else (in a sticky folder such as /tmp), and nothing
+/// is made inside one of theirs, nor through a link of theirs.
+fn create_private(dir: &Path, uid: u32) -> Result<()> {
+    let failed = |e| {
+        Error::io(
+            format!("cannot create the socket folder {}", dir.display()),
+            e,
+        )
+    };
     let mut missing = Vec::new();
     let mut p = Some(dir);
     while let Some(d) = p {
         match fs::symlink_metadata(d) {
             Ok(_) => break,
             Err(e) if e.kind() == io::ErrorKind::NotFound => missing.push(d),
-            Err(e) => return Err(e),
+            Err(e) => return Err(failed(e)),
         }
         p = d.parent().filter(|q| !q.as_os_str().is_empty());
     }
     for d in missing.into_iter().rev() {
+        // What is checked is `d`'s ancestors; the refusal names the socket folder.
+        tms_proto::check_ancestors(d, uid).map_err(|a| refused(dir, Refusal::Ancestor(a)))?;
         match fs::DirBuilder::new().mode(0o700).create(d) {
             // We made it: nobody else can have replaced it in a folder we may use, and chmod
             // needs ownership anyway.
-            Ok(()) => fs::set_permissions(d, fs::Permissions::from_mode(0o700))?,
-            // Made meanwhile by someone else (another process starting): checked by the caller.
+            Ok(()) => fs::set_permissions(d, fs::Permissions::from_mode(0o700)).map_err(failed)?,
+            // Made meanwhile by someone else (another process starting): checked as an
+            // ancestor before the next one is made, or by the caller if it is `dir`.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e),
+            Err(e) => return Err(failed(e)),
         }
     }
     Ok(())
 }
-/// Why [`verify`] refuses a socket folder.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Why [`prepare`] refuses a socket folder: [`verify`]'s reasons, about the folder itself, and
+/// an ancestor others could change.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refusal {
     /// A symbolic link (which could point anywhere).
     Symlink,
@@ -97,11 +123,14 @@ pub enum Refusal {
         /// Its permission bits.
         mode: u32,
     },
+    /// A folder above it (or a link on the way) that someone other than root and us could
+    /// change: owned by another user, or writable by group or others without the sticky bit.
+    Ancestor(tms_proto::UnsafeAncestor),
 }
 
 impl fmt::Display for Refusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match *self {
+        match self {
             Refusal::Symlink => f.write_str("it is a symbolic link"),
             Refusal::NotAFolder => f.write_str("it is not a folder"),
             Refusal::Owner { uid, ours } => write!(f, "it belongs to uid {uid}, not {ours}"),
@@ -113,6 +142,7 @@ impl fmt::Display for Refusal {
                 f,
                 "its mode is {mode:04o}: the owner cannot use it (want 0700)"
             ),
+            Refusal::Ancestor(a) => fmt::Display::fmt(a, f),
         }
     }
 }
@@ -433,6 +463,176 @@ mod tests {
         let m = fs::symlink_metadata(&d).unwrap();
         assert_eq!(m.permissions().mode() & 0o777, 0o700);
         fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// A private temporary folder (ours, 0700) holding `shared`, given mode `mode` explicitly
+    /// (whatever the umask); the socket folder is `shared/tms`, not made yet.
+    fn below_shared(mode: u32) -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let tmp = tempfile::tempdir().unwrap();
+        let shared = tmp.path().join("shared");
+        fs::create_dir(&shared).unwrap();
+        fs::set_permissions(&shared, fs::Permissions::from_mode(mode)).unwrap();
+        let d = shared.join("tms");
+        (tmp, shared, d)
+    }
+
+    fn refusal(dir: &Path) -> String {
+        match prepare(dir, sys::euid()) {
+            Ok(()) => panic!("{} was accepted", dir.display()),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// What the refusal of `dir` says when `ancestor`, with permission bits `mode`, can be
+    /// written to by `who`.
+    fn writable(dir: &Path, ancestor: &Path, mode: &str, who: &str) -> String {
+        format!(
+            "refusing the socket folder {}: its ancestor {} has mode {mode}: {who} can write to \
+             it without the sticky bit, so they could move what is in it away and put their own \
+             in its place",
+            dir.display(),
+            ancestor.display()
+        )
+    }
+
+    /// Modes are read from the folders, not tried by the kernel: the same as root or not.
+    #[test]
+    fn a_socket_folder_in_a_folder_anyone_can_write_to_is_refused_naming_it() {
+        let (_tmp, shared, d) = below_shared(0o777);
+        let want = writable(&d, &shared, "0777", "group and others");
+        // Refused before anything is made there.
+        assert_eq!(refusal(&d), want);
+        assert!(
+            fs::symlink_metadata(&d).is_err(),
+            "the socket folder was made"
+        );
+        // A private one of ours already there: refused all the same, since whoever can write
+        // to its parent can move it away after the check and put their own in its place.
+        fs::DirBuilder::new().mode(0o700).create(&d).unwrap();
+        assert_eq!(refusal(&d), want);
+        // Every ancestor counts, not only the parent.
+        let deep = d.join("a/b");
+        assert_eq!(
+            refusal(&deep),
+            writable(&deep, &shared, "0777", "group and others")
+        );
+        assert!(fs::symlink_metadata(d.join("a")).is_err());
+    }
+
+    #[test]
+    fn a_socket_folder_in_a_folder_its_group_or_others_can_write_to_is_refused() {
+        for (mode, shown, who) in [
+            (0o770, "0770", "group"),
+            (0o775, "0775", "group"),
+            (0o757, "0757", "others"),
+        ] {
+            let (_tmp, shared, d) = below_shared(mode);
+            assert_eq!(refusal(&d), writable(&d, &shared, shown, who));
+            fs::DirBuilder::new().mode(0o700).create(&d).unwrap();
+            assert_eq!(refusal(&d), writable(&d, &shared, shown, who));
+        }
+    }
+
+    /// A folder anyone can write to but with the sticky bit, like /tmp (1777): only the owner
+    /// of a folder in it (and root) can move or remove it, so ours stays ours.
+    #[test]
+    fn a_socket_folder_in_a_sticky_folder_like_tmp_is_accepted() {
+        let (_tmp, shared, d) = below_shared(0o1777);
+        prepare(&d, sys::euid()).unwrap();
+        let m = fs::symlink_metadata(&d).unwrap();
+        assert_eq!(m.permissions().mode() & 0o7777, 0o700);
+        prepare(&d, sys::euid()).unwrap();
+        let deep = shared.join("x/y");
+        prepare(&deep, sys::euid()).unwrap();
+        // A sticky folder only its group can write to: the same.
+        fs::set_permissions(&shared, fs::Permissions::from_mode(0o1770)).unwrap();
+        prepare(&d, sys::euid()).unwrap();
+    }
+
+    /// An ancestor owned by another user than root and us: its owner can do what they like
+    /// in it. As root, a folder is given to uid 65534; otherwise (no such folder can be made)
+    /// the same rule is seen from another uid, for which our own folders are another user's.
+    #[test]
+    fn a_socket_folder_in_a_folder_of_another_user_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let theirs = tmp.path().join("theirs");
+        fs::create_dir(&theirs).unwrap();
+        fs::set_permissions(&theirs, fs::Permissions::from_mode(0o755)).unwrap();
+        let d = theirs.join("tms");
+        fs::DirBuilder::new().mode(0o700).create(&d).unwrap();
+        let me = sys::euid();
+        if me == 0 {
+            std::os::unix::fs::chown(&theirs, Some(65534), None).unwrap();
+            assert_eq!(
+                refusal(&d),
+                format!(
+                    "refusing the socket folder {}: its ancestor {} belongs to uid 65534, \
+                     neither root nor uid 0: its owner could move what is in it away and put \
+                     their own in its place",
+                    d.display(),
+                    theirs.display()
+                )
+            );
+        } else {
+            let e = prepare(&d, me + 1).unwrap_err().to_string();
+            let want = format!(
+                "belongs to uid {me}, neither root nor uid {}: its owner could move what is in \
+                 it away and put their own in its place",
+                me + 1
+            );
+            assert!(e.contains("its ancestor") && e.ends_with(&want), "{e}");
+        }
+    }
+
+    /// Links among the ancestors are followed as the system follows them, each checked on the
+    /// way: a link of ours (or root's, like /var/run -> ../run) in a folder we trust is fine;
+    /// what it leads to is held to the same rule; a link others own is refused.
+    #[test]
+    fn links_above_the_socket_folder_are_followed_and_checked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        // var/run -> ../run, both ours and private.
+        for p in ["run", "var"] {
+            fs::DirBuilder::new().mode(0o700).create(t.join(p)).unwrap();
+        }
+        std::os::unix::fs::symlink("../run", t.join("var/run")).unwrap();
+        prepare(&t.join("var/run/tms"), sys::euid()).unwrap();
+        assert!(fs::symlink_metadata(t.join("run/tms")).unwrap().is_dir());
+
+        // A link of ours into a folder anyone can write to: that folder is named.
+        let open = t.join("open");
+        fs::create_dir(&open).unwrap();
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(open.join("real"))
+            .unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::symlink("open/real", t.join("l")).unwrap();
+        let d = t.join("l/tms");
+        assert_eq!(refusal(&d), writable(&d, &open, "0777", "group and others"));
+        assert!(fs::symlink_metadata(open.join("real/tms")).is_err());
+
+        // A link another user owns, in a sticky folder: they can replace it at any time.
+        // Only root can make one.
+        if sys::euid() == 0 {
+            let sticky = t.join("sticky");
+            fs::create_dir(&sticky).unwrap();
+            fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1777)).unwrap();
+            let link = sticky.join("link");
+            std::os::unix::fs::symlink(t.join("run"), &link).unwrap();
+            std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+            let d = link.join("tms");
+            assert_eq!(
+                refusal(&d),
+                format!(
+                    "refusing the socket folder {}: its ancestor {} is a symbolic link owned by \
+                     uid 65534, neither root nor uid 0: its owner could replace it with a link \
+                     to elsewhere",
+                    d.display(),
+                    link.display()
+                )
+            );
+        }
     }
 
     /// A server binding its socket again (the same pid after `exec`, or a new process that got

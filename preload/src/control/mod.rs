@@ -16,7 +16,15 @@
 //! created 0700 (the mode set explicitly after `mkdir`, whatever the umask) and refused (the
 //! server stays off, with a logged error) unless it is a real folder owned by us that no one
 //! else can enter (one of ours that we cannot enter either, left by a umask such as 0777, is
-//! given 0700 again). The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
+//! given 0700 again). It is refused too unless every folder above it, up to `/`, is owned by
+//! root or by us and cannot be written to by group or others unless it has the sticky bit
+//! (like `/tmp`, 1777): whoever can write to one could move our folder away after the check and
+//! put their own, or a link, in its place. Links on the way are followed only where root or we
+//! own them, and the folders they lead to are held to the same rule; the ancestors are checked
+//! before anything is made or looked at in the folder, and again before each missing folder is
+//! made; the refusal names the ancestor and why (Note [The ancestors of the socket folder] in
+//! `tms_proto::ancestors`; tmsctl applies the same rule). `$XDG_RUNTIME_DIR/tms`
+//! (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it. The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
 //! pid and the inode of our pid namespace, so processes of different pid namespaces sharing
 //! the folder never collide), mode 0600, also set explicitly. A folder too deep for a socket
 //! address (108 bytes) is listened in and reached through `/proc/self/fd/<N>/`

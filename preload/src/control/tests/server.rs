@@ -312,6 +312,40 @@ fn restrictive_umask_child() {
     }
 }
 
+/// No server in a folder whose parent others can write to (0777, no sticky bit): they could
+/// swap the folder for their own after the check, and our socket would be bound, and clients
+/// would connect, in a folder they control. The refusal, as logged, names that parent; nothing
+/// is made or bound there. With the sticky bit (like /tmp), the server starts and answers.
+#[test]
+fn no_server_in_a_folder_below_one_anyone_can_write_to() {
+    let h = host();
+    let tmp = tempfile::tempdir().unwrap();
+    let shared = tmp.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let folder = shared.join("tms");
+    let name = "4000105.1.sock";
+    let e = match listen_in(&folder, sys::euid(), name) {
+        Ok((_, path)) => panic!("a server listens in {}", path.display()),
+        Err(e) => NoSocket::from(e),
+    };
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "refusing the socket folder {}: its ancestor {} has mode 0777: group and others can \
+             write to it without the sticky bit, so they could move what is in it away and put \
+             their own in its place",
+            folder.display(),
+            shared.display()
+        )
+    );
+    assert!(std::fs::symlink_metadata(&folder).is_err(), "made anyway");
+
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let (_, path) = start_in(h, &folder, name, limits());
+    assert!(fresh_ping(&path) < Duration::from_secs(2));
+}
+
 /// Why there is no socket, in the words the log and `tms_control_socket` have always used.
 #[test]
 fn no_socket_reasons_keep_their_words() {
