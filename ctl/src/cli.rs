@@ -18,7 +18,8 @@ Exit codes:
   2  bad command line (or several processes and neither --pid nor --all)
   3  no such process, or it has no control socket
   4  permission denied: the process belongs to another user, or tmsctl does not trust the
-     socket folder (not ours, open to others, unreadable) or the server (another uid or pid)
+     socket folder (not ours, open to others, below a folder others can change, unreadable)
+     or the server (another uid or pid)
   5  no answer (or no room at the server) within --timeout; for pause and resume: the request
      was not sent whole (nothing was asked)
   6  pause/resume --tag T (with or without --chunks): no allocation of the process ever had

@@ -2,9 +2,13 @@
 //! it, by pid namespace.
 //!
 //! tmsctl trusts a folder only if it is a real folder (not a symbolic link) owned by our
-//! effective uid that group and others cannot use at all (the rule the server applies when it
-//! makes it); anything else is refused with [`Code::Permission`]. Who serves a socket is
-//! checked on connecting ([`crate::client`]).
+//! effective uid that group and others cannot use at all, and every folder above it, up to
+//! `/`, is owned by root or by us and cannot be written to by group or others unless sticky
+//! (like `/tmp`), links on the way being followed only where root or we own them
+//! ([`tms_proto::check_ancestors`], checked before the folder is opened): the rules the server
+//! applies when it makes it, so a folder the library refuses is refused here in the same
+//! words. Anything else is refused with [`Code::Permission`]. Who serves a socket is checked on
+//! connecting ([`crate::client`]).
 //!
 //! `--pid P` means process P of tmsctl's own pid namespace: `<P>.<ours>.sock`, else `<P>.sock`;
 //! sockets of P in other namespaces are never taken for it ([`Folder::find`]).
@@ -98,7 +102,7 @@ fn unreadable_folder(dir: &Path, about: &str, e: Errno) -> Failure {
 
 impl Folder {
     /// Open `dir`, check that we can trust it (a folder, not a link, ours, closed to group and
-    /// others), and list its sockets. A folder that does not exist holds none; one that cannot
+    /// others, below folders only root or we can change), and list its sockets. A folder that does not exist holds none; one that cannot
     /// be read is a permission error naming it.
     pub fn open(dir: &Path) -> Result<Folder> {
         Folder::open_about(dir, "")
@@ -108,6 +112,13 @@ impl Folder {
     /// variable) after its path.
     pub fn open_about(dir: &Path, about: &str) -> Result<Folder> {
         let our_ns = tms_proto::pid_namespace();
+        // Before anything below them is opened: whoever could change one of them could swap
+        // the folder for their own after our check (also where it does not exist yet: the
+        // library refuses it alike, and the refusal says why it has no socket there).
+        if let Err(a) = tms_proto::check_ancestors(dir, euid()) {
+            let why = format!("its ancestor {} {}", shown_path(&a.path), a.fault);
+            return Err(refuse_folder(dir, about, why));
+        }
         let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
         let fd = match open(dir, flags, Mode::empty()) {
             Ok(fd) => fd,

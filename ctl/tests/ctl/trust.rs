@@ -65,10 +65,15 @@ fn another_user_is_refused() {
         eprintln!("skipped: needs root to run the preloaded process as another user (the credential checks themselves are unit-tested in preload/src/control/auth.rs and ctl/src/client.rs)");
         return;
     }
-    // The preloaded process runs as nobody (65534) in a folder it creates itself; we (root)
-    // get past the folder's and socket's modes, but not past the server's uid check.
+    // The preloaded process runs as nobody (65534) in a folder of its own; we (root) get past
+    // the folder's and socket's modes, but not past the server's uid check. The folder is made
+    // for it in ours (a folder above it must be root's or ours for tmsctl to look in it, and
+    // root's or its own for the library to listen in it).
     let sb = sandbox();
-    std::os::unix::fs::chown(sb.tmp.path(), Some(65534), Some(65534)).expect("chown");
+    std::fs::set_permissions(sb.tmp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    std::fs::create_dir(&sb.dir).expect("mkdir");
+    std::os::unix::fs::chown(&sb.dir, Some(65534), Some(65534)).expect("chown");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     let mut p = Proc::start_with(&sb, &[], |c| {
         c.uid(65534).gid(65534);
     });
@@ -266,6 +271,103 @@ fn an_open_socket_folder_is_refused() {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
     assert!(ok(&sb, &["ping"]).stdout.contains("pong"));
     assert_eq!(fake.ops(), ["ping"]);
+}
+
+/// `dir`'s refusal by tmsctl because its ancestor `above` has mode `mode`, writable by `who`.
+fn ancestor_refused(line: &str, dir: &Path, above: &Path, mode: &str, who: &str) -> bool {
+    line.starts_with("tmsctl: permission denied: refusing the socket folder ")
+        && line.contains(&dir.display().to_string())
+        && line.ends_with(&format!(
+            ": its ancestor {} has mode {mode}: {who} can write to it without the sticky bit, \
+             so they could move what is in it away and put their own in its place",
+            above.display()
+        ))
+}
+
+/// A private socket folder of ours in a folder others can write to (no sticky bit): they could
+/// swap it for their own at any time, so tmsctl looks in it no more than the library listens
+/// in it, and says which folder above it is the trouble. With the sticky bit (like /tmp): used.
+#[test]
+fn a_socket_folder_below_a_folder_others_can_write_to_is_refused() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let fake = Fake::start(
+        dir,
+        &our_name(std::process::id()),
+        std::process::id(),
+        honest(std::process::id()),
+    );
+    let above = sb.tmp.path();
+    let me = std::process::id().to_string();
+    for (mode, shown, who) in [
+        (0o777, "0777", "group and others"),
+        (0o770, "0770", "group"),
+        (0o703, "0703", "others"),
+    ] {
+        std::fs::set_permissions(above, std::fs::Permissions::from_mode(mode)).expect("chmod");
+        for args in [
+            &["list"][..],
+            &["status"],
+            &["pause", "--pid", &me],
+            &["ping", "--all"],
+            &["clean"],
+        ] {
+            let line = ctl(&sb, args).failed(4).to_string();
+            assert!(
+                ancestor_refused(&line, dir, above, shown, who),
+                "{args:?}: {line}"
+            );
+        }
+    }
+    assert!(fake.ops().is_empty(), "{:?}", fake.ops());
+    std::fs::set_permissions(above, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    assert!(ok(&sb, &["ping"]).stdout.contains("pong"));
+    assert_eq!(fake.ops(), ["ping"]);
+    std::fs::set_permissions(above, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+}
+
+/// The library's side, in a real process: TMS_SOCKET_DIR below a folder anyone can write to
+/// gives no socket (nothing is made there) and says why; `tmsctl status --pid` names the same
+/// refusal. With the sticky bit, the process listens there and tmsctl reaches it.
+#[test]
+fn a_process_whose_folder_is_below_a_folder_others_can_write_to_has_no_socket() {
+    let sb = sandbox();
+    let shared = sb.tmp.path().join("shared");
+    std::fs::create_dir(&shared).expect("mkdir");
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    let its = shared.join("tms");
+    let env = [("TMS_SOCKET_DIR", its.to_str().expect("utf-8"))];
+    let mut p = Proc::start(&sb, &env);
+    assert!(p.ready["socket"].is_null(), "{}", p.ready);
+    let why = p.ready["socket_error"].as_str().unwrap_or_default();
+    let want = format!(
+        "its ancestor {} has mode 0777: group and others can write to it without the sticky \
+         bit, so they could move what is in it away and put their own in its place",
+        shared.display()
+    );
+    // As `tms_control_socket` reports it (after its status), and as the library logs it.
+    assert!(
+        why.ends_with(&format!(
+            "no control socket: refusing the socket folder {}: {want}",
+            its.display()
+        )),
+        "{why}"
+    );
+    assert!(!its.exists(), "the library made its folder there");
+    let line = ctl(&sb, &["status", "--pid", &p.pid.to_string()])
+        .failed(3)
+        .to_string();
+    assert!(
+        line.contains(&format!("{} (refused", its.display())) && line.contains(&want),
+        "{line}"
+    );
+    p.verify();
+
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).expect("chmod");
+    let q = Proc::start(&sb, &env);
+    assert!(q.socket().starts_with(&its), "{}", q.ready);
+    let r = ok(&sb, &["status", "--pid", &q.pid.to_string()]);
+    assert!(r.stdout.contains(&q.pid.to_string()), "{}", r.dump());
 }
 
 #[test]
