@@ -31,6 +31,12 @@
 //! below it will be made by the server, inside a folder that passed the rule (the server checks
 //! again before each folder it makes, so one made meanwhile by someone else is caught).
 //!
+//! *User namespaces.* In a namespace that maps only some uids (a rootless container, an
+//! Apptainer or `unshare -r` sandbox), folders of unmapped owners, host root's `/` and `/usr`
+//! among them, show the kernel's overflow uid (65534). Their real owner cannot be known from
+//! inside, nor can we change them; they are taken as root's, or the server would stay off in
+//! every such sandbox. Outside one, every uid is mapped and 65534 is a user like any other.
+//!
 //! *The socket folder itself* is not checked here (the last component of the path: it is not
 //! followed if it is a link); its own, stricter rule is its checker's.
 
@@ -180,7 +186,8 @@ pub fn check_ancestors(dir: &Path, uid: u32) -> Result<(), UnsafeAncestor> {
             Err(e) => return refuse(Path::new("."), uninspectable(&e)),
         }
     };
-    let trusted = |owner: u32| owner == 0 || owner == uid;
+    let unmapped = unmapped_owner();
+    let trusted = |owner: u32| owner == 0 || owner == uid || Some(owner) == unmapped;
     let mut todo = steps_reversed(&dir);
     // Where the walk is: a real path (no link in it), every folder of which passed the rule.
     let mut at = PathBuf::from("/");
@@ -244,10 +251,59 @@ pub fn check_ancestors(dir: &Path, uid: u32) -> Result<(), UnsafeAncestor> {
     Ok(())
 }
 
+/// The owner the kernel shows for folders whose owner our user namespace does not map, where
+/// it maps only some uids; `None` where every uid is mapped (the initial namespace). See
+/// Note [The ancestors of the socket folder], *User namespaces*.
+fn unmapped_owner() -> Option<u32> {
+    let map = fs::read_to_string("/proc/self/uid_map").ok()?;
+    let overflow = fs::read_to_string("/proc/sys/kernel/overflowuid").ok()?;
+    unmapped_owner_in(&map, &overflow)
+}
+
+/// [`unmapped_owner`] from the text of `/proc/self/uid_map` and of
+/// `/proc/sys/kernel/overflowuid`.
+fn unmapped_owner_in(uid_map: &str, overflowuid: &str) -> Option<u32> {
+    // Each line: first uid inside, first uid outside, count.
+    let mapped: u64 = uid_map
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok())
+        .sum();
+    if mapped >= u64::from(u32::MAX) {
+        return None;
+    }
+    overflowuid.trim().parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
+
+    #[test]
+    fn the_overflow_uid_is_trusted_only_where_some_uids_are_unmapped() {
+        // The initial namespace maps every uid: 65534 is a real user there.
+        assert_eq!(
+            unmapped_owner_in("         0          0 4294967295\n", "65534\n"),
+            None
+        );
+        // A sandbox mapping only the user (and maybe a subordinate range).
+        assert_eq!(
+            unmapped_owner_in("      1000       1000          1\n", "65534\n"),
+            Some(65534)
+        );
+        assert_eq!(
+            unmapped_owner_in("0 1000 1\n1 100000 65536\n", "65533"),
+            Some(65533)
+        );
+        // Unreadable numbers: nothing more is trusted.
+        assert_eq!(unmapped_owner_in("0 1000 1\n", "x"), None);
+        // This machine's own view agrees with its uid_map.
+        let map = fs::read_to_string("/proc/self/uid_map").unwrap();
+        assert_eq!(
+            unmapped_owner().is_none(),
+            map.trim().split_whitespace().nth(2) == Some("4294967295")
+        );
+    }
 
     /// Our uid, as the files we make show it.
     fn me(t: &Path) -> u32 {

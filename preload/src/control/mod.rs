@@ -20,7 +20,8 @@
 //! root or by us and cannot be written to by group or others unless it has the sticky bit
 //! (like `/tmp`, 1777): whoever can write to one could move our folder away after the check and
 //! put their own, or a link, in its place. Links on the way are followed only where root or we
-//! own them, and the folders they lead to are held to the same rule; the ancestors are checked
+//! own them, and the folders they lead to are held to the same rule (in a user namespace
+//! mapping only some uids, unmapped owners, shown as 65534, count as root); the ancestors are checked
 //! before anything is made or looked at in the folder, and again before each missing folder is
 //! made; the refusal names the ancestor and why (Note [The ancestors of the socket folder] in
 //! `tms_proto::ancestors`; tmsctl applies the same rule). `$XDG_RUNTIME_DIR/tms`
