@@ -158,8 +158,10 @@ def test_graph_replays_after_resume(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
-    """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s, so
-    pausing "outer" leaves the graph replaying, and pausing "graph" gives its memory back."""
+    """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s and
+    in the graph's own pool, so a tensor the region makes after the capture never gets a block
+    the graph freed while capturing (a replay would write into it), pausing "outer" leaves the
+    graph replaying, and pausing "graph" gives its memory back."""
     run(
         GRAPH_SETUP
         + textwrap.dedent(
@@ -172,6 +174,10 @@ def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
         tags = {t["tag"]: t for t in tms.stats()["tags"]}
         assert tags["graph"]["bytes_active"] >= y.numel() * 4, tags
         assert tags["outer"]["bytes_active"] >= (1 << 28) + (1 << 26), tags
+        g.replay()
+        torch.cuda.synchronize()
+        assert bool((after == 9).all()), "a replay wrote into a tensor the region made after the capture"
+        assert bool((kept == 7).all()), "a replay wrote into a tensor the region made before the capture"
         tms.pause("outer")
         g.replay()
         ref = ((x @ w).relu() @ w).clone()
