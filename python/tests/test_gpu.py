@@ -158,10 +158,9 @@ def test_graph_replays_after_resume(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_graph_captured_inside_a_region_is_its_own_tags(mode):
-    """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s and
-    in the graph's own pool, so a tensor the region makes after the capture never gets a block
-    the graph freed while capturing (a replay would write into it), pausing "outer" leaves the
-    graph replaying, and pausing "graph" gives its memory back."""
+    """cuda_graph(tag="graph") inside region(tag="outer"): the graph's memory is "graph"'s, the
+    region's tensors made before and after the capture stay intact through replays, pausing
+    "outer" leaves the graph replaying, and pausing "graph" gives its memory back."""
     run(
         GRAPH_SETUP
         + textwrap.dedent(

@@ -536,11 +536,14 @@ class _Regions:
     @contextlib.contextmanager
     def _capturing(self, torch: Any) -> Iterator[None]:
         """Suspend this thread's route (an enclosing region's) for a graph capture. PyTorch
-        serves an allocation from the first pool routed to that takes it, and a region's route
-        takes every allocation of its thread, the capture's too: inside ``region()`` the
-        graph's memory would be the region's (its tag, and a pool whose freed blocks later
-        tensors reuse while the graph still replays them). A route a region opens inside the
-        capture nests as usual, and the capture's place on the stack restarts nothing."""
+        serves an allocation from the first pool routed to whose filter takes it, and a
+        region's route (``use_mem_pool``) takes every allocation of its thread, the capture's
+        too: inside ``region()`` the capture would allocate from the region's pool, not the
+        graph's private one. Cached blocks of the region (its tag) could then serve the graph,
+        and blocks the graph frees while capturing would go back to the region's pool, where a
+        later allocation of the region on the capture's stream could get one the graph still
+        replays into. A route a region opens inside the capture nests as usual, and the
+        capture's place on the stack restarts nothing."""
         stack = getattr(self._local, "routes", None)
         if stack is None:
             stack = self._local.routes = []
