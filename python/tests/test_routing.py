@@ -439,3 +439,58 @@ def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
     assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
     gc.collect()
     assert kv() is None, "the dropped pool is still referenced"
+
+
+@pytest.mark.parametrize("drop", ["del", "pop", "replace", "clear"])
+def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_routes(monkeypatch, drop):
+    """A region's pool that no thread routes to, dropped from ``_mem_pools`` (``del``, ``pop``,
+    ``[] =``, ``clear``) while thread B routes to another region's pool: the map held its last
+    reference, and its destruction under B's route would end the process (see ``_Routing``).
+    It goes once B has left."""
+    import gc
+    import sys
+    import weakref
+
+    torch = FakeTorch()
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    torch.cuda.current_device = staticmethod(lambda: 0)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("torch")
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+    with impl.region("kv"):
+        pass
+    kv = weakref.ref(impl._mem_pools[("kv", False)])
+    b_inside, b_may_leave = threading.Event(), threading.Event()
+    errors = []
+
+    def b():
+        try:
+            with impl.region("other"):
+                b_inside.set()
+                assert b_may_leave.wait(timeout=10)
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    t = threading.Thread(target=b)
+    t.start()
+    assert b_inside.wait(timeout=10)
+    if drop == "del":
+        del impl._mem_pools[("kv", False)]
+    elif drop == "pop":
+        impl._mem_pools.pop(("kv", False))  # the caller drops what it was given at once
+    elif drop == "replace":
+        impl._mem_pools[("kv", False)] = torch.cuda.MemPool()
+    else:
+        impl._mem_pools.clear()
+    gc.collect()
+    assert not destroyed_while_routing, "a pool dropped from the map was destroyed while another thread routed"
+    assert kv() is not None
+    b_may_leave.set()
+    t.join()
+    assert not errors, errors
+    gc.collect()
+    assert kv() is None, "the dropped pool outlived every route"
+    assert not destroyed_while_routing

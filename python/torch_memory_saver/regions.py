@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -40,7 +41,8 @@ class _Routing:
     thread routes to a pool or captures a graph: the pool's destructor frees its cache, which
     needs that nothing be under way. So a route's end hands its pool to ``retired`` rather than
     dropping it: ``disable()``'s own pool, whose end gives its cache back, and a region's pool,
-    whose last reference the route holds where ``_mem_pools`` dropped it meanwhile. Retired
+    whose last reference the route holds where ``_mem_pools`` dropped it meanwhile; and a pool
+    map hands over what ``del``, ``pop``, ``[] =`` and ``clear`` drop from it. Retired
     pools are let go only when no route or capture of this package is active in any thread
     (with the last route or capture to end), and no route or capture starts in another thread
     until they have gone. A sibling lives as long as the pool it was made for (``siblings`` is
@@ -111,6 +113,18 @@ class _Routing:
     def leave(self, torch: Any) -> None:
         with self.lock:
             self.active -= 1
+        self.collect(torch)
+
+    def retire_pools(self, pools: list) -> None:
+        """Take ``pools``, dropped from a pool map, into ``retired`` (see ``retire``): where
+        the map held their last references, they go only when no route or capture is active.
+        A pool lives only once torch is imported, hence ``sys.modules``."""
+        torch = sys.modules.get("torch")
+        if not pools or torch is None:
+            return
+        with self.lock:
+            for p in pools:
+                self.retired[id(p)] = p
         self.collect(torch)
 
     def retire(self, route: Any, torch: Any) -> None:
@@ -274,8 +288,13 @@ class _PoolMap(dict):
         return self._one_or_all([dict.__getitem__(self, k) for k in covered])
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        replaced = []
         for k in self._covered(key) or [key]:
+            old = dict.get(self, k)
+            if old is not None and old is not value:
+                replaced.append(old)
             dict.__setitem__(self, k, value)
+        _routing.retire_pools(replaced)
 
     def get(self, key: Any, default: Any = None) -> Any:
         try:
@@ -292,9 +311,21 @@ class _PoolMap(dict):
         covered = self._covered(key)
         if not covered:
             if default is self._NO_DEFAULT:
-                return dict.pop(self, key)
-            return dict.pop(self, key, default)
-        return self._one_or_all([dict.pop(self, k) for k in covered])
+                pools = [dict.pop(self, key)]
+            elif dict.__contains__(self, key):
+                pools = [dict.pop(self, key)]
+            else:
+                return default
+            _routing.retire_pools(pools)
+            return pools[0]
+        pools = [dict.pop(self, k) for k in covered]
+        _routing.retire_pools(pools)
+        return self._one_or_all(pools)
+
+    def clear(self) -> None:
+        pools = list(dict.values(self))
+        dict.clear(self)
+        _routing.retire_pools(pools)
 
 
 class _Regions:
