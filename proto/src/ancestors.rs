@@ -38,12 +38,18 @@
 //! every such sandbox. Outside one, every uid is mapped and 65534 is a user like any other.
 //!
 //! *The socket folder itself* is not checked here (the last component of the path: it is not
-//! followed if it is a link); its own, stricter rule is its checker's.
+//! followed if it is a link); its own, stricter rule is its checker's. Unless the path ends in
+//! `/` or `/.` (`TMS_SOCKET_DIR=/some/folder/`): then the system follows a link at its last
+//! name too (`lstat`, `open` with `O_NOFOLLOW`, `mkdir`, and the socket's path `<dir>/<name>`
+//! all resolve it), so that name is on the way like the others, a link there followed only if
+//! root's or ours and the folder it leads to held to this rule as well. (`Path::components`
+//! drops that ending, so it is read from the path's bytes.)
 
 use std::ffi::OsString;
 use std::fmt;
 use std::fs;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
@@ -170,7 +176,8 @@ fn steps_reversed(p: &Path) -> Vec<Step> {
 /// Check every folder above the socket folder `dir` (a relative one is taken from the working
 /// directory), up to `/`, for a process of effective uid `uid`: see Note [The ancestors of the
 /// socket folder]. `Ok` also where a folder on the way does not exist yet (what is below it is
-/// for the server to make). `dir` itself is not checked, nor followed if it is a link.
+/// for the server to make). `dir` itself is not checked, nor followed if it is a link, unless
+/// it ends in `/` or `/.`, which makes the system follow it (then it is checked as the others).
 pub fn check_ancestors(dir: &Path, uid: u32) -> Result<(), UnsafeAncestor> {
     let refuse = |path: &Path, fault| {
         Err(UnsafeAncestor {
@@ -186,6 +193,12 @@ pub fn check_ancestors(dir: &Path, uid: u32) -> Result<(), UnsafeAncestor> {
             Err(e) => return refuse(Path::new("."), uninspectable(&e)),
         }
     };
+    // The system follows a link at the last name of a path ending in `/` or `/.`: that name
+    // is then on the way, not the socket folder's own (the Note, *The socket folder itself*).
+    let last_followed = {
+        let b = dir.as_os_str().as_bytes();
+        b.ends_with(b"/") || b.ends_with(b"/.")
+    };
     let unmapped = unmapped_owner();
     let trusted = |owner: u32| owner == 0 || owner == uid || Some(owner) == unmapped;
     let mut todo = steps_reversed(&dir);
@@ -200,7 +213,7 @@ pub fn check_ancestors(dir: &Path, uid: u32) -> Result<(), UnsafeAncestor> {
             }
             Step::Root => PathBuf::from("/"),
             // The socket folder itself: its own rule is its checker's.
-            Step::Name(_) if todo.is_empty() => break,
+            Step::Name(_) if todo.is_empty() && !last_followed => break,
             Step::Name(name) => at.join(name),
         };
         let m = match fs::symlink_metadata(&path) {
@@ -430,6 +443,42 @@ mod tests {
                 }
             })
         );
+    }
+
+    /// A path ending in `/` or `/.` makes the system follow a link at its last name (`lstat`,
+    /// `open` with `O_NOFOLLOW`, `mkdir`, a socket bound at `<path>/<name>` all resolve it), so
+    /// that link, and where it leads, are on the way and held to the rule like any other.
+    #[test]
+    fn a_trailing_slash_or_dot_makes_the_last_link_one_on_the_way() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        let uid = me(t);
+        mkdir(&t.join("open"), 0o777);
+        mkdir(&t.join("open/real"), 0o700);
+        symlink(t.join("open/real"), t.join("l")).unwrap();
+        symlink("l", t.join("l2")).unwrap();
+        // Without: `l` is the socket folder itself, not followed (its checker refuses a link).
+        check_ancestors(&t.join("l"), uid).unwrap();
+        let want = Err(UnsafeAncestor {
+            path: t.join("open"),
+            fault: AncestorFault::Writable { mode: 0o777 },
+        });
+        let l = t.join("l").into_os_string().into_string().unwrap();
+        for p in [
+            format!("{l}/"),
+            format!("{l}//"),
+            format!("{l}/."),
+            format!("{l}/./"),
+            format!("{l}2/"),
+        ] {
+            assert_eq!(check_ancestors(Path::new(&p), uid), want, "{p}");
+        }
+        // A link of ours to a folder of ours, so spelled: fine.
+        mkdir(&t.join("mine"), 0o700);
+        symlink(t.join("mine"), t.join("m")).unwrap();
+        check_ancestors(&t.join("m").join(""), uid).unwrap();
+        // `/` itself stays fine.
+        check_ancestors(Path::new("/"), uid).unwrap();
     }
 
     /// The folders a real system gives: `/tmp` (1777) and `/` are fine for anyone.

@@ -326,6 +326,46 @@ fn a_socket_folder_below_a_folder_others_can_write_to_is_refused() {
     std::fs::set_permissions(above, std::fs::Permissions::from_mode(0o700)).expect("chmod");
 }
 
+/// TMS_SOCKET_DIR ending in `/`, its last name a link into a folder anyone can write to: the
+/// system follows that link (the `O_NOFOLLOW` open of the folder too), so tmsctl holds it and
+/// where it leads to the ancestors' rule, as it does without the slash (where the link itself
+/// is refused), and never talks to the server there.
+#[test]
+fn a_trailing_slash_is_no_way_around_the_ancestors_rule() {
+    let sb = sandbox();
+    let open = sb.tmp.path().join("open");
+    std::fs::create_dir(&open).expect("mkdir");
+    let real = open.join("real");
+    std::fs::create_dir(&real).expect("mkdir");
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+    std::os::unix::fs::symlink(&real, &sb.dir).expect("symlink");
+    let fake = Fake::start(
+        &real,
+        &our_name(std::process::id()),
+        std::process::id(),
+        honest(std::process::id()),
+    );
+    let slashed = format!("{}/", sb.dir.display());
+    let run = |args: &[&str]| {
+        ctl_with(&tmsctl(), &sb, args, |c| {
+            c.env("TMS_SOCKET_DIR", &slashed);
+        })
+    };
+    for args in [&["ping"][..], &["list"], &["clean"]] {
+        let r = run(args);
+        let line = r.failed(4);
+        assert!(
+            ancestor_refused(line, Path::new(&slashed), &open, "0777", "group and others"),
+            "{args:?}: {line}"
+        );
+    }
+    assert!(fake.ops().is_empty(), "{:?}", fake.ops());
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    assert!(run(&["ping"]).stdout.contains("pong"));
+    assert_eq!(fake.ops(), ["ping"]);
+}
+
 /// The library's side, in a real process: TMS_SOCKET_DIR below a folder anyone can write to
 /// gives no socket (nothing is made there) and says why; `tmsctl status --pid` names the same
 /// refusal. With the sticky bit, the process listens there and tmsctl reaches it.

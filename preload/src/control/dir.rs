@@ -635,6 +635,65 @@ mod tests {
         }
     }
 
+    /// The socket folder named with a trailing slash (`TMS_SOCKET_DIR=/some/folder/`, which
+    /// `socket_dir` keeps as given): the system follows a link at its last name then (`lstat`,
+    /// `mkdir`, the bind at `<folder>/<name>`), so the link and where it leads are held to the
+    /// ancestors' rule; spelled so, a link into a folder anyone can write to is refused as it
+    /// is without the slash.
+    #[test]
+    fn a_trailing_slash_is_no_way_around_the_rule() {
+        let tmp = tempfile::tempdir().unwrap();
+        let t = tmp.path();
+        let open = t.join("open");
+        fs::create_dir(&open).unwrap();
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(open.join("real"))
+            .unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::symlink(open.join("real"), t.join("l")).unwrap();
+        assert!(refusal(&t.join("l")).ends_with("it is a symbolic link"));
+        let d = t.join("l").join("");
+        assert_eq!(refusal(&d), writable(&d, &open, "0777", "group and others"));
+        let d = PathBuf::from(format!("{}/.", t.join("l").display()));
+        assert_eq!(refusal(&d), writable(&d, &open, "0777", "group and others"));
+        // Another user's link in a sticky folder (like /tmp), to a private folder of ours: they
+        // could point it elsewhere at any time. Only root can make one.
+        if sys::euid() == 0 {
+            let sticky = t.join("sticky");
+            fs::create_dir(&sticky).unwrap();
+            fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1777)).unwrap();
+            fs::DirBuilder::new()
+                .mode(0o700)
+                .create(t.join("ours"))
+                .unwrap();
+            let link = sticky.join("link");
+            std::os::unix::fs::symlink(t.join("ours"), &link).unwrap();
+            std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+            let d = link.join("");
+            assert!(
+                refusal(&d).ends_with(&format!(
+                    "its ancestor {} is a symbolic link owned by uid 65534, neither root nor uid \
+                     0: its owner could replace it with a link to elsewhere",
+                    link.display()
+                )),
+                "{}",
+                refusal(&d)
+            );
+        }
+        // A link of ours to a private folder of ours, so spelled: the folder it leads to is used.
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(t.join("mine"))
+            .unwrap();
+        std::os::unix::fs::symlink(t.join("mine"), t.join("m")).unwrap();
+        let d = t.join("m").join("");
+        prepare(&d, sys::euid()).unwrap();
+        let (_l, path) = bind_as(&d, "1.2.sock").unwrap();
+        assert_eq!(path, t.join("m/1.2.sock"));
+        assert!(fs::symlink_metadata(t.join("mine/1.2.sock")).is_ok());
+    }
+
     /// A server binding its socket again (the same pid after `exec`, or a new process that got
     /// a dead one's pid) while another server sweeps the stale file at that name: the live
     /// socket must never be the one removed. The sweep checks the file between its probe and
