@@ -35,7 +35,9 @@
 //! Apptainer or `unshare -r` sandbox), folders of unmapped owners, host root's `/` and `/usr`
 //! among them, show the kernel's overflow uid (65534). Their real owner cannot be known from
 //! inside, nor can we change them; they are taken as root's, or the server would stay off in
-//! every such sandbox. Outside one, every uid is mapped and 65534 is a user like any other.
+//! every such sandbox. Outside one, every uid is mapped and 65534 is a user like any other; so
+//! it is inside one that maps 65534 itself (rootless Podman's 65536 subordinate uids give the
+//! container a real `nobody`), where an unmapped owner cannot be told from that user.
 //!
 //! *The socket folder itself* is not checked here (the last component of the path: it is not
 //! followed if it is a link); its own, stricter rule is its checker's. Unless the path ends in
@@ -277,14 +279,32 @@ fn unmapped_owner() -> Option<u32> {
 /// `/proc/sys/kernel/overflowuid`.
 fn unmapped_owner_in(uid_map: &str, overflowuid: &str) -> Option<u32> {
     // Each line: first uid inside, first uid outside, count.
-    let mapped: u64 = uid_map
+    let ranges: Vec<(u64, u64)> = uid_map
         .lines()
-        .filter_map(|l| l.split_whitespace().nth(2)?.parse::<u64>().ok())
-        .sum();
+        .filter_map(|l| {
+            let mut f = l.split_whitespace().map(|n| n.parse::<u64>().ok());
+            let inside = f.next()??;
+            let count = f.nth(1)??;
+            Some((inside, count))
+        })
+        .collect();
+    let mapped: u64 = ranges.iter().map(|&(_, count)| count).sum();
     if mapped >= u64::from(u32::MAX) {
         return None;
     }
-    overflowuid.trim().parse().ok()
+    let overflow: u32 = overflowuid.trim().parse().ok()?;
+    // Where the overflow uid is itself mapped (rootless Podman's usual map, 65536 subordinate
+    // uids, gives the namespace a real `nobody` of uid 65534), a folder showing it may be that
+    // user's, which nothing tells from an unmapped owner's: then it is trusted no more than any
+    // other user's.
+    let o = u64::from(overflow);
+    if ranges
+        .iter()
+        .any(|&(inside, count)| inside <= o && o - inside < count)
+    {
+        return None;
+    }
+    Some(overflow)
 }
 
 #[cfg(test)]
@@ -305,8 +325,21 @@ mod tests {
             Some(65534)
         );
         assert_eq!(
+            unmapped_owner_in("0 1000 1\n1 100000 1000\n", "65534"),
+            Some(65534)
+        );
+        // A namespace that maps the overflow uid itself (rootless Podman's usual map, 65536
+        // subordinate uids, gives the container a `nobody` of uid 65534): a folder showing
+        // 65534 may be that real user's, which cannot be told from an unmapped owner's, so
+        // it is trusted no more than any other user's.
+        assert_eq!(unmapped_owner_in("0 100000 65536\n", "65534\n"), None);
+        assert_eq!(
+            unmapped_owner_in("0 1000 1\n1 100000 65536\n", "65534"),
+            None
+        );
+        assert_eq!(
             unmapped_owner_in("0 1000 1\n1 100000 65536\n", "65533"),
-            Some(65533)
+            None
         );
         // Unreadable numbers: nothing more is trusted.
         assert_eq!(unmapped_owner_in("0 1000 1\n", "x"), None);
