@@ -28,7 +28,12 @@ pub fn prepare(dir: &Path, uid: u32) -> Result<()> {
     ancestors(dir, uid)?;
     match fs::symlink_metadata(dir) {
         Ok(_) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => create_private(dir, uid)?,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            create_private(dir, uid)?;
+            // Through a link of ours to a folder missing at the first check, the folders made
+            // may lie in one someone else made meanwhile (in /tmp, say): the check sees it now.
+            ancestors(dir, uid)?;
+        }
         Err(e) => return Err(inspect_err(e)),
     }
     let inspect = || fs::symlink_metadata(dir).map_err(inspect_err);
