@@ -494,3 +494,43 @@ def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_rou
     gc.collect()
     assert kv() is None, "the dropped pool outlived every route"
     assert not destroyed_while_routing
+
+
+def test_a_pool_retired_while_retired_pools_are_destroyed_goes_too():
+    """``collect`` destroys retired pools outside its lock, and a pool's end may run Python code
+    that routes again (``_Routing``): a ``disable()`` block there retires its own pool while the
+    destruction is under way, which ``collect`` leaves to the destruction. That pool must go
+    with it once no route is active, not wait in ``retired`` (with its cached blocks) for some
+    later route's end anywhere in the process, which may never come."""
+    import gc
+    import weakref
+
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    Pool = torch.cuda.MemPool
+    made = []
+
+    def plain():
+        p = Pool()
+        made.append(weakref.ref(p))
+        return p
+
+    class Reentrant(Pool):
+        def __del__(self):
+            torch.cuda.MemPool = staticmethod(plain)
+            with impl._routed(torch, None):  # a disable() block, run by this pool's end
+                pass
+            super().__del__()
+
+    torch.cuda.MemPool = staticmethod(Reentrant)
+    with impl._routed(torch, None):  # a disable() block: leaving it destroys its pool
+        pass
+    gc.collect()
+    assert len(made) == 1, made  # the inner block ran, with a pool of its own
+    assert made[0]() is None and not regions._routing.retired, (
+        "the pool retired during the destruction was kept past it",
+        regions._routing.retired,
+    )
+    assert not destroyed_while_routing
+    assert regions._routing.destroying is None and not regions._routing.active

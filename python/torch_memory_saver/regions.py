@@ -137,20 +137,24 @@ class _Routing:
 
     def collect(self, torch: Any) -> None:
         me = threading.get_ident()
-        with self.lock:
-            self._wait_for_destruction()
-            if self.destroying == me:  # from a pool's end: the destruction under way goes on
-                return
-            if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
-                return
-            dead, self.retired = self.retired, {}
-            self.destroying = me
-        try:
-            del dead  # the last references of pools no one else holds: each gives its cached blocks back
-        finally:
+        # Till nothing is left: a pool's end may route again and retire that route's pool (a
+        # disable() block's own) while the destruction is under way, which the nested collect
+        # leaves to this one; waiting for some later route's end instead could keep it for ever.
+        while True:
             with self.lock:
-                self.destroying = None
-                self.done.notify_all()
+                self._wait_for_destruction()
+                if self.destroying == me:  # from a pool's end: the destruction under way goes on
+                    return
+                if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
+                    return
+                dead, self.retired = self.retired, {}
+                self.destroying = me
+            try:
+                del dead  # the last references of pools no one else holds: each gives its cached blocks back
+            finally:
+                with self.lock:
+                    self.destroying = None
+                    self.done.notify_all()
 
 
 _routing = _Routing()
