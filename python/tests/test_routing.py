@@ -534,3 +534,46 @@ def test_a_pool_retired_while_retired_pools_are_destroyed_goes_too():
     )
     assert not destroyed_while_routing
     assert regions._routing.destroying is None and not regions._routing.active
+
+
+def _torch_without_a_device():
+    """FakeTorch as torch is where CUDA is not initialized and cannot be (no driver, no
+    device, a CPU build, a forked child): asking whether the stream captures raises."""
+    torch = FakeTorch()
+
+    def is_current_stream_capturing():
+        raise RuntimeError("CUDA error: CUDA driver version is insufficient for CUDA runtime version")
+
+    torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
+    torch.cuda.is_initialized = staticmethod(lambda: False)
+    return torch
+
+
+@pytest.mark.parametrize("torch_kind", ["stand-in", "real"])
+@pytest.mark.parametrize("drop", ["del", "pop", "replace", "clear"])
+def test_dropping_a_pool_from_the_map_needs_no_device(monkeypatch, drop, torch_kind):
+    """``_mem_pools`` is a dict integrations read and patch (see ``_PoolMap``), also where torch
+    is imported but CUDA is not initialized (their CPU tests, a process that has not touched
+    the device yet): dropping an entry there must not ask CUDA whether a capture is under way
+    (it raises, or initializes CUDA). No capture can be under way before CUDA is initialized."""
+    import sys
+
+    if torch_kind == "real":
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_initialized():
+            pytest.skip("CUDA is initialized in this process")
+    else:
+        torch = _torch_without_a_device()
+        monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("torch")
+    key = ("kv", False, False, "", 0)
+    impl._mem_pools[key] = object()
+    if drop == "del":
+        del impl._mem_pools[("kv", False)]
+    elif drop == "pop":
+        impl._mem_pools.pop(key)
+    elif drop == "replace":
+        impl._mem_pools[key] = object()
+    else:
+        impl._mem_pools.clear()
+    assert not regions._routing.retired

@@ -135,6 +135,17 @@ class _Routing:
             route.pool = None
         self.collect(torch)
 
+    @staticmethod
+    def _capture_under_way(torch: Any) -> bool:
+        """Whether this thread's stream captures. Asked only where CUDA is initialized: before,
+        no capture can be under way, and asking would raise (no usable device: a CPU build, no
+        driver, a forked child) or initialize CUDA, where a pool map merely drops an entry
+        (an integration's own stand-in pool, say)."""
+        initialized = getattr(torch.cuda, "is_initialized", None)
+        if initialized is not None and not initialized():
+            return False
+        return bool(torch.cuda.is_current_stream_capturing())
+
     def collect(self, torch: Any) -> None:
         me = threading.get_ident()
         # Till nothing is left: a pool's end may route again and retire that route's pool (a
@@ -145,7 +156,7 @@ class _Routing:
                 self._wait_for_destruction()
                 if self.destroying == me:  # from a pool's end: the destruction under way goes on
                     return
-                if self.active or not self.retired or torch.cuda.is_current_stream_capturing():
+                if self.active or not self.retired or self._capture_under_way(torch):
                     return
                 dead, self.retired = self.retired, {}
                 self.destroying = me
