@@ -19,21 +19,31 @@ class FakeTorch:
         self.lock = threading.Lock()
         self.recording: dict = {}
         self.made = 0
+        # The current device (one for the process: the tests set it in one thread), and the
+        # device each pool routed to is routed on.
+        self.device = 0
+        self.devices: dict = {}
         outer = self
 
         class Cuda:
             @staticmethod
             @contextlib.contextmanager
-            def use_mem_pool(pool):
+            def use_mem_pool(pool, device=None):
                 with outer.lock:
                     if id(pool) in outer.recording:
                         raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
                     outer.recording[id(pool)] = threading.get_ident()
+                    outer.devices[id(pool)] = outer.device if device is None else device
                 try:
                     yield
                 finally:
                     with outer.lock:
                         del outer.recording[id(pool)]
+                        del outer.devices[id(pool)]
+
+            @staticmethod
+            def current_device():
+                return outer.device
 
             @staticmethod
             def is_current_stream_capturing():
@@ -577,3 +587,45 @@ def test_dropping_a_pool_from_the_map_needs_no_device(monkeypatch, drop, torch_k
     else:
         impl._mem_pools.clear()
     assert not regions._routing.retired
+
+
+@pytest.mark.parametrize("inner", ["cuda_graph", "disable", "region"])
+def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
+    """A route suspended by a nested block (a capture, ``disable()``, another region) restarts
+    after it; PyTorch's ``use_mem_pool`` routes the current device's allocations. A nested
+    block on another device (``with torch.cuda.device(1): with cuda_graph(...)``) must not move
+    the enclosing region's route there: the region's tensors made on its device after the
+    block would come from the default pool (not pauseable in torch mode), and the other
+    device's would come from the region's pool (one of another device's key)."""
+    import sys
+
+    torch = FakeTorch()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        yield
+
+    torch.cuda.graph = staticmethod(graph)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl("preload")
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    region_pool = object()
+    seen = []
+    with impl._routed(torch, region_pool, torch.new_pool):
+        torch.device = 1  # with torch.cuda.device(1):
+        if inner == "cuda_graph":
+            block = impl.cuda_graph("G", tag="graph")
+        elif inner == "disable":
+            block = impl.disable()
+        else:
+            block = impl._routed(torch, object(), torch.new_pool)
+        with block:
+            pass
+        seen.append(dict(torch.devices))  # still on device 1
+        torch.device = 0  # the device block's end
+        seen.append(dict(torch.devices))
+    assert seen == [{id(region_pool): 0}] * 2, seen
+    assert not torch.recording and not regions._routing.active

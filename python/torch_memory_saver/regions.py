@@ -180,13 +180,24 @@ class _Route:
         self.make = make
         self.ctx: Any = None
         self.using: Any = None
+        # The device routed on: the current one at the first start. A restart (after a nested
+        # block suspended the route) may come under another current device (``with
+        # torch.cuda.device(1): with cuda_graph(...)``), and ``use_mem_pool`` routes the current
+        # device's allocations unless told which.
+        self.device: Any = None
 
     def start(self, torch: Any) -> None:
         using = _routing.claim(self.pool, self.make)
         # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile.
         _routing.enter()
         try:
-            ctx = torch.cuda.use_mem_pool(using)
+            current = torch.cuda.current_device()
+            if self.device is None:
+                self.device = current
+            if current == self.device:
+                ctx = torch.cuda.use_mem_pool(using)
+            else:
+                ctx = torch.cuda.use_mem_pool(using, device=self.device)
             ctx.__enter__()
         except BaseException:
             _routing.release(using)
