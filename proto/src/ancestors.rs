@@ -29,7 +29,8 @@
 //!
 //! *Missing folders.* The walk stops at the first folder that does not exist: everything
 //! below it will be made by the server, inside a folder that passed the rule (the server checks
-//! again before each folder it makes, so one made meanwhile by someone else is caught).
+//! again before each folder it makes, and once more after, so one made meanwhile by someone else
+//! is caught).
 //!
 //! *User namespaces.* In a namespace that maps only some uids (a rootless container, an
 //! Apptainer or `unshare -r` sandbox), folders of unmapped owners, host root's `/` and `/usr`

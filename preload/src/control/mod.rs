@@ -21,10 +21,11 @@
 //! (like `/tmp`, 1777): whoever can write to one could move our folder away after the check and
 //! put their own, or a link, in its place. Links on the way are followed only where root or we
 //! own them, and the folders they lead to are held to the same rule (in a user namespace
-//! mapping only some uids, unmapped owners, shown as 65534, count as root); the ancestors are checked
-//! before anything is made or looked at in the folder, and again before each missing folder is
-//! made; the refusal names the ancestor and why (Note [The ancestors of the socket folder] in
-//! `tms_proto::ancestors`; tmsctl applies the same rule). `$XDG_RUNTIME_DIR/tms`
+//! mapping only some uids, unmapped owners, shown as 65534, count as root, unless it maps 65534
+//! itself); the ancestors are checked before anything is made or looked at in the folder, again
+//! before each missing folder is made, and once more after; the refusal names the ancestor and
+//! why (Note [The ancestors of the socket folder] in `tms_proto::ancestors`; tmsctl applies the
+//! same rule). `$XDG_RUNTIME_DIR/tms`
 //! (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it. The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
 //! pid and the inode of our pid namespace, so processes of different pid namespaces sharing
 //! the folder never collide), mode 0600, also set explicitly. A folder too deep for a socket
