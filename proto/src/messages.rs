@@ -683,8 +683,9 @@ pub enum ErrorKind {
     Io,
     /// A bug in the server (caught; the process carries on).
     Internal,
-    /// The server has no room for this connection (too many at once), or closed it to make
-    /// room for a newer one while it sat idle; connect again.
+    /// The server has no room for this connection (too many at once), closed it to make room
+    /// for a newer one while it sat idle, or the connection has served its most requests;
+    /// connect again.
     Busy,
     /// A kind this side does not know (sent by a newer peer).
     #[serde(other)]
