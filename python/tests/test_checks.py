@@ -28,7 +28,7 @@ def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
             tms.resume("kv", verify=True, non_blocking=True)
         except tms_pkg.InvalidArgumentError as e:
             print("refused", e)
-        for bad in ("yes", 1):
+        for bad in ("yes", 1, 0):
             try:
                 tms.resume("kv", verify=bad)
             except tms_pkg.InvalidArgumentError as e:
@@ -43,8 +43,9 @@ def test_checks_are_set_per_tag_and_refuse_bad_values(preloaded):
     )
     out = r.stdout.splitlines()
     assert out[-1] == "ok", r.stdout
-    assert sum(line.startswith("refused") for line in out) == 7, r.stdout
+    assert sum(line.startswith("refused") for line in out) == 8, r.stdout
     assert "verify must be True or False, not 'yes'" in r.stdout
+    assert "verify must be True or False, not 0" in r.stdout
     assert "timeout must be a number of seconds >= 0, not 'x'" in r.stdout
     assert "timeout must be a number of seconds >= 0, not True" in r.stdout
     assert "verify must be True, False or None, not 1" in r.stdout

@@ -547,8 +547,8 @@ class TorchMemorySaver:
         it differs, :class:`DriverError` names the allocation and the bytes, and the tag stays
         paused with its backups (nothing is lost: resume again). Memory restored from a disk
         backup raises :class:`UnsupportedError` before anything is mapped (a file's chunks are
-        checked against their checksums as they are read). ``True`` or ``False`` only (any false
-        value counts as ``False``); not with ``non_blocking``."""
+        checked against their checksums as they are read). ``True`` or ``False`` only; not with
+        ``non_blocking``."""
         self._ensure_initialized()
         return self._impl.resume(
             tag=tag,
@@ -557,7 +557,9 @@ class TorchMemorySaver:
                 progress=progress,
                 non_blocking=non_blocking,
                 order=order,
-                verify=verify or None,
+                # False is the default (an installed _impl without the keyword still works);
+                # anything else but True is passed on and refused there.
+                verify=None if verify is False else verify,
             ),
         )
 
