@@ -451,7 +451,7 @@ def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
     assert kv() is None, "the dropped pool is still referenced"
 
 
-@pytest.mark.parametrize("drop", ["del", "pop", "replace", "clear"])
+@pytest.mark.parametrize("drop", ["del", "pop", "replace", "clear", "popitem", "update", "ior"])
 def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_routes(monkeypatch, drop):
     """A region's pool that no thread routes to, dropped from ``_mem_pools`` (``del``, ``pop``,
     ``[] =``, ``clear``) while thread B routes to another region's pool: the map held its last
@@ -493,6 +493,15 @@ def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_rou
         impl._mem_pools.pop(("kv", False))  # the caller drops what it was given at once
     elif drop == "replace":
         impl._mem_pools[("kv", False)] = torch.cuda.MemPool()
+    elif drop == "popitem":
+        while kv() in impl._mem_pools.values():
+            impl._mem_pools.popitem()
+    elif drop in ("update", "ior"):
+        full = next(k for k in dict.keys(impl._mem_pools) if k[0] == "kv")
+        if drop == "update":
+            impl._mem_pools.update({full: torch.cuda.MemPool()})
+        else:
+            impl._mem_pools |= {full: torch.cuda.MemPool()}
     else:
         impl._mem_pools.clear()
     gc.collect()

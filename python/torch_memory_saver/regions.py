@@ -42,7 +42,8 @@ class _Routing:
     needs that nothing be under way. So a route's end hands its pool to ``retired`` rather than
     dropping it: ``disable()``'s own pool, whose end gives its cache back, and a region's pool,
     whose last reference the route holds where ``_mem_pools`` dropped it meanwhile; and a pool
-    map hands over what ``del``, ``pop``, ``[] =`` and ``clear`` drop from it. Retired
+    map hands over what ``del``, ``pop``, ``[] =``, ``clear``, ``popitem``, ``update`` and
+    ``|=`` drop from it. Retired
     pools are let go only when no route or capture of this package is active in any thread
     (with the last route or capture to end), and no route or capture starts in another thread
     until they have gone. A sibling lives as long as the pool it was made for (``siblings`` is
@@ -352,6 +353,20 @@ class _PoolMap(dict):
         pools = list(dict.values(self))
         dict.clear(self)
         _routing.retire_pools(pools)
+
+    def popitem(self) -> tuple:
+        item = dict.popitem(self)
+        _routing.retire_pools([item[1]])
+        return item
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        # Key by key through [] =, so that earlier-shaped keys cover and replaced pools retire.
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+    def __ior__(self, other: Any) -> "_PoolMap":
+        self.update(other)
+        return self
 
 
 class _Regions:
