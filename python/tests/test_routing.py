@@ -61,6 +61,20 @@ class FakeTorch:
         return object()
 
 
+def _impl_over(monkeypatch, torch, mode, flags=None):
+    """An implementation of hook mode ``mode`` whose regions and captures route with ``torch``
+    (put in ``sys.modules``), without the library: its flags (``flags`` where given, else
+    nothing) and chunk checks stand in."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl(mode)
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", flags or (lambda *a: contextlib.nullcontext()))
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    return impl
+
+
 def test_threads_in_the_same_region_get_pools_of_their_own():
     impl = saver._TorchMemorySaverImpl("torch")
     torch = FakeTorch()
@@ -299,7 +313,6 @@ def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monk
     region's route, or the graph's memory is the region's (its tag, and a pool whose freed
     blocks later tensors reuse while the graph replays them). A region opened inside the capture
     routes as usual and, on leaving, restarts nothing; the region's route is back after."""
-    import sys
 
     torch = FakeTorch()
     seen = []
@@ -310,11 +323,7 @@ def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monk
         yield
 
     torch.cuda.graph = staticmethod(graph)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl("preload")
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    impl = _impl_over(monkeypatch, torch, "preload")
     region_pool, inner_pool = object(), object()
     with impl._routed(torch, region_pool, torch.new_pool):
         with impl.cuda_graph("G", tag="graph"):
@@ -343,17 +352,12 @@ def test_a_dropped_region_pool_is_never_destroyed_while_another_thread_routes(mo
     thread inside (``inside=2``), while another thread routes to another region's pool (PyTorch
     asserts, ending the process: see ``_Routing``). Once no thread routes, they go."""
     import gc
-    import sys
     import weakref
 
     torch = FakeTorch()
     destroyed_while_routing = _pools_telling_their_end(torch)
     torch.cuda.current_device = staticmethod(lambda: 0)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl("torch")
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    impl = _impl_over(monkeypatch, torch, "torch")
     made = []
 
     def new_pool(_torch):
@@ -408,14 +412,11 @@ def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
     the process). Thread A leaves the region whose pool it dropped; B enters another region
     after A's route has ended, while A's region is still leaving (its flags)."""
     import gc
-    import sys
     import weakref
 
     torch = FakeTorch()
     destroyed_while_routing = _pools_telling_their_end(torch)
     torch.cuda.current_device = staticmethod(lambda: 0)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl("torch")
     b_inside, b_may_leave = threading.Event(), threading.Event()
     errors = []
 
@@ -426,9 +427,7 @@ def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
             b.start()
             assert b_inside.wait(timeout=10)
 
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", flags)
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    impl = _impl_over(monkeypatch, torch, "torch", flags)
     monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
 
     def other():
@@ -458,17 +457,12 @@ def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_rou
     reference, and its destruction under B's route would end the process (see ``_Routing``).
     It goes once B has left."""
     import gc
-    import sys
     import weakref
 
     torch = FakeTorch()
     destroyed_while_routing = _pools_telling_their_end(torch)
     torch.cuda.current_device = staticmethod(lambda: 0)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl("torch")
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    impl = _impl_over(monkeypatch, torch, "torch")
     monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
     with impl.region("kv"):
         pass
@@ -606,7 +600,6 @@ def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
     the enclosing region's route there: the region's tensors made on its device after the
     block would come from the default pool (not pauseable in torch mode), and the other
     device's would come from the region's pool (one of another device's key)."""
-    import sys
 
     torch = FakeTorch()
 
@@ -615,11 +608,7 @@ def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
         yield
 
     torch.cuda.graph = staticmethod(graph)
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl("preload")
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", lambda *a: contextlib.nullcontext())
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    impl = _impl_over(monkeypatch, torch, "preload")
     monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
     region_pool = object()
     seen = []

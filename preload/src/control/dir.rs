@@ -605,13 +605,7 @@ mod tests {
         assert!(fs::symlink_metadata(t.join("run/tms")).unwrap().is_dir());
 
         // A link of ours into a folder anyone can write to: that folder is named.
-        let open = t.join("open");
-        fs::create_dir(&open).unwrap();
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(open.join("real"))
-            .unwrap();
-        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        let open = open_folder_holding_a_private_one(t);
         std::os::unix::fs::symlink("open/real", t.join("l")).unwrap();
         let d = t.join("l/tms");
         assert_eq!(refusal(&d), writable(&d, &open, "0777", "group and others"));
@@ -640,6 +634,18 @@ mod tests {
         }
     }
 
+    /// `t/open`, mode 0777, holding `real`, a private folder of ours: `open` is returned.
+    fn open_folder_holding_a_private_one(t: &Path) -> PathBuf {
+        let open = t.join("open");
+        fs::create_dir(&open).unwrap();
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(open.join("real"))
+            .unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        open
+    }
+
     /// The socket folder named with a trailing slash (`TMS_SOCKET_DIR=/some/folder/`, which
     /// `socket_dir` keeps as given): the system follows a link at its last name then (`lstat`,
     /// `mkdir`, the bind at `<folder>/<name>`), so the link and where it leads are held to the
@@ -649,13 +655,7 @@ mod tests {
     fn a_trailing_slash_is_no_way_around_the_rule() {
         let tmp = tempfile::tempdir().unwrap();
         let t = tmp.path();
-        let open = t.join("open");
-        fs::create_dir(&open).unwrap();
-        fs::DirBuilder::new()
-            .mode(0o700)
-            .create(open.join("real"))
-            .unwrap();
-        fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
+        let open = open_folder_holding_a_private_one(t);
         std::os::unix::fs::symlink(open.join("real"), t.join("l")).unwrap();
         assert!(refusal(&t.join("l")).ends_with("it is a symbolic link"));
         let d = t.join("l").join("");
