@@ -75,6 +75,21 @@ def _impl_over(monkeypatch, torch, mode, flags=None):
     return impl
 
 
+def _thread_in_region(impl, tag, inside, may_leave, errors):
+    """A thread, not started, that enters ``impl.region(tag)``, sets ``inside`` and stays till
+    ``may_leave`` is set; what it raises goes to ``errors`` (a failure fails the test)."""
+
+    def body():
+        try:
+            with impl.region(tag):
+                inside.set()
+                assert may_leave.wait(timeout=10)
+        except Exception as e:  # collected
+            errors.append(repr(e))
+
+    return threading.Thread(target=body)
+
+
 def test_threads_in_the_same_region_get_pools_of_their_own():
     impl = saver._TorchMemorySaverImpl("torch")
     torch = FakeTorch()
@@ -430,15 +445,7 @@ def test_nothing_keeps_a_dropped_region_pool_past_its_routes_end(monkeypatch):
     impl = _impl_over(monkeypatch, torch, "torch", flags)
     monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
 
-    def other():
-        try:
-            with impl.region("other"):
-                b_inside.set()
-                assert b_may_leave.wait(timeout=10)
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(repr(e))
-
-    b = threading.Thread(target=other)
+    b = _thread_in_region(impl, "other", b_inside, b_may_leave, errors)
     with impl.region("kv"):
         kv = weakref.ref(impl._mem_pools[("kv", False)])
         del impl._mem_pools[("kv", False)]  # A's route holds the pool alone now
@@ -470,15 +477,7 @@ def test_a_pool_dropped_from_the_map_is_never_destroyed_while_another_thread_rou
     b_inside, b_may_leave = threading.Event(), threading.Event()
     errors = []
 
-    def b():
-        try:
-            with impl.region("other"):
-                b_inside.set()
-                assert b_may_leave.wait(timeout=10)
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(repr(e))
-
-    t = threading.Thread(target=b)
+    t = _thread_in_region(impl, "other", b_inside, b_may_leave, errors)
     t.start()
     assert b_inside.wait(timeout=10)
     if drop == "del":
