@@ -195,7 +195,7 @@ class _Route:
             current = torch.cuda.current_device()
             if self.device is None:
                 self.device = current
-            if current == self.device:
+            if current == self.device:  # the call as ever, for what wraps or stands in for it
                 ctx = torch.cuda.use_mem_pool(using)
             else:
                 ctx = torch.cuda.use_mem_pool(using, device=self.device)
@@ -215,6 +215,33 @@ class _Route:
             finally:
                 _routing.release(using)
                 _routing.leave(torch)
+
+
+def _route_stack(local: threading.local) -> list:
+    """This thread's route stack (routes and captures, innermost last)."""
+    stack = getattr(local, "routes", None)
+    if stack is None:
+        stack = local.routes = []
+    return stack
+
+
+def _push(local: threading.local, torch: Any, top: Any) -> Any:
+    """Put ``top`` (a route, or a capture's place) on this thread's route stack: the one on top
+    now is suspended and ``top`` started, or, where ``top`` cannot start, the suspended one
+    restarted and the error raised. Returns the suspended one (None where the stack was
+    empty), for the caller to restart once it has popped ``top``."""
+    stack = _route_stack(local)
+    outer = stack[-1] if stack else None
+    if outer is not None:
+        outer.stop(torch)
+    try:
+        top.start(torch)
+    except BaseException:
+        if outer is not None:
+            outer.start(torch)
+        raise
+    stack.append(top)
+    return outer
 
 
 class _Capture:
@@ -244,30 +271,21 @@ class _Routed:
 
     def __enter__(self) -> None:
         torch = self.torch
-        stack = getattr(self.local, "routes", None)
-        if stack is None:
-            stack = self.local.routes = []
         pool, self.pool = self.pool, None  # the route holds it from now on, and alone
         route = _Route(torch.cuda.MemPool() if pool is None else pool, self.make)
         del pool
-        outer = stack[-1] if stack else None
-        if outer is not None:
-            outer.stop(torch)
         try:
-            route.start(torch)
+            outer = _push(self.local, torch, route)
         except BaseException:
             _routing.retire(route, torch)
-            if outer is not None:
-                outer.start(torch)
             raise
-        stack.append(route)
         self.route, self.outer = route, outer
 
     def __exit__(self, *exc: Any) -> None:
         torch = self.torch
         route, self.route = self.route, None
         outer, self.outer = self.outer, None
-        self.local.routes.pop()
+        _route_stack(self.local).pop()
         try:
             route.stop(torch)
         finally:
@@ -337,14 +355,9 @@ class _PoolMap(dict):
     def pop(self, key: Any, default: Any = _NO_DEFAULT) -> Any:
         covered = self._covered(key)
         if not covered:
-            if default is self._NO_DEFAULT:
-                pools = [dict.pop(self, key)]
-            elif dict.__contains__(self, key):
-                pools = [dict.pop(self, key)]
-            else:
+            if default is not self._NO_DEFAULT and not dict.__contains__(self, key):
                 return default
-            _routing.retire_pools(pools)
-            return pools[0]
+            covered = [key]
         pools = [dict.pop(self, k) for k in covered]
         _routing.retire_pools(pools)
         return self._one_or_all(pools)
@@ -616,16 +629,10 @@ class _Regions:
         later allocation of the region on the capture's stream could get one the graph still
         replays into. A route a region opens inside the capture nests as usual, and the
         capture's place on the stack restarts nothing."""
-        stack = getattr(self._local, "routes", None)
-        if stack is None:
-            stack = self._local.routes = []
-        outer = stack[-1] if stack else None
-        if outer is not None:
-            outer.stop(torch)
-        stack.append(_CAPTURE)
+        outer = _push(self._local, torch, _CAPTURE)
         try:
             yield
         finally:
-            stack.pop()
+            _route_stack(self._local).pop()
             if outer is not None:
                 outer.start(torch)
