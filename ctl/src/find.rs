@@ -422,7 +422,8 @@ fn no_socket(
                 m.push_str(
                     "; the library listens once it has started (a pauseable allocation or a \
                      call of its API) in a folder it accepts (a real folder of the user's own, \
-                     mode 0700, in folders only root or the user can change); TMS_LOG=info makes it say why it does not",
+                     mode 0700, in folders only root or the user can change); TMS_LOG=info \
+                     makes it say why it does not",
                 );
             }
         }

@@ -102,8 +102,8 @@ fn unreadable_folder(dir: &Path, about: &str, e: Errno) -> Failure {
 
 impl Folder {
     /// Open `dir`, check that we can trust it (a folder, not a link, ours, closed to group and
-    /// others, below folders only root or we can change), and list its sockets. A folder that does not exist holds none; one that cannot
-    /// be read is a permission error naming it.
+    /// others, below folders only root or we can change), and list its sockets. A folder that
+    /// does not exist holds none; one that cannot be read is a permission error naming it.
     pub fn open(dir: &Path) -> Result<Folder> {
         Folder::open_about(dir, "")
     }

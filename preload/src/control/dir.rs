@@ -25,14 +25,14 @@ use crate::error::{Error, Result};
 pub fn prepare(dir: &Path, uid: u32) -> Result<()> {
     let shown = dir.display();
     let inspect_err = |e| Error::io(format!("cannot inspect the socket folder {shown}"), e);
-    ancestors(dir, uid)?;
+    ancestors(dir, dir, uid)?;
     match fs::symlink_metadata(dir) {
         Ok(_) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
             create_private(dir, uid)?;
             // Through a link of ours to a folder missing at the first check, the folders made
             // may lie in one someone else made meanwhile (in /tmp, say): the check sees it now.
-            ancestors(dir, uid)?;
+            ancestors(dir, dir, uid)?;
         }
         Err(e) => return Err(inspect_err(e)),
     }
@@ -61,9 +61,10 @@ fn refused(dir: &Path, why: Refusal) -> Error {
     )
 }
 
-/// The folders above `dir` may be trusted (or `dir` is refused).
-fn ancestors(dir: &Path, uid: u32) -> Result<()> {
-    tms_proto::check_ancestors(dir, uid).map_err(|a| refused(dir, Refusal::Ancestor(a)))
+/// The folders above `path` (the socket folder `dir`, or one of the folders it is made in) may
+/// be trusted; else the refusal names `dir`.
+fn ancestors(path: &Path, dir: &Path, uid: u32) -> Result<()> {
+    tms_proto::check_ancestors(path, uid).map_err(|a| refused(dir, Refusal::Ancestor(a)))
 }
 
 /// Create `dir` and its missing parents, each with mode 0700 set explicitly after `mkdir`: the
@@ -89,8 +90,7 @@ fn create_private(dir: &Path, uid: u32) -> Result<()> {
         p = d.parent().filter(|q| !q.as_os_str().is_empty());
     }
     for d in missing.into_iter().rev() {
-        // What is checked is `d`'s ancestors; the refusal names the socket folder.
-        tms_proto::check_ancestors(d, uid).map_err(|a| refused(dir, Refusal::Ancestor(a)))?;
+        ancestors(d, dir, uid)?;
         match fs::DirBuilder::new().mode(0o700).create(d) {
             // We made it: nobody else can have replaced it in a folder we may use, and chmod
             // needs ownership anyway.

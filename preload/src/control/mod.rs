@@ -25,10 +25,10 @@
 //! itself); the ancestors are checked before anything is made or looked at in the folder, again
 //! before each missing folder is made, and once more after; the refusal names the ancestor and
 //! why (Note [The ancestors of the socket folder] in `tms_proto::ancestors`; tmsctl applies the
-//! same rule). `$XDG_RUNTIME_DIR/tms`
-//! (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it. The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the
-//! pid and the inode of our pid namespace, so processes of different pid namespaces sharing
-//! the folder never collide), mode 0600, also set explicitly. A folder too deep for a socket
+//! same rule). `$XDG_RUNTIME_DIR/tms` (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it. The
+//! socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the pid and the inode of our
+//! pid namespace, so processes of different pid namespaces sharing the folder never collide),
+//! mode 0600, also set explicitly. A folder too deep for a socket
 //! address (108 bytes) is listened in and reached through `/proc/self/fd/<N>/`
 //! ([`tms_proto::via_short_path`]), and the socket's removal on a signal goes by the folder,
 //! held open, and the name, so a socket path of any length works.
@@ -43,8 +43,8 @@
 //! *How long, and how many.* Each connection is bounded in time and size
 //! ([`session::Limits`]): a request line must arrive within 2 s of the previous reply, a reply
 //! must be taken within 2 s, and a connection serves at most 1000 requests (one more gets a
-//! `busy` error saying so) and waits for them 10 s in all. Since each connection has its own thread, a slow or silent client holds only
-//! its own connection, never another client's. At most 64 connections are served at once
+//! `busy` error saying so) and waits for them 10 s in all. Since each connection has its own
+//! thread, a slow or silent client holds only its own connection, never another client's. At most 64 connections are served at once
 //! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a
 //! request line: one that has not sent its hello yet if there is such, else the one that has
 //! waited longest; it gets a `busy` error. If all 64 are busy serving requests, the newcomer
@@ -61,9 +61,10 @@
 //!
 //! *Exit and fork.* An `atexit` handler removes the socket, but only in the process that made it
 //! and only while the file at its name is still that socket (a file put there since is someone
-//! else's), and so does SIGTERM or SIGINT where the host left their default action (Note [Removal at exit
-//! and on a termination signal] in `os.rs`); a fork child closes its copies of the listener and of
-//! every open connection (it has no server threads, and the library is disabled in it anyway).
+//! else's), and so does SIGTERM or SIGINT where the host left their default action (Note
+//! [Removal at exit and on a termination signal] in `os.rs`); a fork child closes its copies of
+//! the listener and of every open connection (it has no server threads, and the library is
+//! disabled in it anyway).
 //!
 //! *Harm.* Any failure here is logged (seen only with `TMS_LOG`) and the process carries on:
 //! the accept thread and every connection thread run inside `catch_unwind`, a thread that
