@@ -7,6 +7,7 @@ while the first is inside it must get a sibling pool of the same kind, not PyTor
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 import pytest
@@ -626,3 +627,40 @@ def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
         seen.append(dict(torch.devices))
     assert seen == [{id(region_pool): 0}] * 2, seen
     assert not torch.recording and not regions._routing.active
+
+
+@pytest.mark.parametrize("block", ["region", "disable"])
+def test_a_block_left_unexited_and_collected_inside_a_routing_step_ends_there(monkeypatch, block):
+    """A region (or disable()) entered and dropped without its exit, in a reference cycle, is
+    ended by a garbage collection, which may come at any bytecode, so inside a step of
+    ``_routing`` that holds its lock: the block's end takes that lock again, in the same
+    thread. With a plain lock that thread hung for ever. The collection is made inside the
+    lock here; the block's end must then have run whole."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    ended, errors = threading.Event(), []
+
+    def body():
+        try:
+            cm = impl.region("left") if block == "region" else impl.disable()
+            cm.__enter__()
+            assert len(torch.recording) == 1 and routing.active == 1
+            loop = [cm]
+            loop.append(loop)
+            del cm, loop
+            with routing.lock:  # a step of the package's, where a collection may come
+                assert gc.collect() > 0
+            ended.set()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    t = threading.Thread(target=body, daemon=True)  # hung, it must not keep pytest from ending
+    t.start()
+    t.join(timeout=10)
+    assert ended.is_set(), f"the block's end hung inside the routing lock (errors: {errors})"
+    assert not errors, errors
+    assert not torch.recording, "the route of the collected block still routes"
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -51,7 +51,9 @@ class _Routing:
     """
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Reentrant: a garbage collection may come at any bytecode inside a block that holds it
+        # and finalize a region or capture left unexited, whose end takes it again in this thread.
+        self.lock = threading.RLock()
         # Signalled when a destruction of retired pools ends (``destroying`` back to None).
         self.done = threading.Condition(self.lock)
         self.active = 0
