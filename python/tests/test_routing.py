@@ -664,3 +664,38 @@ def test_a_block_left_unexited_and_collected_inside_a_routing_step_ends_there(mo
     assert not errors, errors
     assert not torch.recording, "the route of the collected block still routes"
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_region_whose_flags_fail_leaves_no_pool_to_end_under_another_route(monkeypatch):
+    """A region whose flags fail (the library refuses them) must hold no pool when it raises:
+    where the map dropped that pool meanwhile and ``collect`` let the map's reference go (no
+    thread routed then), the region's own reference would be the last, and its end would come
+    with the error, while thread B routes (PyTorch asserts, ending the process)."""
+    torch = FakeTorch()
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    torch.cuda.current_device = staticmethod(lambda: 0)
+    b_inside, b_may_leave = threading.Event(), threading.Event()
+    errors, refuse = [], []
+
+    @contextlib.contextmanager
+    def flags(lib, enabled, tag, *rest):
+        if refuse and tag == "kv":
+            impl._mem_pools.clear()  # another thread drops the pool; no one routes: it is let go
+            b.start()
+            assert b_inside.wait(timeout=10)
+            raise RuntimeError("the library refused the region's flags")
+        yield
+
+    impl = _impl_over(monkeypatch, torch, "torch", flags)
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+    b = _thread_in_region(impl, "other", b_inside, b_may_leave, errors)
+    with impl.region("kv"):  # the pool is made, and kept in the map
+        pass
+    refuse.append(True)
+    with pytest.raises(RuntimeError, match="refused the region's flags"):
+        with impl.region("kv"):
+            pass
+    b_may_leave.set()
+    b.join()
+    assert not errors, errors
+    assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
