@@ -47,8 +47,8 @@ change the default region of threads that have not entered one of their own.
 A process listens on a control socket once libtms.so is active in it (it made a pauseable
 allocation, or called the library's API): `LD_PRELOAD=libtms.so TMS_INIT_ENABLE=1 python
 serve.py`, then `tmsctl pause --tag kv`. Sockets live in $TMS_SOCKET_DIR, else
-$XDG_RUNTIME_DIR/tms, else /tmp/tms-<uid>, of each process's own environment; only the same
-user can use them (tmsctl refuses a folder that is not its user's, that others can enter or
+$XDG_RUNTIME_DIR/tms (if that folder is the user's), else /tmp/tms-<uid>, of each process's
+own environment; only the same user can use them (tmsctl refuses a folder that is not its user's, that others can enter or
 that lies below a folder others can change, and a server that runs as another user or is not
 the process its socket names). tmsctl looks in its own folder, worked out the same way, and
 through /proc in the folders its user's processes listen in: --pid P finds P's socket wherever
@@ -90,8 +90,8 @@ pub struct Global {
     /// `list` waits at most 5 s for each process. From 0.001 to 1e6.
     #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout, allow_negative_numbers = true)]
     pub timeout: Duration,
-    /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms,
-    /// else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only folder looked in
+    /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms (if
+    /// that folder is the user's), else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only folder looked in
     /// without --pid; else the folders /proc shows tmsctl's user's processes listening in count
     /// too.
     #[arg(long, global = true, value_name = "DIR")]

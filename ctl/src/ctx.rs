@@ -39,7 +39,7 @@ pub enum Origin {
     TmsSocketDir,
     /// tmsctl's `XDG_RUNTIME_DIR` (`TMS_SOCKET_DIR` unset).
     XdgRuntimeDir,
-    /// Neither is set: `/tmp/tms-<uid>`.
+    /// Neither gives it: `/tmp/tms-<uid>`.
     Default,
 }
 
@@ -52,7 +52,11 @@ impl Origin {
             Origin::Flag
         } else if set("TMS_SOCKET_DIR") {
             Origin::TmsSocketDir
-        } else if set("XDG_RUNTIME_DIR") {
+        } else if set("XDG_RUNTIME_DIR")
+            && tms_proto::socket_dir_from_env(euid())
+                != PathBuf::from("/tmp").join(format!("tms-{}", euid()))
+        {
+            // Set, and a folder of tmsctl's user's (else passed over, as the library does).
             Origin::XdgRuntimeDir
         } else {
             Origin::Default
@@ -73,7 +77,10 @@ impl Origin {
             Origin::XdgRuntimeDir => {
                 "tmsctl's folder, from its XDG_RUNTIME_DIR; its TMS_SOCKET_DIR is unset"
             }
-            Origin::Default => "tmsctl's folder: its TMS_SOCKET_DIR and XDG_RUNTIME_DIR are unset",
+            Origin::Default => {
+                "tmsctl's folder: its TMS_SOCKET_DIR is unset, its XDG_RUNTIME_DIR unset or not a \
+                 folder of its user's"
+            }
         }
     }
 }

@@ -1,8 +1,8 @@
 //! Which processes a command acts on, and where their control sockets are.
 //!
 //! tmsctl's own socket folder comes first: `--socket-dir`, else its `$TMS_SOCKET_DIR`, else its
-//! `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>` ([`Origin`](crate::ctx::Origin)). A process
-//! computes its folder the same way from its own environment, so one started with another
+//! `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder of the user's), else
+//! `/tmp/tms-<uid>` ([`Origin`](crate::ctx::Origin)). A process computes its folder the same way from its own environment, so one started with another
 //! `XDG_RUNTIME_DIR` (by a service manager, in a container, through sudo) listens elsewhere. So:
 //!
 //! - `--pid P`: P's socket in tmsctl's folder, else where `/proc` shows P listening, else in the
@@ -32,8 +32,8 @@ use crate::socket::{classify, Socket};
 use crate::text::shown_path;
 
 /// How a process's folder is decided, for messages.
-const RULE: &str = "a process listens in $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms, else \
-                    /tmp/tms-<uid>, of its own environment";
+const RULE: &str = "a process listens in $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms (if that \
+                    folder is the user's), else /tmp/tms-<uid>, of its own environment";
 
 /// tmsctl's own folder, opened and vetted (a refusal says where it came from).
 pub fn main_folder(ctx: &Ctx) -> Result<Folder> {

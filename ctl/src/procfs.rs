@@ -402,12 +402,23 @@ mod tests {
 
     #[test]
     fn the_environment_gives_the_folder_as_the_library_computes_it() {
-        let e = Environment::parse(b"PATH=/bin\0XDG_RUNTIME_DIR=/run/user/7\0TMS_CONTROL=0\0");
-        assert_eq!(e.socket_dir(7), PathBuf::from("/run/user/7/tms"));
+        let xdg = tempfile::tempdir().unwrap();
+        let me = std::fs::metadata(xdg.path()).unwrap().uid();
+        let x = xdg.path().display();
+        let e = Environment::parse(
+            format!("PATH=/bin\0XDG_RUNTIME_DIR={x}\0TMS_CONTROL=0\0").as_bytes(),
+        );
+        assert_eq!(e.socket_dir(me), xdg.path().join("tms"));
+        // Another user's $XDG_RUNTIME_DIR is passed over, as the library passes it over.
+        let other = me.wrapping_add(1);
+        assert_eq!(
+            e.socket_dir(other),
+            PathBuf::from(format!("/tmp/tms-{other}"))
+        );
         assert!(e.control_off());
         assert_eq!(
             e.describe(),
-            "TMS_SOCKET_DIR unset, XDG_RUNTIME_DIR=/run/user/7"
+            format!("TMS_SOCKET_DIR unset, XDG_RUNTIME_DIR={x}")
         );
         for (v, off) in [
             ("off", true),

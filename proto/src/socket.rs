@@ -9,16 +9,21 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// The folder of the control sockets: `tms_socket_dir` (`$TMS_SOCKET_DIR`) if set and not
-/// empty, else `<xdg_runtime_dir>/tms` (`$XDG_RUNTIME_DIR`) if set and not empty, else
-/// `/tmp/tms-<uid>`. Server and client compute it the same way.
+/// empty, else `<xdg_runtime_dir>/tms` (`$XDG_RUNTIME_DIR`) if set to a folder of `uid`'s, else
+/// `/tmp/tms-<uid>`. Server and client compute it the same way. An `$XDG_RUNTIME_DIR` of
+/// someone else's (root's process under `sudo -E`, say) or that is no folder is passed over, as
+/// the XDG base directory rules say it must be the user's own: a server there would be refused
+/// (another user can change it) and run without its socket.
 pub fn socket_dir(
     tms_socket_dir: Option<OsString>,
     xdg_runtime_dir: Option<OsString>,
     uid: u32,
 ) -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let users = |x: &OsString| std::fs::metadata(x).is_ok_and(|m| m.is_dir() && m.uid() == uid);
     match (tms_socket_dir, xdg_runtime_dir) {
         (Some(d), _) if !d.is_empty() => PathBuf::from(d),
-        (_, Some(x)) if !x.is_empty() => PathBuf::from(x).join("tms"),
+        (_, Some(x)) if !x.is_empty() && users(&x) => PathBuf::from(x).join("tms"),
         _ => PathBuf::from(format!("/tmp/tms-{uid}")),
     }
 }

@@ -429,13 +429,30 @@ fn socket_naming() {
     assert_eq!(ours.pidns, pid_namespace());
     assert!(ours.pidns.is_some(), "Linux has /proc/self/ns/pid");
     let some = |s: &str| Some(OsString::from(s));
+    let xdg = tempfile::tempdir().unwrap();
+    let me = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(xdg.path()).unwrap());
+    let xdg_s = xdg.path().to_str().unwrap();
+    assert_eq!(socket_dir(some("/s"), some(xdg_s), me), PathBuf::from("/s"));
     assert_eq!(
-        socket_dir(some("/s"), some("/run/user/1"), 1),
-        PathBuf::from("/s")
+        socket_dir(some(""), some(xdg_s), me),
+        xdg.path().join("tms")
     );
+    // An $XDG_RUNTIME_DIR of another user's, missing or no folder is passed over.
+    let other = me.wrapping_add(1);
     assert_eq!(
-        socket_dir(some(""), some("/run/user/1"), 1),
-        PathBuf::from("/run/user/1/tms")
+        socket_dir(None, some(xdg_s), other),
+        PathBuf::from(format!("/tmp/tms-{other}"))
+    );
+    let missing = xdg.path().join("gone");
+    assert_eq!(
+        socket_dir(None, Some(missing.into_os_string()), me),
+        PathBuf::from(format!("/tmp/tms-{me}"))
+    );
+    let file = xdg.path().join("file");
+    std::fs::write(&file, b"").unwrap();
+    assert_eq!(
+        socket_dir(None, Some(file.into_os_string()), me),
+        PathBuf::from(format!("/tmp/tms-{me}"))
     );
     assert_eq!(socket_dir(None, some(""), 5), PathBuf::from("/tmp/tms-5"));
     assert_eq!(socket_dir(None, None, 0), PathBuf::from("/tmp/tms-0"));

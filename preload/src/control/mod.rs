@@ -12,8 +12,8 @@
 //! server's own threads: `tms-control` accepts, and each connection is served by a thread of
 //! its own (`tms-control-conn`) that ends with the connection.
 //!
-//! *Where.* `$TMS_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/tms`, else `/tmp/tms-<uid>`; the folder is
-//! created 0700 (the mode set explicitly after `mkdir`, whatever the umask) and refused (the
+//! *Where.* `$TMS_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder
+//! of the user's), else `/tmp/tms-<uid>`; the folder is created 0700 (the mode set explicitly after `mkdir`, whatever the umask) and refused (the
 //! server stays off, with a logged error) unless it is a real folder owned by us that no one
 //! else can enter (one of ours that we cannot enter either, left by a umask such as 0777, is
 //! given 0700 again). It is refused too unless every folder above it, up to `/`, is owned by
