@@ -543,9 +543,11 @@ class _Regions:
         # block to a tensor made outside the region, nor a plain cached block to one inside it,
         # nor a block of one chunk layout to another. The pool is taken once the flags are on,
         # and the route holds it alone from there: nothing between may raise and end it here,
-        # where the map dropped it meanwhile, under another thread's route (see _routed).
+        # where the map dropped it meanwhile, under another thread's route (see _routed). The
+        # device is asked before, as ever (it may initialize CUDA, which the flags need not see).
+        device = torch.cuda.current_device()
         with self._flags(lib, True, tag, enable_cpu_backup, backend, disk, chunk):
-            pool = self._pool("region", tag, enable_cpu_backup, disk, backend, torch.cuda.current_device(), chunk)
+            pool = self._pool("region", tag, enable_cpu_backup, disk, backend, device, chunk)
             routed = self._routed(torch, pool, lambda: self._new_pool(torch))
             del pool
             with routed, self._chunk_misfits(lib, chunk):
