@@ -299,3 +299,28 @@ def test_the_last_progress_of_a_range_holding_no_whole_chunk_is_its_own(preloade
         """
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_a_range_that_fails_still_says_which_chunks_it_was_to_act_on(preloaded):
+    # tms_range writes `first` and `count` before the operation runs (tms.h says so): a resume
+    # whose first host-to-device copy fails is refused, and they name the chunks it was for.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        w = binary_wrapper.load()
+        C = 2 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True, chunk_size=C):
+            rc, p = cuda_malloc(4 * C)
+        assert rc == 0
+        first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+        assert w.tms_range(p + C, 2 * C, 1, ctypes.byref(first), ctypes.byref(count)) == 0
+        assert (first.value, count.value) == (1, 2)
+        first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+        assert w.tms_range(p + C - 1, 2 * C + 1, 0, ctypes.byref(first), ctypes.byref(count)) != 0
+        assert "injected fault" in w.last_error(), w.last_error()
+        assert (first.value, count.value) == (1, 2)
+        print("ok")
+        """,
+        TMS_SIM_FAULTS="copy_h2d:1",
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr

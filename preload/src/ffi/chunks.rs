@@ -136,7 +136,8 @@ pub unsafe extern "C" fn tms_chunks_at(addr: u64, pause: c_int, idx: *const u64,
 
 /// Pause (`pause != 0`) or resume the chunks lying wholly inside `[addr, addr + len)` of the
 /// chunked allocation holding it (rounded inward: chunks only partly inside are left alone);
-/// the first chunk and the count acted on go to `first` and `count` (each may be NULL).
+/// the first chunk and the count in that range go to `first` and `count` (each may be NULL)
+/// before the operation runs, so also where it then fails: what it was to act on.
 ///
 /// # Safety
 /// `first` and `count` are NULL or writable.
