@@ -201,9 +201,9 @@ pub fn encode<T: Serialize>(msg: &T) -> Vec<u8> {
 // ---------------------------------------------------------------------------------------------
 // Lines from a byte stream
 
-/// Splits a byte stream into lines of at most `max` bytes: bytes that arrived are
-/// [`push`](LineBuffer::push)ed, or [`read_line`](LineBuffer::read_line) reads them from a socket
-/// with the waits its caller chooses.
+/// Splits a byte stream into lines of at most `max` bytes:
+/// [`read_line`](LineBuffer::read_line) reads them from a socket with the waits its caller
+/// chooses.
 #[derive(Debug)]
 pub struct LineBuffer {
     buf: Vec<u8>,
@@ -222,8 +222,10 @@ impl LineBuffer {
         }
     }
 
-    /// Append bytes that arrived.
-    pub fn push(&mut self, data: &[u8]) {
+    /// Append bytes that arrived. Not public: [`read_line`](LineBuffer::read_line) calls
+    /// [`next_line`](LineBuffer::next_line) between reads, which bounds the buffer to the limit
+    /// and one read; a caller pushing without it could grow it without bound.
+    pub(crate) fn push(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
     }
 
