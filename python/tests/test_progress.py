@@ -276,19 +276,27 @@ def test_the_last_progress_of_a_call_that_failed_early_is_none(preloaded):
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
 
+# Four chunks of 2 MiB (C) at p in tag "kv" with a CPU backup, the library's bindings w, and
+# first and count for tms_range to write (7: not written yet).
+CHUNKED_KV = """
+from torch_memory_saver import binary_wrapper
+w = binary_wrapper.load()
+C = 2 << 20
+with tms.region(tag="kv", enable_cpu_backup=True, chunk_size=C):
+    rc, p = cuda_malloc(4 * C)
+assert rc == 0
+first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+"""
+
+
 def test_the_last_progress_of_a_range_holding_no_whole_chunk_is_its_own(preloaded):
     # It succeeded, acting on nothing, as tms_chunks_at does for chunks already paused: op 1
     # with 0 bytes, not op 0 ("failed or none"), which the last call's caller cannot tell from
     # a failure.
     r = preloaded(
-        """
-        from torch_memory_saver import binary_wrapper
-        w = binary_wrapper.load()
-        C = 2 << 20
-        with tms.region(tag="kv", enable_cpu_backup=True, chunk_size=C):
-            rc, p = cuda_malloc(4 * C)
-        assert rc == 0
-        first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+        CHUNKED_KV
+        + textwrap.dedent(
+            """
         assert w.tms_range(p + 1, C, 1, ctypes.byref(first), ctypes.byref(count)) == 0
         assert (first.value, count.value) == (0, 0)
         last = w.last_progress()
@@ -297,6 +305,7 @@ def test_the_last_progress_of_a_range_holding_no_whole_chunk_is_its_own(preloade
         assert w.last_progress() is not None and w.last_progress().op == 2
         print("ok")
         """
+        )
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
@@ -305,14 +314,9 @@ def test_a_range_that_fails_still_says_which_chunks_it_was_to_act_on(preloaded):
     # tms_range writes `first` and `count` before the operation runs (tms.h says so): a resume
     # whose first host-to-device copy fails is refused, and they name the chunks it was for.
     r = preloaded(
-        """
-        from torch_memory_saver import binary_wrapper
-        w = binary_wrapper.load()
-        C = 2 << 20
-        with tms.region(tag="kv", enable_cpu_backup=True, chunk_size=C):
-            rc, p = cuda_malloc(4 * C)
-        assert rc == 0
-        first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
+        CHUNKED_KV
+        + textwrap.dedent(
+            """
         assert w.tms_range(p + C, 2 * C, 1, ctypes.byref(first), ctypes.byref(count)) == 0
         assert (first.value, count.value) == (1, 2)
         first, count = ctypes.c_uint64(7), ctypes.c_uint64(7)
@@ -320,7 +324,8 @@ def test_a_range_that_fails_still_says_which_chunks_it_was_to_act_on(preloaded):
         assert "injected fault" in w.last_error(), w.last_error()
         assert (first.value, count.value) == (1, 2)
         print("ok")
-        """,
+        """
+        ),
         TMS_SIM_FAULTS="copy_h2d:1",
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
