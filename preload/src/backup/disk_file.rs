@@ -56,6 +56,9 @@ use crate::units::human;
 /// `O_DIRECT` transfers are aligned to this (the largest logical block size in common use).
 pub const DIRECT_ALIGN: u64 = 4096;
 
+/// Attempts at reserving a file's space that a signal may interrupt before it is only sized.
+const RESERVE_TRIES: usize = 8;
+
 /// Makes each file's name unique within the process.
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
@@ -173,17 +176,35 @@ impl DiskFile {
                 return Err((io_err(what("locking"), std::io::Error::from(e)), false));
             }
         };
-        let allocated = match injected(DiskOp::Allocate, &tmp) {
+        let reserve = || match injected(DiskOp::Allocate, &tmp) {
             Some(e) => Err(e),
             None => {
                 nix::fcntl::fallocate(&*file, nix::fcntl::FallocateFlags::empty(), 0, len as i64)
                     .map_err(std::io::Error::from)
             }
         };
+        // tmpfs gives up with EINTR whenever a signal is pending (a profiler's timer, SIGCHLD),
+        // undoing what it reserved, and SA_RESTART does not restart it: made again, a few times
+        // (a steady stream of signals must not make it spin for ever).
+        let interrupted = |r: &std::io::Result<()>| {
+            r.as_ref()
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted)
+        };
+        let mut allocated = reserve();
+        for _ in 0..RESERVE_TRIES {
+            if !interrupted(&allocated) {
+                break;
+            }
+            allocated = reserve();
+        }
         match allocated {
             Ok(()) => {}
-            // Not every file system reserves space; set the length and find out when writing.
-            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => {
+            // Not every file system reserves space, nor does one that keeps being interrupted:
+            // set the length and find out when writing.
+            Err(e)
+                if e.raw_os_error() == Some(libc::EOPNOTSUPP)
+                    || e.kind() == std::io::ErrorKind::Interrupted =>
+            {
                 if let Err(e) = file.set_len(len) {
                     remove_tmp();
                     return Err((io_err(what("sizing"), e), false));
@@ -465,7 +486,7 @@ impl UnitIo for FileUnit<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::disk_faults::arm_fault;
+    use super::super::disk_faults::{arm_fault, pending_faults};
     use super::*;
 
     /// A page-aligned buffer, as `O_DIRECT` needs (the pipeline's staging slots are).
@@ -498,6 +519,26 @@ mod tests {
         let p = f.path().to_path_buf();
         drop(f);
         assert!(!p.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_interrupted_space_reservation_is_made_again() {
+        // tmpfs's fallocate gives up with EINTR whenever a signal is pending (a profiler's
+        // timer, SIGCHLD), having undone what it reserved: the pause must not fail for it.
+        let d = dir("eintr");
+        let bd = BackupDir::new(&d).unwrap();
+        arm_fault(Some(&d), DiskOp::Allocate, 1, libc::EINTR);
+        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
+        assert_eq!(std::fs::metadata(f.path()).unwrap().len(), 8192);
+        // Interrupted at every try: sized, unreserved, as where reserving is not supported.
+        for _ in 0..=RESERVE_TRIES {
+            arm_fault(Some(&d), DiskOp::Allocate, 1, libc::EINTR);
+        }
+        let g = DiskFile::create(&bd, 8192, 4096).unwrap();
+        assert_eq!(std::fs::metadata(g.path()).unwrap().len(), 8192);
+        assert_eq!(pending_faults(Some(&d)), 0);
+        drop((f, g));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
