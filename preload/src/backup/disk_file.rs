@@ -160,7 +160,11 @@ impl DiskFile {
                 remove_tmp();
                 match open(false) {
                     Ok(f) => (f, false),
-                    Err(e) => return Err((io_err(what("creating"), e), false)),
+                    // The folder may be wiped between the two opens too.
+                    Err(e) => {
+                        let g = gone(&e);
+                        return Err((io_err(what("creating"), e), g));
+                    }
                 }
             }
             Err(e) => {
@@ -539,6 +543,21 @@ mod tests {
         assert_eq!(std::fs::metadata(g.path()).unwrap().len(), 8192);
         assert_eq!(pending_faults(Some(&d)), 0);
         drop((f, g));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_folder_gone_at_the_open_without_o_direct_is_found_again() {
+        // The open with O_DIRECT is refused, and the folder is wiped before the open without
+        // it: found again once, as where the first open finds it gone.
+        let d = dir("gone-direct");
+        let bd = BackupDir::new(&d).unwrap();
+        arm_fault(Some(&d), DiskOp::Create, 1, libc::EINVAL);
+        arm_fault(Some(&d), DiskOp::Create, 2, libc::ENOENT);
+        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
+        assert_eq!(pending_faults(Some(&d)), 0);
+        assert!(f.path().exists());
+        drop(f);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
