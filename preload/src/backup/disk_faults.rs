@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 pub enum DiskOp {
     /// Creating (opening) the file.
     Create,
+    /// Setting the mode of the file just made (`fchmod`).
+    Chmod,
     /// Reserving its length (`fallocate`).
     Allocate,
     /// A write.
@@ -61,7 +63,7 @@ pub fn pending_faults(dir: Option<&Path>) -> usize {
 }
 
 /// Parse a file fault plan: `op:nth[:errno]` items separated by commas (`op` one of create,
-/// allocate, write, read, sync; `errno` a number or ENOSPC, EIO, EROFS, ENOENT, EACCES; default
+/// chmod, allocate, write, read, sync; `errno` a number or ENOSPC, EIO, EROFS, ENOENT, EACCES; default
 /// EIO), e.g. `write:3:ENOSPC,sync:1`.
 pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
     let mut out = Vec::new();
@@ -74,6 +76,7 @@ pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
         let mut parts = item.split(':');
         let op = match parts.next() {
             Some("create") => DiskOp::Create,
+            Some("chmod") => DiskOp::Chmod,
             Some("allocate") => DiskOp::Allocate,
             Some("write") => DiskOp::Write,
             Some("read") => DiskOp::Read,

@@ -132,8 +132,16 @@ impl DiskFile {
             let fd =
                 nix::fcntl::openat(&files.fd, tmp_name.as_str(), flags, mode).map_err(errno_io)?;
             // The mode asked, whatever the umask: a sweep must be able to open it (to take its
-            // lock) once this process is gone.
-            nix::sys::stat::fchmod(&fd, mode).map_err(errno_io)?;
+            // lock) once this process is gone. Refused (a file system that keeps no modes), the
+            // file made goes now rather than at a sweep a minute later.
+            let chmod = match injected(DiskOp::Chmod, &tmp) {
+                Some(e) => Err(e),
+                None => nix::sys::stat::fchmod(&fd, mode).map_err(errno_io),
+            };
+            if let Err(e) = chmod {
+                remove_tmp();
+                return Err(e);
+            }
             Ok(File::from(fd))
         };
         let open = |direct: bool| -> std::io::Result<File> {
@@ -543,6 +551,24 @@ mod tests {
         assert_eq!(std::fs::metadata(g.path()).unwrap().len(), 8192);
         assert_eq!(pending_faults(Some(&d)), 0);
         drop((f, g));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_whose_mode_cannot_be_set_is_not_left_behind() {
+        let d = dir("chmod");
+        let bd = BackupDir::new(&d).unwrap();
+        arm_fault(Some(&d), DiskOp::Chmod, 1, libc::EPERM);
+        let Err(e) = DiskFile::create(&bd, 8192, 4096) else {
+            panic!("made a file whose mode could not be set");
+        };
+        assert!(e.to_string().contains("creating disk backup file"), "{e}");
+        let left: Vec<_> = std::fs::read_dir(&d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "left behind: {left:?}");
+        drop(DiskFile::create(&bd, 8192, 4096).unwrap());
         std::fs::remove_dir_all(&d).unwrap();
     }
 
