@@ -56,8 +56,25 @@ use crate::units::human;
 /// `O_DIRECT` transfers are aligned to this (the largest logical block size in common use).
 pub const DIRECT_ALIGN: u64 = 4096;
 
-/// Attempts at reserving a file's space that a signal may interrupt before it is only sized.
-const RESERVE_TRIES: usize = 8;
+/// Further attempts at a call a pending signal interrupted (EINTR, which SA_RESTART does not
+/// restart for these) before its failure stands: a steady stream of signals must not make it
+/// spin for ever.
+const RETRIES_WHEN_INTERRUPTED: usize = 8;
+
+/// `call()`, made again while a signal interrupts it, at most [`RETRIES_WHEN_INTERRUPTED`] times.
+fn retried_when_interrupted(mut call: impl FnMut() -> std::io::Result<()>) -> std::io::Result<()> {
+    let mut r = call();
+    for _ in 0..RETRIES_WHEN_INTERRUPTED {
+        if !r
+            .as_ref()
+            .is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted)
+        {
+            break;
+        }
+        r = call();
+    }
+    r
+}
 
 /// Makes each file's name unique within the process.
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -196,19 +213,8 @@ impl DiskFile {
             }
         };
         // tmpfs gives up with EINTR whenever a signal is pending (a profiler's timer, SIGCHLD),
-        // undoing what it reserved, and SA_RESTART does not restart it: made again, a few times
-        // (a steady stream of signals must not make it spin for ever).
-        let interrupted = |r: &std::io::Result<()>| {
-            r.as_ref()
-                .is_err_and(|e| e.kind() == std::io::ErrorKind::Interrupted)
-        };
-        let mut allocated = reserve();
-        for _ in 0..RESERVE_TRIES {
-            if !interrupted(&allocated) {
-                break;
-            }
-            allocated = reserve();
-        }
+        // undoing what it reserved.
+        let allocated = retried_when_interrupted(reserve);
         match allocated {
             Ok(()) => {}
             // Not every file system reserves space, nor does one that keeps being interrupted:
@@ -335,10 +341,12 @@ impl DiskFile {
 
     /// Make what was written durable.
     pub fn sync(&self) -> Result<()> {
-        let r = match injected(DiskOp::Sync, &self.path) {
+        // NFS and FUSE may give up with EINTR on a pending signal: what was written is still to
+        // be made durable, so it is asked again.
+        let r = retried_when_interrupted(|| match injected(DiskOp::Sync, &self.path) {
             Some(e) => Err(e),
             None => self.file.sync_data(),
-        };
+        });
         r.map_err(|e| io_err(format!("syncing {}", self.path.display()), e))
     }
 
@@ -544,11 +552,20 @@ mod tests {
         let f = DiskFile::create(&bd, 8192, 4096).unwrap();
         assert_eq!(std::fs::metadata(f.path()).unwrap().len(), 8192);
         // Interrupted at every try: sized, unreserved, as where reserving is not supported.
-        for _ in 0..=RESERVE_TRIES {
+        for _ in 0..=RETRIES_WHEN_INTERRUPTED {
             arm_fault(Some(&d), DiskOp::Allocate, 1, libc::EINTR);
         }
         let g = DiskFile::create(&bd, 8192, 4096).unwrap();
         assert_eq!(std::fs::metadata(g.path()).unwrap().len(), 8192);
+        assert_eq!(pending_faults(Some(&d)), 0);
+        // A sync interrupted once is made again; one interrupted at every try fails.
+        arm_fault(Some(&d), DiskOp::Sync, 1, libc::EINTR);
+        g.sync().unwrap();
+        for _ in 0..=RETRIES_WHEN_INTERRUPTED {
+            arm_fault(Some(&d), DiskOp::Sync, 1, libc::EINTR);
+        }
+        let e = g.sync().unwrap_err();
+        assert!(e.to_string().contains("syncing"), "{e}");
         assert_eq!(pending_faults(Some(&d)), 0);
         drop((f, g));
         std::fs::remove_dir_all(&d).unwrap();
