@@ -635,3 +635,35 @@ def test_a_relative_socket_folder_and_a_later_chdir_still_lose_the_socket_at_exi
     )
     left = [n for n in os.listdir(base / "sockrel") if n.endswith(".sock")]
     assert left == [], left
+
+
+def test_a_wait_for_an_empty_tensor_waits_for_nothing(preloaded):
+    # An empty tensor (data_ptr() 0) lies in no allocation: its wait has nothing to wait for.
+    # It was passed on as address 0, "every allocation", so it waited for every restore and
+    # raised the failure another allocation's restore left.
+    preloaded(
+        """
+        n = 8 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+            rc2, q = cuda_malloc(n)
+        tms.pause("kv")
+        tms.resume("kv", non_blocking=True)
+
+        class Empty:
+            def data_ptr(self):
+                return 0
+
+        assert tms.wait(Empty()) is True
+        assert tms.wait(Empty(), timeout=0) is True
+        try:
+            tms.wait()
+            raise SystemExit("wait should have raised")
+        except tms_pkg.DriverError:
+            pass
+        assert tms.wait(Empty()) is True, "another allocation's failure is not the empty tensor's"
+        tms.resume("kv")
+        """,
+        TMS_SIM_FAULTS="copy_h2d:2",
+        TMS_SIM_BANDWIDTH="64MiB",
+    )

@@ -272,6 +272,9 @@ class _PauseResume:
     def wait(self, tensor: Any = None, *, stream: Any = None, timeout: Any = None) -> bool:
         """See ``TorchMemorySaver.wait``."""
         addr = 0 if tensor is None else _tensor_or_address(tensor)
+        # An empty tensor (data_ptr() 0) lies in no allocation: nothing to wait for (0 would
+        # be every allocation, and another's failed restore raised here).
+        nothing = tensor is not None and addr == 0
         lib = self._library()
         if stream is not None and stream is not False:
             if timeout is not None:
@@ -279,7 +282,8 @@ class _PauseResume:
             device, handle = _current_stream() if stream is True else _stream_handle(stream)
             if device < 0:
                 raise UnsupportedError("wait(stream=...) needs PyTorch with CUDA")
-            lib.check(lib.tms_stream_wait_restored(addr, device, handle))
+            if not nothing:
+                lib.check(lib.tms_stream_wait_restored(addr, device, handle))
             return True
         if timeout is None:
             ms = -1
@@ -293,6 +297,8 @@ class _PauseResume:
                 raise InvalidArgumentError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
             # Beyond what 64 bits of milliseconds hold (inf included): no limit.
             ms = -1 if t * 1000 >= 2**63 else int(t * 1000)
+        if nothing:
+            return True
         done = ctypes.c_int(0)
         lib.check(lib.tms_wait_restored(addr, ms, ctypes.byref(done)))
         return bool(done.value)
