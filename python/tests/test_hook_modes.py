@@ -229,3 +229,42 @@ def test_an_unregistered_mode_set_once_built_is_refused_naming_every_registered_
     refused, mode = r.stdout.splitlines()
     assert "'service'" in refused and "not 'gms'" in refused and "register_hook_mode" in refused, refused
     assert mode == "preload"
+
+
+def test_a_registered_mode_whose_factory_gives_the_package_implementation_keeps_its_name(tmp_path):
+    # A mode registered under a name of its own whose factory builds the package's own
+    # implementation (torch mode whose children get no preload, say) was reported, once built,
+    # as the builtin mode inside ("torch"): _uses_preload() followed "torch" (True), so
+    # configure_subprocess() preloaded children anyway, and setting the mode's own name again
+    # raised InvalidStateError "hook_mode is already 'torch' and in use".
+    r = run(
+        """
+        register_hook_mode("torch-nopreload", lambda: entrypoint._TorchMemorySaverImpl(hook_mode="torch"),
+                           uses_preload=False)
+        tms.hook_mode = "torch-nopreload"
+        assert tms.hook_mode == "torch-nopreload" and tms._uses_preload() is False
+        tms._ensure_initialized()
+        assert isinstance(tms._impl, entrypoint._TorchMemorySaverImpl) and tms._impl.hook_mode == "torch"
+        tms.pause()  # in use now
+        assert tms.hook_mode == "torch-nopreload", tms.hook_mode
+        assert tms._uses_preload() is False
+        os.environ["LD_PRELOAD"] = "/elsewhere/libother.so"
+        with tms_pkg.configure_subprocess():
+            print("CHILD", os.environ["LD_PRELOAD"])
+        tms.hook_mode = "torch-nopreload"  # the same mode: fine
+        try:
+            tms.hook_mode = "preload"
+            raise SystemExit("should refuse")
+        except tms_pkg.InvalidStateError as e:
+            assert "'torch'" in str(e) or "'torch-nopreload'" in str(e), e
+        # Before use, a builtin mode switches such an implementation, and is what it reports.
+        t = tms_pkg.TorchMemorySaver()
+        t.hook_mode = "torch-nopreload"
+        t._ensure_initialized()
+        t.hook_mode = "preload"
+        assert t.hook_mode == "preload" and t._impl.hook_mode == "preload" and t._uses_preload() is True
+        print("OK")
+        """,
+        clean_env(TMS_BACKEND="sim", TMS_SOCKET_DIR=str(tmp_path)),
+    )
+    assert r.stdout.splitlines() == ["CHILD /elsewhere/libother.so", "OK"], r.stdout

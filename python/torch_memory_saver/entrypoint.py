@@ -167,14 +167,18 @@ class TorchMemorySaver:
         return built is not None and self._impl is not None and built[1]() is self._impl
 
     def _selected_mode(self) -> str:
-        """The hook mode's name: that of our ``_impl`` (which can still switch between the
-        builtin modes before use), else the registered mode whose factory built ``_impl``, else
-        an installed ``_impl``'s own ``hook_mode``, else the one set (``"preload"`` if none)."""
+        """The hook mode's name: the registered mode whose factory built ``_impl`` (for a
+        builtin one, that of our ``_impl``, which can still switch between them before use),
+        else that of our ``_impl``, else an installed ``_impl``'s own ``hook_mode``, else the one
+        set (``"preload"`` if none). A mode registered under a name of its own keeps that name
+        (and its ``uses_preload``) when its factory gives our implementation."""
         impl = self._impl
+        if self._built_by_registry() and (
+            self._built[0] not in HOOK_MODES or not isinstance(impl, _TorchMemorySaverImpl)
+        ):
+            return self._built[0]
         if isinstance(impl, _TorchMemorySaverImpl):
             return impl.hook_mode
-        if self._built_by_registry():
-            return self._built[0]
         mode = getattr(impl, "hook_mode", None) if impl is not None else None
         if isinstance(mode, str) and mode:
             return mode
@@ -221,6 +225,9 @@ class TorchMemorySaver:
                 _mode_registration(mode)  # refuses a mode no registration knows, naming those that are
                 if mode in HOOK_MODES:
                     impl.hook_mode = mode
+                    if self._built_by_registry():
+                        # Switched from a mode registered under a name of its own: now this one.
+                        self._built = (mode, self._built[1])
                 elif impl._in_use():
                     raise InvalidStateError(
                         f"hook_mode is already {impl.hook_mode!r} and in use; set it to {mode!r} before the "
