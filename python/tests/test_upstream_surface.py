@@ -423,3 +423,30 @@ def test_set_config_that_is_refused_changes_nothing(preloaded):
         """
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_set_config_refuses_a_cpu_and_a_disk_backup_together(preloaded):
+    # CPU and disk backups are mutually exclusive (region() refuses both, and so does the C
+    # setter enabling one while the other is on). set_config turned the CPU backup off first,
+    # so asked for both it silently dropped the CPU backup the caller asked for.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        w = binary_wrapper.load()
+        def now():
+            return (w.tms_get_current_tag(), w.tms_get_interesting_region(), w.tms_get_enable_cpu_backup(),
+                    w.tms_get_enable_disk_backup())
+        before = now()
+        try:
+            w.set_config(tag="x", interesting_region=True, enable_cpu_backup=True, enable_disk_backup=True)
+        except tms_pkg.InvalidArgumentError as e:
+            assert "mutually exclusive" in str(e), e
+        else:
+            raise AssertionError(f"accepted: now {now()}")
+        assert now() == before, (before, now())
+        w.set_config(tag="x", enable_disk_backup=True)
+        assert now()[2:] == (False, True), now()
+        print("ok")
+        """
+    )
+    assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr

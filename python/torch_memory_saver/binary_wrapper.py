@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ._checks import _check_backend, _check_tag
-from .errors import LibraryNotFoundError, error_for_status
+from .errors import InvalidArgumentError, LibraryNotFoundError, error_for_status
 
 __all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
@@ -265,11 +265,16 @@ class BinaryWrapper:
         enable_disk_backup: bool = False,
     ) -> None:
         """Set this thread's region settings through the existing library's C names (the
-        innermost region's; one is opened where none is). Raises on a refused value, having
-        changed nothing."""
+        innermost region's; one is opened where none is). Raises on a refused value (a CPU and a
+        disk backup together included: they are mutually exclusive), having changed nothing."""
         _check_tag(tag)
         if cpu_backup_backend is not None:
             _check_backend(cpu_backup_backend)
+        if enable_disk_backup and enable_cpu_backup:
+            raise InvalidArgumentError(
+                "enable_cpu_backup and enable_disk_backup are mutually exclusive (a paused tensor keeps its "
+                "contents in one place)"
+            )
         self.check(self.tms_set_current_tag(tag.encode("utf-8")))
         self.check(self.tms_set_interesting_region(int(bool(interesting_region))))
         if enable_disk_backup:
