@@ -815,6 +815,44 @@ engine_test! {
 }
 
 engine_test! {
+    /// A failure kept for two allocations (a non-blocking resume failed after it returned, both
+    /// left mapped). A pause of the tag gives the first one's memory back, then fails to give
+    /// back the second's (its synchronization fails): the first is paused with nothing mapped,
+    /// so its failure is over, as after a pause that fails later on. No later pause touches it
+    /// again, so nothing else would clear it.
+    sim_only fn a_pause_failing_to_give_back_stuck_memory_clears_the_failure_of_what_it_gave_back(h)
+        [Setup::default().small_pieces(1)]
+    {
+        let sim = h.simulated();
+        let (e, g) = (&h.e, h.g());
+        let allocs = paused(&h, "n", 2, 2 * g);
+        // A pause takes its allocations in address order.
+        let (a, b) = (allocs[0].0.min(allocs[1].0), allocs[0].0.max(allocs[1].0));
+        resume_failing_after_return(&h, "n", 999);
+        assert!(e.wait_restored(None, None).is_err());
+        assert_eq!(tag_stats(e, "n").bytes_unrestored, 4 * g, "both left mapped");
+        // Each stuck allocation is synchronized before its memory goes: a's first, then b's.
+        sim.arm_fault(Prim::Synchronize, 2, 999);
+        let err = e.pause(Some("n")).unwrap_err().to_string();
+        assert!(err.contains("injected fault"), "{err}");
+        assert!(!h.accessible(a).unwrap(), "a's memory was given back");
+        assert!(h.accessible(b).unwrap(), "b's is still held");
+        assert!(e.wait_restored(Some(b), None).is_err(), "b is still unrestored");
+        e.pause(Some("n")).unwrap();
+        let r = e.wait_restored(Some(a), None);
+        assert!(
+            matches!(r, Ok(true)),
+            "a paused allocation (its memory given back by a pause) still raises: {r:?}"
+        );
+        let r = e.wait_restored(None, None);
+        assert!(matches!(r, Ok(true)), "everything is paused: {r:?}");
+        assert!(tag_stats(e, "n").failed_restore.is_none());
+        e.resume(Some("n")).unwrap();
+        check_contents(&h, &allocs);
+    }
+}
+
+engine_test! {
     /// A non-blocking resume fails after its return and nobody waits, so the failure is
     /// unreported. The next resume of the tag acts on those allocations (it unmaps what was left
     /// mapped) and then fails before its own call returns: its error must carry the earlier

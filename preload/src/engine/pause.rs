@@ -273,9 +273,14 @@ impl Engine {
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
+        let marked: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         let run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
             Ok(run) => run,
             Err(e) => {
+                // Giving back what failed resumes left mapped stopped part-way: those it gave
+                // back whole are paused with nothing mapped, and no later pause selects them.
+                tx.abort();
+                self.settle_given_back(marked, true);
                 let e = e.context(format!("pause of {}", pick.describe()));
                 return Err(with_earlier(e, earlier));
             }
@@ -294,18 +299,7 @@ impl Engine {
             );
             0.0
         });
-        // A failure kept for an allocation is over once it is paused with nothing left mapped
-        // (by a failed pause too, for what that one gave back whole).
-        {
-            // Under the registry's lock, as `stats` reads them together.
-            let reg = self.registry.lock();
-            let clean = run.touched.into_iter().filter(|p| {
-                reg.allocs.get(p).is_some_and(|a| {
-                    a.stuck.is_empty() && (failed.is_none() || a.state == State::Paused)
-                })
-            });
-            self.restores.settle(clean);
-        }
+        self.settle_given_back(run.touched, failed.is_some());
         if let Some(e) = failed {
             return Err(with_earlier(e, earlier));
         }
@@ -322,6 +316,20 @@ impl Engine {
                 pick.describe()
             )
         })
+    }
+
+    /// A failure kept for an allocation is over once it is paused with nothing left mapped (by
+    /// a `failed` pause too, for what that one gave back whole): settled for those of `ptrs`
+    /// (allocations the pause acted on), once its transaction settled them.
+    fn settle_given_back(&self, ptrs: Vec<DevPtr>, failed: bool) {
+        // Under the registry's lock, as `stats` reads them together.
+        let reg = self.registry.lock();
+        let clean = ptrs.into_iter().filter(|p| {
+            reg.allocs
+                .get(p)
+                .is_some_and(|a| a.stuck.is_empty() && (!failed || a.state == State::Paused))
+        });
+        self.restores.settle(clean);
     }
 
     /// The work of a pause on the jobs it marked, which go when it returns (and with them

@@ -343,6 +343,13 @@ impl<'e> Txn<'e> {
         self.end.record(tally, release_seconds);
     }
 
+    /// End a transaction that failed before its end, as an error returned through it would:
+    /// what it marked and left in transition goes back to the state it came from, then the
+    /// operations lock goes. For a caller with more to do once they have settled.
+    pub(super) fn abort(self) {
+        // Consumed: its guards settle and let go, in their order, as it goes out of scope.
+    }
+
     /// End the transaction (Note [Transactions]): settle what is still in transition, let go of
     /// the operations lock (the staging slots going as `slots` says), hand what was taken to
     /// `after` with the progress counters, then record the report, its time taken now and the
