@@ -280,7 +280,8 @@ impl Engine {
                 // Giving back what failed resumes left mapped stopped part-way: those it gave
                 // back whole are paused with nothing mapped, and no later pause selects them.
                 tx.abort();
-                self.settle_given_back(marked, true);
+                self.restores
+                    .settle_given_back(&self.registry, marked, true);
                 let e = e.context(format!("pause of {}", pick.describe()));
                 return Err(with_earlier(e, earlier));
             }
@@ -299,7 +300,8 @@ impl Engine {
             );
             0.0
         });
-        self.settle_given_back(run.touched, failed.is_some());
+        self.restores
+            .settle_given_back(&self.registry, run.touched, failed.is_some());
         if let Some(e) = failed {
             return Err(with_earlier(e, earlier));
         }
@@ -316,20 +318,6 @@ impl Engine {
                 pick.describe()
             )
         })
-    }
-
-    /// A failure kept for an allocation is over once it is paused with nothing left mapped (by
-    /// a `failed` pause too, for what that one gave back whole): settled for those of `ptrs`
-    /// (allocations the pause acted on), once its transaction settled them.
-    fn settle_given_back(&self, ptrs: Vec<DevPtr>, failed: bool) {
-        // Under the registry's lock, as `stats` reads them together.
-        let reg = self.registry.lock();
-        let clean = ptrs.into_iter().filter(|p| {
-            reg.allocs
-                .get(p)
-                .is_some_and(|a| a.stuck.is_empty() && (!failed || a.state == State::Paused))
-        });
-        self.restores.settle(clean);
     }
 
     /// The work of a pause on the jobs it marked, which go when it returns (and with them

@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use parking_lot::{Condvar, Mutex};
 
+use super::registry::Registry;
 use super::report::OpReport;
+use super::types::State;
 use crate::driver::{DevPtr, Gate, Stream};
 use crate::error::{Error, Result};
 
@@ -409,6 +411,20 @@ impl Restores {
             }
         }
         out
+    }
+
+    /// A failure kept for an allocation is over once a pause has it paused with nothing left
+    /// mapped (a `failed` pause too, for what it gave back whole): settled for those of `ptrs`
+    /// (allocations the pause acted on), once its transaction settled them.
+    pub fn settle_given_back(&self, registry: &Registry, ptrs: Vec<DevPtr>, failed: bool) {
+        // Under the registry's lock, as `stats` reads them together.
+        let reg = registry.lock();
+        let clean = ptrs.into_iter().filter(|p| {
+            reg.allocs
+                .get(p)
+                .is_some_and(|a| a.stuck.is_empty() && (!failed || a.state == State::Paused))
+        });
+        self.settle(clean);
     }
 
     /// The allocations at `ptrs` were paused, resumed or freed: no longer unrestored.
