@@ -47,15 +47,15 @@ change the default region of threads that have not entered one of their own.
 A process listens on a control socket once libtms.so is active in it (it made a pauseable
 allocation, or called the library's API): `LD_PRELOAD=libtms.so TMS_INIT_ENABLE=1 python
 serve.py`, then `tmsctl pause --tag kv`. Sockets live in $TMS_SOCKET_DIR, else
-$XDG_RUNTIME_DIR/tms (if that folder is the user's), else /tmp/tms-<uid>, of each process's
-own environment; only the same user can use them (tmsctl refuses a folder that is not its user's, that others can enter or
-that lies below a folder others can change, and a server that runs as another user or is not
-the process its socket names). tmsctl looks in its own folder, worked out the same way, and
-through /proc in the folders its user's processes listen in: --pid P finds P's socket wherever
-P listens (P must be tmsctl's user's), and without --pid the processes listening elsewhere
-count too, unless --socket-dir or TMS_SOCKET_DIR names tmsctl's folder (then only that one is
-looked in). --pid means a pid of tmsctl's own pid namespace; `tmsctl list` shows the sockets
-of other namespaces too.
+$XDG_RUNTIME_DIR/tms (if that folder is the user's), else /tmp/tms-<uid>, of each process's own
+environment; only the same user can use them (tmsctl refuses a folder that is not its user's,
+that others can enter or that lies below a folder others can change, and a server that runs as
+another user or is not the process its socket names). tmsctl looks in its own folder, worked out
+the same way, and through /proc in the folders its user's processes listen in: --pid P finds P's
+socket wherever P listens (P must be tmsctl's user's), and without --pid the processes listening
+elsewhere count too, unless --socket-dir or TMS_SOCKET_DIR names tmsctl's folder (then only that
+one is looked in). --pid means a pid of tmsctl's own pid namespace; `tmsctl list` shows the
+sockets of other namespaces too.
 
 `tmsctl demo` shows the whole cycle on a child process of its own.";
 
