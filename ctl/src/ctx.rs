@@ -52,11 +52,9 @@ impl Origin {
             Origin::Flag
         } else if set("TMS_SOCKET_DIR") {
             Origin::TmsSocketDir
-        } else if set("XDG_RUNTIME_DIR")
-            && tms_proto::socket_dir_from_env(euid())
-                != PathBuf::from("/tmp").join(format!("tms-{}", euid()))
+        } else if std::env::var_os("XDG_RUNTIME_DIR")
+            .is_some_and(|x| tms_proto::runtime_dir_usable(&x, euid()))
         {
-            // Set, and a folder of tmsctl's user's (else passed over, as the library does).
             Origin::XdgRuntimeDir
         } else {
             Origin::Default

@@ -48,8 +48,8 @@ pub use framing::{
 };
 pub use messages::*;
 pub use socket::{
-    hold_folder, pid_namespace, pid_of_socket_file, remove_if_stale, socket_dir,
-    socket_dir_from_env, socket_file_name, via_short_path, SocketName, SOCKET_PATH_MAX,
+    hold_folder, pid_namespace, pid_of_socket_file, remove_if_stale, runtime_dir_usable,
+    socket_dir, socket_dir_from_env, socket_file_name, via_short_path, SocketName, SOCKET_PATH_MAX,
 };
 
 /// The git commit this build was made from (short), or `"unknown"`: `git rev-parse --short

@@ -19,13 +19,18 @@ pub fn socket_dir(
     xdg_runtime_dir: Option<OsString>,
     uid: u32,
 ) -> PathBuf {
-    use std::os::unix::fs::MetadataExt;
-    let users = |x: &OsString| std::fs::metadata(x).is_ok_and(|m| m.is_dir() && m.uid() == uid);
     match (tms_socket_dir, xdg_runtime_dir) {
         (Some(d), _) if !d.is_empty() => PathBuf::from(d),
-        (_, Some(x)) if !x.is_empty() && users(&x) => PathBuf::from(x).join("tms"),
+        (_, Some(x)) if runtime_dir_usable(&x, uid) => PathBuf::from(x).join("tms"),
         _ => PathBuf::from(format!("/tmp/tms-{uid}")),
     }
+}
+
+/// Whether `$XDG_RUNTIME_DIR` = `xdg` gives [`socket_dir`] its folder for user `uid`: set, not
+/// empty, and a folder of `uid`'s.
+pub fn runtime_dir_usable(xdg: &std::ffi::OsStr, uid: u32) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    !xdg.is_empty() && std::fs::metadata(xdg).is_ok_and(|m| m.is_dir() && m.uid() == uid)
 }
 
 /// [`socket_dir`] from this process's environment.
