@@ -273,13 +273,12 @@ impl Engine {
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
-        let marked: Vec<DevPtr> = jobs.iter().map(|j| j.ptr).collect();
         let run = match self.pause_jobs(&mut tx, &cfg, pick.tag, jobs) {
             Ok(run) => run,
             Err(e) => {
                 // Giving back what failed resumes left mapped stopped part-way: those it gave
                 // back whole are paused with nothing mapped, and no later pause selects them.
-                tx.abort();
+                let marked = tx.abort();
                 self.restores
                     .settle_given_back(&self.registry, marked, true);
                 let e = e.context(format!("pause of {}", pick.describe()));

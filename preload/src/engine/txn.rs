@@ -345,9 +345,11 @@ impl<'e> Txn<'e> {
 
     /// End a transaction that failed before its end, as an error returned through it would:
     /// what it marked and left in transition goes back to the state it came from, then the
-    /// operations lock goes. For a caller with more to do once they have settled.
-    pub(super) fn abort(self) {
-        // Consumed: its guards settle and let go, in their order, as it goes out of scope.
+    /// operations lock goes. Returns the allocations it marked, for a caller with more to do
+    /// once they have settled.
+    pub(super) fn abort(self) -> Vec<DevPtr> {
+        // Consumed: its guards settle and let go, in their order, once the list is taken.
+        self.settle.ptrs.clone()
     }
 
     /// End the transaction (Note [Transactions]): settle what is still in transition, let go of
