@@ -614,12 +614,7 @@ mod tests {
         // A link another user owns, in a sticky folder: they can replace it at any time.
         // Only root can make one.
         if sys::euid() == 0 {
-            let sticky = t.join("sticky");
-            fs::create_dir(&sticky).unwrap();
-            fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1777)).unwrap();
-            let link = sticky.join("link");
-            std::os::unix::fs::symlink(t.join("run"), &link).unwrap();
-            std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+            let link = their_link_in_sticky(t, &t.join("run"));
             let d = link.join("tms");
             assert_eq!(
                 refusal(&d),
@@ -632,6 +627,19 @@ mod tests {
                 )
             );
         }
+    }
+
+    /// `t/sticky/link`, a link to `to` owned by uid 65534 in a folder anyone can write to with
+    /// the sticky bit (like /tmp): another user's link, which they can point elsewhere at any
+    /// time. Only root can make one.
+    fn their_link_in_sticky(t: &Path, to: &Path) -> PathBuf {
+        let sticky = t.join("sticky");
+        fs::create_dir(&sticky).unwrap();
+        fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1777)).unwrap();
+        let link = sticky.join("link");
+        std::os::unix::fs::symlink(to, &link).unwrap();
+        std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+        link
     }
 
     /// `t/open`, mode 0777, holding `real`, a private folder of ours: `open` is returned.
@@ -665,16 +673,11 @@ mod tests {
         // Another user's link in a sticky folder (like /tmp), to a private folder of ours: they
         // could point it elsewhere at any time. Only root can make one.
         if sys::euid() == 0 {
-            let sticky = t.join("sticky");
-            fs::create_dir(&sticky).unwrap();
-            fs::set_permissions(&sticky, fs::Permissions::from_mode(0o1777)).unwrap();
             fs::DirBuilder::new()
                 .mode(0o700)
                 .create(t.join("ours"))
                 .unwrap();
-            let link = sticky.join("link");
-            std::os::unix::fs::symlink(t.join("ours"), &link).unwrap();
-            std::os::unix::fs::lchown(&link, Some(65534), None).unwrap();
+            let link = their_link_in_sticky(t, &t.join("ours"));
             let d = link.join("");
             assert!(
                 refusal(&d).ends_with(&format!(
