@@ -90,10 +90,10 @@ pub struct Global {
     /// `list` waits at most 5 s for each process. From 0.001 to 1e6.
     #[arg(long, global = true, value_name = "SECONDS", default_value = "120", value_parser = parse_timeout, allow_negative_numbers = true)]
     pub timeout: Duration,
-    /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms (if
-    /// that folder is the user's), else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only folder looked in
-    /// without --pid; else the folders /proc shows tmsctl's user's processes listening in count
-    /// too.
+    /// Folder of the control sockets [default: $TMS_SOCKET_DIR, else $XDG_RUNTIME_DIR/tms (if that
+    /// folder is the user's), else /tmp/tms-<uid>]. Named here or by TMS_SOCKET_DIR, it is the only
+    /// folder looked in without --pid; else the folders /proc shows tmsctl's user's processes
+    /// listening in count too.
     #[arg(long, global = true, value_name = "DIR")]
     pub socket_dir: Option<PathBuf>,
 }

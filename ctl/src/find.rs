@@ -1,9 +1,10 @@
 //! Which processes a command acts on, and where their control sockets are.
 //!
 //! tmsctl's own socket folder comes first: `--socket-dir`, else its `$TMS_SOCKET_DIR`, else its
-//! `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder of the user's), else
-//! `/tmp/tms-<uid>` ([`Origin`](crate::ctx::Origin)). A process computes its folder the same way from its own environment, so one started with another
-//! `XDG_RUNTIME_DIR` (by a service manager, in a container, through sudo) listens elsewhere. So:
+//! `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder of the user's), else `/tmp/tms-<uid>`
+//! ([`Origin`](crate::ctx::Origin)). A process computes its folder the same way from its own
+//! environment, so one started with another `XDG_RUNTIME_DIR` (by a service manager, in a
+//! container, through sudo) listens elsewhere. So:
 //!
 //! - `--pid P`: P's socket in tmsctl's folder, else where `/proc` shows P listening, else in the
 //!   folder P's environment gives. Only P of tmsctl's own user: another user's is refused.

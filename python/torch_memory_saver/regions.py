@@ -43,11 +43,11 @@ class _Routing:
     dropping it: ``disable()``'s own pool, whose end gives its cache back, and a region's pool,
     whose last reference the route holds where ``_mem_pools`` dropped it meanwhile; and a pool
     map hands over what ``del``, ``pop``, ``[] =``, ``clear``, ``popitem``, ``update`` and
-    ``|=`` drop from it. Retired
-    pools are let go only when no route or capture of this package is active in any thread
-    (with the last route or capture to end), and no route or capture starts in another thread
-    until they have gone. A sibling lives as long as the pool it was made for (``siblings`` is
-    keyed weakly by that pool, and a route to a sibling holds that pool), so it goes then too.
+    ``|=`` drop from it. Retired pools are let go only when no route or capture of this package
+    is active in any thread (with the last route or capture to end), and no route or capture
+    starts in another thread until they have gone. A sibling lives as long as the pool it was
+    made for (``siblings`` is keyed weakly by that pool, and a route to a sibling holds that
+    pool), so it goes then too.
     """
 
     def __init__(self) -> None:

@@ -62,8 +62,8 @@ pub fn pending_faults(dir: Option<&Path>) -> usize {
         .count()
 }
 
-/// Parse a file fault plan: `op:nth[:errno]` items separated by commas (`op` one of create,
-/// chmod, allocate, write, read, sync; `errno` a number or ENOSPC, EIO, EROFS, ENOENT, EACCES; default
+/// Parse a file fault plan: `op:nth[:errno]` items separated by commas (`op` one of create, chmod,
+/// allocate, write, read, sync; `errno` a number or ENOSPC, EIO, EROFS, ENOENT, EACCES; default
 /// EIO), e.g. `write:3:ENOSPC,sync:1`.
 pub fn parse_faults(s: &str) -> Result<Vec<(DiskOp, u64, i32)>> {
     let mut out = Vec::new();

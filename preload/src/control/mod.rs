@@ -12,26 +12,26 @@
 //! server's own threads: `tms-control` accepts, and each connection is served by a thread of
 //! its own (`tms-control-conn`) that ends with the connection.
 //!
-//! *Where.* `$TMS_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder
-//! of the user's), else `/tmp/tms-<uid>`; the folder is created 0700 (the mode set explicitly after `mkdir`, whatever the umask) and refused (the
-//! server stays off, with a logged error) unless it is a real folder owned by us that no one
-//! else can enter (one of ours that we cannot enter either, left by a umask such as 0777, is
-//! given 0700 again). It is refused too unless every folder above it, up to `/`, is owned by
-//! root or by us and cannot be written to by group or others unless it has the sticky bit
-//! (like `/tmp`, 1777): whoever can write to one could move our folder away after the check and
-//! put their own, or a link, in its place. Links on the way are followed only where root or we
-//! own them, and the folders they lead to are held to the same rule (in a user namespace
-//! mapping only some uids, unmapped owners, shown as 65534, count as root, unless it maps 65534
-//! itself); the ancestors are checked before anything is made or looked at in the folder, again
-//! before each missing folder is made, and once more after; the refusal names the ancestor and
-//! why (Note [The ancestors of the socket folder] in `tms_proto::ancestors`; tmsctl applies the
-//! same rule). `$XDG_RUNTIME_DIR/tms` (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it. The
-//! socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the pid and the inode of our
-//! pid namespace, so processes of different pid namespaces sharing the folder never collide),
-//! mode 0600, also set explicitly. A folder too deep for a socket
-//! address (108 bytes) is listened in and reached through `/proc/self/fd/<N>/`
-//! ([`tms_proto::via_short_path`]), and the socket's removal on a signal goes by the folder,
-//! held open, and the name, so a socket path of any length works.
+//! *Where.* `$TMS_SOCKET_DIR`, else `$XDG_RUNTIME_DIR/tms` (if `$XDG_RUNTIME_DIR` is a folder of
+//! the user's), else `/tmp/tms-<uid>`; the folder is created 0700 (the mode set explicitly after
+//! `mkdir`, whatever the umask) and refused (the server stays off, with a logged error) unless it
+//! is a real folder owned by us that no one else can enter (one of ours that we cannot enter
+//! either, left by a umask such as 0777, is given 0700 again). It is refused too unless every
+//! folder above it, up to `/`, is owned by root or by us and cannot be written to by group or
+//! others unless it has the sticky bit (like `/tmp`, 1777): whoever can write to one could move our
+//! folder away after the check and put their own, or a link, in its place. Links on the way are
+//! followed only where root or we own them, and the folders they lead to are held to the same rule
+//! (in a user namespace mapping only some uids, unmapped owners, shown as 65534, count as root,
+//! unless it maps 65534 itself); the ancestors are checked before anything is made or looked at in
+//! the folder, again before each missing folder is made, and once more after; the refusal names the
+//! ancestor and why (Note [The ancestors of the socket folder] in `tms_proto::ancestors`; tmsctl
+//! applies the same rule). `$XDG_RUNTIME_DIR/tms` (`/run/user/<uid>`) and `/tmp/tms-<uid>` pass it.
+//! The socket is `<pid>.<pidns>.sock` ([`tms_proto::socket_file_name`]: the pid and the inode of
+//! our pid namespace, so processes of different pid namespaces sharing the folder never collide),
+//! mode 0600, also set explicitly. A folder too deep for a socket address (108 bytes) is listened
+//! in and reached through `/proc/self/fd/<N>/` ([`tms_proto::via_short_path`]), and the socket's
+//! removal on a signal goes by the folder, held open, and the name, so a socket path of any length
+//! works.
 //!
 //! *Stale sockets.* When a server starts, it removes the sockets in the folder that nobody
 //! listens on: a socket is stale only when connecting to it is refused (`ECONNREFUSED`), never
@@ -40,18 +40,18 @@
 //!
 //! *Who.* The peer's uid (`SO_PEERCRED`) must be ours ([`auth`]).
 //!
-//! *How long, and how many.* Each connection is bounded in time and size
-//! ([`session::Limits`]): a request line must arrive within 2 s of the previous reply, a reply
-//! must be taken within 2 s, and a connection serves at most 1000 requests (one more gets a
-//! `busy` error saying so) and waits for them 10 s in all. Since each connection has its own
-//! thread, a slow or silent client holds only its own connection, never another client's. At most 64 connections are served at once
-//! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a
-//! request line: one that has not sent its hello yet if there is such, else the one that has
-//! waited longest; it gets a `busy` error. If all 64 are busy serving requests, the newcomer
-//! gets a `busy` error at once and is closed. So idle connections, however many, never keep a newcomer waiting, and a
-//! misbehaving client can hold a place for 10 s of waiting at most. (Every client has our
-//! uid, so this guards against clients that are broken or stuck, not against a deliberate
-//! flood of connections: such a client could signal the process anyway.)
+//! *How long, and how many.* Each connection is bounded in time and size ([`session::Limits`]): a
+//! request line must arrive within 2 s of the previous reply, a reply must be taken within 2 s, and
+//! a connection serves at most 1000 requests (one more gets a `busy` error saying so) and waits for
+//! them 10 s in all. Since each connection has its own thread, a slow or silent client holds only
+//! its own connection, never another client's. At most 64 connections are served at once
+//! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a request
+//! line: one that has not sent its hello yet if there is such, else the one that has waited
+//! longest; it gets a `busy` error. If all 64 are busy serving requests, the newcomer gets a `busy`
+//! error at once and is closed. So idle connections, however many, never keep a newcomer waiting,
+//! and a misbehaving client can hold a place for 10 s of waiting at most. (Every client has our
+//! uid, so this guards against clients that are broken or stuck, not against a deliberate flood of
+//! connections: such a client could signal the process anyway.)
 //!
 //! *The engine.* The threads touch the host's threads only through the engine: `status` takes
 //! the registry lock briefly, and `pause`/`resume` take the operations lock for the whole
