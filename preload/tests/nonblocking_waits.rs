@@ -46,6 +46,39 @@ engine_test! {
 }
 
 engine_test! {
+    /// A wait that times out while another tag's resume restores still raises a failure kept
+    /// for allocations no resume is restoring: they do not land however long it waits. Before,
+    /// it said "not yet" (false) until that other resume ended. Where a resume in flight is
+    /// restoring them again, the failure may yet end (as they land): it times out.
+    sim_only fn a_timed_out_wait_raises_a_failure_no_resume_can_end(h) [Setup::default().small_pieces(2)] {
+        let g = h.g();
+        let sim = h.simulated();
+        let a = paused(&h, "a", 1, 2 * g);
+        let b = paused(&h, "b", 1, 2 * g);
+        failed_after_return(&h, "a");
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("b"), &[], None).unwrap();
+        for _ in 0..2 {
+            let err = h.e.wait_restored(None, Some(Duration::ZERO)).unwrap_err().to_string();
+            assert!(err.contains("tag \"a\"") && err.contains("failed after it returned"), "{err}");
+            assert!(h.e.wait_restored(Some(a[0].0), Some(Duration::ZERO)).is_err());
+            assert!(!h.e.wait_restored(Some(b[0].0), Some(Duration::ZERO)).unwrap());
+        }
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(Some(b[0].0), None).unwrap());
+        // A resume of "a" restores it again (the waits reported its failure: none to raise).
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("a"), &[], None).unwrap();
+        assert!(!h.e.wait_restored(None, Some(Duration::ZERO)).unwrap());
+        assert!(!h.e.wait_restored(Some(a[0].0), Some(Duration::ZERO)).unwrap());
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(None, None).unwrap());
+        check_contents(&h, &a);
+        check_contents(&h, &b);
+    }
+}
+
+engine_test! {
     /// Addresses inside an allocation stand for it; one in none is nothing to wait for; a freed
     /// allocation's failure is over.
     sim_only fn waits_by_address_inside_outside_and_after_a_free(h) [Setup::default().small_pieces(2)] {

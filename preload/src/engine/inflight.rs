@@ -209,13 +209,21 @@ impl Engine {
     /// Block until what non-blocking resumes are restoring into the allocation holding `ptr`
     /// (every allocation, if `None`) has landed, for at most `timeout`. `Ok(false)` if it timed
     /// out. A resume that failed after it returned leaves its allocations unrestored: a wait
-    /// for any of them is its error, every time, until they are paused, resumed or freed.
+    /// for any of them is its error, every time, until they are paused, resumed or freed; one
+    /// that times out too, unless a resume in flight is restoring them again.
     pub fn wait_restored(&self, ptr: Option<DevPtr>, timeout: Option<Duration>) -> Result<bool> {
         let until = timeout.map(|t| Instant::now() + t);
         for t in self.restores.trackers() {
             match t.wait(ptr, until) {
                 Ok(true) => {}
-                Ok(false) => return Ok(false),
+                // A failure no wait can end is the answer, not "not yet": a caller polling
+                // with a timeout would otherwise learn it only once every resume had ended.
+                Ok(false) => {
+                    return match self.restores.failure_at_after_timeout(ptr) {
+                        Some(e) => Err(e),
+                        None => Ok(false),
+                    }
+                }
                 Err(e) => {
                     self.restores.failure_at(ptr);
                     return Err(e);

@@ -3,7 +3,7 @@
 //! the outcome), and what the engine keeps of them ([`Restores`]: those in flight, and the
 //! failures after their callers returned, with the allocations they left unrestored).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -262,6 +262,19 @@ impl Tracker {
         self.wait_for(None, None, true).map(|_| ())
     }
 
+    /// The allocations it is restoring now (addresses): those not landed, while it runs and
+    /// has not failed after returning (a failure kept is the allocations' from then on).
+    pub(super) fn restoring_ptrs(&self) -> Vec<DevPtr> {
+        let s = self.st.lock();
+        if !s.begun || s.done.is_some() || s.kept {
+            return Vec::new();
+        }
+        (0..s.jobs.len())
+            .filter(|&k| !s.landed(k))
+            .map(|k| s.jobs[k].0)
+            .collect()
+    }
+
     /// The allocations it restores (addresses).
     pub(super) fn ptrs(&self) -> Vec<DevPtr> {
         self.st.lock().jobs.iter().map(|j| j.0).collect()
@@ -381,9 +394,31 @@ impl Restores {
     /// The kept failures concerning the allocation holding `ptr` (every one, if `None`), now
     /// reported: a wait for everything concerns each, and raises each, not only the first.
     pub fn failure_at(&self, ptr: Option<DevPtr>) -> Option<Error> {
+        self.raise(ptr, |_| true)
+    }
+
+    /// [`Restores::failure_at`] for a wait that timed out: only the failures no resume in
+    /// flight can end, those concerning an allocation (the one holding `ptr`, or any if
+    /// `None`) that none of them is restoring. They are known, and their data does not land
+    /// however long one waits; the others end as a resume restores their allocations.
+    pub fn failure_at_after_timeout(&self, ptr: Option<DevPtr>) -> Option<Error> {
+        // Asked before `failed` is taken: a tracker's lock may lead to it, never the reverse.
+        let busy: BTreeSet<DevPtr> = self
+            .trackers()
+            .iter()
+            .flat_map(|t| t.restoring_ptrs())
+            .collect();
+        self.raise(ptr, |f| match ptr {
+            None => f.allocs.is_empty() || f.allocs.keys().any(|a| !busy.contains(a)),
+            Some(p) => f.start_of(p).is_some_and(|a| !busy.contains(&a)),
+        })
+    }
+
+    /// The kept failures concerning `ptr` that `raised` picks, now reported, joined in one.
+    fn raise(&self, ptr: Option<DevPtr>, raised: impl Fn(&FailedRestore) -> bool) -> Option<Error> {
         let mut failed = self.failed.lock();
         let mut out: Option<Error> = None;
-        for f in failed.iter_mut().filter(|f| f.holds(ptr)) {
+        for f in failed.iter_mut().filter(|f| f.holds(ptr) && raised(f)) {
             f.reported = true;
             out = Some(match out {
                 None => f.error.duplicate(),
@@ -486,12 +521,17 @@ impl FailedRestore {
     fn holds(&self, ptr: Option<DevPtr>) -> bool {
         match ptr {
             None => true,
-            Some(p) => self
-                .allocs
-                .range(..=p)
-                .next_back()
-                .is_some_and(|(&start, &size)| holds(start, size, p)),
+            Some(p) => self.start_of(p).is_some(),
         }
+    }
+
+    /// The address of the allocation it left unrestored that holds `p`.
+    fn start_of(&self, p: DevPtr) -> Option<DevPtr> {
+        self.allocs
+            .range(..=p)
+            .next_back()
+            .filter(|(&start, &size)| holds(start, size, p))
+            .map(|(&start, _)| start)
     }
 }
 
