@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use common::harness::Harness;
 use common::nonblocking::{check_contents, paused, resume_failing_after_return};
-use common::{engine_test, wait_until, Setup};
+use common::{bounded, engine_test, wait_until, Setup};
 use tms::driver::sim::Prim;
-use tms::engine::Engine;
+use tms::driver::Stream;
+use tms::engine::{Engine, StreamOf};
 
 /// A non-blocking resume of `tag` that returns, then fails at its first event sync; returns
 /// once the failure is kept (stats show it), without any wait having raised it.
@@ -126,5 +127,36 @@ engine_test! {
         check_contents(&h, &a);
         let o = h.e.stats().tags.into_iter().find(|t| t.tag == "o").unwrap();
         assert_eq!(o.paused_allocations, 1, "another tag's address resumes nothing of it");
+    }
+}
+
+engine_test! {
+    /// The gate is one word of host memory every device reads: a stream of device 1 may wait
+    /// for what is restored on device 0 (work there reading it). A device that does not exist
+    /// is refused at once, as a non-blocking resume refuses it. Before, the driver's refusal
+    /// read as "this stream cannot wait": the host blocked until the data landed, then Ok.
+    sim_only fn any_existing_devices_stream_may_wait(h) [Setup::default().devices(2).small_pieces(2)] {
+        let g = h.g();
+        let sim = h.simulated();
+        let a = paused(&h, "a", 1, 2 * g);
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("a"), &[], None).unwrap();
+        let on_1 = StreamOf { device: 1, stream: Stream(0x7171) };
+        h.e.stream_wait_restored(Some(a[0].0), on_1).unwrap();
+        assert_eq!(sim.gated_streams(), vec![(1, on_1.stream, 1)]);
+        let e = h.e.clone();
+        let nowhere = StreamOf { device: 2, stream: Stream(0x7272) };
+        let r = bounded("a stream wait on device 2", Duration::from_secs(10), move || {
+            e.stream_wait_restored(None, nowhere)
+        });
+        let err = r.unwrap_err().to_string();
+        assert!(err.contains("device 2 does not exist"), "{err}");
+        assert_eq!(sim.gated_streams().len(), 1, "nothing more queued");
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(None, None).unwrap());
+        assert!(sim.gated_streams().is_empty());
+        // Nothing in flight: refused all the same.
+        assert!(h.e.stream_wait_restored(None, nowhere).is_err());
+        check_contents(&h, &a);
     }
 }

@@ -239,7 +239,11 @@ impl Engine {
     /// Make `on`'s stream wait, without blocking the host, until the allocation holding `ptr`
     /// (every allocation, if `None`) is restored by the non-blocking resumes in flight. Nothing
     /// to wait for: nothing is queued. Where the stream cannot wait, the host waits instead.
+    /// The gate is host memory every device reads: `on` may be of any device, whatever device
+    /// the allocations are on (work there may read them); one that does not exist is an error.
     pub fn stream_wait_restored(&self, ptr: Option<DevPtr>, on: StreamOf) -> Result<()> {
+        // Not left to the driver, whose refusal reads as "cannot wait" (the host would block).
+        self.check_device(on.device)?;
         for t in self.restores.trackers() {
             if let Some(v) = t.target(ptr) {
                 if let Err(err) = self

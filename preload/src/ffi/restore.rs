@@ -88,7 +88,9 @@ pub unsafe extern "C" fn tms_wait_restored(
 
 /// Make `stream` (of `device`, 0 for its legacy default stream) wait, without blocking the
 /// host, until the allocation holding `addr` (every allocation, if 0) is restored by the
-/// non-blocking resumes in flight; nothing is queued when nothing is in flight.
+/// non-blocking resumes in flight; nothing is queued when nothing is in flight. `device` need
+/// not be the allocation's (every device reads the word the stream waits on); one that does
+/// not exist is `TMS_ERR_INVALID_ARGUMENT`.
 ///
 /// # Safety
 /// `stream` is a live stream of `device` (or 0).
