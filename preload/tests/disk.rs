@@ -6,13 +6,18 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
+use std::time::Duration;
 
-use common::{engine_test, pattern, Harness, Setup};
+use common::{bounded, engine_test, pattern, wait_until, Harness, Setup};
 use tms::backup::disk::{self, DiskOp};
 use tms::backup::BackupKind;
+use tms::driver::sim::Prim;
 use tms::engine::{AllocRequest, State};
 
 const MIB: u64 = 1 << 20;
+
+/// Long enough for any call here on a loaded machine.
+const PATIENCE: Duration = Duration::from_secs(20);
 
 /// The harness of [`Setup::disk_engine`]: two devices (as many as a GPU machine has), three
 /// copy workers, small pieces, and a backup folder of the test's own.
@@ -123,6 +128,56 @@ engine_test! {
             "{err}"
         );
         assert_eq!(f.h.e.allocations()[0].state, State::Paused);
+    }
+}
+
+engine_test! {
+    /// A file cut short while the resume reads it (its length was whole at the check before
+    /// anything is mapped), at a length no O_DIRECT read ends on: reading on from that end is
+    /// refused as unaligned (EINVAL) before Linux 5.10, injected here, where newer kernels
+    /// find the end. The resume fails saying the file was cut short, and the allocation stays
+    /// paused with its file.
+    sim_only fn a_file_cut_short_while_the_resume_reads_it_is_told_and_stays_paused(h)
+        [Setup::disk_engine(1, 1)]
+    {
+        let f = Fx { h };
+        let (p, _) = f.alloc(4 * MIB, 0, 6);
+        f.h.e.pause(None).unwrap();
+        let path = f.files().remove(0);
+        let dir = f.h.dir().to_path_buf();
+        let sim = f.h.simulated().clone();
+        // The one worker reads its first slot (256 KiB), then waits to copy it to the device.
+        sim.hold(Prim::CopyH2D, None);
+        let resumer = {
+            let e = f.h.e.clone();
+            std::thread::spawn(move || e.resume(None))
+        };
+        wait_until("the resume reads the file", PATIENCE, || sim.held_calls() > 0);
+        let cut = 256 * 1024 + 123;
+        let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        file.set_len(cut).unwrap();
+        disk::arm_fault(Some(&dir), DiskOp::Read, 1, libc::EINVAL);
+        sim.unhold(Prim::CopyH2D, None);
+        let err = bounded("the resume", PATIENCE, move || resumer.join().unwrap())
+            .unwrap_err()
+            .to_string();
+        assert_eq!(disk::pending_faults(Some(&dir)), 0);
+        assert!(
+            err.contains(&*path.to_string_lossy())
+                && err.contains(&format!("is {cut} bytes, not {}", 4 * MIB))
+                && err.contains("cut short")
+                && err.contains("stays paused")
+                && !err.contains("Invalid argument"),
+            "{err}"
+        );
+        assert_eq!(f.h.e.allocations()[0].state, State::Paused);
+        f.h.assert_live_bytes(0, 0, "the resume was undone");
+        assert_eq!(f.files(), vec![path.clone()], "its file is kept");
+        // Never silently restored: the next resume is refused at the check of the length.
+        let err = f.h.e.resume(None).unwrap_err().to_string();
+        assert!(err.contains(&format!("is {cut} bytes")), "{err}");
+        assert!(f.h.e.free(p).unwrap());
+        assert!(!path.exists());
     }
 }
 

@@ -26,6 +26,8 @@
 //!   pass ([`Backing::staged`]) when the chunk is written and checked as it is read back (a few
 //!   percent of a core at disk speed): a file that changed on disk while paused (truncated,
 //!   overwritten) fails the resume, which leaves the tag paused; it is never silently restored.
+//!   Its length is checked before reading ([`DiskFile::check_present`]), and a read that fails
+//!   on a file cut short meanwhile says so, whatever the kernel answered ([`DiskFile::read_at`]).
 //! - Every file operation can be made to fail (`disk_faults.rs`, `TMS_DISK_FAULTS`), so the
 //!   tests prove that no failure loses data: a pause that cannot write leaves the allocation
 //!   active with its contents, a resume that cannot read leaves it paused with its file.
@@ -317,7 +319,7 @@ impl DiskFile {
         })
     }
 
-    /// Read `buf.len()` bytes at `off`; a file cut short is an error.
+    /// Read `buf.len()` bytes at `off`; a file cut short is an error that says so.
     pub fn read_at(&self, buf: &mut [u8], off: u64) -> Result<()> {
         let r = match injected(DiskOp::Read, &self.path) {
             Some(e) => Err(e),
@@ -329,6 +331,20 @@ impl DiskFile {
                 buf.len(),
                 self.path.display()
             );
+            // Cut short while being read (its length was checked before): an O_DIRECT read
+            // stops at an unaligned end, and before Linux 5.10 reading on from there is refused
+            // as unaligned (EINVAL) rather than finding the end. The length tells.
+            let end = off + buf.len() as u64;
+            if let Ok(m) = self.file.metadata() {
+                if m.len() < end {
+                    return Error::invalid_state(format!(
+                        "{what}: the file is {} bytes, not {}: it was cut short on disk; not \
+                         restored",
+                        m.len(),
+                        self.len
+                    ));
+                }
+            }
             if e.kind() == std::io::ErrorKind::UnexpectedEof {
                 return Error::invalid_state(format!(
                     "{what}: the file is shorter than the backup it holds (it changed on disk \
@@ -539,6 +555,53 @@ mod tests {
         let p = f.path().to_path_buf();
         drop(f);
         assert!(!p.exists());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_cut_short_at_an_unaligned_length_while_read_is_told_as_such() {
+        // Cut while a resume reads it (the length checked before reading was whole): an O_DIRECT
+        // read stops at the unaligned end, and reading on from there finds the end (Linux 5.10
+        // on) or, before (on file systems of the kernel's generic direct I/O code, ext4 before
+        // 5.5 among them), is refused as an unaligned read (EINVAL), injected here.
+        let d = dir("cut");
+        let f = DiskFile::create(&BackupDir::new(&d).unwrap(), 4 * 4096, 8192).unwrap();
+        let page = Box::new(Page([5u8; 4096]));
+        for i in 0..4 {
+            f.write_at(&page.0, i * 4096).unwrap();
+        }
+        let cut = 2 * 4096 + 100;
+        let other = std::fs::OpenOptions::new()
+            .write(true)
+            .open(f.path())
+            .unwrap();
+        other.set_len(cut).unwrap();
+        let mut back = Box::new(Page([0u8; 4096]));
+        let found_end = f.read_at(&mut back.0, 2 * 4096).unwrap_err();
+        arm_fault(Some(&d), DiskOp::Read, 1, libc::EINVAL);
+        let refused = f.read_at(&mut back.0, 2 * 4096).unwrap_err();
+        assert_eq!(pending_faults(Some(&d)), 0);
+        for e in [refused, found_end] {
+            let msg = e.to_string();
+            assert!(
+                msg.contains(&*f.path().to_string_lossy())
+                    && msg.contains("reading 4096 bytes at 8192")
+                    && msg.contains(&format!("is {cut} bytes, not {}", 4 * 4096))
+                    && msg.contains("cut short"),
+                "{msg}"
+            );
+            assert!(!msg.contains("Invalid argument"), "{msg}");
+        }
+        // Before the cut the file is whole: a read there succeeds, and its failure is its own.
+        f.read_at(&mut back.0, 4096).unwrap();
+        assert_eq!(back.0, page.0);
+        arm_fault(Some(&d), DiskOp::Read, 1, libc::EIO);
+        let msg = f.read_at(&mut back.0, 4096).unwrap_err().to_string();
+        assert!(
+            msg.contains("Input/output error") && !msg.contains("cut short"),
+            "{msg}"
+        );
+        drop((f, other));
         std::fs::remove_dir_all(&d).unwrap();
     }
 
