@@ -173,8 +173,18 @@ pub fn open_private_subfolder(
 /// Opens nothing but regular files of ours, and never blocks: each candidate is checked with
 /// `fstatat` without following links, opened with `O_NOFOLLOW | O_NONBLOCK`, and checked again
 /// with `fstat` (the name may have changed hands meanwhile); a file is stale only when its
-/// `flock` can be taken, which proves that the process that made it is gone.
+/// `flock` can be taken, which proves that the process that made it is gone. For a sweep from
+/// another process than those that make files (`tmsctl clean`); a process that makes them
+/// sweeps with [`sweep_keeping`].
 pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
+    sweep_keeping(dir, &|_| false)
+}
+
+/// [`sweep`], leaving alone every file for which `ours` (given its `fstat` once opened) is
+/// true: the files the sweeping process holds open itself. Their lock cannot tell them from
+/// stale ones there, where the file system lets a process take a lock it holds already (flock
+/// emulated with POSIX locks, which never set a process's own requests against each other).
+pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> nix::Result<usize> {
     let me = geteuid().as_raw();
     let mut listing = nix::dir::Dir::openat(
         dir,
@@ -207,10 +217,12 @@ pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
         };
         match fstat(&fd) {
             Ok(st)
-                if is_regular_file_of(st.st_mode, st.st_uid, me) && st.st_ino == before.st_ino => {}
+                if is_regular_file_of(st.st_mode, st.st_uid, me)
+                    && st.st_ino == before.st_ino
+                    && !ours(&st) => {}
             _ => continue,
         }
-        // Taking the lock proves no process holds it.
+        // Taking the lock proves no other process holds it (and `ours` that this one does not).
         if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
             if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
                 removed += 1;
@@ -264,6 +276,26 @@ mod tests {
             "unlocked, the live file goes too"
         );
         assert!(!live.exists());
+    }
+
+    #[test]
+    fn a_sweep_leaves_the_files_its_process_holds_even_unlocked() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let mine = d.path().join(file_name(&unique_part(1, 0x1, 0)));
+        let dead = d.path().join(file_name(&unique_part(2, 0x2, 0)));
+        for f in [&mine, &dead] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        // No lock on either: as a file system whose locks never keep a process's own sweep out
+        // sees this process's file.
+        let m = std::fs::metadata(&mine).unwrap();
+        let ours = |st: &FileStat| (st.st_dev, st.st_ino) == (m.dev(), m.ino());
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        assert_eq!(sweep_keeping(folder.as_fd(), &ours), Ok(1));
+        assert!(mine.exists() && !dead.exists());
+        assert_eq!(sweep(folder.as_fd()), Ok(1), "told as no one's, it goes");
+        assert!(!mine.exists());
     }
 
     #[test]

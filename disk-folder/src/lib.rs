@@ -12,7 +12,8 @@ pub mod folder;
 pub mod layout;
 
 pub use folder::{
-    open_folder, open_private_subfolder, restore_owner_access, sweep, Subfolder, SubfolderError,
+    open_folder, open_private_subfolder, restore_owner_access, sweep, sweep_keeping, Subfolder,
+    SubfolderError,
 };
 pub use layout::{
     file_name, files_go_in_directory, is_regular_file_of, private_subfolder_name,

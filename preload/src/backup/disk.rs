@@ -42,7 +42,8 @@
 //!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
 //!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
 //!   elsewhere. `tmsctl clean` sweeps with the same code (`tms_disk_folder::sweep`). Each folder is swept
-//!   when this process first uses it (a recreated folder too).
+//!   when this process first uses it (a recreated folder too, or one chosen again), leaving alone
+//!   the files this process holds open whatever their locks tell (Note [Disk backup files]).
 //! - The files' contents are checksummed per chunk, so a file changed while paused is never
 //!   silently restored (Note [Disk backup files]).
 
@@ -63,6 +64,7 @@ use tms_disk_folder::{
 use crate::error::{Error, Result};
 
 pub use super::disk_faults::{arm_fault, clear_faults, parse_faults, pending_faults, DiskOp};
+use super::disk_file::held_here;
 pub use super::disk_file::{DiskFile, DIRECT_ALIGN};
 pub use tms_disk_folder::private_subfolder_name;
 
@@ -311,9 +313,10 @@ fn sweep_once(dir: &FileDir) {
 }
 
 /// Remove the backup files in `dir` no live process holds; returns how many. Opens nothing but
-/// regular files of ours, never blocks (Note [The disk backup folder]).
+/// regular files of ours, never blocks, and never takes one this process holds (Note [The disk
+/// backup folder]).
 pub fn sweep(dir: &FileDir) -> std::io::Result<usize> {
-    tms_disk_folder::sweep(dir.fd.as_fd()).map_err(errno_io)
+    tms_disk_folder::sweep_keeping(dir.fd.as_fd(), &held_here).map_err(errno_io)
 }
 
 /// Bytes the file system of the folder `dir`'s files go in can still give an unprivileged

@@ -18,7 +18,11 @@
 //!   the directory removes it. A live process's files are never touched (this holds across pid
 //!   namespaces, where pids mean nothing). Files are made under a temporary name and renamed
 //!   once locked, so no sweep can take a file between its creation and its lock (the names are
-//!   `tms_disk_folder`'s, which `tmsctl clean` shares).
+//!   `tms_disk_folder`'s, which `tmsctl clean` shares). This process's own sweeps (a folder used
+//!   anew, chosen again) also leave alone every file it holds open, known by device and inode
+//!   from before it is named ([`held_here`]): a lock proves nothing to the process holding it
+//!   where a file system emulates `flock` with POSIX locks, which never set a process's own
+//!   requests against each other.
 //! - The file is cut in chunks of one size (a multiple of [`DIRECT_ALIGN`]) but the last, which
 //!   divide the allocation's (engine Note [Chunked allocations]); the pipeline copies a file
 //!   chunk whole, through the worker's page-locked staging slots, each slot-sized piece one
@@ -32,6 +36,7 @@
 //!   tests prove that no failure loses data: a pause that cannot write leaves the allocation
 //!   active with its contents, a resume that cannot read leaves it paused with its file.
 
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -43,8 +48,9 @@ use std::time::SystemTime;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
-use nix::sys::stat::Mode;
+use nix::sys::stat::{FileStat, Mode};
 use nix::unistd::UnlinkatFlags;
+use parking_lot::Mutex;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::backing::{Backing, Dir, UnitIo};
@@ -81,9 +87,41 @@ fn retried_when_interrupted(mut call: impl FnMut() -> std::io::Result<()>) -> st
 /// Makes each file's name unique within the process.
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
+/// A file's identity: device and inode.
+type FileId = (libc::dev_t, libc::ino_t);
+
+/// The backup files this process holds open: its own sweeps leave them alone, whatever their
+/// lock tells (Note [Disk backup files]).
+static HELD: Mutex<BTreeSet<FileId>> = Mutex::new(BTreeSet::new());
+
+/// A file's place in [`HELD`], for as long as this process holds it open.
+struct Held(FileId);
+
+impl Held {
+    fn register(file: &File) -> std::io::Result<Held> {
+        let st = nix::sys::stat::fstat(file).map_err(errno_io)?;
+        let id = (st.st_dev, st.st_ino);
+        HELD.lock().insert(id);
+        Ok(Held(id))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        HELD.lock().remove(&self.0);
+    }
+}
+
+/// The file of `st` is a backup file this process holds open.
+pub(super) fn held_here(st: &FileStat) -> bool {
+    HELD.lock().contains(&(st.st_dev, st.st_ino))
+}
+
 /// One allocation's backup file (Note [Disk backup files]).
 pub struct DiskFile {
     file: Flock<File>,
+    /// Known to this process's sweeps as its own (dropped after the name goes).
+    _held: Held,
     dir: Arc<FileDir>,
     name: CString,
     path: PathBuf,
@@ -207,6 +245,14 @@ impl DiskFile {
                 return Err((io_err(what("locking"), std::io::Error::from(e)), false));
             }
         };
+        // Known as this process's own before it has a name a sweep takes.
+        let held = match Held::register(&file) {
+            Ok(h) => h,
+            Err(e) => {
+                remove_tmp();
+                return Err((io_err(what("inspecting"), e), false));
+            }
+        };
         let reserve = || match injected(DiskOp::Allocate, &tmp) {
             Some(e) => Err(e),
             None => {
@@ -258,6 +304,7 @@ impl DiskFile {
         let chunks = len.div_ceil(chunk) as usize;
         Ok(DiskFile {
             file,
+            _held: held,
             dir: files,
             name: CString::new(name).expect("a name of ours has no NUL"),
             path,
@@ -602,6 +649,39 @@ mod tests {
             "{msg}"
         );
         drop((f, other));
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_sweep_in_this_process_never_takes_a_file_it_holds_even_where_the_lock_is_free() {
+        // Where a file system lets a process take a lock it holds already (flock emulated with
+        // POSIX locks, which a process's own requests never conflict with), the lock tells
+        // nothing to this process's own sweep. Released here, as such a file system would see
+        // it.
+        let d = dir("own");
+        let bd = BackupDir::new(&d).unwrap();
+        let f = DiskFile::create(&bd, 8192, 4096).unwrap();
+        // SAFETY: flock(2) on a descriptor `f` holds open; only its lock changes.
+        assert_eq!(unsafe { libc::flock(f.file.as_raw_fd(), libc::LOCK_UN) }, 0);
+        let dead = d.join(tms_disk_folder::file_name("999999-0-0.bin"));
+        std::fs::write(&dead, b"old").unwrap();
+        assert_eq!(bd.sweep().unwrap(), 1, "the dead process's file goes");
+        assert!(!dead.exists());
+        assert!(f.path().exists(), "this process's own file stays");
+        // The same folder chosen again (`set_disk_backup_dir`) is swept at its first file.
+        let again = BackupDir::new(&d).unwrap();
+        let g = DiskFile::create(&again, 4096, 4096).unwrap();
+        assert!(f.path().exists(), "this process's own file stays");
+        // Once gone from this process, its files are another's to sweep.
+        let kept = d.join("kept.bin");
+        std::fs::hard_link(f.path(), &kept).unwrap();
+        drop(f);
+        let left = d.join(tms_disk_folder::file_name("999998-0-0.bin"));
+        std::fs::rename(&kept, &left).unwrap();
+        assert_eq!(again.sweep().unwrap(), 1);
+        assert!(!left.exists());
+        assert!(g.path().exists());
+        drop(g);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
