@@ -677,3 +677,93 @@ def test_a_gather_that_pairs_ranks_in_different_steps_fails_and_undoes():
     # The other rank is a step behind: its outcome (of another call) comes back as its confirmation.
     calls, said = run([lambda mine: [mine, other_ok], lambda mine: [mine, dict(other_ok, ok=False)]])
     assert said.startswith("DistributedError") and calls["undo"] == 1, (said, calls)
+
+
+# torch.distributed as the ranks of run_ranks see it through the package's public calls: an
+# initialised group of WORLD ranks on the backend $BACKEND, whose all_gather_object is the
+# file-based gather (counted, so a test can tell whether a rank reached the agreement).
+RANKS_OVER_FAKE_DIST = """
+import types
+gathers = [0]
+def all_gather_object(out, obj, group=None):
+    gathers[0] += 1
+    out[:] = gather(obj)
+dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: RANK,
+                             get_world_size=lambda group=None: WORLD, all_gather_object=all_gather_object,
+                             get_backend=lambda group=None: os.environ["BACKEND"])
+sys.modules["torch"] = types.SimpleNamespace(distributed=dist, cuda=types.SimpleNamespace(is_available=lambda: False))
+sys.modules["torch.distributed"] = dist
+sys.modules["numpy"] = types.ModuleType("numpy")  # all the stand-in gather needs of it
+
+def public(call, *a):
+    try:
+        out = call(*a)
+        return {"raised": None, "line": str(out)}
+    except BaseException as e:  # noqa: BLE001 - which error, on which rank, is what is tested
+        return {"raised": type(e).__name__, "msg": str(e), "failed": sorted(getattr(e, "failed", {}))}
+"""
+
+
+def test_one_ranks_nccl_in_all_tags_refuses_every_tag_on_every_rank_over_nccl(tmp_path, libtms):
+    # Only rank 0 includes NCCL's communicators in every tag (its own TMS_NCCL_IN_ALL=1), and the
+    # group is NCCL's. Rank 0 must not act (its pause would suspend the communicator the ranks
+    # agree over), and it must not refuse alone either: rank 1 would pause and then wait in the
+    # agreement for it until the group's timeout. Both raise the same DistributedError naming
+    # rank 0, rank 1 having undone its pause; a resume does the same; over gloo both succeed.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent("""
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        def active_and_intact():  # reading paused memory would fault
+            return tag_stats("w")["active_allocations"] == 1 and intact(p, data)
+        for step, call in (("pause", tmsd.pause), ("resume", tmsd.resume)):
+            t0 = time.time()
+            a = public(call)
+            report(tag="w", step=step, intact=active_and_intact(), gathers=gathers[0], s=time.time() - t0, **a)
+        os.environ["BACKEND"] = "gloo"
+        a = public(tmsd.pause)
+        b = public(tmsd.resume)
+        report(tag="w", step="gloo", intact=active_and_intact(), pause=a, resume=b)
+        """),
+        per_rank_env={0: {"TMS_NCCL_IN_ALL": "1", "BACKEND": "nccl"}, 1: {"BACKEND": "nccl"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        pause, resume, gloo = r["results"]
+        for x in (pause, resume):
+            assert x["raised"] == "DistributedError" and x["failed"] == [0], (rank, x)
+            assert "rank 0" in x["msg"] and "nccl_in_all_tags" in x["msg"], (rank, x)
+            assert "every rank undid it" in x["msg"] and x["s"] < 10, (rank, x)
+            assert x["intact"] and (x["active"], x["paused"]) == (1, 0), (rank, x)
+        assert (pause["gathers"], resume["gathers"]) == (2, 4), (rank, pause, resume)
+        assert gloo["pause"]["raised"] is None and gloo["resume"]["raised"] is None, (rank, gloo)
+        assert gloo["intact"] and (gloo["active"], gloo["paused"]) == (1, 0), (rank, gloo)
+
+
+def test_every_ranks_nccl_in_all_tags_refuses_every_tag_over_nccl_before_acting(tmp_path, libtms):
+    # Every rank has the setting: each refuses without acting, through the agreement, and names
+    # them all; the tag "nccl" itself (the same on every rank) is refused before any collective.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent("""
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        a = public(tmsd.pause)
+        report(tag="w", step="pause", gathers=gathers[0], **a)
+        b = public(tmsd.pause, "nccl")
+        report(tag="w", step="nccl", gathers=gathers[0], **b)
+        """),
+        per_rank_env={r: {"TMS_NCCL_IN_ALL": "1", "BACKEND": "nccl", "GATHER_TIMEOUT": "5"} for r in range(2)},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        pause, nccl = r["results"]
+        assert pause["raised"] == "DistributedError" and pause["failed"] == [0, 1], (rank, pause)
+        assert (pause["active"], pause["paused"], pause["gathers"]) == (1, 0, 2), (rank, pause)
+        assert nccl["raised"] == "InvalidArgumentError" and "group=" in nccl["msg"], (rank, nccl)
+        assert nccl["gathers"] == 2, (rank, nccl)

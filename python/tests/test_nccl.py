@@ -168,3 +168,51 @@ def test_an_nccl_without_suspend_is_named(preloaded, fake_nccl):
         FAKE_NCCL=fake_nccl["old"],
     )
     assert "NCCL 2.21.5 has no ncclCommSuspend (needs \u2265 2.29.7)" in r.stdout, r.stdout
+
+
+def test_a_job_wide_call_over_nccl_is_refused_at_once_by_a_rank_whose_communicators_are_suspended(
+    preloaded, fake_nccl
+):
+    # torch_memory_saver.distributed over an NCCL group (a one-rank stand-in for torch's), on a
+    # rank with nccl_in_all_tags on. Its own pause() of every tag suspended its communicators:
+    # it cannot take part in a collective over them, so a job-wide resume of every tag is refused
+    # before any. Resumed, it takes part, and refuses through the agreement, changing nothing.
+    r = preloaded(
+        snippet("""
+        import types
+        gathers = []
+        def all_gather_object(out, obj, group=None):
+            gathers.append(obj)
+            out[0] = json.loads(json.dumps(obj))
+        dist = types.SimpleNamespace(is_available=lambda: True, is_initialized=lambda: True, get_rank=lambda: 0,
+                                     get_world_size=lambda group=None: 1, all_gather_object=all_gather_object,
+                                     get_backend=lambda group=None: "nccl")
+        sys.modules["torch"] = types.SimpleNamespace(distributed=dist, cuda=types.SimpleNamespace(is_available=lambda: False))
+        sys.modules["torch.distributed"] = dist
+        sys.modules["numpy"] = types.ModuleType("numpy")
+        from torch_memory_saver import distributed as tmsd
+        make()
+        with tms.region(tag="kv"):
+            rc, kv = cuda_malloc(4 << 20)
+        tms.nccl_in_all_tags = True
+        tms.pause()
+        assert fake.fake_nccl_suspended() == 1
+        try:
+            tmsd.resume()
+            raise AssertionError("not refused")
+        except tms_pkg.InvalidArgumentError as e:
+            print("REFUSED", e)
+        assert gathers == [] and fake.fake_nccl_suspended() == 1
+        tms.resume()
+        try:
+            tmsd.pause()
+            raise AssertionError("not refused")
+        except tmsd.DistributedError as e:
+            print("AGREED", sorted(e.failed))
+        assert len(gathers) == 2 and fake.fake_nccl_suspended() == 0  # the outcome, the undo
+        assert tag_stats("kv")["active_allocations"] == 1
+        """),
+        FAKE_NCCL=fake_nccl["new"],
+    )
+    assert "REFUSED every tag includes NCCL's communicators on this rank" in r.stdout, r.stdout
+    assert "they are suspended" in r.stdout and "AGREED [0]" in r.stdout, r.stdout

@@ -377,6 +377,10 @@ def _norm_tag(tag: Optional[str]) -> Optional[str]:
     return None if tag == "" else tag
 
 
+def _no_check() -> None:
+    pass
+
+
 def _restoring(t: dict) -> bool:
     """Memory of the tag that a non-blocking resume of the rank's own is restoring: the program
     waits for it, and a pause would take it from under it."""
@@ -398,12 +402,15 @@ def _not_undone(what: List[str]) -> Optional[str]:
     )
 
 
-def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
+def _pause_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[], None] = _no_check) -> Outcome:
+    """Pause ``tag`` on every rank, or none; ``check`` runs first, and where it raises, this
+    rank fails having changed nothing."""
     tms = _saver()
     tag = _norm_tag(tag)
     here: dict = {}
 
     def act() -> None:
+        check()
         here["tags"] = _tag_stats(tag)
         here["before"] = _active_of(here["tags"])
         here["failed"] = True
@@ -423,12 +430,14 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
     return _agree("pause", _what_tag(tag), act, undo, lambda: _active_bytes(tag), gather, rank)
 
 
-def _resume_tag(tag: Optional[str], gather: Gather, rank: int) -> Outcome:
+def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[], None] = _no_check) -> Outcome:
+    """Resume ``tag`` on every rank, or none; ``check`` as for :func:`_pause_tag`."""
     tms = _saver()
     tag = _norm_tag(tag)
     here: Dict[str, dict] = {}
 
     def act() -> None:
+        check()
         here.update(_tag_stats(tag))
         tms.resume(tag)
 
@@ -502,24 +511,58 @@ def _target(tag_or_tensor: Any) -> str:
     return f"the allocation at {int(data_ptr()):#x}"
 
 
-def _not_over_nccl(tag: Optional[str], group: Any) -> None:
-    """Refuse, before acting, a pause or resume that suspends NCCL's communicators (the tag
-    ``"nccl"``, or every tag with ``nccl_in_all_tags``) agreeing over a group whose collectives
-    run on NCCL: the ranks could not agree over a suspended communicator."""
+def _not_over_nccl(tag: Optional[str], group: Any) -> Callable[[], None]:
+    """Refuse a pause or resume that suspends NCCL's communicators (the tag ``"nccl"``, or
+    every tag with ``nccl_in_all_tags``) agreeing over a group whose collectives run on NCCL:
+    the ranks could not agree over a suspended communicator.
+
+    The tag is an argument, the same on every rank, so every rank refuses it here alike, before
+    any collective. ``nccl_in_all_tags`` is each rank's own setting: refused here, a rank with
+    it on would raise alone while the others acted and waited for it in the agreement until
+    the group's timeout. So it is checked by the returned function, which the action runs
+    first: that rank fails without acting, and every rank learns it through the agreement.
+    Only a rank with it on whose communicators are suspended already refuses here: it cannot
+    take part in a collective over NCCL at all."""
     tag = _norm_tag(tag)
-    if tag != "nccl" and not (tag is None and _saver().nccl_in_all_tags):
-        return
+    if tag != "nccl" and tag is not None:
+        return _no_check
     import torch.distributed as dist
 
     try:
         backend = str(dist.get_backend(group)).lower()
     except Exception:  # noqa: BLE001 - _torch_group says what is wrong with the group
-        return
-    if "nccl" in backend and "gloo" not in backend:
+        return _no_check
+    if "nccl" not in backend or "gloo" in backend:
+        return _no_check
+    advice = "pass a group of another backend, e.g. group=torch.distributed.new_group(backend='gloo')"
+    if tag == "nccl":
         raise InvalidArgumentError(
             f"{_what_tag(tag)} suspends NCCL's communicators, so the ranks cannot agree over an NCCL group: "
-            "pass a group of another backend, e.g. group=torch.distributed.new_group(backend='gloo')"
+            f"{advice}"
         )
+
+    def in_all_tags() -> bool:
+        return bool(_saver().nccl_in_all_tags)
+
+    try:
+        suspended = in_all_tags() and _tag_stats("nccl").get("nccl", {}).get("paused_allocations", 0) > 0
+    except Exception:  # noqa: BLE001 - read again by the check, whose failure the ranks agree on
+        suspended = False
+    if suspended:
+        raise InvalidArgumentError(
+            "every tag includes NCCL's communicators on this rank (nccl_in_all_tags), and they are "
+            "suspended: it cannot take part in the ranks' agreement over an NCCL group (the other ranks "
+            f"wait for it there until the group's timeout): {advice}"
+        )
+
+    def check() -> None:
+        if in_all_tags():
+            raise InvalidArgumentError(
+                "every tag includes NCCL's communicators on this rank (nccl_in_all_tags), which it would "
+                f"suspend or resume, so the ranks cannot agree over an NCCL group: {advice}"
+            )
+
+    return check
 
 
 def pause(tag: Optional[str] = None, group: Any = None) -> Outcome:
@@ -527,17 +570,19 @@ def pause(tag: Optional[str] = None, group: Any = None) -> Outcome:
     or on none: see the module's documentation. Returns every rank's :class:`Outcome`; raises
     :class:`DistributedError` on every rank if any rank failed. The tag ``"nccl"`` (NCCL's
     communicators) needs a ``group`` that is not NCCL's (gloo): NCCL's suspend waits for every
-    rank of each communicator, and the ranks then agree over that group."""
+    rank of each communicator, and the ranks then agree over that group. So does every tag
+    where a rank has ``nccl_in_all_tags`` on: over an NCCL group such a rank fails without
+    acting, and every rank raises :class:`DistributedError` naming it (one whose communicators
+    are suspended already cannot take part, and raises ``InvalidArgumentError`` at once)."""
     gather = _torch_group(group)
-    _not_over_nccl(tag, group)
-    return _pause_tag(tag, *gather)
+    return _pause_tag(tag, *gather, check=_not_over_nccl(tag, group))
 
 
 def resume(tag: Optional[str] = None, group: Any = None) -> Outcome:
-    """Resume ``tag`` (every tag if None) on every rank of ``group``, or on none."""
+    """Resume ``tag`` (every tag if None) on every rank of ``group``, or on none (the tag
+    ``"nccl"``, and every tag where a rank has ``nccl_in_all_tags`` on, as for :func:`pause`)."""
     gather = _torch_group(group)
-    _not_over_nccl(tag, group)
-    return _resume_tag(tag, *gather)
+    return _resume_tag(tag, *gather, check=_not_over_nccl(tag, group))
 
 
 def pause_chunks(
