@@ -472,7 +472,9 @@ class TorchMemorySaver:
         it). Only for memory made while ``TMS_SHAREABLE=1`` (else :class:`DriverError` naming
         the setting); a paused allocation is refused. An importer keeps the memory alive: a
         pause gives it back only once every importer has released its import, and a resume maps
-        new memory that earlier exports do not reach (export again)."""
+        new memory that earlier exports do not reach (export again). The allocation is exported
+        as it is at one moment; where another thread keeps replacing it with a larger one, it
+        is refused after a few tries (:class:`InvalidStateError`), nothing exported."""
         self._ensure_initialized()
         return self._impl.export_memory(tensor)
 
