@@ -22,9 +22,9 @@
 //! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
 //!   changed (read before and after with `chunks`);
 //! - a process whose operation was still running at `--timeout` (exit 7) is undone only once
-//!   its `status` lists the operation no more (waiting while it moves, up to `--timeout` with
-//!   nothing moving), by what it changed; if it still runs, that process is reported as not as
-//!   before. Nothing is claimed that tmsctl has not seen.
+//!   its `status` lists the operation no more (waiting while it, or the one it waits behind,
+//!   moves, up to `--timeout` with nothing moving), by what it changed; if it still runs, that
+//!   process is reported as not as before. Nothing is claimed that tmsctl has not seen.
 //!
 //! The pause records its chunk states in the job's own record (servers with
 //! [`FEATURE_JOB_RECORD`]), so the one the program saved with `pause(save_chunk_state=True)`
@@ -212,8 +212,9 @@ enum Here {
 }
 
 /// Wait until the process of `c` lists no pause or resume of `tag` asked over its socket (the
-/// one that outlasted `--timeout`), as long as it moves: false once nothing moved (its phase
-/// and bytes) for `still`.
+/// one that outlasted `--timeout`), as long as the process's pauses and resumes move (the
+/// phases and bytes of that one and of the one it waits behind, as the wait for its reply
+/// counts them): false once nothing moved for `still`.
 fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> Result<bool> {
     // As `status` shows it (a long tag shortened): else a running operation is never found.
     let tag = tag.map(shown_tag);
@@ -230,14 +231,15 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
         }
         c.rearm(still);
         let s = status_of(c)?;
-        let Some(r) = s
+        if !s
             .operations
             .iter()
-            .find(|r| r.op == which && !r.in_process && r.tag == tag)
-        else {
+            .any(|r| r.op == which && !r.in_process && r.tag == tag)
+        {
             return Ok(true);
-        };
-        let now = Some((r.phase, r.bytes_done));
+        }
+        // Waiting behind another operation, it does not move itself: that one's moves count.
+        let now = Some(progress::seen(&s.operations));
         if now != seen {
             (seen, since) = (now, Instant::now());
         } else if since.elapsed() >= still {
@@ -278,7 +280,7 @@ fn undo(
         return Err(Failure::new(
             Code::Running,
             format!(
-                "its {} may still be running, and its library ({}) predates listing running \
+                "{} may still be running, and its library ({}) predates listing running \
                  operations: not undone (`tmsctl status --pid {}` shows where it ended)",
                 op_words(which, tag.as_deref(), None),
                 crate::text::printable(&c.hello.software),
@@ -290,7 +292,7 @@ fn undo(
         return Err(Failure::new(
             Code::Running,
             format!(
-                "its {} was still running, nothing moving for {:.1} s more; it goes on in the \
+                "{} was still running, nothing moving for {:.1} s more; it goes on in the \
                  process, not undone (`tmsctl status --pid {}` shows it; undo it once it ends)",
                 op_words(which, tag.as_deref(), None),
                 ctx.timeout.as_secs_f64(),

@@ -193,7 +193,16 @@ impl Drop for Watch {
 
 /// What a status says about the process's pauses and resumes that move: their kinds, phases
 /// and bytes. A change between two polls is progress.
-type Seen = Vec<(Op, Option<Phase>, Option<u64>, bool)>;
+pub type Seen = Vec<(Op, Option<Phase>, Option<u64>, bool)>;
+
+/// The [`Seen`] of the operations a status lists: the one asked for and the one it waits
+/// behind alike, so that a wait lasts while either moves.
+pub fn seen(ops: &[Running]) -> Seen {
+    ops.iter()
+        .filter(|r| r.phase.is_some())
+        .map(|r| (r.op, r.phase, r.bytes_done, r.in_process))
+        .collect()
+}
 
 fn poll(sh: &Shared, sock: &Socket, timeout: Duration, asked: &Asked) {
     let mut conn: Option<(Client, Instant)> = None;
@@ -229,12 +238,7 @@ fn poll(sh: &Shared, sock: &Socket, timeout: Duration, asked: &Asked) {
         };
         failures = 0;
         let now = Instant::now();
-        let seen: Seen = s
-            .operations
-            .iter()
-            .filter(|r| r.phase.is_some())
-            .map(|r| (r.op, r.phase, r.bytes_done, r.in_process))
-            .collect();
+        let seen = seen(&s.operations);
         let moved = match &prev {
             Some(p) => *p != seen,
             None => seen.iter().any(|o| o.2.is_some_and(|b| b > 0)),

@@ -520,6 +520,19 @@ fn slow_server(
     stall_ms: u64,
     move_ms: u64,
 ) -> Slow {
+    slow_server_behind(dir, features, (0, 0), stall_ms, move_ms)
+}
+
+/// [`slow_server`] whose pause first waits (listed as `waiting`) behind a pause the program
+/// started itself (of tag "other", in-process), which stalls `ahead.0` ms, then copies for
+/// `ahead.1` ms.
+fn slow_server_behind(
+    dir: &std::path::Path,
+    features: &'static [&'static str],
+    ahead: (u64, u64),
+    stall_ms: u64,
+    move_ms: u64,
+) -> Slow {
     use std::io::{BufRead, BufReader, Write};
     use std::sync::{Arc, Mutex};
     let me = std::process::id();
@@ -558,15 +571,34 @@ fn slow_server(
                             let mut ops = Vec::new();
                             if let Some(t) = *started.lock().unwrap() {
                                 let ms = t.elapsed().as_millis() as u64;
-                                let (phase, done) = match ms.checked_sub(stall_ms) {
+                                let phase = |ms: u64, stall: u64| match ms.checked_sub(stall) {
                                     None => ("synchronizing", 0),
                                     Some(m) => ("copying_to_host", (m + 1) * 1000),
                                 };
-                                ops.push(serde_json::json!({
-                                    "op": "pause", "tag": "kv", "seconds": ms as f64 / 1e3,
-                                    "phase": phase, "bytes_total": 8u64 << 20,
-                                    "bytes_done": done, "backing": "host",
-                                }));
+                                let seconds = ms as f64 / 1e3;
+                                match ms.checked_sub(ahead.0 + ahead.1) {
+                                    Some(ms) => {
+                                        let (phase, done) = phase(ms, stall_ms);
+                                        ops.push(serde_json::json!({
+                                            "op": "pause", "tag": "kv", "seconds": seconds,
+                                            "phase": phase, "bytes_total": 8u64 << 20,
+                                            "bytes_done": done, "backing": "host",
+                                        }));
+                                    }
+                                    None => {
+                                        ops.push(serde_json::json!({
+                                            "op": "pause", "tag": "kv", "seconds": seconds,
+                                            "phase": "waiting",
+                                        }));
+                                        let (phase, done) = phase(ms, ahead.0);
+                                        ops.push(serde_json::json!({
+                                            "op": "pause", "tag": "other", "seconds": seconds,
+                                            "in_process": true, "phase": phase,
+                                            "bytes_total": 8u64 << 20, "bytes_done": done,
+                                            "backing": "host",
+                                        }));
+                                    }
+                                }
                             }
                             let mut st = serde_json::json!({
                                 "reply": "status", "pid": me, "backend": "sim",
@@ -587,10 +619,15 @@ fn slow_server(
                             if op == "pause" {
                                 *started.lock().unwrap() = Some(Instant::now());
                                 asked.store(true, std::sync::atomic::Ordering::SeqCst);
-                                std::thread::sleep(Duration::from_millis(stall_ms + move_ms));
+                                let ms = ahead.0 + ahead.1 + stall_ms + move_ms;
+                                std::thread::sleep(Duration::from_millis(ms));
+                            }
+                            // Paused before it is listed no more: a status never sees it ended
+                            // with nothing changed.
+                            *state.lock().unwrap() = op == "pause";
+                            if op == "pause" {
                                 *started.lock().unwrap() = None;
                             }
-                            *state.lock().unwrap() = op == "pause";
                             serde_json::json!({
                                 "reply": "done", "op": op, "tag": "kv", "allocations": 1,
                                 "bytes": 8u64 << 20, "copied_bytes": 8u64 << 20, "seconds": 0.01,
@@ -702,6 +739,20 @@ fn an_atomic_pause_that_moves_past_the_timeout_is_waited_for_and_undone() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     let Slow { paused, .. } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 3000);
+    assert_undone(&ctl(&sb, &atomic_pause_kv("1")), &paused);
+}
+
+/// The pause waits behind one the program started itself, which stalls past --timeout (exit 7)
+/// and then copies for 3 s, moving all along while the pause asked for still waits. The undo
+/// waits while either moves, as the wait for the reply does, then restores the process: as
+/// before. (It watched only the pause asked for, which did not move while it waited: it gave up
+/// after --timeout, "nothing moving", and left the process to be paused.)
+#[test]
+fn an_atomic_pause_waiting_behind_one_that_moves_is_waited_for_and_undone() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let features = &["chunks", "operations", "progress"];
+    let Slow { paused, .. } = slow_server_behind(dir, features, (1500, 3000), 0, 100);
     assert_undone(&ctl(&sb, &atomic_pause_kv("1")), &paused);
 }
 
