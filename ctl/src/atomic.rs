@@ -19,8 +19,9 @@
 //!   process is paused again wherever its tag took memory back. Memory a non-blocking resume
 //!   is restoring is left alone (a pause would take it from the program waiting for it);
 //!   memory one left unrestored is paused, given back, which is not as before and said so;
-//! - a pause or resume of chunks is undone by the opposite operation on the chunks whose state
-//!   changed (read before and after with `chunks`);
+//! - a pause or resume of chunks is undone by the opposite operation on the chunks it was asked
+//!   for whose state changed its way (read before and after with `chunks`): a chunk the program
+//!   paused or resumed meanwhile is left as the program made it;
 //! - a process whose operation was still running at `--timeout` (exit 7) is undone only once
 //!   its `status` lists the operation no more (waiting while it, or the one it waits behind,
 //!   moves, up to `--timeout` with nothing moving), by what it changed; if it still runs, that
@@ -62,7 +63,7 @@ enum Undo {
     /// Cannot be undone exactly; why. `before`: the active bytes of the tags asked for, before
     /// (a process whose own operation failed and changed nothing needs no undo).
     Skip { why: String, before: u64 },
-    /// The opposite operation on the chunks whose state changed from these.
+    /// The opposite operation on the chunks asked for whose state changed from these.
     Chunks(Vec<bool>),
 }
 
@@ -268,7 +269,7 @@ fn undo(
     how: &Undo,
     here: Here,
 ) -> Result<Undid> {
-    let Some((which, tag, _, _)) = asked(req) else {
+    let Some((which, tag, asked_chunks, _)) = asked(req) else {
         return Err(Failure::new(
             Code::Failed,
             "--atomic takes a pause or a resume",
@@ -352,11 +353,21 @@ fn undo(
         Undo::Chunks(before) => {
             let name = tag.clone().unwrap_or_default();
             let now = chunk_states(&mut c, &name)?;
+            // Only what the operation can have moved: a chunk it was asked for, gone the way
+            // it goes. Another change (the program's own, meanwhile) is not the job's to undo.
+            let was_asked = |i: usize| {
+                let i = i as u64;
+                asked_chunks
+                    .as_deref()
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|&[a, b]| (a..=b).contains(&i))
+            };
             let changed: Vec<usize> = before
                 .iter()
                 .zip(&now)
                 .enumerate()
-                .filter(|(_, (b, n))| b != n)
+                .filter(|&(i, (&b, &n))| b == (which == Op::Pause) && n != b && was_asked(i))
                 .map(|(i, _)| i)
                 .collect();
             if changed.is_empty() {

@@ -485,6 +485,83 @@ fn an_atomic_resume_that_failed_over_unrestored_memory_is_not_called_unchanged()
     drop(a);
 }
 
+/// A server of this test process with tag "demo" of 4 chunks, all active, whose program pauses
+/// chunk 2 itself as soon as a pause of chunks is answered (between tmsctl's pause and its
+/// undo): its chunk states, and the requests it was asked.
+fn chunked_server_whose_program_pauses_chunk_2(dir: &std::path::Path) -> Fake {
+    use std::sync::{Arc, Mutex};
+    let me = std::process::id();
+    let states = Arc::new(Mutex::new(vec![true; 4]));
+    let answer: Answer = Arc::new(move |req: &Value| -> String {
+        let mut st = states.lock().unwrap();
+        match req["op"].as_str() {
+            Some("chunks") => serde_json::json!({
+                "reply": "chunks", "tag": "demo", "addr": 1u64 << 32, "chunk_size": 2u64 << 20,
+                "count": 4, "states": st.iter().map(|a| if *a { '1' } else { '0' })
+                    .collect::<String>(),
+            })
+            .to_string(),
+            Some(op @ ("pause" | "resume")) => {
+                let ranges = req["chunks"].as_array().cloned().unwrap_or_default();
+                let mut moved = 0u64;
+                for r in &ranges {
+                    let (a, b) = (r[0].as_u64().unwrap(), r[1].as_u64().unwrap());
+                    for i in a..=b {
+                        let s = &mut st[i as usize];
+                        moved += u64::from(*s != (op == "resume"));
+                        *s = op == "resume";
+                    }
+                }
+                if op == "pause" {
+                    st[2] = false;
+                }
+                serde_json::json!({
+                    "reply": "done", "op": op, "tag": "demo", "chunks": ranges,
+                    "allocations": 1, "bytes": moved * (2 << 20), "copied_bytes": 0,
+                    "seconds": 0.01,
+                })
+                .to_string()
+            }
+            _ => "{\"reply\":\"error\",\"kind\":\"unsupported\",\"message\":\"no\"}".to_string(),
+        }
+    });
+    Fake::start_with_features(dir, &our_name(me), me, answer, &["chunks"])
+}
+
+/// `pause --atomic --chunks 0` of two processes, the second's failing: the first's undo resumes
+/// the chunk the pause took, and only that one; chunk 2, which the program paused itself
+/// meanwhile, stays paused. (The undo resumed every chunk whose state had changed since before
+/// the pause, chunk 2 included: it undid the program's own pause, and said it had undone the
+/// job's.)
+#[test]
+fn an_atomic_chunk_pause_is_undone_on_the_chunks_it_paused_only() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let fake = chunked_server_whose_program_pauses_chunk_2(dir);
+    let faulty = Proc::start_with(&sb, &[("TMS_SIM_FAULTS", "copy_d2h:1,copy_d2h:2")], |c| {
+        c.args(["--chunk", "2MiB"]);
+    });
+    assert!(faulty.pid > std::process::id(), "pids wrapped around");
+    let args = [
+        "pause", "--all", "--atomic", "--tag", "demo", "--chunks", "0", "--json",
+    ];
+    let r = ctl(&sb, &args);
+    let j = r.json_exit(1);
+    assert_eq!(j["failed"]["pid"], faulty.pid, "{}", r.dump());
+    let undo = &item_of(&j, std::process::id())["undo"];
+    assert_eq!(undo["op"], "resume", "{}", r.dump());
+    assert_eq!(undo["chunks"], serde_json::json!([[0, 0]]), "{}", r.dump());
+    let resumes = fake
+        .requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|q| q["op"] == "resume")
+        .map(|q| q["chunks"].clone())
+        .collect::<Vec<_>>();
+    assert_eq!(resumes, vec![serde_json::json!([[0, 0]])], "{}", r.dump());
+}
+
 /// A tag no process ever had is exit 6 with `--atomic` as without it, told on stderr (it used to
 /// be exit 0, "nothing to do"): a job-wide pause guarded by `--atomic` must notice a typo.
 #[test]

@@ -362,10 +362,20 @@ pub type Answer = Arc<dyn Fn(&Value) -> String + Send + Sync>;
 /// Read a client's hello on `conn` and answer it as process `pid`; the request lines that follow,
 /// or `None` when the client went away first.
 pub fn greet(conn: &mut UnixStream, pid: u32) -> Option<std::io::Lines<BufReader<UnixStream>>> {
+    greet_with(conn, pid, &[])
+}
+
+/// [`greet`], announcing `features` in the hello.
+fn greet_with(
+    conn: &mut UnixStream,
+    pid: u32,
+    features: &[&str],
+) -> Option<std::io::Lines<BufReader<UnixStream>>> {
     let mut lines = BufReader::new(conn.try_clone().ok()?).lines();
     lines.next()?.ok()?;
     let hello = format!(
-        "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{pid},\"software\":\"fake 1\",\"backend\":\"sim\"}}\n"
+        "{{\"reply\":\"hello\",\"protocol\":1,\"pid\":{pid},\"software\":\"fake 1\",\"backend\":\"sim\",\"features\":{}}}\n",
+        serde_json::json!(features)
     );
     conn.write_all(hello.as_bytes()).ok()?;
     Some(lines)
@@ -387,6 +397,28 @@ impl Fake {
     /// The same, but the first `busy` connections get a `busy` error and are closed at once,
     /// as a server with no room for them does.
     pub fn start_busy(dir: &Path, file: &str, hello_pid: u32, answer: Answer, busy: usize) -> Fake {
+        Fake::serve(dir, file, hello_pid, answer, busy, &[])
+    }
+
+    /// [`Fake::start`] of a server announcing `features` in its hello.
+    pub fn start_with_features(
+        dir: &Path,
+        file: &str,
+        hello_pid: u32,
+        answer: Answer,
+        features: &'static [&'static str],
+    ) -> Fake {
+        Fake::serve(dir, file, hello_pid, answer, 0, features)
+    }
+
+    fn serve(
+        dir: &Path,
+        file: &str,
+        hello_pid: u32,
+        answer: Answer,
+        busy: usize,
+        features: &'static [&'static str],
+    ) -> Fake {
         let path = dir.join(file);
         let listener = UnixListener::bind(&path).expect("bind the fake server");
         let requests = Arc::new(Mutex::new(Vec::new()));
@@ -400,7 +432,7 @@ impl Fake {
                     );
                     continue;
                 }
-                let Some(lines) = greet(&mut conn, hello_pid) else {
+                let Some(lines) = greet_with(&mut conn, hello_pid, features) else {
                     continue;
                 };
                 for line in lines {
