@@ -2,7 +2,6 @@
 //! be at once, and which one gives way to a newcomer (Note [The control server]).
 
 use std::net::Shutdown;
-use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,7 +9,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use super::session::Watch;
-use super::sys;
+use super::sys::Tracked;
 
 /// The connections being served.
 pub struct Table {
@@ -26,7 +25,7 @@ struct Inner {
 
 struct Entry {
     id: u64,
-    stream: Arc<UnixStream>,
+    stream: Arc<Tracked>,
     /// Since when the connection has waited for a request line; `None` while it serves one.
     idle_since: Option<Instant>,
     /// A line (the hello) has arrived: the client speaks the protocol.
@@ -49,7 +48,7 @@ impl Table {
     /// that has waited longest. Its reading side is shut down, which wakes its thread; the
     /// thread sends it a `busy` error and ends. When every connection is serving a request,
     /// nothing gives way and `stream` is handed back, for a `busy` reply.
-    pub fn admit(self: &Arc<Self>, stream: UnixStream) -> Result<Ticket, UnixStream> {
+    pub fn admit(self: &Arc<Self>, stream: Tracked) -> Result<Ticket, Tracked> {
         let mut g = self.inner.lock();
         let counted = g.live.iter().filter(|e| !e.evicted).count();
         if counted >= self.max {
@@ -71,7 +70,6 @@ impl Table {
         let id = g.next_id;
         g.next_id += 1;
         let stream = Arc::new(stream);
-        let fork_slot = sys::track_connection(stream.as_raw_fd());
         g.live.push(Entry {
             id,
             stream: Arc::clone(&stream),
@@ -83,7 +81,6 @@ impl Table {
             table: Arc::clone(self),
             id,
             stream,
-            fork_slot,
         })
     }
 
@@ -98,8 +95,7 @@ impl Table {
 pub struct Ticket {
     table: Arc<Table>,
     id: u64,
-    stream: Arc<UnixStream>,
-    fork_slot: Option<usize>,
+    stream: Arc<Tracked>,
 }
 
 impl Ticket {
@@ -109,7 +105,7 @@ impl Ticket {
     }
 
     /// The connection, shared (to answer it should its thread not start).
-    pub fn shared_stream(&self) -> Arc<UnixStream> {
+    pub fn shared_stream(&self) -> Arc<Tracked> {
         Arc::clone(&self.stream)
     }
 
@@ -144,16 +140,13 @@ impl Watch for Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
+        // The connection closes when the last of its holders goes (the entry's here, this
+        // ticket's just after), forgotten for fork children as it closes (`Tracked`).
         let entry = {
             let mut g = self.table.inner.lock();
             let i = g.live.iter().position(|e| e.id == self.id);
             i.map(|i| g.live.swap_remove(i))
         };
-        // Forgotten for fork children before the fd can be closed (it closes when the last
-        // of the two streams goes, the entry's here or this ticket's just after).
-        if let Some(slot) = self.fork_slot {
-            sys::untrack_connection(slot);
-        }
         drop(entry);
     }
 }
@@ -164,8 +157,9 @@ mod tests {
 
     use super::*;
 
-    fn pair() -> (UnixStream, UnixStream) {
-        UnixStream::pair().unwrap()
+    fn pair() -> (Tracked, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        (Tracked::new(a), b)
     }
 
     #[test]
@@ -190,8 +184,8 @@ mod tests {
         assert!(a.evicted() && !a.working());
         assert!(!b.evicted() && !d.evicted());
         let mut buf = [0u8; 1];
-        assert_eq!((&*a.stream).read(&mut buf).unwrap(), 0);
-        sys::send_all(a.stream(), b"x", std::time::Duration::from_secs(2)).unwrap();
+        assert_eq!(a.stream().read(&mut buf).unwrap(), 0);
+        super::super::sys::send_all(a.stream(), b"x", std::time::Duration::from_secs(2)).unwrap();
         assert_eq!(a_peer.read(&mut buf).unwrap(), 1);
         assert_eq!(t.counted(), 2);
         drop(a);

@@ -64,7 +64,9 @@
 //! else's), and so does SIGTERM or SIGINT where the host left their default action (Note
 //! [Removal at exit and on a termination signal] in `os.rs`); a fork child closes its copies of
 //! the listener and of every open connection (it has no server threads, and the library is
-//! disabled in it anyway).
+//! disabled in it anyway). A fork that comes as a connection is accepted, or closed, waits the
+//! few system calls it takes to record it, or forget it, for the child (Note [The server's
+//! descriptors in a fork child] in `sys.rs`).
 //!
 //! *Harm.* Any failure here is logged (seen only with `TMS_LOG`) and the process carries on:
 //! the accept thread and every connection thread run inside `catch_unwind`, a thread that
@@ -72,7 +74,8 @@
 //! `MSG_NOSIGNAL` so a client that disappears cannot raise `SIGPIPE` in the host.
 //!
 //! The system calls go through the `nix` crate (`sys.rs`); this module's only `unsafe` is there
-//! too: registering the exit and fork handlers, and closing descriptors in a fork child.
+//! too: registering the exit and fork handlers, and closing descriptors (in a fork child, and
+//! the server's own where a fork must not come between forgetting and closing them).
 
 pub mod auth;
 pub mod conns;
@@ -242,7 +245,10 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     let pid = std::process::id();
     let folder = socket_dir();
     let ours = tms_proto::socket_file_name(pid);
-    let (listener, path) = listen_in(&folder, uid, &ours)?;
+    dir::prepare(&folder, uid)?;
+    // Made and recorded for fork children in one step (Note [The server's descriptors in a
+    // fork child] in `sys.rs`).
+    let (listener, path) = sys::listen(|| dir::bind_as(&folder, &ours))?;
     // The system would refuse such a path too (EINVAL): an OS-level failure.
     let c_path = CString::new(path.as_os_str().as_bytes()).map_err(|_| {
         let why = format!("socket path {} contains a NUL byte", path.display());
@@ -255,8 +261,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
         .map(|m| (m.dev(), m.ino()));
     // Where no removal slot is free, `sys`'s own atexit handler removes it (at exit only).
     let fallback = (!record_for_exit(&folder, &path, file)).then_some((c_path, file));
-    sys::install_process_handlers(fallback, listener.as_raw_fd());
-    let listener = sys::Listening(listener);
+    sys::remove_at_exit(fallback);
     let me = Identity {
         uid,
         pid,
@@ -266,7 +271,7 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
     let host: &'static ProcessHost = Box::leak(Box::new(ProcessHost { rt }));
     let spawned = std::thread::Builder::new()
         .name("tms-control".into())
-        .spawn(move || run(&listener.0, &folder, &ours, host, Limits::default(), me));
+        .spawn(move || run(&listener, &folder, &ours, host, Limits::default(), me));
     match spawned {
         Ok(_) => Ok(path),
         Err(e) => {
@@ -278,8 +283,10 @@ fn start(rt: &'static Runtime) -> std::result::Result<PathBuf, NoSocket> {
 
 /// The server's setup in `folder`: the folder made and checked ([`dir::prepare`]: refused,
 /// with nothing made or bound there, unless it can be trusted), then a socket named `name`
-/// listened on in it ([`dir::bind_as`]). [`start`] runs it, and so do the tests that start a
-/// server in a folder of their choosing.
+/// listened on in it ([`dir::bind_as`]). [`start`] does the same (its listener recorded for
+/// fork children as it is made), and the tests that start a server in a folder of their
+/// choosing run it.
+#[cfg(test)]
 fn listen_in(folder: &Path, uid: u32, name: &str) -> Result<(UnixListener, PathBuf)> {
     dir::prepare(folder, uid)?;
     dir::bind_as(folder, name)
@@ -323,9 +330,15 @@ const CONN_STACK: usize = 2 << 20;
 fn serve(listener: &UnixListener, host: &'static dyn Host, limits: Limits, me: Identity) {
     let table = Table::new(limits.max_connections);
     let shared = Arc::new(Shared { host, limits, me });
+    // `sys::accept` waits in `poll`, then takes the connection without waiting: a fork waits
+    // for the accept and its record, never for a client.
+    if let Err(e) = listener.set_nonblocking(true) {
+        tracing::error!("the control socket cannot be made non-blocking ({e}); no server");
+        return;
+    }
     loop {
-        match listener.accept() {
-            Ok((stream, _)) => {
+        match sys::accept(listener) {
+            Ok(stream) => {
                 let r = catch_unwind(AssertUnwindSafe(|| admit(&table, &shared, stream)));
                 if r.is_err() {
                     tracing::error!(
@@ -333,7 +346,11 @@ fn serve(listener: &UnixListener, host: &'static dyn Host, limits: Limits, me: I
                     );
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                ) => {}
             Err(e) => {
                 // Out of descriptors, typically: wait a little rather than spin.
                 tracing::warn!("control socket accept: {e}");
@@ -350,7 +367,7 @@ fn refuse(stream: &UnixStream, why: &str) {
 }
 
 /// Give `stream` a place in `table` and a thread, or a `busy` reply.
-fn admit(table: &Arc<Table>, shared: &Arc<Shared>, stream: UnixStream) {
+fn admit(table: &Arc<Table>, shared: &Arc<Shared>, stream: sys::Tracked) {
     let ticket = match table.admit(stream) {
         Ok(t) => t,
         Err(stream) => {

@@ -1,20 +1,45 @@
 //! The operating-system calls the control server needs beyond the standard library: the
 //! peer's credentials, sends that cannot raise `SIGPIPE`, a probe of whether anyone listens on
-//! a socket file, the effective uid, and the exit and fork handlers. They go through the `nix`
-//! crate; what it does not cover (registering the `atexit` and `pthread_atfork` handlers, and
-//! closing inherited descriptors by number in a fork child) is this module's `unsafe`, the only
-//! `unsafe` of the control server.
+//! a socket file, the effective uid, and the exit and fork handlers with the descriptors they
+//! close in a fork child (Note [The server's descriptors in a fork child]). They go through the
+//! `nix` crate; what it does not cover (registering the `atexit` and `pthread_atfork` handlers,
+//! and closing descriptors by number) is this module's `unsafe`, the only `unsafe` of the
+//! control server.
+//!
+//! # Note [The server's descriptors in a fork child]
+//!
+//! A fork child has no server threads, so it closes its copies of the listener and of the
+//! connections being served: left open, a copy keeps the server's end of a client's connection
+//! alive after the parent closed it or died, and the client waits for a reply that never comes
+//! instead of seeing the end (a copy of the listener makes a dead server's socket look alive).
+//! The child handler closes them by the numbers recorded in [`LISTEN_FD`] and [`CONN_FDS`]. A
+//! number can only be recorded once the call that made the descriptor has returned, and must be
+//! forgotten before the one that closes it (else a child could close a number reused by the
+//! host), so each descriptor has two moments when it is open and not recorded. Both happen
+//! inside a gate ([`Gate`]): make and record (the accept itself is non-blocking, after a `poll`
+//! outside the gate), forget and close. A fork's prepare handler closes the gate to newcomers
+//! and waits for the threads inside to leave (a few system calls; nothing in the gate waits),
+//! at most [`FORK_WAIT`]: a server thread stopped inside by a debugger, or a fork from a signal
+//! handler that interrupted one, costs the fork that long and may leave the child that copy,
+//! never a hang. The parent and child handlers open the gate again. Children that run no
+//! `pthread_atfork` handler (`_Fork`, a raw `clone`) keep every copy; `exec` closes them
+//! (close-on-exec).
 
 use std::ffi::CString;
 use std::io;
+use std::mem::ManuallyDrop;
+use std::ops::Deref;
+use std::os::fd::AsFd;
 use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixListener;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Once, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::socket::{self, sockopt, AddressFamily, MsgFlags, SockFlag, SockType, UnixAddr};
 
 /// The effective uid of this process.
@@ -144,6 +169,55 @@ static HANDLERS: Once = Once::new();
 /// The listening socket's fd (-1: none), closed in a fork child.
 static LISTEN_FD: AtomicI32 = AtomicI32::new(-1);
 
+/// Server threads inside the [`Gate`].
+static IN_GATE: AtomicUsize = AtomicUsize::new(0);
+/// Forks under way in this process (prepare handler run, parent handler not yet): the
+/// [`Gate`] is closed to newcomers.
+static FORKING: AtomicUsize = AtomicUsize::new(0);
+/// How long a fork waits at most for the threads inside the [`Gate`] to leave.
+const FORK_WAIT: Duration = Duration::from_secs(1);
+
+/// Held from making a server descriptor until it is recorded for fork children, and from
+/// forgetting it until it is closed: a fork waits for it (Note [The server's descriptors in a
+/// fork child]). Never held across anything that waits.
+struct Gate(());
+
+impl Gate {
+    fn enter() -> Gate {
+        loop {
+            IN_GATE.fetch_add(1, Ordering::SeqCst);
+            // Both sides store, then read the other's counter (SeqCst): a fork either sees
+            // this thread inside, or this thread sees the fork and steps back out.
+            if FORKING.load(Ordering::SeqCst) == 0 {
+                return Gate(());
+            }
+            IN_GATE.fetch_sub(1, Ordering::SeqCst);
+            while FORKING.load(Ordering::SeqCst) != 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        IN_GATE.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+extern "C" fn before_fork() {
+    // Only async-signal-safe calls: atomics, clock_gettime, sched_yield.
+    FORKING.fetch_add(1, Ordering::SeqCst);
+    let t = Instant::now();
+    while IN_GATE.load(Ordering::SeqCst) != 0 && t.elapsed() < FORK_WAIT {
+        std::thread::yield_now();
+    }
+}
+
+extern "C" fn after_fork_in_parent() {
+    let _ = FORKING.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+}
+
 /// Connections tracked for fork children at most (more than the server's cap on concurrent
 /// connections, which is what bounds them in a process; tests run several servers at once).
 pub const TRACKED_CONNECTIONS: usize = 128;
@@ -178,13 +252,33 @@ extern "C" fn close_in_fork_child() {
             unsafe { libc::close(fd) };
         }
     }
+    // The child's only thread is this one: no fork is under way, no thread in the gate.
+    FORKING.store(0, Ordering::SeqCst);
+    IN_GATE.store(0, Ordering::SeqCst);
 }
 
-/// Close the server's fds in fork children; and where `unlink` names the socket (`path`, and
-/// `file`, its device and inode: the socket could not be recorded in `os.rs`'s removal table),
-/// remove it at exit, in this process only and while it is still `file`. Call once, after the
-/// socket exists.
-pub fn install_process_handlers(unlink: Option<(CString, Option<(u64, u64)>)>, listen_fd: i32) {
+/// Register the exit handler and the fork handlers (Note [The server's descriptors in a fork
+/// child]), once per process.
+pub fn register_handlers() {
+    HANDLERS.call_once(|| {
+        // SAFETY: registers handlers that only use async-signal-safe calls and never unwind;
+        // nix offers no wrapper for either registration.
+        unsafe {
+            libc::atexit(unlink_at_exit);
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_in_parent),
+                Some(close_in_fork_child),
+            );
+        }
+    });
+}
+
+/// Where `unlink` names the socket (`path`, and `file`, its device and inode: the socket could
+/// not be recorded in `os.rs`'s removal table), remove it at exit, in this process only and
+/// while it is still `file`.
+pub fn remove_at_exit(unlink: Option<(CString, Option<(u64, u64)>)>) {
+    register_handlers();
     if let Some((path, file)) = unlink {
         let _ = EXIT_UNLINK.set(ExitUnlink {
             path,
@@ -192,36 +286,46 @@ pub fn install_process_handlers(unlink: Option<(CString, Option<(u64, u64)>)>, l
             file,
         });
     }
-    LISTEN_FD.store(listen_fd, Ordering::SeqCst);
-    HANDLERS.call_once(|| {
-        // SAFETY: registers handlers that only use async-signal-safe calls and never unwind;
-        // nix offers no wrapper for either registration.
-        unsafe {
-            libc::atexit(unlink_at_exit);
-            libc::pthread_atfork(None, None, Some(close_in_fork_child));
-        }
-    });
 }
 
-/// Forget the listener fd before it is closed (so a fork child never closes a reused number).
-fn forget_listener() {
-    LISTEN_FD.store(-1, Ordering::SeqCst);
+/// The server's listening socket, made by `bind` and recorded for fork children in one step
+/// (a fork waits for both).
+pub fn listen<T, E>(
+    bind: impl FnOnce() -> Result<(UnixListener, T), E>,
+) -> Result<(Listening, T), E> {
+    register_handlers();
+    let _gate = Gate::enter();
+    let (listener, t) = bind()?;
+    LISTEN_FD.store(listener.as_raw_fd(), Ordering::SeqCst);
+    Ok((Listening(ManuallyDrop::new(listener)), t))
 }
 
-/// The server's listening socket: however it goes (its thread ends or panics, or never starts
-/// and drops it), its number is forgotten for fork children before it is closed.
-pub struct Listening(pub std::os::unix::net::UnixListener);
+/// The listening socket [`listen`] made: however it goes (its thread ends or panics, or never
+/// starts and drops it), it is forgotten for fork children and closed in one step too.
+pub struct Listening(ManuallyDrop<UnixListener>);
+
+impl Deref for Listening {
+    type Target = UnixListener;
+
+    fn deref(&self) -> &UnixListener {
+        &self.0
+    }
+}
 
 impl Drop for Listening {
     fn drop(&mut self) {
-        forget_listener();
+        let _gate = Gate::enter();
+        // Forgotten before it is closed: a fork child never closes a reused number.
+        LISTEN_FD.store(-1, Ordering::SeqCst);
+        // SAFETY: dropped once, here; the field is never used again.
+        unsafe { ManuallyDrop::drop(&mut self.0) };
     }
 }
 
 /// Record a connection being served, so that a fork child closes its copy; `None` when every
-/// slot is taken (the child then keeps that copy until it exits). Call [`untrack_connection`]
-/// with the slot before the fd is closed.
-pub fn track_connection(fd: i32) -> Option<usize> {
+/// slot is taken (the child then keeps that copy until it exits). [`untrack_connection`] with
+/// the slot before the fd is closed.
+fn track_connection(fd: i32) -> Option<usize> {
     CONN_FDS.iter().position(|slot| {
         slot.compare_exchange(-1, fd, Ordering::SeqCst, Ordering::SeqCst)
             .is_ok()
@@ -229,10 +333,100 @@ pub fn track_connection(fd: i32) -> Option<usize> {
 }
 
 /// Forget a connection recorded by [`track_connection`].
-pub fn untrack_connection(slot: usize) {
+fn untrack_connection(slot: usize) {
     if let Some(s) = CONN_FDS.get(slot) {
         s.store(-1, Ordering::SeqCst);
     }
+}
+
+/// A connection being served, recorded for fork children from its accept until it is closed
+/// (Note [The server's descriptors in a fork child]).
+pub struct Tracked {
+    stream: ManuallyDrop<UnixStream>,
+    slot: Option<usize>,
+}
+
+impl Tracked {
+    /// Record `stream`, made before (elsewhere than in [`accept`], which records in the same
+    /// step).
+    pub fn new(stream: UnixStream) -> Tracked {
+        let _gate = Gate::enter();
+        Tracked::recorded(stream)
+    }
+
+    /// Record `stream` (the caller is inside the gate).
+    fn recorded(stream: UnixStream) -> Tracked {
+        let slot = track_connection(stream.as_raw_fd());
+        Tracked {
+            stream: ManuallyDrop::new(stream),
+            slot,
+        }
+    }
+}
+
+impl Deref for Tracked {
+    type Target = UnixStream;
+
+    fn deref(&self) -> &UnixStream {
+        &self.stream
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let _gate = Gate::enter();
+        // Forgotten before it is closed: a fork child never closes a reused number.
+        if let Some(slot) = self.slot {
+            untrack_connection(slot);
+        }
+        #[cfg(test)]
+        in_window(&self.stream, Window::Closing);
+        // SAFETY: dropped once, here; the field is never used again.
+        unsafe { ManuallyDrop::drop(&mut self.stream) };
+    }
+}
+
+/// Where [`WINDOW_HOOK`] is called.
+#[cfg(test)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Window {
+    /// Between the accept of a connection and its record.
+    Accepted,
+    /// Between forgetting a connection and closing it.
+    Closing,
+}
+
+/// Test hook: called with a connection in each moment it is open and not recorded.
+#[cfg(test)]
+#[allow(clippy::type_complexity)]
+pub static WINDOW_HOOK: parking_lot::Mutex<
+    Option<std::sync::Arc<dyn Fn(&UnixStream, Window) + Send + Sync>>,
+> = parking_lot::Mutex::new(None);
+
+#[cfg(test)]
+fn in_window(stream: &UnixStream, w: Window) {
+    let hook = WINDOW_HOOK.lock().clone();
+    if let Some(h) = hook {
+        h(stream, w);
+    }
+}
+
+/// Wait for a connection on `listener` (made non-blocking by the caller), then accept it and
+/// record it for fork children in one step. `WouldBlock` where the connection waiting went
+/// before it was taken.
+pub fn accept(listener: &UnixListener) -> io::Result<Tracked> {
+    // The wait is outside the gate: a fork never waits for a client.
+    let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+    match poll(&mut fds, PollTimeout::NONE) {
+        Ok(_) => {}
+        Err(Errno::EINTR) => return Err(io::ErrorKind::Interrupted.into()),
+        Err(e) => return Err(e.into()),
+    }
+    let _gate = Gate::enter();
+    let (stream, _) = listener.accept()?;
+    #[cfg(test)]
+    in_window(&stream, Window::Accepted);
+    Ok(Tracked::recorded(stream))
 }
 
 #[cfg(test)]

@@ -376,3 +376,115 @@ fn no_socket_reasons_keep_their_words() {
         assert_eq!(why.to_string(), want);
     }
 }
+
+/// The inode of the file `fd` is open on.
+fn inode_of(fd: i32) -> u64 {
+    // SAFETY: a borrow of a descriptor the caller holds open for the call.
+    let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+    nix::sys::stat::fstat(fd).unwrap().st_ino
+}
+
+/// Fork in a child that reports, by its exit status, whether `fd` is open there on the file
+/// of inode `ino` (1) or not (0); that status. The child calls only async-signal-safe functions.
+fn fork_and_look_for(fd: i32, ino: u64) -> i32 {
+    // SAFETY: the child only calls fstat and _exit (async-signal-safe) before it ends.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        let mut st = std::mem::MaybeUninit::<libc::stat>::zeroed();
+        // SAFETY: fstat writes into `st`, a place of the right type and size.
+        let same = unsafe { libc::fstat(fd, st.as_mut_ptr()) } == 0
+            // SAFETY: fstat succeeded and filled `st`.
+            && unsafe { st.assume_init() }.st_ino == ino;
+        // SAFETY: ends the child at once, running nothing of the parent's.
+        unsafe { libc::_exit(i32::from(same)) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked; `status` is a valid place to write to.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(
+        libc::WIFEXITED(status),
+        "the child did not exit: {status:#x}"
+    );
+    libc::WEXITSTATUS(status)
+}
+
+/// Held by each test that sets the window hook (there is one for the process).
+static WINDOW_TESTS: Mutex<()> = Mutex::new(());
+
+/// Make the window hook fork, from another thread, while the server is in `window` with a
+/// connection that `ours` picks: the hook gives the thread 300 ms to fork, then goes on. The
+/// thread's result, [`fork_and_look_for`] of that connection, comes on the channel.
+fn fork_in_window(
+    window: sys::Window,
+    ours: impl Fn(&UnixStream) -> bool + Send + Sync + 'static,
+) -> std::sync::mpsc::Receiver<std::thread::JoinHandle<i32>> {
+    sys::register_handlers();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let tx = parking_lot::Mutex::new(tx);
+    *sys::WINDOW_HOOK.lock() = Some(Arc::new(move |s: &UnixStream, w: sys::Window| {
+        if w != window || !ours(s) {
+            return;
+        }
+        let fd = std::os::fd::AsRawFd::as_raw_fd(s);
+        let ino = inode_of(fd);
+        let forker = std::thread::spawn(move || fork_and_look_for(fd, ino));
+        let t = Instant::now();
+        while !forker.is_finished() && t.elapsed() < Duration::from_millis(300) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = tx.lock().send(forker);
+    }));
+    rx
+}
+
+/// Whether the fork [`fork_in_window`] made left its child the connection (it must not: a
+/// child that keeps the server's end of a client's connection keeps it alive after the parent
+/// closed it or died, and the client waits for a reply that never comes instead of seeing the
+/// end).
+fn child_kept_it(rx: std::sync::mpsc::Receiver<std::thread::JoinHandle<i32>>) -> bool {
+    let forker = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the window");
+    *sys::WINDOW_HOOK.lock() = None;
+    forker.join().unwrap() == 1
+}
+
+/// Another thread of the host forks while the server has just accepted a connection and not yet
+/// recorded it for fork children: the child has no copy of it (the fork waits for the record).
+#[test]
+fn a_fork_as_a_connection_is_accepted_leaves_the_child_no_copy_of_it() {
+    let _one_at_a_time = WINDOW_TESTS.lock();
+    let (base, path) = server_in(host(), "fork-accept", "fork.sock", limits());
+    let folder = base.clone();
+    // This test's server only (it was bound at a temporary name in its folder).
+    let rx = fork_in_window(sys::Window::Accepted, move |s| {
+        let here = s.local_addr().ok();
+        here.as_ref().and_then(|a| a.as_pathname()?.parent()) == Some(folder.as_path())
+    });
+    let _client = UnixStream::connect(&path).unwrap();
+    assert!(
+        !child_kept_it(rx),
+        "the child holds the connection accepted as it forked"
+    );
+    std::fs::remove_dir_all(&base).unwrap();
+}
+
+/// The same as a connection closes, between its record forgotten and its close: the child has
+/// no copy of it (the fork waits for the close).
+#[test]
+fn a_fork_as_a_connection_closes_leaves_the_child_no_copy_of_it() {
+    let _one_at_a_time = WINDOW_TESTS.lock();
+    let (a, _peer) = UnixStream::pair().unwrap();
+    let ino = inode_of(std::os::fd::AsRawFd::as_raw_fd(&a));
+    let rx = fork_in_window(sys::Window::Closing, move |s| {
+        inode_of(std::os::fd::AsRawFd::as_raw_fd(s)) == ino
+    });
+    let table = conns::Table::new(4);
+    let ticket = table.admit(sys::Tracked::new(a)).ok().unwrap();
+    drop(ticket);
+    assert!(
+        !child_kept_it(rx),
+        "the child holds the connection closed as it forked"
+    );
+}
