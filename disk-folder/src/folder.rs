@@ -180,10 +180,12 @@ pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
     sweep_keeping(dir, &|_| false)
 }
 
-/// [`sweep`], leaving alone every file for which `ours` (given its `fstat` once opened) is
-/// true: the files the sweeping process holds open itself. Their lock cannot tell them from
-/// stale ones there, where the file system lets a process take a lock it holds already (flock
-/// emulated with POSIX locks, which never set a process's own requests against each other).
+/// [`sweep`], leaving alone every file for which `ours` (given its `fstatat`, before it is
+/// opened, and its `fstat` once opened) is true: the files the sweeping process holds open
+/// itself. Their lock cannot tell them from stale ones there, where the file system lets a
+/// process take a lock it holds already (flock emulated with POSIX locks, which never set a
+/// process's own requests against each other); nor are they opened, as closing a descriptor
+/// of a file drops every POSIX lock of the process on it.
 pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> nix::Result<usize> {
     let me = geteuid().as_raw();
     let mut listing = nix::dir::Dir::openat(
@@ -205,6 +207,11 @@ pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> n
         };
         // A regular file of ours (not a link, a FIFO, a file of theirs), and not one being made.
         if !kind.may_be_stale(before.st_mode, before.st_uid, before.st_mtime, me) {
+            continue;
+        }
+        // Not even opened: where flock is emulated with POSIX locks, closing any descriptor of
+        // a file drops the process's lock on it, which would expose it to other sweeps.
+        if ours(&before) {
             continue;
         }
         let flags = OFlag::O_RDONLY
@@ -296,6 +303,47 @@ mod tests {
         assert!(mine.exists() && !dead.exists());
         assert_eq!(sweep(folder.as_fd()), Ok(1), "told as no one's, it goes");
         assert!(!mine.exists());
+    }
+
+    #[test]
+    fn a_sweep_never_opens_a_file_its_process_holds() {
+        // Where flock is emulated with POSIX record locks, closing any descriptor of a file
+        // drops every such lock the process holds on it: a sweep that opened one of its own
+        // files, even to leave it, would leave it unlocked for another process's sweep.
+        use nix::fcntl::{fcntl, FcntlArg};
+        use nix::libc;
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().unwrap();
+        let mine = d.path().join(file_name(&unique_part(1, 0x1, 0)));
+        std::fs::write(&mine, b"x").unwrap();
+        let whole_file = |kind| libc::flock {
+            l_type: kind as libc::c_short,
+            l_whence: libc::SEEK_SET as libc::c_short,
+            l_start: 0,
+            l_len: 0,
+            l_pid: 0,
+        };
+        let held = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&mine)
+            .unwrap();
+        fcntl(&held, FcntlArg::F_SETLK(&whole_file(libc::F_WRLCK))).unwrap();
+        let m = std::fs::metadata(&mine).unwrap();
+        let ours = |st: &FileStat| (st.st_dev, st.st_ino) == (m.dev(), m.ino());
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        assert_eq!(sweep_keeping(folder.as_fd(), &ours), Ok(0));
+        assert!(mine.exists());
+        // An open file description lock conflicts with this process's record lock, if held.
+        let probe = File::open(&mine).unwrap();
+        let mut asked = whole_file(libc::F_RDLCK);
+        fcntl(&probe, FcntlArg::F_OFD_GETLK(&mut asked)).unwrap();
+        assert_eq!(
+            i32::from(asked.l_type),
+            libc::F_WRLCK,
+            "this process's lock on its own file was dropped by the sweep"
+        );
+        drop(held);
     }
 
     #[test]
