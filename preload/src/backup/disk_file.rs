@@ -36,7 +36,7 @@
 //!   tests prove that no failure loses data: a pause that cannot write leaves the allocation
 //!   active with its contents, a resume that cannot read leaves it paused with its file.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -90,9 +90,11 @@ static SEQ: AtomicU64 = AtomicU64::new(0);
 /// A file's identity: device and inode.
 type FileId = (libc::dev_t, libc::ino_t);
 
-/// The backup files this process holds open: its own sweeps leave them alone, whatever their
-/// lock tells (Note [Disk backup files]).
-static HELD: Mutex<BTreeSet<FileId>> = Mutex::new(BTreeSet::new());
+/// The backup files this process holds open, each with how many of its registrations hold
+/// it: its own sweeps leave them alone, whatever their lock tells (Note [Disk backup files]).
+/// Counted, because a file's inode is freed as its DiskFile closes it, before its registration
+/// goes, and may be given to a file made meanwhile.
+static HELD: Mutex<BTreeMap<FileId, usize>> = Mutex::new(BTreeMap::new());
 
 /// A file's place in [`HELD`], for as long as this process holds it open.
 struct Held(FileId);
@@ -101,20 +103,26 @@ impl Held {
     fn register(file: &File) -> std::io::Result<Held> {
         let st = nix::sys::stat::fstat(file).map_err(errno_io)?;
         let id = (st.st_dev, st.st_ino);
-        HELD.lock().insert(id);
+        *HELD.lock().entry(id).or_insert(0) += 1;
         Ok(Held(id))
     }
 }
 
 impl Drop for Held {
     fn drop(&mut self) {
-        HELD.lock().remove(&self.0);
+        let mut held = HELD.lock();
+        if let Some(n) = held.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.0);
+            }
+        }
     }
 }
 
 /// The file of `st` is a backup file this process holds open.
 pub(super) fn held_here(st: &FileStat) -> bool {
-    HELD.lock().contains(&(st.st_dev, st.st_ino))
+    HELD.lock().contains_key(&(st.st_dev, st.st_ino))
 }
 
 /// One allocation's backup file (Note [Disk backup files]).
@@ -682,6 +690,30 @@ mod tests {
         assert!(!left.exists());
         assert!(g.path().exists());
         drop(g);
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_file_identity_given_again_stays_held_until_every_holder_goes() {
+        // A DiskFile closes its file before its registration goes, so the file system may give
+        // the freed inode to a file made meanwhile, registered under the same identity: the
+        // older registration going must not take the newer one's, which would leave a live
+        // file to this process's sweep. Two descriptors of one file stand for the two here.
+        let d = dir("reused-inode");
+        let path = d.join("f");
+        let old = File::create(&path).unwrap();
+        let new = File::open(&path).unwrap();
+        let st = nix::sys::stat::fstat(&new).unwrap();
+        let old_held = Held::register(&old).unwrap();
+        let new_held = Held::register(&new).unwrap();
+        drop((old_held, old));
+        assert!(
+            held_here(&st),
+            "the newer file is no longer known as this process's own"
+        );
+        drop(new_held);
+        assert!(!held_here(&st));
+        drop(new);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
