@@ -346,13 +346,11 @@ fn serve(listener: &UnixListener, host: &'static dyn Host, limits: Limits, me: I
                     );
                 }
             }
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
-                ) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Err(e) => {
-                // Out of descriptors, typically: wait a little rather than spin.
+                // Out of descriptors, typically: wait a little rather than spin. So too for
+                // `WouldBlock`: a listener shut down for reading is ready for ever with nothing
+                // to take.
                 tracing::warn!("control socket accept: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }

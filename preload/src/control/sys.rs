@@ -412,8 +412,9 @@ fn in_window(stream: &UnixStream, w: Window) {
 }
 
 /// Wait for a connection on `listener` (made non-blocking by the caller), then accept it and
-/// record it for fork children in one step. `WouldBlock` where the connection waiting went
-/// before it was taken.
+/// record it for fork children in one step. `WouldBlock` where `poll` found it ready with
+/// nothing to take: another holder of a copy took the connection first, or the listener was
+/// shut down for reading (then ready for ever: the caller must not call again at once).
 pub fn accept(listener: &UnixListener) -> io::Result<Tracked> {
     // The wait is outside the gate: a fork never waits for a client.
     let mut fds = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];

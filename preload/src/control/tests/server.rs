@@ -488,3 +488,47 @@ fn a_fork_as_a_connection_closes_leaves_the_child_no_copy_of_it() {
         "the child holds the connection closed as it forked"
     );
 }
+
+/// A listener shut down for reading (by any holder of a copy) is ready for ever to `poll`, and a
+/// non-blocking accept on it says `EAGAIN`: the accept loop must back off as it does on any
+/// accept failure, not spin on a core of the host.
+#[test]
+fn an_accept_loop_on_a_listener_shut_down_does_not_spin() {
+    let h = host();
+    let base = std::env::temp_dir().join(format!("tms-serve-shut-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    dir::prepare(&base, sys::euid()).unwrap();
+    let (listener, _path) = dir::bind(&base, 4_000_002).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&listener);
+    nix::sys::socket::shutdown(fd, nix::sys::socket::Shutdown::Read).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // SAFETY: pthread_self has no preconditions.
+        tx.send(unsafe { libc::pthread_self() }).unwrap();
+        serve(&listener, h, limits(), me())
+    });
+    let thread = rx.recv().unwrap();
+    let mut clock: libc::clockid_t = 0;
+    // SAFETY: `thread` never ends (`serve` loops for ever), so its id stays valid; `clock` is a
+    // valid place to write to.
+    let r = unsafe { libc::pthread_getcpuclockid(thread, &mut clock) };
+    assert_eq!(r, 0);
+    let cpu = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid place to write to; `clock` is the thread's CPU clock.
+        assert_eq!(unsafe { libc::clock_gettime(clock, &mut ts) }, 0);
+        Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let (used_before, t) = (cpu(), Instant::now());
+    std::thread::sleep(Duration::from_secs(1));
+    let (used, over) = (cpu() - used_before, t.elapsed());
+    assert!(
+        used < over / 10,
+        "the accept loop used {used:?} of CPU in {over:?} on a listener shut down"
+    );
+    std::fs::remove_dir_all(&base).unwrap();
+}
