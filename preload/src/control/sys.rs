@@ -201,8 +201,15 @@ impl Gate {
 
 impl Drop for Gate {
     fn drop(&mut self) {
-        IN_GATE.fetch_sub(1, Ordering::SeqCst);
+        leave(&IN_GATE);
     }
+}
+
+/// One thread fewer in the gate. Never below zero: a fork from a signal handler on a thread
+/// inside the gate gives a child whose handler set the count to zero (its only thread being
+/// that one), and a wrapped count would make every later fork there wait [`FORK_WAIT`].
+fn leave(in_gate: &AtomicUsize) {
+    let _ = in_gate.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
 }
 
 extern "C" fn before_fork() {
@@ -433,6 +440,18 @@ pub fn accept(listener: &UnixListener) -> io::Result<Tracked> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leaving_a_gate_a_fork_child_emptied_keeps_its_count_at_zero() {
+        // As in a child forked from a signal handler on a thread inside the gate: the child's
+        // handler set the count to zero, then that thread leaves.
+        let in_gate = AtomicUsize::new(0);
+        leave(&in_gate);
+        assert_eq!(in_gate.load(Ordering::SeqCst), 0);
+        let in_gate = AtomicUsize::new(2);
+        leave(&in_gate);
+        assert_eq!(in_gate.load(Ordering::SeqCst), 1);
+    }
 
     #[test]
     fn peer_cred_of_a_socketpair_is_ours() {
