@@ -767,3 +767,61 @@ def test_every_ranks_nccl_in_all_tags_refuses_every_tag_over_nccl_before_acting(
         assert (pause["active"], pause["paused"], pause["gathers"]) == (1, 0, 2), (rank, pause)
         assert nccl["raised"] == "InvalidArgumentError" and "group=" in nccl["msg"], (rank, nccl)
         assert nccl["gathers"] == 2, (rank, nccl)
+
+
+# A "tensor" for the chunk calls by tensor: the few methods of a torch.Tensor the package reads.
+BUF = """
+class Buf:
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = ptr, nbytes
+    def data_ptr(self):
+        return self.ptr
+    def numel(self):
+        return self.nbytes
+    def element_size(self):
+        return 1
+    def is_contiguous(self):
+        return True
+"""
+
+
+def test_chunk_calls_by_tensor_agree_where_the_ranks_tensors_lie_at_different_addresses(tmp_path, libtms):
+    # Each rank's tensor is its own, at an address of its own (rank 1 allocates another first).
+    # The ranks agree on the call, not on where each one's tensor lies: each call succeeds on
+    # both, with the same outcome (the step the ranks compared named rank 0's address on rank 0
+    # and rank 1's on rank 1, so every call failed as "not at the same step" and was undone).
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent(BUF)
+        + textwrap.dedent("""
+        if RANK == 1:
+            alloc("pad", 6 * MIB, 9)
+        p, data = alloc("kv", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        t = Buf(p, 8 * MIB)
+        report(tag="kv", step="addr", addr=p)
+        for call, args in [(tmsd.pause_range, (t, 2 * MIB, 6 * MIB)), (tmsd.resume_range, (t, 0, 8 * MIB)),
+                           (tmsd.pause_chunks, (t, [0, 3])), (tmsd.resume_chunks, (t, [0]))]:
+            a = public(call, *args)
+            report(tag="kv", step=call.__name__, states=tms.get_chunk_states("kv"), **a)
+        """),
+    )
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    assert res[0]["results"][0]["addr"] != res[1]["results"][0]["addr"], res
+    want = {
+        "pause_range": [True, False, False, True],
+        "resume_range": [True] * 4,
+        "pause_chunks": [False, True, True, False],
+        "resume_chunks": [True, True, True, False],
+    }
+    lines = [[], []]
+    for rank, r in enumerate(res):
+        for c in r["results"][1:]:
+            assert c["raised"] is None, (rank, c)
+            assert c["states"] == want[c["step"]], (rank, c)
+            lines[rank].append(c["line"])
+    assert lines[0] == lines[1], lines
+    assert "pause_range of bytes [2097152, 6291456) of each rank's tensor on 2 ranks" in lines[0][0], lines

@@ -503,12 +503,13 @@ def _chunk_op(
 
 
 def _target(tag_or_tensor: Any) -> str:
+    """What a chunk call acts on, the same on every rank: it names the call the ranks agree on
+    (and check they are at), and each rank's tensor lies at an address of its own."""
     if isinstance(tag_or_tensor, str):
         return f"tag {tag_or_tensor!r}"
-    data_ptr = getattr(tag_or_tensor, "data_ptr", None)
-    if not callable(data_ptr):  # refused as the package's own calls refuse it
+    if not callable(getattr(tag_or_tensor, "data_ptr", None)):  # refused as the package's own calls refuse it
         raise TypeError(f"expected a tag or a torch.Tensor, not {type(tag_or_tensor).__name__}")
-    return f"the allocation at {int(data_ptr()):#x}"
+    return "each rank's tensor"
 
 
 def _not_over_nccl(tag: Optional[str], group: Any) -> Callable[[], None]:
