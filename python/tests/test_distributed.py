@@ -421,7 +421,8 @@ def test_chunks_of_one_rank_fail_and_every_rank_restores_its_chunks(tmp_path, li
         p, data = alloc("kv", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
         tms.pause_chunks("kv", [3])
         idx = [1, 2, 7] if RANK == 0 else [1, 2]
-        a = attempt(lambda g, r: tmsd._chunk_op(True, "kv", lambda: tms.pause_chunks("kv", idx), "chunks", "pause_chunks", g, r))
+        a = attempt(lambda g, r: tmsd._chunk_op(
+            True, "kv", lambda: tms.pause_chunks("kv", idx), tmsd._indices_asked(idx), "chunks", "pause_chunks", g, r))
         report(tag="kv", step="chunks", states=tms.get_chunk_states("kv"),
                intact=ctypes.string_at(p, 6 * MIB) == data[: 6 * MIB], **a)
         """,
@@ -825,3 +826,94 @@ def test_chunk_calls_by_tensor_agree_where_the_ranks_tensors_lie_at_different_ad
             lines[rank].append(c["line"])
     assert lines[0] == lines[1], lines
     assert "pause_range of bytes [2097152, 6291456) of each rank's tensor on 2 ranks" in lines[0][0], lines
+
+
+# Buf, and a gather that lets another thread of rank 0's program act while the ranks agree.
+CHUNK_HELPERS = BUF + """
+import threading
+meanwhile = []  # what rank 0's program does, in a thread of its own, as the ranks agree
+gather_between = gather
+def gather(mine):
+    if RANK == 0 and mine["step"][2] == "outcome" and meanwhile:
+        t = threading.Thread(target=meanwhile.pop())
+        t.start()
+        t.join()
+    return gather_between(mine)
+"""
+
+
+def test_a_chunk_undo_leaves_the_chunks_the_program_moved_meanwhile(tmp_path, libtms):
+    # Rank 1's allocation has 2 chunks only: its calls fail, changing nothing. While the ranks
+    # agree, another thread of rank 0's program pauses (then resumes) chunk 0, which the call
+    # was not asked for. Rank 0's undo reverses the chunks the call moved only: chunk 0 stays as
+    # the program made it (the undo reversed it too, while saying every rank was as before).
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent(CHUNK_HELPERS)
+        + textwrap.dedent("""
+        n = (4 if RANK == 1 else 8) * MIB
+        p, data = alloc("kv", n, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        t = Buf(p, n)
+        if RANK == 0:
+            tms.pause_chunks("kv", [3])
+        meanwhile.append(lambda: tms.pause_chunks("kv", [0]))
+        a = public(tmsd.pause_chunks, "kv", [1, 2])
+        report(tag="kv", step="pause_chunks", states=tms.get_chunk_states("kv"), **a)
+        tms.pause("kv")
+        meanwhile.append(lambda: tms.resume_chunks(t, [0]))
+        b = public(tmsd.resume_range, t, 2 * MIB, 6 * MIB)
+        report(tag="kv", step="resume_range", states=tms.get_chunk_states("kv"), **b)
+        """),
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        paused, resumed = r["results"]
+        for c in (paused, resumed):
+            assert c["raised"] == "DistributedError" and c["failed"] == [1], (rank, c)
+            assert "every rank undid it" in c["msg"], (rank, c)
+        if rank == 0:
+            assert paused["states"] == [False, True, True, False], (rank, paused)
+            assert resumed["states"] == [True, False, False, False], (rank, resumed)
+        else:
+            assert (paused["states"], resumed["states"]) == ([True, True], [False, False]), (rank, r)
+
+
+def test_a_failed_range_is_undone_on_the_chunks_it_was_to_act_on(tmp_path, libtms):
+    # Rank 1's device fails to release the second chunk its pause_range of chunks 1-2 unmapped:
+    # the call fails with both chunks paused. Each rank's undo resumes what the range moved,
+    # which the library said before acting (the error carries it), with the contents intact.
+    # A range call whose error does not say (an implementation of its own) is not guessed at:
+    # the undo skips, naming the chunks it left.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent(CHUNK_HELPERS)
+        + textwrap.dedent("""
+        p, data = alloc("kv", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        t = Buf(p, 8 * MIB)
+        a = public(tmsd.pause_range, t, 2 * MIB, 6 * MIB)
+        report(tag="kv", step="failed", states=tms.get_chunk_states("kv"), intact=intact(p, data), **a)
+        if RANK == 1:
+            def pause_range_saying_nothing(tensor, start, end):
+                tms_pkg.torch_memory_saver.pause_chunks(t, [1])
+                raise tms_pkg.InternalError("injected: failed, not saying what it was to act on")
+            tms.pause_range = pause_range_saying_nothing
+        b = public(tmsd.pause_range, t, 2 * MIB, 4 * MIB)
+        report(tag="kv", step="unsaid", states=tms.get_chunk_states("kv"), **b)
+        """),
+        per_rank_env={1: {"TMS_SIM_FAULTS": "release:2"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        failed, unsaid = r["results"]
+        assert failed["raised"] == "DistributedError" and failed["failed"] == [1], (rank, failed)
+        assert "cuMemRelease" in failed["msg"] and "every rank undid it" in failed["msg"], (rank, failed)
+        assert failed["states"] == [True] * 4 and failed["intact"], (rank, failed)
+        assert unsaid["raised"] == "DistributedError" and unsaid["failed"] == [1], (rank, unsaid)
+        assert "rank 1: skipped: the pause_range failed without saying which chunks" in unsaid["msg"], (rank, unsaid)
+        assert unsaid["states"] == [True, rank == 0, True, True], (rank, unsaid)

@@ -33,6 +33,11 @@ class _JobRecord:
 JOB_RECORD = _JobRecord()
 
 
+# The attribute a failed ``pause_range``/``resume_range`` sets on its error: the chunks it was to
+# act on (a ``range``; the library says so before acting), which the job-wide undo reverses.
+RANGE_ASKED = "_tms_range_asked"
+
+
 def _record(flag: Any) -> int:
     """The C ABI's value for a record: 2 the job's, 1 the program's."""
     return 2 if flag is JOB_RECORD else 1

@@ -8,6 +8,7 @@ import logging
 from typing import Any, Callable, Iterable, Optional
 
 from .arguments import (
+    RANGE_ASKED,
     _address,
     _check_indices,
     _check_tag,
@@ -96,7 +97,13 @@ class _Chunks:
             lib.check(lib.tms_chunks_of(addr, None, None, None))  # still refuses a non-chunked tensor
             return range(0)
         first, count = ctypes.c_uint64(0), ctypes.c_uint64(0)
-        lib.check(lib.tms_range(addr + start, end - start, int(pause), ctypes.byref(first), ctypes.byref(count)))
+        try:
+            lib.check(lib.tms_range(addr + start, end - start, int(pause), ctypes.byref(first), ctypes.byref(count)))
+        except BaseException as e:
+            # Written before the library acts (both 0 where it failed first): what a failed
+            # pause may have paused part of.
+            setattr(e, RANGE_ASKED, range(first.value, first.value + count.value))
+            raise
         done = range(first.value, first.value + count.value)
         logger.info("%s chunks %s of the allocation holding %#x", "paused" if pause else "resumed", done, addr)
         return done

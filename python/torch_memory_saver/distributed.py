@@ -32,6 +32,11 @@ by its rank as when the group fails), then that rank raises it, with that
   resume of the rank's own was restoring: such a rank skips their undo and the error says so
   (``undo`` of that rank is ``"skipped: ..."``); they stay resumed, nothing lost. A chunk call
   waits first for such a restore to end.
+- A chunk call (``pause_chunks``, ``pause_range`` and their resumes) is undone on the chunks it
+  was asked for (for a range, those the library said it was to act on) that went its way: a
+  chunk another thread of the program paused or resumed meanwhile is left as the program made
+  it. A range call of an implementation whose error does not say is not guessed at: the rank
+  skips its undo, naming the chunks it leaves.
 - Memory a failed non-blocking resume left unrestored (``bytes_unrestored``) is given back by a
   pause (the call's, or a resume's undo), which settles that failure: no undo brings it back, so
   that rank's ``undo`` says ``"done, but not as before for ..."`` and the error does not claim
@@ -59,7 +64,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional
 
-from .arguments import JOB_RECORD, chunk_arguments
+from .arguments import JOB_RECORD, RANGE_ASKED, _check_indices, chunk_arguments
 from .errors import InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
 
 __all__ = [
@@ -476,10 +481,21 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[
 
 
 def _chunk_op(
-    pause_: bool, target: Any, act: Callable[[], Any], what: str, op: str, gather: Gather, rank: int
+    pause_: bool,
+    target: Any,
+    act: Callable[[], Any],
+    asked: Callable[[Any, Optional[BaseException]], Optional[Iterable[int]]],
+    what: str,
+    op: str,
+    gather: Gather,
+    rank: int,
 ) -> Outcome:
+    """``act`` (a pause of chunks where ``pause_``, else a resume) on every rank, or none.
+    ``asked(result, error)``: the chunks ``act`` was to act on, from what it returned or raised;
+    None where that cannot be told."""
     tms = _saver()
     before: List[bool] = []
+    done: Dict[str, Any] = {}
 
     def act_here() -> Any:
         # Inside the action, so that a bad target fails this rank through the agreement
@@ -489,17 +505,56 @@ def _chunk_op(
         if any(_restoring(t) for t in tms.stats()["tags"]):
             tms.wait()
         before.extend(tms.get_chunk_states(target))
-        return act()
+        try:
+            done["result"] = act()
+        except BaseException as e:
+            done["error"] = e
+            raise
+        return done["result"]
 
-    def undo() -> None:
+    def undo() -> Optional[str]:
         if not before:
-            return  # failed before changing anything
+            return None  # failed before changing anything
         now = tms.get_chunk_states(target)
-        changed = [i for i, (b, n) in enumerate(zip(before, now)) if b != n]
-        if changed:
-            (tms.resume_chunks if pause_ else tms.pause_chunks)(target, changed)
+        # Only what the call can have moved: a chunk it was asked for, gone its way. Another
+        # thread of the program may have paused or resumed other chunks meanwhile: its own.
+        moved = [i for i, (b, n) in enumerate(zip(before, now)) if b == pause_ and n != b]
+        wanted = asked(done.get("result"), done.get("error"))
+        if wanted is None:
+            if not moved:
+                return None
+            return (
+                f"skipped: the {op} failed without saying which chunks it was to act on, so chunks "
+                f"{moved}, {'paused' if pause_ else 'resumed'} since, may be the program's own; left so"
+            )
+        wanted = set(wanted)
+        mine = [i for i in moved if i in wanted]
+        if mine:
+            (tms.resume_chunks if pause_ else tms.pause_chunks)(target, mine)
+        return None
 
     return _agree(op, what, act_here, undo, lambda: _active_bytes(None), gather, rank)
+
+
+def _indices_asked(indices: List[Any]) -> Callable[[Any, Optional[BaseException]], List[int]]:
+    """The chunks a chunk call was asked for: none where the indices are refused (the call
+    refuses them too, before acting)."""
+
+    def asked(result: Any, error: Optional[BaseException]) -> List[int]:
+        try:
+            return _check_indices(indices)
+        except (TypeError, ValueError):
+            return []
+
+    return asked
+
+
+def _range_asked(result: Any, error: Optional[BaseException]) -> Optional[Iterable[int]]:
+    """The chunks a range call was to act on: the ``range`` it returned, or the one its error
+    carries (the library says it before acting); None where the error carries none."""
+    if error is None:
+        return result
+    return getattr(error, RANGE_ASKED, None)
 
 
 def _target(tag_or_tensor: Any) -> str:
@@ -623,6 +678,7 @@ def _chunks_of(
         pause_,
         target,
         lambda: getattr(_saver(), op)(target, idx),
+        _indices_asked(idx),
         f"{len(idx)} chunks of {_target(target)}",
         op,
         *_torch_group(group),
@@ -636,6 +692,7 @@ def pause_range(tensor: Any, start: int, end: int, group: Any = None) -> Outcome
         True,
         tensor,
         lambda: _saver().pause_range(tensor, start, end),
+        _range_asked,
         f"bytes [{start}, {end}) of {_target(tensor)}",
         "pause_range",
         *_torch_group(group),
@@ -648,6 +705,7 @@ def resume_range(tensor: Any, start: int, end: int, group: Any = None) -> Outcom
         False,
         tensor,
         lambda: _saver().resume_range(tensor, start, end),
+        _range_asked,
         f"bytes [{start}, {end}) of {_target(tensor)}",
         "resume_range",
         *_torch_group(group),
