@@ -311,7 +311,7 @@ int tms_chunks_of(uint64_t addr, uint64_t *start, uint64_t *chunk_size, uint64_t
 
 /**
  * Each chunk's state (1 = active) of the chunked allocation holding `addr`, into `out` of `n`
- * bytes (at least the chunk count).
+ * bytes (at least the chunk count; bytes past it are left as they are).
  *
  * # Safety
  * `out` is writable for `n` bytes.
@@ -790,8 +790,8 @@ size_t tms_get_num_chunks_for_tag(const char *tag);
 
 /**
  * Write each chunk's state of the chunked allocation of `tag` into `out` (1 = active, 0 =
- * paused; `n` at least the chunk count). True on success, false on failure (see
- * `tms_last_error`).
+ * paused; `n` at least the chunk count, bytes past it left as they are). True on success,
+ * false on failure (see `tms_last_error`).
  *
  * # Safety
  * `tag` is a NUL-terminated string; `out` is writable for `n` bytes.
@@ -800,7 +800,8 @@ bool tms_get_chunk_states(const char *tag, uint8_t *out, size_t n);
 
 /**
  * Write each chunk's offset and size (bytes) of the chunked allocation of `tag` into
- * `offsets` and `sizes` (`n` entries each, at least the chunk count).
+ * `offsets` and `sizes` (`n` entries each, at least the chunk count; entries past it are left
+ * as they are).
  *
  * # Safety
  * `tag` is a NUL-terminated string; `offsets` and `sizes` are writable for `n` entries.

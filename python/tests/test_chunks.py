@@ -555,3 +555,147 @@ def test_the_log_counts_each_chunk_once(preloaded):
     )
     assert "LOG paused 2 chunks of tag 'kv'" in out, out
     assert "LOG resumed 1 chunks of the allocation" in out, out
+
+
+# Another thread frees the chunked allocation and makes another one (under the same tag, or at
+# the same address) right after the library answers one of a query's calls: `after_a_call(f)`
+# runs f once, after the next chunk query the library answers. By address, `at(old, new)` hands
+# the library old's address up to that change and new's after it, as the address would then
+# resolve. The first call's room is made 4 chunks, so that small allocations outgrow it.
+REPLACED_BETWEEN_CALLS = """
+import torch_memory_saver.chunks as chunks_mod
+chunks_mod._CHUNK_ROOM = 4
+QUERIES = ("tms_get_num_chunks_for_tag", "tms_get_chunk_states", "tms_get_chunk_layout", "tms_chunks_of",
+           "tms_chunk_states_at")
+real = {q: getattr(lib, q) for q in QUERIES}
+pending, calls = [], []
+address = {}
+def wrapped(q):
+    def call(*args):
+        if q in ("tms_chunks_of", "tms_chunk_states_at") and args[0] in address:
+            args = (address[args[0]][bool(calls) and not pending],) + args[1:]
+        calls.append(q)
+        out = real[q](*args)
+        todo = pending[:]
+        del pending[:]
+        for f in todo:
+            f()
+        return out
+    return call
+for q in QUERIES:
+    setattr(lib, q, wrapped(q))
+def after_a_call(f):
+    del calls[:]
+    pending.append(f)
+def at(old, new):
+    address[old] = (old, new)
+
+def replace_kv(n, paused=()):
+    '''Free the tag's allocation and make one of n chunks of 2 MiB, `paused` paused.'''
+    def change():
+        assert cuda_free(cur[0]) == 0
+        cur[0] = chunked("kv", n * GRAN, GRAN, enable_cpu_backup=True)
+        if paused:
+            tms.pause_chunks("kv", list(paused))
+    return change
+"""
+
+
+def test_a_chunk_query_answers_for_one_allocation_though_another_replaces_it_between_calls(preloaded):
+    # States and layout are those of one allocation: the one the call found before the change,
+    # or the one after it. Never a mix (room read for 6 chunks, 4 written: 2 made-up paused
+    # chunks, or (0, 0) layout entries), nor a refusal of a buffer the caller never passed
+    # ("room for 6 entries, but the allocation has 8 chunks").
+    run(
+        preloaded,
+        REPLACED_BETWEEN_CALLS
+        + textwrap.dedent("""
+        cur = [chunked("kv", 6 * GRAN, GRAN, enable_cpu_backup=True)]
+        six = ([True] * 6, [(i * GRAN, GRAN) for i in range(6)])
+        four = ([True, False, True, True], [(i * GRAN, GRAN) for i in range(4)])
+        eight = ([True] * 7 + [False], [(i * GRAN, GRAN) for i in range(8)])
+        wrong = []
+        def check(what, query, target, *answers):
+            try:
+                got = query(target)
+            except tms_pkg.TorchMemorySaverError as e:
+                got = f"{type(e).__name__}: {e}"
+            if got not in answers:
+                wrong.append(f"{what}: {got}")
+        after_a_call(replace_kv(4, paused=[1]))
+        check("states, 6 chunks then 4", tms.get_chunk_states, "kv", six[0], four[0])
+        after_a_call(replace_kv(8, paused=[7]))
+        check("states, 4 chunks then 8", tms.get_chunk_states, "kv", four[0], eight[0])
+        after_a_call(replace_kv(6))
+        check("layout, 8 chunks then 6", tms.get_chunk_layout, "kv", eight[1], six[1])
+        after_a_call(replace_kv(4))
+        check("layout, 6 chunks then 4", tms.get_chunk_layout, "kv", six[1], four[1])
+        after_a_call(replace_kv(8))
+        check("layout, 4 chunks then 8", tms.get_chunk_layout, "kv", four[1], eight[1])
+        check("layout, 8 chunks", tms.get_chunk_layout, "kv", eight[1])
+
+        # By address: old (6 chunks) is replaced by 4 chunks, chunk 1 paused, or by 8.
+        old = chunked("by_addr_old", 6 * GRAN, GRAN)
+        small = chunked("by_addr_small", 4 * GRAN, GRAN, enable_cpu_backup=True)
+        tms.pause_chunks(Buf(small, GRAN), [1])
+        large = chunked("by_addr_large", 8 * GRAN, GRAN)
+        for new, states in ((small, four[0]), (large, [True] * 8)):
+            at(old, new)
+            after_a_call(lambda: None)
+            what = f"states at an address, 6 chunks then {len(states)}"
+            check(what, tms.get_chunk_states, Buf(old, GRAN), six[0], states)
+        assert not wrong, "\\n".join(wrong)
+        """),
+    )
+
+
+def test_a_chunk_query_that_keeps_finding_a_larger_allocation_is_refused_after_a_few_tries(preloaded):
+    # Each call finds a larger allocation than the try before made room for: the query gives up
+    # after its tries, saying why; once the allocation holds still it is answered.
+    out = run(
+        preloaded,
+        REPLACED_BETWEEN_CALLS
+        + textwrap.dedent("""
+        cur = [chunked("kv", 5 * GRAN, GRAN, enable_cpu_backup=True)]
+        size = [5]
+        def grow():
+            size[0] += 1
+            replace_kv(size[0])()
+            pending.append(grow)  # again after the next call
+        for query in (tms.get_chunk_states, tms.get_chunk_layout):
+            after_a_call(grow)
+            e = raises(tms_pkg.InvalidStateError, query, "kv")
+            print("REFUSED", e)
+            del pending[:]
+            assert len(query("kv")) == size[0]
+        """),
+    )
+    assert "get_chunk_states('kv'): the chunked allocation had more chunks at each of 8 tries" in out, out
+    assert "get_chunk_layout('kv'): the chunked allocation had more chunks at each of 8 tries" in out, out
+
+
+def test_the_chunk_queries_write_one_entry_per_chunk_and_nothing_past_them(preloaded):
+    # What get_chunk_states and get_chunk_layout read the chunk count from, given more room
+    # than the allocation has chunks (tms.h says so); and too little room writes nothing.
+    run(
+        preloaded,
+        """
+        p = chunked("kv", 4 * GRAN, GRAN, enable_cpu_backup=True)
+        tms.pause_chunks("kv", [2])
+        # tms_get_chunk_states says true or false, tms_chunk_states_at a status.
+        for call, args, ok in (("tms_get_chunk_states", (b"kv",), True), ("tms_chunk_states_at", (p + 5,), 0)):
+            out = (ctypes.c_uint8 * 7)(*[0xAB] * 7)
+            assert getattr(lib, call)(*args, out, 7) == ok, (call, lib.last_error())
+            assert list(out) == [1, 1, 0, 1, 0xAB, 0xAB, 0xAB], (call, list(out))
+            out = (ctypes.c_uint8 * 3)(*[0xAB] * 3)
+            assert getattr(lib, call)(*args, out, 3) != ok, call
+            assert "room for 3 entries, but the allocation has 4 chunks" in lib.last_error(), lib.last_error()
+            assert list(out) == [0xAB] * 3, (call, list(out))
+        offsets, sizes = (ctypes.c_size_t * 6)(*[7] * 6), (ctypes.c_size_t * 6)(*[7] * 6)
+        assert lib.tms_get_chunk_layout(b"kv", offsets, sizes, 6) == 0, lib.last_error()
+        assert list(offsets) == [0, GRAN, 2 * GRAN, 3 * GRAN, 7, 7] and list(sizes) == [GRAN] * 4 + [7, 7]
+        offsets, sizes = (ctypes.c_size_t * 3)(*[7] * 3), (ctypes.c_size_t * 3)(*[7] * 3)
+        assert lib.tms_get_chunk_layout(b"kv", offsets, sizes, 3) != 0
+        assert list(offsets) == list(sizes) == [7] * 3
+        """,
+    )

@@ -19,7 +19,14 @@ from .arguments import (
     chunk_target,
 )
 from .binary_wrapper import BinaryWrapper
-from .errors import InternalError, InvalidArgumentError, NotFoundError, TorchMemorySaverError, error_for_status
+from .errors import (
+    InternalError,
+    InvalidArgumentError,
+    InvalidStateError,
+    NotFoundError,
+    TorchMemorySaverError,
+    error_for_status,
+)
 
 logger = logging.getLogger("torch_memory_saver")
 
@@ -147,25 +154,55 @@ class _Chunks:
             return self._tag_count(lib, _enc(_check_tag(tag_or_tensor)))
         return self._chunks_of(lib, _address(tag_or_tensor))[2]
 
+    def _query(self, what: str, fill: Callable[[int], list], count: Callable[[], int]) -> list:
+        """A chunk query's entries, one per chunk of the allocation as one call found it.
+        ``fill(room)`` asks the library with room for ``room`` chunks (raising where the call
+        fails, too little room among others); ``count()`` reads the chunk count now (0 where
+        there is no allocation to ask about; raising where there is none that can be).
+
+        Each call finds the allocation as it is then: another thread may free it and make one
+        with more chunks (at the same address, or under the same tag) before the next call, so a
+        count read by one call cannot size the next. The first call has some room; one that
+        fails is asked again with room for the chunks there are now, a bounded number of times."""
+        room = _CHUNK_ROOM
+        last: Optional[TorchMemorySaverError] = None
+        for _ in range(_CHUNK_TRIES):
+            try:
+                return fill(room)
+            except TorchMemorySaverError as e:
+                last = e
+            n = count()
+            if not n:
+                return []
+            room = max(room, n)
+        raise InvalidStateError(
+            f"{what}: the chunked allocation had more chunks at each of {_CHUNK_TRIES} tries than the try "
+            f"before had room for (another thread keeps freeing it and making a larger one); last: {last}"
+        )
+
     def get_chunk_states(self, tag_or_tensor: Any = None, *, tag: Any = None) -> list:
         """See ``TorchMemorySaver.get_chunk_states``."""
         tag_or_tensor = chunk_target("get_chunk_states", tag_or_tensor, tag)
         if isinstance(tag_or_tensor, str):
             name = _enc(_check_tag(tag_or_tensor))
             lib = self._library()
-            n = self._tag_count(lib, name)
-            if not n:
-                return []
-            out = (ctypes.c_uint8 * n)()
-            if not lib.tms_get_chunk_states(name, out, n):
-                raise self._tag_failure(lib, name)
-        else:
-            addr = _address(tag_or_tensor)
-            lib = self._library()
-            n = self._chunks_of(lib, addr)[2]
-            out = (ctypes.c_uint8 * n)()
-            lib.check(lib.tms_chunk_states_at(addr, out, n))
-        return [bool(v) for v in out]
+
+            def by_tag(room: int) -> list:
+                out = _state_room(room)
+                if not lib.tms_get_chunk_states(name, out, room):
+                    raise self._tag_failure(lib, name)
+                return _states(out)
+
+            return self._query(f"get_chunk_states({tag_or_tensor!r})", by_tag, lambda: self._tag_count(lib, name))
+        addr = _address(tag_or_tensor)
+        lib = self._library()
+
+        def by_address(room: int) -> list:
+            out = _state_room(room)
+            lib.check(lib.tms_chunk_states_at(addr, out, room))
+            return _states(out)
+
+        return self._query(f"get_chunk_states({addr:#x})", by_address, lambda: self._chunks_of(lib, addr)[2])
 
     def get_chunk_layout(self, tag_or_tensor: Any = None, *, tag: Any = None) -> list:
         """See ``TorchMemorySaver.get_chunk_layout``."""
@@ -173,12 +210,39 @@ class _Chunks:
         if isinstance(tag_or_tensor, str):
             name = _enc(_check_tag(tag_or_tensor))
             lib = self._library()
-            n = self._tag_count(lib, name)
-            if not n:
-                return []
-            offsets, sizes = (ctypes.c_size_t * n)(), (ctypes.c_size_t * n)()
-            lib.check(lib.tms_get_chunk_layout(name, offsets, sizes, n))
-            return list(zip(offsets, sizes))
+
+            def by_tag(room: int) -> list:
+                # Sizes left 0 past the chunks the library wrote: a chunk is never empty.
+                offsets, sizes = (ctypes.c_size_t * room)(), (ctypes.c_size_t * room)()
+                lib.check(lib.tms_get_chunk_layout(name, offsets, sizes, room))
+                got = sizes[:]
+                n = got.index(0) if 0 in got else room
+                return list(zip(offsets[:n], got[:n]))
+
+            return self._query(f"get_chunk_layout({tag_or_tensor!r})", by_tag, lambda: self._tag_count(lib, name))
+        # One call: the chunk size and count of one allocation.
         addr = _address(tag_or_tensor)
         _, chunk, n = self._chunks_of(self._library(), addr)
         return [(i * chunk, chunk) for i in range(n)]
+
+
+# The room, in chunks, of a chunk query's first call (enough for most allocations, which then
+# take one call), and how many calls it makes at most (see _Chunks._query).
+_CHUNK_ROOM = 1024
+_CHUNK_TRIES = 8
+# A state entry the library has not written: it writes 1 or 0 for each chunk the allocation has,
+# and nothing past them.
+_UNWRITTEN = 2
+
+
+def _state_room(room: int) -> Any:
+    out = (ctypes.c_uint8 * room)()
+    ctypes.memset(out, _UNWRITTEN, room)
+    return out
+
+
+def _states(out: Any) -> list:
+    """The states the library wrote into ``out`` (from :func:`_state_room`)."""
+    raw = bytes(out)
+    n = raw.find(_UNWRITTEN)
+    return [bool(v) for v in raw[: len(raw) if n < 0 else n]]

@@ -706,7 +706,9 @@ class TorchMemorySaver:
     ) -> "list[bool]":
         """Each chunk's state of a chunked allocation (as :meth:`get_num_chunks`; ``[]`` for a
         tag without any allocation), in order: True while it is active (mapped), False while it
-        is paused."""
+        is paused. The states are those of the allocation as one call found it; where another
+        thread keeps replacing it with a larger one, it is refused after a few tries
+        (:class:`InvalidStateError`)."""
         target = chunk_target("get_chunk_states", tag_or_tensor, tag)
         self._ensure_initialized()
         return self._impl.get_chunk_states(target)
@@ -717,7 +719,8 @@ class TorchMemorySaver:
         """Each chunk of a chunked allocation (as :meth:`get_num_chunks`; ``[]`` for a tag
         without any allocation) as ``(offset, size)`` in bytes, the offset from the start of the
         allocation (for a tensor, the allocation holding it, which may start before
-        ``tensor.data_ptr()``)."""
+        ``tensor.data_ptr()``). Of the allocation as one call found it, as
+        :meth:`get_chunk_states`."""
         target = chunk_target("get_chunk_layout", tag_or_tensor, tag)
         self._ensure_initialized()
         return self._impl.get_chunk_layout(target)

@@ -101,7 +101,7 @@ pub unsafe extern "C" fn tms_chunks_of(
 }
 
 /// Each chunk's state (1 = active) of the chunked allocation holding `addr`, into `out` of `n`
-/// bytes (at least the chunk count).
+/// bytes (at least the chunk count; bytes past it are left as they are).
 ///
 /// # Safety
 /// `out` is writable for `n` bytes.

@@ -329,8 +329,8 @@ pub unsafe extern "C" fn tms_get_num_chunks_for_tag(tag: *const c_char) -> usize
 }
 
 /// Write each chunk's state of the chunked allocation of `tag` into `out` (1 = active, 0 =
-/// paused; `n` at least the chunk count). True on success, false on failure (see
-/// `tms_last_error`).
+/// paused; `n` at least the chunk count, bytes past it left as they are). True on success,
+/// false on failure (see `tms_last_error`).
 ///
 /// # Safety
 /// `tag` is a NUL-terminated string; `out` is writable for `n` bytes.
@@ -355,7 +355,8 @@ pub unsafe extern "C" fn tms_get_chunk_states(tag: *const c_char, out: *mut u8, 
 }
 
 /// Write each chunk's offset and size (bytes) of the chunked allocation of `tag` into
-/// `offsets` and `sizes` (`n` entries each, at least the chunk count).
+/// `offsets` and `sizes` (`n` entries each, at least the chunk count; entries past it are left
+/// as they are).
 ///
 /// # Safety
 /// `tag` is a NUL-terminated string; `offsets` and `sizes` are writable for `n` entries.
