@@ -30,6 +30,22 @@ def tag_stats(name):
 
 # Snippet helpers for the sim (after PRELUDE): a pauseable allocation filled with a pattern of
 # its seed, and whether it still holds it.
+# A "tensor" for the calls that take one: the few methods of a torch.Tensor the package reads, of a
+# contiguous uint8 tensor at a device address (code for the scripts the tests run).
+BUF = """
+class Buf:
+    def __init__(self, ptr, nbytes):
+        self.ptr, self.nbytes = ptr, nbytes
+    def data_ptr(self):
+        return self.ptr
+    def numel(self):
+        return self.nbytes
+    def element_size(self):
+        return 1
+    def is_contiguous(self):
+        return True
+"""
+
 SIM_ALLOC = """
 def alloc(tag, n, seed, chunk=0, **kw):
     with tms.region(tag=tag, chunk_size=chunk, **kw):

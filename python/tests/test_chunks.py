@@ -11,25 +11,14 @@ from __future__ import annotations
 
 import textwrap
 
+from conftest import BUF
+
 HELPERS = """
 MIB = 1 << 20
 GRAN = 2 * MIB  # the simulated device's default granularity
 tms._ensure_initialized()
 lib = tms._impl._binary_wrapper
-
-class Buf:
-    '''A contiguous uint8 "tensor" at a device address: what the tensor forms read of one.'''
-    def __init__(self, ptr, nbytes):
-        self.ptr, self.nbytes = ptr, nbytes
-    def data_ptr(self):
-        return self.ptr
-    def numel(self):
-        return self.nbytes
-    def element_size(self):
-        return 1
-    def is_contiguous(self):
-        return True
-
+""" + BUF + """
 def chunked(tag, n, chunk, **kw):
     with tms.region(tag=tag, chunk_size=chunk, **kw):
         rc, p = cuda_malloc(n)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import PRELUDE, SIM_ALLOC, clean_env
+from conftest import BUF, PRELUDE, SIM_ALLOC, clean_env
 
 RANK_CODE = """
 import time
@@ -768,22 +768,6 @@ def test_every_ranks_nccl_in_all_tags_refuses_every_tag_over_nccl_before_acting(
         assert (pause["active"], pause["paused"], pause["gathers"]) == (1, 0, 2), (rank, pause)
         assert nccl["raised"] == "InvalidArgumentError" and "group=" in nccl["msg"], (rank, nccl)
         assert nccl["gathers"] == 2, (rank, nccl)
-
-
-# A "tensor" for the chunk calls by tensor: the few methods of a torch.Tensor the package reads.
-BUF = """
-class Buf:
-    def __init__(self, ptr, nbytes):
-        self.ptr, self.nbytes = ptr, nbytes
-    def data_ptr(self):
-        return self.ptr
-    def numel(self):
-        return self.nbytes
-    def element_size(self):
-        return 1
-    def is_contiguous(self):
-        return True
-"""
 
 
 def test_chunk_calls_by_tensor_agree_where_the_ranks_tensors_lie_at_different_addresses(tmp_path, libtms):
