@@ -47,6 +47,7 @@
 //! - The files' contents are checksummed per chunk, so a file changed while paused is never
 //!   silently restored (Note [Disk backup files]).
 
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -64,7 +65,6 @@ use tms_disk_folder::{
 use crate::error::{Error, Result};
 
 pub use super::disk_faults::{arm_fault, clear_faults, parse_faults, pending_faults, DiskOp};
-use super::disk_file::held_here;
 pub use super::disk_file::{DiskFile, DIRECT_ALIGN};
 pub use tms_disk_folder::private_subfolder_name;
 
@@ -312,6 +312,44 @@ fn sweep_once(dir: &FileDir) {
     }
 }
 
+/// A file's identity: device and inode.
+type FileId = (libc::dev_t, libc::ino_t);
+
+/// The backup files this process holds open, each with how many of its registrations hold
+/// it: its own sweeps leave them alone, whatever their lock tells (Note [Disk backup files] in
+/// `disk_file.rs`). Counted, because a file's inode is freed as its DiskFile closes it, before
+/// its registration goes, and may be given to a file made meanwhile.
+static HELD: Mutex<BTreeMap<FileId, usize>> = Mutex::new(BTreeMap::new());
+
+/// A file's place in [`HELD`], for as long as this process holds it open.
+pub(super) struct Held(FileId);
+
+impl Held {
+    pub(super) fn register(file: &std::fs::File) -> std::io::Result<Held> {
+        let st = nix::sys::stat::fstat(file).map_err(errno_io)?;
+        let id = (st.st_dev, st.st_ino);
+        *HELD.lock().entry(id).or_insert(0) += 1;
+        Ok(Held(id))
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let mut held = HELD.lock();
+        if let Some(n) = held.get_mut(&self.0) {
+            *n -= 1;
+            if *n == 0 {
+                held.remove(&self.0);
+            }
+        }
+    }
+}
+
+/// The file of `st` is a backup file this process holds open.
+fn held_here(st: &FileStat) -> bool {
+    HELD.lock().contains_key(&(st.st_dev, st.st_ino))
+}
+
 /// Remove the backup files in `dir` no live process holds; returns how many. Opens nothing but
 /// regular files of ours, never blocks, and never takes one this process holds (Note [The disk
 /// backup folder]).
@@ -366,6 +404,30 @@ mod tests {
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    #[test]
+    fn a_file_identity_given_again_stays_held_until_every_holder_goes() {
+        // A DiskFile closes its file before its registration goes, so the file system may give
+        // the freed inode to a file made meanwhile, registered under the same identity: the
+        // older registration going must not take the newer one's, which would leave a live
+        // file to this process's sweep. Two descriptors of one file stand for the two here.
+        let d = dir("reused-inode");
+        let path = d.join("f");
+        let old = std::fs::File::create(&path).unwrap();
+        let new = std::fs::File::open(&path).unwrap();
+        let st = nix::sys::stat::fstat(&new).unwrap();
+        let old_held = Held::register(&old).unwrap();
+        let new_held = Held::register(&new).unwrap();
+        drop((old_held, old));
+        assert!(
+            held_here(&st),
+            "the newer file is no longer known as this process's own"
+        );
+        drop(new_held);
+        assert!(!held_here(&st));
+        drop(new);
+        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]

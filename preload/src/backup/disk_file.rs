@@ -20,8 +20,8 @@
 //!   once locked, so no sweep can take a file between its creation and its lock (the names are
 //!   `tms_disk_folder`'s, which `tmsctl clean` shares). This process's own sweeps (a folder used
 //!   anew, chosen again) also leave alone every file it holds open, known by device and inode
-//!   from before it is named ([`held_here`]): a lock proves nothing to the process holding it
-//!   where a file system emulates `flock` with POSIX locks, which never set a process's own
+//!   from before it is named (`disk.rs`'s `Held`): a lock proves nothing to the process holding
+//!   it where a file system emulates `flock` with POSIX locks, which never set a process's own
 //!   requests against each other.
 //! - The file is cut in chunks of one size (a multiple of [`DIRECT_ALIGN`]) but the last, which
 //!   divide the allocation's (engine Note [Chunked allocations]); the pipeline copies a file
@@ -36,7 +36,6 @@
 //!   tests prove that no failure loses data: a pause that cannot write leaves the allocation
 //!   active with its contents, a resume that cannot read leaves it paused with its file.
 
-use std::collections::BTreeMap;
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -48,13 +47,12 @@ use std::time::SystemTime;
 
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg, OFlag};
-use nix::sys::stat::{FileStat, Mode};
+use nix::sys::stat::Mode;
 use nix::unistd::UnlinkatFlags;
-use parking_lot::Mutex;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::backing::{Backing, Dir, UnitIo};
-use super::disk::{errno_io, io_err, BackupDir, FileDir};
+use super::disk::{errno_io, io_err, BackupDir, FileDir, Held};
 use super::disk_faults::{injected, DiskOp};
 use super::BackupKind;
 use crate::error::{Error, Result};
@@ -86,44 +84,6 @@ fn retried_when_interrupted(mut call: impl FnMut() -> std::io::Result<()>) -> st
 
 /// Makes each file's name unique within the process.
 static SEQ: AtomicU64 = AtomicU64::new(0);
-
-/// A file's identity: device and inode.
-type FileId = (libc::dev_t, libc::ino_t);
-
-/// The backup files this process holds open, each with how many of its registrations hold
-/// it: its own sweeps leave them alone, whatever their lock tells (Note [Disk backup files]).
-/// Counted, because a file's inode is freed as its DiskFile closes it, before its registration
-/// goes, and may be given to a file made meanwhile.
-static HELD: Mutex<BTreeMap<FileId, usize>> = Mutex::new(BTreeMap::new());
-
-/// A file's place in [`HELD`], for as long as this process holds it open.
-struct Held(FileId);
-
-impl Held {
-    fn register(file: &File) -> std::io::Result<Held> {
-        let st = nix::sys::stat::fstat(file).map_err(errno_io)?;
-        let id = (st.st_dev, st.st_ino);
-        *HELD.lock().entry(id).or_insert(0) += 1;
-        Ok(Held(id))
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        let mut held = HELD.lock();
-        if let Some(n) = held.get_mut(&self.0) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.0);
-            }
-        }
-    }
-}
-
-/// The file of `st` is a backup file this process holds open.
-pub(super) fn held_here(st: &FileStat) -> bool {
-    HELD.lock().contains_key(&(st.st_dev, st.st_ino))
-}
 
 /// One allocation's backup file (Note [Disk backup files]).
 pub struct DiskFile {
@@ -690,30 +650,6 @@ mod tests {
         assert!(!left.exists());
         assert!(g.path().exists());
         drop(g);
-        std::fs::remove_dir_all(&d).unwrap();
-    }
-
-    #[test]
-    fn a_file_identity_given_again_stays_held_until_every_holder_goes() {
-        // A DiskFile closes its file before its registration goes, so the file system may give
-        // the freed inode to a file made meanwhile, registered under the same identity: the
-        // older registration going must not take the newer one's, which would leave a live
-        // file to this process's sweep. Two descriptors of one file stand for the two here.
-        let d = dir("reused-inode");
-        let path = d.join("f");
-        let old = File::create(&path).unwrap();
-        let new = File::open(&path).unwrap();
-        let st = nix::sys::stat::fstat(&new).unwrap();
-        let old_held = Held::register(&old).unwrap();
-        let new_held = Held::register(&new).unwrap();
-        drop((old_held, old));
-        assert!(
-            held_here(&st),
-            "the newer file is no longer known as this process's own"
-        );
-        drop(new_held);
-        assert!(!held_here(&st));
-        drop(new);
         std::fs::remove_dir_all(&d).unwrap();
     }
 
