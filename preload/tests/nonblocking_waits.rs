@@ -160,3 +160,35 @@ engine_test! {
         check_contents(&h, &a);
     }
 }
+
+engine_test! {
+    /// A non-blocking resume whose data all landed, then panicked (giving back the host memory
+    /// of the backups it no longer keeps), left nothing unrestored: the next wait for
+    /// everything raises the panic, once. Before, every later wait for everything raised it
+    /// again, until a free, though every wait for its allocation said it landed (and a broken
+    /// engine pauses nothing, so no pause ever ended it).
+    sim_only fn a_failure_after_everything_landed_is_raised_once(h) [Setup::default().small_pieces(2)] {
+        let sim = h.simulated();
+        let g = h.g();
+        let a = paused(&h, "a", 1, 2 * g);
+        sim.hold(Prim::EventSync, None);
+        Engine::resume_nonblocking(h.e.clone(), Some("a"), &[], None).unwrap();
+        sim.arm_fault(Prim::HostUnregister, 1, tms::driver::sim::PANIC);
+        sim.unhold(Prim::EventSync, None);
+        assert!(h.e.wait_restored(Some(a[0].0), None).unwrap());
+        let raised = std::cell::RefCell::new(None);
+        wait_until("a wait raises the panic", Duration::from_secs(60), || {
+            *raised.borrow_mut() = h.e.wait_restored(None, Some(Duration::ZERO)).err();
+            raised.borrow().is_some()
+        });
+        let err = raised.take().unwrap().to_string();
+        assert!(err.contains("panic") && err.contains("tag \"a\""), "{err}");
+        assert_eq!(sim.pending_faults(), 0);
+        for _ in 0..2 {
+            assert!(h.e.wait_restored(None, None).unwrap(), "raised once already");
+            assert!(h.e.wait_restored(None, Some(Duration::ZERO)).unwrap());
+            assert!(h.e.wait_restored(Some(a[0].0), None).unwrap());
+        }
+        check_contents(&h, &a);
+    }
+}

@@ -616,7 +616,8 @@ class TorchMemorySaver:
         the calling thread until the data landed (True) or ``timeout`` seconds passed (False).
         Returns at once when nothing is being restored. A resume that failed after it returned
         left its allocations unrestored (paused, memory held): a wait for any of them raises
-        its error, every time, until they are paused, resumed or freed (docs/semantics.md)."""
+        its error, every time, until they are paused, resumed or freed; one that failed after
+        everything landed is raised once, by the next wait for everything (docs/semantics.md)."""
         self._ensure_initialized()
         return self._impl.wait(tensor, **_given(stream=stream, timeout=timeout))
 

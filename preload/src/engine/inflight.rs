@@ -29,7 +29,9 @@
 //!   gate opens, and the error is kept with the allocations it left unrestored (`Restores`):
 //!   a wait for any of them raises it, every time, until each is paused (which unmaps and gives
 //!   back its memory), resumed (which restores it) or freed; the first of those to act on them
-//!   raises it too if no wait did. Other allocations and tags are not concerned: their pauses,
+//!   raises it too if no wait did. One that fails after every allocation landed (a panic while
+//!   giving back host memory, say) left nothing unrestored: the next wait for everything raises
+//!   it, once, and nothing else. Other allocations and tags are not concerned: their pauses,
 //!   resumes and waits run as ever. `stats` shows the unrestored bytes and the error per tag.
 //!   Nothing backed up is lost. A panic after the return (a bug) leaves what it mapped mapped
 //!   and stuck too (`KeepIfReturned` in `resume.rs`), for the free to unmap after the device's
@@ -210,7 +212,9 @@ impl Engine {
     /// (every allocation, if `None`) has landed, for at most `timeout`. `Ok(false)` if it timed
     /// out. A resume that failed after it returned leaves its allocations unrestored: a wait
     /// for any of them is its error, every time, until they are paused, resumed or freed; one
-    /// that times out too, unless a resume in flight is restoring them again.
+    /// that times out too, unless a resume in flight is restoring them again. One that failed
+    /// after everything it restored landed left nothing unrestored: the next wait for every
+    /// allocation raises its error, once.
     pub fn wait_restored(&self, ptr: Option<DevPtr>, timeout: Option<Duration>) -> Result<bool> {
         let until = timeout.map(|t| Instant::now() + t);
         for t in self.restores.trackers() {
@@ -225,8 +229,12 @@ impl Engine {
                     }
                 }
                 Err(e) => {
-                    self.restores.failure_at(ptr);
-                    return Err(e);
+                    // Those kept are raised with it, as a wait raises each (one whose data all
+                    // landed is raised only once: it must not go unsaid).
+                    return Err(match self.restores.failure_at(ptr) {
+                        Some(kept) => e.note(format!("and: {kept}")),
+                        None => e,
+                    });
                 }
             }
         }

@@ -382,11 +382,14 @@ impl Restores {
     }
 
     /// Keep the failure of a non-blocking resume after its caller returned with the
-    /// allocations (address, size) it left unrestored.
+    /// allocations (address, size) it left unrestored. With none (everything landed first),
+    /// it is kept until the next wait for everything raises it, once (`FailedRestore::landed`).
     pub fn keep_failure(&self, e: &Error, allocs: impl Iterator<Item = (DevPtr, u64)>) {
+        let allocs: BTreeMap<DevPtr, u64> = allocs.collect();
         self.failed.lock().push(FailedRestore {
             error: e.duplicate(),
-            allocs: allocs.collect(),
+            landed: allocs.is_empty(),
+            allocs,
             reported: false,
         });
     }
@@ -409,7 +412,7 @@ impl Restores {
             .flat_map(|t| t.restoring_ptrs())
             .collect();
         self.raise(ptr, |f| match ptr {
-            None => f.allocs.is_empty() || f.allocs.keys().any(|a| !busy.contains(a)),
+            None => f.landed || f.allocs.keys().any(|a| !busy.contains(a)),
             Some(p) => f.start_of(p).is_some_and(|a| !busy.contains(&a)),
         })
     }
@@ -425,6 +428,8 @@ impl Restores {
                 Some(e) => e.note(format!("and: {}", f.error)),
             });
         }
+        // Nothing of theirs is unrestored: raised once, there is nothing left to wait for.
+        failed.retain(|f| !(f.landed && f.reported));
         out
     }
 
@@ -473,7 +478,8 @@ impl Restores {
                 f.allocs.remove(&p);
             }
         }
-        failed.retain(|f| !f.allocs.is_empty());
+        // One whose data all landed concerns no allocation: a wait for everything ends it.
+        failed.retain(|f| !f.allocs.is_empty() || f.landed);
     }
 
     /// Each kept failure's message, with the addresses of the allocations it concerns.
@@ -515,6 +521,10 @@ struct FailedRestore {
     allocs: BTreeMap<DevPtr, u64>,
     /// A wait, pause or resume raised it.
     reported: bool,
+    /// Everything it restored landed before it failed (a panic while giving back host
+    /// memory, say): it left nothing unrestored, so only a wait for everything raises it, and
+    /// only once, as nothing is left for a later wait to be about.
+    landed: bool,
 }
 
 impl FailedRestore {
@@ -589,6 +599,35 @@ mod tests {
             t.wait(Some(0x30_0000), None).unwrap(),
             "not one of its allocations"
         );
+    }
+
+    #[test]
+    fn a_failure_that_left_nothing_unrestored_is_raised_once_by_a_wait_for_everything() {
+        let r = Restores::default();
+        r.keep_failure(&failure(), std::iter::empty());
+        r.settle([0x10_0000].into_iter());
+        assert!(
+            r.unreported([0x10_0000].into_iter()).is_none(),
+            "no allocation's"
+        );
+        assert!(r.failure_at(Some(0x10_0000)).is_none());
+        assert_eq!(
+            r.failures().len(),
+            1,
+            "kept, though it concerns no allocation"
+        );
+        let e = r
+            .failure_at_after_timeout(None)
+            .expect("a settle does not end it unsaid");
+        assert!(e.to_string().contains("injected"), "{e}");
+        assert!(r.failure_at(None).is_none(), "raised once");
+        assert!(r.failures().is_empty());
+        // One kept for an allocation is raised every time, beside it.
+        r.keep_failure(&failure(), std::iter::empty());
+        r.keep_failure(&failure(), [(0x10_0000, 4096)].into_iter());
+        assert!(r.failure_at(None).unwrap().to_string().contains("and:"));
+        let again = r.failure_at(None).unwrap().to_string();
+        assert_eq!(again.matches("injected").count(), 1, "{again}");
     }
 
     #[test]

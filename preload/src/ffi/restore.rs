@@ -64,7 +64,8 @@ pub unsafe extern "C" fn tms_resume_nonblocking(
 /// (every allocation, if 0) has landed, for at most `timeout_ms` (negative: no limit).
 /// `*out_done` (or NULL) is 1 if it landed, 0 if the time ran out. A resume that failed after
 /// it returned is reported here for the allocations it left unrestored, every time, until they
-/// are paused, resumed or freed.
+/// are paused, resumed or freed; one that failed after everything landed is reported once, by
+/// the next wait for every allocation.
 ///
 /// # Safety
 /// `out_done` is NULL or writable.
