@@ -373,6 +373,40 @@ def test_stats_and_summary(preloaded):
     assert "kv" in r.stdout and "tag" in r.stdout and "last pause" in r.stdout
 
 
+def test_stats_that_keep_growing_between_the_calls_are_refused_after_a_few_tries(preloaded):
+    # Before each call another tag appears, its name as long as the room the call has:
+    # each answer outgrows the room the one before made for it (with its spare room). stats()
+    # gives up after its tries, saying why, instead of asking again for as long as it grows.
+    r = preloaded(
+        """
+        assert tms.stats()["tags"] == []
+        lib = tms._impl._library()
+        real = lib.tms_stats_json
+        rooms = []
+        def a_new_tag_at_each_call(buf, cap, need):
+            rooms.append(cap)
+            if len(rooms) > 12:
+                raise SystemExit(f"still asking after {len(rooms)} calls: {rooms}")
+            with tms.region(tag=f"t{len(rooms)}-" + "x" * cap):
+                rc, p = cuda_malloc(1 << 20)
+            assert rc == 0, rc
+            return real(buf, cap, need)
+        lib.tms_stats_json = a_new_tag_at_each_call
+        try:
+            tms.stats()
+            raise SystemExit("should give up")
+        except tms_pkg.InvalidStateError as e:
+            print("REFUSED", e)
+        lib.tms_stats_json = real
+        assert len(rooms) == 8 and rooms == sorted(set(rooms)), rooms
+        assert len(tms.stats()["tags"]) == 8, "the stats as they are, once they hold still"
+        print("ok")
+        """
+    )
+    assert "REFUSED a_new_tag_at_each_call: its answer was larger at each of 8 tries" in r.stdout, r.stdout
+    assert r.stdout.strip().endswith("ok"), r.stdout
+
+
 def test_logging_reports_pause_and_resume(preloaded):
     r = preloaded(
         """

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from ._checks import _check_backend, _check_tag
-from .errors import InvalidArgumentError, LibraryNotFoundError, error_for_status
+from .errors import InvalidArgumentError, InvalidStateError, LibraryNotFoundError, error_for_status
 
 __all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
@@ -130,6 +130,10 @@ _SIGNATURES = {
 }
 
 BUFFER_TOO_SMALL = 9
+
+# How many times call_string asks for an answer that was larger at each try than the room the
+# try before made for it (another thread keeps changing what it describes) before it gives up.
+_STRING_TRIES = 8
 
 
 def bundled_library_path() -> str:
@@ -314,17 +318,26 @@ class BinaryWrapper:
         return p if p.op else None
 
     def call_string(self, fn) -> str:
-        """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed."""
+        """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed. The answer
+        (stats of allocations another thread is making, say) may grow between calls: after
+        a few tries that each found it larger than the room made for it, raises
+        :class:`InvalidStateError` saying so."""
         cap = 4096
-        while True:
+        for _ in range(_STRING_TRIES):
             buf = ctypes.create_string_buffer(cap)
             need = ctypes.c_size_t(0)
             status = fn(buf, cap, ctypes.byref(need))
             if status == BUFFER_TOO_SMALL and need.value + 1 > cap:
-                cap = need.value + 1
+                # Room to spare, so that an answer a little larger by the next call still fits.
+                cap = need.value + 1 + need.value // 4
                 continue
             self.check(status)
             return buf.value.decode("utf-8")
+        name = getattr(fn, "__name__", repr(fn))
+        raise InvalidStateError(
+            f"{name}: its answer was larger at each of {_STRING_TRIES} tries than the try before had room for "
+            f"(another thread keeps changing what it describes). Last: {self.last_error()}"
+        )
 
 
 class _DlInfo(ctypes.Structure):

@@ -755,7 +755,9 @@ class TorchMemorySaver:
         NCCL's memory as its bytes, and ``nccl`` holds NCCL's own numbers (``version``,
         ``unsupported``, ``communicators``, ``suspended``, ``suspendable_bytes``,
         ``suspended_bytes``, ``persistent_bytes``, ``total_bytes``, ``registered_buffers``,
-        ``in_all_tags``, ``registered_policy``)."""
+        ``in_all_tags``, ``registered_policy``). Statistics that another thread keeps making
+        larger (new tags, say) between the library's answers are asked for again a few times,
+        then refused (:class:`InvalidStateError`)."""
         self._ensure_initialized()
         return self._impl.stats()
 
