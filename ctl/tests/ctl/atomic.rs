@@ -614,17 +614,19 @@ fn slow_server_behind(
     use std::sync::{Arc, Mutex};
     let me = std::process::id();
     let listener = std::os::unix::net::UnixListener::bind(dir.join(our_name(me))).expect("bind");
-    let paused = Arc::new(Mutex::new(false));
-    let state = paused.clone();
+    let slow = Slow::default();
+    let fake = slow.clone();
     let started: Arc<Mutex<Option<Instant>>> = Arc::new(Mutex::new(None));
-    let asked_out = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let asked_in = asked_out.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { break };
-            let state = state.clone();
+            let Slow {
+                paused: state,
+                asked,
+                hold,
+                answered,
+            } = fake.clone();
             let started = started.clone();
-            let asked = asked_in.clone();
             std::thread::spawn(move || {
                 let Ok(rd) = conn.try_clone() else { return };
                 let mut lines = BufReader::new(rd).lines();
@@ -641,6 +643,7 @@ fn slow_server_behind(
                 for line in lines {
                     let Ok(line) = line else { return };
                     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+                    let pause = req["op"] == "pause";
                     let reply = match req["op"].as_str() {
                         Some("status") => {
                             let p = *state.lock().unwrap();
@@ -696,6 +699,12 @@ fn slow_server_behind(
                             if op == "pause" {
                                 *started.lock().unwrap() = Some(Instant::now());
                                 asked.store(true, std::sync::atomic::Ordering::SeqCst);
+                                let deadline = Instant::now() + Duration::from_secs(30);
+                                while hold.load(std::sync::atomic::Ordering::SeqCst)
+                                    && Instant::now() < deadline
+                                {
+                                    std::thread::sleep(Duration::from_millis(1));
+                                }
                                 let ms = ahead.0 + ahead.1 + stall_ms + move_ms;
                                 std::thread::sleep(Duration::from_millis(ms));
                             }
@@ -717,14 +726,14 @@ fn slow_server_behind(
                     if conn.write_all(format!("{reply}\n").as_bytes()).is_err() {
                         return;
                     }
+                    if pause {
+                        answered.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
                 }
             });
         }
     });
-    Slow {
-        paused,
-        asked: asked_out,
-    }
+    slow
 }
 
 /// `tmsctl pause --all --atomic --tag kv --timeout <timeout> --json`, the pause the tests of a
@@ -755,31 +764,99 @@ fn assert_undone(r: &Ran, paused: &std::sync::Mutex<bool>) {
     assert!(!*paused.lock().unwrap(), "undone: active again");
 }
 
-/// What [`slow_server`]'s test reads: whether the tag is paused, and whether a pause was asked.
+/// What [`slow_server`]'s test reads and steers: whether the tag is paused; whether a pause was
+/// asked; `hold`, which while set keeps an asked pause from going on (its stall and copy not
+/// begun, no reply), so that a test times its Ctrl-C by the pause rather than by the clock;
+/// whether the pause's reply was sent.
+#[derive(Clone, Default)]
 struct Slow {
     paused: std::sync::Arc<std::sync::Mutex<bool>>,
     asked: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    answered: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
-/// `tmsctl pause --atomic --tag kv`, sent SIGINT (Ctrl-C) as soon as the fake server was asked.
-fn atomic_pause_interrupted_once_asked(sb: &Sandbox, asked: &std::sync::atomic::AtomicBool) -> Ran {
+/// `tmsctl pause --atomic --tag kv` of `slow`, started with the fake's pause held: returned
+/// once the fake was asked.
+fn spawn_held_atomic_pause(sb: &Sandbox, slow: &Slow) -> std::process::Child {
+    slow.hold.store(true, std::sync::atomic::Ordering::SeqCst);
     let mut cmd = clean(std::process::Command::new(tmsctl()), sb);
     cmd.args(atomic_pause_kv("30"));
     cmd.stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped());
     let child = cmd.spawn().expect("tmsctl");
+    wait_for(&slow.asked, "the pause never reached the fake");
+    child
+}
+
+/// Wait until `flag` is set; `what` fails the test after 20 s.
+fn wait_for(flag: &std::sync::atomic::AtomicBool, what: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !asked.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(
-            Instant::now() < deadline,
-            "the pause never reached the fake"
-        );
+    while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "{what}");
         std::thread::sleep(Duration::from_millis(1));
     }
-    // SAFETY: a signal to the child this test started and has not waited for yet.
-    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGINT) }, 0);
+}
+
+/// Send `sig` to `child`, one this test started and has not waited for yet.
+fn signal(child: &std::process::Child, sig: nix::sys::signal::Signal) {
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, sig).unwrap_or_else(|e| panic!("{sig}: {e}"));
+}
+
+/// Continues (SIGCONT) the process it holds when dropped: a tmsctl that a test stopped goes on
+/// to its end even where the test fails on the way.
+struct ContinueOnDrop(nix::unistd::Pid);
+
+impl Drop for ContinueOnDrop {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::kill(self.0, nix::sys::signal::Signal::SIGCONT);
+    }
+}
+
+/// `tmsctl pause --atomic --tag kv` of `slow`, sent SIGINT (Ctrl-C) once the fake was asked:
+/// the fake goes on with the pause only after that.
+fn atomic_pause_interrupted_once_asked(sb: &Sandbox, slow: &Slow) -> Ran {
+    let child = spawn_held_atomic_pause(sb, slow);
+    signal(&child, nix::sys::signal::Signal::SIGINT);
+    slow.hold.store(false, std::sync::atomic::Ordering::SeqCst);
     Ran::of(child.wait_with_output().expect("wait for tmsctl"))
+}
+
+/// `tmsctl pause --atomic --tag kv` of `slow`, its SIGINT (Ctrl-C) arriving with the fake's
+/// quick reply, before tmsctl looks for either: once the fake is asked, tmsctl is stopped
+/// (SIGSTOP), the fake answers, the SIGINT is sent, and tmsctl goes on (SIGCONT) to find both,
+/// however loaded the machine. (The SIGINT used to be sent as soon as the fake was asked, the
+/// reply coming 100 ms later: where this test's thread was held up longer than that, tmsctl
+/// had already paused every process, exit 0.)
+fn atomic_pause_interrupted_as_it_answers(sb: &Sandbox, slow: &Slow) -> Ran {
+    let child = spawn_held_atomic_pause(sb, slow);
+    signal(&child, nix::sys::signal::Signal::SIGSTOP);
+    let go_on = ContinueOnDrop(nix::unistd::Pid::from_raw(child.id() as i32));
+    wait_stopped(child.id());
+    slow.hold.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_for(&slow.answered, "the fake never answered the pause");
+    signal(&child, nix::sys::signal::Signal::SIGINT);
+    drop(go_on);
+    Ran::of(child.wait_with_output().expect("wait for tmsctl"))
+}
+
+/// Wait until process `pid` is stopped (state `T` in `/proc/PID/stat`).
+fn wait_stopped(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        // The state follows the command name, in parentheses (which the name may hold too).
+        if stat
+            .rsplit_once(") ")
+            .is_some_and(|(_, rest)| rest.starts_with('T'))
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pid {pid} never stopped: {stat}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// A pause still running at --timeout on a server whose `status` cannot list running operations
@@ -840,10 +917,10 @@ fn an_atomic_pause_waiting_behind_one_that_moves_is_waited_for_and_undone() {
 fn ctrl_c_during_an_atomic_pause_undoes_it_and_says_so() {
     let sb = sandbox();
     let dir = private_dir(&sb);
-    let Slow { paused, asked } = slow_server(dir, &["chunks", "operations", "progress"], 1500, 500);
-    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
+    let slow = slow_server(dir, &["chunks", "operations", "progress"], 1500, 500);
+    let r = atomic_pause_interrupted_once_asked(&sb, &slow);
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
-    assert_undone(&r, &paused);
+    assert_undone(&r, &slow.paused);
 }
 
 /// Ctrl-C during an `--atomic` pause whose process answers quickly (within one of tmsctl's
@@ -855,14 +932,14 @@ fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     // This process is asked first (the lower pid), the real one after it.
-    let Slow { paused, asked } = slow_server(dir, &["chunks"], 0, 100);
+    let slow = slow_server(dir, &["chunks"], 0, 0);
     let p = Proc::start_tagged(&sb, "kv", &[], |_| {});
     assert!(p.pid > std::process::id(), "pids wrapped around");
-    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
+    let r = atomic_pause_interrupted_as_it_answers(&sb, &slow);
     let j = r.json_exit(7);
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
-    assert!(!*paused.lock().unwrap(), "undone: active again");
+    assert!(!*slow.paused.lock().unwrap(), "undone: active again");
     assert_eq!(
         tag(&status(&sb, p.pid), "kv")["bytes_active"].as_u64(),
         Some(SIZE),
@@ -878,14 +955,14 @@ fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
 fn ctrl_c_during_the_last_quick_atomic_pause_undoes_it() {
     let sb = sandbox();
     let dir = private_dir(&sb);
-    let Slow { paused, asked } = slow_server(dir, &["chunks"], 0, 100);
-    let r = atomic_pause_interrupted_once_asked(&sb, &asked);
+    let slow = slow_server(dir, &["chunks"], 0, 0);
+    let r = atomic_pause_interrupted_as_it_answers(&sb, &slow);
     assert!(
         r.stderr.contains("interrupted (Ctrl-C) as it answered"),
         "{}",
         r.dump()
     );
-    assert_undone(&r, &paused);
+    assert_undone(&r, &slow.paused);
 }
 
 /// Ctrl-C while `--atomic` waits in `connect` for a process whose accept queue is full ends the
