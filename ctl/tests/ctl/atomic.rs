@@ -30,6 +30,39 @@ fn two_in_pid_order(sb: &Sandbox, a: &[(&str, &str)], b: &[(&str, &str)]) -> (Pr
     (a, b)
 }
 
+/// A process started by `start` whose pid is above this test process's, as which the tests' fake
+/// servers listen: tmsctl asks it after them. Where the pids wrapped around since this process
+/// started, it exits, the pids up to ours are used up, and it starts again.
+fn started_after_us(start: impl Fn() -> Proc) -> Proc {
+    let me = std::process::id();
+    for _ in 0..4 {
+        let p = start();
+        if p.pid > me {
+            return p;
+        }
+        p.exit();
+        use_pids_up_to(me);
+    }
+    panic!("no pid above this process's ({me}) in 4 tries");
+}
+
+/// Use up pids (as the ids of threads that end at once, from the same numbers) until one above
+/// `pid` came, or they wrapped around again, or 60 s passed (with a `pid_max` of millions).
+fn use_pids_up_to(pid: u32) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = 0;
+    while Instant::now() < deadline {
+        let tid = std::thread::spawn(|| nix::unistd::gettid().as_raw())
+            .join()
+            .expect("a thread that only asks its id");
+        let tid = u32::try_from(tid).expect("a thread id is positive");
+        if tid > pid || tid < last {
+            return;
+        }
+        last = tid;
+    }
+}
+
 /// Three processes, the last (highest pid, asked last) made to fail; `--atomic` must bring the
 /// first two back to where they were.
 fn three_with_a_faulty_last(sb: &Sandbox, faults: &str) -> Vec<Proc> {
@@ -538,10 +571,11 @@ fn an_atomic_chunk_pause_is_undone_on_the_chunks_it_paused_only() {
     let sb = sandbox();
     let dir = private_dir(&sb);
     let fake = chunked_server_whose_program_pauses_chunk_2(dir);
-    let faulty = Proc::start_with(&sb, &[("TMS_SIM_FAULTS", "copy_d2h:1,copy_d2h:2")], |c| {
-        c.args(["--chunk", "2MiB"]);
+    let faulty = started_after_us(|| {
+        Proc::start_with(&sb, &[("TMS_SIM_FAULTS", "copy_d2h:1,copy_d2h:2")], |c| {
+            c.args(["--chunk", "2MiB"]);
+        })
     });
-    assert!(faulty.pid > std::process::id(), "pids wrapped around");
     let args = [
         "pause", "--all", "--atomic", "--tag", "demo", "--chunks", "0", "--json",
     ];
@@ -933,8 +967,7 @@ fn ctrl_c_during_a_quick_atomic_pause_stops_before_the_next_process() {
     let dir = private_dir(&sb);
     // This process is asked first (the lower pid), the real one after it.
     let slow = slow_server(dir, &["chunks"], 0, 0);
-    let p = Proc::start_tagged(&sb, "kv", &[], |_| {});
-    assert!(p.pid > std::process::id(), "pids wrapped around");
+    let p = started_after_us(|| Proc::start_tagged(&sb, "kv", &[], |_| {}));
     let r = atomic_pause_interrupted_as_it_answers(&sb, &slow);
     let j = r.json_exit(7);
     assert!(r.stderr.contains("interrupted (Ctrl-C)"), "{}", r.dump());
