@@ -131,9 +131,9 @@ _SIGNATURES = {
 
 BUFFER_TOO_SMALL = 9
 
-# How many times call_string asks for an answer that was larger at each try than the room the
-# try before made for it (another thread keeps changing what it describes) before it gives up.
-_STRING_TRIES = 8
+# How many times call_with_room asks for an answer that was larger at each try than the room
+# the try before made for it (another thread keeps changing what it describes) before it gives up.
+ROOM_TRIES = 8
 
 
 def bundled_library_path() -> str:
@@ -317,26 +317,42 @@ class BinaryWrapper:
         self.check(self.tms_last_progress(ctypes.byref(p), ctypes.sizeof(p)))
         return p if p.op else None
 
+    def call_with_room(self, room: int, attempt, refused: str, spare=lambda need: need):
+        """``attempt(room)``: one call with room for ``room`` entries, as ``(status, need,
+        answer)``, ``answer()`` reading what it wrote. Where the library says the room was too
+        small (``BUFFER_TOO_SMALL``, needing ``need``), asked again with room ``spare(need)``:
+        what it describes (another thread's allocations, say) may grow between calls, so after
+        :data:`ROOM_TRIES` tries that each found it larger than the room made for it, raises
+        :class:`InvalidStateError` with ``refused`` and the library's last message."""
+        for _ in range(ROOM_TRIES):
+            status, need, answer = attempt(room)
+            if status == BUFFER_TOO_SMALL and need > room:
+                room = spare(need)
+                continue
+            self.check(status)
+            return answer()
+        raise InvalidStateError(f"{refused}. Last: {self.last_error()}")
+
     def call_string(self, fn) -> str:
         """Call a ``(buf, cap, out_len)`` function, growing the buffer as needed. The answer
         (stats of allocations another thread is making, say) may grow between calls: after
         a few tries that each found it larger than the room made for it, raises
         :class:`InvalidStateError` saying so."""
-        cap = 4096
-        for _ in range(_STRING_TRIES):
+
+        def attempt(cap: int):
             buf = ctypes.create_string_buffer(cap)
             need = ctypes.c_size_t(0)
             status = fn(buf, cap, ctypes.byref(need))
-            if status == BUFFER_TOO_SMALL and need.value + 1 > cap:
-                # Room to spare, so that an answer a little larger by the next call still fits.
-                cap = need.value + 1 + need.value // 4
-                continue
-            self.check(status)
-            return buf.value.decode("utf-8")
+            return status, need.value + 1, lambda: buf.value.decode("utf-8")
+
         name = getattr(fn, "__name__", repr(fn))
-        raise InvalidStateError(
-            f"{name}: its answer was larger at each of {_STRING_TRIES} tries than the try before had room for "
-            f"(another thread keeps changing what it describes). Last: {self.last_error()}"
+        return self.call_with_room(
+            4096,
+            attempt,
+            f"{name}: its answer was larger at each of {ROOM_TRIES} tries than the try before had room for "
+            "(another thread keeps changing what it describes)",
+            # Room to spare, so that an answer a little larger by the next call still fits.
+            spare=lambda need: need + (need - 1) // 4,
         )
 
 

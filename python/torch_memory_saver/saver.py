@@ -13,7 +13,7 @@ import threading
 from typing import Any, Dict, Optional
 
 from .arguments import _U64_MAX, _address, _is_xpu, _tensor_or_address
-from .binary_wrapper import BUFFER_TOO_SMALL, BinaryWrapper
+from .binary_wrapper import ROOM_TRIES, BinaryWrapper
 from .chunks import _Chunks
 from .cpu_backup import _CpuBackups
 from .errors import InternalError, InvalidArgumentError, InvalidStateError, LibraryNotFoundError
@@ -27,9 +27,8 @@ __all__ = ["_TorchMemorySaverImpl"]
 logger = logging.getLogger("torch_memory_saver")
 
 # export_memory's room for segments at its first try (an allocation under 1 GiB that is not
-# chunked has one), and how many tries it makes.
+# chunked has one).
 _EXPORT_ROOM = 16
-_EXPORT_TRIES = 8
 
 
 class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl):
@@ -182,22 +181,21 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
         # (saying the room needed). Another thread may free the allocation and make a larger
         # one there before the next call, so a too-small room is asked again with the room now
         # needed, a bounded number of times.
-        room = _EXPORT_ROOM
-        for _ in range(_EXPORT_TRIES):
+
+        def attempt(room: int):
             fds = (ctypes.c_int * room)()
             offsets = (ctypes.c_uint64 * room)()
             lens = (ctypes.c_uint64 * room)()
             need = ctypes.c_uint64(0)
             status = lib.tms_export(addr, fds, offsets, lens, room, ctypes.byref(need))
-            if status == BUFFER_TOO_SMALL and need.value > room:
-                room = need.value
-                continue
-            lib.check(status)
-            return [(int(offsets[i]), int(lens[i]), int(fds[i])) for i in range(need.value)]
-        raise InvalidStateError(
+            return status, need.value, lambda: [(int(offsets[i]), int(lens[i]), int(fds[i])) for i in range(need.value)]
+
+        return lib.call_with_room(
+            _EXPORT_ROOM,
+            attempt,
             f"export_memory({addr:#x}): the allocation holding the address had more segments at each of "
-            f"{_EXPORT_TRIES} tries than the try before had room for (another thread keeps freeing it and "
-            f"making a larger one there); nothing was exported. Last: {lib.last_error()}"
+            f"{ROOM_TRIES} tries than the try before had room for (another thread keeps freeing it and "
+            "making a larger one there); nothing was exported",
         )
 
     def _affected_devices(self, tag: Optional[str]) -> list:
