@@ -171,9 +171,10 @@ pub fn open_private_subfolder(
 
 /// Remove the backup files in the folder `dir` that no live process holds; returns how many.
 /// Opens nothing but regular files of ours, and never blocks: each candidate is checked with
-/// `fstatat` without following links, opened with `O_NOFOLLOW | O_NONBLOCK`, and checked again
-/// with `fstat` (the name may have changed hands meanwhile); a file is stale only when its
-/// `flock` can be taken, which proves that the process that made it is gone. For a sweep from
+/// `fstatat` without following links, opened with `O_NOFOLLOW | O_NONBLOCK` (for reading and
+/// writing, as NFS's exclusive `flock` needs, else for reading), and checked again with `fstat`
+/// (the name may have changed hands meanwhile); nothing is written. A file is stale only when
+/// its `flock` can be taken, which proves that the process that made it is gone. For a sweep from
 /// another process than those that make files (`tmsctl clean`); a process that makes them
 /// sweeps with [`sweep_keeping`].
 pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
@@ -187,6 +188,18 @@ pub fn sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
 /// process's own requests against each other); nor are they opened, as closing a descriptor
 /// of a file drops every POSIX lock of the process on it.
 pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> nix::Result<usize> {
+    sweep_locking(dir, ours, |file| {
+        Flock::lock(file, FlockArg::LockExclusiveNonblock).map_err(|(_, errno)| errno)
+    })
+}
+
+/// [`sweep_keeping`], taking each candidate's lock with `lock`, which holds it for as long as
+/// what it returns lives: `flock`, or in tests the lock NFS takes for it.
+fn sweep_locking<L>(
+    dir: BorrowedFd<'_>,
+    ours: &dyn Fn(&FileStat) -> bool,
+    lock: impl Fn(File) -> nix::Result<L>,
+) -> nix::Result<usize> {
     let me = geteuid().as_raw();
     let mut listing = nix::dir::Dir::openat(
         dir,
@@ -214,12 +227,13 @@ pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> n
         if ours(&before) {
             continue;
         }
-        let flags = OFlag::O_RDONLY
-            | OFlag::O_NOFOLLOW
-            | OFlag::O_NONBLOCK
-            | OFlag::O_NOCTTY
-            | OFlag::O_CLOEXEC;
-        let Ok(fd) = openat(dir, name.as_c_str(), flags, Mode::empty()) else {
+        // Opened for writing, though nothing is written: where `flock` is emulated with a POSIX
+        // lock over the whole file (NFS), an exclusive one needs a descriptor open for writing
+        // (EBADF otherwise). Where writing is refused (a mode such as 0400, a read-only mount),
+        // read-only: on a local file system the lock is the same either way.
+        let flags = OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+        let open = |access| openat(dir, name.as_c_str(), flags | access, Mode::empty());
+        let Ok(fd) = open(OFlag::O_RDWR).or_else(|_| open(OFlag::O_RDONLY)) else {
             continue;
         };
         match fstat(&fd) {
@@ -230,7 +244,7 @@ pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> n
             _ => continue,
         }
         // Taking the lock proves no other process holds it (and `ours` that this one does not).
-        if let Ok(locked) = Flock::lock(File::from(fd), FlockArg::LockExclusiveNonblock) {
+        if let Ok(locked) = lock(File::from(fd)) {
             if unlinkat(dir, name.as_c_str(), UnlinkatFlags::NoRemoveDir).is_ok() {
                 removed += 1;
             }
@@ -244,7 +258,171 @@ pub fn sweep_keeping(dir: BorrowedFd<'_>, ours: &dyn Fn(&FileStat) -> bool) -> n
 mod tests {
     use super::*;
     use crate::layout::{file_name, private_subfolder_name, tmp_name, unique_part};
+    use nix::fcntl::{fcntl, FcntlArg};
+    use nix::libc;
+    use std::io::{BufRead, BufReader, Read, Write};
     use std::os::unix::fs::symlink;
+    use std::process::{Command, Stdio};
+
+    /// A POSIX lock of `kind` over the whole file.
+    fn whole_file(kind: libc::c_int) -> libc::flock {
+        libc::flock {
+            l_type: kind as libc::c_short,
+            l_whence: libc::SEEK_SET as libc::c_short,
+            l_start: 0,
+            l_len: 0,
+            l_pid: 0,
+        }
+    }
+
+    /// The lock an NFS client takes for `flock(LOCK_EX | LOCK_NB)` (flock(2), "NFS details"):
+    /// a POSIX write lock over the whole file on the same descriptor, which the kernel refuses
+    /// (EBADF) on a descriptor not open for writing. Held until the file is closed.
+    fn nfs_style_lock(file: File) -> nix::Result<File> {
+        fcntl(&file, FcntlArg::F_SETLK(&whole_file(libc::F_WRLCK)))?;
+        Ok(file)
+    }
+
+    fn nfs_style_sweep(dir: BorrowedFd<'_>) -> nix::Result<usize> {
+        sweep_locking(dir, &|_| false, nfs_style_lock)
+    }
+
+    /// Names the file [`lock_holder_child`] locks in a child process.
+    const HOLD_VAR: &str = "TMS_DISK_FOLDER_TEST_HOLD";
+
+    /// Not a test: the child process of
+    /// [`an_nfs_style_sweep_keeps_a_file_another_process_locks`], which holds a POSIX write
+    /// lock on the file [`HOLD_VAR`] names, says "locked" on stdout, and keeps the lock until its
+    /// stdin closes. A process's own POSIX locks never conflict, so only another one can hold it.
+    #[test]
+    #[ignore = "run as a child process by an_nfs_style_sweep_keeps_a_file_another_process_locks"]
+    fn lock_holder_child() {
+        let Some(path) = std::env::var_os(HOLD_VAR) else {
+            return;
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        fcntl(&file, FcntlArg::F_SETLK(&whole_file(libc::F_WRLCK))).unwrap();
+        // Not `println!`, which the test harness would keep until the end.
+        let mut out = std::io::stdout();
+        out.write_all(b"locked\n").unwrap();
+        out.flush().unwrap();
+        let _ = std::io::stdin().read(&mut [0; 1]);
+    }
+
+    #[test]
+    fn an_nfs_style_sweep_takes_the_files_of_dead_processes() {
+        let d = tempfile::tempdir().unwrap();
+        let dead = d.path().join(file_name(&unique_part(1, 0xdead, 0)));
+        std::fs::write(&dead, b"old").unwrap();
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        assert_eq!(nfs_style_sweep(folder.as_fd()), Ok(1));
+        assert!(!dead.exists());
+    }
+
+    #[test]
+    fn an_nfs_style_sweep_keeps_a_file_another_process_locks() {
+        let d = tempfile::tempdir().unwrap();
+        let live = d.path().join(file_name(&unique_part(1, 0x11fe, 0)));
+        std::fs::write(&live, b"live").unwrap();
+        let test = module_path!().split_once("::").unwrap().1;
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--ignored",
+                "--exact",
+                &format!("{test}::lock_holder_child"),
+            ])
+            .env(HOLD_VAR, &live)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // Kept open until the child is gone: the harness there fails on a closed stdout.
+        let mut said = BufReader::new(child.stdout.take().unwrap()).lines();
+        // Its stdout ends without it if the child fails, so this cannot hang.
+        assert!(
+            said.any(|l| l.unwrap() == "locked"),
+            "the child took no lock"
+        );
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        assert_eq!(nfs_style_sweep(folder.as_fd()), Ok(0));
+        assert!(live.exists());
+        drop(child.stdin.take());
+        assert!(child.wait().unwrap().success());
+        drop(said);
+        assert_eq!(
+            nfs_style_sweep(folder.as_fd()),
+            Ok(1),
+            "its maker gone, the file goes"
+        );
+        assert!(!live.exists());
+    }
+
+    /// Runs `f` on a thread of its own without CAP_DAC_OVERRIDE in its effective set
+    /// (capabilities are per thread), so that a file's mode refuses writing even to root.
+    fn without_dac_override<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: libc::c_int,
+        }
+        #[repr(C)]
+        #[derive(Clone, Copy, Default)]
+        struct Data {
+            effective: u32,
+            permitted: u32,
+            inheritable: u32,
+        }
+        const VERSION_3: u32 = 0x2008_0522;
+        const CAP_DAC_OVERRIDE: u32 = 1;
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut header = Header {
+                    version: VERSION_3,
+                    pid: 0,
+                };
+                let mut data = [Data::default(); 2];
+                // SAFETY: capget(2) with version 3 writes two `Data` (the kernel's
+                // `__user_cap_data_struct`) for the calling thread (pid 0).
+                let got =
+                    unsafe { libc::syscall(libc::SYS_capget, &mut header, data.as_mut_ptr()) };
+                assert_eq!(got, 0, "capget: {}", Errno::last());
+                data[0].effective &= !(1 << CAP_DAC_OVERRIDE);
+                // SAFETY: capset(2) reads the header and two `Data`; it changes only the
+                // calling thread, which ends with `f`.
+                let set = unsafe { libc::syscall(libc::SYS_capset, &mut header, data.as_ptr()) };
+                assert_eq!(set, 0, "capset: {}", Errno::last());
+                f()
+            })
+            .join()
+            .unwrap()
+        })
+    }
+
+    #[test]
+    fn a_file_whose_mode_refuses_writing_is_still_swept() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let dead = d.path().join(file_name(&unique_part(1, 0xdead, 0)));
+        std::fs::write(&dead, b"old").unwrap();
+        std::fs::set_permissions(&dead, std::fs::Permissions::from_mode(0o400)).unwrap();
+        let folder = open_folder(nix::fcntl::AT_FDCWD, d.path(), true).unwrap();
+        let swept = without_dac_override(|| {
+            let write = std::fs::OpenOptions::new().write(true).open(&dead);
+            assert_eq!(
+                write.unwrap_err().raw_os_error(),
+                Some(libc::EACCES),
+                "opening it for writing must be refused, as it is to the sweep"
+            );
+            sweep(folder.as_fd())
+        });
+        assert_eq!(swept, Ok(1));
+        assert!(!dead.exists());
+    }
 
     #[test]
     fn a_sweep_takes_only_unlocked_files_of_ours_and_never_blocks() {
@@ -310,19 +488,10 @@ mod tests {
         // Where flock is emulated with POSIX record locks, closing any descriptor of a file
         // drops every such lock the process holds on it: a sweep that opened one of its own
         // files, even to leave it, would leave it unlocked for another process's sweep.
-        use nix::fcntl::{fcntl, FcntlArg};
-        use nix::libc;
         use std::os::unix::fs::MetadataExt;
         let d = tempfile::tempdir().unwrap();
         let mine = d.path().join(file_name(&unique_part(1, 0x1, 0)));
         std::fs::write(&mine, b"x").unwrap();
-        let whole_file = |kind| libc::flock {
-            l_type: kind as libc::c_short,
-            l_whence: libc::SEEK_SET as libc::c_short,
-            l_start: 0,
-            l_len: 0,
-            l_pid: 0,
-        };
         let held = std::fs::OpenOptions::new()
             .read(true)
             .write(true)

@@ -39,9 +39,11 @@
 //! - The sweep takes only names of the exact form we make (`tms-backup-<pid>-<stamp>-<seq>.bin`,
 //!   `tms_disk_folder::unique_part`): a user's own `tms-backup-weights.pt` beside them is not
 //!   ours. It opens only regular files of ours: each candidate is checked with `fstatat`
-//!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` and checked again
-//!   with `fstat`, so nothing in the folder can make it block, under the operation lock or
-//!   elsewhere. `tmsctl clean` sweeps with the same code (`tms_disk_folder::sweep`). Each folder is swept
+//!   without following links, then opened with `O_NOFOLLOW | O_NONBLOCK` (for reading and
+//!   writing where the file's mode allows, as an exclusive `flock` on NFS needs; nothing is
+//!   written) and checked again with `fstat`, so nothing in the folder can make it block,
+//!   under the operation lock or elsewhere. `tmsctl clean` sweeps with the same code
+//!   (`tms_disk_folder::sweep`). Each folder is swept
 //!   when this process first uses it (a recreated folder too, or one chosen again), leaving alone
 //!   the files this process holds open whatever their locks tell (Note [Disk backup files]).
 //! - The files' contents are checksummed per chunk, so a file changed while paused is never
