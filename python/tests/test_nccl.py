@@ -216,3 +216,60 @@ def test_a_job_wide_call_over_nccl_is_refused_at_once_by_a_rank_whose_communicat
     )
     assert "REFUSED every tag includes NCCL's communicators on this rank" in r.stdout, r.stdout
     assert "they are suspended" in r.stdout and "AGREED [0]" in r.stdout, r.stdout
+
+
+def test_communicators_taken_back_are_not_handed_over_again_by_a_pause_under_way(monkeypatch):
+    """A pause (or resume, or stats()) of another thread reads the communicators to hand over,
+    then hands them over. Where ``remove_nccl_communicators`` ran in between, the pause handed
+    over the communicator it had read after the removal had returned, and the program then
+    destroys it: the library would suspend a destroyed communicator at the next pause of
+    ``"nccl"``. With a stand-in library that records what it is handed, and holds the pause's
+    hand-over back till the removal has returned (or for 2 s, where the removal waits for it)."""
+    import threading
+
+    from torch_memory_saver import saver
+
+    handed: list = []
+    pauser = None
+    removed = threading.Event()
+    holding = threading.Event()
+
+    class Lib:
+        @staticmethod
+        def tms_nccl_adopt(arr, n):
+            if threading.current_thread() is pauser:
+                holding.set()
+                removed.wait(timeout=2)
+            handed.append([arr[i] for i in range(n)])
+            return 0
+
+        @staticmethod
+        def check(status):
+            assert status == 0
+
+    impl = saver._TorchMemorySaverImpl("preload")
+    monkeypatch.setattr(impl, "_library", lambda: Lib)
+    comm = 0x1000
+    impl.add_nccl_communicators([comm])
+    assert handed == [[comm]]
+    errors: list = []
+
+    def run(fn):
+        try:
+            fn()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    def remove():
+        impl.remove_nccl_communicators([comm])
+        removed.set()
+
+    pauser = threading.Thread(target=run, args=(lambda: impl._hand_over_nccl(None),))
+    pauser.start()
+    assert holding.wait(timeout=10)
+    remover = threading.Thread(target=run, args=(remove,))
+    remover.start()
+    pauser.join(timeout=10)
+    remover.join(timeout=10)
+    assert not errors, errors
+    assert handed[-1] == [], f"a communicator taken back was handed over again after: {handed}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
 from typing import Any, Callable, Iterable, Optional
 
 from .arguments import _U64_MAX
@@ -61,6 +62,10 @@ class _Nccl:
     # Communicators added by the program, and whether the library holds any handed over.
     _nccl_extra: list
     _nccl_handed: bool
+    # Held while those change and over each hand-over (reading the list, then handing it
+    # over): a hand-over of another thread's pause would otherwise hand over, after
+    # remove_nccl_communicators returned, a communicator it read before.
+    _nccl_lock: threading.RLock
 
     @property
     def nccl_in_all_tags(self) -> bool:
@@ -99,42 +104,45 @@ class _Nccl:
         values as ints, or objects with a ``comm`` or ``_comm_ptr`` giving one): made through a
         handle of NCCL the program opened itself, as pynccl wrappers do. Each must stay alive
         while handed over; :meth:`remove_nccl_communicators` takes them back."""
-        added = []
-        for c in comms:
-            v = _comm_value(c)
-            if v not in self._nccl_extra and v not in added:
-                added.append(v)
-        self._nccl_extra.extend(added)
-        try:
-            self._hand_over_nccl(NCCL_TAG)
-        except BaseException:
-            # Refused (a value that points at no memory, say): none of them is kept.
-            self._nccl_extra[:] = [c for c in self._nccl_extra if c not in added]
-            raise
+        values = [_comm_value(c) for c in comms]
+        with self._nccl_lock:
+            added = []
+            for v in values:
+                if v not in self._nccl_extra and v not in added:
+                    added.append(v)
+            self._nccl_extra.extend(added)
+            try:
+                self._hand_over_nccl(NCCL_TAG)
+            except BaseException:
+                # Refused (a value that points at no memory, say): none of them is kept.
+                self._nccl_extra[:] = [c for c in self._nccl_extra if c not in added]
+                raise
 
     def remove_nccl_communicators(self, comms: Optional[Iterable[Any]] = None) -> None:
         """Take back communicators given to :meth:`add_nccl_communicators` (all if None): do it
         before destroying them."""
-        if comms is None:
-            self._nccl_extra.clear()
-        else:
-            gone = {_comm_value(c) for c in comms}
-            self._nccl_extra[:] = [c for c in self._nccl_extra if c not in gone]
-        self._hand_over_nccl(NCCL_TAG)
+        gone = None if comms is None else {_comm_value(c) for c in comms}
+        with self._nccl_lock:
+            if gone is None:
+                self._nccl_extra.clear()
+            else:
+                self._nccl_extra[:] = [c for c in self._nccl_extra if c not in gone]
+            self._hand_over_nccl(NCCL_TAG)
 
     def _hand_over_nccl(self, tag: Optional[str]) -> None:
         """Before a pause or resume of ``tag`` (every tag if None) or a ``stats()``: hand the
         library the communicators of the process groups and those added."""
         if tag not in (None, NCCL_TAG):
             return
-        comms = process_group_communicators()
-        comms += [c for c in self._nccl_extra if c not in comms]
-        if not comms and not self._nccl_handed:
-            return
-        lib = self._library()
-        arr = (ctypes.c_uint64 * len(comms))(*comms) if comms else None
-        lib.check(lib.tms_nccl_adopt(arr, len(comms)))
-        self._nccl_handed = bool(comms)
+        with self._nccl_lock:
+            comms = process_group_communicators()
+            comms += [c for c in self._nccl_extra if c not in comms]
+            if not comms and not self._nccl_handed:
+                return
+            lib = self._library()
+            arr = (ctypes.c_uint64 * len(comms))(*comms) if comms else None
+            lib.check(lib.tms_nccl_adopt(arr, len(comms)))
+            self._nccl_handed = bool(comms)
 
 
 def _comm_value(c: Any) -> int:

@@ -49,6 +49,7 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
         self._kept_disable_pools: Dict[int, Any] = {}
         self._nccl_extra: list = []
         self._nccl_handed = False
+        self._nccl_lock = threading.RLock()
 
     # ---------------------------------------------------------------- configuration
 
