@@ -515,3 +515,47 @@ def test_a_tms_library_path_that_names_no_library_is_refused_saying_so(bad):
         clean_env(TMS_BACKEND="sim", TMS_LIBRARY_PATH=bad),
     )
     assert "TMS_LIBRARY_PATH=" in r.stdout and "libtms.so" in r.stdout, r.stdout
+
+
+def test_a_ctrl_c_as_a_zero_copy_backup_is_handed_out_releases_its_lease(preloaded):
+    # get_cpu_backup(zero_copy=True) may wait up to a minute in the library for the page-locking
+    # of a retained backup; a Ctrl-C then is raised as the call returns, the lease taken. Nothing
+    # holds it but the caller: left, it kept the backup's host memory for the process's life.
+    # The stand-in calls the library, then interrupts the main thread as a Ctrl-C would.
+    pytest.importorskip("torch")
+    r = preloaded(
+        SIM_ALLOC
+        + textwrap.dedent(
+            """
+        import _thread, torch
+        n = 1 << 20
+        p, data = alloc("w", n, 3, enable_cpu_backup=True)
+        t = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)
+        tms.pause("w")
+        lib = tms._impl._binary_wrapper
+        real = lib.tms_acquire_cpu_backup
+        leases = []
+        def interrupted(addr, nbytes, out, lease):
+            status = real(addr, nbytes, out, lease)
+            leases.append(lease._obj.value)
+            _thread.interrupt_main()
+            return status
+        lib.tms_acquire_cpu_backup = interrupted
+        try:
+            tms.get_cpu_backup(t, zero_copy=True)
+            raise SystemExit("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass
+        lib.tms_acquire_cpu_backup = real
+        assert leases and leases[0], leases
+        rc = lib.tms_release_cpu_backup(leases[0])
+        assert rc == 5, f"the lease of the interrupted call was still held (release: {rc})"
+        view = tms.get_cpu_backup(t, zero_copy=True)  # the next call is handed its own
+        assert ctypes.string_at(view.data_ptr(), n) == data
+        tms.resume("w")
+        assert intact(p, data)
+        print("OK")
+        """
+        )
+    )
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr

@@ -75,10 +75,20 @@ class _CpuBackups:
             return host.view(tensor.dtype).view(tensor.shape) if found.value else None
         out = ctypes.c_void_p(0)
         lease = ctypes.c_uint64(0)
-        lib.check(lib.tms_acquire_cpu_backup(tensor.data_ptr(), nbytes, ctypes.byref(out), ctypes.byref(lease)))
-        if not out.value:
-            return None
-        buf = (ctypes.c_uint8 * nbytes).from_address(out.value)
-        # torch.frombuffer keeps `buf` alive as long as the tensor's storage, and `buf` its lease.
-        buf._tms_lease = _Lease(lib, lease.value)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+        held = None
+        try:
+            lib.check(lib.tms_acquire_cpu_backup(tensor.data_ptr(), nbytes, ctypes.byref(out), ctypes.byref(lease)))
+            if not out.value:
+                return None
+            held = _Lease(lib, lease.value)
+            buf = (ctypes.c_uint8 * nbytes).from_address(out.value)
+            # torch.frombuffer keeps `buf` alive as long as the tensor's storage, and `buf` its lease.
+            buf._tms_lease = held
+            return torch.frombuffer(buf, dtype=torch.uint8).view(tensor.dtype).view(tensor.shape)
+        except BaseException:
+            # The call may wait long (for the page-locking of a retained backup), and a Ctrl-C
+            # then lands as it returns, the lease taken: no _Lease owns it yet, so it goes here.
+            # (A lease ended twice is refused harmlessly: numbers are never reused.)
+            if held is None and lease.value:
+                lib.tms_release_cpu_backup(lease.value)
+            raise
