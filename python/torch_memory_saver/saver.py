@@ -182,22 +182,39 @@ class _TorchMemorySaverImpl(_Regions, _PauseResume, _Chunks, _CpuBackups, _Nccl)
         # (saying the room needed). Another thread may free the allocation and make a larger
         # one there before the next call, so a too-small room is asked again with the room now
         # needed, a bounded number of times.
+        # The descriptors of the latest call, -1 where it made none (it writes them only where
+        # it succeeds).
+        made: list = []
 
         def attempt(room: int):
             fds = (ctypes.c_int * room)()
+            ctypes.memset(fds, 0xFF, ctypes.sizeof(fds))
+            made[:] = [fds]
             offsets = (ctypes.c_uint64 * room)()
             lens = (ctypes.c_uint64 * room)()
             need = ctypes.c_uint64(0)
             status = lib.tms_export(addr, fds, offsets, lens, room, ctypes.byref(need))
             return status, need.value, lambda: [(int(offsets[i]), int(lens[i]), int(fds[i])) for i in range(need.value)]
 
-        return lib.call_with_room(
-            _EXPORT_ROOM,
-            attempt,
-            f"export_memory({addr:#x}): the allocation holding the address had more segments at each of "
-            f"{ROOM_TRIES} tries than the try before had room for (another thread keeps freeing it and "
-            "making a larger one there); nothing was exported",
-        )
+        try:
+            return lib.call_with_room(
+                _EXPORT_ROOM,
+                attempt,
+                f"export_memory({addr:#x}): the allocation holding the address had more segments at each of "
+                f"{ROOM_TRIES} tries than the try before had room for (another thread keeps freeing it and "
+                "making a larger one there); nothing was exported",
+            )
+        except BaseException:
+            # The call waits for any pause or resume under way, and a Ctrl-C then lands as it
+            # returns, its descriptors made: they never reach the caller, and each left open
+            # would keep its segment's memory alive across every later pause.
+            for fd in made[0] if made else ():
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            raise
 
     def _affected_devices(self, tag: Optional[str]) -> list:
         """The devices a pause or resume of ``tag`` (every tag if None) acts on, ascending.
