@@ -5,6 +5,7 @@ simulated device's memory is host memory, so contents can be written and read di
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -701,3 +702,32 @@ def test_a_wait_for_an_empty_tensor_waits_for_nothing(preloaded):
         TMS_SIM_FAULTS="copy_h2d:2",
         TMS_SIM_BANDWIDTH="64MiB",
     )
+
+
+def test_a_child_is_preloaded_where_the_librarys_path_holds_a_space(libtms, tmp_path):
+    # The loader splits LD_PRELOAD at spaces and colons, with no way to escape them: a library
+    # under "/home/me/my envs/..." was preloaded by no child (the loader said so on the child's
+    # stderr and went on without it).
+    folder = tmp_path / "my libs"
+    folder.mkdir()
+    shutil.copy(libtms, folder / "libtms.so")
+    code = (
+        "import torch_memory_saver as t, os, subprocess, sys\n"
+        "with t.configure_subprocess():\n"
+        "    r = subprocess.run([sys.executable, '-c', 'from torch_memory_saver import torch_memory_saver as x; "
+        "from torch_memory_saver import binary_wrapper as b; print(x.available, b.preloaded_path())'], "
+        "capture_output=True, text=True)\n"
+        "print(r.stdout.strip())\n"
+        "print(repr(r.stderr))\n"
+        "print(os.environ.get('LD_PRELOAD'), os.environ.get('LD_LIBRARY_PATH'))\n"
+    )
+    r = run_py(code, clean_env(TMS_LIBRARY_PATH=str(folder / "libtms.so"), LD_LIBRARY_PATH="/keep/this"))
+    child, err, restored = r.stdout.strip().splitlines()[-3:]
+    assert child == f"True {folder / 'libtms.so'}", (child, err)
+    assert "ld.so" not in err, err
+    assert restored == "None /keep/this", restored
+    # A folder LD_LIBRARY_PATH cannot hold either is refused, saying why.
+    from torch_memory_saver.hooks import mode_preload
+
+    with pytest.raises(tms_pkg.UnsupportedError, match="splits LD_PRELOAD at spaces and colons"):
+        mode_preload._preload_entry("/opt/a:b/libtms.so")

@@ -53,6 +53,24 @@ def preload_library_path() -> str:
     return str(get_binary_path_from_package(PRELOAD_STEM))
 
 
+def _preload_entry(path: str) -> "tuple[str, Optional[str]]":
+    """How ``LD_PRELOAD`` names the library at ``path``: ``(path, None)``; where the path holds a
+    space or a colon, which the loader takes for the end of an entry (there is no escaping them),
+    ``(its file name, its folder)``, the folder to go first in ``LD_LIBRARY_PATH``, where the
+    loader looks such a name up (and which only colons and semicolons split). A path neither way
+    can name raises :class:`UnsupportedError`."""
+    if not re.search(r"[: ]", path):
+        return path, None
+    folder, name = os.path.split(path)
+    if re.search(r"[: ]", name) or re.search(r"[:;]", folder) or not folder:
+        raise UnsupportedError(
+            f"{path!r} cannot be preloaded by child processes: the loader splits LD_PRELOAD at spaces and "
+            "colons, and LD_LIBRARY_PATH at colons and semicolons. Install the package (or point "
+            "TMS_LIBRARY_PATH) at a path without them"
+        )
+    return name, folder
+
+
 # configure_subprocess() blocks of every thread: the first to enter keeps the environment it
 # found, the last to leave puts it back (threads overlap without nesting, so each putting back
 # what it found would leave the preload set for good).
@@ -66,10 +84,13 @@ def configure_subprocess() -> Iterator[None]:
     """Child processes started inside get this library first in ``LD_PRELOAD`` (preload
     mode); every other entry is kept, any other copy of this library is left out (a process
     must hold one). Where this process has a CUDA runtime loaded, its folder goes first in
-    ``LD_LIBRARY_PATH``, so a child finds the same runtime. Both variables are restored when
-    the last block open (of any thread) ends (an absent one as absent)."""
+    ``LD_LIBRARY_PATH``, so a child finds the same runtime. Where the library's path holds a
+    space or a colon (which end an ``LD_PRELOAD`` entry), ``LD_PRELOAD`` names its file and its
+    folder goes first in ``LD_LIBRARY_PATH`` too. Both variables are restored when the last
+    block open (of any thread) ends (an absent one as absent)."""
     global _env_users
     path = preload_library_path()
+    entry, folder = _preload_entry(path)
     cudart = _mapped_cudart_dir()
     with _env_lock:
         if _env_users == 0:
@@ -77,10 +98,11 @@ def configure_subprocess() -> Iterator[None]:
             _env_saved.update((k, os.environ.get(k)) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH"))
         old = os.environ.get("LD_PRELOAD")
         rest = [p for p in re.split(r"[: ]+", old or "") if p and not _is_our_library(p, path)]
-        os.environ["LD_PRELOAD"] = ":".join([path, *rest])
-        if cudart:
-            others = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and d != cudart]
-            os.environ["LD_LIBRARY_PATH"] = ":".join([cudart, *others])
+        os.environ["LD_PRELOAD"] = ":".join([entry, *rest])
+        first = [d for d in (cudart, folder) if d]
+        if first:
+            others = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d and d not in first]
+            os.environ["LD_LIBRARY_PATH"] = ":".join([*first, *others])
         _env_users += 1
     try:
         yield
