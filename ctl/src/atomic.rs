@@ -9,7 +9,7 @@
 //!   and no undo brings that back: said so) is sent with `chunk_state` (the process records which allocations and
 //!   chunks were active), and undone by a resume that restores that record: what was paused
 //!   before stays paused, and the contents come back from the backups the pause wrote. A process
-//!   whose own pause failed part-way is undone the same way, if its active bytes changed (a
+//!   whose own pause failed part-way is undone the same way, if that pause changed anything (a
 //!   pause that failed before starting may have recorded nothing, and a restore without a record
 //!   would resume everything);
 //! - a whole-tag resume is undone by pausing the tag, which is exact only where nothing of the
@@ -27,6 +27,13 @@
 //!   moves, up to `--timeout` with nothing moving), by what it changed; if it still runs, that
 //!   process is reported as not as before. Nothing is claimed that tmsctl has not seen.
 //!
+//! Whether the failed operation of the process where it failed changed anything is what its
+//! error reply says it changed (`changed`): the program may allocate, free, pause or resume in
+//! the tag meanwhile, so the tag's state cannot tell. Only where the reply does not say (a
+//! server that predates it, or an operation still running at `--timeout`, which never replied)
+//! is it judged from the state: the tag's active bytes against those before, or whether
+//! anything of it is active where a resume of a wholly paused tag failed.
+//!
 //! The pause records its chunk states in the job's own record (servers with
 //! [`FEATURE_JOB_RECORD`]), so the one the program saved with `pause(save_chunk_state=True)`
 //! is left alone (with older servers it is the program's record).
@@ -35,7 +42,8 @@ use serde_json::json;
 use std::time::{Duration, Instant};
 
 use tms_proto::{
-    shown_tag, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD, FEATURE_OPERATIONS,
+    shown_tag, Changed, ChunkStatus, Op, OpDone, Reply, Request, FEATURE_JOB_RECORD,
+    FEATURE_OPERATIONS,
 };
 use tms_units::chunk_ranges;
 
@@ -53,7 +61,8 @@ use crate::text::{one_line, printable_lines, quoted};
 /// How one process's operation is undone, decided before it acts.
 enum Undo {
     /// Resume restoring the state the pause recorded; `before` is the tag's active bytes
-    /// before the pause (a failed pause that changed nothing is left alone); `unsettled`, the
+    /// before the pause (judging, where its reply does not say, whether a failed pause changed
+    /// anything: one that changed nothing is left alone); `unsettled`, the
     /// tags whose memory a failed non-blocking resume had left unrestored, which the pause gives
     /// back (settling that failure) and no undo brings back.
     Restore { before: u64, unsettled: Vec<String> },
@@ -61,7 +70,8 @@ enum Undo {
     /// `Restore`: memory left unrestored before is paused too, not brought back to that.
     PauseAgain { unsettled: Vec<String> },
     /// Cannot be undone exactly; why. `before`: the active bytes of the tags asked for, before
-    /// (a process whose own operation failed and changed nothing needs no undo).
+    /// (a process whose own operation failed and changed nothing needs no undo: judged from
+    /// them where its reply does not say).
     Skip { why: String, before: u64 },
     /// The opposite operation on the chunks asked for whose state changed from these.
     Chunks(Vec<bool>),
@@ -206,10 +216,19 @@ fn given_back_words(tags: &[String], by: &str) -> String {
 enum Here {
     /// Its operation succeeded (another process failed).
     Succeeded,
-    /// Its operation failed.
-    Failed,
+    /// Its operation failed; what it changed all the same, where its reply said.
+    Failed(Option<Changed>),
     /// Its operation was still running at `--timeout`.
     Running,
+}
+
+/// Whether the operation that failed on a process changed nothing: what its reply said (`said`),
+/// else what `judged` makes of the state now.
+fn changed_nothing(said: Option<Changed>, judged: impl FnOnce() -> Result<bool>) -> Result<bool> {
+    match said {
+        Some(c) => Ok(c.is_nothing()),
+        None => judged(),
+    }
 }
 
 /// Wait until the process of `c` lists no pause or resume of `tag` asked over its socket (the
@@ -304,10 +323,17 @@ fn undo(
     c.rearm(ctx.timeout);
     // Now ended: what it changed is what is undone.
     let failed_here = here != Here::Succeeded;
+    let said = match here {
+        Here::Failed(said) => said,
+        Here::Succeeded | Here::Running => None,
+    };
     let back = match how {
         // A resume that failed undid itself in the process, unless it took memory back.
         Undo::Skip { before, .. }
-            if failed_here && active_bytes(&mut c, tag.as_deref())? == *before =>
+            if failed_here
+                && changed_nothing(said, || {
+                    Ok(active_bytes(&mut c, tag.as_deref())? == *before)
+                })? =>
         {
             return Ok(Undid::Nothing)
         }
@@ -315,7 +341,7 @@ fn undo(
         Undo::Restore { before, unsettled } => {
             if failed_here {
                 let s = status_of(&mut c)?;
-                if active_of(&s, tag.as_deref()) == *before {
+                if changed_nothing(said, || Ok(active_of(&s, tag.as_deref()) == *before))? {
                     return Ok(nothing_or_given_back(&s, which, tag.as_deref(), unsettled));
                 }
             }
@@ -333,8 +359,10 @@ fn undo(
         // back, as may one that outlasted --timeout: what took memory back is paused again.
         Undo::PauseAgain { unsettled } if failed_here => {
             let s = status_of(&mut c)?;
-            let took = selected_tags(&s, tag.as_deref()).any(takes_something);
-            if !took {
+            let took_nothing = changed_nothing(said, || {
+                Ok(!selected_tags(&s, tag.as_deref()).any(takes_something))
+            })?;
+            if took_nothing {
                 return Ok(nothing_or_given_back(&s, which, tag.as_deref(), unsettled));
             }
             Request::Pause {
@@ -350,6 +378,9 @@ fn undo(
             chunk_state: false,
             job_record: false,
         },
+        // Which chunks moved is read from their states, but whether the failed operation moved
+        // any is its reply's to say: the program may have moved those it asked for meanwhile.
+        Undo::Chunks(_) if said.is_some_and(|c| c.is_nothing()) => return Ok(Undid::Nothing),
         Undo::Chunks(before) => {
             let name = tag.clone().unwrap_or_default();
             let now = chunk_states(&mut c, &name)?;
@@ -548,7 +579,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         let here = if f.code == Code::Running {
             Here::Running
         } else {
-            Here::Failed
+            Here::Failed(f.changed)
         };
         undo_rows.push((&failed_sock, None, u, here));
     }

@@ -498,10 +498,13 @@ impl Client {
         moved: Option<&dyn Fn() -> Instant>,
     ) -> Result<Reply> {
         match self.exchange_while(req, moved)? {
-            Reply::Error(e) => Err(Failure::new(
-                code_of(e.kind),
-                format!("process {}: {}", self.pid, printable(&e.message)),
-            )),
+            Reply::Error(e) => Err(Failure {
+                changed: e.changed,
+                ..Failure::new(
+                    code_of(e.kind),
+                    format!("process {}: {}", self.pid, printable(&e.message)),
+                )
+            }),
             r => Ok(r),
         }
     }

@@ -3,6 +3,8 @@
 
 use std::fmt;
 
+use tms_proto::Changed;
+
 /// Exit codes of tmsctl (documented in `--help` and the README; an interface: add, never
 /// change).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,6 +48,10 @@ pub struct Failure {
     pub code: Code,
     /// The reason.
     pub message: String,
+    /// A pause or resume the process answered with an error: what it changed all the same, as
+    /// the process said (`None` where it did not: a server that predates saying it, or no
+    /// such reply).
+    pub changed: Option<Changed>,
 }
 
 impl Failure {
@@ -54,6 +60,7 @@ impl Failure {
         Failure {
             code,
             message: message.into(),
+            changed: None,
         }
     }
 }

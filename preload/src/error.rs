@@ -66,13 +66,53 @@ impl ErrorKind {
     }
 }
 
-/// An error: its [`ErrorKind`], where it happened (the context, outermost first) and, for an
-/// OS failure, the OS error.
+/// An error: its [`ErrorKind`], where it happened (the context, outermost first), for an OS
+/// failure the OS error, and for a pause or resume what it changed all the same ([`Changed`]).
 #[derive(Debug)]
 pub struct Error {
     kind: ErrorKind,
     context: String,
     source: Option<std::io::Error>,
+    /// Boxed: most errors have none, and every `Result` of the crate carries the room.
+    changed: Option<Box<Changed>>,
+}
+
+/// What a pause or resume that failed changed all the same and left so, as the engine saw it:
+/// the allocations whose segments (chunks) are not mapped as they were before it (paused, or
+/// resumed), the device bytes of those segments, and NCCL's communicators it left suspended or
+/// resumed. A client undoing a job's operation asks it rather than guessing from the state,
+/// which the program may have changed meanwhile.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Changed {
+    /// Allocations whose state differs from before.
+    pub allocations: usize,
+    /// Device bytes of their segments that differ.
+    pub bytes: u64,
+    /// NCCL communicators suspended or resumed.
+    pub communicators: usize,
+}
+
+impl Changed {
+    /// Nothing changed.
+    pub const NOTHING: Changed = Changed {
+        allocations: 0,
+        bytes: 0,
+        communicators: 0,
+    };
+
+    /// Whether nothing changed.
+    pub fn is_nothing(&self) -> bool {
+        *self == Changed::NOTHING
+    }
+
+    /// What two steps of one call changed together (its memory's and its communicators').
+    pub fn plus(self, o: Changed) -> Changed {
+        Changed {
+            allocations: self.allocations + o.allocations,
+            bytes: self.bytes + o.bytes,
+            communicators: self.communicators + o.communicators,
+        }
+    }
 }
 
 /// Stable status codes of the C ABI, and [`TABLE`], the one list of them: `tms.h` and the
@@ -225,6 +265,7 @@ impl Error {
             kind,
             context: context.into(),
             source: None,
+            changed: None,
         }
     }
 
@@ -313,7 +354,25 @@ impl Error {
                 .source
                 .as_ref()
                 .map(|s| std::io::Error::new(s.kind(), s.to_string())),
+            changed: self.changed.clone(),
         }
+    }
+
+    /// A failed pause or resume that changed `c` all the same (in place of what it said
+    /// before: an earlier operation's failure it reports is about that one's changes).
+    pub fn with_changed(mut self, c: Changed) -> Self {
+        self.changed = Some(Box::new(c));
+        self
+    }
+
+    /// A failure before anything was changed.
+    pub fn unchanged(self) -> Self {
+        self.with_changed(Changed::NOTHING)
+    }
+
+    /// What the failed pause or resume changed all the same; `None` where it does not say.
+    pub fn changed(&self) -> Option<Changed> {
+        self.changed.as_deref().copied()
     }
 
     /// What went wrong.

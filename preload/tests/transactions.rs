@@ -473,7 +473,10 @@ engine_test! {
         let released = sim.calls(Prim::Release);
         // The last copy fails: the first three segments are saved and released by then.
         sim.arm_fault(Prim::CopyD2H, copies, 999);
-        let err = e.pause(None).unwrap_err().to_string();
+        let err = e.pause(None).unwrap_err();
+        // Released and restored: the failed pause left nothing changed, and says so.
+        assert_eq!(err.changed(), Some(tms::error::Changed::NOTHING), "{err}");
+        let err = err.to_string();
         assert!(sim.calls(Prim::Release) - released >= 3, "segments released during the pause");
         assert!(
             err.contains(&format!("allocation {p:#x}, released part-way, was restored and is active")),
@@ -537,11 +540,20 @@ engine_test! {
         sim.arm_fault(Prim::CopyD2H, copies, 999);
         // The pause makes no physical memory: the first one made is the restoring resume's.
         sim.arm_fault(Prim::Create, 1, 2);
-        let err = e.pause(None).unwrap_err().to_string();
+        let err = e.pause(None).unwrap_err();
+        let changed = err.changed();
+        let err = err.to_string();
         assert!(err.contains("restoring it failed too") && err.contains("stay paused"), "{err}");
         let a = &e.allocations()[0];
         assert_eq!(a.state, State::Partial, "{err}");
         assert!(a.handles >= 1 && a.handles < 4, "{} segments mapped", a.handles);
+        // What stays paused is what the error says the failed pause changed.
+        let paused = tms::error::Changed {
+            allocations: 1,
+            bytes: data.len() as u64 / 4 * (4 - a.handles as u64),
+            communicators: 0,
+        };
+        assert_eq!(changed, Some(paused), "{err}");
         h.assert_invariants(&common::Expect::clean(), "partly paused");
         sim.clear_faults();
         e.resume(None).unwrap();

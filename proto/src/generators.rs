@@ -284,6 +284,16 @@ pub fn arb_reply() -> impl Strategy<Value = Reply> {
         arb_done().prop_map(Reply::Done),
         arb_region().prop_map(Reply::Region),
         chunks.prop_map(Reply::Chunks),
-        (kind, arb_text(24)).prop_map(|(k, m)| Reply::error(k, m)),
+        (kind, arb_text(24), prop::option::of(any::<[u64; 3]>())).prop_map(|(k, m, c)| {
+            Reply::Error(ErrorReply {
+                kind: k,
+                message: m,
+                changed: c.map(|[allocations, bytes, communicators]| Changed {
+                    allocations,
+                    bytes,
+                    communicators,
+                }),
+            })
+        }),
     ]
 }

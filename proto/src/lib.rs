@@ -21,7 +21,8 @@
 //! than [`MAX_LINE_BYTES`], no hello first, another protocol version) is answered with
 //! [`Reply::Error`] and the server closes the connection; so is a connection the server has no room
 //! for ([`ErrorKind::Busy`], possibly in place of any reply). An operation that fails (out of
-//! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays open.
+//! memory on resume, say) is answered with [`Reply::Error`] too, but the connection stays open;
+//! a failed pause or resume says there what it changed all the same ([`ErrorReply::changed`]).
 //!
 //! # Versioning
 //!

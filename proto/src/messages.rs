@@ -736,6 +736,34 @@ pub struct ErrorReply {
     pub kind: ErrorKind,
     /// What failed and where, for people.
     pub message: String,
+    /// A pause or resume that failed: what it changed all the same and left so (all zero where
+    /// it changed nothing), for a client that undoes it (`tmsctl pause --atomic`) to decide
+    /// from, not from the state, which the program may change meanwhile. Absent from other
+    /// failures, from a pause or resume whose server cannot tell (a caught panic), and from
+    /// servers that predate it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub changed: Option<Changed>,
+}
+
+/// What a failed pause or resume changed all the same ([`ErrorReply::changed`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Changed {
+    /// Allocations it left in another state than before it: some or all of their memory (their
+    /// chunks) paused by a pause, resumed by a resume.
+    pub allocations: u64,
+    /// The device bytes of that memory, and of the communicators below (as NCCL counts them).
+    pub bytes: u64,
+    /// NCCL communicators it left suspended (a pause) or resumed (a resume). Absent (zero)
+    /// where none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub communicators: u64,
+}
+
+impl Changed {
+    /// Whether it changed nothing.
+    pub fn is_nothing(&self) -> bool {
+        *self == Changed::default()
+    }
 }
 
 /// What the server answers.
@@ -767,6 +795,7 @@ impl Reply {
         Reply::Error(ErrorReply {
             kind,
             message: message.into(),
+            changed: None,
         })
     }
 }

@@ -366,6 +366,59 @@ fn replies_round_trip() {
     }
 }
 
+/// What a failed pause or resume changed travels in its error reply; a server that predates
+/// it sends none (read as not said, never as nothing changed), and a client that predates it
+/// reads the reply as before.
+#[test]
+fn what_a_failed_operation_changed_travels_and_older_peers_still_decode() {
+    let changed = Changed {
+        allocations: 1,
+        bytes: 2 << 20,
+        communicators: 0,
+    };
+    let r = Reply::Error(ErrorReply {
+        kind: ErrorKind::Driver,
+        message: "cuMemcpyDtoH failed".into(),
+        changed: Some(changed),
+    });
+    let line = encode(&r);
+    let text = String::from_utf8(line.clone()).unwrap();
+    assert!(
+        text.contains("\"changed\":{\"allocations\":1,\"bytes\":2097152}"),
+        "{text}"
+    );
+    assert_eq!(decode_reply(&line), Ok(r));
+    let nothing = Reply::Error(ErrorReply {
+        kind: ErrorKind::OutOfMemory,
+        message: "m".into(),
+        changed: Some(Changed::default()),
+    });
+    let line = encode(&nothing);
+    assert!(String::from_utf8(line.clone())
+        .unwrap()
+        .contains("\"changed\":{"));
+    assert_eq!(decode_reply(&line), Ok(nothing));
+    // A server that predates it.
+    let old = decode_reply(b"{\"reply\":\"error\",\"kind\":\"driver\",\"message\":\"m\"}");
+    let Ok(Reply::Error(e)) = old else {
+        panic!("{old:?}")
+    };
+    assert_eq!(e.changed, None);
+    // A client that predates it: its error reply had a kind and a message only.
+    #[derive(serde::Deserialize)]
+    #[serde(tag = "reply", rename_all = "snake_case")]
+    enum OldReply {
+        Error { kind: ErrorKind, message: String },
+    }
+    let OldReply::Error { kind, message } = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (kind, message.as_str()),
+        (ErrorKind::Driver, "cuMemcpyDtoH failed")
+    );
+    assert!(changed.communicators == 0 && !changed.is_nothing());
+    assert!(Changed::default().is_nothing());
+}
+
 #[test]
 fn unknown_error_kinds_of_a_newer_server_decode() {
     let r = decode_reply(b"{\"reply\":\"error\",\"kind\":\"quota\",\"message\":\"m\"}").unwrap();

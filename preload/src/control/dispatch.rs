@@ -20,9 +20,9 @@ use std::time::Instant;
 use parking_lot::Mutex;
 
 use tms_proto::{
-    Backing, BackupBackend, ChunkRanges, ChunkStatus, DeviceMemory, ErrorKind, NcclStatus, Op,
-    OpDone, OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request, Running, Status, TagStatus,
-    MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
+    Backing, BackupBackend, Changed, ChunkRanges, ChunkStatus, DeviceMemory, ErrorKind, ErrorReply,
+    NcclStatus, Op, OpDone, OpTiming, Phase, RegionInfo, RegionUpdate, Reply, Request, Running,
+    Status, TagStatus, MAX_CHUNK_INDICES, MAX_REPLY_BYTES,
 };
 use tms_units::{chunk_ranges, expand_chunk_ranges};
 
@@ -63,8 +63,18 @@ pub fn kind_of(e: &Error) -> ErrorKind {
     }
 }
 
+/// The error reply of `e`, with what a failed pause or resume changed all the same where the
+/// engine said (every other request's error says nothing of it).
 fn error_reply(e: &Error) -> Reply {
-    Reply::error(kind_of(e), e.to_string())
+    Reply::Error(ErrorReply {
+        kind: kind_of(e),
+        message: e.to_string(),
+        changed: e.changed().map(|c| Changed {
+            allocations: c.allocations as u64,
+            bytes: c.bytes,
+            communicators: c.communicators as u64,
+        }),
+    })
 }
 
 /// Answer one request (any but the hello, which the session handles).
@@ -80,6 +90,7 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             chunk_state,
             job_record,
         } => state(chunk_state, job_record)
+            .map_err(Error::unchanged)
             .and_then(|r| op(host, Op::Pause, tag, chunks, r, (false, false))),
         Request::Resume {
             tag,
@@ -89,6 +100,7 @@ pub fn dispatch(host: &dyn Host, req: Request) -> Reply {
             no_wait,
             verify,
         } => state(chunk_state, job_record)
+            .map_err(Error::unchanged)
             .and_then(|r| op(host, Op::Resume, tag, chunks, r, (no_wait, verify))),
         Request::Chunks { tag } => chunks_of(host, &tag),
         Request::GetRegion => host
@@ -240,12 +252,14 @@ fn op(
     if no_wait && (chunks.is_some() || chunk_state) {
         return Err(Error::invalid_argument(
             "a resume without waiting takes a whole tag: not with chunks or chunk_state",
-        ));
+        )
+        .unchanged());
     }
     if no_wait && verify {
         return Err(Error::invalid_argument(
             "a verified resume waits for what it checks: not with no_wait",
-        ));
+        )
+        .unchanged());
     }
     let in_flight = InFlight::new(which, tag.as_deref(), chunks.as_ref());
     let e = host.engine();
@@ -292,13 +306,13 @@ fn op(
         let unknown_tag = tag.as_deref().is_some_and(|t| !e.tag_known(t));
         return Ok(done(r, None, unknown_tag));
     };
-    let idx = chunk_indices(tag.as_deref(), &ranges, chunk_state)?;
+    let idx = chunk_indices(tag.as_deref(), &ranges, chunk_state).map_err(Error::unchanged)?;
     let t = tag.as_deref().unwrap_or_default();
     if !e.tag_known(t) {
         // As for a whole tag: nothing to act on, and the reply says why (a typo, perhaps).
         return Ok(done(OpReport::default(), Some(chunk_ranges(&idx)), true));
     }
-    let ptr = e.chunked(t)?;
+    let ptr = e.chunked(t).map_err(Error::unchanged)?;
     // The tag too, so that an allocation freed meanwhile and another made at its address are
     // never taken for each other.
     let r = run(&Pick {

@@ -124,8 +124,9 @@ pub trait Comms: Send + Sync {
     /// The buffers registered now.
     fn registrations(&self) -> Vec<Registration>;
     /// Suspend every live communicator not suspended, all or none: a failure resumes those
-    /// this call suspended. `driver` makes each communicator's device current around NCCL's
-    /// calls (so no thread opens a context on another device).
+    /// this call suspended, and says which it could not (`Error::changed`). `driver` makes
+    /// each communicator's device current around NCCL's calls (so no thread opens a context on
+    /// another device).
     fn suspend(&self, driver: &dyn Driver) -> Result<CommsDone>;
     /// Resume every suspended communicator, all or none likewise.
     fn resume(&self, driver: &dyn Driver) -> Result<CommsDone>;

@@ -69,7 +69,7 @@ use super::report::OpReport;
 use super::restoring::{with_earlier, StreamOf, Tracker};
 use super::txn::check_tag;
 use crate::driver::DevPtr;
-use crate::error::{Error, Result};
+use crate::error::{Changed, Error, Result};
 
 impl Engine {
     /// Resume `tag` (every tag if `None`) without waiting for the data (Note [Non-blocking
@@ -101,11 +101,11 @@ impl Engine {
     where
         E: std::ops::Deref<Target = Engine> + Clone + Send + 'static,
     {
-        check_tag(tag)?;
+        check_tag(tag).map_err(Error::unchanged)?;
         let e: &Engine = &engine;
         if let Some(s) = &stream {
             // Not left to the driver, whose refusal reads as "streams cannot wait" (blocking).
-            e.check_device(s.device)?;
+            e.check_device(s.device).map_err(Error::unchanged)?;
         }
         // NCCL's communicators (their tag, or every tag with the setting on) are resumed
         // before this returns: the program may use them as soon as it does.
@@ -123,7 +123,8 @@ impl Engine {
             };
             let tracker = Arc::new(Tracker::new(gate, what.clone()));
             e.restores.track(tracker.clone());
-            let (t, owned_tag, owned_order) = (tracker.clone(), tag.map(str::to_owned), order.to_vec());
+            let (t, owned_tag, owned_order) =
+                (tracker.clone(), tag.map(str::to_owned), order.to_vec());
             let eng = engine.clone();
             let run = move || {
                 let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -199,10 +200,18 @@ impl Engine {
                 ..OpReport::default()
             };
             match earlier {
-                // The restore goes on: the call raises what an earlier one left unreported.
-                Some(err) => Err(err.context(format!(
-                    "reported by this {what}, which is restoring them (wait() tells when they landed)"
-                ))),
+                // The restore goes on: the call raises what an earlier one left unreported, and
+                // says what this one changed (everything it maps).
+                Some(err) => Err(err
+                    .context(format!(
+                        "reported by this {what}, which is restoring them (wait() tells when they \
+                         landed)"
+                    ))
+                    .with_changed(Changed {
+                        allocations: n,
+                        bytes,
+                        communicators: 0,
+                    })),
                 None => Ok(report),
             }
         })

@@ -11,7 +11,7 @@ use super::registry::{Index, Pick};
 use super::report::{OpReport, Tally};
 use super::txn::{Slots, Txn};
 use crate::driver::DevPtr;
-use crate::error::{Error, Result};
+use crate::error::{Changed, Error, Result};
 use crate::units::human;
 
 /// How a pause or resume involves the communicators.
@@ -79,20 +79,36 @@ impl Engine {
             Part::Also if which == Which::Pause => {
                 let m = memory()?;
                 let c = self.comms_step(which).map_err(|e| {
-                    e.note(format!(
+                    // The memory's part as its report counts it (memory a failed resume had
+                    // left mapped, which the pause gave back, included).
+                    let paused = Changed {
+                        allocations: m.allocations,
+                        bytes: m.bytes,
+                        communicators: 0,
+                    };
+                    let changed = e.changed().map(|c| c.plus(paused));
+                    let e = e.note(format!(
                         "the allocations were paused ({} given back); NCCL's communicators were not",
                         human(m.bytes)
-                    ))
+                    ));
+                    with_changed(e, changed)
                 })?;
                 Ok(joined(m, c))
             }
             Part::Also => {
                 let c = self.comms_step(which)?;
                 let m = memory().map_err(|e| {
-                    e.note(format!(
+                    let resumed = Changed {
+                        allocations: 0,
+                        bytes: c.bytes,
+                        communicators: c.communicators,
+                    };
+                    let changed = e.changed().map(|m| m.plus(resumed));
+                    let e = e.note(format!(
                         "NCCL's communicators were resumed ({})",
                         c.communicators
-                    ))
+                    ));
+                    with_changed(e, changed)
                 })?;
                 Ok(joined(m, c))
             }
@@ -131,7 +147,8 @@ impl Engine {
             return Ok(OpReport::default());
         }
         let pick = Pick::tag(Some(NCCL_TAG));
-        let tx = Txn::begin(&self.ops, &self.registry, which, &pick, None)?;
+        let tx =
+            Txn::begin(&self.ops, &self.registry, which, &pick, None).map_err(Error::unchanged)?;
         let done = match which {
             Which::Pause => self.comms.suspend(&*self.driver),
             Which::Resume => self.comms.resume(&*self.driver),
@@ -210,6 +227,14 @@ fn registered_in(reg: &Index, pick: &Pick<'_>, regs: &[Registration]) -> Vec<(De
             ))
         })
         .collect()
+}
+
+/// `e`, saying it changed `c` where that is known (else as it was: not said).
+fn with_changed(e: Error, c: Option<Changed>) -> Error {
+    match c {
+        Some(c) => e.with_changed(c),
+        None => e,
+    }
 }
 
 /// Two reports of one call: its memory's and its communicators'.

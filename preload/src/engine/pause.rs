@@ -253,23 +253,26 @@ impl Engine {
 
     /// The pause transaction of the allocations `pick` selects.
     fn pause_memory(&self, pick: &Pick<'_>) -> Result<OpReport> {
-        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick, None)?;
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Pause, pick, None)
+            .map_err(Error::unchanged)?;
         let cfg = self.settings.copy();
         // Before anything is marked: a refusal changes nothing.
-        let kept = self.registered_kept(pick)?;
-        let jobs = tx.mark(pick, |reg| {
-            pick.record_chunk_state(reg);
-            // The allocations in `kept` (holding buffers NCCL registered) stay as they are.
-            reg.begin(
-                State::Pausing,
-                |ptr, a| {
-                    (!kept.contains(&ptr))
-                        .then(|| pick.segments_to_pause(ptr, a))
-                        .flatten()
-                },
-                |ptr, a, segs| Job::marked(ptr, a, segs, &cfg),
-            )
-        })?;
+        let kept = self.registered_kept(pick).map_err(Error::unchanged)?;
+        let jobs = tx
+            .mark(pick, |reg| {
+                pick.record_chunk_state(reg);
+                // The allocations in `kept` (holding buffers NCCL registered) stay as they are.
+                reg.begin(
+                    State::Pausing,
+                    |ptr, a| {
+                        (!kept.contains(&ptr))
+                            .then(|| pick.segments_to_pause(ptr, a))
+                            .flatten()
+                    },
+                    |ptr, a, segs| Job::marked(ptr, a, segs, &cfg),
+                )
+            })
+            .map_err(Error::unchanged)?;
         // A non-blocking resume's failure that nothing reported, on allocations this pause
         // acts on: raised once it has (Note [Non-blocking resume] in `inflight.rs`).
         let earlier = self.restores.unreported(jobs.iter().map(|j| j.ptr));
@@ -278,11 +281,12 @@ impl Engine {
             Err(e) => {
                 // Giving back what failed resumes left mapped stopped part-way: those it gave
                 // back whole are paused with nothing mapped, and no later pause selects them.
+                let changed = tx.changed();
                 let marked = tx.abort();
                 self.restores
                     .settle_given_back(&self.registry, marked, true);
                 let e = e.context(format!("pause of {}", pick.describe()));
-                return Err(with_earlier(e, earlier));
+                return Err(with_earlier(e, earlier).with_changed(changed));
             }
         };
         // Still within this transaction: nothing comes between the failure and the restore.
@@ -290,6 +294,8 @@ impl Engine {
             let e = e.context(format!("pause of {}", pick.describe()));
             self.restore_part_paused(&mut tx, &cfg, &run.part_paused, e)
         });
+        // What it leaves changed, once what it released part-way is restored: a failure says so.
+        let changed = tx.changed();
         let report = tx.end(Slots::KeepIfUsed, run.tally, |_, _| {
             tracing::debug!(
                 "pause: backups prepared at {:.4} s, devices done at {:.4} s, closed at {:.4} s",
@@ -302,7 +308,7 @@ impl Engine {
         self.restores
             .settle_given_back(&self.registry, run.touched, failed.is_some());
         if let Some(e) = failed {
-            return Err(with_earlier(e, earlier));
+            return Err(with_earlier(e, earlier).with_changed(changed));
         }
         tracing::info!(
             "paused {} ({} allocations){} in {:.3}s",
@@ -317,6 +323,7 @@ impl Engine {
                 pick.describe()
             )
         })
+        .map_err(|e| e.with_changed(changed))
     }
 
     /// The work of a pause on the jobs it marked, which go when it returns (and with them

@@ -288,6 +288,24 @@ impl Allocation {
             .collect()
     }
 
+    /// Which segments are mapped now, one flag each.
+    pub fn mapped_flags(&self) -> Vec<bool> {
+        self.handles.iter().map(Option::is_some).collect()
+    }
+
+    /// Device bytes of the segments mapped otherwise than `was` says (its [`mapped_flags`]
+    /// at some earlier time).
+    ///
+    /// [`mapped_flags`]: Allocation::mapped_flags
+    pub fn bytes_mapped_otherwise(&self, was: &[bool]) -> u64 {
+        segments(self.mapped, self.segment)
+            .zip(&self.handles)
+            .zip(was)
+            .filter(|((_, h), w)| h.is_some() != **w)
+            .map(|(((_, len), _), _)| len)
+            .sum()
+    }
+
     /// Device bytes mapped now.
     pub fn active_bytes(&self) -> u64 {
         segments(self.mapped, self.segment)

@@ -18,7 +18,7 @@ use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, Driver, PhysHandle};
-use crate::error::{Result, ResultExt};
+use crate::error::{Error, Result, ResultExt};
 use crate::units::human;
 
 /// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
@@ -233,15 +233,18 @@ impl Engine {
         order: &[DevPtr],
         track: Option<&Tracker>,
     ) -> Result<OpReport> {
-        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick, track)?;
+        let mut tx = Txn::begin(&self.ops, &self.registry, Which::Resume, pick, track)
+            .map_err(Error::unchanged)?;
         let cfg = self.settings.copy();
-        let mut jobs = tx.mark(pick, |reg| {
-            reg.begin(
-                State::Resuming,
-                |ptr, a| pick.segments_to_resume(ptr, a),
-                |ptr, a, segs| Job::marked(ptr, a, segs),
-            )
-        })?;
+        let mut jobs = tx
+            .mark(pick, |reg| {
+                reg.begin(
+                    State::Resuming,
+                    |ptr, a| pick.segments_to_resume(ptr, a),
+                    |ptr, a, segs| Job::marked(ptr, a, segs),
+                )
+            })
+            .map_err(Error::unchanged)?;
         if !order.is_empty() {
             let rank = |j: &Job| {
                 order
@@ -266,8 +269,11 @@ impl Engine {
         }
         let done = match self.restore_jobs(&mut tx, &cfg, pick, track, jobs) {
             Ok(done) => done,
-            Err(e) => return Err(with_earlier(e, earlier)),
+            // Undone (nothing changed), unless a non-blocking one failed after it returned:
+            // what landed is resumed.
+            Err(e) => return Err(with_earlier(e, earlier).with_changed(tx.changed())),
         };
+        let changed = tx.changed();
         let slots = if done.retain || cfg.keep_staging {
             Slots::KeepIfUsed
         } else {
@@ -304,6 +310,7 @@ impl Engine {
                 pick.describe()
             )
         })
+        .map_err(|e| e.with_changed(changed))
     }
 
     /// Resume what `pick` names within `tx`, a pause that failed part-way through it and holds

@@ -7,6 +7,7 @@ use super::*;
 use crate::driver::sim::{Prim, SimConfig, SimDriver};
 use crate::driver::{DevPtr, Driver};
 use crate::engine::stats::TagStats;
+use crate::error::Changed;
 use crate::test_data::pattern;
 
 const G: u64 = 2 << 20;
@@ -171,7 +172,8 @@ impl Comms for FakeComms {
         use std::sync::atomic::Ordering::SeqCst;
         self.calls.fetch_add(1, SeqCst);
         if self.fail.load(SeqCst) {
-            return Err(crate::error::Error::invalid_state("refused by the test"));
+            // All or none, as the real ones: a refusal left none suspended.
+            return Err(crate::error::Error::invalid_state("refused by the test").unchanged());
         }
         let n = usize::from(!self.suspended.swap(true, SeqCst));
         Ok(CommsDone {
@@ -244,7 +246,15 @@ fn the_reserved_tag_suspends_the_communicators_and_every_tag_only_when_asked() {
     assert_eq!((r.allocations, r.communicators), (1, 1));
     // A failure of the communicators' step after the memory paused says so.
     c.fail.store(true, SeqCst);
-    let err = e.pause(None).unwrap_err().to_string();
+    let err = e.pause(None).unwrap_err();
+    // The memory stays paused, the communicators as they were: what the error says.
+    let paused = Changed {
+        allocations: 1,
+        bytes: G,
+        communicators: 0,
+    };
+    assert_eq!(err.changed(), Some(paused));
+    let err = err.to_string();
     assert!(err.contains("refused by the test"), "{err}");
     assert!(err.contains("the allocations were paused"), "{err}");
     c.fail.store(false, SeqCst);
@@ -255,6 +265,32 @@ fn the_reserved_tag_suspends_the_communicators_and_every_tag_only_when_asked() {
     // The tag is reserved.
     let err = e.alloc(&req(G, NCCL_TAG, Backup::None)).unwrap_err();
     assert!(err.to_string().contains("reserved"), "{err}");
+}
+
+/// A resume of every tag with the communicators resumes them first; when the memory then fails
+/// (and undoes itself), its error says the communicators are what it left resumed.
+#[test]
+fn a_resume_of_every_tag_failing_after_the_communicators_says_they_were_resumed() {
+    let (sim, e) = setup(64 * G);
+    let c = Arc::new(FakeComms::default());
+    let e = e.with_comms(c.clone());
+    e.set_nccl_in_all(true);
+    e.alloc(&req(G, "kv", Backup::None)).unwrap();
+    e.pause(None).unwrap();
+    sim.arm_fault(Prim::Create, 1, 999);
+    let err = e.resume(None).unwrap_err();
+    let resumed = Changed {
+        allocations: 0,
+        bytes: 100,
+        communicators: 1,
+    };
+    assert_eq!(err.changed(), Some(resumed), "{err}");
+    assert!(
+        err.to_string().contains("communicators were resumed"),
+        "{err}"
+    );
+    assert_eq!(e.allocations()[0].state, State::Paused);
+    e.resume(None).unwrap();
 }
 
 /// An allocation holding a buffer NCCL registered stays mapped (keep), or the pause fails
@@ -285,6 +321,11 @@ fn registered_buffers_are_kept_resident_or_refused() {
     e.set_registered_policy(Registered::Refuse);
     let err = e.pause(None).unwrap_err();
     assert_eq!(*err.kind(), crate::error::ErrorKind::InvalidState);
+    assert_eq!(
+        err.changed(),
+        Some(Changed::NOTHING),
+        "a refusal changes nothing"
+    );
     let m = err.to_string();
     for want in [
         format!("allocation {reg:#x} ({} bytes, tag \"kv\")", 2 * G),

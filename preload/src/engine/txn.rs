@@ -51,7 +51,7 @@ use super::report::{OpReport, Tally};
 use super::restoring::{OpenOnDrop, Tracker};
 use crate::backup::{BackupKind, HostBuffer};
 use crate::driver::DevPtr;
-use crate::error::{Error, Result};
+use crate::error::{Changed, Error, Result};
 
 /// Refuse `Some("")`: no tag (`None`) is how every tag is named.
 pub(super) fn check_tag(tag: Option<&str>) -> Result<()> {
@@ -165,6 +165,9 @@ pub(super) struct Txn<'e> {
     slots: MutexGuard<'e, Rings>,
     recheck: DropUnusedSlots<'e>,
     end: Ending<'e>,
+    /// Which segments of each allocation it marked were mapped when it marked them: what it
+    /// changed is told from them ([`Txn::changed`]).
+    before: Vec<(DevPtr, Vec<bool>)>,
 }
 
 /// The operations lock held by a tool's copy (`Ops::exclusive`); its fields drop in order: the
@@ -253,6 +256,7 @@ impl<'e> Txn<'e> {
                 registry,
                 t0,
             },
+            before: Vec::new(),
         })
     }
 
@@ -269,6 +273,11 @@ impl<'e> Txn<'e> {
         let mut reg = registry.lock();
         pick.check(&reg)?;
         let (ptrs, jobs): (Vec<DevPtr>, Vec<J>) = f(&mut reg).into_iter().unzip();
+        // Marking changes no mapping: what is mapped now is what was before this transaction.
+        self.before.extend(
+            ptrs.iter()
+                .filter_map(|p| Some((*p, reg.allocs.get(p)?.mapped_flags()))),
+        );
         // Chunks of an allocation named by its address: the progress shows its tag.
         let shown = match (pick.tag, ptrs.first().filter(|_| pick.alloc.is_some())) {
             (None, Some(p)) => Some(reg.marked(*p).tag.clone()),
@@ -297,6 +306,25 @@ impl<'e> Txn<'e> {
         registry.notify_settled();
         self.settle.ptrs.extend(ptrs);
         jobs
+    }
+
+    /// What it has changed so far: the allocations it marked whose segments are mapped
+    /// otherwise than when it marked them, and those segments' bytes. No other transaction
+    /// changes them meanwhile (the operations lock); one freed since is gone, nothing to undo.
+    pub(super) fn changed(&self) -> Changed {
+        let reg = self.settle.registry.lock();
+        let mut c = Changed::NOTHING;
+        for (p, was) in &self.before {
+            let bytes = reg
+                .allocs
+                .get(p)
+                .map_or(0, |a| a.bytes_mapped_otherwise(was));
+            if bytes > 0 {
+                c.allocations += 1;
+                c.bytes += bytes;
+            }
+        }
+        c
     }
 
     /// What the work uses: each device's staging slots, and the progress record.
@@ -371,6 +399,7 @@ impl<'e> Txn<'e> {
             slots: mut held,
             recheck,
             end,
+            before: _,
         } = self;
         drop(settle);
         drop(gate);

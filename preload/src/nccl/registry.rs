@@ -6,7 +6,7 @@ use parking_lot::{Condvar, Mutex};
 use super::library::{version_words, Library, MemStat, SUSPEND_SINCE};
 use crate::driver::{DeviceScope, Driver};
 use crate::engine::{CommStats, Comms, CommsDone, Registration};
-use crate::error::{Error, Result};
+use crate::error::{Changed, Error, Result};
 
 /// One live communicator.
 struct Comm {
@@ -229,14 +229,15 @@ impl Communicators {
         }
         if let Some(why) = self.unsupported() {
             self.settle(&todo, |_| None);
-            return Err(Error::unsupported(why));
+            return Err(Error::unsupported(why).unchanged());
         }
         let (call, undo): (Call, Call) = if pause {
             (|l, c| l.suspend(c), |l, c| l.resume(c))
         } else {
             (|l, c| l.resume(c), |l, c| l.suspend(c))
         };
-        let mut done: Vec<usize> = Vec::new();
+        // Each communicator this call changed, with its bytes.
+        let mut done: Vec<(usize, u64)> = Vec::new();
         let mut bytes = 0;
         for (i, &c) in todo.iter().enumerate() {
             if !self.live(c) {
@@ -248,19 +249,29 @@ impl Communicators {
             });
             match r {
                 Ok(b) => {
-                    done.push(c);
+                    done.push((c, b));
                     bytes += b;
                 }
                 Err(e) => {
                     let failed: Vec<(usize, Error)> = done
                         .iter()
-                        .filter(|&&d| self.live(d))
-                        .filter_map(|&d| {
+                        .filter(|&&(d, _)| self.live(d))
+                        .filter_map(|&(d, _)| {
                             self.on_device(driver, d, || undo(&*self.lib, d))
                                 .err()
                                 .map(|e| (d, e))
                         })
                         .collect();
+                    // Those whose undo failed are left changed.
+                    let left = Changed {
+                        allocations: 0,
+                        bytes: done
+                            .iter()
+                            .filter(|(d, _)| failed.iter().any(|f| f.0 == *d))
+                            .map(|(_, b)| b)
+                            .sum(),
+                        communicators: failed.len(),
+                    };
                     // Those whose undo failed stay as this call left them.
                     self.settle(&todo, |h| failed.iter().any(|f| f.0 == h).then_some(pause));
                     let what = if pause { "suspending" } else { "resuming" };
@@ -270,7 +281,8 @@ impl Communicators {
                             i + 1,
                             todo.len()
                         ))
-                        .note(undone(pause, done.len(), &failed)));
+                        .note(undone(pause, done.len(), &failed))
+                        .with_changed(left));
                 }
             }
         }
@@ -523,7 +535,9 @@ mod tests {
         for h in [30, 10, 20] {
             c.created(h);
         }
-        let e = c.suspend(&d).unwrap_err().to_string();
+        let e = c.suspend(&d).unwrap_err();
+        assert_eq!(e.changed(), Some(Changed::NOTHING), "all undone");
+        let e = e.to_string();
         assert!(e.contains("suspending communicator 0xa (2 of 3)"), "{e}");
         assert!(
             e.contains("the communicator it had suspended was resumed"),
@@ -555,7 +569,14 @@ mod tests {
         for h in [1, 2, 3] {
             c.created(h);
         }
-        let e = c.suspend(&d).unwrap_err().to_string();
+        let e = c.suspend(&d).unwrap_err();
+        let left = Changed {
+            allocations: 0,
+            bytes: 100,
+            communicators: 1,
+        };
+        assert_eq!(e.changed(), Some(left), "the one left suspended");
+        let e = e.to_string();
         assert!(
             e.contains("1 could not be resumed and stay suspended"),
             "{e}"
@@ -594,7 +615,9 @@ mod tests {
             why,
             "NCCL 2.21.5 has no ncclCommSuspend (needs \u{2265} 2.29.7)"
         );
-        let e = c.suspend(&d).unwrap_err().to_string();
+        let e = c.suspend(&d).unwrap_err();
+        assert_eq!(e.changed(), Some(Changed::NOTHING));
+        let e = e.to_string();
         assert!(e.contains(&why), "{e}");
         assert!(f.log.lock().is_empty());
         let s = c.stats(&d).unwrap();

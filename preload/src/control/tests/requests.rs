@@ -391,3 +391,140 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
         );
     }
 }
+
+/// Send `req`; its reply as the JSON it came in (what the wire holds, field by field).
+fn ask_wire(c: &mut Conn, req: &Request) -> serde_json::Value {
+    c.send_raw(&encode(req));
+    let mut line = String::new();
+    c.reader.read_line(&mut line).unwrap();
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
+}
+
+/// The numbers of tag `tag` in a status: active bytes, paused bytes, allocations paused wholly
+/// or in part.
+fn tag_numbers(c: &mut Conn, tag: &str) -> (u64, u64, u64) {
+    let Reply::Status(s) = c.ask(&Request::Status) else {
+        panic!()
+    };
+    let t = s.tags.iter().find(|t| t.tag == tag).unwrap();
+    (
+        t.bytes_active,
+        t.bytes_paused,
+        t.paused_allocations + t.partial_allocations,
+    )
+}
+
+/// A pause or resume that fails says in its error reply what it changed all the same: a pause
+/// that paused one allocation of two before failing, one, with its bytes; one that failed
+/// before pausing anything, and a resume that undid itself, nothing. A client undoing a job's
+/// operation decides from that, not from the tag's state, which the program may change.
+#[test]
+fn a_failed_pause_or_resume_says_what_it_changed() {
+    use crate::driver::sim::Prim;
+    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+    let h = host_over_shared(sim.clone());
+    for _ in 0..2 {
+        h.alloc(2 << 20, "kv", Some(BackupKind::Pinned));
+    }
+    let mut c = Conn::greeted(h);
+    // The second allocation's memory cannot be given back: the first is paused.
+    sim.arm_fault(Prim::Unmap, 2, 999);
+    let r = ask_wire(&mut c, &pause(Some("kv".into())));
+    assert_eq!(r["reply"], "error", "{r}");
+    let (active, paused, allocations) = tag_numbers(&mut c, "kv");
+    assert_eq!((active, paused, allocations), (2 << 20, 2 << 20, 1));
+    assert_eq!(
+        r["changed"],
+        serde_json::json!({"allocations": 1, "bytes": 2 << 20}),
+        "{r}"
+    );
+    done(c.ask(&resume(Some("kv".into()))));
+    // Failed at its first step: nothing changed, and it says so (not left out).
+    sim.arm_fault(Prim::Synchronize, 1, 999);
+    let r = ask_wire(&mut c, &pause(Some("kv".into())));
+    assert_eq!(r["reply"], "error", "{r}");
+    assert_eq!(tag_numbers(&mut c, "kv"), (4 << 20, 0, 0));
+    assert_eq!(
+        r["changed"],
+        serde_json::json!({"allocations": 0, "bytes": 0}),
+        "{r}"
+    );
+    // A resume that fails undoes itself: nothing changed.
+    done(c.ask(&pause(Some("kv".into()))));
+    sim.arm_fault(Prim::Create, 2, 999);
+    let r = ask_wire(&mut c, &resume(Some("kv".into())));
+    assert_eq!(r["reply"], "error", "{r}");
+    assert_eq!(tag_numbers(&mut c, "kv"), (0, 4 << 20, 2));
+    assert_eq!(
+        r["changed"],
+        serde_json::json!({"allocations": 0, "bytes": 0}),
+        "{r}"
+    );
+    // Refused before the engine is asked: nothing changed either.
+    let bad = Request::Pause {
+        tag: None,
+        chunks: Some(vec![[0, 0]]),
+        chunk_state: false,
+        job_record: false,
+    };
+    let r = ask_wire(&mut c, &bad);
+    assert_eq!(r["kind"], "invalid_argument", "{r}");
+    assert_eq!(
+        r["changed"],
+        serde_json::json!({"allocations": 0, "bytes": 0}),
+        "{r}"
+    );
+    // Other requests' errors say nothing of it.
+    let r = ask_wire(&mut c, &Request::Chunks { tag: "kv".into() });
+    assert_eq!(r["reply"], "error", "{r}");
+    assert!(r.get("changed").is_none(), "{r}");
+    done(c.ask(&resume(Some("kv".into()))));
+}
+
+/// A pause that reports an earlier non-blocking resume's failure did its work: its error says
+/// what it paused (not what the earlier resume had changed).
+#[test]
+fn a_pause_that_reports_an_earlier_failure_says_what_it_paused() {
+    use crate::driver::sim::Prim;
+    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+    let h = host_over_shared(sim.clone());
+    for _ in 0..2 {
+        h.alloc(2 << 20, "nw", Some(BackupKind::Pinned));
+    }
+    let mut c = Conn::greeted(h);
+    done(c.ask(&pause(Some("nw".into()))));
+    sim.hold(Prim::EventSync, None);
+    done(c.ask(&Request::Resume {
+        tag: Some("nw".into()),
+        chunks: None,
+        chunk_state: false,
+        job_record: false,
+        no_wait: true,
+        verify: false,
+    }));
+    sim.arm_fault(Prim::EventSync, 1, 999);
+    sim.unhold(Prim::EventSync, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.engine.restoring() {
+        assert!(Instant::now() < deadline, "the resume never ended");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The failed allocation is unrestored (left mapped); the other may have landed first.
+    let (active, _, _) = tag_numbers(&mut c, "nw");
+    let r = ask_wire(&mut c, &pause(Some("nw".into())));
+    assert_eq!(r["reply"], "error", "{r}");
+    assert!(
+        r["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("reported by this pause")),
+        "{r}"
+    );
+    assert_eq!(tag_numbers(&mut c, "nw"), (0, 4 << 20, 2));
+    // What was active (restored before the failure) it paused; what the failure left mapped it
+    // gave back, which was paused already: no change of state.
+    assert_eq!(
+        r["changed"],
+        serde_json::json!({"allocations": active / (2 << 20), "bytes": active}),
+        "{r}"
+    );
+}
