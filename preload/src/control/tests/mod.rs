@@ -204,6 +204,31 @@ fn resume(tag: Option<String>) -> Request {
     }
 }
 
+/// A resume of `tag` that returns before the data lands.
+fn resume_no_wait(tag: &str) -> Request {
+    Request::Resume {
+        tag: Some(tag.into()),
+        chunks: None,
+        chunk_state: false,
+        job_record: false,
+        no_wait: true,
+        verify: false,
+    }
+}
+
+/// `n` allocations of 2 MiB in the tag "nw", backed up in pinned memory, over a simulated
+/// driver the test keeps (to hold and fault its calls), paused over a connection.
+fn paused_nw(n: usize) -> (Arc<SimDriver>, &'static TestHost, Conn) {
+    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
+    let h = host_over_shared(sim.clone());
+    for _ in 0..n {
+        h.alloc(2 << 20, "nw", Some(BackupKind::Pinned));
+    }
+    let mut c = Conn::greeted(h);
+    done(c.ask(&pause(Some("nw".into()))));
+    (sim, h, c)
+}
+
 fn done(r: Reply) -> tms_proto::OpDone {
     match r {
         Reply::Done(d) => d,

@@ -333,15 +333,7 @@ fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
     let Reply::Done(_) = c.ask(&pause(Some("kv".into()))) else {
         panic!()
     };
-    let no_wait = Request::Resume {
-        tag: Some("kv".into()),
-        chunks: None,
-        chunk_state: false,
-        job_record: false,
-        no_wait: true,
-        verify: false,
-    };
-    let Reply::Done(d) = c.ask(&no_wait) else {
+    let Reply::Done(d) = c.ask(&resume_no_wait("kv")) else {
         panic!()
     };
     assert_eq!((d.op, d.allocations, d.bytes), (Op::Resume, 3, 6 << 20));
@@ -486,22 +478,9 @@ fn a_failed_pause_or_resume_says_what_it_changed() {
 #[test]
 fn a_pause_that_reports_an_earlier_failure_says_what_it_paused() {
     use crate::driver::sim::Prim;
-    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
-    let h = host_over_shared(sim.clone());
-    for _ in 0..2 {
-        h.alloc(2 << 20, "nw", Some(BackupKind::Pinned));
-    }
-    let mut c = Conn::greeted(h);
-    done(c.ask(&pause(Some("nw".into()))));
+    let (sim, h, mut c) = paused_nw(2);
     sim.hold(Prim::EventSync, None);
-    done(c.ask(&Request::Resume {
-        tag: Some("nw".into()),
-        chunks: None,
-        chunk_state: false,
-        job_record: false,
-        no_wait: true,
-        verify: false,
-    }));
+    done(c.ask(&resume_no_wait("nw")));
     sim.arm_fault(Prim::EventSync, 1, 999);
     sim.unhold(Prim::EventSync, None);
     let deadline = Instant::now() + Duration::from_secs(10);

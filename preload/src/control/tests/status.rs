@@ -310,13 +310,7 @@ fn a_status_without_operations_shows_what_they_left() {
 #[test]
 fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_paused() {
     use crate::driver::sim::Prim;
-    let sim = Arc::new(SimDriver::new(SimConfig::default()).unwrap());
-    let h = host_over_shared(sim.clone());
-    for _ in 0..3 {
-        h.alloc(2 << 20, "nw", Some(BackupKind::Pinned));
-    }
-    let mut c = Conn::greeted(h);
-    done(c.ask(&pause(Some("nw".into()))));
+    let (sim, _, mut c) = paused_nw(3);
     let tag_of = |c: &mut Conn| match c.ask(&Request::Status) {
         Reply::Status(s) => (
             s.tags.into_iter().find(|t| t.tag == "nw").unwrap(),
@@ -325,14 +319,7 @@ fn a_resume_without_waiting_shows_as_the_sockets_and_its_failure_shows_until_pau
         other => panic!("{other:?}"),
     };
     sim.hold(Prim::EventSync, None);
-    let d = done(c.ask(&Request::Resume {
-        tag: Some("nw".into()),
-        chunks: None,
-        chunk_state: false,
-        job_record: false,
-        no_wait: true,
-        verify: false,
-    }));
+    let d = done(c.ask(&resume_no_wait("nw")));
     assert_eq!(d.allocations, 3);
     let (t, ops) = tag_of(&mut c);
     assert_eq!(
