@@ -488,16 +488,61 @@ typedef struct tms_progress {
 int tms_get_progress(struct tms_progress *out, size_t size);
 
 /**
- * The calling thread's last `tms_pause`, `tms_resume`, `tms_pause_ex`, `tms_resume_ex` or chunk
- * pause or resume, once it has succeeded, into `*out` (`size` as for `tms_get_progress`):
- * `active` 0, `phase` `"done"`, `bytes_total` and `bytes_done` the bytes it copied to or from
- * backups, `seconds` its duration; `op` 0 when that call failed or there was none. The true
- * totals of an operation too short to be watched.
+ * The calling thread's last `tms_pause`, `tms_resume`, `tms_pause_ex`, `tms_resume_ex`,
+ * `tms_resume_verified` or chunk pause or resume, once it has succeeded, into `*out` (`size`
+ * as for `tms_get_progress`): `active` 0, `phase` `"done"`, `bytes_total` and `bytes_done` the
+ * bytes it copied to or from backups, `seconds` its duration; `op` 0 when that call failed,
+ * was a `tms_resume_nonblocking` (which returns before its copies end), or there was none. The
+ * true totals of an operation too short to be watched.
  *
  * # Safety
  * `out` is writable for `size` bytes.
  */
 int tms_last_progress(struct tms_progress *out, size_t size);
+
+/**
+ * What the calling thread's last pause or resume changed all the same where it failed
+ * (`tms_last_changed`): a client undoing that call asks it rather than judging from the state,
+ * which the program's other threads may change meanwhile. Callers pass its size, so that
+ * fields can be added at its end.
+ */
+typedef struct tms_changed {
+  /**
+   * 1 where that call failed and the library says what it changed and left so: the fields
+   * below (all 0: nothing, everything is as before the call). 0 where it succeeded, there
+   * was none, or it failed without saying (refused before it reached the engine, a caught
+   * panic): then the caller judges for itself.
+   */
+  int32_t said;
+  /**
+   * Always 0.
+   */
+  uint32_t reserved;
+  /**
+   * Allocations whose memory (chunks) it left paused, or resumed, otherwise than before.
+   */
+  uint64_t allocations;
+  /**
+   * The device bytes of those chunks.
+   */
+  uint64_t bytes;
+  /**
+   * NCCL communicators it left suspended, or resumed.
+   */
+  uint64_t communicators;
+} tms_changed;
+
+/**
+ * What the calling thread's last pause or resume (the calls `tms_last_progress` names, and
+ * `tms_resume_nonblocking`), where it failed, changed all the same and left so, into `*out`
+ * (`size` as for `tms_get_progress`): `said` 1 and the allocations, device bytes and NCCL
+ * communicators it left paused or resumed (0 each: it changed nothing); `said` 0 (all else
+ * 0) where it succeeded, there was none, or the library cannot tell. Never starts the library.
+ *
+ * # Safety
+ * `out` is writable for `size` bytes.
+ */
+int tms_last_changed(struct tms_changed *out, size_t size);
 
 /* ---- Contents and the control socket ------------------------------------------------- */
 

@@ -1,7 +1,7 @@
 """The package's ctypes bindings are tms.h's declarations (preload/include/tms.h, generated from
 the library's exports): every function in ``_SIGNATURES`` is declared there with the result and
 argument types it is bound with, every other name of the library the package calls is declared,
-and ``Progress`` is ``tms_progress`` field for field."""
+and ``Progress`` is ``tms_progress`` field for field, ``Changed`` ``tms_changed``."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ SCALARS = {
     "uint32_t": ctypes.c_uint32,
     "uint64_t": ctypes.c_uint64,
     "tms_progress": binary_wrapper.Progress,
+    "tms_changed": binary_wrapper.Changed,
 }
 
 
@@ -140,12 +141,15 @@ def test_every_library_name_the_package_calls_is_declared():
     assert sorted(used - set(decls)) == []
 
 
-def test_progress_is_the_header_struct():
-    fields = struct_fields(header_text(), "tms_progress")
-    bound = [(n, t) for n, t in binary_wrapper.Progress._fields_]
-    assert [n for n, _ in fields] == [n for n, _ in bound]
-    for (name, c), (_, t) in zip(fields, bound):
+@pytest.mark.parametrize(
+    "name, bound, size", [("tms_progress", binary_wrapper.Progress, 88), ("tms_changed", binary_wrapper.Changed, 32)]
+)
+def test_the_structs_are_the_header_structs(name, bound, size):
+    fields = struct_fields(header_text(), name)
+    bound_fields = [(n, t) for n, t in bound._fields_]
+    assert [n for n, _ in fields] == [n for n, _ in bound_fields]
+    for (field, c), (_, t) in zip(fields, bound_fields):
         m = re.fullmatch(r"(\w+)\[(\d+)\]", c)
         want = SCALARS[m.group(1)] * int(m.group(2)) if m else SCALARS[c]
-        assert t is want or (m and t._type_ is want._type_ and t._length_ == want._length_), (name, c, t)
-    assert ctypes.sizeof(binary_wrapper.Progress) == 88
+        assert t is want or (m and t._type_ is want._type_ and t._length_ == want._length_), (field, c, t)
+    assert ctypes.sizeof(bound) == size

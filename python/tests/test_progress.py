@@ -329,3 +329,39 @@ def test_a_range_that_fails_still_says_which_chunks_it_was_to_act_on(preloaded):
         TMS_SIM_FAULTS="copy_h2d:1",
     )
     assert r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+
+def test_a_failed_pause_or_resume_carries_what_the_library_says_it_changed(preloaded):
+    # tms_last_changed through the package. A pause whose release fails leaves its allocation
+    # paused, and its error says so; a resume whose copy fails is undone, and its error says it
+    # changed nothing; a call refused before the library acted says nothing, nor a success.
+    r = preloaded(
+        """
+        from torch_memory_saver import binary_wrapper
+        from torch_memory_saver.errors import CHANGED
+        w = binary_wrapper.load()
+        n = 2 << 20
+        with tms.region(tag="kv", enable_cpu_backup=True):
+            rc, p = cuda_malloc(n)
+        assert rc == 0
+        def said(call):
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - what it carries is what is tested
+                return getattr(e, CHANGED, "none")
+            return "ok"
+        print("pause", said(lambda: tms.pause("kv")), tag_stats("kv")["paused_allocations"])
+        print("resume", said(lambda: tms.resume("kv")), tag_stats("kv")["paused_allocations"])
+        print("again", said(lambda: tms.resume("kv")), w.last_changed())
+        print("unchunked", said(lambda: tms.pause_chunks("kv", [0])), w.last_changed())
+        print("bad tag", said(lambda: tms.pause(7)))
+        """,
+        TMS_SIM_FAULTS="release:1,copy_h2d:1",
+    )
+    assert r.stdout.splitlines() == [
+        "pause {'allocations': 1, 'bytes': 2097152, 'communicators': 0} 1",
+        "resume {'allocations': 0, 'bytes': 0, 'communicators': 0} 1",
+        "again ok None",
+        "unchunked none None",
+        "bad tag none",
+    ], r.stdout + r.stderr

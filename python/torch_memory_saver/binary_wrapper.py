@@ -15,9 +15,16 @@ from pathlib import Path
 from typing import Optional
 
 from ._checks import _check_backend, _check_tag
-from .errors import InvalidArgumentError, InvalidStateError, LibraryNotFoundError, error_for_status
+from .errors import (
+    CHANGED,
+    InvalidArgumentError,
+    InvalidStateError,
+    LibraryNotFoundError,
+    TorchMemorySaverError,
+    error_for_status,
+)
 
-__all__ = ["BinaryWrapper", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
+__all__ = ["BinaryWrapper", "Changed", "LibraryHandle", "Progress", "bundled_library_path", "cuda_runtime_function", "load", "preloaded", "preloaded_path"]
 
 _c_size_p = ctypes.POINTER(ctypes.c_size_t)
 _c_u64_p = ctypes.POINTER(ctypes.c_uint64)
@@ -40,6 +47,20 @@ class Progress(ctypes.Structure):
         ("backing", ctypes.c_uint32),
         ("reserved", ctypes.c_uint32),
         ("phase", ctypes.c_char * 32),
+    ]
+
+
+class Changed(ctypes.Structure):
+    """``tms_changed`` of tms.h: what the calling thread's last pause or resume changed all the
+    same where it failed (``said`` 1: allocations, device bytes and NCCL communicators it left
+    paused or resumed), or nothing said (0)."""
+
+    _fields_ = [
+        ("said", ctypes.c_int32),
+        ("reserved", ctypes.c_uint32),
+        ("allocations", ctypes.c_uint64),
+        ("bytes", ctypes.c_uint64),
+        ("communicators", ctypes.c_uint64),
     ]
 
 
@@ -87,6 +108,7 @@ _SIGNATURES = {
     "tms_stats_json": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t, _c_size_p]),
     "tms_get_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
     "tms_last_progress": (ctypes.c_int, [ctypes.POINTER(Progress), ctypes.c_size_t]),
+    "tms_last_changed": (ctypes.c_int, [ctypes.POINTER(Changed), ctypes.c_size_t]),
     "tms_set_checks": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_int, ctypes.c_int]),
     "tms_get_checks": (ctypes.c_int, [ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]),
     "tms_resume_verified": (ctypes.c_int, [ctypes.c_char_p]),
@@ -316,6 +338,31 @@ class BinaryWrapper:
         p = Progress()
         self.check(self.tms_last_progress(ctypes.byref(p), ctypes.sizeof(p)))
         return p if p.op else None
+
+    def last_changed(self) -> Optional[dict]:
+        """What this thread's last pause or resume changed all the same where it failed, as the
+        library says it (``allocations``, ``bytes``, ``communicators``; zeros where nothing), or
+        None where it does not say (it succeeded, or the library cannot tell)."""
+        c = Changed()
+        self.check(self.tms_last_changed(ctypes.byref(c), ctypes.sizeof(c)))
+        if not c.said:
+            return None
+        return {"allocations": c.allocations, "bytes": c.bytes, "communicators": c.communicators}
+
+    def check_op(self, status: int) -> None:
+        """:meth:`check` for the status of a pause or resume (any of the library's): where the
+        library says what the failed call changed all the same, the exception carries it as its
+        attribute ``errors.CHANGED``."""
+        if status == 0:
+            return
+        error = error_for_status(status, self.last_error())
+        try:
+            changed = self.last_changed()
+        except TorchMemorySaverError:
+            changed = None  # not said: whoever undoes the call judges for itself
+        if changed is not None:
+            setattr(error, CHANGED, changed)
+        raise error
 
     def call_with_room(self, room: int, attempt, refused: str, spare=lambda need: need):
         """``attempt(room)``: one call with room for ``room`` entries, as ``(status, need,

@@ -45,7 +45,7 @@ class _Chunks:
             lib = self._library()
             fn = lib.tms_pause_chunks if pause else lib.tms_resume_chunks
             try:
-                lib.check(fn(_enc(tag), (ctypes.c_size_t * len(idx))(*idx), len(idx)))
+                lib.check_op(fn(_enc(tag), (ctypes.c_size_t * len(idx))(*idx), len(idx)))
             except NotFoundError:
                 if self._tag_has_allocations(tag):
                     raise
@@ -57,7 +57,7 @@ class _Chunks:
             addr = _address(target)
             idx = _check_indices(indices)
             lib = self._library()
-            lib.check(lib.tms_chunks_at(addr, int(pause), (ctypes.c_uint64 * len(idx))(*idx), len(idx)))
+            lib.check_op(lib.tms_chunks_at(addr, int(pause), (ctypes.c_uint64 * len(idx))(*idx), len(idx)))
             what = f"the allocation at {addr:#x}"
         # The library acts on each index once, however often it was given.
         logger.info("%s %d chunks of %s", "paused" if pause else "resumed", len(set(idx)), what)
@@ -105,7 +105,7 @@ class _Chunks:
             return range(0)
         first, count = ctypes.c_uint64(0), ctypes.c_uint64(0)
         try:
-            lib.check(lib.tms_range(addr + start, end - start, int(pause), ctypes.byref(first), ctypes.byref(count)))
+            lib.check_op(lib.tms_range(addr + start, end - start, int(pause), ctypes.byref(first), ctypes.byref(count)))
         except BaseException as e:
             # Written before the library acts (both 0 where it failed first): what a failed
             # pause may have paused part of.

@@ -61,6 +61,13 @@ class LibraryNotFoundError(TorchMemorySaverError):
     """libtms.so could not be found or loaded."""
 
 
+# The attribute a failed pause or resume of the library sets on its error where the library
+# says what the call changed all the same and left so (``tms_last_changed``): a dict of
+# ``allocations``, ``bytes`` and ``communicators`` (zeros: it changed nothing). The job-wide
+# undo (``distributed``) decides from it whether the call needs undoing.
+CHANGED = "_tms_changed"
+
+
 # Each status of the library's one table (status::TABLE in preload/src/error.rs), which
 # tests/tests/header.rs checks this against.
 _BY_STATUS = {

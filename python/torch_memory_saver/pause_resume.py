@@ -182,9 +182,9 @@ class _PauseResume:
         t0 = time.perf_counter()
         with _Watch(lib, f"pause of {what}", progress):
             if save_chunk_state:
-                lib.check(lib.tms_pause_ex(_enc(tag), _record(save_chunk_state)))
+                lib.check_op(lib.tms_pause_ex(_enc(tag), _record(save_chunk_state)))
             else:
-                lib.check(lib.tms_pause(_enc(tag)))
+                lib.check_op(lib.tms_pause(_enc(tag)))
         logger.info("paused %s in %.3f s", what, time.perf_counter() - t0)
 
     def resume(
@@ -217,11 +217,11 @@ class _PauseResume:
         t0 = time.perf_counter()
         with _Watch(lib, f"resume of {what}", progress):
             if verify:
-                lib.check(lib.tms_resume_verified(_enc(tag)))
+                lib.check_op(lib.tms_resume_verified(_enc(tag)))
             elif restore_chunk_state:
-                lib.check(lib.tms_resume_ex(_enc(tag), _record(restore_chunk_state)))
+                lib.check_op(lib.tms_resume_ex(_enc(tag), _record(restore_chunk_state)))
             else:
-                lib.check(lib.tms_resume(_enc(tag)))
+                lib.check_op(lib.tms_resume(_enc(tag)))
         logger.info("resumed %s in %.3f s", what, time.perf_counter() - t0)
 
     def set_checks(self, tag: Optional[str] = None, *, skip_unchanged: Any = None, verify: Any = None) -> None:
@@ -265,7 +265,7 @@ class _PauseResume:
         pending = ctypes.c_uint64(0)
         arr = (ctypes.c_uint64 * len(addrs))(*addrs) if addrs else None
         t0 = time.perf_counter()
-        lib.check(lib.tms_resume_nonblocking(_enc(tag), device, handle, arr, len(addrs), ctypes.byref(pending)))
+        lib.check_op(lib.tms_resume_nonblocking(_enc(tag), device, handle, arr, len(addrs), ctypes.byref(pending)))
         logger.info("resuming %s: mapped in %.3f s, %d bytes still being restored", what,
                     time.perf_counter() - t0, pending.value)
 

@@ -414,3 +414,64 @@ fn the_progress_struct_matches_the_library() {
         r.dump()
     );
 }
+
+const CHANGED_PROG: &str = r#"
+#define _POSIX_C_SOURCE 200809L
+#include "tms.h"
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static void show(const char *what, int rc) {
+    tms_changed c;
+    c.said = 7;
+    int got = tms_last_changed(&c, sizeof c);
+    printf("%s %d: %d said %d %llu %llu %llu\n", what, rc, got, c.said,
+           (unsigned long long)c.allocations, (unsigned long long)c.bytes,
+           (unsigned long long)c.communicators);
+}
+
+int main(void) {
+    /* Read at the library's start: its first release fails. */
+    setenv("TMS_SIM_FAULTS", "release:1", 1);
+    tms_changed c;
+    printf("size %zu bytes-at %zu\n", sizeof(tms_changed), offsetof(tms_changed, bytes));
+    printf("short %d\n", tms_last_changed(&c, 8));
+    printf("null %d\n", tms_last_changed(NULL, sizeof c));
+    show("none", 0);
+    int rc = tms_region_enter(1, "t", 1, NULL);
+    void *p = tms_torch_malloc(2 << 20, 0, NULL);
+    rc |= tms_region_exit();
+    printf("alloc %d %d\n", rc, p != NULL);
+    show("pause", tms_pause("t"));
+    show("resume", tms_resume("t"));
+    show("refused", tms_pause_ex("t", 0) | tms_pause_chunks(NULL, NULL, 0));
+    tms_torch_free(p, 2 << 20, 0, NULL);
+    return 0;
+}
+"#;
+
+/// `tms_changed` has the layout the library writes (no padding, 32 bytes), `tms_last_changed`
+/// refuses a struct too short or none, and says what the calling thread's failed pause changed
+/// all the same (its allocation, whose memory could not be released, left paused), nothing
+/// after a success or a call refused before it acted.
+#[test]
+fn the_changed_struct_matches_the_library() {
+    let r = build_and_run("changed", CHANGED_PROG);
+    let lines: Vec<&str> = r.stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "size 32 bytes-at 16",
+            "short 3",
+            "null 3",
+            "none 0: 0 said 0 0 0 0",
+            "alloc 0 1",
+            "pause 2: 0 said 1 1 2097152 0",
+            "resume 0: 0 said 0 0 0 0",
+            "refused 3: 0 said 0 0 0 0",
+        ],
+        "{}",
+        r.dump()
+    );
+}

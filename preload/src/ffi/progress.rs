@@ -1,12 +1,13 @@
 //! `tms_get_progress`: the running pause or resume, copied out in the header's `tms_progress`
-//! layout.
+//! layout; and the calling thread's last pause or resume: its totals once it succeeded
+//! (`tms_last_progress`), what it changed all the same where it failed (`tms_last_changed`).
 
 use std::cell::Cell;
 use std::ffi::{c_char, c_int};
 
 use super::status::entry;
 use crate::engine::OpReport;
-use crate::error::{Error, Result};
+use crate::error::{Changed, Error, Result};
 use crate::process::runtime;
 
 /// Progress of the pause or resume running in the process, whoever started it (any thread, or
@@ -92,7 +93,7 @@ impl TmsProgress {
 #[no_mangle]
 pub unsafe extern "C" fn tms_get_progress(out: *mut TmsProgress, size: usize) -> c_int {
     entry(|| {
-        check_out(out, size)?;
+        check_out(out, size, "tms_progress")?;
         let p = runtime::get_if_started().and_then(|rt| rt.engine.progress());
         // SAFETY: out is writable for size >= ours bytes (checked above).
         unsafe { copy_out(&TmsProgress::of(p.as_ref()), out, size) };
@@ -100,16 +101,15 @@ pub unsafe extern "C" fn tms_get_progress(out: *mut TmsProgress, size: usize) ->
     })
 }
 
-/// Refuse an `out` that cannot take a [`TmsProgress`].
-fn check_out(out: *mut TmsProgress, size: usize) -> Result<()> {
-    let ours = std::mem::size_of::<TmsProgress>();
+/// Refuse an `out` that cannot take a `T`, the header's struct `name`.
+fn check_out<T>(out: *mut T, size: usize, name: &str) -> Result<()> {
+    let ours = std::mem::size_of::<T>();
     if out.is_null() {
         return Err(Error::invalid_argument("out is NULL"));
     }
     if size < ours {
         return Err(Error::invalid_argument(format!(
-            "a progress struct of {size} bytes: tms_progress has {ours} (pass \
-             sizeof(tms_progress))"
+            "a struct {name} of {size} bytes: it has {ours} (pass sizeof({name}))"
         )));
     }
     Ok(())
@@ -118,30 +118,36 @@ fn check_out(out: *mut TmsProgress, size: usize) -> Result<()> {
 /// Copy `v` into the caller's `out` of `size` bytes, zeroing what lies past it.
 ///
 /// # Safety
-/// `out` is writable for `size` bytes, and `size` is at least `size_of::<TmsProgress>()`.
-unsafe fn copy_out(v: &TmsProgress, out: *mut TmsProgress, size: usize) {
-    let ours = std::mem::size_of::<TmsProgress>();
+/// `out` is writable for `size` bytes, and `size` is at least `size_of::<T>()`.
+unsafe fn copy_out<T: Copy>(v: &T, out: *mut T, size: usize) {
+    let ours = std::mem::size_of::<T>();
     // SAFETY: out is writable for size >= ours bytes (our caller's contract); a byte copy
     // needs no alignment.
     unsafe {
         std::ptr::write_bytes(out.cast::<u8>(), 0, size);
-        std::ptr::copy_nonoverlapping(
-            (v as *const TmsProgress).cast::<u8>(),
-            out.cast::<u8>(),
-            ours,
-        );
+        std::ptr::copy_nonoverlapping((v as *const T).cast::<u8>(), out.cast::<u8>(), ours);
     }
 }
 
-thread_local! {
-    /// This thread's last pause or resume through the C ABI that succeeded: which (1 pause, 2
-    /// resume), the bytes it copied to or from backups, and its seconds.
-    static LAST: Cell<Option<(i32, u64, f64)>> = const { Cell::new(None) };
+/// How this thread's last pause or resume through the C ABI ended.
+#[derive(Clone, Copy)]
+enum Last {
+    /// It succeeded: which (1 pause, 2 resume), the bytes it copied to or from backups, and
+    /// its seconds.
+    Done(i32, u64, f64),
+    /// It failed; what it changed all the same, where the engine said.
+    Failed(Option<Changed>),
 }
 
-/// [`entry`] for a pause or resume: what `tms_last_progress` says is forgotten first, so that a
-/// call refused before it reaches the engine (a bad argument, a chunk it does not have) shows
-/// `op` 0 there, as one that fails later does.
+thread_local! {
+    /// This thread's last pause or resume through the C ABI; `None` where there was none, or
+    /// it was refused before it reached the engine.
+    static LAST: Cell<Option<Last>> = const { Cell::new(None) };
+}
+
+/// [`entry`] for a pause or resume: what `tms_last_progress` and `tms_last_changed` say is
+/// forgotten first, so that a call refused before it reaches the engine (a bad argument, a
+/// chunk it does not have) shows `op` 0 and `said` 0 there, never an earlier call's.
 pub(super) fn op_entry(f: impl FnOnce() -> Result<()>) -> c_int {
     entry(|| {
         LAST.with(|c| c.set(None));
@@ -149,30 +155,41 @@ pub(super) fn op_entry(f: impl FnOnce() -> Result<()>) -> c_int {
     })
 }
 
-/// Remember the outcome of this thread's pause (`pause`) or resume for `tms_last_progress`.
+/// Remember the outcome of this thread's pause (`pause`) or resume for `tms_last_progress`
+/// and `tms_last_changed`.
 pub(super) fn noted(pause: bool, r: Result<OpReport>) -> Result<()> {
-    let last = r
-        .as_ref()
-        .ok()
-        .map(|r| (if pause { 1 } else { 2 }, r.copied, r.seconds));
-    LAST.with(|c| c.set(last));
+    let last = match &r {
+        Ok(r) => Last::Done(if pause { 1 } else { 2 }, r.copied, r.seconds),
+        Err(e) => Last::Failed(e.changed()),
+    };
+    LAST.with(|c| c.set(Some(last)));
     r.map(|_| ())
 }
 
-/// The calling thread's last `tms_pause`, `tms_resume`, `tms_pause_ex`, `tms_resume_ex` or chunk
-/// pause or resume, once it has succeeded, into `*out` (`size` as for `tms_get_progress`):
-/// `active` 0, `phase` `"done"`, `bytes_total` and `bytes_done` the bytes it copied to or from
-/// backups, `seconds` its duration; `op` 0 when that call failed or there was none. The true
-/// totals of an operation too short to be watched.
+/// Remember the failure of a resume that reports no totals (a non-blocking one, which returns
+/// before its copies end) for `tms_last_changed`.
+pub(super) fn noted_failure<T>(r: Result<T>) -> Result<T> {
+    if let Err(e) = &r {
+        LAST.with(|c| c.set(Some(Last::Failed(e.changed()))));
+    }
+    r
+}
+
+/// The calling thread's last `tms_pause`, `tms_resume`, `tms_pause_ex`, `tms_resume_ex`,
+/// `tms_resume_verified` or chunk pause or resume, once it has succeeded, into `*out` (`size`
+/// as for `tms_get_progress`): `active` 0, `phase` `"done"`, `bytes_total` and `bytes_done` the
+/// bytes it copied to or from backups, `seconds` its duration; `op` 0 when that call failed,
+/// was a `tms_resume_nonblocking` (which returns before its copies end), or there was none. The
+/// true totals of an operation too short to be watched.
 ///
 /// # Safety
 /// `out` is writable for `size` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn tms_last_progress(out: *mut TmsProgress, size: usize) -> c_int {
     entry(|| {
-        check_out(out, size)?;
+        check_out(out, size, "tms_progress")?;
         let mut v = TmsProgress::of(None);
-        if let Some((op, copied, seconds)) = LAST.with(Cell::get) {
+        if let Some(Last::Done(op, copied, seconds)) = LAST.with(Cell::get) {
             v.op = op;
             v.bytes_total = copied;
             v.bytes_done = copied;
@@ -185,4 +202,168 @@ pub unsafe extern "C" fn tms_last_progress(out: *mut TmsProgress, size: usize) -
         unsafe { copy_out(&v, out, size) };
         Ok(())
     })
+}
+
+/// What the calling thread's last pause or resume changed all the same where it failed
+/// (`tms_last_changed`): a client undoing that call asks it rather than judging from the state,
+/// which the program's other threads may change meanwhile. Callers pass its size, so that
+/// fields can be added at its end.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct TmsChanged {
+    /// 1 where that call failed and the library says what it changed and left so: the fields
+    /// below (all 0: nothing, everything is as before the call). 0 where it succeeded, there
+    /// was none, or it failed without saying (refused before it reached the engine, a caught
+    /// panic): then the caller judges for itself.
+    said: i32,
+    /// Always 0.
+    reserved: u32,
+    /// Allocations whose memory (chunks) it left paused, or resumed, otherwise than before.
+    allocations: u64,
+    /// The device bytes of those chunks.
+    bytes: u64,
+    /// NCCL communicators it left suspended, or resumed.
+    communicators: u64,
+}
+
+// The header's layout: no padding, so the struct is copied out whole.
+const _: () = assert!(std::mem::size_of::<TmsChanged>() == 32);
+
+impl TmsChanged {
+    /// What `c` says; nothing said where it is `None`.
+    fn of(c: Option<Changed>) -> TmsChanged {
+        let said = i32::from(c.is_some());
+        let c = c.unwrap_or_default();
+        TmsChanged {
+            said,
+            reserved: 0,
+            allocations: c.allocations as u64,
+            bytes: c.bytes,
+            communicators: c.communicators as u64,
+        }
+    }
+}
+
+/// What the calling thread's last pause or resume (the calls `tms_last_progress` names, and
+/// `tms_resume_nonblocking`), where it failed, changed all the same and left so, into `*out`
+/// (`size` as for `tms_get_progress`): `said` 1 and the allocations, device bytes and NCCL
+/// communicators it left paused or resumed (0 each: it changed nothing); `said` 0 (all else
+/// 0) where it succeeded, there was none, or the library cannot tell. Never starts the library.
+///
+/// # Safety
+/// `out` is writable for `size` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn tms_last_changed(out: *mut TmsChanged, size: usize) -> c_int {
+    entry(|| {
+        check_out(out, size, "tms_changed")?;
+        let said = match LAST.with(Cell::get) {
+            Some(Last::Failed(c)) => c,
+            Some(Last::Done(..)) | None => None,
+        };
+        // SAFETY: out is writable for size >= ours bytes (checked above).
+        unsafe { copy_out(&TmsChanged::of(said), out, size) };
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::status;
+    use crate::ffi::{tms_pause_chunks, tms_resume_nonblocking};
+
+    /// `tms_last_changed` into a struct of `size` bytes (at most 64) filled with 0xAA first:
+    /// its status, and the bytes it left.
+    fn last_changed(size: usize) -> (c_int, [u8; 64]) {
+        let mut buf = [0xAAu8; 64];
+        // SAFETY: buf is writable for its 64 bytes, at least `size`.
+        let rc = unsafe { tms_last_changed(buf.as_mut_ptr().cast(), size) };
+        (rc, buf)
+    }
+
+    /// `said` and the three counts of a `tms_changed` read whole.
+    fn read(buf: &[u8; 64]) -> (i32, u64, u64, u64) {
+        let word = |at: usize| u64::from_ne_bytes(buf[at..at + 8].try_into().unwrap());
+        let said = i32::from_ne_bytes(buf[..4].try_into().unwrap());
+        (said, word(8), word(16), word(24))
+    }
+
+    fn said() -> (i32, u64, u64, u64) {
+        let (rc, buf) = last_changed(32);
+        assert_eq!(rc, status::OK);
+        read(&buf)
+    }
+
+    #[test]
+    fn a_struct_too_small_or_missing_is_refused_and_a_larger_one_zeroed_past_ours() {
+        std::thread::spawn(|| {
+            // SAFETY: NULL is refused before anything is written.
+            let rc = unsafe { tms_last_changed(std::ptr::null_mut(), 32) };
+            assert_eq!(rc, status::INVALID_ARGUMENT);
+            let (rc, buf) = last_changed(31);
+            assert_eq!(rc, status::INVALID_ARGUMENT);
+            assert!(buf.iter().all(|&b| b == 0xAA), "written though refused");
+            let (rc, buf) = last_changed(40);
+            assert_eq!(rc, status::OK);
+            assert_eq!(buf[..40], [0; 40], "nothing said, the rest zeroed");
+            assert_eq!(buf[40..], [0xAA; 24], "written past the size given");
+        })
+        .join()
+        .unwrap();
+    }
+
+    /// Each thread reads its own last pause or resume: what a failure said it changed, nothing
+    /// said after a success, a failure that does not say, or a call refused before the engine
+    /// (the next call forgets what the one before said, non-blocking resumes included).
+    #[test]
+    fn the_last_changed_is_the_threads_own_last_call_and_the_next_call_resets_it() {
+        let changed = Changed {
+            allocations: 2,
+            bytes: 6 << 20,
+            communicators: 1,
+        };
+        let failed = || Error::driver("cuMemRelease", 999, "CUDA_ERROR_UNKNOWN", "injected");
+        std::thread::spawn(move || {
+            assert_eq!(said(), (0, 0, 0, 0), "none yet");
+            assert!(noted(true, Err(failed().with_changed(changed))).is_err());
+            assert_eq!(said(), (1, 2, 6 << 20, 1));
+            std::thread::spawn(|| assert_eq!(said(), (0, 0, 0, 0), "another thread's"))
+                .join()
+                .unwrap();
+            // SAFETY: a NULL tag is refused before anything is read.
+            let rc = unsafe { tms_pause_chunks(std::ptr::null(), std::ptr::null(), 0) };
+            assert_eq!(rc, status::INVALID_ARGUMENT);
+            assert_eq!(said(), (0, 0, 0, 0), "refused before the engine: not said");
+
+            assert!(noted(false, Err(failed().unchanged())).is_err());
+            assert_eq!(said(), (1, 0, 0, 0), "said: nothing changed");
+            // SAFETY: a NULL order of 3 entries is refused before anything is read.
+            let rc = unsafe {
+                tms_resume_nonblocking(
+                    std::ptr::null(),
+                    -1,
+                    0,
+                    std::ptr::null(),
+                    3,
+                    std::ptr::null_mut(),
+                )
+            };
+            assert_eq!(rc, status::INVALID_ARGUMENT);
+            assert_eq!(
+                said(),
+                (0, 0, 0, 0),
+                "a non-blocking resume is a resume too"
+            );
+
+            assert!(noted(false, Err(failed().with_changed(changed))).is_err());
+            assert!(noted_failure(Err::<(), _>(failed())).is_err());
+            assert_eq!(said(), (0, 0, 0, 0), "a failure that does not say");
+            assert!(noted_failure(Err::<(), _>(failed().unchanged())).is_err());
+            assert_eq!(said(), (1, 0, 0, 0));
+            assert!(noted(true, Ok(OpReport::default())).is_ok());
+            assert_eq!(said(), (0, 0, 0, 0), "a success");
+        })
+        .join()
+        .unwrap();
+    }
 }

@@ -5,6 +5,7 @@ use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 use super::args::{array_len, put_all, tag_or_all};
+use super::progress::{noted_failure, op_entry};
 use super::status::entry;
 use crate::control;
 use crate::driver::Stream;
@@ -42,7 +43,7 @@ pub unsafe extern "C" fn tms_resume_nonblocking(
     n_order: u64,
     out_pending: *mut u64,
 ) -> c_int {
-    entry(|| {
+    op_entry(|| {
         // SAFETY: `tag` is NULL or a NUL-terminated string valid for this call (our callers'
         // promise), as tag_or_all needs.
         let tag = unsafe { tag_or_all(tag) }?;
@@ -53,7 +54,12 @@ pub unsafe extern "C" fn tms_resume_nonblocking(
             None => Vec::new(),
         };
         let e = &control::runtime()?.engine;
-        let r = Engine::resume_nonblocking(e, tag, &order, stream_of(device, stream))?;
+        let r = noted_failure(Engine::resume_nonblocking(
+            e,
+            tag,
+            &order,
+            stream_of(device, stream),
+        ))?;
         // SAFETY: `out_pending` is NULL or writable (our callers' promise).
         unsafe { put_all(&[(out_pending, r.pending)]) };
         Ok(())

@@ -1,8 +1,8 @@
 //! How `preload/include/tms.h` is made. cbindgen reads the library's sources (`preload/src`) and
-//! writes every exported function and the `tms_progress` struct with its doc comments: each
-//! declaration is written once, in Rust. This file adds what is not a Rust item: the opening
-//! comment, the includes, the status codes (from the library's status table, `status::TABLE`),
-//! and the sections the declarations are arranged in for readers.
+//! writes every exported function and the `tms_progress` and `tms_changed` structs with their
+//! doc comments: each declaration is written once, in Rust. This file adds what is not a Rust
+//! item: the opening comment, the includes, the status codes (from the library's status table,
+//! `status::TABLE`), and the sections the declarations are arranged in for readers.
 
 use std::collections::BTreeMap;
 
@@ -64,7 +64,7 @@ const INCLUDES: &str = "\
 #include <sys/types.h> /* ssize_t */";
 
 /// A part of the header: a heading, a paragraph or none, and its declarations in order (the
-/// names of functions, or of the struct).
+/// names of functions, or of the structs).
 struct Section {
     title: &'static str,
     prose: &'static str,
@@ -168,6 +168,8 @@ TMS_ERR_NOT_FOUND if the range does not lie inside one pauseable allocation.",
             "tms_progress",
             "tms_get_progress",
             "tms_last_progress",
+            "tms_changed",
+            "tms_last_changed",
         ],
     },
     Section {
@@ -380,6 +382,10 @@ fn declarations() -> Result<BTreeMap<String, String>, String> {
         .export
         .rename
         .insert("TmsProgress".into(), "tms_progress".into());
+    config
+        .export
+        .rename
+        .insert("TmsChanged".into(), "tms_changed".into());
     config
         .export
         .rename
