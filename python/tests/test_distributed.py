@@ -901,3 +901,148 @@ def test_a_failed_range_is_undone_on_the_chunks_it_was_to_act_on(tmp_path, libtm
         assert unsaid["raised"] == "DistributedError" and unsaid["failed"] == [1], (rank, unsaid)
         assert "rank 1: skipped: the pause_range failed without saying which chunks" in unsaid["msg"], (rank, unsaid)
         assert unsaid["states"] == [True, rank == 0, True, True], (rank, unsaid)
+
+
+# A gather that lets another thread of a rank's program act while the ranks agree on the
+# outcome: what the rank put in `meanwhile` runs then (its failure, if any, in `meanwhile_failed`).
+MEANWHILE = """
+import threading
+meanwhile, meanwhile_failed = [], []
+gather_between = gather
+def gather(mine):
+    if mine["step"][2] == "outcome" and meanwhile:
+        def run(f=meanwhile.pop()):
+            try:
+                f()
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                meanwhile_failed.append(repr(e))
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+    return gather_between(mine)
+"""
+
+
+def test_a_pause_that_failed_changing_nothing_is_not_undone_when_the_program_changed_the_tag(tmp_path, libtms):
+    # Rank 1's pause fails at its first copy, having changed nothing (its record of the chunk
+    # states written all the same). While the ranks agree, another thread of rank 1's program
+    # pauses chunk 0, so the tag's active bytes are not what they were: that tells nothing of
+    # what the failed pause did, which the library says. Rank 1 must not undo it: the undo
+    # resumed the program's chunk 0 from the record.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent("""
+        p, data = alloc("w", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        if RANK == 1:
+            meanwhile.append(lambda: tms.pause_chunks("w", [0]))
+        a = attempt(tmsd._pause_tag, "w")
+        report(tag="w", step="pause", states=tms.get_chunk_states("w"), meanwhile=meanwhile_failed, **a)
+        """),
+        per_rank_env={1: {"TMS_SIM_FAULTS": "copy_d2h:1"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1] and "every rank undid it" in p["msg"], (rank, p)
+        assert "injected fault" in p["msg"] and not p["meanwhile"], (rank, p)
+        assert p["states"] == ([True] * 4 if rank == 0 else [False, True, True, True]), (rank, p)
+
+
+def test_a_pause_that_failed_part_way_is_undone_when_the_program_allocated_as_much(tmp_path, libtms):
+    # Rank 1's pause fails releasing its third allocation, the first it paused left paused (the
+    # library says it changed that). While the ranks agree, another thread of rank 1's program
+    # allocates in the tag as many bytes as the pause took, so the tag's active bytes are as
+    # before. Rank 1 must still undo its pause: the undo was skipped, that allocation left
+    # paused while every rank was said to be as before.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent("""
+        bufs = [alloc("w", 8 * MIB, RANK * 4 + i, enable_cpu_backup=True) for i in range(3)]
+        before = tag_stats("w")["bytes_active"]
+        def allocate_as_much():
+            taken = before - tag_stats("w")["bytes_active"]
+            assert taken == 8 * MIB, taken
+            bufs.append(alloc("w", taken, 9, enable_cpu_backup=True))
+        if RANK == 1:
+            meanwhile.append(allocate_as_much)
+        a = attempt(tmsd._pause_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="pause", intact=not s["paused_allocations"] and all(intact(*b) for b in bufs),
+               meanwhile=meanwhile_failed, **a)
+        """),
+        per_rank_env={1: {"TMS_SIM_FAULTS": "release:1"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1] and "every rank undid it" in p["msg"], (rank, p)
+        assert "cuMemRelease" in p["msg"] and not p["meanwhile"], (rank, p)
+        assert p["intact"] and (p["active"], p["paused"]) == (3 + rank, 0), (rank, p)
+
+
+def test_a_resume_that_failed_changing_nothing_leaves_the_programs_new_allocation_alone(tmp_path, libtms):
+    # Rank 1's device is full: its resume of the paused tag runs out of memory, changing
+    # nothing. While the ranks agree, another thread of rank 1's program allocates in the tag.
+    # Rank 1 must not undo its resume (the library says it changed nothing): pausing the tag
+    # again paused the program's new allocation.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent("""
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        new = []
+        if RANK == 1:
+            alloc("hog", 250 * MIB, 9)
+            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup=True)))
+        a = attempt(tmsd._resume_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="resume", new_intact=bool(new) and s["active_allocations"] == 1 and intact(*new[0]),
+               meanwhile=meanwhile_failed, **a)
+        """),
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1] and "OutOfMemoryError" in p["msg"], (rank, p)
+        assert "every rank undid it" in p["msg"] and not p["meanwhile"], (rank, p)
+        if rank == 0:
+            assert (p["active"], p["paused"]) == (0, 1), (rank, p)
+        else:
+            assert p["new_intact"] and (p["active"], p["paused"]) == (1, 1), (rank, p)
+
+
+def test_a_chunk_pause_that_failed_changing_nothing_leaves_the_chunk_the_program_paused(tmp_path, libtms):
+    # Rank 1's pause of chunks 1-2 fails at its first copy, changing nothing. While the ranks
+    # agree, another thread of rank 1's program pauses chunk 1, one the call was asked for.
+    # Rank 1 must not undo its call (the library says it changed nothing): the undo resumed
+    # chunk 1, taken for one the call had paused.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        RANKS_OVER_FAKE_DIST
+        + textwrap.dedent(MEANWHILE)
+        + textwrap.dedent("""
+        p, data = alloc("kv", 8 * MIB, RANK, chunk=2 * MIB, enable_cpu_backup=True)
+        if RANK == 1:
+            meanwhile.append(lambda: tms.pause_chunks("kv", [1]))
+        a = public(tmsd.pause_chunks, "kv", [1, 2])
+        report(tag="kv", step="pause_chunks", states=tms.get_chunk_states("kv"), meanwhile=meanwhile_failed, **a)
+        """),
+        per_rank_env={1: {"TMS_SIM_FAULTS": "copy_d2h:1"}},
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (c,) = r["results"]
+        assert c["raised"] == "DistributedError" and c["failed"] == [1], (rank, c)
+        assert "every rank undid it" in c["msg"] and not c["meanwhile"], (rank, c)
+        assert c["states"] == ([True] * 4 if rank == 0 else [True, False, True, True]), (rank, c)

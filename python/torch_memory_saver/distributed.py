@@ -20,6 +20,13 @@ any failure: the ranks still agree and undo (one that lands in the agreement its
 by its rank as when the group fails), then that rank raises it, with that
 :class:`DistributedError` as its ``__cause__`` (an undo it interrupted says ``"failed: ..."``).
 
+- Whether the failed rank's own call changed anything, and so needs undoing there, is what the
+  library says that call changed all the same (``tms_last_changed``), not the tag's state, which
+  the program's other threads may change meanwhile (allocating, freeing, pausing or resuming in
+  it): a call that failed having changed nothing is left alone, one that changed something is
+  undone. Only where the library does not say (the call failed before reaching it) is a pause
+  judged from the tag's active bytes before and after, and a resume or chunk call undone as
+  below.
 - Backups are never lost by the undo: undoing a pause resumes from the backups the pause just
   wrote; undoing a resume pauses again, writing backups where the region keeps them.
 - A pause records which allocations and chunks were active (as ``pause(tag,
@@ -65,7 +72,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, NoReturn, Optional
 
 from .arguments import JOB_RECORD, RANGE_ASKED, _check_indices, chunk_arguments
-from .errors import InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
+from .errors import CHANGED, InvalidArgumentError, InvalidStateError, TorchMemorySaverError, UnsupportedError
 
 __all__ = [
     "pause",
@@ -407,6 +414,15 @@ def _not_undone(what: List[str]) -> Optional[str]:
     )
 
 
+def _said_changed(error: Optional[BaseException]) -> Optional[bool]:
+    """Whether this rank's own call, which failed raising ``error``, changed anything, as the
+    library said (``errors.CHANGED``); None where it did not say (it was not the library's
+    failure, or an implementation that does not tell). The tag's state cannot tell: the
+    program's other threads may allocate, free, pause or resume in it meanwhile."""
+    said = getattr(error, CHANGED, None)
+    return None if said is None else any(said.values())
+
+
 def _pause_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[], None] = _no_check) -> Outcome:
     """Pause ``tag`` on every rank, or none; ``check`` runs first, and where it raises, this
     rank fails having changed nothing."""
@@ -419,14 +435,24 @@ def _pause_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[]
         here["tags"] = _tag_stats(tag)
         here["before"] = _active_of(here["tags"])
         here["failed"] = True
-        tms.pause(tag, save_chunk_state=JOB_RECORD)
+        try:
+            tms.pause(tag, save_chunk_state=JOB_RECORD)
+        except BaseException as e:
+            here["error"] = e
+            raise
         here["failed"] = False
 
     def undo() -> Optional[str]:
-        # A pause that failed having changed nothing may have recorded nothing either, and a
-        # restoring resume without a record resumes everything: leave such a rank alone.
-        if "before" not in here or (here["failed"] and _active_bytes(tag) == here["before"]):
+        if "before" not in here:
             return None
+        if here["failed"]:
+            changed = _said_changed(here.get("error"))
+            if changed is None:  # judged from the tag's active bytes, where the library did not say
+                changed = _active_bytes(tag) != here["before"]
+            # A pause that failed having changed nothing may have recorded nothing either, and a
+            # restoring resume without a record resumes everything: leave such a rank alone.
+            if not changed:
+                return None
         tms.resume(tag, restore_chunk_state=JOB_RECORD)
         # Memory a failed non-blocking resume left unrestored was given back by the pause, and
         # its failure settled: the record restores it paused, which it was not.
@@ -440,13 +466,22 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[
     tms = _saver()
     tag = _norm_tag(tag)
     here: Dict[str, dict] = {}
+    raised: List[BaseException] = []
 
     def act() -> None:
         check()
         here.update(_tag_stats(tag))
-        tms.resume(tag)
+        try:
+            tms.resume(tag)
+        except BaseException as e:
+            raised.append(e)
+            raise
 
     def undo() -> Optional[str]:
+        # This rank's own resume that failed having changed nothing, as the library says, needs
+        # no undo: a pause would take what the program allocated in the tag meanwhile.
+        if raised and _said_changed(raised[0]) is False:
+            return None
         # Each tag is undone on its own: one wholly paused before is paused again (one a failed
         # non-blocking resume left unrestored too, said to be not as before); one wholly active
         # (allocations kept resident aside, which stay mapped through a pause) was not changed;
@@ -515,6 +550,10 @@ def _chunk_op(
     def undo() -> Optional[str]:
         if not before:
             return None  # failed before changing anything
+        if "error" in done and _said_changed(done["error"]) is False:
+            # This rank's own call changed nothing, as the library says: a chunk it was asked
+            # for that moved since was moved by the program.
+            return None
         now = tms.get_chunk_states(target)
         # Only what the call can have moved: a chunk it was asked for, gone its way. Another
         # thread of the program may have paused or resumed other chunks meanwhile: its own.
