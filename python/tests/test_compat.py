@@ -527,7 +527,9 @@ def test_a_ctrl_c_as_a_zero_copy_backup_is_handed_out_releases_its_lease(preload
         SIM_ALLOC
         + textwrap.dedent(
             """
-        import _thread, torch
+        import _thread, signal, torch
+        # No KeyboardInterrupt where SIGINT came ignored (a job started in the background).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         n = 1 << 20
         p, data = alloc("w", n, 3, enable_cpu_backup=True)
         t = torch.frombuffer((ctypes.c_uint8 * n).from_address(p), dtype=torch.uint8)

@@ -160,7 +160,9 @@ def test_a_ctrl_c_as_the_library_exports_leaves_no_descriptor_open(preloaded):
     r = preloaded(
         EXPORT
         + """
-import _thread
+import _thread, signal
+# Python raises no KeyboardInterrupt where SIGINT came ignored (a job started in the background).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 lib = tms._impl._library()
 real = lib.tms_export
 made = []
