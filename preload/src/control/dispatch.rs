@@ -407,7 +407,14 @@ fn region_info(r: &RegionSettings) -> RegionInfo {
     }
 }
 
+/// Held from reading the default region to writing it back: two clients changing different
+/// fields at once (one the tag, one `enabled`) would otherwise both start from the same region,
+/// and the later write would put back the field the earlier one changed. Nothing under it
+/// waits for a client.
+static REGION_UPDATE: Mutex<()> = Mutex::new(());
+
 fn set_region(host: &dyn Host, u: RegionUpdate) -> Result<Reply> {
+    let _one_at_a_time = REGION_UPDATE.lock();
     let mut r = host.default_region()?;
     if let Some(t) = u.tag {
         if t.is_empty() {

@@ -29,6 +29,10 @@ struct TestHost {
     gate: Mutex<()>,
     /// Requests that have reached the gate.
     at_gate: std::sync::atomic::AtomicUsize,
+    /// Held by a test to make `set_region`'s write of the default region wait.
+    write_gate: Mutex<()>,
+    /// Writes of the default region that have reached `write_gate`.
+    at_write_gate: std::sync::atomic::AtomicUsize,
 }
 
 fn host() -> &'static TestHost {
@@ -53,6 +57,8 @@ fn host_over_shared(d: Arc<SimDriver>) -> &'static TestHost {
         }),
         gate: Mutex::new(()),
         at_gate: Default::default(),
+        write_gate: Mutex::new(()),
+        at_write_gate: Default::default(),
     }))
 }
 
@@ -85,6 +91,9 @@ impl Host for TestHost {
         Ok(self.region.lock().clone())
     }
     fn set_default_region(&self, r: RegionSettings) {
+        self.at_write_gate
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        drop(self.write_gate.lock());
         *self.region.lock() = r;
     }
 }

@@ -319,6 +319,43 @@ fn set_region_refuses_a_cpu_and_a_disk_backup_at_once() {
     );
 }
 
+/// Two clients changing different fields of the default region at once (`tmsctl region --tag`
+/// and `tmsctl region --enabled`): each change reads the region, changes its field and writes
+/// it back, so without one change after the other, the later write puts back the field the
+/// earlier one changed.
+#[test]
+fn concurrent_region_changes_of_different_fields_both_land() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let h = host();
+    let mut a = Conn::greeted(h);
+    let mut b = Conn::greeted(h);
+    // Writes wait until both changes have been asked for, and have read the region if nothing
+    // keeps them apart.
+    let write_gate = h.write_gate.lock();
+    a.send_raw(&encode(&Request::SetRegion(RegionUpdate {
+        tag: Some("kv".into()),
+        ..Default::default()
+    })));
+    b.send_raw(&encode(&Request::SetRegion(RegionUpdate {
+        enabled: Some(true),
+        ..Default::default()
+    })));
+    let t0 = Instant::now();
+    while h.at_write_gate.load(SeqCst) < 2 && t0.elapsed() < Duration::from_millis(500) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(write_gate);
+    for c in [&mut a, &mut b] {
+        assert!(matches!(c.read_reply(), Reply::Region(_)));
+    }
+    let now = h.region.lock().clone();
+    assert!(now.tag == "kv" && now.enabled, "a change was lost: {now:?}");
+    let Reply::Region(r) = a.ask(&Request::GetRegion) else {
+        panic!()
+    };
+    assert!(r.tag == "kv" && r.enabled, "{r:?}");
+}
+
 #[test]
 fn a_resume_without_waiting_answers_mapped_and_restores_in_the_process() {
     let sim = SimDriver::new(SimConfig::default()).unwrap();
