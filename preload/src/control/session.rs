@@ -83,13 +83,20 @@ impl Watch for Unwatched {
     }
 }
 
-/// The reply to a connection closed to make room for a newer one.
-pub fn evicted_reply(max: usize) -> Reply {
+/// The reply to a connection closed to make room for a newer one; `greeted`: it had sent its
+/// hello. One that had not is closed first, however briefly it waited ([`super::conns::Table`]),
+/// so its reply must not say it waited longest.
+pub fn evicted_reply(max: usize, greeted: bool) -> Reply {
+    let why = if greeted {
+        "waited longest"
+    } else {
+        "had not sent its hello yet"
+    };
     Reply::error(
         ErrorKind::Busy,
         format!(
-            "this connection waited longest of the {max} this process serves at once, and was \
-             closed to make room for a new one; connect again"
+            "this connection {why} of the {max} this process serves at once, and was closed to \
+             make room for a new one; connect again"
         ),
     )
 }
@@ -165,6 +172,8 @@ struct Session<'a> {
     me: &'a Identity,
     watch: &'a dyn Watch,
     lines: LineBuffer,
+    /// A line (the hello) has arrived and was taken, as the connection table counts it.
+    greeted: bool,
     /// Time spent waiting for request lines so far.
     idle: Duration,
 }
@@ -184,6 +193,7 @@ impl<'a> Session<'a> {
             me,
             watch,
             lines: LineBuffer::new(MAX_LINE_BYTES),
+            greeted: false,
             idle: Duration::ZERO,
         }
     }
@@ -222,7 +232,7 @@ impl<'a> Session<'a> {
         tracing::debug!("control connection closed to make room for a newer one");
         let _ = sys::send_now(
             self.client.stream(),
-            &encode(&evicted_reply(self.limits.max_connections)),
+            &encode(&evicted_reply(self.limits.max_connections, self.greeted)),
         );
         None
     }
@@ -278,6 +288,7 @@ impl<'a> Session<'a> {
         if !self.watch.working() {
             return self.evicted();
         }
+        self.greeted = true;
         match decode_request(&line) {
             Ok(r) => Some(r),
             Err(e) => {

@@ -133,6 +133,8 @@ fn a_full_server_answers_busy_and_idle_connections_make_room() {
     let mut e = Client::connect(&path);
     let r = a.reply().expect("a busy reply");
     assert_eq!(error_kind(&r), ErrorKind::Busy, "{r:?}");
+    let Reply::Error(m) = &r else { panic!() };
+    assert!(m.message.contains("waited longest of the 2"), "{m:?}");
     a.assert_closed();
 
     // Now b (greeted) and e (not yet): the next newcomer closes e, the one without a hello,
@@ -142,6 +144,12 @@ fn a_full_server_answers_busy_and_idle_connections_make_room() {
     assert!(took < Duration::from_secs(1), "{took:?}");
     let r = e.reply().expect("a busy reply");
     assert_eq!(error_kind(&r), ErrorKind::Busy);
+    // Its notice says why it was chosen: not that it waited longest, which b did.
+    let Reply::Error(m) = &r else { panic!() };
+    assert!(
+        m.message.contains("had not sent its hello") && !m.message.contains("longest"),
+        "{m:?}"
+    );
     e.assert_closed();
     assert!(matches!(b.ask(&Request::Ping), Some(Reply::Pong { .. })));
     assert!(t.elapsed() < Duration::from_secs(2));
