@@ -7,7 +7,10 @@
 //! container, through sudo) listens elsewhere. So:
 //!
 //! - `--pid P`: P's socket in tmsctl's folder, else where `/proc` shows P listening, else in the
-//!   folder P's environment gives. Only P of tmsctl's own user: another user's is refused.
+//!   folder P's environment gives. A file of P's pid in tmsctl's folder while `/proc` shows P
+//!   listening elsewhere (and not there) was left by an earlier process of that pid: the socket
+//!   `/proc` shows is taken, with `--pid` or without. Only P of tmsctl's own user: another
+//!   user's is refused.
 //! - Without `--pid`, while tmsctl's folder comes from the defaults (neither `--socket-dir` nor
 //!   `TMS_SOCKET_DIR`), the processes of tmsctl's user that `/proc` shows listening in other
 //!   folders count too: a plain command never picks one process while the user's own listens
@@ -165,7 +168,9 @@ enum Picked {
 /// shows listening elsewhere (`away`), with `--all` or without. A process found elsewhere whose
 /// socket cannot be used (its folder refused, say) counts as much as the others: `--all` reports
 /// it as failed, and without `--all` it makes several processes; only where no process at all
-/// can be reached do the reasons make the message for none.
+/// can be reached do the reasons make the message for none. A pid found in both is one process,
+/// reached where `/proc` shows it listening (the file in tmsctl's folder is one an earlier
+/// process of that pid left), unless that socket cannot be used.
 fn pick(live: Vec<Socket>, away: Vec<Away>, all: bool) -> Picked {
     let mut found: Vec<Target> = live
         .into_iter()
@@ -175,7 +180,12 @@ fn pick(live: Vec<Socket>, away: Vec<Away>, all: bool) -> Picked {
         })
         .collect();
     for a in away {
-        if found.iter().any(|t| t.sock.pid() == a.pid) {
+        if let Some(t) = found.iter_mut().find(|t| t.sock.pid() == a.pid) {
+            // A process has one control socket: a file of its pid in tmsctl's folder while
+            // `/proc` shows it listening elsewhere is one an earlier process of that pid left.
+            if let Ok(s) = a.sock {
+                t.sock = s;
+            }
             continue;
         }
         let sock = a.socket();
@@ -317,11 +327,13 @@ pub fn none_found(ctx: &Ctx, main: &Folder, refused: &[Failure]) -> Failure {
     Failure::new(code, m)
 }
 
-/// The socket of process `pid`: in tmsctl's folder, else where `/proc` shows it listening,
-/// else in the folder its environment gives.
+/// The socket of process `pid`: in tmsctl's folder (unless `/proc` shows it listening only
+/// elsewhere), else where `/proc` shows it listening, else in the folder its environment gives.
 fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> Result<Socket> {
     let not_here = match main.find(pid) {
-        Ok(s) => return Ok(s),
+        // The file may be one an earlier process of that pid left: where `/proc` shows this one
+        // listening elsewhere, and not there, that socket is its own.
+        Ok(s) => return Ok(listening_elsewhere(main, pid)?.unwrap_or(s)),
         Err(f) => f,
     };
     if !pid_alive(pid) {
@@ -380,6 +392,22 @@ fn by_pid(ctx: &Ctx, main: &Folder, pid: u32) -> Result<Socket> {
         return Err(not_here);
     }
     Err(no_socket(ctx, main, pid, library, env.as_ref(), there))
+}
+
+/// The socket `/proc` shows process `pid` (of our user, the library loaded) listening on outside
+/// tmsctl's folder, where it shows none in it; a folder found so is vetted, its refusal the error.
+fn listening_elsewhere(main: &Folder, pid: u32) -> Result<Option<Socket>> {
+    let found = procfs::servers(euid(), Some(pid));
+    if found.iter().any(|s| same_folder(&s.dir, &main.dir)) {
+        return Ok(None);
+    }
+    for s in found {
+        let about = format!("process {pid} listens in it");
+        if let Ok(sock) = Folder::open_about(&s.dir, &about)?.find(pid) {
+            return Ok(Some(sock));
+        }
+    }
+    Ok(None)
 }
 
 fn no_socket(
@@ -489,6 +517,19 @@ mod tests {
         // A pid already found in tmsctl's folder is one process, not two.
         match pick(live(), vec![away_of(10, false)], false) {
             Picked::Act(t) => assert_eq!(shown(&t), [(10, None)]),
+            _ => panic!("one process"),
+        }
+        // ... whose socket, where /proc shows it listening elsewhere, is that one: the file in
+        // tmsctl's folder is one an earlier process of that pid left.
+        let mut a = away_of(10, true);
+        let there = PathBuf::from("/elsewhere").join(test_socket(10, Ns::Ours).file_name());
+        if let Ok(s) = &mut a.sock {
+            s.path = there.clone();
+        }
+        match pick(live(), vec![a], false) {
+            Picked::Act(t) => {
+                assert_eq!(t.iter().map(|t| &t.sock.path).collect::<Vec<_>>(), [&there])
+            }
             _ => panic!("one process"),
         }
         // None reachable: the message for none says why (unchanged).

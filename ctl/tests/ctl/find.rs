@@ -223,3 +223,50 @@ fn no_socket_messages_name_the_folders_and_what_decides_them() {
         "{line}"
     );
 }
+
+/// A socket file left in `dir` by a process that died (nobody listens on it): named `name`.
+fn stale_socket(dir: &Path, name: &str) {
+    let path = dir.join(name);
+    drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+    assert!(path.exists(), "the file stays after its listener is gone");
+}
+
+#[test]
+fn a_stale_socket_of_a_reused_pid_does_not_hide_where_the_process_listens() {
+    let sb = sandbox();
+    // The process listens in run-a/tms; tmsctl's folder (run-b/tms) holds a socket of its pid
+    // left by an earlier process of that pid that died.
+    let run_a = private(&sb, "run-a");
+    let run_b = private(&sb, "run-b");
+    let p = Proc::start_with(&sb, &[("XDG_RUNTIME_DIR", run_a.to_str().unwrap())], |c| {
+        c.env_remove("TMS_SOCKET_DIR");
+    });
+    assert_eq!(p.socket().parent(), Some(run_a.join("tms").as_path()));
+    let ours = run_b.join("tms");
+    std::fs::create_dir(&ours).expect("mkdir");
+    std::fs::set_permissions(&ours, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    stale_socket(&ours, &our_name(p.pid));
+    let pid = p.pid.to_string();
+
+    let r = ctl_xdg(&sb, &run_b, &["status", "--pid", &pid, "--json"]);
+    assert_eq!(r.code, 0, "{}", r.dump());
+    assert_eq!(r.json()["pid"].as_u64(), Some(p.pid as u64), "{}", r.dump());
+
+    // Without --pid: the process is reached where it listens (or, other processes of this
+    // user listening at the same time, named with that folder).
+    let r = ctl_xdg(&sb, &run_b, &["status"]);
+    if r.code == 0 {
+        assert!(
+            r.stdout.starts_with(&format!("pid {pid} (")),
+            "{}",
+            r.dump()
+        );
+    } else {
+        let line = r.failed(2);
+        let its_dir = run_a.join("tms").display().to_string();
+        assert!(
+            line.contains(&format!("pid {pid} (")) && line.contains(&its_dir),
+            "{line}"
+        );
+    }
+}
