@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::AT_FDCWD;
-use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
 use nix::sys::stat::fstat;
 use serde_json::json;
 use tms_disk_folder::{
@@ -25,6 +24,7 @@ use crate::failure::{Code, Failure};
 use crate::folder::Folder;
 use crate::output::print_json;
 use crate::procfs::euid;
+use crate::socket::nobody_listens;
 use crate::text::shown_path;
 
 /// The folders to sweep: `base` if nobody else can make entries in it, else our subfolder of it
@@ -79,33 +79,6 @@ fn backup_folders(base: &Path) -> Result<Vec<(PathBuf, OwnedFd)>, Failure> {
     Ok(out)
 }
 
-/// Connecting to `path` is refused: nobody listens on it.
-fn refused(path: &Path) -> bool {
-    tms_proto::via_short_path(path, |p| Ok(refused_at(p))).unwrap_or(false)
-}
-
-/// [`refused`] through a path that fits in a socket address.
-fn refused_at(path: &Path) -> bool {
-    let Ok(addr) = UnixAddr::new(path) else {
-        return false;
-    };
-    let Ok(fd) = socket(
-        AddressFamily::Unix,
-        SockType::Stream,
-        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
-        None,
-    ) else {
-        return false;
-    };
-    use std::os::fd::AsRawFd;
-    loop {
-        match connect(fd.as_raw_fd(), &addr) {
-            Err(Errno::EINTR) => continue,
-            r => return r == Err(Errno::ECONNREFUSED),
-        }
-    }
-}
-
 /// Remove the sockets of the (vetted) socket folder that nobody listens on; how many.
 fn clean_sockets(folder: &Folder) -> usize {
     let me = euid();
@@ -114,7 +87,7 @@ fn clean_sockets(folder: &Folder) -> usize {
         let Ok(m) = std::fs::symlink_metadata(&s.path) else {
             continue;
         };
-        if !m.file_type().is_socket() || m.uid() != me || !refused(&s.path) {
+        if !m.file_type().is_socket() || m.uid() != me || !nobody_listens(&s.path) {
             continue;
         }
         // Moved aside and probed again there: never a new server's, bound since.
@@ -122,7 +95,7 @@ fn clean_sockets(folder: &Folder) -> usize {
             continue;
         };
         let Some(name) = name.to_str() else { continue };
-        if tms_proto::remove_if_stale(dir, name, refused).unwrap_or(false) {
+        if tms_proto::remove_if_stale(dir, name, nobody_listens).unwrap_or(false) {
             removed += 1;
         }
     }

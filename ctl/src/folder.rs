@@ -27,7 +27,7 @@ use tms_proto::SocketName;
 
 use crate::failure::{Code, Failure, Result};
 use crate::procfs::{euid, pid_alive};
-use crate::socket::{classify, Socket};
+use crate::socket::{classify, nobody_listens, Socket};
 use crate::text::{printable, shown_path};
 
 /// The socket folder, vetted, and the sockets in it.
@@ -189,7 +189,9 @@ impl Folder {
     }
 
     /// The sockets of live processes of our pid namespace (named for it, or for none), one per
-    /// pid (the one named for our namespace where both are there), by pid.
+    /// pid (the one named for our namespace where both are there), by pid. A socket nobody
+    /// listens on is left out even where its pid lives: a process that died left it, and its
+    /// pid may be another process's now.
     pub fn live_here(&self) -> Vec<Socket> {
         let mut by_pid: BTreeMap<u32, &Socket> = BTreeMap::new();
         for s in self.sockets.iter().filter(|s| s.here()) {
@@ -200,7 +202,7 @@ impl Folder {
         }
         by_pid
             .into_values()
-            .filter(|s| pid_alive(s.pid()))
+            .filter(|s| pid_alive(s.pid()) && !nobody_listens(&s.path))
             .cloned()
             .collect()
     }

@@ -8,7 +8,7 @@
 //! hello's pid; not the kernel's pid, nor whether the pid lives, which mean another process
 //! here).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use tms_proto::SocketName;
 
@@ -58,6 +58,36 @@ impl Socket {
     /// pid compared with the kernel's.
     pub fn here(&self) -> bool {
         !matches!(self.ns, Ns::Other(_))
+    }
+}
+
+/// Connecting to the socket at `path` is refused: nobody listens on it (a file left by a
+/// process that died). Never waits: a server whose queue is full is taken to listen.
+pub fn nobody_listens(path: &Path) -> bool {
+    tms_proto::via_short_path(path, |p| Ok(refused_at(p))).unwrap_or(false)
+}
+
+/// [`nobody_listens`] through a path that fits in a socket address.
+fn refused_at(path: &Path) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{connect, socket, AddressFamily, SockFlag, SockType, UnixAddr};
+    use std::os::fd::AsRawFd;
+    let Ok(addr) = UnixAddr::new(path) else {
+        return false;
+    };
+    let Ok(fd) = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    loop {
+        match connect(fd.as_raw_fd(), &addr) {
+            Err(Errno::EINTR) => continue,
+            r => return r == Err(Errno::ECONNREFUSED),
+        }
     }
 }
 

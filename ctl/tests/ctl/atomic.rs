@@ -1038,24 +1038,24 @@ fn ctrl_c_while_connecting_for_an_atomic_pause_ends_the_wait() {
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
 }
 
-/// A process that fails before it is asked (a stale socket of a live pid: nothing to connect
-/// to) is one of the processes of the document, with its failure, as any other that failed.
+/// A process that fails before it is asked (a socket of a live pid that another process serves:
+/// refused on connecting) is one of the processes of the document, with its failure, as any
+/// other that failed.
 #[test]
 fn an_atomic_failure_before_asking_is_in_the_processes_too() {
     let sb = sandbox();
     let mut p = Proc::start(&sb, &[]);
     let victim = Victim::start();
-    drop(
-        std::os::unix::net::UnixListener::bind(sb.dir.join(our_name(victim.pid()))).expect("bind"),
-    );
+    let _impostor =
+        std::os::unix::net::UnixListener::bind(sb.dir.join(our_name(victim.pid()))).expect("bind");
     let r = ctl(
         &sb,
         &["pause", "--all", "--atomic", "--tag", "demo", "--json"],
     );
-    let j = r.json_exit(3);
+    let j = r.json_exit(4);
     assert_eq!(j["failed"]["pid"], victim.pid(), "{j}");
     let item = item_of(&j, victim.pid());
-    assert_eq!(item["failed"]["error"]["name"], "no_process", "{item}");
+    assert_eq!(item["failed"]["error"]["name"], "permission", "{item}");
     assert_eq!(j["every_process_as_before"], true, "{j}");
     assert_eq!(demo_bytes_active(&sb, &p), SIZE);
     p.verify();

@@ -270,3 +270,34 @@ fn a_stale_socket_of_a_reused_pid_does_not_hide_where_the_process_listens() {
         );
     }
 }
+
+#[test]
+fn a_stale_socket_whose_pid_is_another_process_now_is_left_out() {
+    let sb = sandbox();
+    let p = Proc::start(&sb, &[]);
+    // A socket left by a process that died, whose pid is now an unrelated process's.
+    let other = Victim::start();
+    stale_socket(&sb.dir, &our_name(other.pid()));
+
+    let r = ctl(&sb, &["status", "--json"]);
+    assert_eq!(r.code, 0, "{}", r.dump());
+    assert_eq!(r.json()["pid"].as_u64(), Some(p.pid as u64), "{}", r.dump());
+    let r = ctl(&sb, &["pause", "--all", "--tag", "demo", "--json"]);
+    assert_eq!(r.code, 0, "{}", r.dump());
+    let pids: Vec<u64> = r
+        .json()
+        .as_array()
+        .expect("an array")
+        .iter()
+        .filter_map(|i| i["pid"].as_u64())
+        .collect();
+    assert_eq!(pids, [p.pid as u64], "{}", r.dump());
+    let l = ctl(&sb, &["list", "--json"]).json();
+    let rows: Vec<u64> = l
+        .as_array()
+        .expect("an array")
+        .iter()
+        .filter_map(|i| i["pid"].as_u64())
+        .collect();
+    assert_eq!(rows, [p.pid as u64], "{l}");
+}

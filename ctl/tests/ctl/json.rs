@@ -139,12 +139,12 @@ fn json_documents_carry_the_schema_version() {
         "{j}"
     );
 
-    // --all with a process that cannot be asked (a stale socket of a live process): the array,
-    // that process's failure in it.
+    // --all with a process that cannot be asked (a socket of a live process that another
+    // process serves): the array, that process's failure in it.
     let victim = Victim::start();
-    drop(UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind"));
+    let _impostor = UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind");
     let r = ctl(&sb, &["status", "--all", "--json"]);
-    assert_eq!(r.code, 3, "{}", r.dump());
+    assert_eq!(r.code, 4, "{}", r.dump());
     let items: Value = serde_json::from_str(&r.stdout).expect("json");
     let items = items.as_array().expect("an array");
     assert_eq!(items.len(), 2, "{items:?}");
@@ -159,12 +159,12 @@ fn json_documents_carry_the_schema_version() {
         .find(|i| i["pid"] == victim.pid())
         .expect("the victim's");
     assert_eq!(bad["schema"], 1, "{bad}");
-    assert_eq!(bad["error"]["exit_code"], 3, "{bad}");
-    assert_eq!(bad["error"]["name"], "no_process", "{bad}");
+    assert_eq!(bad["error"]["exit_code"], 4, "{bad}");
+    assert_eq!(bad["error"]["name"], "permission", "{bad}");
     assert!(
         bad["error"]["message"]
             .as_str()
-            .is_some_and(|m| m.contains("stale")),
+            .is_some_and(|m| m.contains("served by process")),
         "{bad}"
     );
 }

@@ -450,11 +450,12 @@ fn an_unknown_tag_is_exit_6_with_a_reason() {
     ok(&sb, &["resume"]);
     // --all: 6 when the unknown tag is the only problem ...
     ctl(&sb, &["pause", "--all", "--tag", "kvv"]).failed(6);
-    // ... but another failure (here a stale socket of a live process) takes precedence.
+    // ... but another failure (here a socket of a live process that another process serves)
+    // takes precedence.
     let victim = Victim::start();
-    drop(UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind"));
+    let _impostor = UnixListener::bind(dir.join(our_name(victim.pid()))).expect("bind");
     let r = ctl(&sb, &["pause", "--all", "--tag", "kvv"]);
-    assert_eq!(r.code, 3, "{}", r.dump());
+    assert_eq!(r.code, 4, "{}", r.dump());
     assert_eq!(
         r.stderr.lines().count(),
         2,
@@ -462,12 +463,12 @@ fn an_unknown_tag_is_exit_6_with_a_reason() {
         r.dump()
     );
     assert!(
-        r.stderr.contains("stale") && r.stderr.contains("\"kvv\""),
+        r.stderr.contains("served by process") && r.stderr.contains("\"kvv\""),
         "{}",
         r.dump()
     );
     let r = ctl(&sb, &["pause", "--all", "--tag", "kvv", "--json"]);
-    assert_eq!(r.code, 3, "{}", r.dump());
+    assert_eq!(r.code, 4, "{}", r.dump());
     let items: Value = serde_json::from_str(&r.stdout).expect("json");
     assert_eq!(items.as_array().map(Vec::len), Some(2), "{items}");
 }
