@@ -812,18 +812,28 @@ def test_chunk_calls_by_tensor_agree_where_the_ranks_tensors_lie_at_different_ad
     assert "pause_range of bytes [2097152, 6291456) of each rank's tensor on 2 ranks" in lines[0][0], lines
 
 
-# Buf, and a gather that lets another thread of rank 0's program act while the ranks agree.
-CHUNK_HELPERS = BUF + """
+# A gather that lets another thread of a rank's program act while the ranks agree on the
+# outcome: what the rank put in `meanwhile` runs then (its failure, if any, in `meanwhile_failed`).
+MEANWHILE = """
 import threading
-meanwhile = []  # what rank 0's program does, in a thread of its own, as the ranks agree
+meanwhile, meanwhile_failed = [], []
 gather_between = gather
 def gather(mine):
-    if RANK == 0 and mine["step"][2] == "outcome" and meanwhile:
-        t = threading.Thread(target=meanwhile.pop())
+    if mine["step"][2] == "outcome" and meanwhile:
+        def run(f=meanwhile.pop()):
+            try:
+                f()
+            except BaseException as e:  # noqa: BLE001 - reported by the test
+                meanwhile_failed.append(repr(e))
+        t = threading.Thread(target=run)
         t.start()
         t.join()
     return gather_between(mine)
 """
+
+
+# Buf, and MEANWHILE.
+CHUNK_HELPERS = BUF + MEANWHILE
 
 
 def test_a_chunk_undo_leaves_the_chunks_the_program_moved_meanwhile(tmp_path, libtms):
@@ -843,13 +853,15 @@ def test_a_chunk_undo_leaves_the_chunks_the_program_moved_meanwhile(tmp_path, li
         t = Buf(p, n)
         if RANK == 0:
             tms.pause_chunks("kv", [3])
-        meanwhile.append(lambda: tms.pause_chunks("kv", [0]))
+            meanwhile.append(lambda: tms.pause_chunks("kv", [0]))
         a = public(tmsd.pause_chunks, "kv", [1, 2])
         report(tag="kv", step="pause_chunks", states=tms.get_chunk_states("kv"), **a)
         tms.pause("kv")
-        meanwhile.append(lambda: tms.resume_chunks(t, [0]))
+        if RANK == 0:
+            meanwhile.append(lambda: tms.resume_chunks(t, [0]))
         b = public(tmsd.resume_range, t, 2 * MIB, 6 * MIB)
         report(tag="kv", step="resume_range", states=tms.get_chunk_states("kv"), **b)
+        assert not meanwhile_failed, meanwhile_failed
         """),
     )
     for rank, r in enumerate(res):
@@ -901,26 +913,6 @@ def test_a_failed_range_is_undone_on_the_chunks_it_was_to_act_on(tmp_path, libtm
         assert unsaid["raised"] == "DistributedError" and unsaid["failed"] == [1], (rank, unsaid)
         assert "rank 1: skipped: the pause_range failed without saying which chunks" in unsaid["msg"], (rank, unsaid)
         assert unsaid["states"] == [True, rank == 0, True, True], (rank, unsaid)
-
-
-# A gather that lets another thread of a rank's program act while the ranks agree on the
-# outcome: what the rank put in `meanwhile` runs then (its failure, if any, in `meanwhile_failed`).
-MEANWHILE = """
-import threading
-meanwhile, meanwhile_failed = [], []
-gather_between = gather
-def gather(mine):
-    if mine["step"][2] == "outcome" and meanwhile:
-        def run(f=meanwhile.pop()):
-            try:
-                f()
-            except BaseException as e:  # noqa: BLE001 - reported by the test
-                meanwhile_failed.append(repr(e))
-        t = threading.Thread(target=run)
-        t.start()
-        t.join()
-    return gather_between(mine)
-"""
 
 
 def test_a_pause_that_failed_changing_nothing_is_not_undone_when_the_program_changed_the_tag(tmp_path, libtms):
