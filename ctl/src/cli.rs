@@ -149,7 +149,9 @@ pub struct Select {
 pub struct Atomic {
     /// Every process or none: act on the processes in turn, and if one fails, undo the
     /// operation on those that succeeded (a pause by resuming what it paused, from the backups it
-    /// wrote; a resume by pausing again what it resumed), so that every process ends as before.
+    /// wrote; a resume by pausing again what it resumed), and what the failed one changed all the
+    /// same (as its error reply says; judged from the tag's state where the reply does not), so
+    /// that every process ends as before.
     /// The exit code is the failure's; the output says what was undone, and what could not be
     /// undone exactly (a resume of a tag that was partly active before). Ctrl-C fails the
     /// operation under way, which is then undone like any failure (a second Ctrl-C ends tmsctl

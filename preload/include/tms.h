@@ -523,7 +523,7 @@ typedef struct tms_changed {
    */
   uint64_t allocations;
   /**
-   * The device bytes of those chunks.
+   * The device bytes of those chunks, and of those communicators (as NCCL counts them).
    */
   uint64_t bytes;
   /**

@@ -331,7 +331,8 @@ class TorchMemorySaver:
 
     def remove_nccl_communicators(self, comms: "Optional[Iterable[Any]]" = None) -> None:
         """Take back communicators given to :meth:`add_nccl_communicators` (all if None), before
-        destroying them."""
+        destroying them. Once it returns, no pause, resume or ``stats()`` of another thread hands
+        them over again."""
         self._ensure_initialized()
         self._impl.remove_nccl_communicators(comms)
 

@@ -120,7 +120,8 @@ class _Nccl:
 
     def remove_nccl_communicators(self, comms: Optional[Iterable[Any]] = None) -> None:
         """Take back communicators given to :meth:`add_nccl_communicators` (all if None): do it
-        before destroying them."""
+        before destroying them. Once it returns, no pause, resume or ``stats()`` of another
+        thread hands them over again."""
         gone = None if comms is None else {_comm_value(c) for c in comms}
         with self._nccl_lock:
             if gone is None:

@@ -220,7 +220,7 @@ pub struct TmsChanged {
     reserved: u32,
     /// Allocations whose memory (chunks) it left paused, or resumed, otherwise than before.
     allocations: u64,
-    /// The device bytes of those chunks.
+    /// The device bytes of those chunks, and of those communicators (as NCCL counts them).
     bytes: u64,
     /// NCCL communicators it left suspended, or resumed.
     communicators: u64,

@@ -86,8 +86,11 @@ def configure_subprocess() -> Iterator[None]:
     must hold one). Where this process has a CUDA runtime loaded, its folder goes first in
     ``LD_LIBRARY_PATH``, so a child finds the same runtime. Where the library's path holds a
     space or a colon (which end an ``LD_PRELOAD`` entry), ``LD_PRELOAD`` names its file and its
-    folder goes first in ``LD_LIBRARY_PATH`` too. Both variables are restored when the last
-    block open (of any thread) ends (an absent one as absent)."""
+    folder goes first in ``LD_LIBRARY_PATH`` too (a child whose ``LD_LIBRARY_PATH`` drops it
+    goes without the library); a path neither can name (a folder with a colon or semicolon, a
+    file name with a space or colon) raises :class:`UnsupportedError` as the block is entered.
+    Both variables are restored when the last block open (of any thread) ends (an absent one as
+    absent)."""
     global _env_users
     path = preload_library_path()
     entry, folder = _preload_entry(path)
