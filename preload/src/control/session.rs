@@ -88,16 +88,13 @@ impl Watch for Unwatched {
 /// so its reply must not say it waited longest.
 pub fn evicted_reply(max: usize, greeted: bool) -> Reply {
     let why = if greeted {
-        "waited longest"
+        format!(" waited longest of the {max} this process serves at once")
     } else {
-        "had not sent its hello yet"
+        format!(", one of the {max} this process serves at once, had not sent its hello yet")
     };
     Reply::error(
         ErrorKind::Busy,
-        format!(
-            "this connection {why} of the {max} this process serves at once, and was closed to \
-             make room for a new one; connect again"
-        ),
+        format!("this connection{why}, and was closed to make room for a new one; connect again"),
     )
 }
 
