@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::common::*;
@@ -15,17 +15,29 @@ fn ctl_xdg(sb: &Sandbox, xdg: &Path, args: &[&str]) -> Ran {
     })
 }
 
+/// A process whose XDG_RUNTIME_DIR is `run-a` (it listens in run-a/tms, no TMS_SOCKET_DIR),
+/// and `run-b`, a private folder for tmsctl's own XDG_RUNTIME_DIR.
+fn started_in_run_a(sb: &Sandbox) -> (Proc, PathBuf, PathBuf) {
+    let run_a = private(sb, "run-a");
+    let run_b = private(sb, "run-b");
+    let p = Proc::start_with(sb, &[("XDG_RUNTIME_DIR", run_a.to_str().unwrap())], |c| {
+        c.env_remove("TMS_SOCKET_DIR");
+    });
+    assert_eq!(
+        p.socket().parent(),
+        Some(run_a.join("tms").as_path()),
+        "{}",
+        p.ready
+    );
+    (p, run_a, run_b)
+}
+
 #[test]
 fn a_process_with_another_xdg_runtime_dir_is_found() {
     let sb = sandbox();
     // The process's XDG_RUNTIME_DIR is not tmsctl's: it listens in run-a/tms.
-    let run_a = private(&sb, "run-a");
-    let run_b = private(&sb, "run-b");
-    let p = Proc::start_with(&sb, &[("XDG_RUNTIME_DIR", run_a.to_str().unwrap())], |c| {
-        c.env_remove("TMS_SOCKET_DIR");
-    });
+    let (p, run_a, run_b) = started_in_run_a(&sb);
     let its_dir = run_a.join("tms");
-    assert_eq!(p.socket().parent(), Some(its_dir.as_path()), "{}", p.ready);
     let pid = p.pid.to_string();
 
     // By --pid.
@@ -236,12 +248,7 @@ fn a_stale_socket_of_a_reused_pid_does_not_hide_where_the_process_listens() {
     let sb = sandbox();
     // The process listens in run-a/tms; tmsctl's folder (run-b/tms) holds a socket of its pid
     // left by an earlier process of that pid that died.
-    let run_a = private(&sb, "run-a");
-    let run_b = private(&sb, "run-b");
-    let p = Proc::start_with(&sb, &[("XDG_RUNTIME_DIR", run_a.to_str().unwrap())], |c| {
-        c.env_remove("TMS_SOCKET_DIR");
-    });
-    assert_eq!(p.socket().parent(), Some(run_a.join("tms").as_path()));
+    let (p, run_a, run_b) = started_in_run_a(&sb);
     let ours = run_b.join("tms");
     std::fs::create_dir(&ours).expect("mkdir");
     std::fs::set_permissions(&ours, std::fs::Permissions::from_mode(0o700)).expect("chmod");
