@@ -19,7 +19,7 @@ use super::txn::{Slots, Txn};
 use super::types::{Backup, BufferRanges, State};
 use crate::backup::{backing_of, disk, BackupKind, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, PhysHandle};
-use crate::error::{Error, Result, ResultExt};
+use crate::error::{Changed, Error, Result, ResultExt};
 use crate::units::human;
 
 /// One allocation in a pause: what the work needs, copied out of the registry (which marks the
@@ -294,8 +294,13 @@ impl Engine {
             let e = e.context(format!("pause of {}", pick.describe()));
             self.restore_part_paused(&mut tx, &cfg, &run.part_paused, e)
         });
-        // What it leaves changed, once what it released part-way is restored: a failure says so.
-        let changed = tx.changed();
+        // What it leaves changed, once what it released part-way is restored: a failure (its
+        // own, or an earlier one it reports) says so; a pause that succeeds does not count it.
+        let changed = if failed.is_some() || earlier.is_some() {
+            tx.changed()
+        } else {
+            Changed::NOTHING
+        };
         let report = tx.end(Slots::KeepIfUsed, run.tally, |_, _| {
             tracing::debug!(
                 "pause: backups prepared at {:.4} s, devices done at {:.4} s, closed at {:.4} s",

@@ -18,7 +18,7 @@ use super::txn::{Slots, Txn};
 use super::types::{BufferRanges, State};
 use crate::backup::{backing_of, DiskFile, HostBuffer};
 use crate::driver::{DevPtr, DeviceScope, Driver, PhysHandle};
-use crate::error::{Error, Result, ResultExt};
+use crate::error::{Changed, Error, Result, ResultExt};
 use crate::units::human;
 
 /// One allocation in a resume, copied out of the registry (which marks it Resuming meanwhile).
@@ -273,7 +273,12 @@ impl Engine {
             // what landed is resumed.
             Err(e) => return Err(with_earlier(e, earlier).with_changed(tx.changed())),
         };
-        let changed = tx.changed();
+        // Said only where it returns an error (reporting an earlier failure), so counted only then.
+        let changed = if earlier.is_some() {
+            tx.changed()
+        } else {
+            Changed::NOTHING
+        };
         let slots = if done.retain || cfg.keep_staging {
             Slots::KeepIfUsed
         } else {
