@@ -72,7 +72,14 @@ fn a_process_with_another_xdg_runtime_dir_is_found() {
 
     // By status without --pid: its status, or (other processes of this user listening at the
     // same time) the list of those it could be, naming it.
-    let r = ctl_xdg(&sb, &run_b, &["status"]);
+    status_reaches_or_names(&sb, &run_b, &pid, &its_dir);
+}
+
+/// `tmsctl status` without `--pid`, tmsctl's XDG_RUNTIME_DIR `run_b`: the status of process
+/// `pid`, or (other processes of this user listening at the same time) the list of those it
+/// could be, naming it and its folder `its_dir`.
+fn status_reaches_or_names(sb: &Sandbox, run_b: &Path, pid: &str, its_dir: &Path) {
+    let r = ctl_xdg(sb, run_b, &["status"]);
     if r.code == 0 {
         assert!(
             r.stdout.starts_with(&format!("pid {pid} (")),
@@ -261,21 +268,7 @@ fn a_stale_socket_of_a_reused_pid_does_not_hide_where_the_process_listens() {
 
     // Without --pid: the process is reached where it listens (or, other processes of this
     // user listening at the same time, named with that folder).
-    let r = ctl_xdg(&sb, &run_b, &["status"]);
-    if r.code == 0 {
-        assert!(
-            r.stdout.starts_with(&format!("pid {pid} (")),
-            "{}",
-            r.dump()
-        );
-    } else {
-        let line = r.failed(2);
-        let its_dir = run_a.join("tms").display().to_string();
-        assert!(
-            line.contains(&format!("pid {pid} (")) && line.contains(&its_dir),
-            "{line}"
-        );
-    }
+    status_reaches_or_names(&sb, &run_b, &pid, &run_a.join("tms"));
 }
 
 #[test]
