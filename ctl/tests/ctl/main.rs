@@ -13,10 +13,13 @@
 //!
 //! A file per concern: the command line (`cli`), the operations (`ops`), whom tmsctl trusts
 //! (`trust`), a process's control socket (`socket`), disk backups and `tmsctl clean` (`disk`),
-//! the demo (`demo`), `--json` (`json`), progress (`progress`), `--atomic` (`atomic`), finding
+//! the demo (`demo`), `--json` (`json`), progress (`progress`), `--atomic` (`atomic`; against
+//! fake servers that are slow, `atomic_slow`, or whose call fails, `atomic_changed`), finding
 //! the process (`find`); what they share is in `common`.
 
 mod atomic;
+mod atomic_changed;
+mod atomic_slow;
 mod cli;
 mod common;
 mod demo;
