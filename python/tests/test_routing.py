@@ -699,3 +699,114 @@ def test_a_region_whose_flags_fail_leaves_no_pool_to_end_under_another_route(mon
     b.join()
     assert not errors, errors
     assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
+
+
+@pytest.mark.parametrize("block", ["region", "disable", "cuda_graph"])
+def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypatch, block):
+    """A region (or disable(), or a capture) entered in thread A inside a generator that is
+    never finished, in a reference cycle, is ended by a garbage collection in whatever thread
+    makes it: here thread B, inside a route of its own. The block's end must undo what its enter
+    did, on A's route stack: end its own route, and leave B's stack and routing alone. Before,
+    it popped B's route off B's stack and restarted A's enclosing route in B (routing B's
+    allocations to A's pool), and B's own end then found B's stack empty."""
+    torch = FakeTorch()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        yield
+
+    torch.cuda.graph = staticmethod(graph)
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    a_pool, b_pool = object(), object()
+    left, collected = threading.Event(), threading.Event()
+    seen, errors = {}, []
+
+    def enter_and_leave_unfinished():
+        with impl.region("left") if block == "region" else (
+            impl.disable() if block == "disable" else impl.cuda_graph("G", tag="graph")
+        ):
+            yield
+
+    def a():
+        try:
+            with impl._routed(torch, a_pool, torch.new_pool):  # A's enclosing route
+                gen = enter_and_leave_unfinished()
+                next(gen)
+                loop = [gen]
+                loop.append(loop)
+                del gen, loop
+                left.set()
+                assert collected.wait(timeout=10)
+                seen["a_stack"] = len(regions._route_stack(impl._local))
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(f"A: {e!r}")
+
+    def b():
+        try:
+            with impl._routed(torch, b_pool, torch.new_pool):
+                assert left.wait(timeout=10)
+                assert gc.collect() > 0  # ends A's block, here in B
+                with torch.lock:
+                    seen["recording"] = dict(torch.recording)
+                seen["b_stack"] = len(regions._route_stack(impl._local))
+                collected.set()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(f"B: {e!r}")
+        finally:
+            collected.set()
+
+    gc.disable()  # the collection is B's, not one that happens to come in A
+    try:
+        ta, tb = threading.Thread(target=a), threading.Thread(target=b)
+        ta.start()
+        tb.start()
+        ta.join(timeout=20)
+        tb.join(timeout=20)
+    finally:
+        gc.enable()
+    assert not errors, errors
+    b_ident = tb.ident
+    assert seen["recording"] == {id(b_pool): b_ident}, "B's routing changed, or A's block routes"
+    assert (seen["a_stack"], seen["b_stack"]) == (1, 1), seen
+    assert not torch.recording
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_whole(monkeypatch):
+    """A region left unexited (a generator never finished) and ended by a garbage collection
+    inside a later block of the same thread: it was suspended under that block, so its end
+    restarts nothing and takes only its own entry off the stack; the later block's end then
+    restarts the route below the ended region. Before, the region's end popped the later
+    block's entry and restarted the enclosing route beside the later one's."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    outer, later = object(), object()
+    me = threading.get_ident()
+
+    def left_unfinished():
+        with impl.region("left"):
+            yield
+
+    gc.disable()  # the collection is the test's own
+    try:
+        with impl._routed(torch, outer, torch.new_pool):
+            gen = left_unfinished()
+            next(gen)
+            loop = [gen]
+            loop.append(loop)
+            del gen, loop
+            with impl._routed(torch, later, torch.new_pool):
+                assert gc.collect() > 0  # ends the region, under the later route
+                assert torch.recording == {id(later): me}
+                assert len(regions._route_stack(impl._local)) == 2
+            assert torch.recording == {id(outer): me}, "not the route below the region"
+        assert not torch.recording and not regions._route_stack(impl._local)
+    finally:
+        gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -227,13 +227,19 @@ def _route_stack(local: threading.local) -> list:
     return stack
 
 
-def _push(local: threading.local, torch: Any, top: Any) -> Any:
+# Guards the route stacks' changes: a block left unexited may be ended by a garbage collection
+# in another thread, which takes its entry off the stack of the thread that entered it (see
+# _unlink). Reentrant: a collection may come inside and end a block of this very thread.
+_stacks_lock = threading.RLock()
+
+
+def _push(local: threading.local, torch: Any, top: Any) -> list:
     """Put ``top`` (a route, or a capture's place) on this thread's route stack: the one on top
     now is suspended and ``top`` started, or, where ``top`` cannot start, the suspended one
-    restarted and the error raised. Returns the suspended one (None where the stack was
-    empty), for the caller to restart once it has popped ``top``."""
+    restarted and the error raised. Returns the stack, for ``_unlink`` at the block's end."""
     stack = _route_stack(local)
-    outer = stack[-1] if stack else None
+    with _stacks_lock:
+        outer = stack[-1] if stack else None
     if outer is not None:
         outer.stop(torch)
     try:
@@ -242,8 +248,26 @@ def _push(local: threading.local, torch: Any, top: Any) -> Any:
         if outer is not None:
             outer.start(torch)
         raise
-    stack.append(top)
-    return outer
+    with _stacks_lock:
+        stack.append(top)
+    return stack
+
+
+def _unlink(local: threading.local, stack: list, top: Any) -> Any:
+    """Take ``top`` off ``stack``, where ``_push`` put it, in whatever thread its block ends (a
+    garbage collection may end a block left unexited in another thread; that thread's stack,
+    routes and captures are not its to change). Returns the entry to restart once ``top`` has
+    ended: the one now on top, where ``top`` was on top of this thread's stack. None where
+    ``top`` was under another entry (suspended: that entry's end restarts what is below it),
+    or where the stack is another thread's: a route starts for the thread that starts it, so
+    the entry below stays suspended till a block of its own thread ends above it."""
+    with _stacks_lock:
+        on_top = bool(stack) and stack[-1] is top
+        if any(entry is top for entry in stack):
+            stack.remove(top)  # entries compare by identity
+        if on_top and stack and _route_stack(local) is stack:
+            return stack[-1]
+    return None
 
 
 class _Capture:
@@ -257,9 +281,6 @@ class _Capture:
         pass
 
 
-_CAPTURE = _Capture()
-
-
 class _Routed:
     """The block of ``_Regions._routed``. A class, not a ``@contextmanager``, which keeps its
     arguments (the pool) till the end of its ``with`` statement, after the route's end has
@@ -269,7 +290,8 @@ class _Routed:
     def __init__(self, local: threading.local, torch: Any, pool: Any, make: Any) -> None:
         self.local, self.torch, self.pool, self.make = local, torch, pool, make
         self.route: Optional[_Route] = None
-        self.outer: Any = None
+        # The route stack the route was pushed onto (the entering thread's).
+        self.stack: Optional[list] = None
 
     def __enter__(self) -> None:
         torch = self.torch
@@ -277,17 +299,18 @@ class _Routed:
         route = _Route(torch.cuda.MemPool() if pool is None else pool, self.make)
         del pool
         try:
-            outer = _push(self.local, torch, route)
+            stack = _push(self.local, torch, route)
         except BaseException:
             _routing.retire(route, torch)
             raise
-        self.route, self.outer = route, outer
+        self.route, self.stack = route, stack
 
     def __exit__(self, *exc: Any) -> None:
         torch = self.torch
         route, self.route = self.route, None
-        outer, self.outer = self.outer, None
-        _route_stack(self.local).pop()
+        stack, self.stack = self.stack, None
+        outer = _unlink(self.local, stack, route)
+        # In another thread too: PyTorch ends a route by its pool, whatever thread ends it.
         try:
             route.stop(torch)
         finally:
@@ -635,10 +658,11 @@ class _Regions:
         later allocation of the region on the capture's stream could get one the graph still
         replays into. A route a region opens inside the capture nests as usual, and the
         capture's place on the stack restarts nothing."""
-        outer = _push(self._local, torch, _CAPTURE)
+        place = _Capture()  # its own: _unlink finds it by identity
+        stack = _push(self._local, torch, place)
         try:
             yield
         finally:
-            _route_stack(self._local).pop()
+            outer = _unlink(self._local, stack, place)
             if outer is not None:
                 outer.start(torch)
