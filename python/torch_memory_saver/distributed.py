@@ -423,30 +423,51 @@ def _said_changed(error: Optional[BaseException]) -> Optional[bool]:
     return None if said is None else any(said.values())
 
 
+class _OwnCall:
+    """This rank's own call inside an agreement, run once through it: what it returned or
+    raised, for the undo (which asks whether a failed call changed anything)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.finished = False
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self.started = True
+        try:
+            self.result = fn(*args, **kwargs)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.finished = True
+        return self.result
+
+    @property
+    def failed(self) -> bool:
+        """Started, and did not return (it raised, or was interrupted)."""
+        return self.started and not self.finished
+
+
 def _pause_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[], None] = _no_check) -> Outcome:
     """Pause ``tag`` on every rank, or none; ``check`` runs first, and where it raises, this
     rank fails having changed nothing."""
     tms = _saver()
     tag = _norm_tag(tag)
     here: dict = {}
+    own = _OwnCall()
 
     def act() -> None:
         check()
         here["tags"] = _tag_stats(tag)
         here["before"] = _active_of(here["tags"])
-        here["failed"] = True
-        try:
-            tms.pause(tag, save_chunk_state=JOB_RECORD)
-        except BaseException as e:
-            here["error"] = e
-            raise
-        here["failed"] = False
+        own(tms.pause, tag, save_chunk_state=JOB_RECORD)
 
     def undo() -> Optional[str]:
         if "before" not in here:
             return None
-        if here["failed"]:
-            changed = _said_changed(here.get("error"))
+        if own.failed:
+            changed = _said_changed(own.error)
             if changed is None:  # judged from the tag's active bytes, where the library did not say
                 changed = _active_bytes(tag) != here["before"]
             # A pause that failed having changed nothing may have recorded nothing either, and a
@@ -466,21 +487,17 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[
     tms = _saver()
     tag = _norm_tag(tag)
     here: Dict[str, dict] = {}
-    raised: List[BaseException] = []
+    own = _OwnCall()
 
     def act() -> None:
         check()
         here.update(_tag_stats(tag))
-        try:
-            tms.resume(tag)
-        except BaseException as e:
-            raised.append(e)
-            raise
+        own(tms.resume, tag)
 
     def undo() -> Optional[str]:
         # This rank's own resume that failed having changed nothing, as the library says, needs
         # no undo: a pause would take what the program allocated in the tag meanwhile.
-        if raised and _said_changed(raised[0]) is False:
+        if own.failed and _said_changed(own.error) is False:
             return None
         # Each tag is undone on its own: one wholly paused before is paused again (one a failed
         # non-blocking resume left unrestored too, said to be not as before); one wholly active
@@ -530,7 +547,7 @@ def _chunk_op(
     None where that cannot be told."""
     tms = _saver()
     before: List[bool] = []
-    done: Dict[str, Any] = {}
+    own = _OwnCall()
 
     def act_here() -> Any:
         # Inside the action, so that a bad target fails this rank through the agreement
@@ -540,17 +557,12 @@ def _chunk_op(
         if any(_restoring(t) for t in tms.stats()["tags"]):
             tms.wait()
         before.extend(tms.get_chunk_states(target))
-        try:
-            done["result"] = act()
-        except BaseException as e:
-            done["error"] = e
-            raise
-        return done["result"]
+        return own(act)
 
     def undo() -> Optional[str]:
         if not before:
             return None  # failed before changing anything
-        if "error" in done and _said_changed(done["error"]) is False:
+        if own.failed and _said_changed(own.error) is False:
             # This rank's own call changed nothing, as the library says: a chunk it was asked
             # for that moved since was moved by the program.
             return None
@@ -558,7 +570,7 @@ def _chunk_op(
         # Only what the call can have moved: a chunk it was asked for, gone its way. Another
         # thread of the program may have paused or resumed other chunks meanwhile: its own.
         moved = [i for i, (b, n) in enumerate(zip(before, now)) if b == pause_ and n != b]
-        wanted = asked(done.get("result"), done.get("error"))
+        wanted = asked(own.result, own.error)
         if wanted is None:
             if not moved:
                 return None
