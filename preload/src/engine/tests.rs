@@ -381,3 +381,45 @@ fn the_staging_slots_go_with_the_last_backup_freed_during_a_transaction() {
         assert_eq!(sim.pinned_bytes(), 0, "ended: {ends}");
     }
 }
+
+/// A non-blocking resume that failed after its caller returned, its failure not kept with the
+/// allocations it left unrestored (so the tracker raises it: `Tracker::wait_for`): a wait for
+/// them raises it for as long as the tracker is followed, and with it the failures kept for
+/// what the wait concerns, which must not go unsaid (one whose data all landed is raised only
+/// once).
+#[test]
+fn a_wait_raises_a_trackers_failure_with_the_failures_kept() {
+    use super::restoring::Tracker;
+    use crate::driver::Gate;
+    use crate::error::Error;
+    use std::sync::atomic::AtomicU32;
+    use std::time::Duration;
+
+    let (_sim, e) = setup(64 * G);
+    let word: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(0)));
+    let t = Arc::new(Tracker::new(
+        Gate::new(word, 0x1000),
+        "resume of tag 'a'".into(),
+    ));
+    t.begin(vec![(0x10_0000, 4096, 4096, 1)], 1, None);
+    t.device_mapped(); // the caller may have returned: the data is promised
+    t.finish(Err(Error::internal("injected: the restore".to_string())));
+    e.restores.track(t);
+    let landed = Error::internal("kept: an earlier restore".to_string());
+    e.restores.keep_failure(&landed, std::iter::empty());
+    let err = e.wait_restored(None, None).unwrap_err().to_string();
+    assert!(err.contains("injected"), "{err}");
+    assert!(
+        err.contains("and: ") && err.contains("kept: an earlier"),
+        "{err}"
+    );
+    for _ in 0..2 {
+        let err = e.wait_restored(Some(0x10_0800), Some(Duration::ZERO));
+        let err = err.unwrap_err().to_string();
+        assert!(err.contains("injected") && !err.contains("kept"), "{err}");
+    }
+    assert!(
+        e.wait_restored(Some(0x30_0000), None).unwrap(),
+        "not one of its allocations"
+    );
+}
