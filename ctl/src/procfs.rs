@@ -282,6 +282,20 @@ pub struct Server {
     pub name: SocketName,
 }
 
+/// The folder process `pid` bound a socket in, as its `/proc/net/unix` shows it (`dir`). A
+/// folder too deep for a socket address is bound through `/proc/self/fd/<N>`
+/// (`tms_proto::via_short_path`): the server's own descriptor, read from `/proc/<pid>/fd/<N>`,
+/// never tmsctl's of that number. `None` where that descriptor is no longer a folder.
+fn folder_of(pid: u32, dir: PathBuf) -> Option<PathBuf> {
+    let Ok(fd) = dir.strip_prefix("/proc/self/fd") else {
+        return Some(dir);
+    };
+    let n: u32 = fd.to_str()?.parse().ok()?;
+    let target = std::fs::read_link(format!("/proc/{pid}/fd/{n}")).ok()?;
+    // A folder removed since reads "<path> (deleted)": not a folder to look in.
+    (target.is_absolute() && target.is_dir()).then_some(target)
+}
+
 /// The control sockets that processes of user `uid` with the library loaded listen on: those
 /// of every such process in tmsctl's network namespace, or (`only`) of that one process, in
 /// its own. Sockets of other pid namespaces are left out (their pid means another process
@@ -319,7 +333,13 @@ pub fn servers(uid: u32, only: Option<u32>) -> Vec<Server> {
             continue;
         };
         for (inode, dir, name) in bound {
-            if held.contains(&inode) && !out.iter().any(|s: &Server| s.pid == pid && s.dir == dir) {
+            if !held.contains(&inode) {
+                continue;
+            }
+            let Some(dir) = folder_of(pid, dir) else {
+                continue;
+            };
+            if !out.iter().any(|s: &Server| s.pid == pid && s.dir == dir) {
                 out.push(Server { pid, dir, name });
             }
         }
@@ -332,6 +352,27 @@ mod tests {
     use super::*;
 
     const HEADER: &str = "Num       RefCount Protocol Flags    Type St Inode Path\n";
+
+    #[test]
+    fn a_folder_bound_through_a_descriptor_is_the_servers_descriptors_folder() {
+        let tmp = tempfile::tempdir().unwrap();
+        let held = tms_proto::hold_folder(tmp.path()).unwrap();
+        let n = std::os::fd::AsRawFd::as_raw_fd(&held);
+        let me = std::process::id();
+        let through = PathBuf::from(format!("/proc/self/fd/{n}"));
+        assert_eq!(folder_of(me, through), Some(tmp.path().to_path_buf()));
+        assert_eq!(
+            folder_of(me, "/run/x/tms".into()),
+            Some("/run/x/tms".into())
+        );
+        let file = std::fs::File::open("/proc/self/stat").unwrap();
+        let f = std::os::fd::AsRawFd::as_raw_fd(&file);
+        assert_eq!(
+            folder_of(me, format!("/proc/self/fd/{f}").into()),
+            None,
+            "not a folder"
+        );
+    }
 
     #[test]
     fn reads_the_listening_sockets_of_proc_net_unix() {

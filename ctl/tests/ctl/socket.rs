@@ -4,6 +4,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixListener;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -134,6 +135,56 @@ fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
     p.verify();
     p.terminate();
     assert!(!sock.exists(), "the socket was left");
+}
+
+/// A server in a socket folder too deep for a socket address binds through
+/// `/proc/self/fd/<N>/`, and `/proc/<pid>/net/unix` goes on showing that path: its own
+/// descriptor, which is no folder of tmsctl's. `--pid` reaches it all the same where tmsctl
+/// has a descriptor of that number open (inherited from its caller, say).
+#[test]
+fn a_process_in_a_too_deep_folder_is_reached_by_pid_whatever_descriptors_tmsctl_has() {
+    let mut sb = sandbox();
+    sb.dir = sb
+        .tmp
+        .path()
+        .join("d".repeat(80))
+        .join("e".repeat(80))
+        .join("s");
+    std::fs::create_dir_all(&sb.dir).expect("mkdir");
+    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let mut p = Proc::start(&sb, &[]);
+    // The descriptor the server bound through, as /proc shows it (other tests' socket names
+    // need not be UTF-8).
+    let table = std::fs::read(format!("/proc/{}/net/unix", p.pid)).expect("net/unix");
+    let table = String::from_utf8_lossy(&table);
+    let fd: u32 = table
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(7))
+        .filter(|path| path.contains(&format!("/.{}.", p.pid)))
+        .find_map(|path| {
+            path.strip_prefix("/proc/self/fd/")?
+                .split('/')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .expect("the server's socket, bound through /proc/self/fd");
+    let pid = p.pid.to_string();
+    // tmsctl run with a descriptor of that number open on a file.
+    let script = format!("exec \"$0\" \"$@\" {fd}</dev/null");
+    let ctl = tmsctl();
+    let run = |args: &[&str]| {
+        let mut all = vec!["-c", script.as_str(), ctl.to_str().expect("utf-8")];
+        all.extend_from_slice(args);
+        let r = ctl_with(Path::new("bash"), &sb, &all, |_| {});
+        assert_eq!(r.code, 0, "tmsctl {args:?}\n{}", r.dump());
+        r
+    };
+    let r = run(&["status", "--pid", &pid, "--json"]).json();
+    assert_eq!(r["pid"].as_u64(), Some(p.pid as u64), "{r}");
+    run(&["pause", "--pid", &pid, "--tag", "demo"]);
+    run(&["resume", "--pid", &pid, "--tag", "demo"]);
+    p.verify();
 }
 
 /// The socket is removed at exit (normal or by SIGTERM) only while it is still the file the
