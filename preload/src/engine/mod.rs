@@ -138,7 +138,9 @@
 //!   to learn that their process died (Note [Disk backup files]). Never waited for.
 //! - `control`: `conns::Table::inner` (the connections served) and `dispatch::IN_FLIGHT` (the
 //!   socket's operations not ended) are leaves held for a few field changes, never across I/O
-//!   or an engine call.
+//!   or an engine call. `dispatch::REGION_UPDATE`: held by a `set_region` request from reading
+//!   the default region to writing it back; under it only `DEFAULT_REGION` (and the first read
+//!   of the process settings), never a client's I/O or an engine call; the hooks never take it.
 //! - `settings::DEFAULT_REGION` (an `RwLock`): the process-wide default region; read by the
 //!   hooks, written by `set_default_region`. A leaf.
 //! - The simulated driver (`driver/sim/`): `inner` (`mod.rs`: all simulated state, that of
