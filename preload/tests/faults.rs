@@ -558,6 +558,13 @@ fn run(case: &Case, prim: Prim, nth: u64, code: i32) -> bool {
                 "{ctx}: the error names the operation: {msg}"
             );
             assert_eq!(e.is_oom(), code == 2, "{ctx}: error kind: {msg}");
+            if matches!(case, Case::Pause { .. } | Case::Resume { .. }) {
+                assert_eq!(
+                    e.changed(),
+                    Some(changed_between(&before, &fx.infos())),
+                    "{ctx}: what the failed operation says it changed: {msg}"
+                );
+            }
             after_error(case, &mut fx, &before, &order, prim, &msg, &ctx);
         }
     }
@@ -566,6 +573,25 @@ fn run(case: &Case, prim: Prim, nth: u64, code: i32) -> bool {
     fx.check(&ctx);
     fx.recover(&ctx);
     fired
+}
+
+/// What a pause or resume changed, from the allocations before and after it: those whose
+/// mapped bytes differ, and by how many (nothing else acts on them meanwhile).
+fn changed_between(
+    before: &BTreeMap<u64, AllocInfo>,
+    now: &BTreeMap<u64, AllocInfo>,
+) -> tms::error::Changed {
+    let mut c = tms::error::Changed::NOTHING;
+    for (a, b) in before {
+        let d = now
+            .get(a)
+            .map_or(0, |i| i.active_bytes.abs_diff(b.active_bytes));
+        if d > 0 {
+            c.allocations += 1;
+            c.bytes += d;
+        }
+    }
+    c
 }
 
 /// What each path promises about the state after a failure.
@@ -936,4 +962,117 @@ fn failed_unmap_in_pause_claims_no_valid_backup() {
         !info.host_valid,
         "active allocation {a:#x} after a failed unmap is reported with host_valid = true"
     );
+}
+
+/// How [`changed_case`] acts on tag "t".
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Act {
+    Pause,
+    Resume,
+    /// A non-blocking resume (an error is one before it returned).
+    ResumeNonblocking,
+}
+
+/// One pause or resume (`act`) of tag "t" over allocations of several segments (one chunked,
+/// one without backup, two devices) copied by several workers per device in small pieces,
+/// with one fault armed: what its error says it changed is what it left changed, and a resume
+/// then brings back every byte that had a backup. Returns whether the fault fired.
+fn changed_case(act: Act, prim: Prim, nth: u64) -> bool {
+    let ctx = format!("{act:?} with fault {prim} #{nth}");
+    let piece = 64 << 10;
+    let setup = common::Setup::default()
+        .devices(2)
+        .capacity(CAPACITY)
+        .granularity(piece)
+        .copy(CopyConfig {
+            threads: 3,
+            slot: piece,
+            save_slot: piece,
+            pin: PinMode::Inline,
+            ..CopyConfig::default()
+        });
+    let (sim, e) = common::sim_engine(&setup);
+    e.set_segment_bytes(2 * piece).unwrap();
+    let allocs = [
+        (8 * piece + 5, 0, PINNED, 0),
+        (6 * piece, 1, MMAP, 0),
+        (8 * piece, 0, PINNED, 2 * piece),
+        (4 * piece, 1, None, 0),
+    ];
+    let mut held = Vec::new();
+    for (k, &(size, device, backup, chunk)) in allocs.iter().enumerate() {
+        let addr = e
+            .alloc(&AllocRequest {
+                size,
+                device,
+                tag: "t".into(),
+                backup,
+                chunk,
+            })
+            .unwrap();
+        let data = pattern(size as usize, 40 + k as u64);
+        write_raw(&sim, addr, &data);
+        held.push((addr, data, backup.is_some()));
+    }
+    if act != Act::Pause {
+        e.pause(Some("t")).unwrap();
+        e.wait_released();
+    }
+    let infos = |e: &Engine| -> BTreeMap<u64, AllocInfo> {
+        e.allocations().into_iter().map(|i| (i.addr, i)).collect()
+    };
+    let before = infos(&e);
+    sim.arm_fault(prim, nth, 999);
+    let result = catch_unwind(AssertUnwindSafe(|| match act {
+        Act::Pause => e.pause(Some("t")).map(|_| ()),
+        Act::Resume => e.resume(Some("t")).map(|_| ()),
+        Act::ResumeNonblocking => {
+            Engine::resume_nonblocking(e.clone(), Some("t"), &[], None).map(|_| ())
+        }
+    }))
+    .unwrap_or_else(|_| panic!("{ctx}: the engine panicked instead of returning an error"));
+    // A failure after a non-blocking resume returned is its waits' to raise, not its own.
+    let waited = e.wait_restored(None, None);
+    e.wait_released();
+    let fired = sim.pending_faults() == 0;
+    sim.clear_faults();
+    if let Err(err) = &result {
+        assert_eq!(
+            err.changed(),
+            Some(changed_between(&before, &infos(&e))),
+            "{ctx}: what the failed operation says it changed: {err}"
+        );
+    }
+    // The first resume after a failure a wait raised may report it again (having restored).
+    match e.resume(None) {
+        Ok(_) => {}
+        Err(_) if waited.is_err() => {
+            e.resume(None)
+                .unwrap_or_else(|err| panic!("{ctx}: the resume after it: {err}"));
+        }
+        Err(err) => panic!("{ctx}: the resume after it: {err}"),
+    }
+    for (addr, data, backed) in &held {
+        if *backed {
+            assert_same(&read_raw(&sim, *addr, data.len()), data, &ctx);
+        }
+    }
+    fired
+}
+
+/// Several copy workers per device, allocations of several segments and a chunked one, on two
+/// devices: whichever driver call fails, at whichever call, a failed pause or resume says what
+/// it left changed (the allocations whose mapped bytes differ after it, and those bytes), so
+/// that an undo that trusts it skips nothing, and nothing backed up is lost.
+#[test]
+fn failed_operations_say_what_they_changed_with_several_workers() {
+    for act in [Act::Pause, Act::Resume, Act::ResumeNonblocking] {
+        for prim in Prim::ALL {
+            let mut nth = 1;
+            while changed_case(act, prim, nth) {
+                nth += 1;
+                assert!(nth < 400, "{prim} keeps firing");
+            }
+        }
+    }
 }
