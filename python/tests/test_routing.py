@@ -810,3 +810,167 @@ def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_wh
     finally:
         gc.enable()
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_disable_blocks_under_another_threads_region_reuse_their_retired_pools(monkeypatch):
+    """A ``disable()`` block's pool is retired on exit, and destroyed only once no route or
+    capture is under way anywhere (``_Routing``). While one thread keeps a region open (a
+    serving thread), every ``disable()`` block another thread ran kept a pool of its own, with
+    its cached device memory, till the region's end: growth without bound. A block now takes
+    a retired pool of an earlier ``disable()`` block of its device instead of making one, so
+    the retired pools are at most as many as blocks open at once, and all go once nothing is
+    under way. Never a region's pool, a pool of another device, nor the kept pool of
+    ``dispose_mem_pool_after_use=False``, and never one destroyed under a route."""
+    import weakref
+
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "torch")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    Pool = torch.cuda.MemPool
+    made = []
+
+    def tracked():
+        p = Pool()
+        made.append(weakref.ref(p))
+        return p
+
+    torch.cuda.MemPool = staticmethod(tracked)
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+    inside, may_leave, errors = threading.Event(), threading.Event(), []
+    a = _thread_in_region(impl, "serving", inside, may_leave, errors)
+    a.start()
+    try:
+        assert inside.wait(timeout=10)
+        region_pool = made[0]()
+        me = threading.get_ident()
+
+        def routed_to():
+            with torch.lock:
+                return next(p for p, t in torch.recording.items() if t == me)
+
+        served = set()
+        for _ in range(100):
+            with impl.disable():
+                served.add(routed_to())
+        assert len(served) == 1 and len(made) == 2, (len(served), len(made))
+        assert len(routing.retired) <= 1, f"{len(routing.retired)} retired pools after 100 blocks"
+        with impl.disable():  # blocks open at once: one pool each
+            outer = routed_to()
+            with impl.disable():
+                assert routed_to() != outer
+        assert len(made) == 3 and len(routing.retired) == 2, (len(made), len(routing.retired))
+        with impl.disable(dispose_mem_pool_after_use=False):
+            kept = routed_to()
+        with impl.disable():
+            assert routed_to() not in (kept, id(region_pool)), "a kept or region pool was taken"
+        torch.device = 1  # with torch.cuda.device(1): a pool of device 0 would not do
+        with impl.disable():
+            assert torch.devices[routed_to()] == 1
+            on_one = routed_to()
+        assert len(made) == 5, len(made)  # device 1's own
+        with impl.disable():
+            assert routed_to() == on_one
+        torch.device = 0
+    finally:
+        may_leave.set()
+        a.join()
+    assert not errors, errors
+    gc.collect()
+    alive = [r() for r in made if r() is not None]
+    assert alive == [region_pool, impl._kept_disable_pools[0]], alive
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+    assert not destroyed_while_routing
+
+
+def test_a_disable_pool_a_graph_allocated_from_is_never_reused(monkeypatch):
+    """A ``disable()`` block inside a graph capture routes the capture's allocations to its
+    pool, whose blocks the graph replays into while it lives: a later block taking that pool
+    would hand them to eager tensors. Nor does a block in a capture take an eager block's pool:
+    both make a pool of their own, as before."""
+    torch = FakeTorch()
+    capturing = []
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.pop()
+
+    torch.cuda.graph = staticmethod(graph)
+    torch.cuda.is_current_stream_capturing = staticmethod(lambda: bool(capturing))
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    me = threading.get_ident()
+
+    def routed_to():
+        with torch.lock:
+            return next(p for p, t in torch.recording.items() if t == me)
+
+    inside, may_leave, errors = threading.Event(), threading.Event(), []
+    a = _thread_in_region(impl, "serving", inside, may_leave, errors)
+    a.start()
+    try:
+        assert inside.wait(timeout=10)
+        with impl.disable():
+            eager = routed_to()
+        with impl.cuda_graph("G", tag="graph"):
+            with impl.disable():
+                captured = routed_to()
+        with impl.disable():
+            after = routed_to()
+            with impl.disable():  # the eager pool is taken: the graph's would be next
+                nested = routed_to()
+    finally:
+        may_leave.set()
+        a.join()
+    assert not errors, errors
+    assert captured != eager, "a block in a capture took an eager block's pool"
+    assert after == eager, "not the eager block's pool taken first"
+    assert nested not in (eager, captured), "the pool a graph allocated from was reused"
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
+    """Where PyTorch raised ending a ``disable()`` block's route, the pool's state is unknown
+    (it may still be routed to): the error reaches the caller, and the next block makes a pool
+    of its own rather than take that one."""
+    torch = FakeTorch()
+    real_use = torch.cuda.use_mem_pool
+    fail = []
+
+    @contextlib.contextmanager
+    def use_mem_pool(pool, device=None):
+        with real_use(pool, device):
+            yield
+        if fail:
+            fail.clear()
+            raise RuntimeError("endAllocateToPool failed")
+
+    torch.cuda.use_mem_pool = staticmethod(use_mem_pool)
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    inside, may_leave, errors = threading.Event(), threading.Event(), []
+    a = _thread_in_region(impl, "serving", inside, may_leave, errors)
+    a.start()
+    try:
+        assert inside.wait(timeout=10)
+        with pytest.raises(RuntimeError, match="endAllocateToPool failed"):
+            with impl.disable():
+                failed = [p for p, t in torch.recording.items() if t == threading.get_ident()][0]
+                fail.append(True)
+        with impl.disable():
+            assert failed not in torch.recording, "the pool whose route failed to end was reused"
+    finally:
+        may_leave.set()
+        a.join()
+    assert not errors, errors
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -48,6 +48,12 @@ class _Routing:
     starts in another thread until they have gone. A sibling lives as long as the pool it was
     made for (``siblings`` is keyed weakly by that pool, and a route to a sibling holds that
     pool), so it goes then too.
+
+    Meanwhile a ``disable()`` block takes a retired pool of an earlier one of its device
+    (``spare``) rather than making its own: while one thread keeps a region open for ever (a
+    serving thread), the blocks of another would otherwise each leave a pool, with its cache,
+    till that region's end. So the retired ``disable()`` pools are at most as many as such
+    blocks open at once on the device.
     """
 
     def __init__(self) -> None:
@@ -59,6 +65,10 @@ class _Routing:
         self.active = 0
         # id(pool) -> pool: one entry per pool, however many routes to it ended meanwhile.
         self.retired: dict = {}
+        # device -> the retired pools of disable() blocks made on it (also in ``retired``), for
+        # the next such block there. Only those: any other pool may be routed to or held
+        # elsewhere (a region's, a kept disable() pool), or have another allocator.
+        self.spare: dict = {}
         # The thread destroying retired pools, which it does after letting go of the lock (a
         # pool's end can run Python code that routes again): others wait to route till it ends.
         self.destroying: Optional[int] = None
@@ -130,13 +140,30 @@ class _Routing:
                 self.retired[id(p)] = p
         self.collect(torch)
 
-    def retire(self, route: Any, torch: Any) -> None:
+    def retire(self, route: Any, torch: Any, spare: Any = None) -> None:
         """Take ``route``'s pool, maybe its last reference, into ``retired`` (so that it is
-        destroyed only by ``collect``, while no route or capture is active), and collect."""
+        destroyed only by ``collect``, while no route or capture is active), and collect.
+        ``spare``: the device of a ``disable()`` block's own pool, which the next such block
+        there may take while it waits (see ``take_spare``)."""
         with self.lock:
             self.retired[id(route.pool)] = route.pool
+            if spare is not None:
+                self.spare.setdefault(spare, []).append(route.pool)
             route.pool = None
         self.collect(torch)
+
+    def take_spare(self, device: Any) -> Any:
+        """A retired ``disable()`` pool of ``device``, no longer retired (the caller holds it
+        alone), or None. One being destroyed is no longer there: ``collect`` took it."""
+        with self.lock:
+            pools = self.spare.get(device)
+            if not pools:
+                return None
+            pool = pools.pop()
+            if not pools:
+                del self.spare[device]
+            del self.retired[id(pool)]
+            return pool
 
     @staticmethod
     def _capture_under_way(torch: Any) -> bool:
@@ -162,6 +189,7 @@ class _Routing:
                 if self.active or not self.retired or self._capture_under_way(torch):
                     return
                 dead, self.retired = self.retired, {}
+                self.spare = {}
                 self.destroying = me
             try:
                 del dead  # the last references of pools no one else holds: each gives its cached blocks back
@@ -174,13 +202,24 @@ class _Routing:
 _routing = _Routing()
 
 
+def _may_capture(torch: Any) -> bool:
+    """Whether this thread's stream may capture a graph now (True where asking fails)."""
+    try:
+        return _Routing._capture_under_way(torch)
+    except Exception:  # unknown: the answer that never shares a pool with a graph
+        return True
+
+
 class _Route:
     """One pool this thread's allocations are routed to, and the ``use_mem_pool`` context that
     does it while the route is the innermost one (None while a nested route suspends it)."""
 
-    def __init__(self, pool: Any, make: Any = None) -> None:
+    def __init__(self, pool: Any, make: Any = None, spare: Any = None) -> None:
         self.pool = pool
         self.make = make
+        # The device of a disable() block's own pool, which a later such block may take once
+        # retired (``_Routing.take_spare``); None where it may not.
+        self.spare = spare
         self.ctx: Any = None
         self.using: Any = None
         # The device routed on: the current one at the first start. A restart (after a nested
@@ -189,7 +228,14 @@ class _Route:
         # device's allocations unless told which.
         self.device: Any = None
 
+    def _note_capture(self, torch: Any) -> None:
+        """A pool a graph capture may allocate from holds the graph's memory while the graph
+        lives (its replays write there), so an eager block must never take it: no spare."""
+        if self.spare is not None and _may_capture(torch):
+            self.spare = None
+
     def start(self, torch: Any) -> None:
+        self._note_capture(torch)
         using = _routing.claim(self.pool, self.make)
         # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile.
         _routing.enter()
@@ -212,6 +258,7 @@ class _Route:
         ctx, self.ctx = self.ctx, None
         using, self.using = self.using, None
         if ctx is not None:
+            self._note_capture(torch)  # also a capture begun inside the block
             try:
                 ctx.__exit__(None, None, None)
             finally:
@@ -296,7 +343,16 @@ class _Routed:
     def __enter__(self) -> None:
         torch = self.torch
         pool, self.pool = self.pool, None  # the route holds it from now on, and alone
-        route = _Route(torch.cuda.MemPool() if pool is None else pool, self.make)
+        spare = None
+        if pool is None:
+            # A MemPool is made on the current device (its destructor releases it there). In a
+            # capture a new one, as ever: a graph's memory never shares a pool with eager blocks.
+            spare = torch.cuda.current_device()
+            if not _may_capture(torch):
+                pool = _routing.take_spare(spare)
+            if pool is None:
+                pool = torch.cuda.MemPool()
+        route = _Route(pool, self.make, spare)
         del pool
         try:
             stack = _push(self.local, torch, route)
@@ -313,8 +369,10 @@ class _Routed:
         # In another thread too: PyTorch ends a route by its pool, whatever thread ends it.
         try:
             route.stop(torch)
-        finally:
-            _routing.retire(route, torch)
+        except BaseException:
+            _routing.retire(route, torch)  # not for reuse: PyTorch may not have ended its route
+            raise
+        _routing.retire(route, torch, route.spare)
         if outer is not None:
             outer.start(torch)
 
@@ -532,7 +590,9 @@ class _Regions:
         innermost one wins, the enclosing one is suspended meanwhile and restarted after (so
         which pool serves does not depend on how PyTorch orders nested ``use_mem_pool``).
         ``pool=None``: a pool of PyTorch's own allocator for this block alone, dropped on exit
-        before the enclosing route restarts, so that its cache can go back to the device.
+        before the enclosing route restarts, so that its cache can go back to the device; one
+        such pool retired and not yet destroyed (another thread routes) serves the next such
+        block on its device instead of a new one (``_Routing.take_spare``).
         ``make()`` makes a sibling of ``pool`` for a thread that finds ``pool`` routed to by
         another thread (PyTorch routes one thread at a time to a pool). On exit the pool goes
         to ``_routing.retire`` (see ``_Routing``): a caller keeps no reference of its own past
@@ -591,7 +651,9 @@ class _Regions:
         # are off, so a preloaded libtms.so passes it through), never a cached pauseable block
         # of the enclosing region's pool or, under TMS_INIT_ENABLE=1, of the default pool.
         # On exit the pool is dropped: PyTorch then gives its cached free blocks back to the
-        # device (on torch 2.11 at once), while blocks of tensors still alive stay theirs.
+        # device (on torch 2.11 at once), while blocks of tensors still alive stay theirs. While
+        # a route or capture is under way anywhere it waits, and serves the next such block of
+        # the device meanwhile (see _Routing).
         kept = None
         if not dispose_mem_pool_after_use:
             device = torch.cuda.current_device()
