@@ -402,3 +402,58 @@ def test_get_cpu_backup_disable_and_margin(mode):
         """,
         mode,
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disable_blocks_under_another_threads_region_reuse_one_pool(mode):
+    """While a serving thread keeps a region open, a retired ``disable()`` pool cannot be
+    destroyed (PyTorch asserts no capture is under way there): the next block of the device
+    takes it, so device memory stays bounded over many blocks, a block inside a graph capture
+    gets its own pool, and once the region ends every retired pool goes."""
+    run(
+        """
+        import gc, threading
+        from torch_memory_saver import regions
+        MIB = 1 << 20
+        inside, leave = threading.Event(), threading.Event()
+        def serve():
+            with tms.region(tag="serving"):
+                x = torch.empty(MIB, device="cuda")
+                inside.set()
+                leave.wait()
+        t = threading.Thread(target=serve)
+        t.start()
+        assert inside.wait(60)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_reserved()
+        for i in range(60):
+            with tms.disable():
+                y = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+                y.fill_(1)
+                del y
+        grew = torch.cuda.memory_reserved() - base
+        assert grew <= 3 * 64 * MIB, f"{grew / MIB:.0f} MiB reserved over 60 disable() blocks"
+        assert len(regions._routing.retired) <= 2, len(regions._routing.retired)
+        # A graph captured with a disable() block inside, then eager blocks: the graph's
+        # memory is never handed to them, so replays and eager tensors leave each other alone.
+        g = torch.cuda.CUDAGraph()
+        src = torch.full((4 * MIB,), 2.0, device="cuda")
+        with tms.cuda_graph(g):
+            with tms.disable():
+                out = src * 3
+        with tms.disable():
+            w = torch.zeros(4 * MIB, device="cuda")
+        with tms.disable():
+            w2 = torch.zeros(4 * MIB, device="cuda")
+        g.replay()
+        torch.cuda.synchronize()
+        assert bool((out == 6).all()), "the graph's output"
+        assert float(w.abs().sum()) == 0 and float(w2.abs().sum()) == 0, "eager tensors kept"
+        leave.set()
+        t.join()
+        del w, w2
+        gc.collect()
+        assert not regions._routing.retired, len(regions._routing.retired)
+        """,
+        mode,
+    )
