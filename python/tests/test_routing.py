@@ -76,6 +76,21 @@ def _impl_over(monkeypatch, torch, mode, flags=None):
     return impl
 
 
+def _captures_routing_over(monkeypatch):
+    """A fake torch whose graph captures do nothing (so a capture's place on a route stack is
+    all there is of it) and a preload-mode implementation routing with it: (torch, impl)."""
+    torch = FakeTorch()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        yield
+
+    torch.cuda.graph = staticmethod(graph)
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    return torch, impl
+
+
 def _thread_in_region(impl, tag, inside, may_leave, errors):
     """A thread, not started, that enters ``impl.region(tag)``, sets ``inside`` and stays till
     ``may_leave`` is set; what it raises goes to ``errors`` (a failure fails the test)."""
@@ -601,15 +616,7 @@ def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
     block would come from the default pool (not pauseable in torch mode), and the other
     device's would come from the region's pool (one of another device's key)."""
 
-    torch = FakeTorch()
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
-        yield
-
-    torch.cuda.graph = staticmethod(graph)
-    impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    torch, impl = _captures_routing_over(monkeypatch)
     region_pool = object()
     seen = []
     with impl._routed(torch, region_pool, torch.new_pool):
@@ -709,15 +716,7 @@ def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypat
     did, on A's route stack: end its own route, and leave B's stack and routing alone. Before,
     it popped B's route off B's stack and restarted A's enclosing route in B (routing B's
     allocations to A's pool), and B's own end then found B's stack empty."""
-    torch = FakeTorch()
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
-        yield
-
-    torch.cuda.graph = staticmethod(graph)
-    impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    torch, impl = _captures_routing_over(monkeypatch)
     routing = regions._Routing()
     monkeypatch.setattr(regions, "_routing", routing)
     a_pool, b_pool = object(), object()

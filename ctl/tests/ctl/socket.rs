@@ -102,11 +102,8 @@ fn a_refused_socket_folder_leaves_the_process_working() {
     p.verify();
 }
 
-/// A socket folder too deep for a socket address (108 bytes): the process listens there all the
-/// same, the server's sweep removes a stale socket there, `tmsctl` reaches it, and SIGTERM
-/// removes it (a path too long for a removal slot: by the folder held open and the name).
-#[test]
-fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
+/// A sandbox whose socket folder (mode 0700) is too deep for a socket address (108 bytes).
+fn too_deep_sandbox() -> Sandbox {
     let mut sb = sandbox();
     sb.dir = sb
         .tmp
@@ -116,6 +113,15 @@ fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
         .join("s");
     std::fs::create_dir_all(&sb.dir).expect("mkdir");
     std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    sb
+}
+
+/// A socket folder too deep for a socket address (108 bytes): the process listens there all the
+/// same, the server's sweep removes a stale socket there, `tmsctl` reaches it, and SIGTERM
+/// removes it (a path too long for a removal slot: by the folder held open and the name).
+#[test]
+fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
+    let sb = too_deep_sandbox();
     let stale = sb.dir.join("4242.sock");
     drop(tms_proto::via_short_path(&stale, |p| UnixListener::bind(p)).expect("bind"));
     assert!(stale.exists());
@@ -143,15 +149,7 @@ fn a_socket_folder_too_deep_for_a_socket_address_works_end_to_end() {
 /// has a descriptor of that number open (inherited from its caller, say).
 #[test]
 fn a_process_in_a_too_deep_folder_is_reached_by_pid_whatever_descriptors_tmsctl_has() {
-    let mut sb = sandbox();
-    sb.dir = sb
-        .tmp
-        .path()
-        .join("d".repeat(80))
-        .join("e".repeat(80))
-        .join("s");
-    std::fs::create_dir_all(&sb.dir).expect("mkdir");
-    std::fs::set_permissions(&sb.dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let sb = too_deep_sandbox();
     let mut p = Proc::start(&sb, &[]);
     // The descriptor the server bound through, as /proc shows it (other tests' socket names
     // need not be UTF-8).
