@@ -294,7 +294,8 @@ impl Tracker {
             }
             if let Some(r) = &s.done {
                 return match r {
-                    // Failed after it returned, the failure not kept elsewhere (a panic).
+                    // Failed after it returned, its failure not kept with the allocations
+                    // (`failure_kept` not called: no path skips it today, so a guard).
                     Err(e) if s.mapped && (own || !s.kept) => Err(e.duplicate()),
                     // Failed before it returned: the call reported it, nothing was promised.
                     // Or its failure is kept: the caller asks `Restores::failure_at`.
