@@ -27,6 +27,10 @@
 //!   moves, up to `--timeout` with nothing moving), by what it changed; if it still runs, that
 //!   process is reported as not as before. Nothing is claimed that tmsctl has not seen.
 //!
+//! An undo reaches the process that was asked or none ([`Client::reconnect`]): one that ended
+//! meanwhile, its pid given to another process listening on the same socket name, is reported
+//! as not undone, never asked anything.
+//!
 //! Whether the failed operation of the process where it failed changed anything is what its
 //! error reply says it changed (`changed`): the program may allocate, free, pause or resume in
 //! the tag meanwhile, so the tag's state cannot tell. Only where the reply does not say (a
@@ -80,6 +84,8 @@ enum Undo {
 /// What became of one process.
 struct Done {
     sock: Socket,
+    /// When the process asked started: its undo reaches that process or none.
+    started: Option<u64>,
     done: OpDone,
     undo: Undo,
 }
@@ -246,7 +252,7 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
         // was made), and the connection is replaced before the server's 10 s for requests run
         // out: the wait lasts as long as the operation moves.
         if opened.elapsed() > Duration::from_secs(5) {
-            *c = Client::connect(&c.socket().clone(), still)?;
+            *c = Client::reconnect(&c.socket().clone(), c.started(), still)?;
             opened = Instant::now();
         }
         c.rearm(still);
@@ -269,6 +275,10 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
     }
 }
 
+/// A process to undo on: its socket, when it started, its result (where it succeeded), how
+/// to undo it, and how its own operation ended.
+type UndoRow<'a> = (&'a Socket, Option<u64>, Option<&'a OpDone>, &'a Undo, Here);
+
 /// What an undo did on one process.
 enum Undid {
     /// It ran: its result.
@@ -279,11 +289,13 @@ enum Undid {
     Kept(String),
 }
 
-/// Undo on the process of `sock`.
+/// Undo on the process of `sock` that started at `started` (never on another process given its
+/// pid since).
 fn undo(
     ctx: &Ctx,
     show: progress::Show,
     sock: &Socket,
+    started: Option<u64>,
     req: &Request,
     how: &Undo,
     here: Here,
@@ -294,7 +306,10 @@ fn undo(
             "--atomic takes a pause or a resume",
         ));
     };
-    let mut c = Client::connect(sock, ctx.timeout)?;
+    let mut c = Client::reconnect(sock, started, ctx.timeout).map_err(|f| Failure {
+        message: format!("{}: not undone", f.message),
+        ..f
+    })?;
     if here == Here::Running && !c.hello.has(FEATURE_OPERATIONS) {
         // Its status never lists a running operation: when it ends cannot be seen.
         return Err(Failure::new(
@@ -471,6 +486,8 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     crate::interrupt::catch();
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
+    // When the process that failed started, where it was reached.
+    let mut failed_started = None;
     let mut not_asked: Vec<u32> = Vec::new();
     for t in targets {
         let sock = t.sock;
@@ -496,7 +513,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             continue;
         }
         let mut prepared = None;
+        let mut started = None;
         let r = Client::connect(&sock, ctx.timeout).and_then(|mut c| {
+            started = c.started();
             let (send, how) = prepare(&mut c, req)?;
             prepared = Some(how);
             run_one(ctx, true, show, &mut c, &send)
@@ -505,6 +524,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             Ok(d) => match prepared {
                 Some(undo) => done.push(Done {
                     sock,
+                    started,
                     done: d,
                     undo,
                 }),
@@ -513,7 +533,10 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
                     failure = Some((sock, f, None));
                 }
             },
-            Err(f) => failure = Some((sock, f, prepared)),
+            Err(f) => {
+                failed_started = started;
+                failure = Some((sock, f, prepared));
+            }
         }
     }
     // A Ctrl-C while the last process's quick reply came: the job fails there all the same, and
@@ -571,9 +594,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     let mut items = Vec::new();
     let mut undone = Vec::new();
     let mut kept: Vec<String> = Vec::new();
-    let mut undo_rows: Vec<(&Socket, Option<&OpDone>, &Undo, Here)> = done
+    let mut undo_rows: Vec<UndoRow> = done
         .iter()
-        .map(|d| (&d.sock, Some(&d.done), &d.undo, Here::Succeeded))
+        .map(|d| (&d.sock, d.started, Some(&d.done), &d.undo, Here::Succeeded))
         .collect();
     if let Some(u) = &failed_undo {
         let here = if f.code == Code::Running {
@@ -581,11 +604,11 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         } else {
             Here::Failed(f.changed)
         };
-        undo_rows.push((&failed_sock, None, u, here));
+        undo_rows.push((&failed_sock, failed_started, None, u, here));
     }
-    for (sock, d, how, here) in undo_rows {
+    for (sock, started, d, how, here) in undo_rows {
         let pid = sock.pid();
-        let result = undo(ctx, show, sock, req, how, here);
+        let result = undo(ctx, show, sock, started, req, how, here);
         let (undo_json, line) = match (&result, how) {
             (Ok(Undid::Ran(u)), how) => {
                 if let Undo::Restore { unsettled, .. } | Undo::PauseAgain { unsettled } = how {

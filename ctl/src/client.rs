@@ -11,7 +11,12 @@
 //! - its hello must name the pid of the socket's file name, and, for a socket of our own pid
 //!   namespace (or one that names none), that pid must be the one the kernel reports for the
 //!   server (a pid of another namespace means another process here, so there it cannot be
-//!   compared).
+//!   compared);
+//! - a later connection to the same socket ([`Client::reconnect`]) must reach the process the
+//!   first one reached, not another given its pid since (a pid is reused once the counter wraps
+//!   around, and a new process of the library binds the same socket name in the same folder):
+//!   told by the process's start time ([`crate::procfs::start_time`]), read on each connection
+//!   once its peer is checked. Where `/proc` did not say at first, it cannot be compared.
 //!
 //! Text a server sends is printed only through [`crate::text::printable`].
 
@@ -27,7 +32,7 @@ use tms_proto::{
 
 // The failures, and the folder, where the demo names them.
 pub use crate::failure::{Code, Failure, Result};
-use crate::procfs::{euid, pid_alive};
+use crate::procfs::{euid, pid_alive, start_time};
 use crate::socket::Socket;
 use crate::text::printable;
 
@@ -49,6 +54,8 @@ pub struct Client {
     by_progress: bool,
     /// The process is of our pid namespace: whether it still lives can be asked.
     here: bool,
+    /// When the process started (of our pid namespace, where `/proc` says).
+    started: Option<u64>,
     /// The last request went out whole and its reply did not come in time.
     unanswered: bool,
     stream: UnixStream,
@@ -263,11 +270,14 @@ impl Client {
         })?;
         let me = euid();
         vet_server(sock, me, cred.uid(), cred.pid(), None).map_err(refuse)?;
+        // Read once the kernel's pid is known to be the one named: that process's.
+        let started = sock.here().then(|| start_time(pid)).flatten();
         let mut c = Client {
             pid,
             sock: sock.clone(),
             by_progress: false,
             here: sock.here(),
+            started,
             unanswered: false,
             stream,
             lines: LineBuffer::new(MAX_REPLY_BYTES),
@@ -314,6 +324,31 @@ impl Client {
             other => return Err(c.unexpected(&other)),
         }
         Ok(Attempt::Ready(Box::new(c)))
+    }
+
+    /// Connect to `sock` again ([`Client::connect`]), to the process an earlier connection
+    /// reached, which started at `started` ([`Client::started`]): another process given its pid
+    /// since is refused ([`Code::NoProcess`]), never asked anything.
+    pub fn reconnect(sock: &Socket, started: Option<u64>, timeout: Duration) -> Result<Client> {
+        let c = Client::connect(sock, timeout)?;
+        let Some(then) = started else {
+            return Ok(c);
+        };
+        let pid = sock.pid();
+        let why = match c.started {
+            Some(now) if now == then => return Ok(c),
+            Some(_) => format!("process {pid} ended; pid {pid} is now another process"),
+            None => format!(
+                "process {pid}: when it started can no longer be read (/proc/{pid}/stat): it \
+                 cannot be told from another process given pid {pid}"
+            ),
+        };
+        Err(Failure::new(Code::NoProcess, why))
+    }
+
+    /// When the process started, where known: what [`Client::reconnect`] compares.
+    pub fn started(&self) -> Option<u64> {
+        self.started
     }
 
     /// The process on the other end.

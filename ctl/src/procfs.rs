@@ -38,6 +38,31 @@ pub fn pid_alive(pid: u32) -> bool {
     matches!(kill(Pid::from_raw(p), None), Ok(()) | Err(Errno::EPERM))
 }
 
+/// When process `pid` (of our pid namespace) started, in clock ticks since boot (field 22 of
+/// `/proc/PID/stat`): with the pid, what tells it from a later process given the same pid.
+/// `None` where `/proc` does not say.
+pub fn start_time(pid: u32) -> Option<u64> {
+    parse_start_time(&std::fs::read(stat_path(pid)).ok()?)
+}
+
+fn stat_path(pid: u32) -> PathBuf {
+    // A pid cannot be reused on demand: the tests of debug builds stand in for `/proc` here to
+    // show tmsctl a process replaced under its pid.
+    #[cfg(debug_assertions)]
+    if let Some(root) = std::env::var_os("TMSCTL_TEST_PROC") {
+        return PathBuf::from(root).join(pid.to_string()).join("stat");
+    }
+    PathBuf::from(format!("/proc/{pid}/stat"))
+}
+
+/// Field 22 of a `/proc/PID/stat` text. The command name (field 2) is in parentheses and may
+/// hold spaces and parentheses itself: the fields are counted from the last `)`.
+fn parse_start_time(stat: &[u8]) -> Option<u64> {
+    let close = stat.iter().rposition(|b| *b == b')')?;
+    let rest = std::str::from_utf8(&stat[close + 1..]).ok()?;
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
 /// [`command_line`], cut to 60 characters, for naming a process inside a line.
 pub fn short_command(pid: u32) -> String {
     let c = command_line(pid);
@@ -352,6 +377,22 @@ mod tests {
     use super::*;
 
     const HEADER: &str = "Num       RefCount Protocol Flags    Type St Inode Path\n";
+
+    #[test]
+    fn the_start_time_is_field_22_counted_from_the_end_of_the_command_name() {
+        let tail = "S 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 4242 20 21";
+        let stat = format!("77 (a) (b) 2) {tail}\n");
+        assert_eq!(parse_start_time(stat.as_bytes()), Some(4242));
+        assert_eq!(parse_start_time(b"77 (a) S 1 2"), None, "too short");
+        assert_eq!(parse_start_time(b"77 a S"), None, "no command name");
+        let me = std::process::id();
+        let mine = start_time(me).expect("our own start time");
+        assert_eq!(
+            start_time(me),
+            Some(mine),
+            "the same process, the same time"
+        );
+    }
 
     #[test]
     fn a_folder_bound_through_a_descriptor_is_the_servers_descriptors_folder() {

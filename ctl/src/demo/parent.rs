@@ -47,6 +47,7 @@ fn op(
         {
             Some(crate::progress::Watch::start(
                 c.socket(),
+                c.started(),
                 timeout,
                 crate::progress::Asked {
                     pid: c.pid(),

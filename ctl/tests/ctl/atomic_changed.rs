@@ -22,11 +22,23 @@ fn failing_server(
     before: KvState,
     after: KvState,
 ) -> Fake {
+    let answer = failing_answer(op, changed, before, after);
+    let me = std::process::id();
+    Fake::start_with_features(dir, &our_name(me), me, answer, &["chunks", "job_record"])
+}
+
+/// What a [`failing_server`] answers.
+fn failing_answer(
+    op: &'static str,
+    changed: Option<Value>,
+    before: KvState,
+    after: KvState,
+) -> Answer {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let me = std::process::id();
     let failed = Arc::new(AtomicBool::new(false));
-    let answer: Answer = Arc::new(move |req: &Value| -> String {
+    Arc::new(move |req: &Value| -> String {
         match req["op"].as_str() {
             Some("status") => {
                 let (aa, ab, pa, pb) = if failed.load(Ordering::SeqCst) {
@@ -60,8 +72,7 @@ fn failing_server(
             .to_string(),
             _ => "{\"reply\":\"error\",\"kind\":\"unsupported\",\"message\":\"no\"}".to_string(),
         }
-    });
-    Fake::start_with_features(dir, &our_name(me), me, answer, &["chunks", "job_record"])
+    })
 }
 
 /// `tmsctl OP --pid <this process> --atomic --tag kv --json` of a [`failing_server`], which
@@ -271,4 +282,74 @@ fn an_atomic_chunk_pause_that_failed_having_paused_nothing_leaves_the_programs_p
             assert_eq!(undo["skipped"], "nothing had changed", "{j}");
         }
     }
+}
+
+/// `resume --atomic` of a [`failing_server`] whose resume fails having resumed tag "kv" (its
+/// undo: a pause), where (`replaced`) the process then ended and its pid went to another
+/// process of the library, listening on the same socket name, before the undo reconnects. A
+/// pid cannot be reused on demand: tmsctl of a debug build reads start times under
+/// `TMSCTL_TEST_PROC`, and the server changes its own as its resume fails. Its document and
+/// the operations the server was asked for.
+#[cfg(debug_assertions)]
+fn resume_failing_then(sb: &Sandbox, replaced: bool) -> (Value, Vec<String>) {
+    let me = std::process::id();
+    let dir = private_dir(sb);
+    let proc_root = private(sb, "proc");
+    let stat = proc_root.join(me.to_string());
+    std::fs::create_dir_all(&stat).expect("mkdir");
+    let stat = stat.join("stat");
+    // Field 22 (the start time) after the command name and 18 fields.
+    let write = move |start: u64| {
+        let line = format!("{me} (fake (x)) S {}{start} 0 0\n", "0 ".repeat(18));
+        std::fs::write(&stat, line).expect("write the stat");
+    };
+    write(1000);
+    let changed = serde_json::json!({"allocations": 1, "bytes": 8u64 << 20});
+    let inner = failing_answer(
+        "resume",
+        Some(changed),
+        (0, 0, 1, 8 << 20),
+        (1, 8 << 20, 0, 0),
+    );
+    let answer: Answer = std::sync::Arc::new(move |req: &Value| {
+        if replaced && req["op"] == "resume" {
+            write(2000);
+        }
+        inner(req)
+    });
+    let fake = Fake::start_with_features(dir, &our_name(me), me, answer, &["chunks", "job_record"]);
+    let me_s = me.to_string();
+    let args = [
+        "resume", "--pid", &me_s, "--atomic", "--tag", "kv", "--json",
+    ];
+    let r = ctl_with(&tmsctl(), sb, &args, |c| {
+        c.env("TMSCTL_TEST_PROC", &proc_root);
+    });
+    (r.json_exit(1), fake.ops())
+}
+
+/// The undo of a failed `resume --atomic` (a pause) never reaches another process given the
+/// pid of the one that failed since it was asked, on the same socket name: it would pause that
+/// program's memory. The process is reported as not undone, not as before. (tmsctl connected
+/// again by the socket's name alone and paused whatever process served it.) Where the process
+/// is the same, its undo runs.
+#[cfg(debug_assertions)]
+#[test]
+fn an_atomic_undo_never_reaches_another_process_given_the_pid_since() {
+    let me = std::process::id();
+    let (j, ops) = resume_failing_then(&sandbox(), true);
+    assert_eq!(ops, ["status", "resume"], "{j}");
+    assert_eq!(j["every_process_as_before"], false, "{j}");
+    let message = item_of(&j, me)["undo"]["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        message,
+        format!("process {me} ended; pid {me} is now another process: not undone"),
+        "{j}"
+    );
+    let (j, ops) = resume_failing_then(&sandbox(), false);
+    assert_eq!(ops, ["status", "resume", "status", "pause"], "{j}");
+    assert_eq!(item_of(&j, me)["undo"]["op"], "pause", "{j}");
 }
