@@ -294,16 +294,7 @@ fn an_atomic_chunk_pause_that_failed_having_paused_nothing_leaves_the_programs_p
 fn resume_failing_then(sb: &Sandbox, replaced: bool) -> (Value, Vec<String>) {
     let me = std::process::id();
     let dir = private_dir(sb);
-    let proc_root = private(sb, "proc");
-    let stat = proc_root.join(me.to_string());
-    std::fs::create_dir_all(&stat).expect("mkdir");
-    let stat = stat.join("stat");
-    // Field 22 (the start time) after the command name and 18 fields.
-    let write = move |start: u64| {
-        let line = format!("{me} (fake (x)) S {}{start} 0 0\n", "0 ".repeat(18));
-        std::fs::write(&stat, line).expect("write the stat");
-    };
-    write(1000);
+    let (proc_root, write) = fake_proc(sb, me);
     let changed = serde_json::json!({"allocations": 1, "bytes": 8u64 << 20});
     let inner = failing_answer(
         "resume",

@@ -1,5 +1,6 @@
 //! `pause|resume --atomic` against fake servers that are slow: a pause still running at
-//! `--timeout`, waiting behind another, or interrupted by Ctrl-C.
+//! `--timeout`, waiting behind another, interrupted by Ctrl-C, or whose process is replaced
+//! under its pid while it is waited for.
 
 use std::time::{Duration, Instant};
 
@@ -13,7 +14,7 @@ use crate::common::*;
 /// moving), then copies for `move_ms` (its bytes moving at every status), then is answered (the
 /// tag is paused); a connection is served by a thread of its own, as the real server does.
 /// Listens as this test process in `dir`.
-fn slow_server(
+pub fn slow_server(
     dir: &std::path::Path,
     features: &'static [&'static str],
     stall_ms: u64,
@@ -47,6 +48,8 @@ fn slow_server_behind(
                 asked,
                 hold,
                 answered,
+                replace,
+                asked_since,
             } = fake.clone();
             let started = started.clone();
             std::thread::spawn(move || {
@@ -62,9 +65,19 @@ fn slow_server_behind(
                 if conn.write_all(hello.as_bytes()).is_err() {
                     return;
                 }
+                // Made to the process that replaced the first (its start time read since).
+                let late = replace.lock().unwrap().replaced;
+                let mut statuses = 0;
                 for line in lines {
                     let Ok(line) = line else { return };
                     let req: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+                    let op = req["op"].as_str().unwrap_or_default().to_string();
+                    if late {
+                        asked_since.lock().unwrap().push(op);
+                    } else if req["op"] == "status" {
+                        statuses += 1;
+                        replace.lock().unwrap().on_status(statuses);
+                    }
                     let pause = req["op"] == "pause";
                     let reply = match req["op"].as_str() {
                         Some("status") => {
@@ -189,13 +202,52 @@ fn assert_undone(r: &Ran, paused: &std::sync::Mutex<bool>) {
 /// What [`slow_server`]'s test reads and steers: whether the tag is paused; whether a pause was
 /// asked; `hold`, which while set keeps an asked pause from going on (its stall and copy not
 /// begun, no reply), so that a test times its Ctrl-C by the pause rather than by the clock;
-/// whether the pause's reply was sent.
+/// whether the pause's reply was sent; when the process is replaced under its pid (`replace`);
+/// the operations asked over connections made since (`asked_since`).
 #[derive(Clone, Default)]
-struct Slow {
+pub struct Slow {
     paused: std::sync::Arc<std::sync::Mutex<bool>>,
     asked: std::sync::Arc<std::sync::atomic::AtomicBool>,
     hold: std::sync::Arc<std::sync::atomic::AtomicBool>,
     answered: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    pub replace: std::sync::Arc<std::sync::Mutex<Replace>>,
+    pub asked_since: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+/// When a [`slow_server`] stands for another process given its pid: once one connection has
+/// asked for `after` statuses (none where 0), `then` runs (it changes the start time tmsctl
+/// reads) and the connections made since count as the other process's.
+#[derive(Default)]
+pub struct Replace {
+    after: usize,
+    then: Option<Box<dyn FnOnce() + Send>>,
+    replaced: bool,
+}
+
+impl Replace {
+    /// Replace the process once a connection has asked for `n` statuses, running `then`.
+    pub fn after(n: usize, then: impl FnOnce() + Send + 'static) -> Replace {
+        Replace {
+            after: n,
+            then: Some(Box::new(then)),
+            replaced: false,
+        }
+    }
+
+    /// Whether the process was replaced.
+    pub fn replaced(&self) -> bool {
+        self.replaced
+    }
+
+    /// A connection has asked for its `n`th status.
+    fn on_status(&mut self, n: usize) {
+        if self.after > 0 && n >= self.after && !self.replaced {
+            if let Some(then) = self.then.take() {
+                then();
+            }
+            self.replaced = true;
+        }
+    }
 }
 
 /// `tmsctl pause --atomic --tag kv` of `slow`, started with the fake's pause held: returned
@@ -424,4 +476,49 @@ fn ctrl_c_while_connecting_for_an_atomic_pause_ends_the_wait() {
         r.dump()
     );
     assert_eq!(j["every_process_as_before"], true, "{}", r.dump());
+}
+
+/// An `--atomic` pause still running at --timeout (it stalls past it), then moving for 8 s:
+/// the undo waits for it, its connection replaced every 5 s. The process ends once the wait
+/// has begun, its pid given to another process of the library on the same socket name (its
+/// start time changes as the wait's connection asks its 5th status). The wait stops at the
+/// next connection: the new process is asked nothing (neither polled nor resumed), and the
+/// process is reported not undone, not as before. (Were the wait to connect by the socket's
+/// name alone, it would poll the new process until its pause ended and resume it there.)
+#[cfg(debug_assertions)]
+#[test]
+fn the_wait_for_a_running_atomic_pause_stops_at_another_process_given_its_pid() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let (proc_root, write) = fake_proc(&sb, me);
+    let slow = slow_server(dir, &["chunks", "operations", "progress"], 1500, 8000);
+    // The watch of the pause polls twice a second until --timeout: only the wait asks 5.
+    *slow.replace.lock().unwrap() = Replace::after(5, move || write(2000));
+    let r = ctl_with(&tmsctl(), &sb, &atomic_pause_kv("1"), |c| {
+        c.env("TMSCTL_TEST_PROC", &proc_root);
+    });
+    let j = r.json_exit(7);
+    assert!(
+        slow.replace.lock().unwrap().replaced(),
+        "never replaced\n{}",
+        r.dump()
+    );
+    assert_eq!(
+        *slow.asked_since.lock().unwrap(),
+        Vec::<String>::new(),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(j["every_process_as_before"], false, "{}", r.dump());
+    let message = item_of(&j, me)["undo"]["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(
+        message,
+        format!("process {me} ended; pid {me} is now another process"),
+        "{}",
+        r.dump()
+    );
 }

@@ -357,6 +357,23 @@ pub fn private(sb: &Sandbox, name: &str) -> PathBuf {
     d
 }
 
+/// A stand-in for `/proc` (read under `TMSCTL_TEST_PROC` by tmsctl of a debug build) in which
+/// process `pid` started at what the returned function writes, at 1000 now: a pid cannot be
+/// reused on demand, so a test replaces a process under its pid by changing its start time.
+pub fn fake_proc(sb: &Sandbox, pid: u32) -> (PathBuf, impl Fn(u64) + Send + Clone + 'static) {
+    let root = private(sb, "proc");
+    let stat = root.join(pid.to_string());
+    std::fs::create_dir_all(&stat).expect("mkdir");
+    let stat = stat.join("stat");
+    // Field 22 (the start time) after the command name and 18 fields.
+    let write = move |start: u64| {
+        let line = format!("{pid} (fake (x)) S {}{start} 0 0\n", "0 ".repeat(18));
+        std::fs::write(&stat, line).expect("write the stat");
+    };
+    write(1000);
+    (root, write)
+}
+
 pub type Answer = Arc<dyn Fn(&Value) -> String + Send + Sync>;
 
 /// Read a client's hello on `conn` and answer it as process `pid`; the request lines that follow,

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+use crate::atomic_slow::{slow_server, Replace};
 use crate::common::*;
 
 /// A disk-backed process on a slow device (a 4 MiB/s link: 2 s for its 8 MiB each way): `pause
@@ -200,4 +201,58 @@ fn a_server_without_progress_reports_is_waited_for_as_before() {
         std::thread::sleep(Duration::from_millis(50));
     }
     assert_eq!(fake.ops(), ["pause"], "no status polled");
+}
+
+/// `pause --progress` of a process whose pause moves for 14 s; the process ends meanwhile, its
+/// pid given to another process of the library on the same socket name (its start time
+/// changes as the watch's first connection asks its 3rd status). The watch, which connects
+/// again every 6 s, stops there: the new process is asked nothing, its progress never shown as
+/// this one's, and with nothing seen moving the wait gives up after --timeout (exit 7). (Were
+/// the watch to connect by the socket's name alone, it would show the new process's progress
+/// to the end, exit 0.)
+#[cfg(debug_assertions)]
+#[test]
+fn the_progress_watch_stops_at_another_process_given_the_pid() {
+    let sb = sandbox();
+    let dir = private_dir(&sb);
+    let me = std::process::id();
+    let (proc_root, write) = fake_proc(&sb, me);
+    let slow = slow_server(dir, &["chunks", "operations", "progress"], 0, 14000);
+    *slow.replace.lock().unwrap() = Replace::after(3, move || write(2000));
+    let me_s = me.to_string();
+    let args = [
+        "pause",
+        "--pid",
+        &me_s,
+        "--tag",
+        "kv",
+        "--progress",
+        "--timeout",
+        "2",
+    ];
+    let r = ctl_with(&tmsctl(), &sb, &args, |c| {
+        c.env("TMSCTL_TEST_PROC", &proc_root);
+    });
+    assert!(
+        slow.replace.lock().unwrap().replaced(),
+        "never replaced\n{}",
+        r.dump()
+    );
+    assert_eq!(
+        *slow.asked_since.lock().unwrap(),
+        Vec::<String>::new(),
+        "{}",
+        r.dump()
+    );
+    assert_eq!(r.code, 7, "{}", r.dump());
+    assert!(
+        r.last_stderr_line().contains("nothing moved for 2.0 s"),
+        "{}",
+        r.dump()
+    );
+    assert!(
+        r.stderr.contains("pause of tag \"kv\": "),
+        "progress shown until then\n{}",
+        r.dump()
+    );
 }
