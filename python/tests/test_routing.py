@@ -973,3 +973,66 @@ def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
         a.join()
     assert not errors, errors
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+@pytest.mark.parametrize("where", ["same thread", "another thread"])
+def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(monkeypatch, where):
+    """A region left unexited (a generator never finished) under a later block of its thread,
+    ended by a garbage collection that comes while the later block ends, after that block took
+    its entry off the stack and before it restarted the entry below (here: inside the later
+    route's ``use_mem_pool`` exit). The later block must then restart what is on top of the
+    stack now, the route below the ended region, once. Before, it restarted the ended region's
+    route, whose pool was already retired (PyTorch raises for a None pool; the fake routes to
+    it), beside the enclosing route the collection had restarted in this thread, or left the
+    enclosing route suspended where the collection came in another thread."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    outer, later = object(), object()
+    me = threading.get_ident()
+    use_mem_pool = torch.cuda.use_mem_pool
+    collect_at_end = []
+
+    def collect():
+        if where == "same thread":
+            assert gc.collect() > 0
+            return
+        done = []
+        t = threading.Thread(target=lambda: done.append(gc.collect()))
+        t.start()
+        t.join(timeout=10)
+        assert done and done[0] > 0
+
+    @contextlib.contextmanager
+    def collecting_use_mem_pool(pool, device=None):
+        with use_mem_pool(pool, device):
+            yield
+        if pool is later and collect_at_end:
+            collect_at_end.clear()
+            collect()
+
+    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
+
+    def left_unfinished():
+        with impl.region("left"):
+            yield
+
+    gc.disable()  # the collection is the test's own
+    try:
+        with impl._routed(torch, outer, torch.new_pool):
+            gen = left_unfinished()
+            next(gen)
+            loop = [gen]
+            loop.append(loop)
+            del gen, loop
+            with impl._routed(torch, later, torch.new_pool):
+                collect_at_end.append(True)
+            assert not collect_at_end, "the collection did not come"
+            assert torch.recording == {id(outer): me}, "not the route below the region alone"
+            assert len(regions._route_stack(impl._local)) == 1
+        assert not torch.recording and not regions._route_stack(impl._local)
+    finally:
+        gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

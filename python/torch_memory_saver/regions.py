@@ -235,6 +235,8 @@ class _Route:
             self.spare = None
 
     def start(self, torch: Any) -> None:
+        if self.ctx is not None:  # routing already (see _restart_top)
+            return
         self._note_capture(torch)
         using = _routing.claim(self.pool, self.make)
         # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile.
@@ -300,21 +302,30 @@ def _push(local: threading.local, torch: Any, top: Any) -> list:
     return stack
 
 
-def _unlink(local: threading.local, stack: list, top: Any) -> Any:
+def _unlink(local: threading.local, stack: list, top: Any) -> bool:
     """Take ``top`` off ``stack``, where ``_push`` put it, in whatever thread its block ends (a
     garbage collection may end a block left unexited in another thread; that thread's stack,
-    routes and captures are not its to change). Returns the entry to restart once ``top`` has
-    ended: the one now on top, where ``top`` was on top of this thread's stack. None where
-    ``top`` was under another entry (suspended: that entry's end restarts what is below it),
-    or where the stack is another thread's: a route starts for the thread that starts it, so
-    the entry below stays suspended till a block of its own thread ends above it."""
+    routes and captures are not its to change). Returns whether the entry below is to restart
+    once ``top`` has ended (``_restart_top``): where ``top`` was on top of this thread's stack.
+    Not where ``top`` was under another entry (suspended: that entry's end restarts what is
+    below it), nor where the stack is another thread's: a route starts for the thread that
+    starts it, so the entry below stays suspended till a block of its own thread ends above it."""
     with _stacks_lock:
         on_top = bool(stack) and stack[-1] is top
         if any(entry is top for entry in stack):
             stack.remove(top)  # entries compare by identity
-        if on_top and stack and _route_stack(local) is stack:
-            return stack[-1]
-    return None
+        return on_top and _route_stack(local) is stack
+
+
+def _restart_top(local: threading.local, stack: list, torch: Any) -> None:
+    """Restart what is on top of this thread's ``stack`` now. Read only now, not at the
+    ``_unlink`` before: a collection that comes meanwhile (while the ended route stops, say)
+    may end the entry that was below, unexited, and restart the one below that itself; so the
+    entry on top may be running already (``_Route.start`` then does nothing)."""
+    with _stacks_lock:
+        top = stack[-1] if stack and _route_stack(local) is stack else None
+    if top is not None:
+        top.start(torch)
 
 
 class _Capture:
@@ -365,7 +376,7 @@ class _Routed:
         torch = self.torch
         route, self.route = self.route, None
         stack, self.stack = self.stack, None
-        outer = _unlink(self.local, stack, route)
+        restart = _unlink(self.local, stack, route)
         # In another thread too: PyTorch ends a route by its pool, whatever thread ends it.
         try:
             route.stop(torch)
@@ -373,8 +384,8 @@ class _Routed:
             _routing.retire(route, torch)  # not for reuse: PyTorch may not have ended its route
             raise
         _routing.retire(route, torch, route.spare)
-        if outer is not None:
-            outer.start(torch)
+        if restart:
+            _restart_top(self.local, stack, torch)
 
 
 class _PoolMap(dict):
@@ -725,6 +736,5 @@ class _Regions:
         try:
             yield
         finally:
-            outer = _unlink(self._local, stack, place)
-            if outer is not None:
-                outer.start(torch)
+            if _unlink(self._local, stack, place):
+                _restart_top(self._local, stack, torch)
