@@ -1036,3 +1036,54 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
     finally:
         gc.enable()
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one_route(monkeypatch):
+    """A region left unexited (a generator never finished), ended by a garbage collection that
+    comes while a later block of its thread suspends its route on entering (here: inside that
+    route's ``use_mem_pool`` exit). The collection restarts the route below the region; the
+    later block must suspend that one too, so that its own route alone serves inside it.
+    Before, it suspended only the region's route, and the enclosing route, routed to first,
+    took the later block's allocations (PyTorch serves from the first pool routed to)."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    outer, later = object(), object()
+    me = threading.get_ident()
+    use_mem_pool = torch.cuda.use_mem_pool
+    collect_at_end = []
+
+    @contextlib.contextmanager
+    def collecting_use_mem_pool(pool, device=None):
+        with use_mem_pool(pool, device):
+            yield
+        if collect_at_end:
+            collect_at_end.clear()
+            assert gc.collect() > 0
+
+    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
+
+    def left_unfinished():
+        with impl.region("left"):
+            yield
+
+    gc.disable()  # the collection is the test's own
+    try:
+        with impl._routed(torch, outer, torch.new_pool):
+            gen = left_unfinished()
+            next(gen)
+            loop = [gen]
+            loop.append(loop)
+            del gen, loop
+            collect_at_end.append(True)  # at the region route's suspension
+            with impl._routed(torch, later, torch.new_pool):
+                assert not collect_at_end, "the collection did not come"
+                assert torch.recording == {id(later): me}, "not the later block's route alone"
+            assert torch.recording == {id(outer): me}
+            assert len(regions._route_stack(impl._local)) == 1
+        assert not torch.recording and not regions._route_stack(impl._local)
+    finally:
+        gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -287,18 +287,26 @@ def _push(local: threading.local, torch: Any, top: Any) -> list:
     now is suspended and ``top`` started, or, where ``top`` cannot start, the suspended one
     restarted and the error raised. Returns the stack, for ``_unlink`` at the block's end."""
     stack = _route_stack(local)
-    with _stacks_lock:
-        outer = stack[-1] if stack else None
-    if outer is not None:
+    # Till the one on top stays suspended: a collection while it stops may end it (a block left
+    # unexited) and restart the one below it (see _restart_top).
+    suspended = None
+    while True:
+        with _stacks_lock:
+            outer = stack[-1] if stack else None
+        if outer is None or outer is suspended:
+            break
         outer.stop(torch)
+        suspended = outer
     try:
         top.start(torch)
     except BaseException:
-        if outer is not None:
-            outer.start(torch)
+        _restart_top(local, stack, torch)
         raise
     with _stacks_lock:
         stack.append(top)
+        below = stack[-2] if len(stack) > 1 else None
+    if below is not None:
+        below.stop(torch)  # one a collection restarted since; does nothing where suspended
     return stack
 
 
