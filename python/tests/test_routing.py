@@ -1087,3 +1087,59 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
     finally:
         gc.enable()
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_ended(monkeypatch):
+    """Thread A ends a later block and restarts the route below it: a disable() block left
+    unexited (a generator never finished). A garbage collection in thread B ends that block
+    meanwhile, after A read it off its stack and before A's start routes (here: while A asks
+    whether its stream captures). A must not start the ended block's route: its pool is retired
+    by then (PyTorch raises for a None pool; the fake routes to it, and the count of routes
+    never comes back to 0, so no retired pool is destroyed again), or about to be, and then
+    taken by a later disable() block while A routes to it. A restarts what is below it instead."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    outer, later = object(), object()
+    me = threading.get_ident()
+    collect_when_asked = []
+
+    def is_current_stream_capturing():
+        # Not in collect(), under the routing lock: at the restart's own question.
+        if collect_when_asked and threading.get_ident() == me and not routing.lock._is_owned():
+            collect_when_asked.clear()
+            done = []
+            t = threading.Thread(target=lambda: done.append(gc.collect()))
+            t.start()
+            t.join(timeout=10)
+            assert done and done[0] > 0
+        return False
+
+    torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
+
+    def left_unfinished():
+        with impl.disable():  # whose route asks at its start
+            yield
+
+    gc.disable()  # the collection is the test's own
+    try:
+        with impl._routed(torch, outer, torch.new_pool):
+            gen = left_unfinished()
+            next(gen)
+            loop = [gen]
+            loop.append(loop)
+            del gen, loop
+            with impl._routed(torch, later, torch.new_pool):
+                pass
+            # The block is on top again, suspended; the next restart asks first.
+            with impl._routed(torch, later, torch.new_pool):
+                collect_when_asked.append(True)
+            assert not collect_when_asked, "the collection did not come"
+            assert torch.recording == {id(outer): me}, "not the route below the block alone"
+            assert len(regions._route_stack(impl._local)) == 1
+        assert not torch.recording and not regions._route_stack(impl._local)
+    finally:
+        gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -227,6 +227,9 @@ class _Route:
         # torch.cuda.device(1): with cuda_graph(...)``), and ``use_mem_pool`` routes the current
         # device's allocations unless told which.
         self.device: Any = None
+        # Set once taken off its stack (_unlink); start and stop hold ``lock``.
+        self.ended = False
+        self.lock = threading.RLock()
 
     def _note_capture(self, torch: Any) -> None:
         """A pool a graph capture may allocate from holds the graph's memory while the graph
@@ -238,9 +241,26 @@ class _Route:
         if self.ctx is not None:  # routing already (see _restart_top)
             return
         self._note_capture(torch)
-        using = _routing.claim(self.pool, self.make)
-        # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile.
+        # Counted as routing before PyTorch routes, so that no pool is destroyed meanwhile;
+        # before the route's lock, as this may wait for a destruction that ends this block.
         _routing.enter()
+        try:
+            with self.lock:
+                # Ended by a collection in another thread since this thread read it off its
+                # stack (see _unlink): its pool is retired, maybe taken by another block.
+                ended = self.ended
+                if not ended:
+                    self._route(torch)
+        except BaseException:
+            _routing.leave(torch)
+            raise
+        if ended:
+            _routing.leave(torch)
+        elif self.ended:  # ended meanwhile by a collection in this thread, which found it idle
+            self.stop(torch)
+
+    def _route(self, torch: Any) -> None:
+        using = _routing.claim(self.pool, self.make)
         try:
             current = torch.cuda.current_device()
             if self.device is None:
@@ -252,20 +272,26 @@ class _Route:
             ctx.__enter__()
         except BaseException:
             _routing.release(using)
-            _routing.leave(torch)
             raise
         self.ctx, self.using = ctx, using
 
     def stop(self, torch: Any) -> None:
-        ctx, self.ctx = self.ctx, None
-        using, self.using = self.using, None
-        if ctx is not None:
-            self._note_capture(torch)  # also a capture begun inside the block
+        # Under the route's lock: a start in this route's thread that read it off the stack
+        # before a collection in another thread ended it either sees it ended or is ended here.
+        with self.lock:
+            ctx, self.ctx = self.ctx, None
+            using, self.using = self.using, None
+            if ctx is None:
+                return
             try:
+                self._note_capture(torch)  # also a capture begun inside the block
                 ctx.__exit__(None, None, None)
-            finally:
+            except BaseException:
                 _routing.release(using)
                 _routing.leave(torch)
+                raise
+            _routing.release(using)
+        _routing.leave(torch)
 
 
 def _route_stack(local: threading.local) -> list:
@@ -320,6 +346,7 @@ def _unlink(local: threading.local, stack: list, top: Any) -> bool:
     starts it, so the entry below stays suspended till a block of its own thread ends above it."""
     with _stacks_lock:
         on_top = bool(stack) and stack[-1] is top
+        top.ended = True
         if any(entry is top for entry in stack):
             stack.remove(top)  # entries compare by identity
         return on_top and _route_stack(local) is stack
@@ -330,15 +357,22 @@ def _restart_top(local: threading.local, stack: list, torch: Any) -> None:
     ``_unlink`` before: a collection that comes meanwhile (while the ended route stops, say)
     may end the entry that was below, unexited, and restart the one below that itself; so the
     entry on top may be running already (``_Route.start`` then does nothing)."""
-    with _stacks_lock:
-        top = stack[-1] if stack and _route_stack(local) is stack else None
-    if top is not None:
+    while True:
+        with _stacks_lock:
+            top = stack[-1] if stack and _route_stack(local) is stack else None
+        if top is None:
+            return
         top.start(torch)
+        if not top.ended:
+            return
+        # Ended meanwhile, in another thread (off the stack now): the one below it, then.
 
 
 class _Capture:
     """A graph capture's place on a thread's route stack: it routes nothing (the capture's
     pool is PyTorch's to route), so suspending and restarting it does nothing."""
+
+    ended = False  # set by _unlink
 
     def start(self, torch: Any) -> None:
         pass
