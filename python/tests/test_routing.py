@@ -91,6 +91,20 @@ def _captures_routing_over(monkeypatch):
     return torch, impl
 
 
+def _leave_unfinished_in_a_cycle(block):
+    """Enter ``block()`` inside a generator left unfinished, in a reference cycle: the block is
+    ended by whichever garbage collection comes next, in whatever thread makes it."""
+
+    def left_unfinished():
+        with block():
+            yield
+
+    gen = left_unfinished()
+    next(gen)
+    loop = [gen]
+    loop.append(loop)
+
+
 def _thread_in_region(impl, tag, inside, may_leave, errors):
     """A thread, not started, that enters ``impl.region(tag)``, sets ``inside`` and stays till
     ``may_leave`` is set; what it raises goes to ``errors`` (a failure fails the test)."""
@@ -788,18 +802,10 @@ def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_wh
     outer, later = object(), object()
     me = threading.get_ident()
 
-    def left_unfinished():
-        with impl.region("left"):
-            yield
-
     gc.disable()  # the collection is the test's own
     try:
         with impl._routed(torch, outer, torch.new_pool):
-            gen = left_unfinished()
-            next(gen)
-            loop = [gen]
-            loop.append(loop)
-            del gen, loop
+            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
             with impl._routed(torch, later, torch.new_pool):
                 assert gc.collect() > 0  # ends the region, under the later route
                 assert torch.recording == {id(later): me}
@@ -1015,18 +1021,10 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
 
     torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
 
-    def left_unfinished():
-        with impl.region("left"):
-            yield
-
     gc.disable()  # the collection is the test's own
     try:
         with impl._routed(torch, outer, torch.new_pool):
-            gen = left_unfinished()
-            next(gen)
-            loop = [gen]
-            loop.append(loop)
-            del gen, loop
+            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
             with impl._routed(torch, later, torch.new_pool):
                 collect_at_end.append(True)
             assert not collect_at_end, "the collection did not come"
@@ -1065,18 +1063,10 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
 
     torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
 
-    def left_unfinished():
-        with impl.region("left"):
-            yield
-
     gc.disable()  # the collection is the test's own
     try:
         with impl._routed(torch, outer, torch.new_pool):
-            gen = left_unfinished()
-            next(gen)
-            loop = [gen]
-            loop.append(loop)
-            del gen, loop
+            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
             collect_at_end.append(True)  # at the region route's suspension
             with impl._routed(torch, later, torch.new_pool):
                 assert not collect_at_end, "the collection did not come"
@@ -1119,18 +1109,10 @@ def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_
 
     torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
 
-    def left_unfinished():
-        with impl.disable():  # whose route asks at its start
-            yield
-
     gc.disable()  # the collection is the test's own
     try:
         with impl._routed(torch, outer, torch.new_pool):
-            gen = left_unfinished()
-            next(gen)
-            loop = [gen]
-            loop.append(loop)
-            del gen, loop
+            _leave_unfinished_in_a_cycle(impl.disable)  # whose route asks at its start
             with impl._routed(torch, later, torch.new_pool):
                 pass
             # The block is on top again, suspended; the next restart asks first.

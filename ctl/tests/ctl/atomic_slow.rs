@@ -9,6 +9,22 @@ use serde_json::Value;
 use crate::atomic::{item_of, started_after_us};
 use crate::common::*;
 
+/// The [`Slow`] server's process was replaced under its pid during the run `r`, and the
+/// replacement was asked nothing.
+pub fn assert_replaced_and_never_asked(slow: &Slow, r: &Ran) {
+    assert!(
+        slow.replace.lock().unwrap().replaced(),
+        "never replaced\n{}",
+        r.dump()
+    );
+    assert_eq!(
+        *slow.asked_since.lock().unwrap(),
+        Vec::<String>::new(),
+        "{}",
+        r.dump()
+    );
+}
+
 /// A server with `features` (a library without `operations` never lists a running pause in its
 /// `status`). Tag "kv" (8 MiB) active; a pause stalls `stall_ms` (synchronizing, nothing
 /// moving), then copies for `move_ms` (its bytes moving at every status), then is answered (the
@@ -499,17 +515,7 @@ fn the_wait_for_a_running_atomic_pause_stops_at_another_process_given_its_pid() 
         c.env("TMSCTL_TEST_PROC", &proc_root);
     });
     let j = r.json_exit(7);
-    assert!(
-        slow.replace.lock().unwrap().replaced(),
-        "never replaced\n{}",
-        r.dump()
-    );
-    assert_eq!(
-        *slow.asked_since.lock().unwrap(),
-        Vec::<String>::new(),
-        "{}",
-        r.dump()
-    );
+    assert_replaced_and_never_asked(&slow, &r);
     assert_eq!(j["every_process_as_before"], false, "{}", r.dump());
     let message = item_of(&j, me)["undo"]["error"]["message"]
         .as_str()

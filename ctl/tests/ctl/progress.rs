@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::atomic_slow::{slow_server, Replace};
+use crate::atomic_slow::{assert_replaced_and_never_asked, slow_server, Replace};
 use crate::common::*;
 
 /// A disk-backed process on a slow device (a 4 MiB/s link: 2 s for its 8 MiB each way): `pause
@@ -233,17 +233,7 @@ fn the_progress_watch_stops_at_another_process_given_the_pid() {
     let r = ctl_with(&tmsctl(), &sb, &args, |c| {
         c.env("TMSCTL_TEST_PROC", &proc_root);
     });
-    assert!(
-        slow.replace.lock().unwrap().replaced(),
-        "never replaced\n{}",
-        r.dump()
-    );
-    assert_eq!(
-        *slow.asked_since.lock().unwrap(),
-        Vec::<String>::new(),
-        "{}",
-        r.dump()
-    );
+    assert_replaced_and_never_asked(&slow, &r);
     assert_eq!(r.code, 7, "{}", r.dump());
     assert!(
         r.last_stderr_line().contains("nothing moved for 2.0 s"),
