@@ -91,6 +91,15 @@ def _captures_routing_over(monkeypatch):
     return torch, impl
 
 
+def _own_routing(monkeypatch, torch):
+    """Route with ``torch`` through a routing state of the test's own (the module's is shared
+    by every test): returned, to look into."""
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    return routing
+
+
 def _leave_unfinished_in_a_cycle(block):
     """Enter ``block()`` inside a generator left unfinished, in a reference cycle: the block is
     ended by whichever garbage collection comes next, in whatever thread makes it."""
@@ -659,9 +668,7 @@ def test_a_block_left_unexited_and_collected_inside_a_routing_step_ends_there(mo
     lock here; the block's end must then have run whole."""
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     ended, errors = threading.Event(), []
 
     def body():
@@ -796,9 +803,7 @@ def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_wh
     block's entry and restarted the enclosing route beside the later one's."""
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
 
@@ -830,9 +835,7 @@ def test_disable_blocks_under_another_threads_region_reuse_their_retired_pools(m
 
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "torch")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     destroyed_while_routing = _pools_telling_their_end(torch)
     Pool = torch.cuda.MemPool
     made = []
@@ -909,9 +912,7 @@ def test_a_disable_pool_a_graph_allocated_from_is_never_reused(monkeypatch):
     torch.cuda.graph = staticmethod(graph)
     torch.cuda.is_current_stream_capturing = staticmethod(lambda: bool(capturing))
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     me = threading.get_ident()
 
     def routed_to():
@@ -960,9 +961,7 @@ def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
 
     torch.cuda.use_mem_pool = staticmethod(use_mem_pool)
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     inside, may_leave, errors = threading.Event(), threading.Event(), []
     a = _thread_in_region(impl, "serving", inside, may_leave, errors)
     a.start()
@@ -993,9 +992,7 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
     enclosing route suspended where the collection came in another thread."""
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
     use_mem_pool = torch.cuda.use_mem_pool
@@ -1045,9 +1042,7 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
     took the later block's allocations (PyTorch serves from the first pool routed to)."""
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
     use_mem_pool = torch.cuda.use_mem_pool
@@ -1089,9 +1084,7 @@ def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_
     taken by a later disable() block while A routes to it. A restarts what is below it instead."""
     torch = FakeTorch()
     impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
     collect_when_asked = []
