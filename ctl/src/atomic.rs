@@ -27,7 +27,7 @@
 //!   moves, up to `--timeout` with nothing moving), by what it changed; if it still runs, that
 //!   process is reported as not as before. Nothing is claimed that tmsctl has not seen.
 //!
-//! An undo reaches the process that was asked or none ([`Client::reconnect`]): one that ended
+//! An undo reaches the process that was asked or none ([`Client::connect`]): one that ended
 //! meanwhile, its pid given to another process listening on the same socket name, is reported
 //! as not undone, never asked anything.
 //!
@@ -83,9 +83,9 @@ enum Undo {
 
 /// What became of one process.
 struct Done {
+    /// As its connection had it (with when the process started): the undo reaches that process
+    /// or none.
     sock: Socket,
-    /// When the process asked started: its undo reaches that process or none.
-    started: Option<u64>,
     done: OpDone,
     undo: Undo,
 }
@@ -252,7 +252,7 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
         // was made), and the connection is replaced before the server's 10 s for requests run
         // out: the wait lasts as long as the operation moves.
         if opened.elapsed() > Duration::from_secs(5) {
-            *c = Client::reconnect(&c.socket().clone(), c.started(), still)?;
+            *c = Client::connect(&c.socket().clone(), still).map_err(not_undone)?;
             opened = Instant::now();
         }
         c.rearm(still);
@@ -275,9 +275,17 @@ fn wait_ended(c: &mut Client, which: Op, tag: Option<&str>, still: Duration) -> 
     }
 }
 
-/// A process to undo on: its socket, when it started, its result (where it succeeded), how
-/// to undo it, and how its own operation ended.
-type UndoRow<'a> = (&'a Socket, Option<u64>, Option<&'a OpDone>, &'a Undo, Here);
+/// A process to undo on: its socket (with when it started, where it was reached), its result
+/// (where it succeeded), how to undo it, and how its own operation ended.
+type UndoRow<'a> = (&'a Socket, Option<&'a OpDone>, &'a Undo, Here);
+
+/// A failure to reach the process to undo on, as the undo reports it.
+fn not_undone(f: Failure) -> Failure {
+    Failure {
+        message: format!("{}: not undone", f.message),
+        ..f
+    }
+}
 
 /// What an undo did on one process.
 enum Undid {
@@ -289,13 +297,12 @@ enum Undid {
     Kept(String),
 }
 
-/// Undo on the process of `sock` that started at `started` (never on another process given its
-/// pid since).
+/// Undo on the process of `sock` (never on another process given its pid since: see
+/// [`Client::connect`]).
 fn undo(
     ctx: &Ctx,
     show: progress::Show,
     sock: &Socket,
-    started: Option<u64>,
     req: &Request,
     how: &Undo,
     here: Here,
@@ -306,10 +313,7 @@ fn undo(
             "--atomic takes a pause or a resume",
         ));
     };
-    let mut c = Client::reconnect(sock, started, ctx.timeout).map_err(|f| Failure {
-        message: format!("{}: not undone", f.message),
-        ..f
-    })?;
+    let mut c = Client::connect(sock, ctx.timeout).map_err(not_undone)?;
     if here == Here::Running && !c.hello.has(FEATURE_OPERATIONS) {
         // Its status never lists a running operation: when it ends cannot be seen.
         return Err(Failure::new(
@@ -486,11 +490,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     crate::interrupt::catch();
     let mut done: Vec<Done> = Vec::new();
     let mut failure: Option<(Socket, Failure, Option<Undo>)> = None;
-    // When the process that failed started, where it was reached.
-    let mut failed_started = None;
     let mut not_asked: Vec<u32> = Vec::new();
     for t in targets {
-        let sock = t.sock;
+        let mut sock = t.sock;
         if failure.is_some() {
             not_asked.push(sock.pid());
             continue;
@@ -513,9 +515,9 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             continue;
         }
         let mut prepared = None;
-        let mut started = None;
         let r = Client::connect(&sock, ctx.timeout).and_then(|mut c| {
-            started = c.started();
+            // With when its process started: an undo reaches that process or none.
+            sock = c.socket().clone();
             let (send, how) = prepare(&mut c, req)?;
             prepared = Some(how);
             run_one(ctx, true, show, &mut c, &send)
@@ -524,7 +526,6 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
             Ok(d) => match prepared {
                 Some(undo) => done.push(Done {
                     sock,
-                    started,
                     done: d,
                     undo,
                 }),
@@ -534,7 +535,6 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
                 }
             },
             Err(f) => {
-                failed_started = started;
                 failure = Some((sock, f, prepared));
             }
         }
@@ -596,7 +596,7 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
     let mut kept: Vec<String> = Vec::new();
     let mut undo_rows: Vec<UndoRow> = done
         .iter()
-        .map(|d| (&d.sock, d.started, Some(&d.done), &d.undo, Here::Succeeded))
+        .map(|d| (&d.sock, Some(&d.done), &d.undo, Here::Succeeded))
         .collect();
     if let Some(u) = &failed_undo {
         let here = if f.code == Code::Running {
@@ -604,11 +604,11 @@ pub fn run(ctx: &Ctx, sel: &Select, req: &Request, show: progress::Show) -> anyh
         } else {
             Here::Failed(f.changed)
         };
-        undo_rows.push((&failed_sock, failed_started, None, u, here));
+        undo_rows.push((&failed_sock, None, u, here));
     }
-    for (sock, started, d, how, here) in undo_rows {
+    for (sock, d, how, here) in undo_rows {
         let pid = sock.pid();
-        let result = undo(ctx, show, sock, started, req, how, here);
+        let result = undo(ctx, show, sock, req, how, here);
         let (undo_json, line) = match (&result, how) {
             (Ok(Undid::Ran(u)), how) => {
                 if let Undo::Restore { unsettled, .. } | Undo::PauseAgain { unsettled } = how {

@@ -12,11 +12,12 @@
 //!   namespace (or one that names none), that pid must be the one the kernel reports for the
 //!   server (a pid of another namespace means another process here, so there it cannot be
 //!   compared);
-//! - a later connection to the same socket ([`Client::reconnect`]) must reach the process the
-//!   first one reached, not another given its pid since (a pid is reused once the counter wraps
-//!   around, and a new process of the library binds the same socket name in the same folder):
-//!   told by the process's start time ([`crate::procfs::start_time`]), read on each connection
-//!   once its peer is checked. Where `/proc` did not say at first, it cannot be compared.
+//! - a later connection through the socket a connection has ([`Client::socket`]) must reach
+//!   the process that one reached, not another given its pid since (a pid is reused once the
+//!   counter wraps around, and a new process of the library binds the same socket name in the
+//!   same folder): told by the process's start time ([`crate::procfs::start_time`]), read on
+//!   each connection once its peer is checked, before the hello, and kept in the [`Socket`].
+//!   Where `/proc` did not say at first, it cannot be compared.
 //!
 //! Text a server sends is printed only through [`crate::text::printable`].
 
@@ -54,8 +55,6 @@ pub struct Client {
     by_progress: bool,
     /// The process is of our pid namespace: whether it still lives can be asked.
     here: bool,
-    /// When the process started (of our pid namespace, where `/proc` says).
-    started: Option<u64>,
     /// The last request went out whole and its reply did not come in time.
     unanswered: bool,
     stream: UnixStream,
@@ -178,6 +177,9 @@ impl Client {
     /// A server with no room for another connection says so ([`ErrorKind::Busy`]) and closes
     /// it: then tmsctl connects again, after a pause that grows, until `timeout` has passed
     /// ([`Code::Timeout`]).
+    ///
+    /// Where `sock` says when its process started (a connection's [`Client::socket`]), another
+    /// process given its pid since is refused ([`Code::NoProcess`]) before it is sent anything.
     pub fn connect(sock: &Socket, timeout: Duration) -> Result<Client> {
         let deadline = Instant::now() + timeout;
         let mut pause = Duration::from_millis(20);
@@ -272,12 +274,29 @@ impl Client {
         vet_server(sock, me, cred.uid(), cred.pid(), None).map_err(refuse)?;
         // Read once the kernel's pid is known to be the one named: that process's.
         let started = sock.here().then(|| start_time(pid)).flatten();
+        if let Some(then) = sock.started {
+            let why = match started {
+                Some(now) if now == then => None,
+                Some(_) => Some(format!(
+                    "process {pid} ended; pid {pid} is now another process"
+                )),
+                None => Some(format!(
+                    "process {pid}: when it started can no longer be read (/proc/{pid}/stat): it \
+                     cannot be told from another process given pid {pid}"
+                )),
+            };
+            if let Some(why) = why {
+                return Err(Failure::new(Code::NoProcess, why));
+            }
+        }
         let mut c = Client {
             pid,
-            sock: sock.clone(),
+            sock: Socket {
+                started,
+                ..sock.clone()
+            },
             by_progress: false,
             here: sock.here(),
-            started,
             unanswered: false,
             stream,
             lines: LineBuffer::new(MAX_REPLY_BYTES),
@@ -326,37 +345,13 @@ impl Client {
         Ok(Attempt::Ready(Box::new(c)))
     }
 
-    /// Connect to `sock` again ([`Client::connect`]), to the process an earlier connection
-    /// reached, which started at `started` ([`Client::started`]): another process given its pid
-    /// since is refused ([`Code::NoProcess`]), never asked anything.
-    pub fn reconnect(sock: &Socket, started: Option<u64>, timeout: Duration) -> Result<Client> {
-        let c = Client::connect(sock, timeout)?;
-        let Some(then) = started else {
-            return Ok(c);
-        };
-        let pid = sock.pid();
-        let why = match c.started {
-            Some(now) if now == then => return Ok(c),
-            Some(_) => format!("process {pid} ended; pid {pid} is now another process"),
-            None => format!(
-                "process {pid}: when it started can no longer be read (/proc/{pid}/stat): it \
-                 cannot be told from another process given pid {pid}"
-            ),
-        };
-        Err(Failure::new(Code::NoProcess, why))
-    }
-
-    /// When the process started, where known: what [`Client::reconnect`] compares.
-    pub fn started(&self) -> Option<u64> {
-        self.started
-    }
-
     /// The process on the other end.
     pub fn pid(&self) -> u32 {
         self.pid
     }
 
-    /// The socket this connection is on.
+    /// The socket this connection is on, with when its process started: a connection through it
+    /// reaches that process or none.
     pub fn socket(&self) -> &Socket {
         &self.sock
     }

@@ -90,6 +90,7 @@ impl Away {
                 path: self.dir.join(self.name.file_name()),
                 ns: classify(self.name.pidns, tms_proto::pid_namespace()),
                 name: self.name,
+                started: None,
             },
         }
     }

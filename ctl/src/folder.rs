@@ -177,6 +177,7 @@ impl Folder {
                 path: dir.join(name.file_name()),
                 ns: classify(name.pidns, our_ns),
                 name,
+                started: None,
             });
         }
         sockets.sort_by_key(|s| (!s.here(), s.name.pid, s.ns));

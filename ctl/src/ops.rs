@@ -189,7 +189,6 @@ pub fn run_one(
     let watch = c.hello.has(FEATURE_PROGRESS).then(|| {
         progress::Watch::start(
             c.socket(),
-            c.started(),
             ctx.timeout,
             progress::Asked {
                 pid: c.pid(),

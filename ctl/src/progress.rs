@@ -143,15 +143,9 @@ pub struct Watch {
 }
 
 impl Watch {
-    /// Start watching `asked` on the process of `sock` that started at `started` (a server with
-    /// progress reports; another process given its pid since is not watched).
-    pub fn start(
-        sock: &Socket,
-        started: Option<u64>,
-        timeout: Duration,
-        asked: Asked,
-        show: Show,
-    ) -> Watch {
+    /// Start watching `asked` on the process of `sock` (a server with progress reports), a
+    /// connection's [`Client::socket`]: another process given its pid since is not watched.
+    pub fn start(sock: &Socket, timeout: Duration, asked: Asked, show: Show) -> Watch {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 stopped: false,
@@ -168,7 +162,7 @@ impl Watch {
         // reports it.
         let _ = std::thread::Builder::new()
             .name("tmsctl-progress".into())
-            .spawn(move || poll(&sh, &sock, started, timeout, &asked));
+            .spawn(move || poll(&sh, &sock, timeout, &asked));
         Watch { shared }
     }
 
@@ -211,7 +205,7 @@ pub fn seen(ops: &[Running]) -> Seen {
         .collect()
 }
 
-fn poll(sh: &Shared, sock: &Socket, started: Option<u64>, timeout: Duration, asked: &Asked) {
+fn poll(sh: &Shared, sock: &Socket, timeout: Duration, asked: &Asked) {
     let mut conn: Option<(Client, Instant)> = None;
     let mut failures = 0;
     let mut prev: Option<Seen> = None;
@@ -225,9 +219,7 @@ fn poll(sh: &Shared, sock: &Socket, started: Option<u64>, timeout: Duration, ask
             conn = None;
         }
         if conn.is_none() {
-            conn = Client::reconnect(sock, started, t)
-                .ok()
-                .map(|c| (c, Instant::now()));
+            conn = Client::connect(sock, t).ok().map(|c| (c, Instant::now()));
         }
         let status = conn.as_mut().and_then(|(c, _)| {
             c.rearm(t);

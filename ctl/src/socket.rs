@@ -41,6 +41,11 @@ pub struct Socket {
     pub path: PathBuf,
     /// Its pid namespace, relative to ours.
     pub ns: Ns,
+    /// When its process started (field 22 of `/proc/PID/stat`), as the first connection to it
+    /// read it ([`crate::client::Client::socket`] has it): a later connection to another process
+    /// given the pid since is refused. `None` before any connection, and where `/proc` does not
+    /// say (a process of another namespace).
+    pub started: Option<u64>,
 }
 
 impl Socket {
@@ -104,6 +109,7 @@ pub fn test_socket(pid: u32, ns: Ns) -> Socket {
         path: PathBuf::from(name.file_name()),
         name,
         ns,
+        started: None,
     }
 }
 

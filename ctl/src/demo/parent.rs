@@ -47,7 +47,6 @@ fn op(
         {
             Some(crate::progress::Watch::start(
                 c.socket(),
-                c.started(),
                 timeout,
                 crate::progress::Asked {
                     pid: c.pid(),

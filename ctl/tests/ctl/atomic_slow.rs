@@ -523,7 +523,7 @@ fn the_wait_for_a_running_atomic_pause_stops_at_another_process_given_its_pid() 
         .to_string();
     assert_eq!(
         message,
-        format!("process {me} ended; pid {me} is now another process"),
+        format!("process {me} ended; pid {me} is now another process: not undone"),
         "{}",
         r.dump()
     );
