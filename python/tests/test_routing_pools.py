@@ -2,7 +2,9 @@
 torch that enforces what PyTorch does: one thread at a time may route to a pool
 ("beginAllocateToPool: already recording to mempool_id"). A region entered by a second thread
 while the first is inside it must get a sibling pool of the same kind, not PyTorch's error
-(seen on an H200 with real threads before the fix)."""
+(seen on an H200 with real threads before the fix). A pool is never destroyed while a thread
+routes (PyTorch asserts, ending the process), and a disable() block reuses an earlier one's
+retired pool, never one a graph allocated from or whose route failed to end."""
 
 from __future__ import annotations
 
@@ -14,119 +16,14 @@ import pytest
 
 from torch_memory_saver import regions, saver
 
-
-class FakeTorch:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.recording: dict = {}
-        self.made = 0
-        # The current device (one for the process: the tests set it in one thread), and the
-        # device each pool routed to is routed on.
-        self.device = 0
-        self.devices: dict = {}
-        outer = self
-
-        class Cuda:
-            @staticmethod
-            @contextlib.contextmanager
-            def use_mem_pool(pool, device=None):
-                with outer.lock:
-                    if id(pool) in outer.recording:
-                        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
-                    outer.recording[id(pool)] = threading.get_ident()
-                    outer.devices[id(pool)] = outer.device if device is None else device
-                try:
-                    yield
-                finally:
-                    with outer.lock:
-                        del outer.recording[id(pool)]
-                        del outer.devices[id(pool)]
-
-            @staticmethod
-            def current_device():
-                return outer.device
-
-            @staticmethod
-            def is_current_stream_capturing():
-                return False
-
-            @staticmethod
-            def MemPool():
-                return object()
-
-        self.cuda = Cuda
-
-    def new_pool(self):
-        with self.lock:
-            self.made += 1
-        return object()
-
-
-def _impl_over(monkeypatch, torch, mode, flags=None):
-    """An implementation of hook mode ``mode`` whose regions and captures route with ``torch``
-    (put in ``sys.modules``), without the library: its flags (``flags`` where given, else
-    nothing) and chunk checks stand in."""
-    import sys
-
-    monkeypatch.setitem(sys.modules, "torch", torch)
-    impl = saver._TorchMemorySaverImpl(mode)
-    monkeypatch.setattr(impl, "_library", lambda: None)
-    monkeypatch.setattr(impl, "_flags", flags or (lambda *a: contextlib.nullcontext()))
-    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
-    return impl
-
-
-def _captures_routing_over(monkeypatch):
-    """A fake torch whose graph captures do nothing (so a capture's place on a route stack is
-    all there is of it) and a preload-mode implementation routing with it: (torch, impl)."""
-    torch = FakeTorch()
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
-        yield
-
-    torch.cuda.graph = staticmethod(graph)
-    impl = _impl_over(monkeypatch, torch, "preload")
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    return torch, impl
-
-
-def _own_routing(monkeypatch, torch):
-    """Route with ``torch`` through a routing state of the test's own (the module's is shared
-    by every test): returned, to look into."""
-    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
-    return routing
-
-
-def _leave_unfinished_in_a_cycle(block):
-    """Enter ``block()`` inside a generator left unfinished, in a reference cycle: the block is
-    ended by whichever garbage collection comes next, in whatever thread makes it."""
-
-    def left_unfinished():
-        with block():
-            yield
-
-    gen = left_unfinished()
-    next(gen)
-    loop = [gen]
-    loop.append(loop)
-
-
-def _thread_in_region(impl, tag, inside, may_leave, errors):
-    """A thread, not started, that enters ``impl.region(tag)``, sets ``inside`` and stays till
-    ``may_leave`` is set; what it raises goes to ``errors`` (a failure fails the test)."""
-
-    def body():
-        try:
-            with impl.region(tag):
-                inside.set()
-                assert may_leave.wait(timeout=10)
-        except Exception as e:  # collected
-            errors.append(repr(e))
-
-    return threading.Thread(target=body)
+from _routing_helpers import (
+    FakeTorch,
+    _impl_over,
+    _own_routing,
+    _pools_telling_their_end,
+    _thread_in_region,
+    _torch_without_a_device,
+)
 
 
 def test_threads_in_the_same_region_get_pools_of_their_own():
@@ -220,21 +117,6 @@ def test_a_dropped_pool_that_needed_a_sibling_goes_with_its_siblings(monkeypatch
     impl._mem_pools.pop(("kv", False))  # the existing library's key: drops the tag's pool
     gc.collect()
     assert [r() for r in refs] == [None, None], "a dropped pool (or its sibling) is still referenced"
-
-
-def _pools_telling_their_end(torch):
-    """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes is
-    recorded in the list returned."""
-    destroyed_while_routing = []
-
-    class Pool:
-        def __del__(self):
-            with torch.lock:
-                if torch.recording:
-                    destroyed_while_routing.append(dict(torch.recording))
-
-    torch.cuda.MemPool = staticmethod(Pool)
-    return destroyed_while_routing
 
 
 def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypatch):
@@ -359,42 +241,6 @@ def test_no_route_starts_while_a_retired_pool_is_destroyed():
     assert b_routed.is_set() and not errors, errors
     assert not destroyed_while_routing
     assert regions._routing.destroying is None and not regions._routing.active
-
-
-def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monkeypatch):
-    """PyTorch serves an allocation from the first pool routed to that takes it, and a region's
-    route takes every allocation of its thread: a capture inside ``region()`` must suspend the
-    region's route, or the graph's memory is the region's (its tag, and a pool whose freed
-    blocks later tensors reuse while the graph replays them). A region opened inside the capture
-    routes as usual and, on leaving, restarts nothing; the region's route is back after."""
-
-    torch = FakeTorch()
-    seen = []
-
-    @contextlib.contextmanager
-    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
-        seen.append(("capture", dict(torch.recording)))
-        yield
-
-    torch.cuda.graph = staticmethod(graph)
-    impl = _impl_over(monkeypatch, torch, "preload")
-    region_pool, inner_pool = object(), object()
-    with impl._routed(torch, region_pool, torch.new_pool):
-        with impl.cuda_graph("G", tag="graph"):
-            seen.append(("in capture", dict(torch.recording)))
-            with impl._routed(torch, inner_pool, torch.new_pool):
-                seen.append(("inner region", dict(torch.recording)))
-            seen.append(("after inner", dict(torch.recording)))
-        seen.append(("after capture", dict(torch.recording)))
-    me = threading.get_ident()
-    assert seen == [
-        ("capture", {}),
-        ("in capture", {}),
-        ("inner region", {id(inner_pool): me}),
-        ("after inner", {}),
-        ("after capture", {id(region_pool): me}),
-    ], seen
-    assert not torch.recording and not regions._routing.active
 
 
 @pytest.mark.parametrize("drop", ["del", "pop", "replace"])
@@ -587,19 +433,6 @@ def test_a_pool_retired_while_retired_pools_are_destroyed_goes_too():
     assert regions._routing.destroying is None and not regions._routing.active
 
 
-def _torch_without_a_device():
-    """FakeTorch as torch is where CUDA is not initialized and cannot be (no driver, no
-    device, a CPU build, a forked child): asking whether the stream captures raises."""
-    torch = FakeTorch()
-
-    def is_current_stream_capturing():
-        raise RuntimeError("CUDA error: CUDA driver version is insufficient for CUDA runtime version")
-
-    torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
-    torch.cuda.is_initialized = staticmethod(lambda: False)
-    return torch
-
-
 @pytest.mark.parametrize("torch_kind", ["stand-in", "real"])
 @pytest.mark.parametrize("drop", ["del", "pop", "replace", "clear"])
 def test_dropping_a_pool_from_the_map_needs_no_device(monkeypatch, drop, torch_kind):
@@ -628,70 +461,6 @@ def test_dropping_a_pool_from_the_map_needs_no_device(monkeypatch, drop, torch_k
     else:
         impl._mem_pools.clear()
     assert not regions._routing.retired
-
-
-@pytest.mark.parametrize("inner", ["cuda_graph", "disable", "region"])
-def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
-    """A route suspended by a nested block (a capture, ``disable()``, another region) restarts
-    after it; PyTorch's ``use_mem_pool`` routes the current device's allocations. A nested
-    block on another device (``with torch.cuda.device(1): with cuda_graph(...)``) must not move
-    the enclosing region's route there: the region's tensors made on its device after the
-    block would come from the default pool (not pauseable in torch mode), and the other
-    device's would come from the region's pool (one of another device's key)."""
-
-    torch, impl = _captures_routing_over(monkeypatch)
-    region_pool = object()
-    seen = []
-    with impl._routed(torch, region_pool, torch.new_pool):
-        torch.device = 1  # with torch.cuda.device(1):
-        if inner == "cuda_graph":
-            block = impl.cuda_graph("G", tag="graph")
-        elif inner == "disable":
-            block = impl.disable()
-        else:
-            block = impl._routed(torch, object(), torch.new_pool)
-        with block:
-            pass
-        seen.append(dict(torch.devices))  # still on device 1
-        torch.device = 0  # the device block's end
-        seen.append(dict(torch.devices))
-    assert seen == [{id(region_pool): 0}] * 2, seen
-    assert not torch.recording and not regions._routing.active
-
-
-@pytest.mark.parametrize("block", ["region", "disable"])
-def test_a_block_left_unexited_and_collected_inside_a_routing_step_ends_there(monkeypatch, block):
-    """A region (or disable()) entered and dropped without its exit, in a reference cycle, is
-    ended by a garbage collection, which may come at any bytecode, so inside a step of
-    ``_routing`` that holds its lock: the block's end takes that lock again, in the same
-    thread. With a plain lock that thread hung for ever. The collection is made inside the
-    lock here; the block's end must then have run whole."""
-    torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    ended, errors = threading.Event(), []
-
-    def body():
-        try:
-            cm = impl.region("left") if block == "region" else impl.disable()
-            cm.__enter__()
-            assert len(torch.recording) == 1 and routing.active == 1
-            loop = [cm]
-            loop.append(loop)
-            del cm, loop
-            with routing.lock:  # a step of the package's, where a collection may come
-                assert gc.collect() > 0
-            ended.set()
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(repr(e))
-
-    t = threading.Thread(target=body, daemon=True)  # hung, it must not keep pytest from ending
-    t.start()
-    t.join(timeout=10)
-    assert ended.is_set(), f"the block's end hung inside the routing lock (errors: {errors})"
-    assert not errors, errors
-    assert not torch.recording, "the route of the collected block still routes"
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
 
 
 def test_a_region_whose_flags_fail_leaves_no_pool_to_end_under_another_route(monkeypatch):
@@ -727,99 +496,6 @@ def test_a_region_whose_flags_fail_leaves_no_pool_to_end_under_another_route(mon
     b.join()
     assert not errors, errors
     assert not destroyed_while_routing, "a dropped region pool was destroyed while another thread routed"
-
-
-@pytest.mark.parametrize("block", ["region", "disable", "cuda_graph"])
-def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypatch, block):
-    """A region (or disable(), or a capture) entered in thread A inside a generator that is
-    never finished, in a reference cycle, is ended by a garbage collection in whatever thread
-    makes it: here thread B, inside a route of its own. The block's end must undo what its enter
-    did, on A's route stack: end its own route, and leave B's stack and routing alone. Before,
-    it popped B's route off B's stack and restarted A's enclosing route in B (routing B's
-    allocations to A's pool), and B's own end then found B's stack empty."""
-    torch, impl = _captures_routing_over(monkeypatch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
-    a_pool, b_pool = object(), object()
-    left, collected = threading.Event(), threading.Event()
-    seen, errors = {}, []
-
-    def enter_and_leave_unfinished():
-        with impl.region("left") if block == "region" else (
-            impl.disable() if block == "disable" else impl.cuda_graph("G", tag="graph")
-        ):
-            yield
-
-    def a():
-        try:
-            with impl._routed(torch, a_pool, torch.new_pool):  # A's enclosing route
-                gen = enter_and_leave_unfinished()
-                next(gen)
-                loop = [gen]
-                loop.append(loop)
-                del gen, loop
-                left.set()
-                assert collected.wait(timeout=10)
-                seen["a_stack"] = len(regions._route_stack(impl._local))
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(f"A: {e!r}")
-
-    def b():
-        try:
-            with impl._routed(torch, b_pool, torch.new_pool):
-                assert left.wait(timeout=10)
-                assert gc.collect() > 0  # ends A's block, here in B
-                with torch.lock:
-                    seen["recording"] = dict(torch.recording)
-                seen["b_stack"] = len(regions._route_stack(impl._local))
-                collected.set()
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(f"B: {e!r}")
-        finally:
-            collected.set()
-
-    gc.disable()  # the collection is B's, not one that happens to come in A
-    try:
-        ta, tb = threading.Thread(target=a), threading.Thread(target=b)
-        ta.start()
-        tb.start()
-        ta.join(timeout=20)
-        tb.join(timeout=20)
-    finally:
-        gc.enable()
-    assert not errors, errors
-    b_ident = tb.ident
-    assert seen["recording"] == {id(b_pool): b_ident}, "B's routing changed, or A's block routes"
-    assert (seen["a_stack"], seen["b_stack"]) == (1, 1), seen
-    assert not torch.recording
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
-
-
-def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_whole(monkeypatch):
-    """A region left unexited (a generator never finished) and ended by a garbage collection
-    inside a later block of the same thread: it was suspended under that block, so its end
-    restarts nothing and takes only its own entry off the stack; the later block's end then
-    restarts the route below the ended region. Before, the region's end popped the later
-    block's entry and restarted the enclosing route beside the later one's."""
-    torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    outer, later = object(), object()
-    me = threading.get_ident()
-
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            with impl._routed(torch, later, torch.new_pool):
-                assert gc.collect() > 0  # ends the region, under the later route
-                assert torch.recording == {id(later): me}
-                assert len(regions._route_stack(impl._local)) == 2
-            assert torch.recording == {id(outer): me}, "not the route below the region"
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
 
 
 def test_disable_blocks_under_another_threads_region_reuse_their_retired_pools(monkeypatch):
@@ -977,144 +653,4 @@ def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
         may_leave.set()
         a.join()
     assert not errors, errors
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
-
-
-@pytest.mark.parametrize("where", ["same thread", "another thread"])
-def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(monkeypatch, where):
-    """A region left unexited (a generator never finished) under a later block of its thread,
-    ended by a garbage collection that comes while the later block ends, after that block took
-    its entry off the stack and before it restarted the entry below (here: inside the later
-    route's ``use_mem_pool`` exit). The later block must then restart what is on top of the
-    stack now, the route below the ended region, once. Before, it restarted the ended region's
-    route, whose pool was already retired (PyTorch raises for a None pool; the fake routes to
-    it), beside the enclosing route the collection had restarted in this thread, or left the
-    enclosing route suspended where the collection came in another thread."""
-    torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    outer, later = object(), object()
-    me = threading.get_ident()
-    use_mem_pool = torch.cuda.use_mem_pool
-    collect_at_end = []
-
-    def collect():
-        if where == "same thread":
-            assert gc.collect() > 0
-            return
-        done = []
-        t = threading.Thread(target=lambda: done.append(gc.collect()))
-        t.start()
-        t.join(timeout=10)
-        assert done and done[0] > 0
-
-    @contextlib.contextmanager
-    def collecting_use_mem_pool(pool, device=None):
-        with use_mem_pool(pool, device):
-            yield
-        if pool is later and collect_at_end:
-            collect_at_end.clear()
-            collect()
-
-    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
-
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            with impl._routed(torch, later, torch.new_pool):
-                collect_at_end.append(True)
-            assert not collect_at_end, "the collection did not come"
-            assert torch.recording == {id(outer): me}, "not the route below the region alone"
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
-
-
-def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one_route(monkeypatch):
-    """A region left unexited (a generator never finished), ended by a garbage collection that
-    comes while a later block of its thread suspends its route on entering (here: inside that
-    route's ``use_mem_pool`` exit). The collection restarts the route below the region; the
-    later block must suspend that one too, so that its own route alone serves inside it.
-    Before, it suspended only the region's route, and the enclosing route, routed to first,
-    took the later block's allocations (PyTorch serves from the first pool routed to)."""
-    torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    outer, later = object(), object()
-    me = threading.get_ident()
-    use_mem_pool = torch.cuda.use_mem_pool
-    collect_at_end = []
-
-    @contextlib.contextmanager
-    def collecting_use_mem_pool(pool, device=None):
-        with use_mem_pool(pool, device):
-            yield
-        if collect_at_end:
-            collect_at_end.clear()
-            assert gc.collect() > 0
-
-    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
-
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            collect_at_end.append(True)  # at the region route's suspension
-            with impl._routed(torch, later, torch.new_pool):
-                assert not collect_at_end, "the collection did not come"
-                assert torch.recording == {id(later): me}, "not the later block's route alone"
-            assert torch.recording == {id(outer): me}
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
-
-
-def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_ended(monkeypatch):
-    """Thread A ends a later block and restarts the route below it: a disable() block left
-    unexited (a generator never finished). A garbage collection in thread B ends that block
-    meanwhile, after A read it off its stack and before A's start routes (here: while A asks
-    whether its stream captures). A must not start the ended block's route: its pool is retired
-    by then (PyTorch raises for a None pool; the fake routes to it, and the count of routes
-    never comes back to 0, so no retired pool is destroyed again), or about to be, and then
-    taken by a later disable() block while A routes to it. A restarts what is below it instead."""
-    torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    outer, later = object(), object()
-    me = threading.get_ident()
-    collect_when_asked = []
-
-    def is_current_stream_capturing():
-        # Not in collect(), under the routing lock: at the restart's own question.
-        if collect_when_asked and threading.get_ident() == me and not routing.lock._is_owned():
-            collect_when_asked.clear()
-            done = []
-            t = threading.Thread(target=lambda: done.append(gc.collect()))
-            t.start()
-            t.join(timeout=10)
-            assert done and done[0] > 0
-        return False
-
-    torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
-
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(impl.disable)  # whose route asks at its start
-            with impl._routed(torch, later, torch.new_pool):
-                pass
-            # The block is on top again, suspended; the next restart asks first.
-            with impl._routed(torch, later, torch.new_pool):
-                collect_when_asked.append(True)
-            assert not collect_when_asked, "the collection did not come"
-            assert torch.recording == {id(outer): me}, "not the route below the block alone"
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

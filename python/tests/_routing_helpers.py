@@ -1,0 +1,153 @@
+"""Shared by the routing tests (test_routing_pools.py, test_routing_stack.py), which import it as
+the other tests import conftest's helpers: a stand-in for torch that enforces what PyTorch does,
+one thread at a time may route to a pool ("beginAllocateToPool: already recording to
+mempool_id"), and the helpers that route with it."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from torch_memory_saver import regions, saver
+
+
+class FakeTorch:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.recording: dict = {}
+        self.made = 0
+        # The current device (one for the process: the tests set it in one thread), and the
+        # device each pool routed to is routed on.
+        self.device = 0
+        self.devices: dict = {}
+        outer = self
+
+        class Cuda:
+            @staticmethod
+            @contextlib.contextmanager
+            def use_mem_pool(pool, device=None):
+                with outer.lock:
+                    if id(pool) in outer.recording:
+                        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                    outer.recording[id(pool)] = threading.get_ident()
+                    outer.devices[id(pool)] = outer.device if device is None else device
+                try:
+                    yield
+                finally:
+                    with outer.lock:
+                        del outer.recording[id(pool)]
+                        del outer.devices[id(pool)]
+
+            @staticmethod
+            def current_device():
+                return outer.device
+
+            @staticmethod
+            def is_current_stream_capturing():
+                return False
+
+            @staticmethod
+            def MemPool():
+                return object()
+
+        self.cuda = Cuda
+
+    def new_pool(self):
+        with self.lock:
+            self.made += 1
+        return object()
+
+
+def _impl_over(monkeypatch, torch, mode, flags=None):
+    """An implementation of hook mode ``mode`` whose regions and captures route with ``torch``
+    (put in ``sys.modules``), without the library: its flags (``flags`` where given, else
+    nothing) and chunk checks stand in."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    impl = saver._TorchMemorySaverImpl(mode)
+    monkeypatch.setattr(impl, "_library", lambda: None)
+    monkeypatch.setattr(impl, "_flags", flags or (lambda *a: contextlib.nullcontext()))
+    monkeypatch.setattr(impl, "_chunk_misfits", lambda *a: contextlib.nullcontext())
+    return impl
+
+
+def _captures_routing_over(monkeypatch):
+    """A fake torch whose graph captures do nothing (so a capture's place on a route stack is
+    all there is of it) and a preload-mode implementation routing with it: (torch, impl)."""
+    torch = FakeTorch()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+        yield
+
+    torch.cuda.graph = staticmethod(graph)
+    impl = _impl_over(monkeypatch, torch, "preload")
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    return torch, impl
+
+
+def _own_routing(monkeypatch, torch):
+    """Route with ``torch`` through a routing state of the test's own (the module's is shared
+    by every test): returned, to look into."""
+    monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
+    routing = regions._Routing()
+    monkeypatch.setattr(regions, "_routing", routing)
+    return routing
+
+
+def _leave_unfinished_in_a_cycle(block):
+    """Enter ``block()`` inside a generator left unfinished, in a reference cycle: the block is
+    ended by whichever garbage collection comes next, in whatever thread makes it."""
+
+    def left_unfinished():
+        with block():
+            yield
+
+    gen = left_unfinished()
+    next(gen)
+    loop = [gen]
+    loop.append(loop)
+
+
+def _thread_in_region(impl, tag, inside, may_leave, errors):
+    """A thread, not started, that enters ``impl.region(tag)``, sets ``inside`` and stays till
+    ``may_leave`` is set; what it raises goes to ``errors`` (a failure fails the test)."""
+
+    def body():
+        try:
+            with impl.region(tag):
+                inside.set()
+                assert may_leave.wait(timeout=10)
+        except Exception as e:  # collected
+            errors.append(repr(e))
+
+    return threading.Thread(target=body)
+
+
+def _pools_telling_their_end(torch):
+    """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes is
+    recorded in the list returned."""
+    destroyed_while_routing = []
+
+    class Pool:
+        def __del__(self):
+            with torch.lock:
+                if torch.recording:
+                    destroyed_while_routing.append(dict(torch.recording))
+
+    torch.cuda.MemPool = staticmethod(Pool)
+    return destroyed_while_routing
+
+
+def _torch_without_a_device():
+    """FakeTorch as torch is where CUDA is not initialized and cannot be (no driver, no
+    device, a CPU build, a forked child): asking whether the stream captures raises."""
+    torch = FakeTorch()
+
+    def is_current_stream_capturing():
+        raise RuntimeError("CUDA error: CUDA driver version is insufficient for CUDA runtime version")
+
+    torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
+    torch.cuda.is_initialized = staticmethod(lambda: False)
+    return torch
