@@ -125,6 +125,21 @@ def _thread_in_region(impl, tag, inside, may_leave, errors):
     return threading.Thread(target=body)
 
 
+def _after_each_route(torch, then):
+    """Make ``torch.cuda.use_mem_pool`` call ``then(pool)`` once each route to ``pool`` has ended
+    (after PyTorch's own exit), in the thread that ends it: what ``then`` raises is PyTorch's
+    error ending the route."""
+    use_mem_pool = torch.cuda.use_mem_pool
+
+    @contextlib.contextmanager
+    def then_after(pool, device=None):
+        with use_mem_pool(pool, device):
+            yield
+        then(pool)
+
+    torch.cuda.use_mem_pool = staticmethod(then_after)
+
+
 def _pools_telling_their_end(torch):
     """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes is
     recorded in the list returned."""

@@ -18,6 +18,7 @@ from torch_memory_saver import regions, saver
 
 from _routing_helpers import (
     FakeTorch,
+    _after_each_route,
     _impl_over,
     _own_routing,
     _pools_telling_their_end,
@@ -624,18 +625,14 @@ def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
     (it may still be routed to): the error reaches the caller, and the next block makes a pool
     of its own rather than take that one."""
     torch = FakeTorch()
-    real_use = torch.cuda.use_mem_pool
     fail = []
 
-    @contextlib.contextmanager
-    def use_mem_pool(pool, device=None):
-        with real_use(pool, device):
-            yield
+    def fail_once(pool):
         if fail:
             fail.clear()
             raise RuntimeError("endAllocateToPool failed")
 
-    torch.cuda.use_mem_pool = staticmethod(use_mem_pool)
+    _after_each_route(torch, fail_once)
     impl = _impl_over(monkeypatch, torch, "preload")
     routing = _own_routing(monkeypatch, torch)
     inside, may_leave, errors = threading.Event(), threading.Event(), []

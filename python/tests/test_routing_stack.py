@@ -16,6 +16,7 @@ from torch_memory_saver import regions
 
 from _routing_helpers import (
     FakeTorch,
+    _after_each_route,
     _captures_routing_over,
     _impl_over,
     _leave_unfinished_in_a_cycle,
@@ -231,7 +232,6 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
     routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
-    use_mem_pool = torch.cuda.use_mem_pool
     collect_at_end = []
 
     def collect():
@@ -244,15 +244,12 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
         t.join(timeout=10)
         assert done and done[0] > 0
 
-    @contextlib.contextmanager
-    def collecting_use_mem_pool(pool, device=None):
-        with use_mem_pool(pool, device):
-            yield
+    def collect_at_end_of(pool):
         if pool is later and collect_at_end:
             collect_at_end.clear()
             collect()
 
-    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
+    _after_each_route(torch, collect_at_end_of)
 
     gc.disable()  # the collection is the test's own
     try:
@@ -281,18 +278,14 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
     routing = _own_routing(monkeypatch, torch)
     outer, later = object(), object()
     me = threading.get_ident()
-    use_mem_pool = torch.cuda.use_mem_pool
     collect_at_end = []
 
-    @contextlib.contextmanager
-    def collecting_use_mem_pool(pool, device=None):
-        with use_mem_pool(pool, device):
-            yield
+    def collect_at_end_of(pool):
         if collect_at_end:
             collect_at_end.clear()
             assert gc.collect() > 0
 
-    torch.cuda.use_mem_pool = staticmethod(collecting_use_mem_pool)
+    _after_each_route(torch, collect_at_end_of)
 
     gc.disable()  # the collection is the test's own
     try:
