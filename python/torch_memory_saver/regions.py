@@ -345,11 +345,15 @@ def _unlink(local: threading.local, stack: list, top: Any) -> bool:
     below it), nor where the stack is another thread's: a route starts for the thread that
     starts it, so the entry below stays suspended till a block of its own thread ends above it."""
     with _stacks_lock:
-        on_top = bool(stack) and stack[-1] is top
         top.ended = True
-        if any(entry is top for entry in stack):
-            stack.remove(top)  # entries compare by identity
-        return on_top and _route_stack(local) is stack
+        if stack and stack[-1] is top:
+            stack.pop()
+            return _route_stack(local) is stack
+        for i, entry in enumerate(stack):  # by identity: an entry is on a stack once at most
+            if entry is top:
+                del stack[i]
+                break
+        return False
 
 
 def _restart_top(local: threading.local, stack: list, torch: Any) -> None:
