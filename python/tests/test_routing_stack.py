@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import sys
 import threading
 
 import pytest
@@ -346,4 +347,100 @@ def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_
         assert not torch.recording and not regions._route_stack(impl._local)
     finally:
         gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+def test_a_block_whose_route_fails_to_end_in_another_thread_does_not_hang_its_own(monkeypatch):
+    """A disable() block left unexited (a generator never finished) in thread A, ended by a
+    garbage collection in thread B, where PyTorch raises ending its route. B's leave() then
+    waits while A destroys retired pools; A, inside that destruction (a pool's end that routes
+    again), had read the block off its stack before and stops its route. B held the route's
+    lock while it waited, so A's stop waited for B, and B for A: both hung for ever. B's
+    leave() now comes after the route's lock, as it does where the route ended well."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    routing = _own_routing(monkeypatch, torch)
+    b_waits = threading.Event()
+    done = routing.done
+
+    class Waits:  # the routing's condition, telling when a thread waits for a destruction
+        def wait(self):
+            b_waits.set()
+            done.wait()
+
+        def notify_all(self):
+            done.notify_all()
+
+    monkeypatch.setattr(routing, "done", Waits())
+    fail = []
+
+    def fail_once(pool):
+        if pool in fail:
+            fail.clear()
+            raise RuntimeError("endAllocateToPool failed")
+
+    _after_each_route(torch, fail_once)
+    # The error ends B's collection of the block, where Python reports it and goes on.
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(repr(u.exc_value)))
+
+    class HookedLock:  # a route's lock, running ``hook`` before A first takes it
+        def __init__(self, lock, hook):
+            self.lock, self.hook = lock, hook
+
+        def __enter__(self):
+            if self.hook is not None and threading.current_thread() is a:
+                hook, self.hook = self.hook, None
+                hook()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    b = threading.Thread(target=gc.collect, daemon=True)  # ends A's block
+
+    def routing_again():  # in A, inside its destruction of a retired pool
+        _leave_unfinished_in_a_cycle(impl.disable)
+        route = regions._route_stack(impl._local)[-1]
+        fail.append(route.pool)
+
+        def collect_in_b():  # A has read the route off its stack, to suspend it
+            b.start()
+            assert b_waits.wait(timeout=10), "B does not wait for A's destruction"
+
+        route.lock = HookedLock(route.lock, collect_in_b)
+        with impl._routed(torch, object(), torch.new_pool):
+            pass
+
+    Pool = torch.cuda.MemPool
+
+    class RoutesAgain:
+        def __del__(self):
+            torch.cuda.MemPool = staticmethod(Pool)
+            routing_again()
+
+    torch.cuda.MemPool = staticmethod(RoutesAgain)
+    ended, errors = threading.Event(), []
+
+    def in_a():
+        try:
+            with impl._routed(torch, None):  # a disable() block: its end destroys its pool
+                pass
+            ended.set()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    a = threading.Thread(target=in_a, daemon=True)  # hung, it must not keep pytest from ending
+    gc.disable()  # the collection is B's
+    try:
+        a.start()
+        a.join(timeout=10)
+        if ended.is_set():
+            b.join(timeout=10)
+    finally:
+        gc.enable()
+    assert ended.is_set() and not b.is_alive(), f"A or B hung (errors: {errors})"
+    assert not errors and not fail, (errors, fail)
+    assert unraisable == ["RuntimeError('endAllocateToPool failed')"], unraisable
+    assert not torch.recording
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -278,20 +278,24 @@ class _Route:
     def stop(self, torch: Any) -> None:
         # Under the route's lock: a start in this route's thread that read it off the stack
         # before a collection in another thread ended it either sees it ended or is ended here.
-        with self.lock:
-            ctx, self.ctx = self.ctx, None
-            using, self.using = self.using, None
-            if ctx is None:
-                return
-            try:
-                self._note_capture(torch)  # also a capture begun inside the block
-                ctx.__exit__(None, None, None)
-            except BaseException:
-                _routing.release(using)
+        # leave() after the lock, also where PyTorch raised: it may wait for a destruction under
+        # way in the route's own thread, whose next step may be to stop this route.
+        routed = False
+        try:
+            with self.lock:
+                ctx, self.ctx = self.ctx, None
+                using, self.using = self.using, None
+                routed = ctx is not None
+                if not routed:
+                    return
+                try:
+                    self._note_capture(torch)  # also a capture begun inside the block
+                    ctx.__exit__(None, None, None)
+                finally:
+                    _routing.release(using)
+        finally:
+            if routed:
                 _routing.leave(torch)
-                raise
-            _routing.release(using)
-        _routing.leave(torch)
 
 
 def _route_stack(local: threading.local) -> list:
