@@ -17,7 +17,9 @@
 //!   a later `chdir` does not move the files. `set_disk_backup_dir` creates the folder at once;
 //!   `TMS_DISK_BACKUP_DIR` and the default are created when first needed (a disk-backed pause).
 //!   What we create, each missing component, gets mode 0700. Links in the path are followed:
-//!   the path is the user's choice (only the subfolder we make, if any, must not be one).
+//!   the path is the user's choice (only the subfolder we make, if any, must not be one). But
+//!   a folder of ours closed to us is opened to us (0700) only where it is at the name, not
+//!   through a link: one at a name found missing was put there since, by someone else.
 //! - Each file is made in the folder the path names at that moment. The folder last used is
 //!   held open and kept while the path still leads to it (same device and inode: sound, as the
 //!   inode we hold open cannot be freed and its number given to another folder); a folder
@@ -178,27 +180,36 @@ impl BackupDir {
                     // A link to nowhere: creating the path tells what is wrong.
                     missing.push(&self.shown);
                 }
-                // One at a time: a umask such as 0777 leaves each closed to us, and it must be
-                // opened to us before the next can be made in it.
-                for p in missing.iter().rev() {
-                    std::fs::DirBuilder::new()
-                        .recursive(true)
-                        .mode(0o700)
-                        .create(p)
-                        .map_err(|e| match e.raw_os_error() {
-                            // A component that is a file, or a link to nowhere.
-                            Some(libc::ENOTDIR | libc::EEXIST) => self.bad(format!(
-                                "cannot be created: a part of the path is not a directory ({e})"
-                            )),
-                            _ => io_err(format!("creating {}", self.shown.display()), e),
-                        })?;
-                    let _ = restore_owner_access(nix::fcntl::AT_FDCWD, *p, true, euid());
-                }
+                missing.reverse();
+                self.make_missing(&missing)?;
                 tracing::info!("created the disk backup directory {}", self.shown.display());
                 open().map_err(refused)
             }
             Err(e) => Err(refused(e)),
         }
+    }
+
+    /// Make the folders of the path found missing (`missing`, outermost first), each with mode
+    /// 0700. One at a time: a umask such as 0777 leaves each closed to us, and it must be opened
+    /// to us before the next can be made in it.
+    fn make_missing(&self, missing: &[&Path]) -> Result<()> {
+        for p in missing {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(p)
+                .map_err(|e| match e.raw_os_error() {
+                    // A component that is a file, or a link to nowhere.
+                    Some(libc::ENOTDIR | libc::EEXIST) => self.bad(format!(
+                        "cannot be created: a part of the path is not a directory ({e})"
+                    )),
+                    _ => io_err(format!("creating {}", self.shown.display()), e),
+                })?;
+            // Without following a link: one at a name found missing was put there since, by
+            // whoever may write to the folder above, and what it leads to is not ours to change.
+            let _ = restore_owner_access(nix::fcntl::AT_FDCWD, *p, false, euid());
+        }
+        Ok(())
     }
 
     /// The folder the files go in now: the one used last while the path still leads to it,
@@ -481,5 +492,31 @@ mod tests {
                 assert_eq!(is_ram_backed(Path::new(p)), ram, "{p} is {t}");
             }
         }
+    }
+
+    #[test]
+    fn a_missing_folder_is_opened_to_us_but_never_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let d = dir("made-missing");
+        // Made meanwhile by another process of ours, under a umask that closed it to us.
+        let sibling = d.join("made-meanwhile");
+        std::fs::create_dir(&sibling).unwrap();
+        std::fs::set_permissions(&sibling, std::fs::Permissions::from_mode(0o500)).unwrap();
+        BackupDir::new(&sibling)
+            .unwrap()
+            .make_missing(&[&sibling])
+            .unwrap();
+        assert_eq!(mode(&sibling), 0o700, "opened to us");
+        // Missing when looked at, a link by the time it is made: put there by whoever may write
+        // to the folder above, to a folder of ours that we keep read-only (not ours to change).
+        let kept = d.join("read-only");
+        std::fs::create_dir(&kept).unwrap();
+        std::fs::set_permissions(&kept, std::fs::Permissions::from_mode(0o500)).unwrap();
+        let link = d.join("job");
+        std::os::unix::fs::symlink(&kept, &link).unwrap();
+        let _ = BackupDir::new(&link).unwrap().make_missing(&[&link]);
+        assert_eq!(mode(&kept), 0o500, "its mode was changed through the link");
+        std::fs::remove_dir_all(&d).unwrap();
     }
 }
