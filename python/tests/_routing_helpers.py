@@ -6,6 +6,7 @@ mempool_id"), and the helpers that route with it."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 
 from torch_memory_saver import regions, saver
@@ -166,3 +167,27 @@ def _torch_without_a_device():
     torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
     torch.cuda.is_initialized = staticmethod(lambda: False)
     return torch
+
+
+def _collect_in_another_thread():
+    """A garbage collection in a thread of its own, which must collect something."""
+    done = []
+    t = threading.Thread(target=lambda: done.append(gc.collect()))
+    t.start()
+    t.join(timeout=10)
+    assert done and done[0] > 0
+
+
+@contextlib.contextmanager
+def _under_a_route_collecting_by_hand(impl, torch, routing, outer):
+    """Inside a route of this thread to ``outer``, with garbage collections the test's own
+    (automatic ones off); after it, nothing routed, this thread's stack empty and the routing
+    state back to rest."""
+    gc.disable()
+    try:
+        with impl._routed(torch, outer, torch.new_pool):
+            yield
+        assert not torch.recording and not regions._route_stack(impl._local)
+    finally:
+        gc.enable()
+    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

@@ -19,9 +19,11 @@ from _routing_helpers import (
     FakeTorch,
     _after_each_route,
     _captures_routing_over,
+    _collect_in_another_thread,
     _impl_over,
     _leave_unfinished_in_a_cycle,
     _own_routing,
+    _under_a_route_collecting_by_hand,
 )
 
 
@@ -203,19 +205,13 @@ def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_wh
     outer, later = object(), object()
     me = threading.get_ident()
 
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            with impl._routed(torch, later, torch.new_pool):
-                assert gc.collect() > 0  # ends the region, under the later route
-                assert torch.recording == {id(later): me}
-                assert len(regions._route_stack(impl._local)) == 2
-            assert torch.recording == {id(outer): me}, "not the route below the region"
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+    with _under_a_route_collecting_by_hand(impl, torch, routing, outer):
+        _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
+        with impl._routed(torch, later, torch.new_pool):
+            assert gc.collect() > 0  # ends the region, under the later route
+            assert torch.recording == {id(later): me}
+            assert len(regions._route_stack(impl._local)) == 2
+        assert torch.recording == {id(outer): me}, "not the route below the region"
 
 
 @pytest.mark.parametrize("where", ["same thread", "another thread"])
@@ -239,11 +235,7 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
         if where == "same thread":
             assert gc.collect() > 0
             return
-        done = []
-        t = threading.Thread(target=lambda: done.append(gc.collect()))
-        t.start()
-        t.join(timeout=10)
-        assert done and done[0] > 0
+        _collect_in_another_thread()
 
     def collect_at_end_of(pool):
         if pool is later and collect_at_end:
@@ -252,19 +244,13 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
 
     _after_each_route(torch, collect_at_end_of)
 
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            with impl._routed(torch, later, torch.new_pool):
-                collect_at_end.append(True)
-            assert not collect_at_end, "the collection did not come"
-            assert torch.recording == {id(outer): me}, "not the route below the region alone"
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+    with _under_a_route_collecting_by_hand(impl, torch, routing, outer):
+        _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
+        with impl._routed(torch, later, torch.new_pool):
+            collect_at_end.append(True)
+        assert not collect_at_end, "the collection did not come"
+        assert torch.recording == {id(outer): me}, "not the route below the region alone"
+        assert len(regions._route_stack(impl._local)) == 1
 
 
 def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one_route(monkeypatch):
@@ -288,20 +274,14 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
 
     _after_each_route(torch, collect_at_end_of)
 
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
-            collect_at_end.append(True)  # at the region route's suspension
-            with impl._routed(torch, later, torch.new_pool):
-                assert not collect_at_end, "the collection did not come"
-                assert torch.recording == {id(later): me}, "not the later block's route alone"
-            assert torch.recording == {id(outer): me}
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+    with _under_a_route_collecting_by_hand(impl, torch, routing, outer):
+        _leave_unfinished_in_a_cycle(lambda: impl.region("left"))
+        collect_at_end.append(True)  # at the region route's suspension
+        with impl._routed(torch, later, torch.new_pool):
+            assert not collect_at_end, "the collection did not come"
+            assert torch.recording == {id(later): me}, "not the later block's route alone"
+        assert torch.recording == {id(outer): me}
+        assert len(regions._route_stack(impl._local)) == 1
 
 
 def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_ended(monkeypatch):
@@ -323,31 +303,21 @@ def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_
         # Not in collect(), under the routing lock: at the restart's own question.
         if collect_when_asked and threading.get_ident() == me and not routing.lock._is_owned():
             collect_when_asked.clear()
-            done = []
-            t = threading.Thread(target=lambda: done.append(gc.collect()))
-            t.start()
-            t.join(timeout=10)
-            assert done and done[0] > 0
+            _collect_in_another_thread()
         return False
 
     torch.cuda.is_current_stream_capturing = staticmethod(is_current_stream_capturing)
 
-    gc.disable()  # the collection is the test's own
-    try:
-        with impl._routed(torch, outer, torch.new_pool):
-            _leave_unfinished_in_a_cycle(impl.disable)  # whose route asks at its start
-            with impl._routed(torch, later, torch.new_pool):
-                pass
-            # The block is on top again, suspended; the next restart asks first.
-            with impl._routed(torch, later, torch.new_pool):
-                collect_when_asked.append(True)
-            assert not collect_when_asked, "the collection did not come"
-            assert torch.recording == {id(outer): me}, "not the route below the block alone"
-            assert len(regions._route_stack(impl._local)) == 1
-        assert not torch.recording and not regions._route_stack(impl._local)
-    finally:
-        gc.enable()
-    assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+    with _under_a_route_collecting_by_hand(impl, torch, routing, outer):
+        _leave_unfinished_in_a_cycle(impl.disable)  # whose route asks at its start
+        with impl._routed(torch, later, torch.new_pool):
+            pass
+        # The block is on top again, suspended; the next restart asks first.
+        with impl._routed(torch, later, torch.new_pool):
+            collect_when_asked.append(True)
+        assert not collect_when_asked, "the collection did not come"
+        assert torch.recording == {id(outer): me}, "not the route below the block alone"
+        assert len(regions._route_stack(impl._local)) == 1
 
 
 def test_a_block_whose_route_fails_to_end_in_another_thread_does_not_hang_its_own(monkeypatch):
