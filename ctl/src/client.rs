@@ -53,8 +53,6 @@ pub struct Client {
     /// The wait for the last reply was bounded by the time without progress (see
     /// [`Client::ask_while`]).
     by_progress: bool,
-    /// The process is of our pid namespace: whether it still lives can be asked.
-    here: bool,
     /// The last request went out whole and its reply did not come in time.
     unanswered: bool,
     stream: UnixStream,
@@ -274,20 +272,20 @@ impl Client {
         vet_server(sock, me, cred.uid(), cred.pid(), None).map_err(refuse)?;
         // Read once the kernel's pid is known to be the one named: that process's.
         let started = sock.here().then(|| start_time(pid)).flatten();
-        if let Some(then) = sock.started {
-            let why = match started {
-                Some(now) if now == then => None,
-                Some(_) => Some(format!(
+        let gone = |why: String| Err(Failure::new(Code::NoProcess, why));
+        match (sock.started, started) {
+            (Some(then), Some(now)) if now != then => {
+                return gone(format!(
                     "process {pid} ended; pid {pid} is now another process"
-                )),
-                None => Some(format!(
-                    "process {pid}: when it started can no longer be read (/proc/{pid}/stat): it \
-                     cannot be told from another process given pid {pid}"
-                )),
-            };
-            if let Some(why) = why {
-                return Err(Failure::new(Code::NoProcess, why));
+                ))
             }
+            (Some(_), None) => {
+                return gone(format!(
+                    "process {pid}: when it started can no longer be read (/proc/{pid}/stat): \
+                     it cannot be told from another process given pid {pid}"
+                ))
+            }
+            _ => {}
         }
         let mut c = Client {
             pid,
@@ -296,7 +294,6 @@ impl Client {
                 ..sock.clone()
             },
             by_progress: false,
-            here: sock.here(),
             unanswered: false,
             stream,
             lines: LineBuffer::new(MAX_REPLY_BYTES),
@@ -492,7 +489,7 @@ impl Client {
                             ),
                         ));
                     }
-                    if self.here && !pid_alive(self.pid) {
+                    if self.sock.here() && !pid_alive(self.pid) {
                         return Err(Failure::new(
                             Code::Failed,
                             format!("process {} ended without replying", self.pid),
