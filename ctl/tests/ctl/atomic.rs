@@ -94,6 +94,17 @@ pub(crate) fn item_of(j: &Value, pid: u32) -> &Value {
         .unwrap_or_else(|| panic!("no item of {pid}: {j}"))
 }
 
+/// The `--atomic` document `j` reports the undo on process `pid` refused, that pid being another
+/// process's now, and does not claim every process as before (`shown` with a failure).
+pub(crate) fn assert_undo_refused_as_replaced(j: &Value, pid: u32, shown: &dyn std::fmt::Display) {
+    assert_eq!(j["every_process_as_before"], false, "{shown}");
+    assert_eq!(
+        item_of(j, pid)["undo"]["error"]["message"],
+        format!("process {pid} ended; pid {pid} is now another process: not undone"),
+        "{shown}"
+    );
+}
+
 /// `pause --all --atomic`: the third process's pause fails at its first copy (before anything
 /// changed there); the two that
 /// paused are resumed again from their backups, every process ends active with its pattern, and

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::atomic::item_of;
+use crate::atomic::{assert_undo_refused_as_replaced, item_of};
 use crate::common::*;
 
 /// The numbers of tag "kv" in a [`failing_server`]'s status: active allocations and bytes,
@@ -330,16 +330,7 @@ fn an_atomic_undo_never_reaches_another_process_given_the_pid_since() {
     let me = std::process::id();
     let (j, ops) = resume_failing_then(&sandbox(), true);
     assert_eq!(ops, ["status", "resume"], "{j}");
-    assert_eq!(j["every_process_as_before"], false, "{j}");
-    let message = item_of(&j, me)["undo"]["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    assert_eq!(
-        message,
-        format!("process {me} ended; pid {me} is now another process: not undone"),
-        "{j}"
-    );
+    assert_undo_refused_as_replaced(&j, me, &j);
     let (j, ops) = resume_failing_then(&sandbox(), false);
     assert_eq!(ops, ["status", "resume", "status", "pause"], "{j}");
     assert_eq!(item_of(&j, me)["undo"]["op"], "pause", "{j}");

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-use crate::atomic::{item_of, started_after_us};
+use crate::atomic::{assert_undo_refused_as_replaced, item_of, started_after_us};
 use crate::common::*;
 
 /// The [`Slow`] server's process was replaced under its pid during the run `r`, and the
@@ -516,15 +516,5 @@ fn the_wait_for_a_running_atomic_pause_stops_at_another_process_given_its_pid() 
     });
     let j = r.json_exit(7);
     assert_replaced_and_never_asked(&slow, &r);
-    assert_eq!(j["every_process_as_before"], false, "{}", r.dump());
-    let message = item_of(&j, me)["undo"]["error"]["message"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    assert_eq!(
-        message,
-        format!("process {me} ended; pid {me} is now another process: not undone"),
-        "{}",
-        r.dump()
-    );
+    assert_undo_refused_as_replaced(&j, me, &r.dump());
 }
