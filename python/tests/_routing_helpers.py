@@ -16,6 +16,9 @@ class FakeTorch:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.recording: dict = {}
+        # id(graph) -> the thread capturing it, from capture_begin to capture_end (PyTorch's
+        # captures_underway: while it is not empty, no pool may be destroyed).
+        self.capturing: dict = {}
         self.made = 0
         # The current device (one for the process: the tests set it in one thread), and the
         # device each pool routed to is routed on.
@@ -45,11 +48,34 @@ class FakeTorch:
 
             @staticmethod
             def is_current_stream_capturing():
-                return False
+                with outer.lock:
+                    return threading.get_ident() in outer.capturing.values()
 
             @staticmethod
             def MemPool():
                 return object()
+
+            class CUDAGraph:
+                def capture_begin(self, pool=None, capture_error_mode="global"):
+                    with outer.lock:
+                        if id(self) in outer.capturing:
+                            raise RuntimeError("capture_begin: this graph is capturing already")
+                        outer.capturing[id(self)] = threading.get_ident()
+
+                def capture_end(self):
+                    with outer.lock:
+                        if outer.capturing.pop(id(self), None) is None:
+                            raise RuntimeError("capture_end: no capture under way")
+
+            @staticmethod
+            @contextlib.contextmanager
+            def graph(cuda_graph, pool=None, stream=None, capture_error_mode="global"):
+                # As torch.cuda.graph: its __exit__ ends the capture, also where the body raised.
+                cuda_graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+                try:
+                    yield
+                finally:
+                    cuda_graph.capture_end()
 
         self.cuda = Cuda
 
@@ -142,15 +168,15 @@ def _after_each_route(torch, then):
 
 
 def _pools_telling_their_end(torch):
-    """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes is
-    recorded in the list returned."""
+    """Make ``torch.cuda.MemPool`` a stand-in whose destruction while a thread routes or
+    captures a graph (where PyTorch asserts) is recorded in the list returned."""
     destroyed_while_routing = []
 
     class Pool:
         def __del__(self):
             with torch.lock:
-                if torch.recording:
-                    destroyed_while_routing.append(dict(torch.recording))
+                if torch.recording or torch.capturing:
+                    destroyed_while_routing.append({**torch.recording, **torch.capturing})
 
     torch.cuda.MemPool = staticmethod(Pool)
     return destroyed_while_routing

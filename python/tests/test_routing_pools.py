@@ -651,3 +651,342 @@ def test_a_disable_pool_whose_route_failed_to_end_is_not_reused(monkeypatch):
         a.join()
     assert not errors, errors
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})
+
+
+@contextlib.contextmanager
+def _another_thread_capturing(torch, how):
+    """Thread A captures a graph as other code does, not through this package: with
+    ``CUDAGraph.capture_begin``/``capture_end`` called by hand (``how="by hand"``) or with
+    ``torch.cuda.graph`` (sglang, vLLM, torch.compile's cudagraphs). The capture is under way
+    inside the block, and ended (A joined) after it."""
+    began, may_end, errors = threading.Event(), threading.Event(), []
+
+    def capture():
+        try:
+            g = torch.cuda.CUDAGraph()
+            if how == "by hand":
+                g.capture_begin()
+                began.set()
+                assert may_end.wait(timeout=10)
+                g.capture_end()
+            else:
+                with torch.cuda.graph(g):
+                    began.set()
+                    assert may_end.wait(timeout=10)
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+            began.set()
+
+    a = threading.Thread(target=capture)
+    a.start()
+    try:
+        assert began.wait(timeout=10)
+        yield
+    finally:
+        may_end.set()
+        a.join(timeout=10)
+    assert not a.is_alive() and not errors, errors
+
+
+def _tracking_pools(torch):
+    """Make ``torch.cuda.MemPool`` record a weak reference to each pool it makes, in the list
+    returned (after ``_pools_telling_their_end``, to keep its stand-in)."""
+    import weakref
+
+    Pool = torch.cuda.MemPool
+    made = []
+
+    def tracked():
+        p = Pool()
+        made.append(weakref.ref(p))
+        return p
+
+    torch.cuda.MemPool = staticmethod(tracked)
+    return made
+
+
+@pytest.mark.parametrize("how", ["by hand", "torch.cuda.graph"])
+@pytest.mark.parametrize("block", ["disable", "region"])
+def test_a_pool_is_never_destroyed_while_another_thread_captures_without_us(monkeypatch, how, block):
+    """PyTorch asserts, ending the process, when a ``MemPool`` is destroyed while any thread
+    captures a graph, also one that other code captures with ``torch.cuda.graph`` rather than
+    through this package. Thread A does so and holds its capture open; this thread's
+    ``disable()`` block (or region whose pool the map dropped) retires its pool meanwhile. It
+    was destroyed at once: no route or capture of the package's was active. It must go only
+    once A's capture has ended, and then go (not wait for some later route's end)."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    made = _tracking_pools(torch)
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+    with impl.disable():  # the package in use before A's capture (a model loaded in a region, say)
+        pass
+    made.clear()
+    with _another_thread_capturing(torch, how):
+        if block == "disable":
+            with impl.disable():
+                pass
+        else:
+            with impl.region("kv"):
+                del impl._mem_pools[("kv", False)]  # the route holds the pool alone now
+        assert not destroyed_while_routing, "a pool was destroyed while another thread captured"
+        assert len(made) == 1 and made[0]() is not None
+    assert made[0]() is None, "the pool retired during the capture outlived it"
+    assert (routing.active, routing.retired, routing.graphs) == (0, {}, {})
+    assert not destroyed_while_routing and not torch.capturing
+
+
+def test_no_capture_begins_while_a_retired_pool_is_destroyed(monkeypatch):
+    """As a route waits (``test_no_route_starts_while_a_retired_pool_is_destroyed``), a graph
+    capture other code begins while thread A destroys retired pools (outside the routing lock)
+    waits for the end of the destruction, or PyTorch sees a pool destroyed under it."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    dying, may_die = threading.Event(), threading.Event()
+    Pool = torch.cuda.MemPool
+
+    class Slow(Pool):
+        def __del__(self):
+            dying.set()
+            may_die.wait(timeout=10)
+            super().__del__()
+
+    with impl.disable():  # the package in use before
+        pass
+    torch.cuda.MemPool = staticmethod(Slow)
+    began, errors = threading.Event(), []
+
+    def disable_block():  # A: leaving it destroys its own pool, slowly
+        with impl.disable():
+            pass
+
+    def capture():  # B: begins a capture of its own while A's pool is being destroyed
+        try:
+            g = torch.cuda.CUDAGraph()
+            g.capture_begin()
+            began.set()
+            g.capture_end()
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    a, b = threading.Thread(target=disable_block), threading.Thread(target=capture)
+    a.start()
+    assert dying.wait(timeout=10)
+    b.start()
+    began_early = began.wait(timeout=0.5)
+    may_die.set()
+    a.join()
+    b.join()
+    assert not began_early, "B began its capture while A's pool was being destroyed"
+    assert began.is_set() and not errors, errors
+    assert not destroyed_while_routing
+    assert (routing.active, routing.retired, routing.graphs) == (0, {}, {})
+    assert routing.destroying is None
+
+
+def _failing(torch, name):
+    """Make ``torch.cuda.CUDAGraph``'s method ``name`` raise while the list returned is not
+    empty (having done its work where it ends a capture: the capture has ended, as after an
+    invalidated capture). Set before the package's first route, which wraps what it finds."""
+    cls = torch.cuda.CUDAGraph
+    real = getattr(cls, name)
+    fail = []
+
+    def method(self, *args, **kwargs):
+        if fail and name == "capture_begin":
+            raise RuntimeError(f"{name} failed")
+        out = real(self, *args, **kwargs)
+        if fail:
+            raise RuntimeError(f"{name} failed")
+        return out
+
+    setattr(cls, name, method)
+    return fail
+
+
+def test_a_capture_whose_begin_raises_is_not_counted(monkeypatch):
+    """A ``capture_begin`` that raises began no capture: it must not stay counted as one, or
+    no retired pool would ever be destroyed again (each ``disable()`` block's pool, say)."""
+    torch = FakeTorch()
+    fail = _failing(torch, "capture_begin")
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    made = _tracking_pools(torch)
+    with impl.disable():  # the package in use: the wrapper is in place
+        pass
+    fail.append(True)
+    with pytest.raises(RuntimeError, match="capture_begin failed"):
+        torch.cuda.CUDAGraph().capture_begin()
+    assert (routing.active, routing.graphs) == (0, {})
+    with impl.disable():
+        pass
+    assert [r() for r in made] == [None, None], "a disable() pool outlived its block"
+    assert routing.retired == {} and not destroyed_while_routing
+
+
+@pytest.mark.parametrize("name", ["capture_end", "capture_end_pre"])
+def test_a_capture_whose_end_raises_is_uncounted_once(monkeypatch, name):
+    """A capture whose end raises (an invalidated capture) is no longer counted, and only once:
+    a second end of the same graph (a retry, which raises too) takes nothing more off. Newer
+    PyTorch ends a capture in ``capture_end_pre`` (which ``capture_end`` calls), and calls it
+    alone where ``torch.cuda.graph`` fails after the capture began: so does this test."""
+    torch = FakeTorch()
+    if name == "capture_end_pre":
+        Graph = torch.cuda.CUDAGraph
+        real_end = Graph.capture_end
+
+        def capture_end(self):
+            self.capture_end_pre()
+
+        Graph.capture_end_pre, Graph.capture_end = real_end, capture_end
+    fail = _failing(torch, name)
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    made = _tracking_pools(torch)
+    with impl.disable():
+        pass
+    g = torch.cuda.CUDAGraph()
+    g.capture_begin()
+    assert (routing.active, list(routing.graphs.values())) == (1, [g])
+    fail.append(True)
+    end = getattr(g, name)
+    with pytest.raises(RuntimeError, match=f"{name} failed"):
+        end()
+    assert (routing.active, routing.graphs) == (0, {})
+    with pytest.raises(RuntimeError, match="no capture under way"):
+        end()
+    assert (routing.active, routing.graphs) == (0, {})
+    with impl.disable():
+        pass
+    assert [r() for r in made] == [None, None] and routing.retired == {}
+    assert not destroyed_while_routing
+
+
+def test_the_packages_own_captures_are_counted_in_balance(monkeypatch):
+    """``cuda_graph`` counts its capture itself and captures through ``torch.cuda.graph``,
+    whose ``capture_begin`` counts it again: both end with it, also where its body raises, so
+    retired pools go once it has ended. Meanwhile another thread's ``disable()`` pool stays."""
+    torch = FakeTorch()
+    impl = _impl_over(monkeypatch, torch, "preload")
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    made = _tracking_pools(torch)
+
+    def disable_block():
+        with impl.disable():
+            pass
+
+    for raises in (False, True):
+        made.clear()
+        with contextlib.suppress(ZeroDivisionError):
+            with impl.cuda_graph(torch.cuda.CUDAGraph()):
+                t = threading.Thread(target=disable_block)
+                t.start()
+                t.join()
+                assert len(made) == 1 and made[0]() is not None
+                if raises:
+                    1 / 0
+        assert (routing.active, routing.graphs, routing.retired) == (0, {}, {})
+        assert made[0]() is None
+    assert not destroyed_while_routing and not torch.capturing
+
+
+def test_captures_are_counted_from_the_packages_first_route_by_one_wrapper(monkeypatch):
+    """The wrapper of ``CUDAGraph``'s methods is put in place the first time the package routes
+    (not when it is imported or its implementation is made), once, however many blocks come."""
+    torch = FakeTorch()
+    Graph = torch.cuda.CUDAGraph
+    originals = {name: Graph.__dict__[name] for name in ("capture_begin", "capture_end")}
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
+    assert {name: Graph.__dict__[name] for name in originals} == originals
+    for _ in range(3):
+        with impl.disable():
+            pass
+        with impl.region("kv"):
+            pass
+    for name, original in originals.items():
+        wrapper = Graph.__dict__[name]
+        assert wrapper is not original and wrapper.__wrapped__ is original, name
+    assert not hasattr(Graph, "capture_end_pre"), "a method PyTorch's class does not have was added"
+    g = Graph()
+    g.capture_begin()
+    assert routing.active == 1
+    g.capture_end()
+    assert (routing.active, routing.graphs) == (0, {})
+
+
+@pytest.mark.parametrize("when", ["before", "after, wrapping", "after, replacing"])
+def test_captures_are_counted_whoever_else_patches_capture_begin(monkeypatch, when):
+    """Integrations patch torch too. One that patched ``capture_begin`` before the package's
+    first route is wrapped, and runs; one that wraps the package's wrapper later (with
+    ``functools.wraps``) is not wrapped again; one that replaces it later with its own call of
+    PyTorch's method is wrapped at the package's next route. Each capture counts once, and
+    nothing raises."""
+    import functools
+
+    torch = FakeTorch()
+    Graph = torch.cuda.CUDAGraph
+    original = Graph.capture_begin
+    calls = []
+
+    def theirs(inner):
+        @functools.wraps(inner)
+        def capture_begin(self, *args, **kwargs):
+            calls.append(1)
+            return inner(self, *args, **kwargs)
+
+        return capture_begin
+
+    if when == "before":
+        Graph.capture_begin = theirs(original)
+    impl = _impl_over(monkeypatch, torch, "torch")
+    routing = _own_routing(monkeypatch, torch)
+    with impl.disable():
+        pass
+    if when == "after, wrapping":
+        Graph.capture_begin = theirs(Graph.capture_begin)
+    elif when == "after, replacing":
+        Graph.capture_begin = lambda self, *a, **kw: (calls.append(1), original(self, *a, **kw))[1]
+    with impl.disable():
+        pass
+    wrapper = Graph.__dict__["capture_begin"]
+    with impl.disable():
+        pass
+    assert Graph.__dict__["capture_begin"] is wrapper, "wrapped again"
+    g = Graph()
+    g.capture_begin()
+    assert (routing.active, calls) == (1, [1])
+    g.capture_end()
+    assert (routing.active, routing.graphs) == (0, {})
+
+
+def test_importing_the_package_leaves_pytorchs_graphs_alone():
+    """Importing the package (and reading its facade) patches nothing of torch's: the wrapper
+    of ``CUDAGraph``'s methods comes with the first route, where torch is in use."""
+    import subprocess
+    import sys
+    import textwrap
+
+    pytest.importorskip("torch")
+    code = textwrap.dedent(
+        """
+        import torch
+        names = ("capture_begin", "capture_end", "capture_end_pre")
+        before = {n: torch.cuda.CUDAGraph.__dict__.get(n) for n in names}
+        import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver as tms
+        tms.hook_mode
+        after = {n: torch.cuda.CUDAGraph.__dict__.get(n) for n in names}
+        assert before == after, (before, after)
+        assert all(not hasattr(m, "__wrapped__") for m in after.values() if m is not None)
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-4000:]

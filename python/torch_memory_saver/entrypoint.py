@@ -399,11 +399,11 @@ class TorchMemorySaver:
         """Allocations inside are ordinary ``cudaMalloc`` memory that no pause touches, even
         inside a region or under ``TMS_INIT_ENABLE=1``: they come from a pool of their own,
         never from a cached pauseable block. On exit, what freed tensors of the block left
-        cached goes back to the device (while another thread's region or a graph capture is
-        under way, once none is; meanwhile the next block on the device reuses it); tensors still
-        alive stay valid across every later pause and can be shared with other processes
-        through CUDA IPC (``torch.multiprocessing``), while their region's tags are paused
-        too."""
+        cached goes back to the device (while another thread's region or a graph capture,
+        this package's or one ``torch.cuda.CUDAGraph`` began, is under way, once none is;
+        meanwhile the next block on the device reuses it); tensors still alive stay valid
+        across every later pause and can be shared with other processes through CUDA IPC
+        (``torch.multiprocessing``), while their region's tags are paused too."""
         self._ensure_initialized()
         return self._impl.disable()
 

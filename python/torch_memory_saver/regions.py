@@ -6,6 +6,7 @@ use, which ``MemPool`` serves the allocations: one per region key (:class:`_Pool
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 import threading
@@ -49,6 +50,18 @@ class _Routing:
     made for (``siblings`` is keyed weakly by that pool, and a route to a sibling holds that
     pool), so it goes then too.
 
+    The captures counted are this package's (``cuda_graph``) and, from its first route or pool
+    on, every one that PyTorch's ``CUDAGraph`` begins, whatever code and thread begins it
+    (``torch.cuda.graph``, ``make_graphed_callables``, torch.compile's cudagraphs): its methods
+    that begin and end a capture are wrapped on the class (``_count_captures``), a capture
+    counts once in ``graphs`` from before it begins to after it ends (also an end that
+    raised). This thread's own capture is seen anyway (its stream captures). Not seen in
+    other threads: a capture begun before the package's first route or pool, or through
+    ``torch._C._CUDAGraph`` itself, and a route that other code starts there
+    (``torch.cuda.use_mem_pool``; ``_cuda_beginAllocateCurrentStreamToPool``, as torch.compile's
+    cudagraph trees do). ``use_mem_pool`` is left unwrapped: Dynamo recognizes it by identity,
+    and the package's own routes call it under a route's lock, where no wait may come.
+
     Meanwhile a ``disable()`` block takes a retired pool of an earlier one of its device
     (``spare``) rather than making its own: while one thread keeps a region open for ever (a
     serving thread), the blocks of another would otherwise each leave a pool, with its cache,
@@ -81,6 +94,9 @@ class _Routing:
         self.busy: dict = {}
         self.siblings: Any = weakref.WeakKeyDictionary()
         self.pinned_siblings: dict = {}
+        # id(graph) -> graph: the captures of PyTorch's CUDAGraph under way, counted in
+        # ``active`` (see _count_captures). Held, so that an id is not reused meanwhile.
+        self.graphs: dict = {}
 
     def _siblings_of(self, pool: Any) -> list:
         try:
@@ -128,6 +144,27 @@ class _Routing:
             self.active -= 1
         self.collect(torch)
 
+    def begin_capture(self, graph: Any) -> bool:
+        """Count ``graph``'s capture as active (as ``enter``), unless it is counted already
+        (a wrapper of ours under another, a second ``capture_begin``); whether this call
+        counted it."""
+        with self.lock:
+            self._wait_for_destruction()
+            if id(graph) in self.graphs:
+                return False
+            self.graphs[id(graph)] = graph
+            self.active += 1
+        return True
+
+    def end_capture(self, graph: Any, torch: Any) -> None:
+        """Uncount ``graph``'s capture where counted (so once, however many ends it goes
+        through), and collect (as ``leave``)."""
+        with self.lock:
+            if self.graphs.pop(id(graph), None) is None:
+                return
+            self.active -= 1
+        self.collect(torch)
+
     def retire_pools(self, pools: list) -> None:
         """Take ``pools``, dropped from a pool map, into ``retired`` (see ``retire``): where
         the map held their last references, they go only when no route or capture is active.
@@ -135,6 +172,7 @@ class _Routing:
         torch = sys.modules.get("torch")
         if not pools or torch is None:
             return
+        _count_captures(torch)
         with self.lock:
             for p in pools:
                 self.retired[id(p)] = p
@@ -200,6 +238,85 @@ class _Routing:
 
 
 _routing = _Routing()
+
+# Our wrappers of CUDAGraph's methods, to know one under an integration's (see _count_captures).
+_capture_wrappers: Any = weakref.WeakSet()
+# Reentrant: a garbage collection inside may end a block whose end routes again.
+_capture_wrappers_lock = threading.RLock()
+
+
+def _ours(method: Any) -> bool:
+    """Whether ``method`` is one of our wrappers, or wraps one (``functools.wraps``)."""
+    seen = set()
+    while method is not None and id(method) not in seen:
+        try:
+            if method in _capture_wrappers:
+                return True
+        except TypeError:  # not hashable: none of ours
+            pass
+        seen.add(id(method))
+        method = getattr(method, "__wrapped__", None)
+    return False
+
+
+def _counting_begin(begin: Any, torch: Any) -> Any:
+    @functools.wraps(begin)
+    def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Counted before PyTorch begins, so that no pool is destroyed from then on.
+        counted = _routing.begin_capture(self)
+        try:
+            return begin(self, *args, **kwargs)
+        except BaseException:
+            if counted:  # no capture began
+                _routing.end_capture(self, torch)
+            raise
+
+    return capture_begin
+
+
+def _counting_end(end: Any, torch: Any) -> Any:
+    @functools.wraps(end)
+    def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Uncounted after PyTorch's end, also one that raised (an invalidated capture):
+        # counted for ever, it would keep every retired pool.
+        try:
+            return end(self, *args, **kwargs)
+        finally:
+            _routing.end_capture(self, torch)
+
+    return capture_end
+
+
+# The methods that begin and end a capture: capture_end_pre ends it where PyTorch has one
+# (capture_end calls it; torch.cuda.graph calls it alone where it fails after capture_begin).
+_CAPTURE_METHODS = (
+    ("capture_end_pre", _counting_end),
+    ("capture_end", _counting_end),
+    ("capture_begin", _counting_begin),  # last: never a count that no end takes off
+)
+
+
+def _count_captures(torch: Any) -> None:
+    """Count each graph capture that PyTorch's ``CUDAGraph`` begins, whatever code begins it
+    (``torch.cuda.graph``, ``make_graphed_callables``, torch.compile's cudagraphs), in
+    ``_routing.active`` till it ends: the methods that begin and end one are wrapped on the
+    class. Called where the package routes or handles a pool (where torch is in use), not at
+    its import; a method someone patched is wrapped as it is, and wrapped again only where
+    someone replaced our wrapper by something that does not wrap it."""
+    graph_class = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+    if graph_class is None:
+        return
+    with _capture_wrappers_lock:
+        for name, wrap in _CAPTURE_METHODS:
+            method = getattr(graph_class, name, None)
+            if method is None or _ours(method):
+                continue
+            wrapper = wrap(method, torch)
+            try:
+                setattr(graph_class, name, wrapper)
+            except (AttributeError, TypeError):  # a class that cannot be patched: as before
+                return
+            _capture_wrappers.add(wrapper)
 
 
 def _may_capture(torch: Any) -> bool:
@@ -403,6 +520,7 @@ class _Routed:
 
     def __enter__(self) -> None:
         torch = self.torch
+        _count_captures(torch)
         pool, self.pool = self.pool, None  # the route holds it from now on, and alone
         spare = None
         if pool is None:
@@ -639,6 +757,7 @@ class _Regions:
 
     def _new_pool(self, torch: Any) -> Any:
         """A MemPool whose allocator is the hook mode's."""
+        _count_captures(torch)
         allocator = self._hook_util.get_allocator()
         if allocator is None:
             return torch.cuda.MemPool()
@@ -744,6 +863,7 @@ class _Regions:
         """See ``TorchMemorySaver.cuda_graph``."""
         import torch
 
+        _count_captures(torch)
         tag = _check_tag(tag)
         enable_cpu_backup = bool(enable_cpu_backup)
         backend = _check_backup(enable_cpu_backup, cpu_backup_backend)
