@@ -457,3 +457,65 @@ def test_disable_blocks_under_another_threads_region_reuse_one_pool(mode):
         """,
         mode,
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pools_dropped_during_another_threads_raw_capture_wait_for_its_end(mode):
+    """PyTorch's ``MemPool`` destructor asserts (``std::terminate``: the process dies) while any
+    thread captures a graph. Thread A captures one with plain ``torch.cuda.graph``, not through
+    the package (as sglang, vLLM and torch.compile's cudagraphs do), and holds the capture open
+    while this thread enters and leaves ``disable()`` blocks and regions whose pools it drops:
+    those pools must wait for A's capture to end, then go; the process lives and the graph
+    replays right."""
+    run(
+        """
+        import threading
+        from torch_memory_saver import regions
+        MIB = 1 << 20
+        with tms.region(tag="weights"):  # the package in use before the capture, as ever
+            w = torch.full((MIB,), 3.0, device="cuda")
+        x = torch.full((MIB,), 2.0, device="cuda")
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        began, may_end, out, errors = threading.Event(), threading.Event(), [], []
+        def capture():
+            try:
+                # thread_local: this thread's allocations meanwhile are not refused by CUDA
+                with torch.cuda.graph(g, capture_error_mode="thread_local"):
+                    out.append(x * w + 1)
+                    began.set()
+                    assert may_end.wait(60)
+            except BaseException as e:
+                errors.append(repr(e))
+                began.set()
+        a = threading.Thread(target=capture)
+        a.start()
+        assert began.wait(60) and not errors, errors
+        for i in range(5):
+            with tms.disable():
+                y = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+                y.fill_(1)
+                del y
+            with tms.region(tag=f"kv{i}"):
+                z = torch.empty(MIB, device="cuda")
+                z.fill_(i)
+                del z
+            # The map held the region pool's last reference.
+            tms._impl._mem_pools.pop((f"kv{i}", False))
+        # No device-wide synchronize while A captures: it would wait on A's capturing stream.
+        waiting = len(regions._routing.retired)
+        assert waiting >= 5, f"{waiting} pools retired while A captured: some destroyed under it"
+        may_end.set()
+        a.join(60)
+        assert not a.is_alive() and not errors, errors
+        assert not regions._routing.retired, "pools kept past the capture"
+        assert regions._routing.active == 0
+        x.fill_(5.0)
+        g.replay()
+        torch.cuda.synchronize()
+        assert bool((out[0] == 16).all()), "the graph's replay"
+        print("ok")
+        """,
+        mode,
+        timeout=120,
+    )
