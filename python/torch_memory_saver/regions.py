@@ -54,9 +54,10 @@ class _Routing:
     on, every one that PyTorch's ``CUDAGraph`` begins, whatever code and thread begins it
     (``torch.cuda.graph``, ``make_graphed_callables``, torch.compile's cudagraphs): its methods
     that begin and end a capture are wrapped on the class (``_count_captures``), a capture
-    counts once in ``graphs`` from before it begins to after it ends (also an end that
-    raised). This thread's own capture is seen anyway (its stream captures). Not seen in
-    other threads: a capture begun before the package's first route or pool, or through
+    counts once in ``graphs`` from before it begins to after an end of it returns (not one
+    that raised: PyTorch may hold it as under way for good, and retired pools then wait).
+    This thread's own capture is seen anyway (its stream captures). Not seen in other threads:
+    a capture begun before the package's first route or pool, or through
     ``torch._C._CUDAGraph`` itself, and a route that other code starts there
     (``torch.cuda.use_mem_pool``; ``_cuda_beginAllocateCurrentStreamToPool``, as torch.compile's
     cudagraph trees do). ``use_mem_pool`` is left unwrapped: Dynamo recognizes it by identity,
@@ -277,12 +278,13 @@ def _counting_begin(begin: Any, torch: Any) -> Any:
 def _counting_end(end: Any, torch: Any) -> Any:
     @functools.wraps(end)
     def capture_end(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Uncounted after PyTorch's end, also one that raised (an invalidated capture):
-        # counted for ever, it would keep every retired pool.
-        try:
-            return end(self, *args, **kwargs)
-        finally:
-            _routing.end_capture(self, torch)
+        # Uncounted once PyTorch's end returned. An end that raised may leave the capture in
+        # the allocator's list for good (an invalidated capture: cudaStreamEndCapture fails
+        # before the allocator hears of the end), where destroying a pool ends the process:
+        # it stays counted, retired pools waiting, till an end of this graph returns.
+        out = end(self, *args, **kwargs)
+        _routing.end_capture(self, torch)
+        return out
 
     return capture_end
 
