@@ -200,13 +200,11 @@ def test_a_pool_is_never_destroyed_while_a_thread_is_starting_its_route():
     assert not destroyed_while_routing, "disable()'s pool was destroyed while another thread routed"
 
 
-def test_no_route_starts_while_a_retired_pool_is_destroyed():
-    """``collect`` destroys retired pools after letting go of its lock (a pool's end may run
-    code that routes again); a thread entering a region meanwhile must wait for the end, or
-    PyTorch sees a pool destroyed under its route (and asserts, ending the process)."""
-    torch = FakeTorch()
-    impl = saver._TorchMemorySaverImpl("torch")
-    destroyed_while_routing = _pools_telling_their_end(torch)
+def _past_early_while_a_pool_dies(torch, a, b):
+    """Run ``a`` in a thread A, whose destruction of a pool made from now on is held until
+    thread B, started once it began, has had 0.5 s to get past what ``b(past)`` waits for
+    (setting ``past`` then). Returns whether B got there while A's pool was being destroyed;
+    B must get there in the end, without error."""
     dying, may_die = threading.Event(), threading.Event()
 
     class Slow(torch.cuda.MemPool):
@@ -216,30 +214,44 @@ def test_no_route_starts_while_a_retired_pool_is_destroyed():
             super().__del__()
 
     torch.cuda.MemPool = staticmethod(Slow)
-    b_routed = threading.Event()
-    errors = []
+    past, errors = threading.Event(), []
+
+    def in_b():
+        try:
+            b(past)
+        except Exception as e:  # collected: a failure fails the test
+            errors.append(repr(e))
+
+    ta, tb = threading.Thread(target=a), threading.Thread(target=in_b)
+    ta.start()
+    assert dying.wait(timeout=10)
+    tb.start()
+    early = past.wait(timeout=0.5)
+    may_die.set()
+    ta.join()
+    tb.join()
+    assert past.is_set() and not errors, errors
+    return early
+
+
+def test_no_route_starts_while_a_retired_pool_is_destroyed():
+    """``collect`` destroys retired pools after letting go of its lock (a pool's end may run
+    code that routes again); a thread entering a region meanwhile must wait for the end, or
+    PyTorch sees a pool destroyed under its route (and asserts, ending the process)."""
+    torch = FakeTorch()
+    impl = saver._TorchMemorySaverImpl("torch")
+    destroyed_while_routing = _pools_telling_their_end(torch)
 
     def disable_block():  # A: leaving it destroys its own pool, slowly
         with impl._routed(torch, None):
             pass
 
-    def region():  # B: enters a region while A's pool is being destroyed
-        try:
-            with impl._routed(torch, object(), torch.new_pool):
-                b_routed.set()
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(repr(e))
+    def region(routed):  # B: enters a region while A's pool is being destroyed
+        with impl._routed(torch, object(), torch.new_pool):
+            routed.set()
 
-    a, b = threading.Thread(target=disable_block), threading.Thread(target=region)
-    a.start()
-    assert dying.wait(timeout=10)
-    b.start()
-    routed_early = b_routed.wait(timeout=0.5)
-    may_die.set()
-    a.join()
-    b.join()
+    routed_early = _past_early_while_a_pool_dies(torch, disable_block, region)
     assert not routed_early, "B routed while A's pool was being destroyed"
-    assert b_routed.is_set() and not errors, errors
     assert not destroyed_while_routing
     assert regions._routing.destroying is None and not regions._routing.active
 
@@ -401,18 +413,12 @@ def test_a_pool_retired_while_retired_pools_are_destroyed_goes_too():
     with it once no route is active, not wait in ``retired`` (with its cached blocks) for some
     later route's end anywhere in the process, which may never come."""
     import gc
-    import weakref
 
     torch = FakeTorch()
     impl = saver._TorchMemorySaverImpl("torch")
     destroyed_while_routing = _pools_telling_their_end(torch)
     Pool = torch.cuda.MemPool
-    made = []
-
-    def plain():
-        p = Pool()
-        made.append(weakref.ref(p))
-        return p
+    plain, made = _tracked(Pool)
 
     class Reentrant(Pool):
         def __del__(self):
@@ -508,21 +514,8 @@ def test_disable_blocks_under_another_threads_region_reuse_their_retired_pools(m
     the retired pools are at most as many as blocks open at once, and all go once nothing is
     under way. Never a region's pool, a pool of another device, nor the kept pool of
     ``dispose_mem_pool_after_use=False``, and never one destroyed under a route."""
-    import weakref
-
     torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "torch")
-    routing = _own_routing(monkeypatch, torch)
-    destroyed_while_routing = _pools_telling_their_end(torch)
-    Pool = torch.cuda.MemPool
-    made = []
-
-    def tracked():
-        p = Pool()
-        made.append(weakref.ref(p))
-        return p
-
-    torch.cuda.MemPool = staticmethod(tracked)
+    impl, routing, destroyed_while_routing, made = _watched(monkeypatch, torch)
     monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
     inside, may_leave, errors = threading.Event(), threading.Event(), []
     a = _thread_in_region(impl, "serving", inside, may_leave, errors)
@@ -688,20 +681,35 @@ def _another_thread_capturing(torch, how):
     assert not a.is_alive() and not errors, errors
 
 
-def _tracking_pools(torch):
-    """Make ``torch.cuda.MemPool`` record a weak reference to each pool it makes, in the list
-    returned (after ``_pools_telling_their_end``, to keep its stand-in)."""
+def _watched(monkeypatch, torch, mode="torch"):
+    """An implementation of hook mode ``mode`` over ``torch`` with a routing state of its own;
+    returns it, that state, the list of pools destroyed while a route or capture was under way
+    (``_pools_telling_their_end``) and the weak references to the pools made from now on."""
+    impl = _impl_over(monkeypatch, torch, mode)
+    routing = _own_routing(monkeypatch, torch)
+    destroyed_while_routing = _pools_telling_their_end(torch)
+    return impl, routing, destroyed_while_routing, _tracking_pools(torch)
+
+
+def _tracked(Pool):
+    """A maker of ``Pool``s that records a weak reference to each, and the list of them."""
     import weakref
 
-    Pool = torch.cuda.MemPool
     made = []
 
-    def tracked():
+    def make():
         p = Pool()
         made.append(weakref.ref(p))
         return p
 
-    torch.cuda.MemPool = staticmethod(tracked)
+    return make, made
+
+
+def _tracking_pools(torch):
+    """Make ``torch.cuda.MemPool`` record a weak reference to each pool it makes, in the list
+    returned (after ``_pools_telling_their_end``, to keep its stand-in)."""
+    make, made = _tracked(torch.cuda.MemPool)
+    torch.cuda.MemPool = staticmethod(make)
     return made
 
 
@@ -715,10 +723,7 @@ def test_a_pool_is_never_destroyed_while_another_thread_captures_without_us(monk
     was destroyed at once: no route or capture of the package's was active. It must go only
     once A's capture has ended, and then go (not wait for some later route's end)."""
     torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "torch")
-    routing = _own_routing(monkeypatch, torch)
-    destroyed_while_routing = _pools_telling_their_end(torch)
-    made = _tracking_pools(torch)
+    impl, routing, destroyed_while_routing, made = _watched(monkeypatch, torch)
     monkeypatch.setattr(impl, "_new_pool", lambda _torch: torch.cuda.MemPool())
     with impl.disable():  # the package in use before A's capture (a model loaded in a region, say)
         pass
@@ -745,43 +750,21 @@ def test_no_capture_begins_while_a_retired_pool_is_destroyed(monkeypatch):
     impl = _impl_over(monkeypatch, torch, "torch")
     routing = _own_routing(monkeypatch, torch)
     destroyed_while_routing = _pools_telling_their_end(torch)
-    dying, may_die = threading.Event(), threading.Event()
-    Pool = torch.cuda.MemPool
-
-    class Slow(Pool):
-        def __del__(self):
-            dying.set()
-            may_die.wait(timeout=10)
-            super().__del__()
-
     with impl.disable():  # the package in use before
         pass
-    torch.cuda.MemPool = staticmethod(Slow)
-    began, errors = threading.Event(), []
 
     def disable_block():  # A: leaving it destroys its own pool, slowly
         with impl.disable():
             pass
 
-    def capture():  # B: begins a capture of its own while A's pool is being destroyed
-        try:
-            g = torch.cuda.CUDAGraph()
-            g.capture_begin()
-            began.set()
-            g.capture_end()
-        except Exception as e:  # collected: a failure fails the test
-            errors.append(repr(e))
+    def capture(began):  # B: begins a capture of its own while A's pool is being destroyed
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        began.set()
+        g.capture_end()
 
-    a, b = threading.Thread(target=disable_block), threading.Thread(target=capture)
-    a.start()
-    assert dying.wait(timeout=10)
-    b.start()
-    began_early = began.wait(timeout=0.5)
-    may_die.set()
-    a.join()
-    b.join()
+    began_early = _past_early_while_a_pool_dies(torch, disable_block, capture)
     assert not began_early, "B began its capture while A's pool was being destroyed"
-    assert began.is_set() and not errors, errors
     assert not destroyed_while_routing
     assert (routing.active, routing.retired, routing.graphs) == (0, {}, {})
     assert routing.destroying is None
@@ -810,10 +793,7 @@ def test_a_capture_whose_begin_raises_is_not_counted(monkeypatch):
     no retired pool would ever be destroyed again (each ``disable()`` block's pool, say)."""
     torch = FakeTorch()
     fail = _failing(torch, "capture_begin")
-    impl = _impl_over(monkeypatch, torch, "torch")
-    routing = _own_routing(monkeypatch, torch)
-    destroyed_while_routing = _pools_telling_their_end(torch)
-    made = _tracking_pools(torch)
+    impl, routing, destroyed_while_routing, made = _watched(monkeypatch, torch)
     with impl.disable():  # the package in use: the wrapper is in place
         pass
     fail.append(True)
@@ -843,10 +823,7 @@ def test_a_capture_whose_end_raises_stays_counted_till_an_end_returns(monkeypatc
 
         Graph.capture_end_pre, Graph.capture_end = real_end, capture_end
     fail = _failing(torch, name)
-    impl = _impl_over(monkeypatch, torch, "torch")
-    routing = _own_routing(monkeypatch, torch)
-    destroyed_while_routing = _pools_telling_their_end(torch)
-    made = _tracking_pools(torch)
+    impl, routing, destroyed_while_routing, made = _watched(monkeypatch, torch)
     with impl.disable():
         pass
     g = torch.cuda.CUDAGraph()
@@ -876,10 +853,7 @@ def test_the_packages_own_captures_are_counted_in_balance(monkeypatch):
     whose ``capture_begin`` counts it again: both end with it, also where its body raises, so
     retired pools go once it has ended. Meanwhile another thread's ``disable()`` pool stays."""
     torch = FakeTorch()
-    impl = _impl_over(monkeypatch, torch, "preload")
-    routing = _own_routing(monkeypatch, torch)
-    destroyed_while_routing = _pools_telling_their_end(torch)
-    made = _tracking_pools(torch)
+    impl, routing, destroyed_while_routing, made = _watched(monkeypatch, torch, "preload")
 
     def disable_block():
         with impl.disable():
