@@ -10,6 +10,7 @@ import gc
 import threading
 
 from torch_memory_saver import regions, saver
+from torch_memory_saver import routing as routes
 
 
 class FakeTorch:
@@ -118,8 +119,8 @@ def _own_routing(monkeypatch, torch):
     """Route with ``torch`` through a routing state of the test's own (the module's is shared
     by every test): returned, to look into."""
     monkeypatch.setattr(regions, "_torch_if_cuda", lambda: torch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = routes._Routing()
+    monkeypatch.setattr(routes, "_routing", routing)
     return routing
 
 
@@ -213,7 +214,7 @@ def _under_a_route_collecting_by_hand(impl, torch, routing, outer):
     try:
         with impl._routed(torch, outer, torch.new_pool):
             yield
-        assert not torch.recording and not regions._route_stack(impl._local)
+        assert not torch.recording and not routes._route_stack(impl._local)
     finally:
         gc.enable()
     assert (routing.active, routing.retired, routing.busy) == (0, {}, {})

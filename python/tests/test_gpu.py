@@ -413,7 +413,7 @@ def test_disable_blocks_under_another_threads_region_reuse_one_pool(mode):
     run(
         """
         import gc, threading
-        from torch_memory_saver import regions
+        from torch_memory_saver import routing as routes
         MIB = 1 << 20
         inside, leave = threading.Event(), threading.Event()
         def serve():
@@ -433,7 +433,7 @@ def test_disable_blocks_under_another_threads_region_reuse_one_pool(mode):
                 del y
         grew = torch.cuda.memory_reserved() - base
         assert grew <= 3 * 64 * MIB, f"{grew / MIB:.0f} MiB reserved over 60 disable() blocks"
-        assert len(regions._routing.retired) <= 2, len(regions._routing.retired)
+        assert len(routes._routing.retired) <= 2, len(routes._routing.retired)
         # A graph captured with a disable() block inside, then eager blocks: the graph's
         # memory is never handed to them, so replays and eager tensors leave each other alone.
         g = torch.cuda.CUDAGraph()
@@ -453,7 +453,7 @@ def test_disable_blocks_under_another_threads_region_reuse_one_pool(mode):
         t.join()
         del w, w2
         gc.collect()
-        assert not regions._routing.retired, len(regions._routing.retired)
+        assert not routes._routing.retired, len(routes._routing.retired)
         """,
         mode,
     )
@@ -470,7 +470,7 @@ def test_pools_dropped_during_another_threads_raw_capture_wait_for_its_end(mode)
     run(
         """
         import threading
-        from torch_memory_saver import regions
+        from torch_memory_saver import routing as routes
         MIB = 1 << 20
         with tms.region(tag="weights"):  # the package in use before the capture, as ever
             w = torch.full((MIB,), 3.0, device="cuda")
@@ -503,13 +503,13 @@ def test_pools_dropped_during_another_threads_raw_capture_wait_for_its_end(mode)
             # The map held the region pool's last reference.
             tms._impl._mem_pools.pop((f"kv{i}", False))
         # No device-wide synchronize while A captures: it would wait on A's capturing stream.
-        waiting = len(regions._routing.retired)
+        waiting = len(routes._routing.retired)
         assert waiting >= 5, f"{waiting} pools retired while A captured: some destroyed under it"
         may_end.set()
         a.join(60)
         assert not a.is_alive() and not errors, errors
-        assert not regions._routing.retired, "pools kept past the capture"
-        assert regions._routing.active == 0
+        assert not routes._routing.retired, "pools kept past the capture"
+        assert routes._routing.active == 0
         x.fill_(5.0)
         g.replay()
         torch.cuda.synchronize()

@@ -14,7 +14,8 @@ import threading
 
 import pytest
 
-from torch_memory_saver import regions, saver
+from torch_memory_saver import saver
+from torch_memory_saver import routing as routes
 
 from _routing_helpers import (
     FakeTorch,
@@ -61,7 +62,7 @@ def test_threads_in_the_same_region_get_pools_of_their_own():
     for t in threads:
         t.join()
     assert not errors and len(set(used)) == 4 and torch.made == 3, (errors, used, torch.made)
-    assert not regions._routing.busy, regions._routing.busy
+    assert not routes._routing.busy, routes._routing.busy
 
 
 def test_one_thread_nests_routes_to_the_same_pool():
@@ -129,11 +130,11 @@ def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypat
     impl = saver._TorchMemorySaverImpl("torch")
     destroyed_while_routing = _pools_telling_their_end(torch)
     b_inside, b_may_leave = threading.Event(), threading.Event()
-    real_collect = regions._routing.collect
+    real_collect = routes._routing.collect
     fired = []
 
     def collect(t):
-        retiring = bool(regions._routing.retired)  # A's pool was just retired (not a route's end)
+        retiring = bool(routes._routing.retired)  # A's pool was just retired (not a route's end)
         real_collect(t)
         if threading.current_thread() is main and retiring and not fired:
             fired.append(1)
@@ -152,7 +153,7 @@ def test_a_disable_pool_is_never_destroyed_while_another_thread_routes(monkeypat
             errors.append(repr(e))
 
     b = threading.Thread(target=other)
-    monkeypatch.setattr(regions._routing, "collect", collect)
+    monkeypatch.setattr(routes._routing, "collect", collect)
     with impl._routed(torch, None):
         pass
     b_may_leave.set()
@@ -253,7 +254,7 @@ def test_no_route_starts_while_a_retired_pool_is_destroyed():
     routed_early = _past_early_while_a_pool_dies(torch, disable_block, region)
     assert not routed_early, "B routed while A's pool was being destroyed"
     assert not destroyed_while_routing
-    assert regions._routing.destroying is None and not regions._routing.active
+    assert routes._routing.destroying is None and not routes._routing.active
 
 
 @pytest.mark.parametrize("drop", ["del", "pop", "replace"])
@@ -432,12 +433,12 @@ def test_a_pool_retired_while_retired_pools_are_destroyed_goes_too():
         pass
     gc.collect()
     assert len(made) == 1, made  # the inner block ran, with a pool of its own
-    assert made[0]() is None and not regions._routing.retired, (
+    assert made[0]() is None and not routes._routing.retired, (
         "the pool retired during the destruction was kept past it",
-        regions._routing.retired,
+        routes._routing.retired,
     )
     assert not destroyed_while_routing
-    assert regions._routing.destroying is None and not regions._routing.active
+    assert routes._routing.destroying is None and not routes._routing.active
 
 
 @pytest.mark.parametrize("torch_kind", ["stand-in", "real"])
@@ -467,7 +468,7 @@ def test_dropping_a_pool_from_the_map_needs_no_device(monkeypatch, drop, torch_k
         impl._mem_pools[key] = object()
     else:
         impl._mem_pools.clear()
-    assert not regions._routing.retired
+    assert not routes._routing.retired
 
 
 def test_a_region_whose_flags_fail_leaves_no_pool_to_end_under_another_route(monkeypatch):

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from torch_memory_saver import regions
+from torch_memory_saver import routing as routes
 
 from _routing_helpers import (
     FakeTorch,
@@ -60,7 +60,7 @@ def test_a_graph_captured_inside_a_region_is_not_routed_to_the_regions_pool(monk
         ("after inner", {}),
         ("after capture", {id(region_pool): me}),
     ], seen
-    assert not torch.recording and not regions._routing.active
+    assert not torch.recording and not routes._routing.active
 
 
 @pytest.mark.parametrize("inner", ["cuda_graph", "disable", "region"])
@@ -89,7 +89,7 @@ def test_a_suspended_route_restarts_on_its_own_device(monkeypatch, inner):
         torch.device = 0  # the device block's end
         seen.append(dict(torch.devices))
     assert seen == [{id(region_pool): 0}] * 2, seen
-    assert not torch.recording and not regions._routing.active
+    assert not torch.recording and not routes._routing.active
 
 
 @pytest.mark.parametrize("block", ["region", "disable"])
@@ -136,8 +136,8 @@ def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypat
     it popped B's route off B's stack and restarted A's enclosing route in B (routing B's
     allocations to A's pool), and B's own end then found B's stack empty."""
     torch, impl = _captures_routing_over(monkeypatch)
-    routing = regions._Routing()
-    monkeypatch.setattr(regions, "_routing", routing)
+    routing = routes._Routing()
+    monkeypatch.setattr(routes, "_routing", routing)
     a_pool, b_pool = object(), object()
     left, collected = threading.Event(), threading.Event()
     seen, errors = {}, []
@@ -158,7 +158,7 @@ def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypat
                 del gen, loop
                 left.set()
                 assert collected.wait(timeout=10)
-                seen["a_stack"] = len(regions._route_stack(impl._local))
+                seen["a_stack"] = len(routes._route_stack(impl._local))
         except Exception as e:  # collected: a failure fails the test
             errors.append(f"A: {e!r}")
 
@@ -169,7 +169,7 @@ def test_a_block_collected_in_another_thread_undoes_only_its_own_enter(monkeypat
                 assert gc.collect() > 0  # ends A's block, here in B
                 with torch.lock:
                     seen["recording"] = dict(torch.recording)
-                seen["b_stack"] = len(regions._route_stack(impl._local))
+                seen["b_stack"] = len(routes._route_stack(impl._local))
                 collected.set()
         except Exception as e:  # collected: a failure fails the test
             errors.append(f"B: {e!r}")
@@ -210,7 +210,7 @@ def test_a_block_collected_under_a_later_block_of_its_thread_leaves_the_stack_wh
         with impl._routed(torch, later, torch.new_pool):
             assert gc.collect() > 0  # ends the region, under the later route
             assert torch.recording == {id(later): me}
-            assert len(regions._route_stack(impl._local)) == 2
+            assert len(routes._route_stack(impl._local)) == 2
         assert torch.recording == {id(outer): me}, "not the route below the region"
 
 
@@ -250,7 +250,7 @@ def test_a_block_collected_while_the_block_above_it_ends_leaves_the_right_route(
             collect_at_end.append(True)
         assert not collect_at_end, "the collection did not come"
         assert torch.recording == {id(outer): me}, "not the route below the region alone"
-        assert len(regions._route_stack(impl._local)) == 1
+        assert len(routes._route_stack(impl._local)) == 1
 
 
 def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one_route(monkeypatch):
@@ -281,7 +281,7 @@ def test_a_block_collected_while_a_block_entered_above_it_suspends_it_leaves_one
             assert not collect_at_end, "the collection did not come"
             assert torch.recording == {id(later): me}, "not the later block's route alone"
         assert torch.recording == {id(outer): me}
-        assert len(regions._route_stack(impl._local)) == 1
+        assert len(routes._route_stack(impl._local)) == 1
 
 
 def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_ended(monkeypatch):
@@ -317,7 +317,7 @@ def test_a_block_collected_in_another_thread_while_its_thread_restarts_it_stays_
             collect_when_asked.append(True)
         assert not collect_when_asked, "the collection did not come"
         assert torch.recording == {id(outer): me}, "not the route below the block alone"
-        assert len(regions._route_stack(impl._local)) == 1
+        assert len(routes._route_stack(impl._local)) == 1
 
 
 def test_a_block_whose_route_fails_to_end_in_another_thread_does_not_hang_its_own(monkeypatch):
@@ -371,7 +371,7 @@ def test_a_block_whose_route_fails_to_end_in_another_thread_does_not_hang_its_ow
 
     def routing_again():  # in A, inside its destruction of a retired pool
         _leave_unfinished_in_a_cycle(impl.disable)
-        route = regions._route_stack(impl._local)[-1]
+        route = routes._route_stack(impl._local)[-1]
         fail.append(route.pool)
 
         def collect_in_b():  # A has read the route off its stack, to suspend it
