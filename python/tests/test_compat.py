@@ -461,6 +461,61 @@ def test_preload_by_the_upstream_file_name_as_areal_and_slime_build_it(tmp_path)
     assert r.stdout.split() == [f"{STEMS[0]}.abi3.so", str(3 << 20)], r.stdout
 
 
+def test_miles_launcher_finds_the_disk_backend_in_the_preload_file():
+    # miles/ray/train/actor_factory.py refuses a library without disk backups by looking for
+    # the variable's name in the file it is about to preload.
+    path = utils.get_binary_path_from_package("torch_memory_saver_hook_mode_preload")
+    data = Path(path).read_bytes()
+    for var in ("TMS_INIT_ENABLE_DISK_BACKUP", "TMS_INIT_ENABLE_CPU_BACKUP",
+                "TMS_DISK_BACKUP_CHUNK_MB"):
+        assert var.encode() in data, (var, path)
+
+
+def test_megatron_buffers_in_tags_of_their_own_under_init_enable(preloaded):
+    """slime's and miles' Megatron patch: with TMS_INIT_ENABLE=1 and CPU backup every
+    allocation is the "default" tag's, and the DDP buffers open regions of their own without
+    backup (``partial(torch_memory_saver.region, tag=..., enable_cpu_backup=False)``). miles'
+    actor then sets ``memory_margin_bytes``, pauses the tags one by one or all with
+    ``tag=None``, resumes with ``tag=None``, and syncs weights under ``disable()``."""
+    r = preloaded(
+        """
+        from functools import partial
+        n = 1 << 20
+        tms.memory_margin_bytes = 1 << 20
+        rc, d = cuda_malloc(n)
+        assert rc == 0
+        ctypes.memmove(d, b"d" * n, n)
+        for tag in ("param_buffer", "grad_buffer"):
+            with partial(tms.region, tag=tag, enable_cpu_backup=False)():
+                assert cuda_malloc(n)[0] == 0
+        active = lambda: sorted((t["tag"], t["bytes_active"]) for t in tms.stats()["tags"])
+        before = active()
+        assert [tag for tag, b in before] == ["default", "grad_buffer", "param_buffer"], before
+        assert all(b >= n for tag, b in before), before
+        with tms.disable():
+            cuda_malloc(n)  # passes through to the runtime below, if any: no tag's
+        tms.pause(tag="grad_buffer")
+        tms.pause(tag="default")
+        tags = tms.stats()["tags"]
+        print({t["tag"]: (t["allocations"], t["host_backup_bytes"] > 0) for t in tags})
+        tms.resume(tag=None)
+        assert ctypes.string_at(d, n) == b"d" * n
+        tms.pause(tag="param_buffer")
+        tms.pause(tag=None)
+        assert all(b == 0 for tag, b in active()), active()
+        tms.resume(tag=None)
+        assert ctypes.string_at(d, n) == b"d" * n
+        print(active() == before)
+        """,
+        TMS_INIT_ENABLE="1",
+        TMS_INIT_ENABLE_CPU_BACKUP="1",
+    )
+    lines = r.stdout.splitlines()
+    paused = "{'default': (1, True), 'grad_buffer': (1, False), 'param_buffer': (1, False)}"
+    assert lines[0] == paused, r.stdout
+    assert lines[1] == "True", r.stdout
+
+
 def test_change_env_restores_absent_as_absent(monkeypatch):
     monkeypatch.delenv("TMS_TEST_X", raising=False)
     monkeypatch.setenv("TMS_TEST_Y", "old")
