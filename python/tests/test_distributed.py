@@ -1038,3 +1038,38 @@ def test_a_chunk_pause_that_failed_changing_nothing_leaves_the_chunk_the_program
         assert c["raised"] == "DistributedError" and c["failed"] == [1], (rank, c)
         assert "every rank undid it" in c["msg"] and not c["meanwhile"], (rank, c)
         assert c["states"] == ([True] * 4 if rank == 0 else [True, False, True, True]), (rank, c)
+
+
+def test_a_resume_undo_leaves_alone_a_tag_the_program_allocated_in_meanwhile(tmp_path, libtms):
+    # Rank 0's resume of the paused "w" succeeds, rank 1's fails. While the ranks agree, another
+    # thread of rank 0's program allocates in "w" (no backup) and fills it. A pause of "w" would
+    # take that allocation too (its contents lost, unmapped under the thread using it): rank 0's
+    # undo skips "w" and says so. It paused "w" whole, while saying every rank was as before.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent("""
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        new = []
+        if RANK == 0:
+            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5)))
+        else:
+            fail_here("resume", "the device is full")
+        a = attempt(tmsd._resume_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="resume", new_intact=bool(new) and s["paused_allocations"] == 0 and intact(*new[0]),
+               meanwhile=meanwhile_failed, **a)
+        """),
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1] and not p["meanwhile"], (rank, p)
+        assert "not every rank could undo it: rank 0: skipped" in p["msg"], (rank, p)
+        assert "the program allocated or freed memory in 'w' during the call" in p["msg"], (rank, p)
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    assert zero["new_intact"] and (zero["active"], zero["paused"]) == (2, 0), zero
+    assert (one["active"], one["paused"]) == (0, 1), one

@@ -36,9 +36,10 @@ by its rank as when the group fails), then that rank raises it, with that
 - A resume is undone tag by tag: a tag wholly paused before is paused again, a wholly active one
   was not changed. A tag that was partly active before the call cannot be undone exactly
   (pausing it would also pause what was active before), nor one whose memory a non-blocking
-  resume of the rank's own was restoring: such a rank skips their undo and the error says so
-  (``undo`` of that rank is ``"skipped: ..."``); they stay resumed, nothing lost. A chunk call
-  waits first for such a restore to end.
+  resume of the rank's own was restoring, nor one the program's other threads allocated or
+  freed memory in during the call (a pause would take what they allocated): such a rank skips
+  their undo and the error says so (``undo`` of that rank is ``"skipped: ..."``); they stay
+  resumed, nothing lost. A chunk call waits first for such a restore to end.
 - A chunk call (``pause_chunks``, ``pause_range`` and their resumes) is undone on the chunks it
   was asked for (for a range, those the library said it was to act on) that went its way: a
   chunk another thread of the program paused or resumed meanwhile is left as the program made
@@ -405,6 +406,12 @@ def _unrestored(t: dict) -> bool:
     return bool(t.get("bytes_unrestored", 0) or t.get("failed_restore"))
 
 
+def _allocations_of(t: dict) -> tuple:
+    """What tells that allocations of the tag were made or freed between two reads of its
+    numbers (one freed and another of the same size made in its place goes unseen)."""
+    return t["allocations"], t["bytes_requested"]
+
+
 def _not_undone(what: List[str]) -> Optional[str]:
     if not what:
         return None
@@ -504,13 +511,18 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[
         # (allocations kept resident aside, which stay mapped through a pause) was not changed;
         # one partly active, or being restored, cannot be undone exactly (a pause would take
         # what was active before too) and is left resumed, and said so.
-        partly, restoring, unsettled = [], [], []
+        # One whose allocations the program's other threads changed meanwhile is left resumed
+        # too: a pause would take what they allocated, which may have no backup.
+        partly, restoring, unsettled, moved = [], [], [], []
+        now = _tag_stats(tag) if here else {}
         for name, t in here.items():
             active = t["active_allocations"] - t.get("resident_allocations", 0)
             if _restoring(t):
                 restoring.append(repr(name))
             elif t.get("partial_allocations", 0) or (active and t["paused_allocations"]):
                 partly.append(repr(name))
+            elif t["paused_allocations"] and name in now and _allocations_of(now[name]) != _allocations_of(t):
+                moved.append(repr(name))
             elif t["paused_allocations"]:
                 tms.pause(name)
                 if _unrestored(t):
@@ -520,6 +532,11 @@ def _resume_tag(tag: Optional[str], gather: Gather, rank: int, check: Callable[[
             notes.append(
                 f"{', '.join(partly)} had active memory before the resume, which a pause would take too; "
                 "left resumed"
+            )
+        if moved:
+            notes.append(
+                f"the program allocated or freed memory in {', '.join(moved)} during the call (a pause would "
+                "take what it allocated too); left resumed"
             )
         if restoring:
             notes.append(
