@@ -288,3 +288,34 @@ def test_cuda_nccl_two_gpus(tmp_path):
         assert not refused["ok"] and refused["failed"] == [1], (rank, refused)
         assert (refused["active"], refused["paused"]) == (0, 1), (rank, refused)
         assert again["ok"] and again["intact"], (rank, again)
+
+
+def test_sim_gloo_a_rank_outside_the_group_is_refused_before_acting(tmp_path):
+    # The group is rank 0's alone; rank 1 calls with it too. torch.distributed's collectives do
+    # nothing on a rank outside their group, so rank 1 paused "w" with no rank to agree with and
+    # returned an outcome of no rank (whose line raised ValueError). It must refuse without
+    # acting; rank 0, the group's only rank, pauses as asked.
+    procs = start_ranks(
+        tmp_path,
+        2,
+        """
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        g = dist.new_group([0])
+        try:
+            out = tmsd.pause("w", group=g)
+            a = {"raised": None, "ranks": [r.rank for r in out.ranks], "line": str(out)}
+        except BaseException as e:  # noqa: BLE001 - which error is what is tested
+            a = {"raised": type(e).__name__, "msg": str(e)}
+        # Read only where active: paused memory is not mapped (the read would crash).
+        active = next(t for t in tms.stats()["tags"] if t["tag"] == "w")["active_allocations"]
+        report(tag="w", step="pause", intact=RANK == 0 or (active == 1 and intact(p, data)), **a)
+        dist.destroy_process_group()
+        """,
+    )
+    res = finish(procs)
+    for r in res:
+        assert r["rc"] == 0, r["err"]
+    zero, one = (r["results"][0] for r in res)
+    assert zero["raised"] is None and zero["ranks"] == [0] and (zero["active"], zero["paused"]) == (0, 1), zero
+    assert one["raised"] == "InvalidArgumentError" and "not a member of the group" in one["msg"], one
+    assert one["intact"] and (one["active"], one["paused"]) == (1, 0), one

@@ -8,6 +8,9 @@ Each rank calls the same function with the same arguments, as with any collectiv
     print(out)                                  # one line: bytes per rank and in all, slowest rank
     tms_dist.resume("kv_cache", group=tp_group)
 
+Only the ranks of the group call it: a process outside the group is refused
+(:class:`InvalidArgumentError`, nothing done), as it has no rank to agree with.
+
 Every rank acts on its own process, then the outcome is agreed over the group (one
 ``all_gather_object`` on the group's backend, gloo or nccl). If every rank succeeded, each gets
 the same :class:`Outcome`. If any rank failed, every rank undoes what the call changed on it (a
@@ -198,8 +201,18 @@ def _torch_group(group: Any) -> "tuple[Gather, int]":
             "ranks agree through, reads the gathered bytes with it (pip install numpy)"
         ) from e
 
+    # A rank outside the group gets -1: its collectives over it do nothing, so it would act
+    # with no rank to agree with. Refused alone, before acting: no rank of the group waits for it.
+    size = dist.get_world_size(group)
+    if size < 1:
+        raise InvalidArgumentError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the group it was given: a job-wide "
+            "call is made by the ranks of its group only (torch.distributed's collectives do nothing on another "
+            "rank, so this one would act with no rank to agree with)"
+        )
+
     def gather(mine: dict) -> List[dict]:
-        out: List[Any] = [None] * dist.get_world_size(group)
+        out: List[Any] = [None] * size
         dist.all_gather_object(out, mine, group=group)
         return out
 
