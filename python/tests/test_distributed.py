@@ -978,28 +978,40 @@ def test_a_pause_that_failed_part_way_is_undone_when_the_program_allocated_as_mu
         assert p["intact"] and (p["active"], p["paused"]) == (3 + rank, 0), (rank, p)
 
 
+def _resume_while_a_thread_allocates(tmp_path, libtms, rank, backup, rank_1_fails, settled):
+    """Every rank pauses its own "w" (8 MiB, backed up), then resumes it job-wide; rank 1 is
+    made to fail by ``rank_1_fails`` (code run first), and while the ranks agree another thread
+    of rank ``rank`` allocates 2 MiB in "w" (backed up or not). Each rank's report: the resume's,
+    and ``new_intact``, whether that allocation is there, intact, with ``settled`` (a condition
+    on the tag's numbers ``s``) true."""
+    return run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent(f"""
+        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        tms.pause("w")
+        new = []
+        if RANK == 1:
+            {rank_1_fails}
+        if RANK == {rank}:
+            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup={backup})))
+        a = attempt(tmsd._resume_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="resume", new_intact=bool(new) and {settled} and intact(*new[0]),
+               meanwhile=meanwhile_failed, **a)
+        """),
+    )
+
+
 def test_a_resume_that_failed_changing_nothing_leaves_the_programs_new_allocation_alone(tmp_path, libtms):
     # Rank 1's device is full: its resume of the paused tag runs out of memory, changing
     # nothing. While the ranks agree, another thread of rank 1's program allocates in the tag.
     # Rank 1 must not undo its resume (the library says it changed nothing): pausing the tag
     # again paused the program's new allocation.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        MEANWHILE
-        + textwrap.dedent("""
-        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
-        tms.pause("w")
-        new = []
-        if RANK == 1:
-            alloc("hog", 250 * MIB, 9)
-            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup=True)))
-        a = attempt(tmsd._resume_tag, "w")
-        s = tag_stats("w")
-        report(tag="w", step="resume", new_intact=bool(new) and s["active_allocations"] == 1 and intact(*new[0]),
-               meanwhile=meanwhile_failed, **a)
-        """),
+    res = _resume_while_a_thread_allocates(
+        tmp_path, libtms, 1, True, 'alloc("hog", 250 * MIB, 9)', 's["active_allocations"] == 1'
     )
     for rank, r in enumerate(res):
         assert r["rc"] == 0, r["err"]
@@ -1045,24 +1057,8 @@ def test_a_resume_undo_leaves_alone_a_tag_the_program_allocated_in_meanwhile(tmp
     # thread of rank 0's program allocates in "w" (no backup) and fills it. A pause of "w" would
     # take that allocation too (its contents lost, unmapped under the thread using it): rank 0's
     # undo skips "w" and says so. It paused "w" whole, while saying every rank was as before.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        MEANWHILE
-        + textwrap.dedent("""
-        p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
-        tms.pause("w")
-        new = []
-        if RANK == 0:
-            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5)))
-        else:
-            fail_here("resume", "the device is full")
-        a = attempt(tmsd._resume_tag, "w")
-        s = tag_stats("w")
-        report(tag="w", step="resume", new_intact=bool(new) and s["paused_allocations"] == 0 and intact(*new[0]),
-               meanwhile=meanwhile_failed, **a)
-        """),
+    res = _resume_while_a_thread_allocates(
+        tmp_path, libtms, 0, False, 'fail_here("resume", "the device is full")', 's["paused_allocations"] == 0'
     )
     for rank, r in enumerate(res):
         assert r["rc"] == 0, r["err"]
