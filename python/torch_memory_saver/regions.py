@@ -234,7 +234,6 @@ class _Regions:
 
     def _new_pool(self, torch: Any) -> Any:
         """A MemPool whose allocator is the hook mode's."""
-        routing._count_captures(torch)
         allocator = self._hook_util.get_allocator()
         if allocator is None:
             return torch.cuda.MemPool()
