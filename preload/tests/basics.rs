@@ -317,7 +317,13 @@ engine_test! {
     fn stats_per_tag(h) [two(64 << 20)] {
         let (e, g) = (&h.e, h.g());
         e.alloc(&req(g, "a", Some(BackupKind::Pinned))).unwrap();
+        let gone = e.alloc(&req(10, "b", None)).unwrap();
+        // One made in place of a freed one, of its size: the tag's newest serial tells them apart.
+        let newest = |t: &str| e.stats().tags.iter().find(|s| s.tag == t).unwrap().newest_allocation;
+        assert_eq!((newest("a"), newest("b")), (1, 2));
+        assert!(e.free(gone).unwrap());
         e.alloc(&req(10, "b", None)).unwrap();
+        assert_eq!((newest("a"), newest("b")), (1, 3));
         e.pause(Some("a")).unwrap();
         let s = e.stats();
         assert_eq!(s.backend, h.driver().name());

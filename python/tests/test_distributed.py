@@ -1069,3 +1069,41 @@ def test_a_resume_undo_leaves_alone_a_tag_the_program_allocated_in_meanwhile(tmp
     zero, one = res[0]["results"][0], res[1]["results"][0]
     assert zero["new_intact"] and (zero["active"], zero["paused"]) == (2, 0), zero
     assert (one["active"], one["paused"]) == (0, 1), one
+
+
+def test_a_resume_undo_sees_an_allocation_made_in_place_of_a_freed_one_of_its_size(tmp_path, libtms):
+    # Rank 0's resume of the paused "w" succeeds, rank 1's fails. While the ranks agree, another
+    # thread of rank 0's program frees one allocation of "w" and makes another of its size (no
+    # backup) in its place: the tag's count and requested bytes are as before. Rank 0's undo
+    # must still skip "w": it paused the new allocation, whose contents are lost.
+    res = run_ranks(
+        tmp_path,
+        libtms,
+        2,
+        MEANWHILE
+        + textwrap.dedent("""
+        old, _ = alloc("w", 2 * MIB, RANK, enable_cpu_backup=True)
+        alloc("w", 8 * MIB, RANK + 2, enable_cpu_backup=True)
+        tms.pause("w")
+        new = []
+        if RANK == 1:
+            fail_here("resume", "the device is full")
+        def replace():
+            assert cuda_free(old) == 0
+            new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup=False))
+        if RANK == 0:
+            meanwhile.append(replace)
+        a = attempt(tmsd._resume_tag, "w")
+        s = tag_stats("w")
+        report(tag="w", step="resume", new_intact=bool(new) and s["paused_allocations"] == 0 and intact(*new[0]),
+               meanwhile=meanwhile_failed, **a)
+        """),
+    )
+    for rank, r in enumerate(res):
+        assert r["rc"] == 0, r["err"]
+        (p,) = r["results"]
+        assert not p["ok"] and p["failed"] == [1] and not p["meanwhile"], (rank, p)
+        assert "the program allocated or freed memory in 'w' during the call" in p["msg"], (rank, p)
+    zero, one = res[0]["results"][0], res[1]["results"][0]
+    assert zero["new_intact"] and (zero["active"], zero["paused"]) == (2, 0), zero
+    assert (one["active"], one["paused"]) == (0, 2), one

@@ -421,8 +421,9 @@ def _unrestored(t: dict) -> bool:
 
 def _allocations_of(t: dict) -> tuple:
     """What tells that allocations of the tag were made or freed between two reads of its
-    numbers (one freed and another of the same size made in its place goes unseen)."""
-    return t["allocations"], t["bytes_requested"]
+    numbers: their count, and the serial of the newest (one made in place of a freed one, of
+    its size and at its address, has a new serial)."""
+    return t["allocations"], t["newest_allocation"]
 
 
 def _not_undone(what: List[str]) -> Optional[str]:

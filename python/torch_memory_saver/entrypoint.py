@@ -753,7 +753,10 @@ class TorchMemorySaver:
         resume restores: ``restoring_allocations`` and ``bytes_restoring`` (held, neither active
         nor paused); after one failed once it returned: ``failed_restore`` (its error) and
         ``bytes_unrestored`` (memory still held until a pause or resume of the tag; also what
-        the undo of another failed call could not unmap). Once the
+        the undo of another failed call could not unmap). ``newest_allocation``: the serial of
+        the tag's newest allocation (the process's allocations are numbered 1, 2, ...), which,
+        with ``allocations``, tells whether the program made one in the tag between two calls,
+        even in place of a freed one of its size. Once the
         process has NCCL communicators, the tag ``"nccl"`` counts them as its allocations,
         NCCL's memory as its bytes, and ``nccl`` holds NCCL's own numbers (``version``,
         ``unsupported``, ``communicators``, ``suspended``, ``suspendable_bytes``,

@@ -109,9 +109,12 @@ impl Engine {
         }
         let mut reg = self.registry.lock();
         reg.backed += usize::from(req.backup.is_some());
+        reg.made += 1;
+        let serial = reg.made;
         reg.allocs.insert(
             ptr,
             Allocation {
+                serial,
                 size: req.size,
                 mapped,
                 device: req.device,

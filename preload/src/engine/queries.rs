@@ -114,6 +114,7 @@ impl Engine {
                 let (active, arriving, unrestored) = a.shown_bytes();
                 stats::Row {
                     tag: &a.tag,
+                    serial: a.serial,
                     size: a.size,
                     mapped: a.mapped,
                     active,

@@ -81,6 +81,8 @@ pub(super) struct Index {
     pub granularity: HashMap<i32, u64>,
     /// Allocations with a backup policy: the staging slots go when the last one does.
     pub backed: usize,
+    /// Allocations made so far: the newest one's serial.
+    pub made: u64,
 }
 
 impl Index {
@@ -150,6 +152,9 @@ impl Index {
 
 /// One allocation: where it lies, its tag and backup, and the state of each segment.
 pub(super) struct Allocation {
+    /// 1 for the process's first allocation, then one more for each: one made in place of a
+    /// freed one, at its address and of its size, is told from it (`stats`).
+    pub serial: u64,
     pub size: u64,
     pub mapped: u64,
     pub device: i32,

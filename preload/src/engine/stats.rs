@@ -16,6 +16,7 @@ pub(super) struct History {
 
 pub(super) struct Row<'a> {
     pub tag: &'a str,
+    pub serial: u64,
     pub size: u64,
     pub mapped: u64,
     /// Of `mapped`, the bytes mapped now (or restored by a non-blocking resume).
@@ -94,6 +95,10 @@ pub struct TagStats {
     pub resident_allocations: usize,
     /// Bytes asked for, all allocations.
     pub bytes_requested: u64,
+    /// The serial of the tag's newest allocation (each allocation of the process gets the next
+    /// one; 0 while it has none). With `allocations`, tells two reads apart between which the
+    /// program made an allocation in the tag, even one in place of a freed one of its size.
+    pub newest_allocation: u64,
     /// Mapped bytes of active allocations and active chunks (device memory held).
     pub bytes_active: u64,
     /// Mapped bytes of paused allocations and paused chunks (device memory given back).
@@ -150,6 +155,7 @@ pub(super) fn collect<'a>(
         });
         t.allocations += 1;
         t.bytes_requested += r.size;
+        t.newest_allocation = t.newest_allocation.max(r.serial);
         t.host_backup_bytes += r.host;
         t.host_pinned_bytes += r.host_pinned;
         t.disk_backup_bytes += r.disk;
