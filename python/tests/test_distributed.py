@@ -978,12 +978,13 @@ def test_a_pause_that_failed_part_way_is_undone_when_the_program_allocated_as_mu
         assert p["intact"] and (p["active"], p["paused"]) == (3 + rank, 0), (rank, p)
 
 
-def _resume_while_a_thread_allocates(tmp_path, libtms, rank, backup, rank_1_fails, settled):
+def _resume_while_a_thread_allocates(tmp_path, libtms, rank, backup, rank_1_fails, settled, in_place=False):
     """Every rank pauses its own "w" (8 MiB, backed up), then resumes it job-wide; rank 1 is
     made to fail by ``rank_1_fails`` (code run first), and while the ranks agree another thread
-    of rank ``rank`` allocates 2 MiB in "w" (backed up or not). Each rank's report: the resume's,
-    and ``new_intact``, whether that allocation is there, intact, with ``settled`` (a condition
-    on the tag's numbers ``s``) true."""
+    of rank ``rank`` allocates 2 MiB in "w" (backed up or not). With ``in_place``, "w" also has
+    a 2 MiB allocation (backed up), which that thread frees first: the new one is made in its
+    place, of its size. Each rank's report: the resume's, and ``new_intact``, whether the new
+    allocation is there, intact, with ``settled`` (a condition on the tag's numbers ``s``) true."""
     return run_ranks(
         tmp_path,
         libtms,
@@ -991,12 +992,17 @@ def _resume_while_a_thread_allocates(tmp_path, libtms, rank, backup, rank_1_fail
         MEANWHILE
         + textwrap.dedent(f"""
         p, data = alloc("w", 8 * MIB, RANK, enable_cpu_backup=True)
+        old = alloc("w", 2 * MIB, RANK + 2, enable_cpu_backup=True)[0] if {in_place} else None
         tms.pause("w")
         new = []
         if RANK == 1:
             {rank_1_fails}
+        def make():
+            if old is not None:
+                assert cuda_free(old) == 0
+            new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup={backup}))
         if RANK == {rank}:
-            meanwhile.append(lambda: new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup={backup})))
+            meanwhile.append(make)
         a = attempt(tmsd._resume_tag, "w")
         s = tag_stats("w")
         report(tag="w", step="resume", new_intact=bool(new) and {settled} and intact(*new[0]),
@@ -1076,28 +1082,8 @@ def test_a_resume_undo_sees_an_allocation_made_in_place_of_a_freed_one_of_its_si
     # thread of rank 0's program frees one allocation of "w" and makes another of its size (no
     # backup) in its place: the tag's count and requested bytes are as before. Rank 0's undo
     # must still skip "w": it paused the new allocation, whose contents are lost.
-    res = run_ranks(
-        tmp_path,
-        libtms,
-        2,
-        MEANWHILE
-        + textwrap.dedent("""
-        old, _ = alloc("w", 2 * MIB, RANK, enable_cpu_backup=True)
-        alloc("w", 8 * MIB, RANK + 2, enable_cpu_backup=True)
-        tms.pause("w")
-        new = []
-        if RANK == 1:
-            fail_here("resume", "the device is full")
-        def replace():
-            assert cuda_free(old) == 0
-            new.append(alloc("w", 2 * MIB, 5, enable_cpu_backup=False))
-        if RANK == 0:
-            meanwhile.append(replace)
-        a = attempt(tmsd._resume_tag, "w")
-        s = tag_stats("w")
-        report(tag="w", step="resume", new_intact=bool(new) and s["paused_allocations"] == 0 and intact(*new[0]),
-               meanwhile=meanwhile_failed, **a)
-        """),
+    res = _resume_while_a_thread_allocates(
+        tmp_path, libtms, 0, False, 'fail_here("resume", "the device is full")', 's["paused_allocations"] == 0', True
     )
     for rank, r in enumerate(res):
         assert r["rc"] == 0, r["err"]
