@@ -42,14 +42,17 @@
 //!
 //! *How long, and how many.* Each connection is bounded in time and size ([`session::Limits`]): a
 //! request line must arrive within 2 s of the previous reply, a reply must be taken within 2 s, and
-//! a connection serves at most 1000 requests (one more gets a `busy` error saying so) and waits for
-//! them 10 s in all. Since each connection has its own thread, a slow or silent client holds only
-//! its own connection, never another client's. At most 64 connections are served at once
+//! a connection serves at most 1000 requests (one more gets a `busy` error saying so), waits for
+//! them 10 s in all, and waits for its replies to be taken 10 s in all (then it is closed: a client
+//! that sends its requests at once and takes each reply late would hold it for 1000 times 2 s).
+//! Since each connection has its own thread, a slow or silent client holds only its own
+//! connection, never another client's. At most 64 connections are served at once
 //! ([`conns::Table`]). One more makes room by closing an idle connection, one waiting for a request
 //! line: one that has not sent its hello yet if there is such, else the one that has waited
 //! longest; it gets a `busy` error. If all 64 are busy serving requests, the newcomer gets a `busy`
 //! error at once and is closed. So idle connections, however many, never keep a newcomer waiting,
-//! and a misbehaving client can hold a place for 10 s of waiting at most. (Every client has our
+//! and a misbehaving client can hold a place for 10 s of waiting for requests and 10 s of waiting
+//! for its replies to be taken at most. (Every client has our
 //! uid, so this guards against clients that are broken or stuck, not against a deliberate flood of
 //! connections: such a client could signal the process anyway.)
 //!

@@ -5,7 +5,8 @@
 //! long: every request line must arrive whole within [`Limits::request_timeout`] of the
 //! previous reply (this bounds idle clients and clients that dribble bytes alike), every reply
 //! must be taken within [`Limits::write_timeout`], and a connection serves at most
-//! [`Limits::max_requests`] requests and waits for them [`Limits::max_idle_total`] in all.
+//! [`Limits::max_requests`] requests, waits for them [`Limits::max_idle_total`] in all and for
+//! its replies to be taken [`Limits::max_write_total`] in all.
 //! Anything unacceptable gets an error reply (best effort) and the connection is closed;
 //! nothing a client sends can make this code panic, and the dispatch of a request runs inside
 //! `catch_unwind` regardless.
@@ -45,6 +46,11 @@ pub struct Limits {
     /// Connections served at once (one thread each); see Note [The control server] for what
     /// happens to one more.
     pub max_connections: usize,
+    /// Time one connection may spend waiting for its replies to be taken, in all: a client that
+    /// sends its requests at once and takes each reply just before the
+    /// [`write_timeout`](Limits::write_timeout) runs out would otherwise hold its thread for
+    /// [`max_requests`](Limits::max_requests) times that.
+    pub max_write_total: Duration,
 }
 
 impl Default for Limits {
@@ -55,6 +61,7 @@ impl Default for Limits {
             max_requests: 1000,
             max_idle_total: Duration::from_secs(10),
             max_connections: 64,
+            max_write_total: Duration::from_secs(10),
         }
     }
 }
@@ -173,6 +180,8 @@ struct Session<'a> {
     greeted: bool,
     /// Time spent waiting for request lines so far.
     idle: Duration,
+    /// Time spent sending replies so far.
+    writing: Duration,
 }
 
 impl<'a> Session<'a> {
@@ -192,11 +201,22 @@ impl<'a> Session<'a> {
             lines: LineBuffer::new(MAX_LINE_BYTES),
             greeted: false,
             idle: Duration::ZERO,
+            writing: Duration::ZERO,
         }
     }
 
-    fn reply(&self, r: &Reply) -> bool {
-        send(self.client.stream(), r, self.limits.write_timeout)
+    /// Send `r` within the write timeout and what is left of the connection's time for
+    /// writing; `false` if it was not taken (the connection is then over).
+    fn reply(&mut self, r: &Reply) -> bool {
+        let left = self.limits.max_write_total.saturating_sub(self.writing);
+        if left.is_zero() {
+            tracing::debug!("control client took its replies too slowly, in all; closing");
+            return false;
+        }
+        let t0 = Instant::now();
+        let sent = send(self.client.stream(), r, left.min(self.limits.write_timeout));
+        self.writing += t0.elapsed();
+        sent
     }
 
     fn read_line(&mut self) -> Result<Vec<u8>, ReadError> {

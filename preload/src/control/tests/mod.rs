@@ -105,6 +105,7 @@ fn limits() -> Limits {
         max_requests: 50,
         max_idle_total: Duration::from_secs(10),
         max_connections: 64,
+        max_write_total: Duration::from_secs(10),
     }
 }
 

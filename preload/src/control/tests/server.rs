@@ -225,6 +225,50 @@ fn a_slow_reader_cannot_stretch_a_reply_past_the_write_timeout() {
     assert!(got > 0, "nothing of the reply came");
 }
 
+/// Replies must be taken within the write time in all: a client that sends its requests at once
+/// and takes each reply well before the write timeout would run out (150 ms, the timeout 1 s) is
+/// closed once the server has waited for it 1.5 s in all, not served all it asked for (20
+/// statuses of about 1 MiB each: no socket buffer holds one whole; all 20 wait about 3 s).
+#[test]
+fn a_slow_reader_of_many_replies_is_closed_after_its_writing_time() {
+    let h = host();
+    for i in 0..800 {
+        h.alloc(4096, &format!("{i:04}{}", "t".repeat(1000)), None);
+    }
+    let mut c = Conn::greeted_with(
+        h,
+        Limits {
+            write_timeout: Duration::from_secs(1),
+            max_write_total: Duration::from_millis(1500),
+            ..limits()
+        },
+    );
+    let asked = 20;
+    for _ in 0..asked {
+        c.send_raw(&encode(&Request::Status));
+    }
+    let t = Instant::now();
+    let mut replies = 0;
+    loop {
+        std::thread::sleep(Duration::from_millis(150));
+        let mut line = String::new();
+        if c.reader.read_line(&mut line).unwrap_or(0) == 0 || !line.ends_with('\n') {
+            break;
+        }
+        match decode_reply(line.as_bytes()) {
+            Ok(Reply::Status(_)) => replies += 1,
+            // Served every request, the server waits for the next: it replies that none came.
+            _ => break,
+        }
+    }
+    assert!(
+        (1..asked).contains(&replies),
+        "{replies} of {asked} replies taken over {:?}",
+        t.elapsed()
+    );
+    c.assert_closed();
+}
+
 #[test]
 fn concurrent_pauses_from_several_clients_are_safe() {
     let h = host();
