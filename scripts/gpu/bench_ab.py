@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """A/B of two tms-bench builds in one run: `bench_ab.py OLD_BIN NEW_BIN [ARGS...]`.
 
-Runs OLD and NEW alternately (`TMS_AB_ROUNDS` rounds each, default 2: A B A B, so that drift
-of the machine hits both alike) with the same arguments, parses every row the benchmark prints
-(`  <what> <seconds> s <rate> GiB/s`), and prints per row the best time of each side, the
-ratio, and the noise: the larger spread between a side's own rounds. A row is flagged SLOWER
-when NEW's best is slower than OLD's best by more than that noise plus 3%. Exits 1 if a run
-failed or a row is flagged; with `TMS_AB_REPORT_ONLY=1` (a measurement, where NEW may cost
-more by design) only if a run failed. Timings are reported, never asserted elsewhere.
+Runs OLD and NEW alternately (`TMS_AB_ROUNDS` rounds each, default 2, at least 2: A B A B, so
+that drift of the machine hits both alike) with the same arguments, parses every row the
+benchmark prints (`  <what> <seconds> s <rate> GiB/s`), and prints per row the best time of each
+side, the ratio, and the noise: the larger spread between a side's own rounds. A row is flagged
+SLOWER when NEW's best is slower than OLD's best by more than that noise plus 3%. Exits 1 if a
+run failed or a row is flagged; with `TMS_AB_REPORT_ONLY=1` (a measurement, where NEW may cost
+more by design) only if a run failed; 2, running nothing, where TMS_AB_ROUNDS is under 2.
+Timings are reported, never asserted elsewhere.
 """
 import os
 import re
@@ -32,7 +33,14 @@ def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
     old, new, args = sys.argv[1], sys.argv[2], sys.argv[3:]
-    rounds = int(os.environ.get("TMS_AB_ROUNDS", "2"))
+    given = os.environ.get("TMS_AB_ROUNDS", "2")
+    rounds = int(given) if given.strip().isdigit() else 0
+    if rounds < 2:
+        # Refused before anything runs: one round has no spread to tell noise by, so every row
+        # a little slower by chance would be flagged, and the machine's time spent for nothing.
+        print(f"bench_ab.py: TMS_AB_ROUNDS={given!r}: needs a whole number, at least 2 (the noise "
+              "is the spread between a side's own rounds; one round has none)", file=sys.stderr)
+        sys.exit(2)
     times = {"old": {}, "new": {}}
     failed = []
     for r in range(rounds):
